@@ -1,0 +1,3 @@
+from quillgpt.cli import main
+
+main()

@@ -1,0 +1,60 @@
+"""The `quill` command line: parse arguments, call one library function, print.
+
+Nothing here is needed to use QuillGPT from Python; every command is a thin shell over a
+function in the package. A `QuillError` (a user mistake) becomes one line on stderr and exit
+code 2; `QUILL_DEBUG=1` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+
+from quillgpt.errors import QuillError
+
+app = typer.Typer(
+    name="quill",
+    help="QuillGPT: prepare data, train, sample, evaluate and look inside small GPTs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+CONFIG_OPT = typer.Option(..., "--config", "-c", help="YAML recipe, e.g. configs/shakespeare_char_cpu.yaml.")
+OVERRIDES_ARG = typer.Argument(
+    None, help="Config overrides as section.key=value, e.g. train.max_iters=200 model.n_layer=2."
+)
+
+
+# --- commands (each: parse → one library call → print) ------------------------------------
+
+
+# --- end of commands ----------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `quill` and `python -m quillgpt`: user mistakes exit 2 with one line."""
+    debug = os.environ.get("QUILL_DEBUG", "") not in ("", "0")
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except QuillError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except click.ClickException as e:  # bad flags: one line, not a box
+        if debug:
+            raise
+        print(f"error: {e.format_message()} (see quill --help)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)

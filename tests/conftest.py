@@ -1,0 +1,21 @@
+"""Shared fixtures. Tests run offline: data and tiktoken files come from ../shared."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+# tiktoken reads its BPE files from this cache instead of downloading them.
+if (SHARED / "tiktoken_cache").is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path() -> Path:
+    path = SHARED / "data" / "tinyshakespeare.txt"
+    if not path.is_file():
+        pytest.skip(f"{path} not found (a local copy of Tiny Shakespeare)")
+    return path
