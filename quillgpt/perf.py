@@ -1,0 +1,43 @@
+"""Hardware peaks for MFU: a known table for GPUs, a measurement for CPUs."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s.
+GPU_PEAKS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
+
+
+def measure_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+    """FLOP/s of square matmuls on this CPU with the current thread count."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up: kernel selection, thread pool start
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        reps += 1
+    return 2 * n**3 * reps / elapsed
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The matmul peak MFU is measured against on `device` for compute in `dtype`."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAKS.items():
+            if key in name:
+                return peak if dtype != torch.float32 else peak / 2  # TF32 is half the bf16 rate
+        return 100e12
+    if device.type == "cpu":
+        return measure_matmul_peak(dtype if dtype == torch.bfloat16 else torch.float32)
+    return float("nan")

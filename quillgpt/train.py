@@ -1,0 +1,551 @@
+"""The training loop: AdamW + warmup/cosine, accumulation, AMP, DDP, exact resume.
+
+`train(cfg)` is what `quill train` calls. The loop reads top to bottom like nanoGPT's; what
+makes it trustworthy lives in the helpers: every source of randomness is checkpointed (resume
+is bit-identical on CPU), checkpoints are atomic, one process owns a run directory, and faults
+(Ctrl-C, SIGTERM, a non-finite loss, OOM, a full disk) end with a clear message and the last
+good checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from quillgpt import checkpoint as ckpt
+from quillgpt.config import Config, ModelConfig, TrainConfig, parse_duration, save_config
+from quillgpt.data import BatchSampler, batch_from_starts, fixed_windows, load_prepared, load_tokens, prepare
+from quillgpt.errors import QuillError
+from quillgpt.model import GPT
+from quillgpt.perf import peak_flops
+from quillgpt.tokenizer import save_tokenizer
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    step: int
+    best_val_loss: float
+    last_val_loss: float | None
+    elapsed_s: float
+    stopped: str  # "done" | "time_budget" | "interrupted"
+
+
+# --- schedule, optimizer, devices -------------------------------------------------------------
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Learning rate for optimizer step `step` (0-based) of a run of `total` steps."""
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
+    if cfg.lr_schedule == "constant":
+        return cfg.learning_rate
+    if cfg.lr_schedule == "wsd":  # warmup, stable, then linear decay over the last decay_frac
+        decay_start = total - int(cfg.decay_frac * total)
+        if step < decay_start:
+            return cfg.learning_rate
+        frac = (step - decay_start) / max(1, total - decay_start)
+    else:  # cosine from the end of warmup to the end of the run
+        frac = (step - cfg.warmup_iters) / max(1, total - cfg.warmup_iters)
+        frac = 0.5 * (1.0 - math.cos(math.pi * min(frac, 1.0)))
+    return cfg.learning_rate - min(frac, 1.0) * (cfg.learning_rate - cfg.min_lr)
+
+
+def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not norms, biases or gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QuillError(f"train.device={name} but CUDA is not available here; use train.device=cpu or auto")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise QuillError("train.device=mps but MPS is not available here; use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA where supported, else fp16; fp32 on CPU and MPS."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise QuillError("train.dtype=float16 is not supported on CPU; use bfloat16 or float32")
+    return getattr(torch, name)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# --- RNG state: everything random is saved, so resume is exact --------------------------------
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# --- signals ----------------------------------------------------------------------------------
+
+
+class StopFlag:
+    """Turns SIGINT/SIGTERM into a request to stop after the current step (with a checkpoint).
+
+    A second Ctrl-C interrupts at once, for a loop that is stuck.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+# --- distributed ------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (so all ranks stop together)."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar over ranks (for logging a loss all ranks agree on)."""
+        if not self.enabled:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value / self.world_size
+
+    def broadcast_int(self, value: int) -> int:
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
+    """Under torchrun (WORLD_SIZE > 1): NCCL on GPUs, gloo on CPU; one device per rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(), resolve_device(device_name)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, local_rank, world), device
+
+
+# --- evaluation on fixed windows --------------------------------------------------------------
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: torch.nn.Module,
+    windows: dict[str, tuple[np.ndarray, np.ndarray]],
+    block_size: int,
+    batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, float]:
+    """Mean loss over the same windows every time, so curves are comparable across steps."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    for split, (tokens, starts) in windows.items():
+        total, count = 0.0, 0
+        for i in range(0, len(starts), batch_size):
+            x, y = batch_from_starts(tokens, starts[i : i + batch_size], block_size, device)
+            with autocast(device, dtype):
+                _, loss = model(x, y)
+            total += loss.item() * len(x)
+            count += len(x)
+        out[split] = total / count
+    model.train(was_training)
+    return out
+
+
+# --- the trainer ------------------------------------------------------------------------------
+
+
+def _probe_writable(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write_probe"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise QuillError(f"train.out_dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
+
+
+def _init_from(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, torch.Tensor]]:
+    """Fine-tuning: take the source run's architecture and weights (dropout/block_size may shrink)."""
+    source = ckpt.load_run(cfg.train.init_from, which="best")
+    if source.tokenizer.spec() != tokenizer_spec:
+        raise QuillError(
+            f"train.init_from={cfg.train.init_from} uses tokenizer {source.tokenizer.name!r} but the data "
+            f"was prepared with {cfg.data.tokenizer!r}; set data.tokenizer to match (e.g. data.tokenizer=gpt2)"
+        )
+    model_cfg = source.config.model
+    if cfg.model.block_size > model_cfg.block_size:
+        raise QuillError(
+            f"model.block_size={cfg.model.block_size} exceeds the source model's {model_cfg.block_size}"
+        )
+    state = source.model.state_dict()
+    if model_cfg.pos == "learned":
+        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: cfg.model.block_size]
+    model_cfg.block_size, model_cfg.dropout = cfg.model.block_size, cfg.model.dropout
+    cfg.model = model_cfg
+    return cfg, state
+
+
+def train(cfg: Config, progress: bool = True) -> TrainResult:
+    """Train a GPT as `cfg` says; returns where the run stopped and its losses."""
+    tc = cfg.train
+    ddp, device = setup_distributed(tc.device)
+    dtype = resolve_dtype(tc.dtype, device)
+    out_dir = Path(tc.out_dir)
+    budget_s = parse_duration(tc.time_budget) if tc.time_budget else None
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    # Data: prepared once (by rank 0), then memory-mapped by every rank.
+    if ddp.master:
+        _probe_writable(out_dir)
+        prepared = prepare(cfg.data, progress=progress)
+    ddp.barrier()
+    if not ddp.master:
+        prepared = prepare(cfg.data, progress=False)
+    meta, tokenizer = load_prepared(prepared.out_dir)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    elif cfg.model.vocab_size < tokenizer.vocab_size:
+        raise QuillError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
+            "remove model.vocab_size to use the tokenizer's"
+        )
+    init_state = None
+    if tc.init_from:
+        cfg, init_state = _init_from(cfg, tokenizer.spec())
+    train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
+
+    with contextlib.ExitStack() as stack:
+        if ddp.master:
+            stack.enter_context(ckpt.RunLock(out_dir))
+        latest = out_dir / ckpt.LATEST
+        resume_state = None
+        if tc.resume is True and not latest.is_file():
+            raise QuillError(f"cannot resume: no checkpoint at {latest}; drop --resume to start a new run")
+        if tc.resume and latest.is_file():
+            resume_state = ckpt.load_checkpoint(latest)
+            _check_compatible(resume_state, cfg, tokenizer.spec(), latest)
+
+        seed_everything(tc.seed)
+        model = GPT(cfg.model).to(device)
+        if init_state is not None:
+            model.load_state_dict(init_state)
+        optimizer = configure_optimizer(model, tc, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
+        # Every rank draws the same global batch and keeps its own slice, so N ranks with
+        # batch B see exactly the windows one process with batch N·B would see.
+        sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
+        n_eval = tc.eval_iters * tc.batch_size
+        windows = {
+            "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval)),
+            "val": (val_tokens, fixed_windows(val_tokens, cfg.model.block_size, n_eval)),
+        }
+
+        step, tokens_seen, best_val, elapsed_before = 0, 0, float("inf"), 0.0
+        if resume_state is not None:
+            model.load_state_dict(ckpt.clean_state_dict(resume_state["model"]))
+            optimizer.load_state_dict(resume_state["optimizer"])
+            scaler.load_state_dict(resume_state["scaler"])
+            sampler.load_state_dict(resume_state["sampler"])
+            set_rng_state(resume_state["rng"], device)
+            step, tokens_seen = resume_state["step"], resume_state["tokens_seen"]
+            best_val, elapsed_before = resume_state["best_val_loss"], resume_state["elapsed_s"]
+        if ddp.master:
+            save_config(cfg, out_dir / "config.yaml")
+            save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+            metrics_path = out_dir / "metrics.jsonl"
+            if resume_state is not None:
+                ckpt.truncate_metrics(metrics_path, step)
+            elif metrics_path.exists():
+                metrics_path.unlink()
+
+        raw_model = model
+        if tc.compile:
+            model = torch.compile(model)
+        if ddp.enabled:
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        def save(path: Path) -> None:
+            state = {
+                "model": raw_model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+                "sampler": sampler.state_dict(),
+                "rng": rng_state(device),
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "best_val_loss": best_val,
+                "elapsed_s": elapsed_before + time.time() - t_start,
+                "config": cfg.to_dict(),
+                "tokenizer": tokenizer.spec(),
+            }
+            ckpt.save_checkpoint(state, path)
+
+        tokens_per_step = tc.batch_size * tc.grad_accum * ddp.world_size * cfg.model.block_size
+        flops_per_step = raw_model.flops_per_token() * tokens_per_step / ddp.world_size
+        peak = peak_flops(device, dtype)
+        horizon = tc.max_iters
+        last_val, stopped = None, "done"
+        t_start = time.time()
+        t_log, step_at_log = time.time(), step
+        bar = tqdm(total=tc.max_iters, initial=step, disable=not (progress and ddp.master), unit="step", dynamic_ncols=True)
+
+        with StopFlag() as stop:
+            model.train()
+            verified = not tc.compile  # a compiled model proves itself on its first step
+            while step < horizon:
+                lr = lr_at(step, tc, horizon)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                if verified:
+                    loss = _train_step(model, optimizer, scaler, sampler, ddp, tc, device, dtype, step)
+                else:
+                    model, loss = _first_compiled_step(model, raw_model, optimizer, scaler, sampler, ddp, tc, device, dtype)
+                    verified = True
+                step += 1
+                tokens_seen += tokens_per_step
+                bar.update(1)
+                if budget_s is not None and ddp.any(elapsed_before + time.time() - t_start >= budget_s):
+                    horizon, stopped = step, "time_budget"  # finish as if this were the last step
+
+                record: dict[str, Any] = {}
+                if step % tc.log_interval == 0 or step == horizon:
+                    now = time.time()
+                    train_loss = ddp.mean(loss).item()
+                    dt = max(now - t_log, 1e-9)
+                    tok_s = tokens_per_step * (step - step_at_log) / dt
+                    mfu = flops_per_step * (step - step_at_log) / dt / peak
+                    record = {"step": step, "train_loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
+                              "mfu": mfu, "elapsed_s": elapsed_before + now - t_start}
+                    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
+                    if budget_s is not None and stopped != "time_budget":
+                        horizon = _budget_horizon(step, tc.max_iters, now - t_start, budget_s - elapsed_before, ddp)
+                        bar.total = horizon
+                    t_log, step_at_log = now, step
+
+                if step % tc.eval_interval == 0 or step == horizon:
+                    t_eval = time.time()
+                    losses = estimate_loss(raw_model, windows, cfg.model.block_size, tc.batch_size, device, dtype)
+                    last_val = losses["val"]
+                    record.update({"step": step, "eval_train_loss": losses["train"], "val_loss": last_val})
+                    record.setdefault("train_loss", ddp.mean(loss).item())
+                    if ddp.master:
+                        if last_val < best_val:
+                            best_val = last_val
+                            save(out_dir / ckpt.BEST)
+                        save(out_dir / ckpt.LATEST)
+                        bar.write(f"step {step}: train {losses['train']:.4f}, val {last_val:.4f}")
+                    ddp.barrier()
+                    t_log += time.time() - t_eval  # keep evaluation out of tokens/s
+
+                if record and ddp.master:
+                    ckpt.append_jsonl(out_dir / "metrics.jsonl", record)
+                if ddp.any(stop.signal is not None) and step < horizon:
+                    stopped = "interrupted"
+                    if ddp.master:
+                        save(out_dir / ckpt.LATEST)
+                        bar.write(f"stopped at step {step}; checkpoint saved to {out_dir / ckpt.LATEST} (resume with --resume)")
+                    break
+        bar.close()
+        elapsed = elapsed_before + time.time() - t_start
+    if ddp.enabled:
+        dist.destroy_process_group()
+    return TrainResult(out_dir, step, best_val, last_val, elapsed, stopped)
+
+
+def _train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    sampler: BatchSampler,
+    ddp: Dist,
+    tc: TrainConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    step: int,
+) -> torch.Tensor:
+    """One optimizer step over `grad_accum` micro-batches; returns the mean loss (detached)."""
+    total = torch.zeros((), device=device)
+    for micro in range(tc.grad_accum):
+        x, y = sampler.next()
+        if ddp.enabled:  # this rank's slice of the global batch
+            x = x[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
+            y = y[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
+        last = micro == tc.grad_accum - 1
+        sync = model.no_sync() if ddp.enabled and not last else contextlib.nullcontext()
+        with sync:
+            try:
+                with autocast(device, dtype):
+                    _, loss = model(x, y)
+                loss = loss / tc.grad_accum
+                scaler.scale(loss).backward()
+            except torch.OutOfMemoryError:
+                raise QuillError(
+                    f"out of memory at train.batch_size={tc.batch_size}, model.block_size={x.shape[1]}: "
+                    "lower train.batch_size (raise train.grad_accum to keep the batch) or the model size"
+                ) from None
+        total += loss.detach()
+    if not torch.isfinite(total):
+        raise QuillError(
+            f"loss became {total.item()} at step {step + 1}; training stopped and the last good "
+            "checkpoint is kept — lower train.learning_rate or check the data"
+        )
+    if tc.grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def _budget_horizon(step: int, max_iters: int, run_s: float, budget_left_s: float, ddp: Dist) -> int:
+    """Steps that fit in the time budget at the pace so far, so the lr schedule still decays."""
+    pace = run_s / max(step, 1)
+    return ddp.broadcast_int(min(max_iters, max(step + 1, int(budget_left_s / pace))))
+
+
+def _first_compiled_step(
+    model: torch.nn.Module,
+    raw_model: GPT,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    sampler: BatchSampler,
+    ddp: Dist,
+    tc: TrainConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """torch.compile fails lazily, on the first call: then warn once and redo the step eagerly."""
+    before = sampler.state_dict()
+    try:
+        return model, _train_step(model, optimizer, scaler, sampler, ddp, tc, device, dtype, 0)
+    except (QuillError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 — any compiler/backend failure falls back to eager
+        warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training without it", stacklevel=2)
+        optimizer.zero_grad(set_to_none=True)
+        sampler.load_state_dict(before)
+        eager = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp.enabled else raw_model
+        return eager, _train_step(eager, optimizer, scaler, sampler, ddp, tc, device, dtype, 0)
+
+
+def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path) -> None:
+    """Refuse to resume a run whose model shape or tokenizer differ from the config's."""
+    old = ModelConfig(**state["config"]["model"])
+    diffs = ckpt.config_differences(old, cfg.model)
+    if state["tokenizer"] != tokenizer_spec:
+        diffs.append(f"data.tokenizer: {state['tokenizer'].get('name')!r} → {tokenizer_spec.get('name')!r}")
+    if diffs:
+        raise QuillError(
+            f"cannot resume {path}: the config differs in {'; '.join(diffs)} — "
+            "use the run's own config.yaml or a new train.out_dir"
+        )
