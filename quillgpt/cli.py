@@ -36,6 +36,35 @@ OVERRIDES_ARG = typer.Argument(
 # --- commands (each: parse → one library call → print) ------------------------------------
 
 
+@app.command()
+def train(
+    config: Path = CONFIG_OPT,
+    overrides: Optional[list[str]] = OVERRIDES_ARG,
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in train.out_dir from its latest checkpoint."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Train a GPT: checkpoints, metrics.jsonl and the resolved config go to train.out_dir.
+
+    Ctrl-C saves a checkpoint and exits; `--resume` continues exactly where it stopped.
+    Under `torchrun --nproc_per_node N -m quillgpt train ...` it trains with DDP.
+    """
+    from quillgpt.config import load_config
+    from quillgpt.train import train as run_training
+
+    cfg = load_config(config, overrides)
+    if resume:
+        cfg.train.resume = True
+    result = run_training(cfg, progress=not quiet)
+    if int(os.environ.get("RANK", "0")) == 0:
+        val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
+        print(
+            f"{result.stopped}: step {result.step}, val loss {val} (best {result.best_val_loss:.4f}), "
+            f"{result.elapsed_s:.0f}s → {result.out_dir}"
+        )
+    if result.stopped == "interrupted":
+        raise typer.Exit(130)
+
+
 # --- end of commands ----------------------------------------------------------------------
 
 
