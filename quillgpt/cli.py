@@ -65,6 +65,56 @@ def train(
         raise typer.Exit(130)
 
 
+@app.command("prepare")
+def prepare_cmd(
+    config: Path = CONFIG_OPT,
+    overrides: Optional[list[str]] = OVERRIDES_ARG,
+    force: bool = typer.Option(False, "--force", help="Rebuild even when meta.json says the files are up to date."),
+) -> None:
+    """Tokenize the config's text into train.bin / val.bin / meta.json under data.out_dir."""
+    from quillgpt.config import load_config
+    from quillgpt.data import prepare
+
+    cfg = load_config(config, overrides)
+    result = prepare(cfg.data, force=force)
+    meta = result.meta
+    if not result.rebuilt:
+        print(f"up to date: {result.out_dir} ({meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens; --force rebuilds)")
+        return
+    mb = meta["source_bytes"] / 1e6
+    print(
+        f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
+        f"{meta['tokenizer_name']} vocab {meta['vocab_size']:,} ({meta['dtype']}), "
+        f"{mb:.2f} MB in {result.seconds:.2f}s ({mb / max(result.seconds, 1e-9):.1f} MB/s)"
+    )
+
+
+tokenizer_app = typer.Typer(help="Train and inspect tokenizers.", no_args_is_help=True)
+app.add_typer(tokenizer_app, name="tokenizer")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train_cmd(
+    input_path: Path = typer.Option(..., "--input", "-i", help="UTF-8 text file to learn the BPE merges from."),
+    vocab_size: int = typer.Option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
+    out: Path = typer.Option(Path("tokenizer.json"), "--out", "-o", help="Where to write the tokenizer JSON."),
+) -> None:
+    """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
+    import time
+
+    from quillgpt.data import read_text
+    from quillgpt.tokenizer import build_tokenizer, save_tokenizer, text_chunks
+
+    text = read_text(input_path)
+    t0 = time.perf_counter()
+    tok = build_tokenizer("bpe", text, vocab_size)
+    seconds = time.perf_counter() - t0
+    save_tokenizer(tok, out)
+    n_tokens = sum(len(ids) for ids in tok.encode_arrays(text_chunks(text)))
+    ratio = len(text.encode("utf-8")) / max(n_tokens, 1)
+    print(f"saved {out}: vocab size {tok.vocab_size:,}, {ratio:.2f} bytes/token on {input_path}, trained in {seconds:.2f}s")
+
+
 # --- end of commands ----------------------------------------------------------------------
 
 
