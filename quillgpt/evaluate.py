@@ -1,0 +1,316 @@
+"""Score a model on every token of a text exactly once: loss, perplexity, bits per byte.
+
+A sliding pass over the token stream t[0..N-1]. The first token has no prediction (nothing
+precedes it), so N tokens give N-1 scored predictions. Windows hold L = min(block_size, N-1)
+inputs; the first window scores all its L targets, each later window moves `stride` tokens on
+and scores only its last `stride` targets, so every scored token sees the tokens before it in
+its window as context. stride = block_size is the fast non-overlapping pass (context 1..L);
+stride = 1 gives every token min(position, block_size) tokens of context, at L times the cost.
+
+Per-token numbers depend on the tokenizer; per-byte and per-character numbers do not, so they
+compare a char model with a BPE model on the same text:
+    bits/byte = total nats / (ln 2 · UTF-8 bytes of the scored text)
+where the scored text is the text of tokens 1..N-1 (the first token is context only). A
+character counts where its first byte lies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from quillgpt.checkpoint import load_run
+from quillgpt.data import batch_from_starts, load_prepared, load_tokens, read_text
+from quillgpt.errors import QuillError
+from quillgpt.tokenizer import Tokenizer
+
+SPLITS = ("val", "train")
+
+
+@dataclass
+class EvalResult:
+    """Totals of one pass; the per-token/byte/char rates are derived from them."""
+
+    nats: float  # summed cross-entropy over scored tokens (natural log)
+    tokens: int  # scored predictions (N-1 for a text of N tokens)
+    bytes: int | None  # UTF-8 bytes of the scored text (None for overlapping windows)
+    chars: int | None  # characters of the scored text
+    seconds: float  # wall time of the pass
+    stride: int | None = None  # None: fixed windows (evaluate_windows)
+    unknown_dropped: int = 0  # characters removed by skip_unknown
+    checkpoint: str | None = None
+    step: int | None = None
+    data: str | None = None  # "val", "train" or the text file
+
+    @property
+    def loss(self) -> float:
+        """Mean nats per token."""
+        return self.nats / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    @property
+    def bits_per_token(self) -> float:
+        return self.loss / math.log(2)
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        return self.nats / (math.log(2) * self.bytes) if self.bytes else None
+
+    @property
+    def bits_per_char(self) -> float | None:
+        return self.nats / (math.log(2) * self.chars) if self.chars else None
+
+    def to_dict(self) -> dict[str, Any]:
+        rates = {k: getattr(self, k) for k in ("loss", "perplexity", "bits_per_token", "bits_per_byte", "bits_per_char")}
+        return {**rates, **asdict(self)}
+
+
+# --- the sliding pass --------------------------------------------------------------------------
+
+
+def sliding_windows(n_tokens: int, block_size: int, stride: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Plan the pass: (starts, skip, L). Window i feeds t[s : s+L] and predicts t[s+1 : s+L+1],
+    scoring all but its first skip[i] targets; every target 1..N-1 is scored exactly once."""
+    targets = n_tokens - 1
+    if targets < 1:
+        raise QuillError(f"need at least 2 tokens to score a prediction, got {n_tokens}")
+    if not 1 <= stride <= block_size:
+        raise QuillError(f"--stride must be between 1 and the model's block_size ({block_size}), got {stride}")
+    length = min(block_size, targets)
+    n_windows = 1 + -(-(targets - length) // stride)  # ceil
+    ends = np.minimum(length + stride * np.arange(n_windows), targets)  # last target of each window
+    scored = np.diff(ends, prepend=0)  # the first window scores all `length` targets
+    return ends - length, length - scored, length
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters(), torch.empty(0)).device
+
+
+def _batch_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Summed cross-entropy of targets y != -1 given inputs x (B, T), accumulated in float64."""
+    logits, _ = model(x, all_logits=True)  # (B, T, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nats = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+    return nats.double().sum().item()
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """model.eval() and inference_mode for the pass, then the model's own mode back."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def evaluate_tokens(
+    model: torch.nn.Module,
+    tokens: np.ndarray | list[int],
+    *,
+    stride: int | None = None,
+    batch_size: int = 16,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+    tokenizer: Tokenizer | None = None,
+) -> EvalResult:
+    """Score tokens 1..N-1 of `tokens` once each with a sliding pass (stride defaults to
+    block_size). With `tokenizer`, also count the bytes and characters of the scored text."""
+    if batch_size < 1:
+        raise QuillError(f"--batch-size must be at least 1, got {batch_size}")
+    block_size = model.config.block_size
+    stride = block_size if stride is None else stride
+    tokens = np.asarray(tokens)
+    starts, skip, length = sliding_windows(len(tokens), block_size, stride)
+    device = torch.device(device) if device is not None else _model_device(model)
+    t0 = time.perf_counter()
+    offsets = np.arange(length)
+    total = 0.0
+    bar = tqdm(total=len(tokens) - 1, unit="tok", unit_scale=True, disable=not progress, delay=1.0, leave=False)
+    with _eval_mode(model):
+        for i in range(0, len(starts), batch_size):
+            idx = starts[i : i + batch_size, None] + offsets  # (B, L) positions of the inputs
+            x = torch.from_numpy(tokens[idx].astype(np.int64))
+            y = torch.from_numpy(tokens[idx + 1].astype(np.int64))
+            y[torch.from_numpy(offsets < skip[i : i + batch_size, None])] = -1  # context only
+            total += _batch_nats(model, x.to(device), y.to(device))
+            bar.update(int(length * len(idx) - skip[i : i + batch_size].sum()))
+    bar.close()
+    n_bytes = n_chars = None
+    if tokenizer is not None:
+        n_bytes, n_chars = scored_text_size(tokenizer, tokens)
+    return EvalResult(total, len(tokens) - 1, n_bytes, n_chars, time.perf_counter() - t0, stride)
+
+
+def scored_text_size(tokenizer: Tokenizer, tokens: np.ndarray, chunk: int = 1 << 20) -> tuple[int, int]:
+    """(UTF-8 bytes, characters) of the text of tokens[1:], decoded in chunks to bound memory.
+
+    Exact for byte-level and char tokenizers, whose bytes are the concatenation of each
+    token's bytes; a character counts where its lead byte lies, so a character split
+    across tokens is counted once over the whole text."""
+    n_bytes = n_chars = 0
+    for i in range(1, len(tokens), chunk):
+        raw = np.frombuffer(tokenizer.decode_bytes(tokens[i : i + chunk].tolist()), dtype=np.uint8)
+        n_bytes += len(raw)
+        n_chars += int(np.count_nonzero((raw & 0xC0) != 0x80))  # not a continuation byte
+    return n_bytes, n_chars
+
+
+def evaluate_windows(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    *,
+    batch_size: int = 16,
+    device: str | torch.device | None = None,
+) -> EvalResult:
+    """Mean loss over the fixed windows t[s : s+block_size+1] the trainer evaluates
+    (data.fixed_windows): each window scores all block_size targets, windows may overlap."""
+    block_size = model.config.block_size
+    device = torch.device(device) if device is not None else _model_device(model)
+    t0 = time.perf_counter()
+    total = 0.0
+    with _eval_mode(model):
+        for i in range(0, len(starts), batch_size):
+            x, y = batch_from_starts(tokens, starts[i : i + batch_size], block_size, device)
+            total += _batch_nats(model, x, y)
+    return EvalResult(total, len(starts) * block_size, None, None, time.perf_counter() - t0)
+
+
+# --- texts, splits and checkpoints -------------------------------------------------------------
+
+
+def _describe_unknown(unknown: dict[str, int], name: str) -> str:
+    top = sorted(unknown.items(), key=lambda kv: -kv[1])[:5]
+    shown = ", ".join(f"{c!r} ×{k}" for c, k in top)
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    return f"{name} has {sum(unknown.values())} character(s) the checkpoint's char vocabulary cannot encode ({shown}{more})"
+
+
+def evaluate_text(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    text: str,
+    *,
+    stride: int | None = None,
+    batch_size: int = 16,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+    skip_unknown: bool = False,
+    name: str = "the text",
+) -> EvalResult:
+    """Tokenize `text` with the model's tokenizer and score it. Characters the tokenizer
+    cannot encode are an error, or with skip_unknown are dropped (bytes/chars then count
+    the text actually scored)."""
+    unknown = tokenizer.unknown_chars(text)
+    if unknown and not skip_unknown:
+        raise QuillError(f"{_describe_unknown(unknown, name)}; pass --skip-unknown to drop them")
+    if unknown:
+        text = "".join(c for c in text if c not in unknown)
+    tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if len(tokens) < 2:
+        raise QuillError(f"{name} is {len(tokens)} token(s) long; scoring needs at least 2 (the first is context only)")
+    result = evaluate_tokens(
+        model, tokens, stride=stride, batch_size=batch_size, device=device, progress=progress, tokenizer=tokenizer
+    )
+    result.unknown_dropped = sum(unknown.values())
+    return result
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto → cuda, mps or cpu; an unavailable accelerator is a user error."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QuillError(f"--device {name} but CUDA is not available here; use --device cpu or auto")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise QuillError("--device mps but MPS is not available here; use --device cpu or auto")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise QuillError(f"--device must be auto, cpu, cuda, cuda:N or mps, got {name!r}") from None
+
+
+def _split_tokens(run: Any, split: str) -> np.ndarray:
+    """The prepared split named by the checkpoint's data.out_dir, checked against its tokenizer."""
+    out_dir = Path(run.config.data.out_dir)
+    config_yaml = run.path.parent / "config.yaml"
+    how = f"run `quill prepare --config {config_yaml if config_yaml.is_file() else 'RUN/config.yaml'}`"
+    if not (out_dir / f"{split}.bin").is_file() or not (out_dir / "meta.json").is_file():
+        raise QuillError(f"no prepared {split} split in {out_dir} (the checkpoint's data.out_dir); {how} first")
+    meta, _ = load_prepared(out_dir)
+    if json.dumps(meta["tokenizer"], sort_keys=True) != json.dumps(run.tokenizer.spec(), sort_keys=True):
+        raise QuillError(
+            f"the data in {out_dir} was prepared with a different tokenizer than {run.path} was trained "
+            f"with; {how} --force to rebuild it"
+        )
+    return load_tokens(out_dir, split)
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    *,
+    which: str = "best",
+    split: str = "val",
+    texts: list[str | Path] | None = None,
+    stride: int | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    progress: bool = False,
+    skip_unknown: bool = False,
+) -> list[EvalResult]:
+    """Load a run once and score its prepared `split`, or each of `texts` (files) instead."""
+    if split not in SPLITS:
+        raise QuillError(f"--split must be val or train, got {split!r}")
+    run = load_run(path, which=which, device=resolve_device(device))
+    kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
+    if texts:
+        results = [
+            evaluate_text(run.model, run.tokenizer, read_text(t), skip_unknown=skip_unknown, name=str(t), **kwargs)
+            for t in texts
+        ]
+        for result, t in zip(results, texts):
+            result.data = str(t)
+    else:
+        results = [evaluate_tokens(run.model, _split_tokens(run, split), tokenizer=run.tokenizer, **kwargs)]
+        results[0].data = split
+    for result in results:
+        result.checkpoint, result.step = str(path), run.step
+    return results
+
+
+def format_table(results: list[EvalResult]) -> str:
+    """A plain-text comparison table, one row per result."""
+    head = ["checkpoint", "step", "data", "tokens", "bytes", "loss", "ppl", "bits/tok", "bits/byte", "bits/char", "time"]
+
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    rows = [
+        [r.checkpoint or "-", num(r.step, "d"), r.data or "-", f"{r.tokens:,}", num(r.bytes, ","),
+         f"{r.loss:.4f}", f"{r.perplexity:.3f}", f"{r.bits_per_token:.4f}", num(r.bits_per_byte, ".4f"),
+         num(r.bits_per_char, ".4f"), f"{r.seconds:.1f}s"]
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in [head, *rows]]
+    notes = [f"{r.data}: dropped {r.unknown_dropped} unknown character(s)" for r in results if r.unknown_dropped]
+    return "\n".join([*lines, *notes])
