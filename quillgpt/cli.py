@@ -115,6 +115,39 @@ def tokenizer_train_cmd(
     print(f"saved {out}: vocab size {tok.vocab_size:,}, {ratio:.2f} bytes/token on {input_path}, trained in {seconds:.2f}s")
 
 
+@app.command("eval")
+def eval_cmd(
+    ckpt: list[Path] = typer.Option(..., "--ckpt", help="Run directory or .pt file; repeat to compare several in one table."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    split: str = typer.Option("val", "--split", help="Prepared split of the run's data.out_dir to score: val or train."),
+    text: Optional[list[Path]] = typer.Option(None, "--text", help="Score this UTF-8 file instead of the split; repeatable."),
+    stride: Optional[int] = typer.Option(None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
+    skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
+) -> None:
+    """Score every token of a split or text once: loss, perplexity, bits per token/byte/char.
+
+    Bits per byte and per character compare models with different tokenizers on the same text.
+    """
+    import json
+
+    from quillgpt.evaluate import evaluate_checkpoint, format_table
+
+    results = []
+    for path in ckpt:
+        results += evaluate_checkpoint(
+            path, which=which, split=split, texts=text, stride=stride, batch_size=batch_size,
+            device=device, progress=not as_json, skip_unknown=skip_unknown,
+        )
+    if as_json:
+        rows = [r.to_dict() for r in results]
+        print(json.dumps(rows[0] if len(rows) == 1 else rows))
+    else:
+        print(format_table(results))
+
+
 # --- end of commands ----------------------------------------------------------------------
 
 
