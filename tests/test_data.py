@@ -1,0 +1,272 @@
+import hashlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from quillgpt.cli import main
+from quillgpt.config import load_config
+from quillgpt.data import (
+    BatchSampler,
+    batch_from_starts,
+    download,
+    fixed_windows,
+    load_prepared,
+    load_tokens,
+    prepare,
+    read_text,
+    token_dtype,
+)
+from quillgpt.errors import QuillError
+from quillgpt.tokenizer import build_tokenizer
+
+
+def write_config(tmp_path, name="cfg.yaml", **data):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"data": data}), encoding="utf-8")
+    return path
+
+
+def data_cfg(tmp_path, **data):
+    return load_config(write_config(tmp_path, **data)).data
+
+
+def bins_mtime(out_dir):
+    return [os.stat(out_dir / f).st_mtime_ns for f in ("train.bin", "val.bin", "meta.json")]
+
+
+@pytest.fixture
+def small_text(tmp_path, shakespeare_path):
+    path = tmp_path / "small.txt"
+    path.write_text(shakespeare_path.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
+    return path
+
+
+# --- prepare ---------------------------------------------------------------------------------
+
+
+def test_prepare_char_from_config(tmp_path, shakespeare_path):
+    text = shakespeare_path.read_text(encoding="utf-8")
+    cfg = data_cfg(tmp_path, path=str(shakespeare_path), tokenizer="char", out_dir=str(tmp_path / "char"))
+    result = prepare(cfg, progress=False)
+    meta, tok = load_prepared(result.out_dir)
+    assert result.rebuilt and meta == result.meta
+    assert meta["vocab_size"] == 65 and meta["dtype"] == "uint16" and meta["tokenizer"]["type"] == "char"
+    assert meta["source_sha256"] == hashlib.sha256(shakespeare_path.read_bytes()).hexdigest()
+    train, val = load_tokens(result.out_dir, "train"), load_tokens(result.out_dir, "val")
+    assert train.dtype == np.uint16 and len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
+    assert len(val) == round(0.1 * len(text))  # char: the split is exactly the last val_fraction
+    assert tok.decode(train) + tok.decode(val) == text
+
+
+def test_prepare_gpt2_from_config_matches_plain_encoding(tmp_path, shakespeare_path):
+    text = shakespeare_path.read_text(encoding="utf-8")
+    cfg = data_cfg(tmp_path, path=str(shakespeare_path), tokenizer="gpt2", out_dir=str(tmp_path / "gpt2"))
+    meta = prepare(cfg, progress=False).meta
+    assert meta["vocab_size"] == 50257 and meta["eot_id"] == 50256 and meta["dtype"] == "uint16"
+    ids = np.concatenate([load_tokens(cfg.out_dir, "train"), load_tokens(cfg.out_dir, "val")])
+    # parallel chunks + the split at a newline = one plain encode of the whole text
+    assert ids.tolist() == build_tokenizer("gpt2").encode(text)
+    assert abs(meta["val_chars"] - 0.1 * len(text)) <= 1000 and text[meta["train_chars"] - 1] == "\n"
+
+
+def test_prepare_bpe_rebuilds_its_tokenizer_from_meta(tmp_path, small_text):
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="bpe", bpe_vocab_size=300, out_dir=str(tmp_path / "bpe"))
+    meta = prepare(cfg, progress=False).meta
+    _, tok = load_prepared(cfg.out_dir)
+    assert tok.vocab_size == meta["vocab_size"] == 300 and tok.fingerprint() == meta["tokenizer_fingerprint"]
+    text = small_text.read_text(encoding="utf-8")
+    assert tok.decode(load_tokens(cfg.out_dir, "train")) + tok.decode(load_tokens(cfg.out_dir, "val")) == text
+
+
+def test_prepare_is_idempotent_and_rebuilds_on_any_change(tmp_path, small_text):
+    out = tmp_path / "out"
+    cfg_file = write_config(tmp_path, path=str(small_text), tokenizer="char", out_dir=str(out))
+    assert prepare(load_config(cfg_file).data, progress=False).rebuilt
+    before = bins_mtime(out)
+    again = prepare(load_config(cfg_file).data, progress=False)
+    assert not again.rebuilt and bins_mtime(out) == before  # nothing rewritten
+
+    assert prepare(load_config(cfg_file).data, force=True, progress=False).rebuilt
+    for override in (["data.val_fraction=0.2"], ["data.tokenizer=gpt2"]):
+        assert prepare(load_config(cfg_file, override).data, progress=False).rebuilt
+    with open(small_text, "a", encoding="utf-8") as f:
+        f.write("\nA new line of text.\n")
+    result = prepare(load_config(cfg_file, ["data.tokenizer=gpt2"]).data, progress=False)
+    assert result.rebuilt and result.meta["source_sha256"] == hashlib.sha256(small_text.read_bytes()).hexdigest()
+    (out / "val.bin").unlink()  # a damaged output is rebuilt, not trusted
+    assert prepare(load_config(cfg_file, ["data.tokenizer=gpt2"]).data, progress=False).rebuilt
+    assert not list(out.glob("*.tmp"))
+
+
+def test_prepare_bpe_tokenizer_changes_are_detected(tmp_path, small_text):
+    cfg_file = write_config(tmp_path, path=str(small_text), tokenizer="bpe", bpe_vocab_size=300, out_dir=str(tmp_path / "o"))
+    assert prepare(load_config(cfg_file).data, progress=False).rebuilt
+    assert not prepare(load_config(cfg_file).data, progress=False).rebuilt
+    assert prepare(load_config(cfg_file, ["data.bpe_vocab_size=320"]).data, progress=False).rebuilt
+
+
+# --- download --------------------------------------------------------------------------------
+
+
+def test_download_file_url_once_then_reuse(tmp_path, small_text, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "remote.txt"
+    src.write_bytes(small_text.read_bytes())
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    cfg = data_cfg(tmp_path, url=src.as_uri(), sha256=sha, out_dir="data/remote_char")
+    result = prepare(cfg, progress=False)
+    dest = tmp_path / "data" / "downloads" / "remote.txt"
+    assert dest.read_bytes() == src.read_bytes() and result.meta["source_sha256"] == sha
+    src.unlink()  # the second run must not need the "network"
+    assert not prepare(cfg, progress=False).rebuilt
+    assert not list(dest.parent.glob("*.part"))
+
+
+def test_download_checksum_mismatch_names_url_path_and_both_hashes(tmp_path, small_text):
+    dest = tmp_path / "downloads" / "input.txt"
+    with pytest.raises(QuillError) as e:
+        download(small_text.as_uri(), "0" * 64, dest, progress=False)
+    msg, actual = str(e.value), hashlib.sha256(small_text.read_bytes()).hexdigest()
+    assert small_text.as_uri() in msg and str(dest.resolve()) in msg and "0" * 64 in msg and actual in msg
+    assert not dest.exists() and not list(dest.parent.glob("*"))  # nothing half-written
+
+
+def test_download_offline_names_url_and_where_to_place_the_file(tmp_path):
+    url = (tmp_path / "not-there.txt").as_uri()
+    dest = tmp_path / "downloads" / "input.txt"
+    with pytest.raises(QuillError) as e:
+        download(url, None, dest, progress=False)
+    assert f"could not download {url}" in str(e.value) and f"place it at {dest.resolve()}" in str(e.value)
+
+
+def test_existing_download_with_wrong_checksum_is_reported(tmp_path):
+    dest = tmp_path / "input.txt"
+    dest.write_text("not Shakespeare")
+    with pytest.raises(QuillError, match="expected 1111"):
+        download("https://example.invalid/input.txt", "1" * 64, dest, progress=False)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_bad_text_files_are_one_clear_error(tmp_path):
+    with pytest.raises(QuillError, match="data file not found"):
+        read_text(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(QuillError, match="is empty"):
+        read_text(tmp_path / "empty.txt")
+    (tmp_path / "latin1.txt").write_bytes("héllo".encode("utf-8") + b" caf\xe9")
+    with pytest.raises(QuillError, match=r"not UTF-8 text: byte 0xe9 at byte offset 10"):
+        read_text(tmp_path / "latin1.txt")
+    cfg = data_cfg(tmp_path, path=str(tmp_path / "latin1.txt"), out_dir=str(tmp_path / "o"))
+    with pytest.raises(QuillError, match="byte offset 10"):
+        prepare(cfg, progress=False)
+
+
+def test_file_smaller_than_a_block_fails_when_the_sampler_is_built(tmp_path):
+    (tmp_path / "tiny.txt").write_text("To be, or not to be: that is the question.\n")
+    cfg = data_cfg(tmp_path, path=str(tmp_path / "tiny.txt"), out_dir=str(tmp_path / "o"))
+    prepare(cfg, progress=False)
+    val = load_tokens(cfg.out_dir, "val")
+    with pytest.raises(QuillError, match=rf"val split has {len(val)} tokens, fewer than block_size \+ 1 = 33"):
+        BatchSampler(val, block_size=32, batch_size=4, seed=0, split="val")
+    with pytest.raises(QuillError, match="fewer than block_size"):
+        fixed_windows(val, 32, 4)
+
+
+def test_vocab_too_big_for_the_dtype(tmp_path, small_text):
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="bpe", bpe_vocab_size=2**32 + 1, out_dir=str(tmp_path / "o"))
+    with pytest.raises(QuillError, match="does not fit uint32"):
+        prepare(cfg, progress=False)
+    cfg = data_cfg(tmp_path, path=str(small_text), out_dir=str(tmp_path / "o"))
+    prepare(cfg, progress=False)
+    meta_path = tmp_path / "o" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(dict(meta, vocab_size=70_000)))  # uint16 cannot hold these ids
+    with pytest.raises(QuillError, match="too small for vocab_size 70000"):
+        load_tokens(tmp_path / "o", "train")
+
+
+def test_missing_prepared_data_and_unknown_tokenizer(tmp_path, small_text):
+    with pytest.raises(QuillError, match="run `quill prepare"):
+        load_tokens(tmp_path / "nothing", "train")
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="sentencepiece", out_dir=str(tmp_path / "o"))
+    with pytest.raises(QuillError, match="unknown tokenizer 'sentencepiece'.*char, gpt2"):
+        prepare(cfg, progress=False)
+
+
+# --- batches ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tokens(tmp_path, small_text):
+    cfg = data_cfg(tmp_path, path=str(small_text), out_dir=str(tmp_path / "o"))
+    prepare(cfg, progress=False)
+    return load_tokens(cfg.out_dir, "train")
+
+
+def test_windows_are_slices_and_y_is_x_shifted(tokens):
+    starts = np.array([0, 5, len(tokens) - 17])
+    x, y = batch_from_starts(tokens, starts, block_size=16)
+    assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.int64
+    for row, s in enumerate(starts):
+        assert x[row].tolist() == tokens[s : s + 16].tolist()
+        assert y[row].tolist() == tokens[s + 1 : s + 17].tolist()
+
+
+def test_sampler_draws_seeded_windows(tokens):
+    sampler = BatchSampler(tokens, block_size=16, batch_size=8, seed=3)
+    x, y = sampler.next()
+    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    ref = torch.randint(len(tokens) - 16, (8,), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(x, batch_from_starts(tokens, ref.numpy(), 16)[0])
+    assert not torch.equal(x, BatchSampler(tokens, 16, 8, seed=4).next()[0])
+
+
+def test_sampler_state_round_trip_continues_the_stream(tokens):
+    a = BatchSampler(tokens, block_size=16, batch_size=4, seed=7)
+    for _ in range(3):
+        a.next()
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    expected = [a.next() for _ in range(3)]
+    b = BatchSampler(tokens, block_size=16, batch_size=4, seed=999)
+    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    for (xe, ye), (xb, yb) in zip(expected, (b.next() for _ in range(3))):
+        assert torch.equal(xe, xb) and torch.equal(ye, yb)
+
+
+def test_fixed_windows_are_deterministic_and_in_range(tokens):
+    starts = fixed_windows(tokens, 16, 10)
+    assert np.array_equal(starts, fixed_windows(tokens, 16, 10)) and starts.shape == (10,)
+    assert starts[0] == 0 and starts[-1] == len(tokens) - 17 and np.all(np.diff(starts) > 0)
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def run_cli(args):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return e.value.code
+
+
+def test_cli_prepare(tmp_path, small_text, capsys):
+    cfg_file = write_config(tmp_path, path=str(small_text), out_dir=str(tmp_path / "o"))
+    assert run_cli(["prepare", "--config", str(cfg_file)]) == 0
+    assert "train +" in capsys.readouterr().out
+    assert run_cli(["prepare", "--config", str(cfg_file)]) == 0
+    assert capsys.readouterr().out.startswith("up to date")
+    assert run_cli(["prepare", "--config", str(cfg_file), "--force", "data.tokenizer=gpt2"]) == 0
+    assert "gpt2 vocab 50,257" in capsys.readouterr().out
+
+    assert run_cli(["prepare", "--config", str(cfg_file), f"data.path={tmp_path / 'gone.txt'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data file not found") and err.count("\n") == 1
