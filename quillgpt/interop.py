@@ -1,0 +1,407 @@
+"""GPT-2 interop: Hugging Face GPT2LMHeadModel checkpoints ⇄ quill run directories.
+
+Quill's parameter names already mirror HF GPT-2, so converting is mostly renaming nothing:
+* HF builds c_attn / c_proj / c_fc from `Conv1D`, which stores its weight as (in, out); quill's
+  nn.Linear stores (out, in). Those four weights are transposed, both ways.
+* `attn.bias` / `attn.masked_bias` in older HF files are causal-mask buffers, not weights: they
+  are skipped on import and never written on export.
+* `lm_head` is tied to `wte` (GPT-2 ties them), so only `wte` is stored.
+* GPT-2's `gelu_new` is the tanh-approximated GELU that quill's MLP uses.
+Whatever one side can say and the other cannot is refused by name, never approximated.
+
+transformers, safetensors and huggingface_hub are the optional `hf` extra, imported inside the
+functions that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from quillgpt import checkpoint as ckpt
+from quillgpt.config import Config, ModelConfig, save_config
+from quillgpt.errors import QuillError
+from quillgpt.model import GPT
+from quillgpt.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
+
+HF_INSTALL = 'pip install -e ".[hf]"'
+# Weights HF keeps as Conv1D (in, out): transposed to and from nn.Linear's (out, in).
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")  # causal masks saved by old transformers
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # the same tanh-approximated GELU
+# transformers.GPT2Config's defaults, for keys a config.json leaves out
+GPT2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+    "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
+}
+HUB_WEIGHTS = (  # what import-hf fetches from the Hub: safetensors first, else the pickle format
+    ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors"],
+    ["config.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*-of-*.bin"],
+)
+QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
+
+
+@dataclass
+class Converted:
+    """Where a conversion wrote its files, and the architecture it converted."""
+
+    path: Path
+    model: ModelConfig
+    tokenizer: str
+
+
+def _require(module: str) -> ModuleType:
+    """Import part of the `hf` extra, or say how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        top = module.split(".")[0]
+        raise QuillError(f"GPT-2 interop needs {top} (the hf extra): {HF_INSTALL}") from None
+
+
+# --- configs ----------------------------------------------------------------------------------
+
+
+def hf_to_model_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """A GPT-2 config.json → quill ModelConfig; anything quill cannot run exactly is refused."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise QuillError(
+            f"{source}: model_type is {hf['model_type']!r}, not 'gpt2'; import-hf reads GPT-2 "
+            "(GPT2LMHeadModel) checkpoints only"
+        )
+    c = {**GPT2_DEFAULTS, **{k: v for k, v in hf.items() if k in GPT2_DEFAULTS and (v is not None or k == "n_inner")}}
+    problems = []
+    if c["activation_function"] not in GELU_TANH:
+        problems.append(f"activation_function={c['activation_function']!r} (quill's MLP is the tanh GELU, gelu_new)")
+    if not c["scale_attn_weights"]:
+        problems.append("scale_attn_weights=false (quill always scales attention by 1/√head_dim)")
+    if c["scale_attn_by_inverse_layer_idx"]:
+        problems.append("scale_attn_by_inverse_layer_idx=true (quill does not scale attention by 1/(layer+1))")
+    if c["add_cross_attention"]:
+        problems.append("add_cross_attention=true (quill is decoder-only, without cross-attention)")
+    # reorder_and_upcast_attn only changes rounding (the same formula in fp32), so it imports as is.
+    if problems:
+        raise QuillError(f"cannot import {source}: quill has no equivalent of " + "; ".join(problems))
+    n_embd, n_inner = int(c["n_embd"]), c["n_inner"]
+    cfg = ModelConfig(
+        vocab_size=int(c["vocab_size"]), block_size=int(c["n_positions"]), n_layer=int(c["n_layer"]),
+        n_head=int(c["n_head"]), n_kv_head=None, n_embd=n_embd, dropout=0.0, bias=True, pos="learned",
+        norm="layernorm", norm_eps=float(c["layer_norm_epsilon"]), mlp="gelu",
+        mlp_hidden=None if n_inner is None or int(n_inner) == 4 * n_embd else int(n_inner),
+        window=None, tie_embeddings=bool(c["tie_word_embeddings"]), attn_impl="sdpa",
+    )
+    try:
+        cfg.validate()
+    except QuillError as e:
+        raise QuillError(f"cannot import {source}: {e}") from None
+    return cfg
+
+
+def gpt2_incompatibilities(cfg: ModelConfig) -> list[str]:
+    """The options of `cfg` that GPT-2 cannot express, each with the reason (empty: exportable).
+
+    Missing biases are not among them: a zero bias is exactly no bias, so export writes zeros.
+    """
+    problems = []
+    if cfg.pos != "learned":
+        problems.append(f"model.pos={cfg.pos}: GPT-2 has learned positions only")
+    if cfg.norm != "layernorm":
+        problems.append(f"model.norm={cfg.norm}: GPT-2 has LayerNorm only")
+    if cfg.mlp != "gelu":
+        problems.append(f"model.mlp={cfg.mlp}: GPT-2's MLP is GELU only")
+    if cfg.kv_heads != cfg.n_head:
+        problems.append(f"model.n_kv_head={cfg.n_kv_head}: GPT-2 has multi-head attention only (n_kv_head null)")
+    if cfg.window is not None:
+        problems.append(f"model.window={cfg.window}: GPT-2 has full causal attention only (window null)")
+    return problems
+
+
+def model_config_to_hf(cfg: ModelConfig, eot_id: int | None) -> dict[str, Any]:
+    """A GPT-2-expressible ModelConfig → the config.json of a transformers GPT2LMHeadModel."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,  # the pre-2020 name of n_positions, still read by some tools
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None if cfg.hidden_dim == 4 * cfg.n_embd else cfg.hidden_dim,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "use_cache": True,
+    }
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def hf_to_quill_state(hf_state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """HF GPT-2 tensors (with or without the `transformer.` prefix) → quill state_dict (fp32).
+
+    Checked against the keys and shapes of GPT(cfg), so a mismatch is a clear error, not a
+    half-loaded model.
+    """
+    state: dict[str, Tensor] = {}
+    head = None
+    for key, t in hf_state.items():
+        name = key.removeprefix("transformer.")
+        if MASK_BUFFER.fullmatch(name):
+            continue
+        if name == "lm_head.weight":
+            head = t
+            continue
+        t = t.float()
+        state["transformer." + name] = t.t().contiguous() if name.endswith(CONV1D_WEIGHTS) else t
+    wte = state.get("transformer.wte.weight")
+    if cfg.tie_embeddings:
+        if wte is not None:
+            state["lm_head.weight"] = wte  # one tensor under both names, as in the tied model
+    elif head is not None:
+        state["lm_head.weight"] = head.float()
+    _check_against_model(state, cfg)
+    return state
+
+
+def _check_against_model(state: dict[str, Tensor], cfg: ModelConfig) -> None:
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        expected = GPT(cfg).state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [f"{k} {tuple(state[k].shape)} ≠ {tuple(v.shape)}" for k, v in expected.items()
+             if k in state and state[k].shape != v.shape]
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if items:
+            more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+            problems.append(f"{label}: {', '.join(items[:4])}{more}")
+    if problems:
+        raise QuillError(
+            "the weights do not match a GPT-2 of this config.json (" + "; ".join(problems) + "); "
+            "is it a GPT2LMHeadModel checkpoint with its own config.json?"
+        )
+
+
+def quill_to_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """quill state_dict → GPT2LMHeadModel tensors (contiguous, none sharing memory).
+
+    A model trained with model.bias=false gets zero biases: the same function in GPT-2's shape.
+    """
+    out: dict[str, Tensor] = {}
+    for key, t in ckpt.clean_state_dict(state).items():
+        if key == "lm_head.weight" and cfg.tie_embeddings:
+            continue  # transformers ties it to wte on load
+        out[key] = t.t().contiguous() if key.endswith(CONV1D_WEIGHTS) else t.contiguous()
+        module = key.removesuffix(".weight")
+        if not cfg.bias and module != key and module not in ("transformer.wte", "transformer.wpe", "lm_head"):
+            # a LayerNorm or Conv1D weight: its bias has as many entries as it has outputs
+            out[module + ".bias"] = torch.zeros(out[key].shape[-1], dtype=t.dtype)
+    return out
+
+
+def load_hf_weights(src: Path) -> dict[str, Tensor]:
+    """The tensors of an HF model directory: model.safetensors, else pytorch_model.bin (sharded or not)."""
+    for name, loader in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
+        if (src / name).is_file():
+            return loader(src / name)
+        index = src / f"{name}.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise QuillError(f"{index} is not a valid shard index ({e})") from None
+            tensors: dict[str, Tensor] = {}
+            for shard in shards:
+                tensors.update(loader(src / shard))
+            return tensors
+    raise QuillError(
+        f"{src} has no weights: expected model.safetensors or pytorch_model.bin (or their sharded "
+        "*.index.json) next to config.json"
+    )
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    st = _require("safetensors")
+    st_torch = _require("safetensors.torch")
+    if not path.is_file():
+        raise QuillError(f"{path} is missing (named in the shard index)")
+    try:
+        return st_torch.load_file(path, device="cpu")
+    except (st.SafetensorError, OSError) as e:
+        raise QuillError(f"{path} is not a readable safetensors file ({e}); download it again") from None
+
+
+def _load_bin(path: Path) -> dict[str, Tensor]:
+    if not path.is_file():
+        raise QuillError(f"{path} is missing (named in the shard index)")
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)  # never runs code
+    except pickle.UnpicklingError as e:
+        raise QuillError(
+            f"{path} was refused: loading it would run code ({str(e).splitlines()[0][:120]}); "
+            "use the model's model.safetensors instead"
+        ) from None
+    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
+        raise QuillError(f"{path} is not a readable PyTorch weights file ({str(e).splitlines()[0][:100]})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
+        raise QuillError(f"{path} is not a state dict of tensors")
+    return tensors
+
+
+# --- sources ----------------------------------------------------------------------------------
+
+
+def resolve_source(src: str | Path) -> Path:
+    """A local HF model directory, or a hub name (gpt2, gpt2-medium, openai-community/gpt2)
+    resolved from huggingface_hub's cache, downloading when online."""
+    path = Path(src)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise QuillError(f"{path} is not a Hugging Face model directory (no config.json in it)")
+        return path
+    name = str(src)
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        raise QuillError(f"{name} not found: pass a local model directory or a hub name such as gpt2")
+    hub = _require("huggingface_hub")
+    errors = _require("huggingface_hub.errors")
+    try:
+        for patterns in HUB_WEIGHTS:
+            snapshot = Path(hub.snapshot_download(name, allow_patterns=patterns))
+            if any((snapshot / p).is_file() for p in patterns[1:3]):
+                return snapshot
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.HFValidationError) as e:
+        raise QuillError(
+            f"{name} is neither a local directory nor a model on the Hugging Face Hub "
+            f"({type(e).__name__}); check the name, e.g. gpt2, gpt2-medium, openai-community/gpt2"
+        ) from None
+    except (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, OSError) as e:
+        cache = hub.constants.HF_HUB_CACHE
+        cause = e.__cause__ or e  # e.g. httpx's ConnectError behind LocalEntryNotFoundError
+        why = "HF_HUB_OFFLINE is set" if hub.constants.HF_HUB_OFFLINE else f"{type(cause).__name__}: {cause}"
+        raise QuillError(
+            f"{name} is not a local directory, not in the Hugging Face cache ({cache}), and could not be "
+            f"downloaded ({why}); on a machine with internet run `hf download {name} config.json "
+            f"model.safetensors --local-dir DIR` (`huggingface-cli download` before huggingface_hub 1.0), "
+            f"copy DIR here, then run `quill import-hf DIR --out RUN_DIR`"
+        ) from None
+    raise QuillError(f"the Hub repository {name} has no model.safetensors or pytorch_model.bin")
+
+
+def _check_out_dir(out_dir: Path, ours: tuple[str, ...], force: bool, what: str) -> None:
+    existing = [n for n in ours if (out_dir / n).exists()]
+    if existing and not force:
+        raise QuillError(
+            f"{out_dir} already holds {what} ({', '.join(existing)}); choose another --out or pass --force to overwrite"
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QuillError(f"cannot create {out_dir} ({e.strerror})") from None
+
+
+# --- the two directions -----------------------------------------------------------------------
+
+
+def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Converted:
+    """A Hugging Face GPT-2 (directory or hub name) → a quill run directory at step 0.
+
+    The run (config.yaml, tokenizer.json, ckpt.pt) works with quill sample/eval and as
+    train.init_from. The tokenizer is tiktoken's gpt2, or the one export-hf saved beside the weights.
+    """
+    path, out_dir = resolve_source(src), Path(out_dir)
+    try:
+        hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuillError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise QuillError(f"{path / 'config.json'} must be a JSON object")
+    model_cfg = hf_to_model_config(hf_config, str(path / "config.json"))
+    tokenizer = _source_tokenizer(path)
+    if model_cfg.vocab_size < tokenizer.vocab_size:
+        raise QuillError(
+            f"{path / 'config.json'} has vocab_size={model_cfg.vocab_size}, fewer than the {tokenizer.vocab_size} "
+            f"ids of its tokenizer ({tokenizer.name}); import-hf needs a model with GPT-2's vocabulary"
+        )
+    state = hf_to_quill_state(load_hf_weights(path), model_cfg)
+
+    _check_out_dir(out_dir, (ckpt.LATEST, ckpt.BEST), force, "a quill run")
+    cfg = Config(model=model_cfg)
+    cfg.data.tokenizer = tokenizer.name
+    cfg.train.out_dir = str(out_dir)
+    save_config(cfg, out_dir / "config.yaml")
+    save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+    (out_dir / ckpt.BEST).unlink(missing_ok=True)  # with --force: a stale best.pt would win over it
+    ckpt.save_checkpoint(
+        {"model": state, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": 0,
+         "tokens_seen": 0, "imported_from": str(src)},
+        out_dir / ckpt.LATEST,
+    )
+    return Converted(out_dir, model_cfg, tokenizer.name)
+
+
+def _source_tokenizer(path: Path) -> Tokenizer:
+    if (path / QUILL_TOKENIZER).is_file():
+        return load_tokenizer(path / QUILL_TOKENIZER)
+    return build_tokenizer("gpt2")
+
+
+def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Converted:
+    """A quill run (or .pt) whose architecture GPT-2 can express → a transformers GPT-2 directory.
+
+    Writes config.json, model.safetensors, generation_config.json (when the tokenizer has an
+    end-of-text id) and quill_tokenizer.json; `GPT2LMHeadModel.from_pretrained(out_dir)` loads it.
+    """
+    st_torch = _require("safetensors.torch")
+    loaded = ckpt.load_run(run, which=which)
+    cfg, out_dir = loaded.config.model, Path(out_dir)
+    problems = gpt2_incompatibilities(cfg)
+    if problems:
+        raise QuillError(f"cannot export {loaded.path} to GPT-2: " + "; ".join(problems))
+    tensors = quill_to_hf_state(loaded.model.state_dict(), cfg)
+    eot = loaded.tokenizer.eot_id
+
+    _check_out_dir(out_dir, ("config.json", "model.safetensors"), force, "a model")
+    tmp = out_dir / ".model.safetensors.tmp"
+    try:
+        st_torch.save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out_dir / "model.safetensors")
+    finally:
+        tmp.unlink(missing_ok=True)
+    _write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
+    generation = out_dir / "generation_config.json"
+    if eot is not None:
+        _write_json(generation, {"bos_token_id": eot, "eos_token_id": eot})
+    else:
+        generation.unlink(missing_ok=True)
+    save_tokenizer(loaded.tokenizer, out_dir / QUILL_TOKENIZER)
+    return Converted(out_dir, cfg, loaded.tokenizer.name)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
