@@ -193,7 +193,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def _encode(tok: Tokenizer, text: str, bar: tqdm) -> np.ndarray:
     """All ids of `text` as one array; pieces cut at safe points are encoded in parallel."""
-    chunks = text_chunks(text, CHUNK_CHARS)
+    chunks = text_chunks(text, CHUNK_CHARS, tok.safe_cut)
     step = 2 * (os.cpu_count() or 1)
     arrays = []
     for i in range(0, len(chunks), step):

@@ -18,7 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import tiktoken
@@ -116,8 +116,10 @@ class CharTokenizer(Tokenizer):
     def from_text(cls, text: str) -> CharTokenizer:
         if not text:
             raise QuillError("cannot build a char vocabulary from empty text")
-        present = np.flatnonzero(np.bincount(_code_points(text)))  # sorted unique code points
-        return cls("".join(map(chr, present)))
+        codes = _code_points(text)
+        seen = np.zeros(int(codes.max()) + 1, dtype=bool)
+        seen[codes] = True
+        return cls("".join(map(chr, np.flatnonzero(seen))))  # sorted unique code points
 
     def _lookup(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(codes, ids) with id -1 where a character is not in the vocabulary."""
@@ -236,12 +238,15 @@ def find_safe_cut(text: str, index: int, window: int = 10_000) -> int:
     return min(options, key=lambda i: abs(i - index)) if options else index
 
 
-def text_chunks(text: str, size: int = 1 << 18) -> list[str]:
-    """Cut text into pieces of about `size` characters at safe cuts, so encoding the pieces
-    (in parallel) gives the same ids as encoding the whole, for every tokenizer here."""
+def text_chunks(
+    text: str, size: int = 1 << 18, safe_cut: Callable[[str, int, int], int] = find_safe_cut
+) -> list[str]:
+    """Cut text into pieces of about `size` characters at safe cuts (a tokenizer's `safe_cut`,
+    by default one safe for every tokenizer here), so encoding the pieces (in parallel) gives
+    the same ids as encoding the whole."""
     chunks, start = [], 0
     while len(text) - start > size:
-        cut = find_safe_cut(text, start + size, window=size // 2)
+        cut = safe_cut(text, start + size, size // 2)
         chunks.append(text[start:cut])
         start = cut
     chunks.append(text[start:])
