@@ -180,6 +180,104 @@ def export_hf_cmd(
     print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
 
 
+@app.command("attention")
+def attention_cmd(
+    ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to run once; longer than block_size keeps the last block_size tokens."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    layer: str = typer.Option("-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."),
+    head: Optional[int] = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Image to write, .png or .svg; without it a text view is printed."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="png, svg or text (default: from --out's extension, text without --out)."),
+    top_k: int = typer.Option(3, "--top-k", help="Text view: attended tokens listed per query token."),
+    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."),
+    device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+) -> None:
+    """Show where each head looks: heatmaps (or a text view) plus a per-head summary.
+
+    The summary gives each head's mean attention distance, entropy and weight on the first
+    token, the numbers that tell local heads from far-looking and first-token ("sink") heads.
+    """
+    from quillgpt.checkpoint import load_run
+    from quillgpt.train import resolve_device
+    from quillgpt import viz
+
+    view = viz.output_format(out, fmt)
+    if view != "text" and out is None:
+        out = Path(f"attention.{view}")
+    run = load_run(ckpt, which=which, device=resolve_device(device))
+    mcfg = run.config.model
+    layers = viz.select_layers(layer, mcfg.n_layer)
+    heads = viz.select_heads(head, mcfg.n_head)
+    attn = viz.attention_weights(run.model, run.tokenizer, prompt)
+    if attn.cropped:
+        print(f"note: the prompt is longer than block_size={mcfg.block_size}; kept its last {len(attn.ids)} tokens "
+              f"(dropped {attn.cropped})", file=sys.stderr)
+    summary = viz.head_summary(attn.weights)
+    if view == "text":
+        print(viz.render_text(attn.tokens, attn.weights, layers, heads, top_k))
+    else:
+        title = f"{run.path} (step {run.step}): {''.join(attn.tokens)}"
+        viz.plot_attention(attn.tokens, attn.weights, out, layers, heads, title=title[:120])
+    print()
+    print(viz.format_head_table([r for r in summary if r["layer"] in layers and r["head"] in heads]))
+    if summary_json is None and out is not None:
+        summary_json = out.with_name(f"{out.stem}.heads.json")
+    if summary_json is not None:
+        viz.write_summary_json(summary_json, attn, summary, checkpoint=str(run.path), step=run.step, prompt=prompt)
+        print(f"saved head summary (all layers) → {summary_json}")
+    if out is not None and view != "text":
+        print(f"saved {view} → {out}")
+
+
+@app.command("plot")
+def plot_cmd(
+    run_dirs: list[Path] = typer.Argument(..., help="One or more run directories (each with metrics.jsonl)."),
+    out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="Image to write, .png or .svg."),
+    x: str = typer.Option("step", "--x", help="x axis: step, tokens (step × batch_size·grad_accum·block_size) or time (elapsed_s)."),
+    log: bool = typer.Option(False, "--log", help="Log-scale loss axis."),
+) -> None:
+    """Train and val loss of one or more runs on one plot (works while a run is training)."""
+    from quillgpt.viz import plot_runs
+
+    for c in plot_runs(run_dirs, out, x=x, log=log):
+        best = f"best val {min(c.val[1]):.4f}" if c.val[1] else "no val points yet"
+        print(f"{c.name}: step {c.last_step}, last train {c.train[1][-1]:.4f}, {best}")
+    print(f"saved → {out}")
+
+
+@app.command("import-hf")
+def import_hf_cmd(
+    src: str = typer.Argument(..., help="Hugging Face GPT-2 directory (config.json + model.safetensors or pytorch_model.bin), or a hub name such as gpt2, gpt2-medium."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
+) -> None:
+    """Import GPT-2 weights (transformers' GPT2LMHeadModel) as a quill run: sample, eval or fine-tune it."""
+    from quillgpt.interop import import_hf
+
+    done = import_hf(src, out, force=force)
+    m = done.model
+    print(
+        f"imported {src} → {done.path}: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, "
+        f"block_size {m.block_size}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
+        f"fine-tune with `quill train ... train.init_from={done.path}`"
+    )
+
+
+@app.command("export-hf")
+def export_hf_cmd(
+    run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
+) -> None:
+    """Export a GPT-2-shaped run for transformers: GPT2LMHeadModel.from_pretrained(OUT) loads it."""
+    from quillgpt.interop import export_hf
+
+    done = export_hf(run, out, which=which, force=force)
+    print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
+
+
 # --- end of commands ----------------------------------------------------------------------
 
 

@@ -1,0 +1,407 @@
+"""See what the model does: attention heatmaps, per-head statistics and loss curves.
+
+Attention weights come from `GPT.attention_maps`, the explicit softmax(QKᵀ/√d) path, so
+they are the numbers the model used, not a re-derivation. Heads are summarised by three
+numbers that separate the usual kinds: mean attention distance (local vs far), entropy
+(focused vs spread) and weight on the first token (the "attention sink").
+
+matplotlib is optional (`pip install -e ".[plot]"`). It is imported only when drawing, and
+only through `matplotlib.figure.Figure`, never pyplot: nothing global such as the backend
+changes, PNGs are rendered by Agg and no display is needed. Without it the text views work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quillgpt.checkpoint import read_metrics
+from quillgpt.config import load_config
+from quillgpt.errors import QuillError
+from quillgpt.model import GPT
+from quillgpt.tokenizer import Tokenizer
+
+INSTALL_HINT = 'plotting needs matplotlib, the optional "plot" extra: pip install -e ".[plot]"'
+IMAGE_FORMATS = ("png", "svg")
+FIRST_TOKEN_SINK = 0.5  # a head putting at least this much weight on token 0 "looks at the first token"
+LOCAL_FRACTION = 0.5  # a head is "local" below this fraction of uniform attention's mean distance
+
+# --- collecting the weights -------------------------------------------------------------------
+
+
+@dataclass
+class Attention:
+    """One prompt's attention, every layer and head."""
+
+    ids: list[int]  # the token ids that were run (after cropping)
+    tokens: list[str]  # a readable label per token (see token_label)
+    weights: list[Tensor]  # per layer (n_head, T, T) float32 on CPU; row i = query i, sums to 1
+    cropped: int  # tokens dropped from the front because the prompt exceeded block_size
+
+
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", " ": "␣"}
+
+
+def token_label(raw: bytes) -> str:
+    """One token's bytes as printable text: whitespace made visible, cut UTF-8 as \\xNN.
+
+    A BPE token can hold half of a multi-byte character; decoding it alone would give U+FFFD,
+    which hides which bytes it was.
+    """
+    text = raw.decode("utf-8", errors="surrogateescape")  # a stray byte b becomes U+DC00 + b
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif "\udc80" <= ch <= "\udcff":
+            out.append(f"\\x{ord(ch) - 0xDC00:02x}")
+        elif not ch.isprintable():
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> tuple[list[int], int]:
+    """(ids of the prompt's last block_size tokens, number of tokens cropped from the front).
+
+    Cropping keeps the end of the prompt: that is the context the model would condition on
+    when generating from it.
+    """
+    if not prompt:
+        raise QuillError("the prompt is empty; pass some text with --prompt")
+    ids = tokenizer.encode(prompt)  # a char model's unknown characters raise its QuillError
+    cropped = max(0, len(ids) - block_size)
+    return ids[cropped:], cropped
+
+
+@torch.no_grad()
+def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attention:
+    """Run the prompt once and collect every layer's and head's attention weights."""
+    ids, cropped = encode_prompt(tokenizer, prompt, model.config.block_size)
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    was_training = model.training
+    model.eval()
+    maps = model.attention_maps(idx)  # per layer (1, n_head, T, T)
+    model.train(was_training)
+    weights = [m[0].float().cpu() for m in maps]
+    tokens = [token_label(tokenizer.decode_bytes([i])) for i in ids]
+    return Attention(ids, tokens, weights, cropped)
+
+
+# --- per-head summary -------------------------------------------------------------------------
+
+
+def head_summary(weights: list[Tensor]) -> list[dict[str, Any]]:
+    """Per layer and head: mean distance, entropy and first-token weight, averaged over queries.
+
+    For query i, distance = Σ_j w_ij·(i−j) (tokens back), entropy = −Σ_j w_ij·ln w_ij (nats),
+    first-token weight = w_i0. Query 0 is left out of the averages when T > 1: it can only
+    attend to itself, so it says nothing about the head. `focus` names the kind: "first"
+    (weight on token 0 ≥ FIRST_TOKEN_SINK), "local" (distance below LOCAL_FRACTION of what
+    uniform causal attention would give) or "far".
+    """
+    rows = []
+    for layer, w in enumerate(weights):  # w: (H, T, T)
+        T = w.shape[-1]
+        w = w.double()
+        back = torch.arange(T, dtype=w.dtype)[:, None] - torch.arange(T, dtype=w.dtype)[None, :]  # (T, T) i−j
+        distance = (w * back.clamp(min=0)).sum(-1)  # (H, T)
+        entropy = -(w * torch.log(w.clamp(min=1e-30))).sum(-1)  # (H, T); 0·ln 0 = 0
+        first = w[..., 0]  # (H, T)
+        queries = slice(1, None) if T > 1 else slice(None)
+        uniform = (torch.arange(T, dtype=w.dtype) / 2)[queries].mean().item()  # Σ_j (i−j)/(i+1) = i/2
+        for head in range(w.shape[0]):
+            d = distance[head, queries].mean().item()
+            f = first[head, queries].mean().item()
+            if f >= FIRST_TOKEN_SINK:
+                focus = "first"
+            elif d < LOCAL_FRACTION * uniform:
+                focus = "local"
+            else:
+                focus = "far"
+            rows.append({
+                "layer": layer,
+                "head": head,
+                "mean_distance": d,
+                "entropy": entropy[head, queries].mean().item(),
+                "first_token_weight": f,
+                "focus": focus,
+            })
+    return rows
+
+
+def format_head_table(summary: list[dict[str, Any]]) -> str:
+    """The summary as an aligned text table."""
+    lines = [f"{'layer':>5} {'head':>4} {'distance':>8} {'entropy':>7} {'first':>5}  focus"]
+    for r in summary:
+        lines.append(
+            f"{r['layer']:>5} {r['head']:>4} {r['mean_distance']:>8.2f} {r['entropy']:>7.2f} "
+            f"{r['first_token_weight']:>5.2f}  {r['focus']}"
+        )
+    return "\n".join(lines)
+
+
+def write_summary_json(path: str | Path, attention: Attention, summary: list[dict[str, Any]], **info: Any) -> Path:
+    """Save the head summary with the tokens it was measured on (and `info`, e.g. the run)."""
+    path = Path(path)
+    record = {**info, "tokens": attention.tokens, "ids": attention.ids, "cropped": attention.cropped, "heads": summary}
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+# --- choosing what to show --------------------------------------------------------------------
+
+
+def select_layers(layer: str | int, n_layer: int) -> list[int]:
+    """'all' → every layer; an int (negative counts from the end, -1 = last) → that layer."""
+    if layer == "all":
+        return list(range(n_layer))
+    try:
+        index = int(layer)
+    except ValueError:
+        raise QuillError(f"--layer must be a layer number or 'all', got {layer!r}") from None
+    if not -n_layer <= index < n_layer:
+        raise QuillError(f"--layer {index} is out of range: the model has layers 0..{n_layer - 1}")
+    return [index % n_layer]
+
+
+def select_heads(head: int | None, n_head: int) -> list[int]:
+    """None → every head; otherwise that head (checked against the model)."""
+    if head is None:
+        return list(range(n_head))
+    if not 0 <= head < n_head:
+        raise QuillError(f"--head {head} is out of range: the model has heads 0..{n_head - 1}")
+    return [head]
+
+
+def output_format(out: str | Path | None, fmt: str | None) -> Literal["png", "svg", "text"]:
+    """The view to produce: --format when given, else --out's extension, else text."""
+    suffix = Path(out).suffix.lower().lstrip(".") if out is not None else None
+    if fmt is None:
+        if out is None:
+            return "text"
+        if suffix not in IMAGE_FORMATS:
+            raise QuillError(f"--out {out} must end in .png or .svg (or pass --format text)")
+        return suffix  # type: ignore[return-value]
+    if fmt not in (*IMAGE_FORMATS, "text"):
+        raise QuillError(f"--format must be png, svg or text, got {fmt!r}")
+    if fmt == "text" and out is not None:
+        raise QuillError("--format text prints to the terminal; drop --out (--summary-json saves the head summary)")
+    if fmt in IMAGE_FORMATS and suffix is not None and suffix != fmt:
+        raise QuillError(f"--format {fmt} does not match --out {out}; use a .{fmt} file name")
+    return fmt  # type: ignore[return-value]
+
+
+# --- text view --------------------------------------------------------------------------------
+
+
+def render_text(
+    tokens: list[str], weights: list[Tensor], layers: list[int], heads: list[int], top_k: int = 3
+) -> str:
+    """For each query token, its top-k attended tokens with weights — for terminals."""
+    if top_k < 1:
+        raise QuillError(f"--top-k must be at least 1, got {top_k}")
+    width = max(len(t) for t in tokens)
+    cell = width + 10  # "label@pos 0.00"
+    lines = []
+    for layer in layers:
+        for head in heads:
+            lines.append(f"layer {layer} head {head}: query → top-{top_k} keys (token@position weight)")
+            w = weights[layer][head]  # (T, T)
+            for i, tok in enumerate(tokens):
+                values, where = torch.topk(w[i, : i + 1], min(top_k, i + 1))  # query i sees 0..i
+                picks = "".join(f"{tokens[j]}@{j} {v:.2f}".ljust(cell) for v, j in zip(values.tolist(), where.tolist()))
+                lines.append(f"  {i:>3d} {tok:<{width}} → {picks}".rstrip())
+    return "\n".join(lines)
+
+
+# --- drawing ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _matplotlib() -> Iterator[Any]:
+    """matplotlib's Figure class, imported on first use, with text drawn literally.
+
+    Token labels and run names may contain '$', which matplotlib would parse as TeX (and fail
+    on); `text.parse_math` is read when each text is created, so drawing happens inside.
+    """
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise QuillError(f"{INSTALL_HINT} (or use --format text, which needs nothing)") from None
+    with matplotlib.rc_context({"text.parse_math": False}):
+        yield Figure
+
+
+def _layout(n_tokens: int, n_layers: int, n_heads: int) -> tuple[int, int, float]:
+    """(rows, cols, panel inches): one layer's heads in a near-square grid, several layers as
+    layer × head thumbnails; panels grow with the prompt up to a cap."""
+    if n_layers > 1:
+        rows, cols = n_layers, n_heads
+    else:
+        cols = math.ceil(math.sqrt(n_heads))
+        rows = math.ceil(n_heads / cols)
+    n = rows * cols
+    per_token = 0.28 if n == 1 else 0.16 if n <= 16 else 0.08
+    panel = min(max(per_token * n_tokens, 2.0), 12.0 if n == 1 else 4.0)
+    return rows, cols, round(panel * 4) / 4  # quarter inches: whole pixels at common dpis
+
+
+def attention_figsize(n_tokens: int, n_layers: int, n_heads: int) -> tuple[float, float]:
+    """Figure (width, height) in inches that plot_attention uses: panels plus room for
+    labels, titles and the colour bar."""
+    rows, cols, panel = _layout(n_tokens, n_layers, n_heads)
+    return cols * panel + 1.5, rows * panel + 1.0
+
+
+def plot_attention(
+    tokens: list[str],
+    weights: list[Tensor],
+    out: str | Path,
+    layers: list[int],
+    heads: list[int],
+    title: str | None = None,
+    dpi: int = 100,
+) -> Path:
+    """Heatmaps of the chosen layers × heads (query down, key across), saved as PNG or SVG.
+
+    Colours share one 0..1 scale so heads can be compared; the future (upper triangle) is
+    left blank. Token labels are drawn on every panel while they fit, else on the outer ones.
+    """
+    out = Path(out)
+    fmt = out.suffix.lower().lstrip(".")
+    if fmt not in IMAGE_FORMATS:
+        raise QuillError(f"{out}: the image must be .png or .svg")
+    with _matplotlib() as Figure:
+        T = len(tokens)
+        rows, cols, panel = _layout(T, len(layers), len(heads))
+        fig = Figure(figsize=attention_figsize(T, len(layers), len(heads)), dpi=dpi, layout="constrained")
+        axes = fig.subplots(rows, cols, squeeze=False)
+        panels = [(l, h) for l in layers for h in heads]
+        outer_only = len(layers) > 1  # thumbnails: labels on the left column and bottom row
+        fontsize = 9 if rows * cols == 1 else 7 if rows * cols <= 16 else 5
+        fit = int(panel * 72 / (fontsize * 1.25))  # labels that fit along a panel side (72 pt/inch)
+        ticks = list(range(0, T, max(1, math.ceil(T / fit))))
+        future = np.triu(np.ones((T, T), dtype=bool), k=1)
+        image = None
+        for n, ax in enumerate(axes.flat):
+            if n >= len(panels):
+                ax.set_axis_off()
+                continue
+            layer, head = panels[n]
+            w = np.ma.masked_array(weights[layer][head].numpy(), mask=future)  # (T, T)
+            image = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+            ax.set_title(f"layer {layer} head {head}", fontsize=fontsize + 1)
+            r, c = divmod(n, cols)
+            left, bottom = not outer_only or c == 0, not outer_only or r == rows - 1
+            ax.set_yticks(ticks, [tokens[i] for i in ticks] if left else [], fontsize=fontsize)
+            ax.set_xticks(ticks, [tokens[i] for i in ticks] if bottom else [], fontsize=fontsize, rotation=90)
+            ax.tick_params(length=0)
+            if c == 0:
+                ax.set_ylabel("query", fontsize=fontsize)
+            if r == rows - 1 or n + cols >= len(panels):
+                ax.set_xlabel("key (attended to)", fontsize=fontsize)
+        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+        if title:
+            fig.suptitle(title, fontsize=10)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format=fmt, dpi=dpi)
+    return out
+
+
+# --- loss curves ------------------------------------------------------------------------------
+
+X_LABELS = {"step": "step", "tokens": "tokens seen", "time": "wall time"}
+
+
+@dataclass
+class Curves:
+    """One run's losses against the chosen x axis."""
+
+    name: str
+    train: tuple[list[float], list[float]]  # (x, train_loss) at every logged step
+    val: tuple[list[float], list[float]]  # (x, val_loss) at evaluation steps; may be empty
+    last_step: int
+
+
+def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "step") -> Curves:
+    """Read a run's metrics.jsonl (also while it trains: a half-written last line is skipped).
+
+    tokens = step × batch_size·grad_accum·block_size from the run's config.yaml, i.e. tokens per
+    process: a DDP run saw world_size times more. time = elapsed_s (seconds of training).
+    """
+    run = Path(run_dir)
+    path = run / "metrics.jsonl"
+    if x not in X_LABELS:
+        raise QuillError(f"--x must be step, tokens or time, got {x!r}")
+    if not path.is_file():
+        raise QuillError(f"{run} has no metrics.jsonl; pass a run directory written by quill train")
+    records = [r for r in read_metrics(path) if isinstance(r, dict) and "step" in r]
+    if not records:
+        raise QuillError(f"{path} has no logged steps yet; wait for the first log_interval")
+    key, factor = "elapsed_s" if x == "time" else "step", 1
+    if x == "tokens":
+        cfg = load_config(run / "config.yaml")  # a clear QuillError when it is missing
+        factor = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
+    train = [(float(r[key] * factor), float(r["train_loss"])) for r in records if "train_loss" in r]
+    val = [(float(r[key] * factor), float(r["val_loss"])) for r in records if "val_loss" in r]
+    return Curves(
+        name=run.resolve().name,
+        train=([p[0] for p in train], [p[1] for p in train]),
+        val=([p[0] for p in val], [p[1] for p in val]),
+        last_step=int(records[-1]["step"]),
+    )
+
+
+def plot_runs(
+    run_dirs: list[str | Path],
+    out: str | Path,
+    x: Literal["step", "tokens", "time"] = "step",
+    log: bool = False,
+    dpi: int = 100,
+) -> list[Curves]:
+    """Train (solid) and val (dashed, dots) loss of several runs on one plot, one colour each."""
+    if not run_dirs:
+        raise QuillError("pass at least one run directory")
+    out = Path(out)
+    fmt = out.suffix.lower().lstrip(".")
+    if fmt not in IMAGE_FORMATS:
+        raise QuillError(f"--out {out} must end in .png or .svg")
+    curves = [load_curves(d, x) for d in run_dirs]
+    names = [c.name for c in curves]
+    if len(set(names)) < len(names):  # same leaf name in different places: use the paths as given
+        for c, d in zip(curves, run_dirs):
+            c.name = str(d)
+    scale, unit = 1.0, ""
+    if x == "time":
+        longest = max(max(c.train[0] + c.val[0], default=0.0) for c in curves)
+        scale, unit = (3600.0, " (h)") if longest > 3 * 3600 else (60.0, " (min)") if longest > 180 else (1.0, " (s)")
+    with _matplotlib() as Figure:
+        fig = Figure(figsize=(8, 5), dpi=dpi, layout="constrained")
+        ax = fig.subplots()
+        for n, c in enumerate(curves):
+            color = f"C{n % 10}"
+            ax.plot([v / scale for v in c.train[0]], c.train[1], color=color, lw=1.2, label=f"{c.name} train")
+            if c.val[0]:
+                ax.plot([v / scale for v in c.val[0]], c.val[1], color=color, ls="--", marker="o", ms=3,
+                        label=f"{c.name} val")
+        ax.set_xlabel(X_LABELS[x] + unit)
+        ax.set_ylabel("loss (nats/token)")
+        if log:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format=fmt, dpi=dpi)
+    return curves

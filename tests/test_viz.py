@@ -1,0 +1,331 @@
+"""Attention maps against softmax(QKᵀ/√d) by hand, head statistics by hand, images and curves."""
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from matplotlib.image import imread
+
+from quillgpt import viz
+from quillgpt.checkpoint import save_checkpoint
+from quillgpt.cli import main
+from quillgpt.config import Config, ModelConfig, load_config, save_config
+from quillgpt.errors import QuillError
+from quillgpt.model import GPT
+from quillgpt.tokenizer import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ALPHABET = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind"
+PROMPT = "To be, or not to be"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer("char", text=ALPHABET)
+
+
+def tiny_model(tok, **overrides) -> GPT:
+    """A 2-layer model with sharpened attention, so maps have structure and few ties."""
+    cfg = ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_embd=32, block_size=24, **overrides)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.mul_(20)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tok, tmp_path_factory):
+    """A run directory as quill train writes it, holding the tiny model."""
+    run = tmp_path_factory.mktemp("runs") / "tiny"
+    run.mkdir()
+    model = tiny_model(tok)
+    cfg = Config(model=model.config)
+    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 7},
+                    run / "best.pt")
+    return run
+
+
+def cli(*args):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(a) for a in args])
+    return exit_.value.code
+
+
+# --- the weights ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 1}, {"window": 3}, {"attn_impl": "math", "bias": False}],
+                         ids=["mha", "mqa", "window", "math-nobias"])
+def test_weights_equal_softmax_recomputed_by_hand(tok, overrides):
+    model = tiny_model(tok, **overrides)
+    cfg = model.config
+    inputs = {}
+    hooks = [block.ln_1.register_forward_hook(lambda m, a, out, i=i: inputs.__setitem__(i, out))
+             for i, block in enumerate(model.transformer.h)]
+    attn = viz.attention_weights(model, tok, PROMPT)
+    for h in hooks:
+        h.remove()
+
+    T, H, KV, hd = len(PROMPT), cfg.n_head, cfg.kv_heads, cfg.head_dim
+    assert attn.ids == tok.encode(PROMPT) and attn.cropped == 0 and len(attn.weights) == cfg.n_layer
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = (j <= i) & (i - j < (cfg.window or T))  # (T, T)
+    for layer, block in enumerate(model.transformer.h):
+        x = inputs[layer][0]  # (T, C): the layer's input to attention
+        qkv = x @ block.attn.c_attn.weight.T
+        if block.attn.c_attn.bias is not None:
+            qkv = qkv + block.attn.c_attn.bias
+        q = qkv[:, : H * hd].view(T, H, hd)
+        k = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd)
+        for head in range(H):
+            scores = q[:, head] @ k[:, head // (H // KV)].T / math.sqrt(hd)  # (T, T)
+            expected = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            got = attn.weights[layer][head]
+            assert got.shape == (T, T)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got.sum(-1), torch.ones(T))
+            assert (got.triu(1) == 0).all()
+
+
+def test_long_prompt_keeps_its_last_block_size_tokens(tok):
+    model = tiny_model(tok)
+    text = "To be, or not to be: that is the question"
+    attn = viz.attention_weights(model, tok, text)
+    assert attn.cropped == len(text) - 24
+    assert attn.ids == tok.encode(text)[-24:]
+    assert attn.weights[0].shape == (4, 24, 24)
+
+
+def test_prompt_mistakes_are_quill_errors(tok):
+    model = tiny_model(tok)
+    with pytest.raises(QuillError, match="empty"):
+        viz.attention_weights(model, tok, "")
+    with pytest.raises(QuillError, match="Z"):  # 'Z' is not in the char vocabulary
+        viz.attention_weights(model, tok, "To Zed")
+
+
+def test_token_labels_are_readable():
+    assert viz.token_label(b" ") == "␣"
+    assert viz.token_label(b"\n\t\r") == "\\n\\t\\r"
+    assert viz.token_label(b" the") == "␣the"
+    assert viz.token_label("é".encode()) == "é"
+    assert viz.token_label("é".encode()[:1]) == "\\xc3"  # half a character, from a BPE token
+    assert viz.token_label(b"\x00") == "\\x00"
+    assert viz.token_label(b"a\\b") == "a\\\\b"
+
+
+# --- head summary -----------------------------------------------------------------------------
+
+
+def test_head_summary_by_hand():
+    spread = [[1, 0, 0], [0.5, 0.5, 0], [0.25, 0.25, 0.5]]
+    diagonal = [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    sink = [[1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    w = torch.tensor([spread, diagonal, sink])  # (H=3, T=3, T=3)
+    rows = viz.head_summary([w, w.flip(0)])
+    assert [(r["layer"], r["head"]) for r in rows] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    s, d, f = rows[:3]
+    # queries 1 and 2 only (query 0 can only see itself)
+    assert s["mean_distance"] == pytest.approx((0.5 * 1 + (0.25 * 2 + 0.25 * 1)) / 2)
+    assert s["entropy"] == pytest.approx((math.log(2) + (0.5 * math.log(4) + 0.5 * math.log(2))) / 2)
+    assert s["first_token_weight"] == pytest.approx((0.5 + 0.25) / 2)
+    assert d["mean_distance"] == 0 and d["entropy"] == 0 and d["first_token_weight"] == 0
+    assert f["mean_distance"] == pytest.approx(1.5) and f["first_token_weight"] == 1 and f["entropy"] == 0
+    assert [r["focus"] for r in rows[:3]] == ["far", "local", "first"]  # uniform distance here: 0.75
+    assert rows[3] == {**f, "layer": 1, "head": 0}
+    table = viz.format_head_table(rows)
+    assert len(table.splitlines()) == 7 and "first" in table.splitlines()[3]
+
+
+# --- text view --------------------------------------------------------------------------------
+
+
+def test_text_view_top_k_matches_the_weights(tok):
+    attn = viz.attention_weights(tiny_model(tok), tok, PROMPT)
+    text = viz.render_text(attn.tokens, attn.weights, layers=[1], heads=[2], top_k=3)
+    lines = text.splitlines()
+    assert lines[0].startswith("layer 1 head 2") and len(lines) == 1 + len(PROMPT)
+    w = attn.weights[1][2]
+    for i, line in enumerate(lines[1:]):
+        picks = re.findall(r"(\S+)@(\d+) (\d\.\d\d)", line.split("→", 1)[1])
+        values, where = torch.topk(w[i, : i + 1], min(3, i + 1))
+        assert [int(p) for _, p, _ in picks] == where.tolist()
+        assert [float(v) for _, _, v in picks] == pytest.approx(values.tolist(), abs=0.006)
+        assert [t for t, _, _ in picks] == [attn.tokens[j] for j in where.tolist()]
+    with pytest.raises(QuillError, match="top-k"):
+        viz.render_text(attn.tokens, attn.weights, [0], [0], top_k=0)
+
+
+def test_layer_head_and_format_choices():
+    assert viz.select_layers("-1", 4) == [3] and viz.select_layers("all", 2) == [0, 1]
+    assert viz.select_heads(None, 3) == [0, 1, 2] and viz.select_heads(1, 3) == [1]
+    for bad in ("4", "x"):
+        with pytest.raises(QuillError, match="--layer"):
+            viz.select_layers(bad, 4)
+    with pytest.raises(QuillError, match="--head 3"):
+        viz.select_heads(3, 3)
+    assert viz.output_format(None, None) == "text" and viz.output_format("a.SVG", None) == "svg"
+    assert viz.output_format(None, "png") == "png"
+    for out, fmt in (("a.jpg", None), ("a.svg", "png"), ("a.png", "text"), (None, "gif")):
+        with pytest.raises(QuillError):
+            viz.output_format(out, fmt)
+
+
+# --- images -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers,heads", [([1], [0, 1, 2, 3]), ([0, 1], [0, 1, 2, 3]), ([1], [2])],
+                         ids=["one-layer", "all-layers", "one-head"])
+def test_png_has_the_layout_size_and_is_not_blank(tok, tmp_path, layers, heads):
+    attn = viz.attention_weights(tiny_model(tok), tok, PROMPT)
+    out = viz.plot_attention(attn.tokens, attn.weights, tmp_path / "a.png", layers, heads, title="t", dpi=40)
+    pixels = imread(out)  # (height, width, RGBA) floats in [0, 1]
+    width, height = viz.attention_figsize(len(PROMPT), len(layers), len(heads))
+    assert pixels.shape[:2] == (round(height * 40), round(width * 40))
+    rgb = pixels[..., :3]
+    assert rgb.var() > 0.01 and rgb.min() < 0.5
+
+
+def test_svg_is_written(tok, tmp_path):
+    attn = viz.attention_weights(tiny_model(tok), tok, PROMPT)
+    tokens = ["$\\frac$", *attn.tokens[1:]]  # BPE tokens may hold '$': drawn as text, not (broken) TeX
+    out = viz.plot_attention(tokens, attn.weights, tmp_path / "a.svg", [0], [1])
+    text = out.read_text()
+    assert "<svg" in text and "</svg>" in text
+
+
+def test_missing_matplotlib_says_how_to_install(tok, tmp_path, monkeypatch, run_dir, capsys):
+    attn = viz.attention_weights(tiny_model(tok), tok, PROMPT)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now fails
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(QuillError, match=re.escape('pip install -e ".[plot]"')):
+        viz.plot_attention(attn.tokens, attn.weights, tmp_path / "a.png", [0], [0])
+    assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT, "--out", tmp_path / "a.png") == 2
+    assert '".[plot]"' in capsys.readouterr().err
+    assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT) == 0  # the text view needs nothing
+    assert "layer 1 head 0" in capsys.readouterr().out
+
+
+# --- the attention command --------------------------------------------------------------------
+
+
+def test_cli_attention_image_and_summary_json(run_dir, tmp_path, capsys):
+    out = tmp_path / "maps" / "attn.png"
+    assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT, "--layer", "all", "--out", out) == 0
+    printed = capsys.readouterr().out
+    assert out.is_file() and imread(out).shape[:2] == (
+        round(viz.attention_figsize(len(PROMPT), 2, 4)[1] * 100), round(viz.attention_figsize(len(PROMPT), 2, 4)[0] * 100)
+    )
+    record = json.loads((tmp_path / "maps" / "attn.heads.json").read_text())
+    assert record["step"] == 7 and record["prompt"] == PROMPT and len(record["tokens"]) == len(PROMPT)
+    assert [(h["layer"], h["head"]) for h in record["heads"]] == [(l, h) for l in range(2) for h in range(4)]
+    assert len([line for line in printed.splitlines() if line.endswith(("local", "far", "first"))]) == 8
+
+    summary = tmp_path / "s.json"
+    assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT, "--head", "1", "--top-k", "2",
+               "--summary-json", summary) == 0
+    printed = capsys.readouterr().out
+    assert "layer 1 head 1" in printed and "layer 1 head 0" not in printed
+    assert len(json.loads(summary.read_text())["heads"]) == 8  # the JSON always has every head
+
+
+def test_cli_attention_mistakes_exit_2(run_dir, tmp_path, capsys):
+    long_prompt = "To be, or not to be: that is the question"
+    assert cli("attention", "--ckpt", run_dir, "--prompt", long_prompt, "--top-k", "1") == 0
+    assert "kept its last 24 tokens" in capsys.readouterr().err
+    for args in (["--prompt", "Zounds"], ["--prompt", PROMPT, "--head", "4"], ["--prompt", PROMPT, "--layer", "2"],
+                 ["--prompt", PROMPT, "--out", tmp_path / "a.jpg"]):
+        assert cli("attention", "--ckpt", run_dir, *args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert cli("attention", "--ckpt", tmp_path / "nothing", "--prompt", PROMPT) == 2
+
+
+# --- loss curves ------------------------------------------------------------------------------
+
+
+def write_run(path, records, tail="", batch_size=4, grad_accum=2, block_size=16):
+    """A run directory with config.yaml and metrics.jsonl (plus an optional cut-off last line)."""
+    path.mkdir(parents=True)
+    cfg = load_config(None, [f"train.batch_size={batch_size}", f"train.grad_accum={grad_accum}",
+                             f"model.block_size={block_size}"])
+    save_config(cfg, path / "config.yaml")
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (path / "metrics.jsonl").write_text(lines + tail)
+    return path
+
+
+def records(n, val_every=None):
+    return [{"step": s, "train_loss": 4.0 / s, "lr": 1e-3, "elapsed_s": 2.0 * s,
+             **({"val_loss": 4.5 / s} if val_every and s % val_every == 0 else {})} for s in range(1, n + 1)]
+
+
+def test_curves_of_a_run_in_progress_and_one_without_val(tmp_path):
+    live = write_run(tmp_path / "live", records(6, val_every=3), tail='{"step": 7, "train_lo')
+    c = viz.load_curves(live)
+    assert c.train[0] == [1, 2, 3, 4, 5, 6] and c.val == ([3.0, 6.0], [1.5, 0.75]) and c.last_step == 6
+    assert viz.load_curves(live, "tokens").train[0] == [s * 4 * 2 * 16 for s in range(1, 7)]
+    assert viz.load_curves(live, "time").val[0] == [6.0, 12.0]
+    no_val = write_run(tmp_path / "noval", records(4))
+    assert viz.load_curves(no_val).val == ([], [])
+
+    out = tmp_path / "curves.png"
+    curves = viz.plot_runs([live, no_val], out, x="tokens", log=True, dpi=50)
+    assert [c.name for c in curves] == ["live", "noval"]
+    pixels = imread(out)
+    assert pixels.shape[:2] == (250, 400) and pixels[..., :3].var() > 0
+
+
+def test_plot_problems_are_quill_errors(tmp_path):
+    with pytest.raises(QuillError, match="no metrics.jsonl"):
+        viz.load_curves(tmp_path)
+    empty = write_run(tmp_path / "empty", [], tail='{"step": 1, "tr')
+    with pytest.raises(QuillError, match="no logged steps yet"):
+        viz.load_curves(empty)
+    no_config = tmp_path / "noconfig"
+    no_config.mkdir()
+    (no_config / "metrics.jsonl").write_text(json.dumps(records(1)[0]) + "\n")
+    with pytest.raises(QuillError, match="config"):
+        viz.load_curves(no_config, "tokens")
+    with pytest.raises(QuillError, match="--x"):
+        viz.load_curves(no_config, "epochs")
+
+
+def test_cli_plot_same_names_and_svg(tmp_path, capsys):
+    a = write_run(tmp_path / "a" / "run", records(5, val_every=5))
+    b = write_run(tmp_path / "b" / "run", records(3))
+    out = tmp_path / "c.svg"
+    assert cli("plot", a, b, "--out", out, "--x", "time") == 0
+    printed = capsys.readouterr().out
+    assert str(a) in printed and "best val 0.9000" in printed and "no val points yet" in printed
+    assert "<svg" in out.read_text()
+    assert cli("plot", a, "--out", tmp_path / "c.gif") == 2
+    assert "png or .svg" in capsys.readouterr().err
+
+
+# --- end to end -------------------------------------------------------------------------------
+
+
+def test_a_trained_run_end_to_end(shakespeare_path, tmp_path, capsys):
+    """quill train writes what quill plot and quill attention read."""
+    from quillgpt.train import train
+
+    run = tmp_path / "run"
+    cfg = load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", [
+        f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={run}",
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=4",
+        "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=1", "train.log_interval=1",
+        "train.warmup_iters=1", "train.device=cpu",
+    ])
+    train(cfg, progress=False)
+    assert cli("plot", run, "--out", tmp_path / "loss.png") == 0
+    assert "run: step 6" in capsys.readouterr().out
+    assert cli("attention", "--ckpt", run, "--which", "latest", "--prompt", "ROMEO:\nO, she", "--out",
+               tmp_path / "attn.png") == 0
+    assert (tmp_path / "attn.png").is_file() and (tmp_path / "attn.heads.json").is_file()
