@@ -148,38 +148,6 @@ def eval_cmd(
         print(format_table(results))
 
 
-@app.command("import-hf")
-def import_hf_cmd(
-    src: str = typer.Argument(..., help="Hugging Face GPT-2 directory (config.json + model.safetensors or pytorch_model.bin), or a hub name such as gpt2, gpt2-medium."),
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
-    force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
-) -> None:
-    """Import GPT-2 weights (transformers' GPT2LMHeadModel) as a quill run: sample, eval or fine-tune it."""
-    from quillgpt.interop import import_hf
-
-    done = import_hf(src, out, force=force)
-    m = done.model
-    print(
-        f"imported {src} → {done.path}: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, "
-        f"block_size {m.block_size}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
-        f"fine-tune with `quill train ... train.init_from={done.path}`"
-    )
-
-
-@app.command("export-hf")
-def export_hf_cmd(
-    run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
-    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
-    force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
-) -> None:
-    """Export a GPT-2-shaped run for transformers: GPT2LMHeadModel.from_pretrained(OUT) loads it."""
-    from quillgpt.interop import export_hf
-
-    done = export_hf(run, out, which=which, force=force)
-    print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
-
-
 @app.command("attention")
 def attention_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
