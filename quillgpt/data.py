@@ -191,16 +191,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _encode(tok: Tokenizer, text: str, bar: tqdm) -> np.ndarray:
-    """All ids of `text` as one array; pieces cut at safe points are encoded in parallel."""
+def _write_tokens(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, bar: tqdm) -> int:
+    """Encode `text` piece by piece straight into `path` (temp + rename); returns the token
+    count. Pieces are cut at safe points and encoded in parallel; memory stays at one group."""
     chunks = text_chunks(text, CHUNK_CHARS, tok.safe_cut)
     step = 2 * (os.cpu_count() or 1)
-    arrays = []
-    for i in range(0, len(chunks), step):
-        group = chunks[i : i + step]
-        arrays += tok.encode_arrays(group)
-        bar.update(sum(map(len, group)))
-    return np.concatenate(arrays)
+    n = 0
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for i in range(0, len(chunks), step):
+            group = chunks[i : i + step]
+            for ids in tok.encode_arrays(group):
+                ids.astype(dtype).tofile(f)
+                n += len(ids)
+            bar.update(sum(map(len, group)))
+    os.replace(tmp, path)
+    return n
 
 
 def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> PreparedData:
@@ -232,18 +238,16 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # a crash from here on must not look up to date
     with tqdm(total=len(text), unit="char", unit_scale=True, desc="tokenize", disable=not progress, delay=0.5) as bar:
-        train_ids = _encode(tok, text[:cut], bar)
-        val_ids = _encode(tok, text[cut:], bar)
-    _write_atomic(out_dir / "train.bin", train_ids.astype(dtype).tobytes())
-    _write_atomic(out_dir / "val.bin", val_ids.astype(dtype).tobytes())
+        n_train = _write_tokens(tok, text[:cut], out_dir / "train.bin", dtype, bar)
+        n_val = _write_tokens(tok, text[cut:], out_dir / "val.bin", dtype, bar)
     meta = {
         **want,
         "source": str(source),
         "source_bytes": len(raw),
         "train_chars": cut,
         "val_chars": len(text) - cut,
-        "train_tokens": len(train_ids),
-        "val_tokens": len(val_ids),
+        "train_tokens": n_train,
+        "val_tokens": n_val,
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
         "dtype": dtype.name,

@@ -108,9 +108,8 @@ class CharTokenizer(Tokenizer):
         self.chars = chars
         self.vocab_size = len(chars)
         self.eot_id = None
-        codes = _code_points(chars)
-        self._table = np.full(int(codes.max()) + 1, -1, dtype=np.int32)  # code point → id
-        self._table[codes] = np.arange(len(chars), dtype=np.int32)
+        self._table = np.full(0x110000, -1, dtype=np.int32)  # every code point → id, or -1
+        self._table[_code_points(chars)] = np.arange(len(chars), dtype=np.int32)
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
@@ -124,10 +123,7 @@ class CharTokenizer(Tokenizer):
     def _lookup(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(codes, ids) with id -1 where a character is not in the vocabulary."""
         codes = _code_points(text)
-        inside = codes < len(self._table)
-        if inside.all():
-            return codes, self._table[codes]
-        return codes, np.where(inside, self._table[np.where(inside, codes, 0)], -1)
+        return codes, self._table[codes]
 
     def encode_array(self, text: str) -> np.ndarray:
         codes, ids = self._lookup(text)
