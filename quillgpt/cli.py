@@ -89,7 +89,7 @@ def prepare_cmd(
     )
 
 
-tokenizer_app = typer.Typer(help="Train and inspect tokenizers.", no_args_is_help=True)
+tokenizer_app = typer.Typer(help="Tokenizers: train a byte-level BPE on your own text.", no_args_is_help=True)
 app.add_typer(tokenizer_app, name="tokenizer")
 
 
