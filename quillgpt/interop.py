@@ -350,11 +350,15 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
 
     _check_out_dir(out_dir, (ckpt.LATEST, ckpt.BEST), force, "a quill run")
     cfg = Config(model=model_cfg)
-    cfg.data.tokenizer = tokenizer.name
-    cfg.train.out_dir = str(out_dir)
+    tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
+    cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")
+    cfg.data.out_dir = f"data/shakespeare_{tokenizer.name}"
+    # Training with this config.yaml fine-tunes the import into a new directory, never over it.
+    cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
     save_config(cfg, out_dir / "config.yaml")
     save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-    (out_dir / ckpt.BEST).unlink(missing_ok=True)  # with --force: a stale best.pt would win over it
+    for stale in (ckpt.BEST, "metrics.jsonl"):  # with --force: not this model's
+        (out_dir / stale).unlink(missing_ok=True)
     ckpt.save_checkpoint(
         {"model": state, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": 0,
          "tokens_seen": 0, "imported_from": str(src)},

@@ -126,6 +126,8 @@ def test_imported_run_speaks_gpt2s_vocabulary(imported, tmp_path, capsys):
     new = [int(t) for t in generate_tokens(run.model, [tok.encode("Hello world")], 5)]
     assert len(new) == 5 and all(0 <= t < GPT2_VOCAB for t in new)
     assert isinstance(tok.decode(new), str)
+    saved = load_config(imported / "config.yaml")  # training with it fine-tunes, never overwrites
+    assert saved.train.init_from == str(imported) and saved.train.out_dir == f"{imported}-finetune"
 
     text = tmp_path / "text.txt"  # quill eval reads the imported run like any other
     text.write_text("Hello world. " * 10, encoding="utf-8")
