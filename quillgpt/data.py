@@ -227,13 +227,19 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
 
     text = _decode(raw, source)
     tok = build_tokenizer(cfg.tokenizer, text, cfg.bpe_vocab_size)
+    if cfg.tokenizer not in TOKENIZER_NAMES and (unknown := tok.unknown_chars(text)):  # a saved char vocabulary
+        shown = ", ".join(f"{c!r} ×{k}" for c, k in list(unknown.items())[:5])
+        raise QuillError(
+            f"{source} has {len(unknown)} distinct character(s) the tokenizer {cfg.tokenizer} cannot "
+            f"encode ({shown}); use data.tokenizer=char to build a vocabulary from this text"
+        )
     dtype = token_dtype(tok.vocab_size)
     # Validation is the last val_fraction of the text; a tiktoken/BPE split moves to a nearby
     # newline so the two halves tokenize exactly as the whole text would.
-    n_val = max(1, round(len(text) * cfg.val_fraction))
-    if len(text) - n_val < 1:
+    val_chars = max(1, round(len(text) * cfg.val_fraction))
+    if len(text) - val_chars < 1:
         raise QuillError(f"{source} has only {len(text)} character(s): too short to split into train and val")
-    cut = tok.safe_cut(text, len(text) - n_val, window=max(1, min(10_000, n_val // 10)))
+    cut = tok.safe_cut(text, len(text) - val_chars, window=max(1, min(10_000, val_chars // 10)))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # a crash from here on must not look up to date

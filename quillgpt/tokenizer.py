@@ -250,7 +250,8 @@ def text_chunks(
 
 
 def train_bpe(text: str, vocab_size: int, pattern: str = GPT4_SPLIT_PATTERN) -> TiktokenTokenizer:
-    """Byte-level BPE with `vocab_size` ids: 256 bytes, vocab_size - 257 merges, then EOT."""
+    """Byte-level BPE with `vocab_size` ids: 256 bytes, vocab_size - 257 merges, then EOT
+    (fewer merges when the text runs out of pairs to merge)."""
     import rustbpe
 
     if vocab_size < 257:
@@ -313,6 +314,7 @@ def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     """Write the tokenizer's spec as JSON (temp file + rename, so a crash leaves no half file)."""
     path = Path(path)
     data = {"format": "quillgpt-tokenizer", "version": 1, "tokenizer": tok.spec()}
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(dump_json(data), encoding="utf-8")
     os.replace(tmp, path)

@@ -22,7 +22,7 @@ from quillgpt.data import (
     token_dtype,
 )
 from quillgpt.errors import QuillError
-from quillgpt.tokenizer import build_tokenizer
+from quillgpt.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
 
 
 def write_config(tmp_path, name="cfg.yaml", **data):
@@ -191,6 +191,22 @@ def test_vocab_too_big_for_the_dtype(tmp_path, small_text):
     meta_path.write_text(json.dumps(dict(meta, vocab_size=70_000)))  # uint16 cannot hold these ids
     with pytest.raises(QuillError, match="too small for vocab_size 70000"):
         load_tokens(tmp_path / "o", "train")
+
+
+def test_saved_tokenizer_file_is_used_and_its_gaps_reported(tmp_path, small_text):
+    text = small_text.read_text(encoding="utf-8")
+    save_tokenizer(build_tokenizer("bpe", text, 300), tmp_path / "bpe.json")
+    cfg_file = write_config(tmp_path, path=str(small_text), tokenizer=str(tmp_path / "bpe.json"), out_dir=str(tmp_path / "o"))
+    meta = prepare(load_config(cfg_file).data, progress=False).meta
+    assert meta["tokenizer"] == load_tokenizer(tmp_path / "bpe.json").spec()
+    assert not prepare(load_config(cfg_file).data, progress=False).rebuilt
+    save_tokenizer(build_tokenizer("bpe", text, 280), tmp_path / "bpe.json")  # same path, new content
+    assert prepare(load_config(cfg_file).data, progress=False).rebuilt
+
+    save_tokenizer(build_tokenizer("char", "abcdefghijklmnopqrstuvwxyz \n"), tmp_path / "char.json")
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer=str(tmp_path / "char.json"), out_dir=str(tmp_path / "c"))
+    with pytest.raises(QuillError, match=r"distinct character\(s\) the tokenizer .*char.json cannot encode \('!' ×"):
+        prepare(cfg, progress=False)
 
 
 def test_missing_prepared_data_and_unknown_tokenizer(tmp_path, small_text):
