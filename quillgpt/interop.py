@@ -95,17 +95,17 @@ def hf_to_model_config(hf: dict[str, Any], source: str = "config.json") -> Model
     # reorder_and_upcast_attn only changes rounding (the same formula in fp32), so it imports as is.
     if problems:
         raise QuillError(f"cannot import {source}: quill has no equivalent of " + "; ".join(problems))
-    n_embd, n_inner = int(c["n_embd"]), c["n_inner"]
-    cfg = ModelConfig(
-        vocab_size=int(c["vocab_size"]), block_size=int(c["n_positions"]), n_layer=int(c["n_layer"]),
-        n_head=int(c["n_head"]), n_kv_head=None, n_embd=n_embd, dropout=0.0, bias=True, pos="learned",
-        norm="layernorm", norm_eps=float(c["layer_norm_epsilon"]), mlp="gelu",
-        mlp_hidden=None if n_inner is None or int(n_inner) == 4 * n_embd else int(n_inner),
-        window=None, tie_embeddings=bool(c["tie_word_embeddings"]), attn_impl="sdpa",
-    )
     try:
+        n_embd, n_inner = int(c["n_embd"]), c["n_inner"]
+        cfg = ModelConfig(
+            vocab_size=int(c["vocab_size"]), block_size=int(c["n_positions"]), n_layer=int(c["n_layer"]),
+            n_head=int(c["n_head"]), n_kv_head=None, n_embd=n_embd, dropout=0.0, bias=True, pos="learned",
+            norm="layernorm", norm_eps=float(c["layer_norm_epsilon"]), mlp="gelu",
+            mlp_hidden=None if n_inner is None or int(n_inner) == 4 * n_embd else int(n_inner),
+            window=None, tie_embeddings=bool(c["tie_word_embeddings"]), attn_impl="sdpa",
+        )
         cfg.validate()
-    except QuillError as e:
+    except (TypeError, ValueError, QuillError) as e:
         raise QuillError(f"cannot import {source}: {e}") from None
     return cfg
 

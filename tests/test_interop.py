@@ -209,6 +209,8 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path, change, message):
     (dict(model_type="llama"), "model_type is 'llama', not 'gpt2'"),
     (dict(vocab_size=1000), "vocab_size=1000, fewer than the 50257 ids"),
     (dict(n_layer=3), r"missing: transformer\.h\.2\."),  # config.json and weights disagree
+    (dict(n_head=5), r"n_embd \(64\) must be divisible by model.n_head \(5\)"),
+    (dict(n_embd="wide"), "invalid literal"),
 ])
 def test_import_refuses_what_quill_cannot_run_exactly(hf_dir, tmp_path, change, message):
     src = tmp_path / "src"
