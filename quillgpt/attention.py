@@ -1,0 +1,229 @@
+"""Causal self-attention (MHA / GQA / MQA, sliding window, RoPE) and its KV cache.
+
+The textbook form is one `Head` per head — key/query/value projections, a causal mask,
+softmax(QK^T/√d_k)·V — concatenated and projected (tests/test_attention.py keeps that form as
+the reference). Here all heads come out of one fused projection `c_attn` and run as one batched
+matmul, which is the same computation, only faster.
+
+Who may attend to whom is decided by *positions*, not by indices, in one rule shared by every
+path (training, recompute, KV cache, left-padded batches):
+
+    the query at position p sees the keys at positions (p - span, p] that are ≥ 0,
+    span = min(window, block_size); a query at a negative position (left padding) sees only itself.
+
+So a left-padded row gives its pad tokens negative positions and they never influence it, and a
+ring-buffer cache that holds the last `span` keys is exact, however long generation runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quillgpt.config import ModelConfig
+
+EMPTY_POS = -(2**62)  # position of a cache slot that holds no key yet: matches no query
+
+
+def rope_cos_sin(pos: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin of the RoPE angles pos·θ^(-2i/d) for any (…) integer positions → (…, head_dim).
+
+    One function for the precomputed table and for explicit positions, so both give the same bits.
+    """
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    angles = pos.to(torch.float32)[..., None] * inv_freq  # (..., hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., hd): the two halves rotate as pairs
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[i], x[i + d/2]) of q or k (B, H, T, hd) by their position's angle."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).type_as(x)
+
+
+def attention_mask(q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor:
+    """(B, T) query and (B, S) key positions → (B, 1, T, S) boolean mask, True = may attend.
+
+    Causal, limited to the last `span` positions, blind to negative (padding / empty) keys; a
+    padding query sees itself so that no softmax row is empty (an empty row would give NaN, and
+    NaN·0 would leak into real rows through the values).
+    """
+    q = q_pos[:, None, :, None]  # (B, 1, T, 1)
+    k = k_pos[:, None, None, :]  # (B, 1, 1, S)
+    return ((k <= q) & (k > q - span) & (k >= 0)) | (k == q)
+
+
+def mask_to_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean mask → additive bias (0 where allowed, -inf elsewhere). CPU sdpa is far faster
+    with it: a boolean mask over a cache slice sends decode steps to a path ~50× slower."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    impl: str = "sdpa",
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """softmax(QK^T/√d)·V for q (B, H, T, hd) and k, v (B, KV, S, hd), KV dividing H.
+
+    `mask`: boolean (True = attend) or additive float (see mask_to_bias), broadcastable to
+    (B, H, T, S); None means plain causal with T == S. Query head h reads K/V head h // (H/KV).
+    `impl="math"` (or need_weights) spells it out and returns the (B, H, T, S) weights.
+    """
+    T, S = q.shape[2], k.shape[2]
+    if impl == "sdpa" and not need_weights:
+        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)  # e.g. under autocast
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p,
+            is_causal=mask is None and T > 1, enable_gqa=k.shape[1] != q.shape[1],
+        )
+        return y, None
+    if k.shape[1] != q.shape[1]:  # GQA/MQA: each K/V head serves a group of query heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    if mask.dtype == torch.bool:
+        att = att.masked_fill(~mask, float("-inf"))
+    else:
+        att = att + mask
+    att = att.softmax(dim=-1)
+    y = F.dropout(att, dropout_p) if dropout_p > 0 else att
+    return y @ v, att
+
+
+class KVCache:
+    """Preallocated keys/values of every layer: (n_layer, B, kv_heads, capacity, head_dim) each.
+
+    Tokens are written in order into slot `n % capacity` (a ring buffer), with their positions
+    kept per row in `pos` so the shared attention rule masks what a query may not see. With
+    capacity ≥ the attention span (min(window, block_size), the default) the ring drops only keys
+    no query can see any more, so memory stays bounded however long generation runs. A smaller
+    capacity is allowed as long as it never has to drop a key (ValueError otherwise).
+    """
+
+    def __init__(
+        self, n_layer: int, batch_size: int, kv_heads: int, head_dim: int,
+        capacity: int, span: int, device: torch.device | str, dtype: torch.dtype,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"KV cache capacity must be at least 1, got {capacity}")
+        shape = (n_layer, batch_size, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.full((batch_size, capacity), EMPTY_POS, device=device, dtype=torch.long)
+        self.capacity, self.span = capacity, span
+        self.seen = 0  # tokens written since the last reset (all rows advance together)
+        self._start, self._len, self._slots = 0, 0, None  # the current forward's write plan
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (the per-row positions add batch·capacity·8 more)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def reset(self) -> None:
+        """Forget every token (the buffers are reused, not reallocated)."""
+        self.pos.fill_(EMPTY_POS)
+        self.seen = 0
+
+    def plan(self, pos: Tensor) -> Tensor:
+        """Start a forward of T new tokens at positions (B, T): record them, return key positions.
+
+        Three cases: append without wrapping; one token into the oldest ring slot; or several
+        tokens past the end, which attend over [cache, new] before the ring keeps the last ones.
+        """
+        T, start = pos.shape[1], self.seen
+        if self.capacity < self.span and start + T > self.capacity:
+            raise ValueError(
+                f"KV cache of capacity {self.capacity} is full ({start} + {T} tokens) and would drop "
+                f"keys still within the attention span ({self.span}); make it larger or reset it"
+            )
+        self._start, self._len, self.seen = start, T, start + T
+        if start + T <= self.capacity:
+            self.pos[:, start : start + T] = pos
+            return self.pos[:, : start + T]
+        if T == 1:
+            self.pos[:, start % self.capacity] = pos[:, 0]
+            return self.pos
+        key_pos = torch.cat([self.pos, pos], dim=1)  # (B, capacity + T)
+        m = min(T, self.capacity)  # only the last `capacity` new tokens survive
+        self._slots = torch.arange(start + T - m, start + T, device=pos.device) % self.capacity
+        self.pos.index_copy_(1, self._slots, pos[:, T - m :])
+        return key_pos
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this layer's new k, v (B, KV, T, hd); return the keys/values to attend over."""
+        start, T, ks, vs = self._start, self._len, self.k[layer], self.v[layer]
+        if start + T <= self.capacity:
+            ks[:, :, start : start + T] = k
+            vs[:, :, start : start + T] = v
+            return ks[:, :, : start + T], vs[:, :, : start + T]
+        if T == 1:
+            slot = start % self.capacity
+            ks[:, :, slot] = k[:, :, 0]
+            vs[:, :, slot] = v[:, :, 0]
+            return ks, vs
+        k_all = torch.cat([ks, k.to(ks.dtype)], dim=2)  # copies first, so the writes below are safe
+        v_all = torch.cat([vs, v.to(vs.dtype)], dim=2)
+        m = min(T, self.capacity)
+        ks.index_copy_(2, self._slots, k[:, :, T - m :].to(ks.dtype))
+        vs.index_copy_(2, self._slots, v[:, :, T - m :].to(vs.dtype))
+        return k_all, v_all
+
+
+class CausalSelfAttention(nn.Module):
+    """All heads at once: fused q/k/v projection, (RoPE), attention, output projection.
+
+    c_attn's output is [q heads | k heads | v heads], each head-major, as in HF GPT-2; with GQA or
+    MQA there are fewer k/v heads (kv_heads), each shared by n_head / kv_heads query heads.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.impl, self.dropout = cfg.attn_impl, cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.kv_heads) * self.head_dim, bias=cfg.bias)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        rope: tuple[Tensor, Tensor] | None = None,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, C) → (B, T, C) and the attention weights when need_weights.
+
+        rope: cos/sin for these tokens; mask: (B, 1, T, S) from `attention_mask`, None = causal.
+        """
+        B, T, _ = x.shape
+        H, KV, hd = self.n_head, self.kv_heads, self.head_dim
+        q, k, v = self.c_attn(x).split([H * hd, KV * hd, KV * hd], dim=2)
+        q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
+        v = v.view(B, T, KV, hd).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, KV, S, hd)
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+        dropout_p = self.dropout if self.training else 0.0
+        y, weights = attend(q, k, v, mask, self.impl, dropout_p, need_weights)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)  # heads side by side again
+        return self.resid_dropout(self.c_proj(y)), weights
