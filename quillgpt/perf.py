@@ -20,8 +20,9 @@ GPU_PEAKS = {
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
     """FLOP/s of square matmuls on this CPU with the current thread count."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # never touch the global RNG: resume must stay exact
+    a = torch.randn(n, n, generator=g).to(dtype)
+    b = torch.randn(n, n, generator=g).to(dtype)
     torch.mm(a, b)  # warm-up: kernel selection, thread pool start
     reps, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:

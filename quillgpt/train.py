@@ -343,7 +343,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         # Every rank draws the same global batch and keeps its own slice, so N ranks with
         # batch B see exactly the windows one process with batch N·B would see.
         sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
-        n_eval = tc.eval_iters * tc.batch_size
+        n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
         windows = {
             "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval)),
             "val": (val_tokens, fixed_windows(val_tokens, cfg.model.block_size, n_eval)),

@@ -1,0 +1,201 @@
+"""The trainer: schedule, exact resume, DDP equivalence, and faults that keep work safe."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import quillgpt.train as train_mod
+from quillgpt.checkpoint import RunLock, load_checkpoint, read_metrics
+from quillgpt.config import TrainConfig, load_config
+from quillgpt.errors import QuillError
+from quillgpt.train import lr_at, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data") / "char"
+
+
+def tiny_overrides(shakespeare_path, data_dir, out_dir, *extra):
+    return [
+        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+        "train.batch_size=4", "train.max_iters=8", "train.eval_interval=4", "train.eval_iters=2",
+        "train.log_interval=1", "train.warmup_iters=2", "train.device=cpu", *extra,
+    ]
+
+
+def tiny_config(shakespeare_path, data_dir, out_dir, *extra):
+    return load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml",
+                       tiny_overrides(shakespeare_path, data_dir, out_dir, *extra))
+
+
+def losses(out_dir):
+    return [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(Path(out_dir) / "metrics.jsonl")]
+
+
+def test_lr_schedule_shapes():
+    cfg = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10)
+    assert lr_at(0, cfg, 100) == pytest.approx(1 / 11)
+    assert lr_at(10, cfg, 100) == pytest.approx(1.0)
+    assert lr_at(100, cfg, 100) == pytest.approx(0.1)
+    assert lr_at(55, cfg, 100) == pytest.approx(0.55)  # cosine midpoint
+    wsd = TrainConfig(learning_rate=1.0, min_lr=0.0, warmup_iters=0, lr_schedule="wsd", decay_frac=0.2)
+    assert lr_at(79, wsd, 100) == 1.0 and lr_at(90, wsd, 100) == pytest.approx(0.5)
+    const = TrainConfig(learning_rate=0.3, min_lr=0.0, warmup_iters=0, lr_schedule="constant")
+    assert lr_at(99, const, 100) == 0.3
+
+
+def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path):
+    result = train(tiny_config(shakespeare_path, data_dir, tmp_path / "run"), progress=False)
+    run = tmp_path / "run"
+    assert result.step == 8 and result.stopped == "done"
+    for name in ("config.yaml", "tokenizer.json", "ckpt.pt", "best.pt", "metrics.jsonl"):
+        assert (run / name).is_file(), name
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert {"train_loss", "lr", "tokens_per_sec", "mfu", "elapsed_s"} <= set(records[0])
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    best = load_checkpoint(run / "best.pt")
+    assert best["best_val_loss"] == min(r["val_loss"] for r in evals)
+    assert best["step"] == min(evals, key=lambda r: r["val_loss"])["step"]
+
+
+def _interrupt_after(monkeypatch, n_steps):
+    """Deliver a real SIGINT to ourselves right after optimizer step `n_steps`."""
+    calls = {"n": 0}
+    original = train_mod._train_step
+
+    def step_then_maybe_interrupt(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == n_steps:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(train_mod, "_train_step", step_then_maybe_interrupt)
+
+
+@pytest.mark.parametrize("extra", [[], ["train.grad_accum=2", "model.dropout=0.1"]], ids=["plain", "accum+dropout"])
+def test_resume_is_bit_identical(shakespeare_path, data_dir, tmp_path, monkeypatch, extra):
+    straight = train(tiny_config(shakespeare_path, data_dir, tmp_path / "a", *extra), progress=False)
+
+    _interrupt_after(monkeypatch, 3)
+    first = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *extra), progress=False)
+    assert first.stopped == "interrupted" and first.step == 3
+    monkeypatch.undo()
+    resumed = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *extra, "train.resume=true"), progress=False)
+
+    assert resumed.step == straight.step == 8
+    a = load_checkpoint(tmp_path / "a" / "ckpt.pt")["model"]
+    b = load_checkpoint(tmp_path / "b" / "ckpt.pt")["model"]
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_resume_refuses_a_different_model(shakespeare_path, data_dir, tmp_path):
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "r", "train.max_iters=4"), progress=False)
+    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "r", "train.resume=true", "model.n_layer=3")
+    with pytest.raises(QuillError, match=r"model\.n_layer: 2 → 3"):
+        train(cfg, progress=False)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(shakespeare_path, data_dir, tmp_path):
+    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "empty", "train.resume=true")
+    with pytest.raises(QuillError, match="cannot resume: no checkpoint"):
+        train(cfg, progress=False)
+
+
+def test_resume_auto_starts_fresh_then_continues(shakespeare_path, data_dir, tmp_path):
+    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "auto", "train.resume=auto", "train.max_iters=4")
+    assert train(cfg, progress=False).step == 4
+    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "auto", "train.resume=auto", "train.max_iters=6")
+    assert train(cfg, progress=False).step == 6
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shakespeare_path, data_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "nan", "train.eval_interval=2")
+    original = train_mod.GPT.forward
+    calls = {"n": 0}
+
+    def forward(self, idx, targets=None, **kw):
+        logits, loss = original(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(train_mod.GPT, "forward", forward)
+    with pytest.raises(QuillError, match="at step 3"):
+        train(cfg, progress=False)
+    kept = load_checkpoint(tmp_path / "nan" / "ckpt.pt")
+    assert kept["step"] == 2
+    assert all(torch.isfinite(t).all() for t in kept["model"].values())
+
+
+def test_a_second_trainer_on_the_same_run_is_refused(shakespeare_path, data_dir, tmp_path):
+    out = tmp_path / "locked"
+    out.mkdir()
+    with RunLock(out):
+        with pytest.raises(QuillError, match="in use by a running quill train"):
+            train(tiny_config(shakespeare_path, data_dir, out), progress=False)
+    assert train(tiny_config(shakespeare_path, data_dir, out, "train.max_iters=2"), progress=False).step == 2
+
+
+def test_time_budget_stops_with_a_checkpoint_and_decayed_lr(shakespeare_path, data_dir, tmp_path):
+    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "budget", "train.max_iters=1000000",
+                      "train.time_budget=3s", "train.eval_interval=100000", "train.log_interval=5")
+    result = train(cfg, progress=False)
+    assert result.stopped == "time_budget" and 0 < result.step < 1_000_000
+    assert load_checkpoint(tmp_path / "budget" / "ckpt.pt")["step"] == result.step
+    last = read_metrics(tmp_path / "budget" / "metrics.jsonl")[-1]
+    assert "val_loss" in last and last["lr"] < 0.5 * cfg.train.learning_rate
+
+
+def test_bfloat16_autocast_on_cpu_trains(shakespeare_path, data_dir, tmp_path):
+    result = train(tiny_config(shakespeare_path, data_dir, tmp_path / "bf16", "train.dtype=bfloat16"), progress=False)
+    assert result.step == 8 and result.last_val_loss is not None and result.last_val_loss < 5
+
+
+def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_path):
+    """gloo, 2 ranks × batch 2 sees exactly the windows of 1 rank × batch 4: same losses."""
+    common = tiny_overrides(shakespeare_path, data_dir, tmp_path / "single", "train.max_iters=4")
+    train(load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", common), progress=False)
+    ddp = tiny_overrides(shakespeare_path, data_dir, tmp_path / "ddp", "train.max_iters=4", "train.batch_size=2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "quillgpt", "train", "--config", str(ROOT / "configs" / "shakespeare_char_cpu.yaml"), "-q", *ddp],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    single, multi = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert [s for s, *_ in single] == [s for s, *_ in multi]
+    for (_, a, va), (_, b, vb) in zip(single, multi):
+        assert a == pytest.approx(b, abs=1e-4)
+        if va is not None:
+            assert va == pytest.approx(vb, abs=1e-4)
+
+
+def test_cli_train_reports_and_writes_resolved_config(shakespeare_path, data_dir, tmp_path, capsys):
+    from quillgpt.cli import main
+
+    args = tiny_overrides(shakespeare_path, data_dir, tmp_path / "cli", "train.max_iters=2")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", str(ROOT / "configs" / "shakespeare_char_cpu.yaml"), "-q", *args])
+    assert exit_.value.code == 0
+    assert "done: step 2" in capsys.readouterr().out
+    saved = load_config(tmp_path / "cli" / "config.yaml")
+    assert saved.train.max_iters == 2 and saved.model.vocab_size == 65
+    json.loads((tmp_path / "cli" / "tokenizer.json").read_text())
