@@ -1,0 +1,238 @@
+"""GPT: names and init, causality, sdpa = math, KV cache = full forward, padding invariance,
+cache memory, parameter/FLOP accounting, and that every variant learns."""
+
+import pytest
+import torch
+
+from quillgpt.config import ModelConfig
+from quillgpt.model import GPT
+
+BLOCK, V = 16, 37
+VARIANTS = {
+    "mha-learned": {},
+    "gqa": {"n_kv_head": 2},
+    "mqa": {"n_kv_head": 1},
+    "window": {"window": 5},
+    "rope": {"pos": "rope"},
+    "rope-window-gqa": {"pos": "rope", "window": 5, "n_kv_head": 2},
+    "rmsnorm-swiglu": {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "tie_embeddings": False},
+}
+ROPE = [k for k, v in VARIANTS.items() if v.get("pos") == "rope"]
+variants = pytest.mark.parametrize("variant", list(VARIANTS))
+
+
+def config(variant: str = "mha-learned", **kw) -> ModelConfig:
+    base = dict(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32)
+    return ModelConfig(**{**base, **VARIANTS[variant], **kw})
+
+
+def random_model(variant: str = "mha-learned", seed: int = 0, **kw) -> GPT:
+    """A model with larger random weights than GPT-2's init, so logits are far from uniform."""
+    torch.manual_seed(seed)
+    model = GPT(config(variant, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_gain = ".ln_" in name and name.endswith("weight")
+            p.normal_(1.0 if is_gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
+    return model.eval()
+
+
+def test_vocab_size_is_required():
+    with pytest.raises(ValueError, match="vocab_size"):
+        GPT(ModelConfig())
+
+
+def test_parameter_names_and_shapes_follow_hf_gpt2():
+    model = GPT(config())
+    C = 32
+    expected = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (BLOCK, C),
+                "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,), "lm_head.weight": (V, C)}
+    for i in range(2):
+        for name, shape in {"ln_1": (C,), "ln_2": (C,), "attn.c_attn": (3 * C, C), "attn.c_proj": (C, C),
+                            "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}.items():
+            expected[f"transformer.h.{i}.{name}.weight"] = shape
+            expected[f"transformer.h.{i}.{name}.bias"] = shape[:1]
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == expected
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    gqa = GPT(config("rmsnorm-swiglu", n_kv_head=1))
+    names = set(gqa.state_dict())
+    assert "transformer.wpe.weight" not in names and not any(n.endswith(".bias") for n in names)
+    block = gqa.transformer.h[0]
+    assert block.attn.c_attn.weight.shape == ((4 + 2 * 1) * 8, C)
+    assert block.mlp.c_fc.weight.shape == (2 * gqa.config.hidden_dim, C)
+    assert gqa.lm_head.weight is not gqa.transformer.wte.weight
+
+
+def test_gpt2_init():
+    torch.manual_seed(0)
+    n_layer = 4
+    model = GPT(ModelConfig(vocab_size=500, block_size=64, n_layer=n_layer, n_head=4, n_embd=128))
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight"):
+            assert p.std().item() == pytest.approx(0.02 / (2 * n_layer) ** 0.5, rel=0.1), name
+        elif name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight", "wpe.weight")):
+            assert p.std().item() == pytest.approx(0.02, rel=0.1), name
+        elif name.endswith("bias"):
+            assert (p == 0).all(), name
+        else:
+            assert (p == 1).all(), name  # norm gains
+
+
+def test_logits_and_loss():
+    model = random_model()
+    idx, targets = torch.randint(0, V, (2, 9)), torch.randint(0, V, (2, 9))
+    last, loss = model(idx)
+    full, _ = model(idx, all_logits=True)
+    assert loss is None and last.shape == (2, 1, V) and full.shape == (2, 9, V)
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+    targets[0, :4] = -1  # ignored positions
+    logits, loss = model(idx, targets)
+    keep = targets != -1
+    expected = torch.nn.functional.cross_entropy(full[keep], targets[keep])
+    torch.testing.assert_close(logits, full)
+    torch.testing.assert_close(loss, expected)
+
+
+@variants
+def test_causality(variant):
+    model = random_model(variant)
+    idx = torch.randint(0, V, (2, BLOCK))
+    changed = idx.clone()
+    changed[:, 9] = (idx[:, 9] + 1) % V
+    a, _ = model(idx, all_logits=True)
+    b, _ = model(changed, all_logits=True)
+    torch.testing.assert_close(a[:, :9], b[:, :9], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 9], b[:, 9])
+
+
+@variants
+def test_sdpa_equals_math(variant):
+    sdpa = random_model(variant)
+    math = GPT(config(variant, attn_impl="math")).eval()
+    math.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, V, (2, BLOCK))
+    pos = torch.arange(BLOCK)[None] - torch.tensor([[0], [6]])  # second row left-padded by 6
+    for kw in ({}, {"pos": pos}):
+        torch.testing.assert_close(sdpa(idx, all_logits=True, **kw)[0], math(idx, all_logits=True, **kw)[0],
+                                   atol=1e-5, rtol=1e-5)
+
+
+@variants
+def test_prefill_then_decode_equals_full_forward(variant):
+    model = random_model(variant)
+    idx = torch.randint(0, V, (2, BLOCK))
+    full, _ = model(idx, all_logits=True)
+    for chunks in ([7] + [1] * 9, [4, 5] + [1] * 7):  # one prefill; a prefill then a second chunk
+        cache = model.make_cache(2)
+        outs, t = [], 0
+        for n in chunks:
+            outs.append(model(idx[:, t : t + n], cache=cache, all_logits=True)[0])
+            t += n
+        torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ROPE)
+def test_rope_ring_buffer_equals_banded_forward_past_block_size(variant):
+    """RoPE beyond block_size: every layer sees the last min(window, block) positions; the
+    cache rolls in place and reproduces a forward over the whole stream."""
+    model = random_model(variant)
+    idx = torch.randint(0, V, (2, 3 * BLOCK))
+    full, _ = model(idx, all_logits=True)
+    cache = model.make_cache(2)
+    keys = cache.k.data_ptr()
+    outs = [model(idx[:, :10], cache=cache, all_logits=True)[0]]
+    outs += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(10, 3 * BLOCK)]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+    assert cache.k.data_ptr() == keys and cache.capacity == min(model.config.window or BLOCK, BLOCK)
+
+
+def test_learned_positions_refuse_more_than_block_size():
+    with pytest.raises(ValueError, match="block_size"):
+        random_model()(torch.zeros(1, BLOCK + 1, dtype=torch.long))
+
+
+@variants
+def test_left_padding_never_changes_a_row(variant):
+    model = random_model(variant)
+    lengths = [BLOCK - 3, 8, 3]
+    rows = [torch.randint(0, V, (n,)) for n in lengths]
+    W = max(lengths)
+    idx = torch.stack([torch.cat([torch.full((W - len(r),), 5), r]) for r in rows])  # pad token 5
+    pos = torch.arange(W)[None] - torch.tensor([[W - n] for n in lengths])
+    nxt = torch.randint(0, V, (3, 3))  # three decode steps after the prompts
+
+    batch, _ = model(idx, pos=pos, all_logits=True)
+    cache = model.make_cache(3)
+    model(idx, pos=pos, cache=cache)
+    steps = [model(nxt[:, i : i + 1], pos=pos[:, -1:] + 1 + i, cache=cache)[0] for i in range(3)]
+    for r, row in enumerate(rows):
+        alone, _ = model(row[None], all_logits=True)
+        torch.testing.assert_close(batch[r, W - len(row) :], alone[0], atol=1e-5, rtol=1e-5)
+        alone_steps, _ = model(torch.cat([row, nxt[r]])[None], all_logits=True)
+        for i in range(3):
+            torch.testing.assert_close(steps[i][r, 0], alone_steps[0, len(row) + i], atol=1e-5, rtol=1e-5)
+
+
+@variants
+def test_kv_cache_memory(variant):
+    model = random_model(variant)
+    cfg = model.config
+    capacity = min(cfg.window or BLOCK, BLOCK)
+    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim  # keys + values, every layer
+    assert model.make_cache(3).nbytes == 3 * capacity * per_token * 4
+    assert model.make_cache(3, dtype=torch.bfloat16).nbytes == 3 * capacity * per_token * 2
+    assert model.make_cache(1, capacity=100).k.shape == (cfg.n_layer, 1, cfg.kv_heads, 100, cfg.head_dim)
+    mha = random_model(variant, n_kv_head=None)
+    assert mha.make_cache(3).nbytes == model.make_cache(3).nbytes * cfg.n_head // cfg.kv_heads
+
+
+def test_num_params_and_flops():
+    C, L = 32, 2
+    per_layer = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    core = L * per_layer + 2 * C  # blocks + ln_f
+    tied = GPT(config())
+    assert tied.num_params(non_embedding=False) == V * C + BLOCK * C + core  # wte counted once
+    assert tied.num_params() == V * C + core  # minus wpe; wte stays (it is also the head)
+    untied = GPT(config(tie_embeddings=False))
+    assert untied.num_params(non_embedding=False) == 2 * V * C + BLOCK * C + core
+    assert untied.num_params() == V * C + core  # minus wpe and the wte lookup
+    assert tied.flops_per_token() == 6 * tied.num_params() + 12 * L * 4 * 8 * BLOCK
+    windowed = GPT(config("window"))
+    assert windowed.flops_per_token() == 6 * windowed.num_params() + 12 * L * 4 * 8 * 5
+
+
+@pytest.mark.parametrize("variant", ["mha-learned", "window", "rope-window-gqa"])
+def test_attention_maps(variant):
+    model = random_model(variant)
+    maps = model.attention_maps(torch.randint(0, V, (2, 12)))
+    assert len(maps) == 2
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    outside = (j > i) | (i - j >= (model.config.window or BLOCK))
+    for w in maps:
+        assert w.shape == (2, 4, 12, 12)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 12))
+        assert (w[..., outside] == 0).all()
+
+
+@variants
+def test_every_variant_learns_tiny_shakespeare(variant, shakespeare_path):
+    text = shakespeare_path.read_text(encoding="utf-8")[:20000]
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    torch.manual_seed(0)
+    model = GPT(config(variant, vocab_size=len(chars), block_size=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(30):
+        starts = torch.randint(0, len(data) - 33, (16,), generator=gen)
+        x = torch.stack([data[s : s + 32] for s in starts])
+        y = torch.stack([data[s + 1 : s + 33] for s in starts])
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.3, (first, last)
