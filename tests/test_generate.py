@@ -1,0 +1,187 @@
+"""Logit transforms on hand-computed cases; generation with the KV cache = recompute = the
+definition (per row, unpadded), past block_size too; seeded sampling; stop ids; bad input."""
+
+import pytest
+import torch
+
+from quillgpt.config import ModelConfig
+from quillgpt.errors import QuillError
+from quillgpt.generate import (
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    generate_tokens,
+    sample_next,
+)
+from quillgpt.model import GPT
+
+INF = float("inf")
+BLOCK, V = 16, 37
+VARIANTS = {
+    "mha-learned": {},
+    "gqa": {"n_kv_head": 2},
+    "mqa": {"n_kv_head": 1},
+    "window": {"window": 5},
+    "rope": {"pos": "rope"},
+    "rope-window-gqa": {"pos": "rope", "window": 5, "n_kv_head": 2},
+    "rmsnorm-swiglu": {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "tie_embeddings": False},
+}
+variants = pytest.mark.parametrize("variant", list(VARIANTS))
+PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9], [(7 * i + 2) % V for i in range(22)]]  # 22 > block
+
+
+def random_model(variant: str = "mha-learned", seed: int = 0) -> GPT:
+    """Larger-than-init random weights: decisive logits, so greedy has no near-ties."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32, **VARIANTS[variant])
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_gain = ".ln_" in name and name.endswith("weight")
+            p.normal_(1.0 if is_gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
+    return model.eval()
+
+
+def run(model, prompts, n, **kw) -> list[list[int]]:
+    steps = list(generate_tokens(model, prompts, n, **kw))
+    return torch.stack(steps, dim=1).tolist() if steps else [[] for _ in prompts]
+
+
+# --- logit transforms ---------------------------------------------------------------------------
+
+
+def test_repetition_penalty():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -2.0, 0.5, 3.0]]
+    assert apply_repetition_penalty(logits, seen, 1.0) is logits
+
+
+def test_temperature():
+    assert apply_temperature(torch.tensor([[2.0, -1.0]]), 0.5).tolist() == [[4.0, -2.0]]
+
+
+def test_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [5.0, 2.0, 2.0, 1.0]])
+    assert apply_top_k(logits, 2).tolist() == [[-INF, 3.0, 2.0, -INF], [5.0, 2.0, 2.0, -INF]]  # ties kept
+    assert apply_top_k(logits, 1).tolist() == [[-INF, 3.0, -INF, -INF], [5.0, -INF, -INF, -INF]]
+    assert apply_top_k(logits, 4) is logits and apply_top_k(logits, None) is logits
+
+
+def test_top_p():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])  # sorted: 0.5, 0.3, 0.15, 0.05
+    logits = probs.log()
+    kept = lambda p: torch.isfinite(apply_top_p(logits, p)).int().tolist()
+    assert kept(0.45) == [[0, 1, 0, 0]]
+    assert kept(0.7) == [[0, 1, 0, 1]]
+    assert kept(0.85) == [[1, 1, 0, 1]]
+    assert kept(0.99) == [[1, 1, 1, 1]]
+    assert apply_top_p(logits, 1.0) is logits
+    torch.testing.assert_close(apply_top_p(logits, 0.7)[0, [1, 3]], logits[0, [1, 3]])
+
+
+def test_min_p():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
+    kept = lambda m: torch.isfinite(apply_min_p(logits, m)).int().tolist()
+    assert kept(0.2) == [[1, 1, 0, 1]]  # threshold 0.1
+    assert kept(0.5) == [[0, 1, 0, 1]]  # threshold 0.25
+    assert apply_min_p(logits, 0.0) is logits
+
+
+def test_sample_next():
+    logits = torch.tensor([[0.7, 0.2, 0.1]]).log().expand(4000, 3)
+    assert (sample_next(logits) == 0).all()  # temperature 0: argmax
+    draw = lambda seed, **kw: sample_next(logits, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)
+    assert (draw(0, top_k=1) == 0).all()
+    assert torch.equal(draw(0), draw(0)) and not torch.equal(draw(0), draw(1))
+    freq = torch.bincount(draw(0), minlength=3) / 4000
+    assert freq.tolist() == pytest.approx([0.7, 0.2, 0.1], abs=0.03)
+    nucleus = torch.bincount(draw(0, top_p=0.75), minlength=3) / 4000  # keeps 0.7 and 0.2
+    assert nucleus.tolist() == pytest.approx([0.7 / 0.9, 0.2 / 0.9, 0.0], abs=0.03)
+
+
+# --- generation ---------------------------------------------------------------------------------
+
+
+def reference_greedy(model: GPT, prompt: list[int], n: int, penalty: float = 1.0) -> list[int]:
+    """The semantics by definition, one unpadded row, no cache: learned positions see the last
+    block_size tokens (positions from 0); RoPE runs the whole stream (each layer banded)."""
+    seq = list(prompt)
+    for _ in range(n):
+        ctx = seq[-BLOCK:] if model.config.pos == "learned" else seq
+        logits = model(torch.tensor([ctx]))[0][:, -1]
+        seen = torch.zeros(1, V, dtype=torch.bool)
+        seen[0, seq] = True
+        seq.append(int(apply_repetition_penalty(logits, seen, penalty).argmax()))
+    return seq[len(prompt) :]
+
+
+@variants
+def test_greedy_cache_equals_recompute_equals_definition_past_block_size(variant):
+    model = random_model(variant)
+    n = 40  # every prompt runs past block_size (16)
+    expected = [reference_greedy(model, p, n) for p in PROMPTS]
+    assert run(model, PROMPTS, n, use_cache=True) == expected  # left-padded batch
+    assert run(model, PROMPTS, n, use_cache=False) == expected
+    assert run(model, PROMPTS[:1], n) == expected[:1]  # a batch of one
+    assert len({t for row in expected for t in row}) > 5  # not a degenerate loop
+
+
+def test_repetition_penalty_covers_prompt_and_generated_tokens():
+    model = random_model("rope")
+    expected = [reference_greedy(model, p, 20, penalty=1.5) for p in PROMPTS[:2]]
+    assert run(model, PROMPTS[:2], 20, repetition_penalty=1.5) == expected
+    assert expected != [reference_greedy(model, p, 20) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa"])
+def test_seeded_sampling_is_reproducible_with_and_without_cache(variant):
+    model = random_model(variant)
+    kw = dict(temperature=1.0, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.2)
+    sample = lambda seed, **more: run(model, PROMPTS, 30, generator=torch.Generator().manual_seed(seed), **kw, **more)
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(7, use_cache=False) == first
+    assert sample(8) != first
+
+
+def test_stop_ids_end_rows_and_then_iteration():
+    model = random_model()
+    free = run(model, PROMPTS, 30)
+    stop = free[0][3]
+    got = run(model, PROMPTS, 30, stop_ids=[stop])
+    firsts = [row.index(stop) if stop in row else None for row in free]
+    length = 30 if None in firsts else max(firsts) + 1
+    assert all(len(row) == length for row in got)
+    for row, free_row, first in zip(got, free, firsts):
+        if first is None:
+            assert row == free_row[:length]
+        else:  # the row's own tokens up to its stop id, then that id again
+            assert row == free_row[: first + 1] + [stop] * (length - first - 1)
+    assert firsts[0] == free[0].index(stop) and any(f is not None for f in firsts)
+
+
+def test_yields_one_int64_tensor_per_step():
+    model = random_model()
+    steps = list(generate_tokens(model, PROMPTS, 4))
+    assert len(steps) == 4 and all(s.shape == (3,) and s.dtype == torch.long for s in steps)
+    assert list(generate_tokens(model, PROMPTS, 0)) == []
+
+
+def test_bad_input():
+    model = random_model()
+    for prompts, match in (([], "no prompts"), ([[1], []], "prompt 1 is empty"), ([[1, V]], "outside")):
+        with pytest.raises(QuillError, match=match):
+            next(generate_tokens(model, prompts, 3))
+    with pytest.raises(QuillError, match="temperature"):
+        next(generate_tokens(model, [[1]], 3, temperature=-1.0))
+    with pytest.raises(ValueError, match="eval"):
+        next(generate_tokens(model.train(), [[1]], 3))
+
+
+def test_first_token_is_the_models_argmax():
+    model = random_model("window")
+    logits = model(torch.tensor([PROMPTS[1]]))[0][0, -1]
+    assert run(model, PROMPTS[1:2], 1) == [[int(logits.argmax())]]
