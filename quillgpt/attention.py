@@ -143,6 +143,7 @@ class KVCache:
         Three cases: append without wrapping; one token into the oldest ring slot; or several
         tokens past the end, which attend over [cache, new] before the ring keeps the last ones.
         """
+        pos = pos.expand(self.pos.shape[0], -1)  # (B, T)
         T, start = pos.shape[1], self.seen
         if self.capacity < self.span and start + T > self.capacity:
             raise ValueError(

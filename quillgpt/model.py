@@ -121,7 +121,7 @@ class GPT(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) → logits (B, T, V) with targets or all_logits, else (B, 1, V); loss or None.
 
-        pos: absolute positions (B, T) (negative = left padding); default 0..T-1, or following
+        pos: absolute positions (B, T) or (T,) (negative = left padding); default 0..T-1, or following
         the cache's tokens. cache: a KVCache from make_cache, extended by these T tokens.
         The loss is the mean cross-entropy over targets != -1.
         """
@@ -148,10 +148,10 @@ class GPT(nn.Module):
         if cfg.pos == "learned" and T > cfg.block_size:
             raise ValueError(f"cannot forward {T} tokens: block_size is {cfg.block_size} (learned positions)")
         if pos is not None:
-            pos = pos.expand(B, T)
+            pos = pos.view(-1, T)  # (B, T), or (1, T) shared by all rows
         elif cache is not None or T > self.span:
             start = cache.seen if cache is not None else 0
-            pos = torch.arange(start, start + T, device=idx.device).expand(B, T)
+            pos = torch.arange(start, start + T, device=idx.device)[None]  # (1, T): one mask row for all
         # pos None now means the plain causal case: sdpa's is_causal fast path, no mask tensor
         mask = None
         if pos is not None:
