@@ -43,6 +43,7 @@ def atomic_write(path: str | Path, write: Any) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -58,16 +59,34 @@ def atomic_write(path: str | Path, write: Any) -> None:
         os.close(dir_fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temps(out_dir: str | Path) -> None:
+    """Delete temp files that a killed writer left in a run directory (call holding its lock)."""
+    for name in (LATEST, BEST, "metrics.jsonl"):
+        for tmp in Path(out_dir).glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     """Atomically save a checkpoint dict; a full disk says so and keeps the previous file."""
     state = {"format": FORMAT, **state}
     try:
         atomic_write(path, lambda f: torch.save(state, f))
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a failed write of its file object as a RuntimeError whose
+        # __context__ is the OSError (ENOSPC etc.), so look down the chain for it.
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES):
             raise QuillError(
-                f"could not write checkpoint {path}: {e.strerror}; the previous checkpoint is "
-                "intact — free disk space or choose another train.out_dir, then resume"
+                f"could not write checkpoint {path}: {cause.strerror}; the previous checkpoint (if any) "
+                "is intact — free disk space or choose another train.out_dir, then resume"
             ) from None
         raise
 

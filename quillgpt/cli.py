@@ -7,6 +7,7 @@ code 2; `QUILL_DEBUG=1` shows the traceback instead.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -266,5 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         print(f"error: {e.format_message()} (see quill --help)", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # a full disk is the user's to fix, wherever the write happened
+        if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror}{where}; free disk space (or write elsewhere) and run again", file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)

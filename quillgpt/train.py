@@ -14,6 +14,7 @@ import math
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -262,11 +263,13 @@ def estimate_loss(
 
 
 def _probe_writable(out_dir: Path) -> None:
+    """Fail before any work when out_dir cannot take files (an unnamed temp file: nothing to
+    clean up after a kill, no clash with another process probing the same directory)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write_probe"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=out_dir) as probe:
+            probe.write(b"ok")
+            probe.flush()
     except OSError as e:
         raise QuillError(f"train.out_dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
 
@@ -303,29 +306,31 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    # Data: prepared once (by rank 0), then memory-mapped by every rank.
-    if ddp.master:
-        _probe_writable(out_dir)
-        prepared = prepare(cfg.data, progress=progress)
-    ddp.barrier()
-    if not ddp.master:
-        prepared = prepare(cfg.data, progress=False)
-    meta, tokenizer = load_prepared(prepared.out_dir)
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer.vocab_size
-    elif cfg.model.vocab_size < tokenizer.vocab_size:
-        raise QuillError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
-            "remove model.vocab_size to use the tokenizer's"
-        )
-    init_state = None
-    if tc.init_from:
-        cfg, init_state = _init_from(cfg, tokenizer.spec())
-    train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
-
     with contextlib.ExitStack() as stack:
+        # The run directory is locked before anything else, so a second trainer pointed at it
+        # refuses before it touches the data; temp files of a killed writer go. Data is prepared
+        # once (by rank 0), then memory-mapped by every rank.
         if ddp.master:
+            _probe_writable(out_dir)
             stack.enter_context(ckpt.RunLock(out_dir))
+            ckpt.remove_stale_temps(out_dir)
+            prepared = prepare(cfg.data, progress=progress)
+        ddp.barrier()
+        if not ddp.master:
+            prepared = prepare(cfg.data, progress=False)
+        meta, tokenizer = load_prepared(prepared.out_dir)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = tokenizer.vocab_size
+        elif cfg.model.vocab_size < tokenizer.vocab_size:
+            raise QuillError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
+                "remove model.vocab_size to use the tokenizer's"
+            )
+        init_state = None
+        if tc.init_from:
+            cfg, init_state = _init_from(cfg, tokenizer.spec())
+        train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
+
         latest = out_dir / ckpt.LATEST
         resume_state = None
         if tc.resume is True and not latest.is_file():
@@ -435,14 +440,23 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                     t_eval = time.time()
                     losses = estimate_loss(raw_model, windows, cfg.model.block_size, tc.batch_size, device, dtype)
                     last_val = losses["val"]
+                    if not math.isfinite(last_val):  # weights went bad in this step: keep the last checkpoint
+                        raise QuillError(
+                            f"validation loss became {last_val} at step {step}; training stopped and the last "
+                            "good checkpoint is kept — lower train.learning_rate or check the data"
+                        )
                     record.update({"step": step, "eval_train_loss": losses["train"], "val_loss": last_val})
                     record.setdefault("train_loss", ddp.mean(loss).item())
                     if ddp.master:
+                        # The line goes in before the checkpoint: a checkpoint at step k always has
+                        # its line (a kill in between redoes step k, and resume drops the extra line).
+                        ckpt.append_jsonl(out_dir / "metrics.jsonl", record)
                         if last_val < best_val:
                             best_val = last_val
                             save(out_dir / ckpt.BEST)
                         save(out_dir / ckpt.LATEST)
                         bar.write(f"step {step}: train {losses['train']:.4f}, val {last_val:.4f}")
+                    record = {}
                     ddp.barrier()
                     t_log += time.time() - t_eval  # keep evaluation out of tokens/s
 
@@ -538,12 +552,21 @@ def _first_compiled_step(
         return eager, _train_step(eager, optimizer, scaler, sampler, ddp, tc, device, dtype, 0)
 
 
+def _describe_tokenizer(spec: dict) -> str:
+    """A spec in a few words: two char vocabularies differ in their characters, not their name."""
+    if spec.get("type") == "char":
+        return f"char ({len(spec.get('chars', ''))} characters)"
+    if spec.get("type") == "bpe":
+        return f"bpe ({len(spec.get('ranks', [])) + len(spec.get('special_tokens', {}))} ids)"
+    return str(spec.get("name", spec.get("type")))
+
+
 def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path) -> None:
     """Refuse to resume a run whose model shape or tokenizer differ from the config's."""
     old = ModelConfig(**state["config"]["model"])
     diffs = ckpt.config_differences(old, cfg.model)
     if state["tokenizer"] != tokenizer_spec:
-        diffs.append(f"data.tokenizer: {state['tokenizer'].get('name')!r} → {tokenizer_spec.get('name')!r}")
+        diffs.append(f"data.tokenizer: {_describe_tokenizer(state['tokenizer'])} → {_describe_tokenizer(tokenizer_spec)}")
     if diffs:
         raise QuillError(
             f"cannot resume {path}: the config differs in {'; '.join(diffs)} — "
