@@ -129,6 +129,13 @@ def test_imported_run_speaks_gpt2s_vocabulary(imported, tmp_path, capsys):
     saved = load_config(imported / "config.yaml")  # training with it fine-tunes, never overwrites
     assert saved.train.init_from == str(imported) and saved.train.out_dir == f"{imported}-finetune"
 
+    greedy = [int(t) for t in generate_tokens(run.model, [tok.encode("Hello world")], 8)]
+    with pytest.raises(SystemExit) as exit_:  # quill sample encodes and decodes with GPT-2's vocabulary
+        main(["sample", "--ckpt", str(imported), "--prompt", "Hello world", "--temperature", "0", "-n", "8",
+              "--device", "cpu", "--json", "-q"])
+    assert exit_.value.code == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == [tok.decode(greedy)]
+
     text = tmp_path / "text.txt"  # quill eval reads the imported run like any other
     text.write_text("Hello world. " * 10, encoding="utf-8")
     with pytest.raises(SystemExit) as exit_:
