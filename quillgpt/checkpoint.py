@@ -17,8 +17,8 @@ import fcntl
 import json
 import os
 import pickle
+import re
 import tempfile
-import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_spec
 
 FORMAT = "quillgpt-checkpoint-v1"
+ZIP_MAGIC = b"PK\x03\x04"
 LATEST, BEST = "ckpt.pt", "best.pt"
 CHECKPOINT_FILES = {"latest": LATEST, "best": BEST}
 
@@ -96,20 +97,31 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise QuillError(f"checkpoint not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != ZIP_MAGIC:  # torch.save writes a zip; anything else is never unpickled
+            raise QuillError(
+                f"{path} is not a QuillGPT checkpoint (not a PyTorch zip archive); "
+                "pass a run directory or a ckpt.pt/best.pt written by quill train"
+            )
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it would call {unsafe.group(1)}" if unsafe else str(e).splitlines()[0][:120]
         raise QuillError(
-            f"{path} was refused: it needs code execution to load, which is unsafe "
-            f"({str(e).splitlines()[0][:120]}); only load checkpoints written by quill"
+            f"{path} was refused: loading it needs code execution, which is unsafe ({what}); "
+            "only load checkpoints written by quill"
         ) from None
-    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 — damaged bytes fail in torch.load with many types
         raise QuillError(
             f"{path} is not a readable checkpoint (truncated or corrupt: {str(e).splitlines()[0][:100]}); "
             "use the other checkpoint in the run (--which latest/best) or retrain"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise QuillError(f"{path} is not a QuillGPT checkpoint (no {FORMAT!r} marker)")
+        raise QuillError(
+            f"{path} is not a QuillGPT checkpoint (no {FORMAT!r} marker); pass a ckpt.pt/best.pt "
+            "written by quill train (GPT-2 weights come in with quill import-hf)"
+        )
     return state
 
 

@@ -13,10 +13,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
 from quillgpt.errors import QuillError
+
+# The errors typer raises for bad flags: click's ClickException in older typer, the same class
+# from typer's own copy of click (typer._click, no click dependency) in newer typer.
+CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 app = typer.Typer(
     name="quill",
@@ -260,12 +263,15 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except typer.Abort:
         print("aborted", file=sys.stderr)
         sys.exit(130)
-    except click.ClickException as e:  # bad flags: one line, not a box
+    except CLICK_ERROR as e:  # bad flags: one line, not a box
         if debug:
             raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # plain `quill`: the help is the answer
+            e.show()
+            sys.exit(e.exit_code)
         print(f"error: {e.format_message()} (see quill --help)", file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # a full disk is the user's to fix, wherever the write happened
