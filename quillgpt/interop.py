@@ -1,6 +1,6 @@
 """GPT-2 interop: Hugging Face GPT2LMHeadModel checkpoints ⇄ quill run directories.
 
-Quill's parameter names already mirror HF GPT-2, so converting is mostly renaming nothing:
+Quill's parameter names already mirror HF GPT-2, so nothing is renamed; what differs is:
 * HF builds c_attn / c_proj / c_fc from `Conv1D`, which stores its weight as (in, out); quill's
   nn.Linear stores (out, in). Those four weights are transposed, both ways.
 * `attn.bias` / `attn.masked_bias` in older HF files are causal-mask buffers, not weights: they
