@@ -563,6 +563,11 @@ def _describe_tokenizer(spec: dict) -> str:
 
 def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path) -> None:
     """Refuse to resume a run whose model shape or tokenizer differ from the config's."""
+    if "optimizer" not in state:
+        raise QuillError(
+            f"cannot resume {path}: it holds weights only (e.g. from quill import-hf); "
+            f"fine-tune it with train.init_from={path.parent} and a new train.out_dir"
+        )
     old = ModelConfig(**state["config"]["model"])
     diffs = ckpt.config_differences(old, cfg.model)
     if state["tokenizer"] != tokenizer_spec:

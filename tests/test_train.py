@@ -199,3 +199,14 @@ def test_cli_train_reports_and_writes_resolved_config(shakespeare_path, data_dir
     saved = load_config(tmp_path / "cli" / "config.yaml")
     assert saved.train.max_iters == 2 and saved.model.vocab_size == 65
     json.loads((tmp_path / "cli" / "tokenizer.json").read_text())
+
+
+def test_resuming_a_weights_only_checkpoint_points_to_init_from(shakespeare_path, data_dir, tmp_path):
+    from quillgpt.checkpoint import save_checkpoint
+
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "w", "train.max_iters=2"), progress=False)
+    state = load_checkpoint(tmp_path / "w" / "ckpt.pt")
+    save_checkpoint({k: v for k, v in state.items() if k in ("model", "config", "tokenizer", "step")},
+                    tmp_path / "w" / "ckpt.pt")
+    with pytest.raises(QuillError, match="holds weights only.*train.init_from"):
+        train(tiny_config(shakespeare_path, data_dir, tmp_path / "w", "train.resume=true"), progress=False)
