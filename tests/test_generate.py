@@ -1,5 +1,9 @@
 """Logit transforms on hand-computed cases; generation with the KV cache = recompute = the
-definition (per row, unpadded), past block_size too; seeded sampling; stop ids; bad input."""
+definition (per row, unpadded), past block_size too; seeded sampling; stop ids; bad input.
+Text layer: stop strings across token boundaries, UTF-8 streaming of characters split across
+GPT-2 tokens, batched text = text alone, empty prompts, stats."""
+
+import string
 
 import pytest
 import torch
@@ -7,15 +11,22 @@ import torch
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 from quillgpt.generate import (
+    Generation,
+    StopStrings,
+    TextStream,
     apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    encode_prompt,
+    generate_text,
     generate_tokens,
     sample_next,
+    stream_text,
 )
 from quillgpt.model import GPT
+from quillgpt.tokenizer import CharTokenizer, build_tokenizer
 
 INF = float("inf")
 BLOCK, V = 16, 37
@@ -185,3 +196,148 @@ def test_first_token_is_the_models_argmax():
     model = random_model("window")
     logits = model(torch.tensor([PROMPTS[1]]))[0][0, -1]
     assert run(model, PROMPTS[1:2], 1) == [[int(logits.argmax())]]
+
+
+def test_autocast_dtype_keeps_cache_equal_to_recompute():
+    model = random_model("rope-window-gqa")
+    got = run(model, PROMPTS, 20, dtype=torch.bfloat16)
+    assert got == run(model, PROMPTS, 20, dtype=torch.bfloat16, use_cache=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = model(torch.tensor([PROMPTS[1]]))[0][0, -1]
+    assert got[1][0] == int(first.float().argmax())
+
+
+# --- text ---------------------------------------------------------------------------------------
+
+CHARS = "\n " + string.digits[:9] + string.ascii_lowercase  # V = 37 characters, sorted
+TEXT_PROMPTS = ["ab", "hello\nworld", "the quick brown fox jumps over"]  # the last is > block (16)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return build_tokenizer("gpt2")
+
+
+def forced_model(targets: list[int], vocab_size: int) -> GPT:
+    """A GPT whose greedy output is `targets`, whatever the tokens: blocks are the identity
+    (zero output projections), token embeddings are zero, and position p's one-hot embedding
+    selects targets[p] in the (untied) head. Lets a test choose the exact token stream."""
+    n = len(targets) + 1
+    cfg = ModelConfig(vocab_size=vocab_size, block_size=n, n_layer=1, n_head=1, n_embd=n, tie_embeddings=False)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name in ("ln_1", "ln_2"):
+            getattr(model.transformer.h[0], name).weight.fill_(1.0)
+        model.transformer.ln_f.weight.fill_(1.0)
+        model.transformer.wpe.weight.copy_(torch.eye(n))
+        for pos, t in enumerate(targets):
+            model.lm_head.weight[t, pos] += 1.0
+    return model.eval()
+
+
+def test_stop_strings_hold_back_only_possible_starts():
+    s = StopStrings(["\n\n", "END"])
+    assert s.push("ab\n") == "ab"  # "\n" may begin "\n\n"
+    assert s.push("c") == "\nc"  # it did not
+    assert s.push("E") == "" and s.push("N") == ""
+    assert s.push("x") == "ENx" and not s.stopped
+    assert s.push("yy\n") == "yy" and s.push("\nzz") == "" and s.stopped
+    assert s.push("more") == ""
+    earliest = StopStrings(["cd", "b"])
+    assert earliest.push("abcd") == "a"
+    tail = StopStrings(["xyz"])
+    assert tail.push("axy") == "a" and tail.flush() == "xy"
+    with pytest.raises(QuillError, match="empty"):
+        StopStrings([""])
+
+
+def test_stop_string_across_char_tokens():
+    tok = CharTokenizer(CHARS)
+    stream = TextStream(tok, stop=["\n\n"])
+    pieces = [stream.push(t) for t in tok.encode("ab\ncd\n\nef")]
+    assert pieces == ["a", "b", "", "\nc", "d", "", ""] + ["", ""]
+    assert stream.text == "ab\ncd" and stream.stopped and stream.done and stream.finish() == ""
+
+
+def test_stop_string_split_across_bpe_tokens(gpt2):
+    ids = gpt2.encode("hello world, hello moon")
+    assert gpt2.decode(ids[:1]) == "hello" and gpt2.decode(ids[1:2]) == " world"
+    stream = TextStream(gpt2, stop=["lo wo"])
+    assert [stream.push(t) for t in ids[:2]] == ["hel", ""]
+    assert stream.text == "hel" and stream.stopped
+
+
+UNICODE = "héllo 😀 世界 日本語のテキスト 👋🏽 🦄"
+
+
+def test_utf8_streaming_never_cuts_a_character(gpt2):
+    ids = gpt2.encode(UNICODE)
+    naive = [gpt2.decode([t]) for t in ids]
+    assert sum("\ufffd" in piece for piece in naive) >= 6  # the case is real: chars span tokens
+    stream = TextStream(gpt2)
+    pieces = [stream.push(t) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == UNICODE and not any("\ufffd" in piece for piece in pieces)
+    cut = TextStream(gpt2)  # generation ending mid-character: one U+FFFD, nothing else lost
+    assert "".join(cut.push(t) for t in ids[:4]) == "héllo "  # and the first bytes of 😀
+    assert cut.finish() == "\ufffd"
+
+
+def test_generation_streams_utf8_and_ends_at_end_of_text(gpt2):
+    ids = gpt2.encode(UNICODE)
+    model = forced_model(ids + [gpt2.eot_id] + ids[:3], gpt2.vocab_size)
+    for use_cache in (True, False):
+        pieces = list(stream_text(model, gpt2, "", len(ids) + 4, use_cache=use_cache))
+        assert "".join(pieces) == UNICODE and not any("\ufffd" in piece for piece in pieces)
+    texts, stats = generate_text(model, gpt2, "", len(ids) + 4)
+    assert texts == [UNICODE] and stats.finish == ["eot"] and stats.new_tokens == [len(ids) + 1]
+    assert stats.prompt_tokens == [1] and stats.steps == len(ids) + 1  # prompt: <|endoftext|>
+    texts, stats = generate_text(model, gpt2, "", 5, stop=["llo"])
+    assert texts == ["hé"] and stats.finish == ["stop"] and stats.new_tokens == [3]
+
+
+@variants
+def test_batched_text_equals_alone_and_cache_equals_recompute(variant):
+    model, tok = random_model(variant), CharTokenizer(CHARS)
+    alone = [generate_text(model, tok, p, 30)[0][0] for p in TEXT_PROMPTS]  # 30 + prompt > block
+    assert generate_text(model, tok, TEXT_PROMPTS, 30)[0] == alone
+    assert generate_text(model, tok, TEXT_PROMPTS, 30, use_cache=False)[0] == alone
+    assert alone[0] == tok.decode(run(model, [tok.encode("ab")], 30)[0])
+
+
+def test_seeded_text_sampling_is_reproducible():
+    model, tok = random_model("rope"), CharTokenizer(CHARS)
+    kw = dict(temperature=1.0, top_k=10)
+    first = generate_text(model, tok, TEXT_PROMPTS, 25, seed=3, **kw)[0]
+    assert generate_text(model, tok, TEXT_PROMPTS, 25, seed=3, **kw)[0] == first
+    assert generate_text(model, tok, TEXT_PROMPTS, 25, seed=4, **kw)[0] != first
+
+
+def test_empty_prompt_starts_from_newline_or_first_id(gpt2):
+    assert encode_prompt(CharTokenizer("\t\nxy"), "") == [1]  # the newline's id
+    assert encode_prompt(CharTokenizer("xyz"), "") == [0]  # no newline: the first id
+    assert encode_prompt(gpt2, "") == [gpt2.eot_id]
+    model, tok = random_model(), CharTokenizer(CHARS)
+    assert generate_text(model, tok, "", 10)[0] == generate_text(model, tok, "\n", 10)[0]
+
+
+def test_prompt_with_characters_outside_the_vocabulary_names_them():
+    with pytest.raises(QuillError, match=r"3 character\(s\).*'A', 'é' \(2×\)"):
+        encode_prompt(CharTokenizer(CHARS), "Aé bé")
+    assert encode_prompt(CharTokenizer(CHARS), "a b") == CharTokenizer(CHARS).encode("a b")
+
+
+def test_generation_stats_and_zero_tokens():
+    model, tok = random_model(), CharTokenizer(CHARS)
+    gen = Generation(model, tok, ["ab", "hello"], 12)
+    steps = list(gen)
+    assert len(steps) == 12 and all(len(p) == 2 for p in steps)
+    assert ["".join(p[r] for p in steps) for r in range(2)] == gen.texts
+    st = gen.stats
+    assert st.prompt_tokens == [2, 5] and st.new_tokens == [12, 12] and st.finish == ["length"] * 2
+    assert st.total_s > 0 and st.prefill_ms > 0 and st.tokens_per_s == pytest.approx(24 / st.total_s)
+    assert "24 new tokens" in st.line() and "prompts 2/5 tokens" in st.line()
+    assert generate_text(model, tok, "ab", 0)[0] == [""]
+    with pytest.raises(QuillError, match="top-p"):
+        Generation(model, tok, ["ab"], 5, top_p=0.0)
