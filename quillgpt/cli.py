@@ -250,6 +250,122 @@ def export_hf_cmd(
     print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
 
 
+def _sample_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    """The prompt text from --prompt, --prompt-file or standard input (--prompt -); default ""."""
+    if prompt is not None and prompt_file is not None:
+        raise QuillError("pass the prompt once: --prompt or --prompt-file, not both")
+    if prompt_file is None and prompt != "-":
+        return prompt or ""
+    where = "standard input" if prompt_file is None else f"--prompt-file {prompt_file}"
+    try:
+        data = sys.stdin.buffer.read() if prompt_file is None else prompt_file.read_bytes()
+    except OSError as e:
+        raise QuillError(f"cannot read {where}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise QuillError(f"{where} is not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def _unescape(text: str) -> str:
+    r"""`--stop '\n\n'` means two newlines: \n, \t, \r and \\ are read as escapes."""
+    import re
+
+    return re.sub(r"\\([ntr\\])", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group(1)], text)
+
+
+@app.command("sample")
+def sample_cmd(
+    ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample. This and the sampling flags default to the run's `sample:` config."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1]."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1)."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Same seed, same text."),
+    num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
+    no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: autocast and KV-cache dtype."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
+    echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No stats line on stderr."),
+) -> None:
+    """Continue a prompt with a trained model, streaming the text as it comes.
+
+    With --num-samples N, sample 1 streams under a `--- sample 1 ---` header and samples 2..N
+    follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
+    """
+    import json
+
+    import torch
+
+    from quillgpt.checkpoint import load_run
+    from quillgpt.evaluate import resolve_device
+    from quillgpt.generate import Generation
+
+    text = _sample_prompt(prompt, prompt_file)
+    if num_samples < 1:
+        raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    stops = [_unescape(s) for s in stop or []]
+    run = load_run(ckpt, which=which, device=resolve_device(device))
+    sc = run.config.sample
+    settings = dict(
+        max_new_tokens=sc.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        temperature=sc.temperature if temperature is None else temperature,
+        top_k=sc.top_k if top_k is None else (top_k or None),
+        top_p=sc.top_p if top_p is None else top_p,
+        min_p=sc.min_p if min_p is None else min_p,
+        repetition_penalty=sc.repetition_penalty if repetition_penalty is None else repetition_penalty,
+        seed=sc.seed if seed is None else seed,
+    )
+    gen = Generation(
+        run.model, run.tokenizer, [text] * num_samples, stop=stops, use_cache=not no_kv_cache,
+        dtype=getattr(torch, dtype), **settings,
+    )
+    out = sys.stdout
+    try:
+        if as_json:
+            for _ in gen:
+                pass
+            settings.update(stop=stops, kv_cache=not no_kv_cache, device=str(run.model.lm_head.weight.device), dtype=dtype)
+            out.write(json.dumps({
+                "checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
+                "settings": settings, "stats": gen.stats.to_dict(),
+            }, ensure_ascii=False) + "\n")
+        else:
+            head = (lambda i: f"--- sample {i} ---\n") if num_samples > 1 else (lambda i: "")
+            shown = text if echo else ""
+            out.write(head(1) + shown)
+            out.flush()
+            for pieces in gen:
+                if stream and pieces[0]:
+                    out.write(pieces[0])
+                    out.flush()
+            if not stream:
+                out.write(gen.texts[0])
+            for i, sample in enumerate(gen.texts, 1):
+                if i > 1:
+                    out.write(head(i) + shown + sample)
+                if not (shown + sample).endswith("\n"):
+                    out.write("\n")
+        out.flush()
+    except BrokenPipeError:  # `quill sample ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return
+    if not quiet:
+        how = f"{'kv cache' if not no_kv_cache else 'no kv cache'}, {run.model.lm_head.weight.device.type}, {dtype}"
+        print(f"{gen.stats.line()} ({how})", file=sys.stderr)
+
+
 # --- end of commands ----------------------------------------------------------------------
 
 
