@@ -28,6 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
 
 
+@pytest.fixture(autouse=True)
+def without_quill_debug(monkeypatch):
+    """QUILL_DEBUG=1 in a developer's shell would turn the exit-2 paths into tracebacks."""
+    monkeypatch.delenv("QUILL_DEBUG", raising=False)
+
+
 class RunsCommand:
     """Unpickling this runs a shell command: what a malicious checkpoint would carry."""
 
