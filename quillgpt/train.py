@@ -399,7 +399,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         peak = peak_flops(device, dtype)
         horizon = tc.max_iters
         last_val, stopped = None, "done"
-        t_start = time.time()
+        t_start, first_step = time.time(), step
         t_log, step_at_log = time.time(), step
         bar = tqdm(total=tc.max_iters, initial=step, disable=not (progress and ddp.master), unit="step", dynamic_ncols=True)
 
@@ -432,7 +432,8 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                               "mfu": mfu, "elapsed_s": elapsed_before + now - t_start}
                     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
                     if budget_s is not None and stopped != "time_budget":
-                        horizon = _budget_horizon(step, tc.max_iters, now - t_start, budget_s - elapsed_before, ddp)
+                        pace = (now - t_start) / (step - first_step)  # seconds per step, evals included
+                        horizon = _budget_horizon(step, tc.max_iters, pace, budget_s - record["elapsed_s"], ddp)
                         bar.total = horizon
                     t_log, step_at_log = now, step
 
@@ -521,10 +522,9 @@ def _train_step(
     return total
 
 
-def _budget_horizon(step: int, max_iters: int, run_s: float, budget_left_s: float, ddp: Dist) -> int:
-    """Steps that fit in the time budget at the pace so far, so the lr schedule still decays."""
-    pace = run_s / max(step, 1)
-    return ddp.broadcast_int(min(max_iters, max(step + 1, int(budget_left_s / pace))))
+def _budget_horizon(step: int, max_iters: int, pace_s: float, budget_left_s: float, ddp: Dist) -> int:
+    """The last step that fits in the time budget at this pace, so the lr schedule still decays."""
+    return ddp.broadcast_int(min(max_iters, max(step + 1, step + int(budget_left_s / pace_s))))
 
 
 def _first_compiled_step(

@@ -160,7 +160,8 @@ def test_time_budget_stops_with_a_checkpoint_and_decayed_lr(shakespeare_path, da
     assert result.stopped == "time_budget" and 0 < result.step < 1_000_000
     assert load_checkpoint(tmp_path / "budget" / "ckpt.pt")["step"] == result.step
     last = read_metrics(tmp_path / "budget" / "metrics.jsonl")[-1]
-    assert "val_loss" in last and last["lr"] < 0.5 * cfg.train.learning_rate
+    # the horizon follows the pace, so the cosine is well into its decay when time runs out
+    assert "val_loss" in last and last["lr"] < 0.75 * cfg.train.learning_rate
 
 
 def test_bfloat16_autocast_on_cpu_trains(shakespeare_path, data_dir, tmp_path):
