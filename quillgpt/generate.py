@@ -212,8 +212,8 @@ def generate_tokens(
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Prompt text → ids. An empty prompt starts from the end-of-text token (BPE) or a newline
-    (char; the first vocabulary id when the vocabulary has no newline), as nanoGPT does."""
+    """Prompt text → ids. An empty prompt starts where documents start in training: after the
+    end-of-text token (BPE), or after a newline (char; the first id if there is no newline)."""
     if text == "":
         if tokenizer.eot_id is not None:
             return [tokenizer.eot_id]
