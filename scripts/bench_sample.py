@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Sampling speed: the KV cache vs the recompute path, side by side in one run.
 
-    python scripts/bench_sample.py                          # 600 new tokens, 1 rep: ~2-3 min on 2 cores
+    python scripts/bench_sample.py                          # 800 new tokens, 1 rep: ~3 min on 2 cores
     python scripts/bench_sample.py --tokens 1000            # the headline figure: ~4-5 min
     python scripts/bench_sample.py --tokens 300 --reps 3    # quicker, with min/max spread
 
@@ -70,7 +70,7 @@ def spread(values: list[float], fmt: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=600, help="new tokens per row (default 600: ~2-3 min)")
+    ap.add_argument("--tokens", type=int, default=800, help="new tokens per row (default 800: ~3 min on 2 cores)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions per row; the median is reported")
     ap.add_argument("--blocks", type=int, nargs="+", default=[1024, 256], help="block sizes (default 1024 256)")
     ap.add_argument("--pos", nargs="+", default=["learned"], choices=["learned", "rope"], help="position schemes")
