@@ -160,7 +160,7 @@ def attention_cmd(
     layer: str = typer.Option("-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."),
     head: Optional[int] = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Image to write, .png or .svg; without it a text view is printed."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="png, svg or text (default: from --out's extension, text without --out)."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="png, svg or text (default: from --out's extension, text without --out; png/svg without --out write attention.png/.svg)."),
     top_k: int = typer.Option(3, "--top-k", help="Text view: attended tokens listed per query token."),
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."),
     device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
