@@ -164,6 +164,24 @@ def test_math_path_returns_causal_softmax_weights():
     torch.testing.assert_close(y, attend(q, k, v, None, "sdpa")[0], atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_training_attention_is_the_fp32_computation_rounded_once():
+    """Under CPU bf16 autocast with gradients, attention runs in fp32 (its bf16 backward is slow
+    there): output and gradients are the fp32 ones, rounded to bf16, and fp32 = the plain formula."""
+    q, k, v = (t.bfloat16().requires_grad_() for t in torch.randn(3, 2, 4, BLOCK, 8).unbind(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = attend(q, k, v, None, "sdpa")
+    y.sum().backward()
+    fp32 = {impl: [t.detach().float().requires_grad_() for t in (q, k, v)] for impl in ("sdpa", "math")}
+    for impl, qkv in fp32.items():
+        y32, _ = attend(*qkv, None, impl)
+        y32.sum().backward()
+        if impl == "sdpa":
+            assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
+    for got, fast, plain in zip((q, k, v), fp32["sdpa"], fp32["math"]):
+        assert torch.equal(got.grad, fast.grad.bfloat16())
+        torch.testing.assert_close(fast.grad, plain.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_rope_equals_complex_rotation_and_is_relative():
     hd, theta = 8, 10000.0
     x = torch.randn(2, 3, 5, hd)  # (B, H, T, hd)
