@@ -18,6 +18,13 @@ GPU_PEAKS = {
 }
 
 
+def cpu_has_bf16() -> bool:
+    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch
+    emulates bf16 on CPU, which is slower than fp32."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
     """FLOP/s of square matmuls on this CPU with the current thread count."""
     g = torch.Generator().manual_seed(0)  # never touch the global RNG: resume must stay exact
