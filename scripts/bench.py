@@ -1,0 +1,830 @@
+#!/usr/bin/env python
+"""QuillGPT benchmarks: every figure of a table is measured in the same run, side by side.
+
+    python scripts/bench.py                     # --suite all, default repetitions
+    python scripts/bench.py --suite train --reps 5 --json bench.json
+
+Suites: train (quill's real training step vs a plain nanoGPT-style step, fp32 and bf16, MFU
+against the matmul peak measured in this run, loss per step), sample (KV cache vs recompute vs
+transformers' GPT2LMHeadModel.generate on the same weights), prepare (MB/s), gpu (CUDA only).
+
+Why the method: this machine is shared and noisy, so absolute numbers drift from run to run.
+The variants of one group are therefore *interleaved* — rep 1 of A, B, C, then rep 2 of A, B,
+C, ... — so a burst of load slows all of them alike, and each row gives the median of the reps
+with min and max. Compare ratios within one run; compare absolute figures only across runs with
+similar load averages (printed at the start and end).
+
+Peak memory is the rise of the process's peak RSS over the RSS before the variant was built
+(Linux: /proc/self/clear_refs resets the peak), so it counts the model, optimizer state,
+activations and temporaries of that variant; CUDA rows give torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))
+if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")  # gpt2 BPE files, offline
+
+from quillgpt import checkpoint as ckpt  # noqa: E402
+from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from quillgpt.data import BatchSampler, batch_from_starts, fixed_windows, load_tokens, prepare  # noqa: E402
+from quillgpt.generate import generate_tokens  # noqa: E402
+from quillgpt.model import GPT  # noqa: E402
+from quillgpt.perf import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
+from quillgpt.tokenizer import build_tokenizer  # noqa: E402
+from quillgpt.train import Dist, _train_step, configure_optimizer, lr_at  # noqa: E402
+
+DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+    @classmethod
+    def of(cls, xs: list[float]) -> "Stats":
+        return cls(statistics.median(xs), min(xs), max(xs), len(xs))
+
+
+def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Call each fn once per rep, round-robin; each returns its own measurement (a time)."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            out[name].append(fn())
+    return out
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakMemory:
+    """Peak RSS rise (MB) inside the block; CUDA max allocated (MB) when on a GPU.
+
+    Linux resets the peak (VmHWM) through /proc/self/clear_refs; elsewhere ru_maxrss is the
+    process's peak so far, which only says something for the first, largest variant.
+    """
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.rss_mb = float("nan")
+        self.cuda_mb = float("nan")
+
+    def __enter__(self) -> "PeakMemory":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._reset = True
+        except OSError:
+            self._reset = False
+        self._base = rss_kb() if self._reset else 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        peak = 0
+        if self._reset:
+            with open("/proc/self/status") as f:
+                peak = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.rss_mb = (peak - self._base) / 1024
+        if self.cuda:
+            self.cuda_mb = torch.cuda.max_memory_allocated() / 2**20
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    group: str
+    name: str
+    metric: str  # what `value` measures, with its unit
+    value: float | None  # None: not applicable (see note)
+    lo: float | None = None
+    hi: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # more columns: ms/step, MFU, ratio, ...
+    note: str = ""
+
+
+class Report:
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.header: dict[str, Any] = {}
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+
+    def print_group(self, group: str) -> None:
+        rows = [r for r in self.rows if r.group == group]
+        if not rows:
+            return
+        extras = list(dict.fromkeys(k for r in rows for k in r.extra))
+        head = ["", rows[0].metric, "min–max", *extras, "note"]
+        table = [head]
+        for r in rows:
+            value = "n/a" if r.value is None else _fmt(r.value)
+            spread = "" if r.lo is None else f"{_fmt(r.lo)}–{_fmt(r.hi)}"
+            table.append([r.name, value, spread, *(_fmt(r.extra.get(k, "")) for k in extras), r.note])
+        widths = [max(len(str(row[i])) for row in table) for i in range(len(head) - 1)]
+        print(f"\n## {group}")
+        for i, row in enumerate(table):
+            cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
+            print("  ".join(cells) + ("  " + row[-1] if row[-1] else ""))
+            if i == 0:
+                print("  ".join("-" * w for w in widths))
+        sys.stdout.flush()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"header": self.header, "rows": [r.__dict__ for r in self.rows]}
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "–"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        if abs(x) >= 100:
+            return f"{x:.0f}"
+        if abs(x) >= 10:
+            return f"{x:.1f}"
+        return f"{x:.2f}"
+    return str(x)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        name = re.search(r"model name\s*:\s*(.+)", text)
+        flags = re.search(r"flags\s*:\s*(.+)", text)
+        isa = [f for f in ("avx512_bf16", "amx_bf16") if flags and f in flags.group(1).split()]
+        return f"{name.group(1).strip() if name else platform.processor()} ({', '.join(isa) or 'no bf16 units'})"
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def describe_machine(report: Report) -> None:
+    h = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "load_average_start": os.getloadavg(),
+        "python": platform.python_version(),
+    }
+    report.header.update(h)
+    print(f"torch {h['torch']} | {h['threads']} threads | CPU {h['cpu']} | capability {h['cpu_capability']} "
+          f"| GPU {h['gpu'] or 'none'} | load average {' '.join(f'{x:.2f}' for x in h['load_average_start'])}")
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def char_tokens(text_path: Path, work: Path) -> tuple[np.ndarray, np.ndarray, int, str]:
+    """Char ids (train, val), vocab size and source: Tiny Shakespeare via quill's own prepare,
+    or random ids without it."""
+    if text_path.is_file():
+        out = prepare(DataConfig(path=str(text_path), tokenizer="char", out_dir=str(work / "char")), progress=False)
+        train, val = load_tokens(out.out_dir, "train"), load_tokens(out.out_dir, "val")
+        return train, val, out.meta["vocab_size"], f"{text_path.name}, char"
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 65, 1_000_000).astype(np.uint16), rng.integers(0, 65, 100_000).astype(np.uint16), 65, "random ids"
+
+
+# --- the reference: a plain nanoGPT-style model and training step -----------------------------
+
+
+class RefAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.n_head, self.dropout = n_head, dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class RefBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=False)
+        self.attn = RefAttention(n_embd, n_head, dropout)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=False)
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(n_embd, 4 * n_embd, bias=False),
+                                      c_proj=nn.Linear(4 * n_embd, n_embd, bias=False)))
+        self.mlp_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        h = F.gelu(self.mlp.c_fc(self.ln_2(x)))  # exact (erf) GELU, as nanoGPT's nn.GELU()
+        return x + self.mlp_dropout(self.mlp.c_proj(h))
+
+
+class RefGPT(nn.Module):
+    """nanoGPT's model, minimal: same parameter names as quill's, so both can start equal."""
+
+    def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block, n_embd), drop=nn.Dropout(dropout),
+            h=nn.ModuleList(RefBlock(n_embd, n_head, dropout) for _ in range(n_layer)),
+            ln_f=nn.LayerNorm(n_embd, bias=False),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+        for name, p in self.named_parameters():
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def ref_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """nanoGPT's configure_optimizers on CPU: decay on matrices, the default (for-loop) AdamW."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2))
+
+
+def nanogpt_batches(tokens: np.ndarray, block: int, batch: int, seed: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """nanoGPT's get_batch: random offsets, one numpy slice per row, stacked."""
+    g = torch.Generator().manual_seed(seed)
+
+    def get() -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(tokens) - block, (batch,), generator=g)
+        x = torch.stack([torch.from_numpy(tokens[i : i + block].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(tokens[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
+        return x, y
+
+    return get
+
+
+def ref_step(model: nn.Module, opt: torch.optim.Optimizer, get_batch: Callable, tc: TrainConfig, lr: float) -> float:
+    """nanoGPT's loop body in fp32: forward, backward, clip, step, and loss.item() every step."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    x, y = get_batch()
+    _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+# --- train suite ------------------------------------------------------------------------------
+
+
+@dataclass
+class Shape:
+    name: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block: int
+    batch: int
+    dropout: float
+    steps_per_rep: int  # optimizer steps timed together in one rep (short steps are noisy)
+    warmup: int
+
+
+SHAPES = [
+    Shape("baby 4L/4H/128, block 64, batch 12", 4, 4, 128, 64, 12, 0.0, steps_per_rep=10, warmup=5),
+    Shape("6L/6H/384, block 256, batch 64", 6, 6, 384, 256, 64, 0.2, steps_per_rep=1, warmup=1),
+]
+
+
+def model_config(s: Shape, vocab: int, **kw: Any) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, block_size=s.block, n_layer=s.n_layer, n_head=s.n_head,
+                       n_embd=s.n_embd, dropout=s.dropout, bias=False, **kw)
+
+
+class QuillTrainer:
+    """quill's real step: configure_optimizer (fused AdamW) + train._train_step, as train() runs it."""
+
+    def __init__(self, s: Shape, vocab: int, tokens: np.ndarray, dtype: torch.dtype, compile: bool = False,
+                 init: dict[str, torch.Tensor] | None = None, lr: float = 1e-3) -> None:
+        self.device = torch.device("cpu")
+        torch.manual_seed(0)
+        self.model = GPT(model_config(s, vocab))
+        if init is not None:
+            self.model.load_state_dict(init)
+        self.tc = TrainConfig(batch_size=s.batch, learning_rate=lr, min_lr=lr / 10, beta2=0.99, device="cpu")
+        self.opt = configure_optimizer(self.model, self.tc, self.device)
+        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        self.sampler = BatchSampler(tokens, s.block, s.batch, seed=1)
+        self.dtype = dtype
+        self.model.train()
+        self.fwd = torch.compile(self.model) if compile else self.model
+        self.step_no = 0
+
+    def step(self, lr: float | None = None) -> torch.Tensor:
+        for group in self.opt.param_groups:
+            group["lr"] = self.tc.learning_rate if lr is None else lr
+        loss = _train_step(self.fwd, self.opt, self.scaler, self.sampler, Dist(), self.tc, self.device,
+                           self.dtype, self.step_no)
+        self.step_no += 1
+        return loss
+
+
+class RefTrainer:
+    def __init__(self, s: Shape, vocab: int, tokens: np.ndarray, init: dict[str, torch.Tensor] | None = None,
+                 get_batch: Callable | None = None, lr: float = 1e-3) -> None:
+        torch.manual_seed(0)
+        self.model = RefGPT(vocab, s.block, s.n_layer, s.n_head, s.n_embd, s.dropout)
+        if init is not None:
+            self.model.load_state_dict(init)
+        self.tc = TrainConfig(batch_size=s.batch, learning_rate=lr, min_lr=lr / 10, beta2=0.99)
+        self.opt = ref_optimizer(self.model, self.tc)
+        self.get_batch = get_batch or nanogpt_batches(tokens, s.block, s.batch, seed=1)
+        self.model.train()
+
+    def step(self, lr: float | None = None) -> float:
+        return ref_step(self.model, self.opt, self.get_batch, self.tc, self.tc.learning_rate if lr is None else lr)
+
+
+def timed_steps(trainer: Any, n: int) -> Callable[[], float]:
+    def run() -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            trainer.step()
+        return (time.perf_counter() - t) / n
+
+    return run
+
+
+def matmul_peaks(reps: int) -> dict[torch.dtype, Stats]:
+    dtypes = [torch.float32] + ([torch.bfloat16] if cpu_has_bf16() else [])
+    samples = interleaved({str(d): (lambda d=d: measure_matmul_peak(d, seconds=0.3)) for d in dtypes}, reps)
+    return {d: Stats.of(samples[str(d)]) for d in dtypes}
+
+
+def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
+    group = "train: matmul peak (1024² matmuls, this run)"
+    peaks = matmul_peaks(max(3, args.reps))
+    for d, st in peaks.items():
+        report.add(Row(group, f"torch.mm {str(d).replace('torch.', '')}", "GFLOP/s", st.median / 1e9,
+                       st.lo / 1e9, st.hi / 1e9))
+    report.print_group(group)
+
+    train_tokens, val_tokens, vocab, source = char_tokens(args.text, work)
+    bf16 = torch.bfloat16 in peaks
+    for s in SHAPES:
+        if args.quick and s.n_layer > 4:
+            continue
+        group = f"train: {s.name} ({source})"
+        reps = args.reps if s.steps_per_rep > 1 else max(2, args.reps // 2)
+        variants: dict[str, tuple[Any, torch.dtype]] = {}
+        memory: dict[str, PeakMemory] = {}
+        builders: dict[str, Callable[[], Any]] = {
+            "reference fp32 (nanoGPT-style)": lambda: RefTrainer(s, vocab, train_tokens),
+            "quill fp32": lambda: QuillTrainer(s, vocab, train_tokens, torch.float32),
+        }
+        if bf16:
+            builders["quill bf16 autocast"] = lambda: QuillTrainer(s, vocab, train_tokens, torch.bfloat16)
+        if args.compile:
+            builders["quill fp32 + torch.compile"] = lambda: QuillTrainer(s, vocab, train_tokens, torch.float32, compile=True)
+            if bf16:
+                builders["quill bf16 + torch.compile"] = lambda: QuillTrainer(s, vocab, train_tokens, torch.bfloat16, compile=True)
+        for name, build in builders.items():
+            with PeakMemory() as mem:
+                trainer = build()
+                t0 = time.perf_counter()
+                for _ in range(s.warmup):
+                    trainer.step()
+                warm_s = time.perf_counter() - t0
+            memory[name] = mem
+            variants[name] = (trainer, torch.bfloat16 if "bf16" in name else torch.float32)
+            if "compile" in name:
+                memory[name].extra_note = f"first {s.warmup} step(s) incl. compile: {warm_s:.0f} s"  # type: ignore[attr-defined]
+        samples = interleaved({n: timed_steps(t, s.steps_per_rep) for n, (t, _) in variants.items()}, reps)
+        fpt = GPT(model_config(s, vocab)).flops_per_token()
+        tokens = s.batch * s.block
+        ref_ms = statistics.median(samples["reference fp32 (nanoGPT-style)"]) * 1e3
+        for name, (trainer, dtype) in variants.items():
+            st = Stats.of([tokens / x for x in samples[name]])
+            ms = statistics.median(samples[name]) * 1e3
+            peak = peaks[dtype].median
+            report.add(Row(group, name, "tokens/s", st.median, st.lo, st.hi, extra={
+                "ms/step": ms, "MFU": f"{fpt * st.median / peak:.1%}", f"vs reference": f"{ref_ms / ms:.2f}×",
+                "peak RSS MB": memory[name].rss_mb,
+            }, note=getattr(memory[name], "extra_note", "")))
+        report.print_group(group)
+        del variants
+    loss_check(report, args, train_tokens, val_tokens, vocab, bf16, source)
+
+
+def loss_check(report: Report, args: argparse.Namespace, train_tokens: np.ndarray, val_tokens: np.ndarray,
+               vocab: int, bf16: bool, source: str) -> None:
+    """Same initial weights, same batches, same schedule: does quill learn as fast per step?"""
+    s = SHAPES[0]
+    n = args.loss_steps
+    group = f"train: loss per step, {s.name}, {n} steps, lr 2e-3 warmup 20 cosine ({source})"
+    tc = TrainConfig(learning_rate=2e-3, min_lr=2e-4, warmup_iters=20)
+    torch.manual_seed(0)
+    init = GPT(model_config(s, vocab)).state_dict()
+    runs: dict[str, Any] = {
+        "reference fp32 (nanoGPT-style)": RefTrainer(s, vocab, train_tokens, init=init,
+                                                    get_batch=BatchSampler(train_tokens, s.block, s.batch, seed=1).next),
+        "quill fp32": QuillTrainer(s, vocab, train_tokens, torch.float32, init=init),
+    }
+    if bf16:
+        runs["quill bf16 autocast"] = QuillTrainer(s, vocab, train_tokens, torch.bfloat16, init=init)
+    curves: dict[str, list[float]] = {k: [] for k in runs}
+    seconds = dict.fromkeys(runs, 0.0)
+    for step in range(n):
+        lr = lr_at(step, tc, n)
+        for name, trainer in runs.items():
+            t = time.perf_counter()
+            loss = trainer.step(lr)
+            seconds[name] += time.perf_counter() - t
+            curves[name].append(float(loss))
+    starts = fixed_windows(val_tokens, s.block, 240)
+    base = curves["quill fp32"]
+    for name, trainer in runs.items():
+        model = trainer.model.eval()
+        with torch.no_grad():
+            losses = []
+            for i in range(0, len(starts), 60):
+                x, y = batch_from_starts(val_tokens, starts[i : i + 60], s.block)
+                losses.append(model(x, y)[1].item())
+        last = curves[name][-20:]
+        diff = max(abs(a - b) for a, b in zip(curves[name], base))
+        report.add(Row(group, name, "val loss", statistics.mean(losses), extra={
+            "train loss (last 20)": statistics.mean(last),
+            "max |Δ train loss| vs quill fp32": f"{diff:.4f}",
+            "wall s": seconds[name],
+        }))
+    report.print_group(group)
+
+
+# --- sample suite -----------------------------------------------------------------------------
+
+
+def make_run(work: Path, block: int, text: str) -> Path:
+    """A quill run directory holding a random-init 6L/384 char model (biases on, as GPT-2)."""
+    tok = build_tokenizer("char", text)
+    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=block, n_layer=6, n_head=6, n_embd=384,
+                                   bias=True, dropout=0.0))
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    run = work / f"run{block}"
+    run.mkdir(parents=True, exist_ok=True)
+    ckpt.save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0},
+                         run / ckpt.LATEST)
+    return run
+
+
+def hf_model(run: Path, out: Path) -> Any:
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    from quillgpt.interop import export_hf
+
+    hf_logging.set_verbosity_error()
+    export_hf(run, out, which="latest", force=True)
+    return GPT2LMHeadModel.from_pretrained(out).eval()
+
+
+def quill_generate(model: GPT, prompts: list[list[int]], n: int, use_cache: bool) -> tuple[torch.Tensor, list[float]]:
+    """All new tokens (B, n) and the time at which each step's token arrived."""
+    times, out = [], []
+    t0 = time.perf_counter()
+    for tok in generate_tokens(model, prompts, n, temperature=0.0, use_cache=use_cache):
+        out.append(tok)
+        times.append(time.perf_counter() - t0)
+    return torch.stack(out, 1), times
+
+
+def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             use_cache=True, pad_token_id=0, eos_token_id=None)
+    return out[:, ids.shape[1]:]
+
+
+def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
+    text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
+    n_new, n_rec = args.sample_tokens, args.recompute_tokens
+    for block in (1024, 256):
+        run = make_run(work, block, text)
+        loaded = ckpt.load_run(run, which="latest")
+        model, tok = loaded.model, loaded.tokenizer
+        hf = hf_model(run, work / f"hf{block}")
+        n_pos = hf.config.n_positions
+        for B in (1, 8):
+            group = f"sample: 6L/6H/384, block {block:,}, batch {B}, greedy, {n_new:,} new tokens after a 16-token prompt"
+            prompts = [tok.encode(text[1000 * i : 1000 * i + 16]) for i in range(B)]
+            reps = args.sample_reps if B == 1 or block > 256 else 1
+            fns: dict[str, Callable[[], float]] = {}
+            results: dict[str, Any] = {}
+
+            def cached() -> float:
+                t = time.perf_counter()
+                results["quill"], _ = quill_generate(model, prompts, n_new, use_cache=True)
+                return time.perf_counter() - t
+
+            fns["quill KV cache"] = cached
+            if 16 + n_new <= n_pos:
+                def hf_run() -> float:
+                    t = time.perf_counter()
+                    results["hf"] = hf_generate(hf, prompts, n_new)
+                    return time.perf_counter() - t
+
+                fns["transformers generate (use_cache)"] = hf_run
+            mem = {}
+            for name, fn in fns.items():  # warm-up, with the memory peak of one full run
+                with PeakMemory() as m:
+                    fn()
+                mem[name] = m.rss_mb
+            samples = interleaved(fns, reps)
+            hf_tps = None
+            if "transformers generate (use_cache)" in samples:
+                hf_tps = B * n_new / statistics.median(samples["transformers generate (use_cache)"])
+            # The recompute path costs ~10× more per token: time n_rec tokens whose contexts
+            # average the same length as the full run's, and give its per-token rate.
+            mean_ctx = statistics.mean(min(16 + i, block) for i in range(n_new))
+            p_len = max(16, min(block - 1, round(mean_ctx - n_rec / 2)))
+            rec_prompts = [tok.encode((text * 2)[1000 * i : 1000 * i + p_len]) for i in range(B)]
+            rec_n = n_rec if B == 1 else max(5, n_rec // 5)
+            with PeakMemory() as m:
+                _, times = quill_generate(model, rec_prompts, rec_n, use_cache=False)
+            per_token = np.diff([0.0, *times])[1:]  # the first step also builds the batch
+            rec = Stats.of([B / x for x in per_token])
+            for name, xs in samples.items():
+                st = Stats.of([B * n_new / x for x in xs])
+                extra = {"vs recompute": f"{st.median / rec.median:.1f}×", "peak RSS MB": mem[name]}
+                if hf_tps:
+                    extra["vs transformers"] = f"{st.median / hf_tps:.2f}×"
+                note = ""
+                if name == "quill KV cache" and "hf" in results:
+                    same = (results["quill"] == results["hf"]).all(dim=0).float()
+                    k = int(same.argmin()) if same.min() < 1 else n_new
+                    note = f"greedy tokens identical to transformers for {k:,}/{n_new:,}"
+                if name == "quill KV cache" and 16 + n_new > block:
+                    note = (f"past {block} tokens the learned positions shift: the cache is refilled every "
+                            "step (nanoGPT's crop), costing a block-long prefill per token")
+                report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra, note=note))
+            if "transformers generate (use_cache)" not in samples:
+                report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None,
+                               note=f"n/a: 16 + {n_new:,} tokens exceed its n_positions={n_pos} (it refuses/crashes)"))
+            report.add(Row(group, "quill recompute (no cache)", "new tokens/s", rec.median, rec.lo, rec.hi, extra={
+                "vs recompute": "1.0×", "peak RSS MB": m.rss_mb,
+                **({"vs transformers": f"{rec.median / hf_tps:.2f}×"} if hf_tps else {}),
+            }, note=f"{rec_n} tokens after a {p_len}-token prompt (same mean context as the full run); "
+                    f"per-token median"))
+            report.print_group(group)
+
+        # prefill: time to the first new token from a long prompt
+        group = f"sample: prefill latency (time to first token), 6L/6H/384, block {block:,}"
+        p_len = min(512, block - 1)
+        for B in (1, 8):
+            prompts = [tok.encode(text[1000 * i : 1000 * i + p_len]) for i in range(B)]
+
+            def q_first() -> float:
+                t = time.perf_counter()
+                next(iter(generate_tokens(model, prompts, 1)))
+                return time.perf_counter() - t
+
+            def hf_first() -> float:
+                t = time.perf_counter()
+                hf_generate(hf, prompts, 1)
+                return time.perf_counter() - t
+
+            fns = {f"quill, batch {B}": q_first, f"transformers, batch {B}": hf_first}
+            for fn in fns.values():
+                fn()
+            samples = interleaved(fns, max(3, args.sample_reps))
+            for name, xs in samples.items():
+                st = Stats.of([x * 1e3 for x in xs])
+                report.add(Row(group, name, f"ms for a {p_len}-token prompt", st.median, st.lo, st.hi,
+                               extra={"prompt tokens/s": B * p_len / (st.median / 1e3)}))
+        report.print_group(group)
+
+
+# --- prepare suite ----------------------------------------------------------------------------
+
+
+def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
+    group = f"prepare: {args.text.name} ({args.text.stat().st_size / 1e6:.2f} MB), prepare(force=True)"
+    if not args.text.is_file():
+        report.add(Row(group, "prepare", "MB/s", None, note=f"n/a: {args.text} not found"))
+        report.print_group(group)
+        return
+    size_mb = args.text.stat().st_size / 1e6
+    mem: dict[str, float] = {}
+
+    def make(name: str) -> Callable[[], float]:
+        cfg = DataConfig(path=str(args.text), tokenizer=name, out_dir=str(work / f"prep_{name}"))
+
+        def run() -> float:
+            t = time.perf_counter()
+            prepare(cfg, force=True, progress=False)
+            return time.perf_counter() - t
+
+        return run
+
+    fns = {f"{name} tokenizer": make(name) for name in ("char", "gpt2")}
+    for name, fn in fns.items():
+        with PeakMemory() as m:
+            fn()  # warm-up: tiktoken loads its BPE ranks once per process
+        mem[name] = m.rss_mb
+    samples = interleaved(fns, max(3, args.reps))
+    for name, xs in samples.items():
+        st = Stats.of([size_mb / x for x in xs])
+        report.add(Row(group, name, "MB/s", st.median, st.lo, st.hi,
+                       extra={"ms": statistics.median(xs) * 1e3, "peak RSS MB": mem[name]}))
+    report.print_group(group)
+
+
+# --- gpu suite --------------------------------------------------------------------------------
+
+
+def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
+    """GPT-2-124M-shaped training (bf16, torch.compile, flash SDPA) and KV-cached sampling."""
+    if not torch.cuda.is_available():
+        print("\n## gpu\nskipped: no CUDA device")
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops(device, torch.bfloat16)
+    cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
+    batch = args.gpu_batch
+    group = f"gpu: {name}, GPT-2-124M shape (12L/12H/768, block 1,024, vocab 50,304), batch {batch}, bf16"
+    tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000).astype(np.uint16)
+    tc = TrainConfig(batch_size=batch, learning_rate=6e-4, device="cuda")
+
+    def make(compile: bool) -> tuple[Callable[[], float], PeakMemory, float]:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        opt = configure_optimizer(model, tc, device)
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        sampler = BatchSampler(tokens, cfg.block_size, batch, seed=1, device=device)
+        fwd = torch.compile(model) if compile else model
+        step = {"n": 0}
+
+        def one() -> None:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                _train_step(fwd, opt, scaler, sampler, Dist(), tc, device, torch.bfloat16, step["n"])
+            step["n"] += 1
+
+        with PeakMemory(cuda=True) as mem:
+            t = time.perf_counter()
+            for _ in range(3):  # warm-up (and compilation)
+                one()
+            torch.cuda.synchronize()
+            warm = time.perf_counter() - t
+
+        def timed() -> float:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(args.gpu_steps):
+                one()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t) / args.gpu_steps
+
+        return timed, mem, warm
+
+    fpt = GPT(cfg).flops_per_token()
+    variants = {"quill bf16 + torch.compile + flash SDPA": make(True), "quill bf16 eager + flash SDPA": make(False)}
+    samples = interleaved({k: v[0] for k, v in variants.items()}, max(3, args.reps))
+    for vname, xs in samples.items():
+        st = Stats.of([batch * cfg.block_size / x for x in xs])
+        _, mem, warm = variants[vname]
+        report.add(Row(group, vname, "tokens/s", st.median, st.lo, st.hi, extra={
+            "ms/step": statistics.median(xs) * 1e3, "MFU": f"{fpt * st.median / peak:.1%}",
+            "CUDA max alloc MB": mem.cuda_mb}, note=f"peak {peak / 1e12:.0f} TFLOP/s bf16; warm-up 3 steps {warm:.0f} s"))
+    report.print_group(group)
+    del variants
+
+    group = f"gpu: {name}, KV-cached greedy sampling, GPT-2-124M shape, {args.gpu_sample_tokens} new tokens"
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device).eval()
+    for dtype in (torch.float32, torch.bfloat16):
+        m = model.to(dtype)
+        for B in (1, 8):
+            prompts = [list(range(1 + i, 17 + i)) for i in range(B)]
+
+            def run(m: GPT = m, prompts: list[list[int]] = prompts) -> float:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in generate_tokens(m, prompts, args.gpu_sample_tokens):
+                    pass
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+
+            with PeakMemory(cuda=True) as mem:
+                run()
+            xs = interleaved({"x": run}, max(2, args.sample_reps))["x"]
+            st = Stats.of([B * args.gpu_sample_tokens / x for x in xs])
+            report.add(Row(group, f"quill KV cache, {str(dtype).replace('torch.', '')}, batch {B}", "new tokens/s",
+                           st.median, st.lo, st.hi, extra={"CUDA max alloc MB": mem.cuda_mb}))
+    report.print_group(group)
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+SUITES = {"train": train_suite, "sample": sample_suite, "prepare": prepare_suite, "gpu": gpu_suite}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=[*SUITES, "all"], default="all")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (the 6-layer training "
+                   "shape uses half, at least 2)")
+    p.add_argument("--json", type=Path, help="also write every row (and the machine) as JSON here")
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="Tiny Shakespeare (default: ../shared/data)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd training (slow to compile on CPU)")
+    p.add_argument("--quick", action="store_true", help="train suite: the baby shape only")
+    p.add_argument("--loss-steps", type=int, default=200, help="steps of the loss-per-step comparison")
+    p.add_argument("--sample-tokens", type=int, default=1000)
+    p.add_argument("--recompute-tokens", type=int, default=100)
+    p.add_argument("--sample-reps", type=int, default=3)
+    p.add_argument("--gpu-batch", type=int, default=16)
+    p.add_argument("--gpu-steps", type=int, default=10)
+    p.add_argument("--gpu-sample-tokens", type=int, default=500)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+    report = Report()
+    describe_machine(report)
+    print(f"command: python scripts/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="quill-bench-") as tmp:
+        suites = [s for s in SUITES if s != "gpu"] + ["gpu"] if args.suite == "all" else [args.suite]
+        for name in suites:
+            SUITES[name](report, args, Path(tmp))
+    report.header["load_average_end"] = os.getloadavg()
+    report.header["seconds"] = time.perf_counter() - t0
+    print(f"\n{time.perf_counter() - t0:.0f} s; load average at the end "
+          f"{' '.join(f'{x:.2f}' for x in report.header['load_average_end'])}")
+    if args.json:
+        args.json.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
