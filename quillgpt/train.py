@@ -433,7 +433,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                 record: dict[str, Any] = {}
                 if step % tc.log_interval == 0 or step == horizon:
                     now = time.time()
-                    train_loss = ddp.mean(loss).item()
+                    train_loss = _checked_loss(loss, step, ddp)
                     dt = max(now - t_log, 1e-9)
                     tok_s = tokens_per_step * (step - step_at_log) / dt
                     mfu = flops_per_step * (step - step_at_log) / dt / peak
@@ -447,6 +447,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                     t_log, step_at_log = now, step
 
                 if step % tc.eval_interval == 0 or step == horizon:
+                    train_loss = _checked_loss(loss, step, ddp)  # before anything is saved
                     t_eval = time.time()
                     losses = estimate_loss(raw_model, windows, cfg.model.block_size, tc.batch_size, device, dtype)
                     last_val = losses["val"]
@@ -456,7 +457,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                             "good checkpoint is kept — lower train.learning_rate or check the data"
                         )
                     record.update({"step": step, "eval_train_loss": losses["train"], "val_loss": last_val})
-                    record.setdefault("train_loss", ddp.mean(loss).item())
+                    record.setdefault("train_loss", train_loss)
                     if ddp.master:
                         # The line goes in before the checkpoint: a checkpoint at step k always has
                         # its line (a kill in between redoes step k, and resume drops the extra line).
@@ -474,6 +475,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                     ckpt.append_jsonl(out_dir / "metrics.jsonl", record)
                 if ddp.any(stop.signal is not None) and step < horizon:
                     stopped = "interrupted"
+                    _checked_loss(loss, step, ddp)
                     if ddp.master:
                         save(out_dir / ckpt.LATEST)
                         bar.write(f"stopped at step {step}; checkpoint saved to {out_dir / ckpt.LATEST} (resume with --resume)")
@@ -517,11 +519,6 @@ def _train_step(
                     "lower train.batch_size (raise train.grad_accum to keep the batch) or the model size"
                 ) from None
         total += loss.detach()
-    if not torch.isfinite(total):
-        raise QuillError(
-            f"loss became {total.item()} at step {step + 1}; training stopped and the last good "
-            "checkpoint is kept — lower train.learning_rate or check the data"
-        )
     if tc.grad_clip > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
@@ -529,6 +526,19 @@ def _train_step(
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def _checked_loss(loss: torch.Tensor, step: int, ddp: Dist) -> float:
+    """The step's loss (mean over ranks) as a float, refusing NaN/inf. Reading it makes the host
+    wait for the device, so the loop does it only where it logs or saves, not every step; a
+    non-finite loss reaches the weights and stays, so it is still caught before any save."""
+    value = ddp.mean(loss).item()
+    if not math.isfinite(value):
+        raise QuillError(
+            f"loss became {value} at step {step} (checked every train.log_interval steps); training "
+            "stopped and the last good checkpoint is kept — lower train.learning_rate or check the data"
+        )
+    return value
 
 
 def _budget_horizon(step: int, max_iters: int, pace_s: float, budget_left_s: float, ddp: Dist) -> int:
