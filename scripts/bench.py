@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import ctypes
+import gc
 import json
 import math
 import os
@@ -107,6 +110,9 @@ class PeakMemory:
         self.cuda_mb = float("nan")
 
     def __enter__(self) -> "PeakMemory":
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # hand freed heap pages back (glibc), so
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory reused from an earlier variant counts
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -537,6 +543,7 @@ def hf_model(run: Path, out: Path) -> Any:
     from quillgpt.interop import export_hf
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     export_hf(run, out, which="latest", force=True)
     return GPT2LMHeadModel.from_pretrained(out).eval()
 
@@ -561,101 +568,127 @@ def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
 
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
-    n_new, n_rec = args.sample_tokens, args.recompute_tokens
     for block in (1024, 256):
         run = make_run(work, block, text)
         loaded = ckpt.load_run(run, which="latest")
-        model, tok = loaded.model, loaded.tokenizer
         hf = hf_model(run, work / f"hf{block}")
-        n_pos = hf.config.n_positions
         for B in (1, 8):
-            group = f"sample: 6L/6H/384, block {block:,}, batch {B}, greedy, {n_new:,} new tokens after a 16-token prompt"
-            prompts = [tok.encode(text[1000 * i : 1000 * i + 16]) for i in range(B)]
-            reps = args.sample_reps if B == 1 or block > 256 else 1
-            fns: dict[str, Callable[[], float]] = {}
-            results: dict[str, Any] = {}
+            sample_group(report, args, loaded.model, hf, loaded.tokenizer, text, block, B)
+        prefill_group(report, args, loaded.model, hf, loaded.tokenizer, text, block)
 
-            def cached() -> float:
-                t = time.perf_counter()
-                results["quill"], _ = quill_generate(model, prompts, n_new, use_cache=True)
-                return time.perf_counter() - t
 
-            fns["quill KV cache"] = cached
-            if 16 + n_new <= n_pos:
-                def hf_run() -> float:
-                    t = time.perf_counter()
-                    results["hf"] = hf_generate(hf, prompts, n_new)
-                    return time.perf_counter() - t
+def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str,
+                 block: int, B: int) -> None:
+    """New tokens/s: quill's KV cache (fp32, and bf16 weights) vs recompute vs transformers."""
+    n_new, prompt_len = args.sample_tokens, 16
+    past_window = prompt_len + n_new > block
+    if past_window and B > 1:  # every token past the window costs a B×block prefill: keep it short
+        n_new = block - prompt_len + 50
+    group = f"sample: 6L/6H/384, block {block:,}, batch {B}, greedy, {n_new:,} new tokens after a {prompt_len}-token prompt"
+    prompts = [tok.encode(text[1000 * i : 1000 * i + prompt_len]) for i in range(B)]
+    reps = 1 if past_window else args.sample_reps
+    tokens: dict[str, torch.Tensor] = {}
 
-                fns["transformers generate (use_cache)"] = hf_run
-            mem = {}
-            for name, fn in fns.items():  # warm-up, with the memory peak of one full run
-                with PeakMemory() as m:
-                    fn()
-                mem[name] = m.rss_mb
-            samples = interleaved(fns, reps)
-            hf_tps = None
-            if "transformers generate (use_cache)" in samples:
-                hf_tps = B * n_new / statistics.median(samples["transformers generate (use_cache)"])
-            # The recompute path costs ~10× more per token: time n_rec tokens whose contexts
-            # average the same length as the full run's, and give its per-token rate.
-            mean_ctx = statistics.mean(min(16 + i, block) for i in range(n_new))
-            p_len = max(16, min(block - 1, round(mean_ctx - n_rec / 2)))
-            rec_prompts = [tok.encode((text * 2)[1000 * i : 1000 * i + p_len]) for i in range(B)]
-            rec_n = n_rec if B == 1 else max(5, n_rec // 5)
-            with PeakMemory() as m:
-                _, times = quill_generate(model, rec_prompts, rec_n, use_cache=False)
-            per_token = np.diff([0.0, *times])[1:]  # the first step also builds the batch
-            rec = Stats.of([B / x for x in per_token])
-            for name, xs in samples.items():
-                st = Stats.of([B * n_new / x for x in xs])
-                extra = {"vs recompute": f"{st.median / rec.median:.1f}×", "peak RSS MB": mem[name]}
-                if hf_tps:
-                    extra["vs transformers"] = f"{st.median / hf_tps:.2f}×"
-                note = ""
-                if name == "quill KV cache" and "hf" in results:
-                    same = (results["quill"] == results["hf"]).all(dim=0).float()
-                    k = int(same.argmin()) if same.min() < 1 else n_new
-                    note = f"greedy tokens identical to transformers for {k:,}/{n_new:,}"
-                if name == "quill KV cache" and 16 + n_new > block:
-                    note = (f"past {block} tokens the learned positions shift: the cache is refilled every "
-                            "step (nanoGPT's crop), costing a block-long prefill per token")
-                report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra, note=note))
-            if "transformers generate (use_cache)" not in samples:
-                report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None,
-                               note=f"n/a: 16 + {n_new:,} tokens exceed its n_positions={n_pos} (it refuses/crashes)"))
-            report.add(Row(group, "quill recompute (no cache)", "new tokens/s", rec.median, rec.lo, rec.hi, extra={
-                "vs recompute": "1.0×", "peak RSS MB": m.rss_mb,
-                **({"vs transformers": f"{rec.median / hf_tps:.2f}×"} if hf_tps else {}),
-            }, note=f"{rec_n} tokens after a {p_len}-token prompt (same mean context as the full run); "
-                    f"per-token median"))
-            report.print_group(group)
+    def quill(m: GPT, key: str) -> Callable[[], float]:
+        def run() -> float:
+            t = time.perf_counter()
+            tokens[key], _ = quill_generate(m, prompts, n_new, use_cache=True)
+            return time.perf_counter() - t
+        return run
 
-        # prefill: time to the first new token from a long prompt
-        group = f"sample: prefill latency (time to first token), 6L/6H/384, block {block:,}"
-        p_len = min(512, block - 1)
-        for B in (1, 8):
-            prompts = [tok.encode(text[1000 * i : 1000 * i + p_len]) for i in range(B)]
+    def transformers() -> float:
+        t = time.perf_counter()
+        tokens["hf"] = hf_generate(hf, prompts, n_new)
+        return time.perf_counter() - t
 
-            def q_first() -> float:
-                t = time.perf_counter()
-                next(iter(generate_tokens(model, prompts, 1)))
-                return time.perf_counter() - t
+    fns = {"quill KV cache": quill(model, "quill")}
+    if not past_window:
+        fns["quill KV cache, bf16 weights"] = quill(copy.deepcopy(model).to(torch.bfloat16), "bf16")
+    hf_ok = prompt_len + n_new <= hf.config.n_positions
+    if hf_ok:
+        fns["transformers generate (use_cache)"] = transformers
+    mem: dict[str, float] = {}
+    warm: dict[str, float] = {}
+    for name, fn in fns.items():  # one full run each first: warm-up, and its memory peak
+        with PeakMemory() as m:
+            warm[name] = fn()
+        mem[name] = m.rss_mb
+    samples = interleaved(fns, reps) if reps > 1 else {k: [v] for k, v in warm.items()}
 
-            def hf_first() -> float:
-                t = time.perf_counter()
-                hf_generate(hf, prompts, 1)
-                return time.perf_counter() - t
+    # The recompute path costs ~10× more per token, so it generates fewer tokens, after a prompt
+    # chosen so that their contexts average the same length as the full run's; per-token rate.
+    n_rec = args.recompute_tokens if B == 1 else max(5, args.recompute_tokens // 5)
+    mean_ctx = statistics.mean(min(prompt_len + i, block) for i in range(n_new))
+    p_len = max(prompt_len, min(block - 1, round(mean_ctx - n_rec / 2)))
+    rec_prompts = [tok.encode((text * 2)[1000 * i : 1000 * i + p_len]) for i in range(B)]
+    with PeakMemory() as m:
+        _, times = quill_generate(model, rec_prompts, n_rec, use_cache=False)
+    mem["quill recompute (no cache)"] = m.rss_mb
+    rec = Stats.of([B / x for x in np.diff(times)])  # per-token times (the first also builds the batch)
 
-            fns = {f"quill, batch {B}": q_first, f"transformers, batch {B}": hf_first}
-            for fn in fns.values():
-                fn()
-            samples = interleaved(fns, max(3, args.sample_reps))
-            for name, xs in samples.items():
-                st = Stats.of([x * 1e3 for x in xs])
-                report.add(Row(group, name, f"ms for a {p_len}-token prompt", st.median, st.lo, st.hi,
-                               extra={"prompt tokens/s": B * p_len / (st.median / 1e3)}))
-        report.print_group(group)
+    hf_tps = B * n_new / statistics.median(samples["transformers generate (use_cache)"]) if hf_ok else None
+    for name, xs in samples.items():
+        st = Stats.of([B * n_new / x for x in xs])
+        note = ""
+        if name == "quill KV cache" and hf_ok:
+            note = f"greedy tokens = transformers' for {agreement(tokens['quill'], tokens['hf'])}"
+        elif name == "quill KV cache, bf16 weights":
+            note = f"greedy tokens = fp32 quill's for {agreement(tokens['bf16'], tokens['quill'])}"
+        elif name == "quill KV cache" and past_window:
+            note = (f"past {block} tokens learned positions shift, so the cache is refilled every step "
+                    f"(nanoGPT's crop): a {block}-token prefill per token, like recompute")
+        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=sample_extra(
+            st.median, rec.median, hf_tps, mem[name]), note=note))
+    if not hf_ok:
+        report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=(
+            f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past")))
+    report.add(Row(group, "quill recompute (no cache)", "new tokens/s", rec.median, rec.lo, rec.hi,
+                   extra=sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"]),
+                   note=f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"))
+    report.print_group(group)
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> str:
+    """'k/n': how many leading steps all rows agree (greedy decoding diverges for good at the first tie-break)."""
+    same = (a == b).all(dim=0)
+    k = int((~same).nonzero()[0, 0]) if not same.all() else len(same)
+    return f"{k:,}/{len(same):,} steps"
+
+
+def sample_extra(tps: float, rec_tps: float, hf_tps: float | None, mem_mb: float) -> dict[str, Any]:
+    extra: dict[str, Any] = {"vs recompute": f"{tps / rec_tps:.1f}×"}
+    extra["vs transformers"] = f"{tps / hf_tps:.2f}×" if hf_tps else "n/a"
+    extra["peak RSS MB"] = mem_mb
+    return extra
+
+
+def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str, block: int) -> None:
+    """Time to the first new token from a long prompt (the prompt's forward pass)."""
+    p_len = min(512, block - 1)
+    group = f"sample: prefill latency (time to first token), 6L/6H/384, block {block:,}, {p_len}-token prompt"
+    fns: dict[str, Callable[[], float]] = {}
+    for B in (1, 8):
+        prompts = [tok.encode(text[1000 * i : 1000 * i + p_len]) for i in range(B)]
+
+        def q_first(prompts: list[list[int]] = prompts) -> float:
+            t = time.perf_counter()
+            next(iter(generate_tokens(model, prompts, 1)))
+            return time.perf_counter() - t
+
+        def hf_first(prompts: list[list[int]] = prompts) -> float:
+            t = time.perf_counter()
+            hf_generate(hf, prompts, 1)
+            return time.perf_counter() - t
+
+        fns[f"quill, batch {B}"] = q_first
+        fns[f"transformers, batch {B}"] = hf_first
+    for fn in fns.values():
+        fn()
+    for name, xs in interleaved(fns, max(3, args.sample_reps)).items():
+        st = Stats.of([x * 1e3 for x in xs])
+        B = int(name.rsplit(" ", 1)[1])
+        report.add(Row(group, name, "ms", st.median, st.lo, st.hi, extra={"prompt tokens/s": B * p_len / (st.median / 1e3)}))
+    report.print_group(group)
 
 
 # --- prepare suite ----------------------------------------------------------------------------
