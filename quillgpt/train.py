@@ -437,7 +437,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                     dt = max(now - t_log, 1e-9)
                     tok_s = tokens_per_step * (step - step_at_log) / dt
                     mfu = flops_per_step * (step - step_at_log) / dt / peak
-                    record = {"step": step, "train_loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
+                    record = {"step": step, "tokens": tokens_seen, "train_loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
                               "mfu": mfu, "elapsed_s": elapsed_before + now - t_start}
                     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
                     if budget_s is not None and stopped != "time_budget":
@@ -456,7 +456,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                             f"validation loss became {last_val} at step {step}; training stopped and the last "
                             "good checkpoint is kept — lower train.learning_rate or check the data"
                         )
-                    record.update({"step": step, "eval_train_loss": losses["train"], "val_loss": last_val})
+                    record.update({"step": step, "tokens": tokens_seen, "eval_train_loss": losses["train"], "val_loss": last_val})
                     record.setdefault("train_loss", train_loss)
                     if ddp.master:
                         # The line goes in before the checkpoint: a checkpoint at step k always has

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from quillgpt.checkpoint import read_metrics
-from quillgpt.config import load_config
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer
@@ -338,8 +337,7 @@ class Curves:
 def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "step") -> Curves:
     """Read a run's metrics.jsonl (also while it trains: a half-written last line is skipped).
 
-    tokens = step × batch_size·grad_accum·block_size from the run's config.yaml, i.e. tokens per
-    process: a DDP run saw world_size times more. time = elapsed_s (seconds of training).
+    tokens = tokens trained on so far (all processes); time = elapsed_s (seconds of training).
     """
     run = Path(run_dir)
     path = run / "metrics.jsonl"
@@ -350,12 +348,9 @@ def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "ste
     records = [r for r in read_metrics(path) if isinstance(r, dict) and "step" in r]
     if not records:
         raise QuillError(f"{path} has no logged steps yet; wait for the first log_interval")
-    key, factor = "elapsed_s" if x == "time" else "step", 1
-    if x == "tokens":
-        cfg = load_config(run / "config.yaml")  # a clear QuillError when it is missing
-        factor = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
-    train = [(float(r[key] * factor), float(r["train_loss"])) for r in records if "train_loss" in r]
-    val = [(float(r[key] * factor), float(r["val_loss"])) for r in records if "val_loss" in r]
+    key = {"step": "step", "tokens": "tokens", "time": "elapsed_s"}[x]
+    train = [(float(r[key]), float(r["train_loss"])) for r in records if key in r and "train_loss" in r]
+    val = [(float(r[key]), float(r["val_loss"])) for r in records if key in r and "val_loss" in r]
     return Curves(
         name=run.resolve().name,
         train=([p[0] for p in train], [p[1] for p in train]),

@@ -63,6 +63,7 @@ def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path):
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 9))
     assert {"train_loss", "lr", "tokens_per_sec", "mfu", "elapsed_s"} <= set(records[0])
+    assert [r["tokens"] for r in records] == [4 * 16 * s for s in range(1, 9)]  # batch 4 × block 16
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [4, 8]
     best = load_checkpoint(run / "best.pt")
