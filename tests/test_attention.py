@@ -164,9 +164,9 @@ def test_math_path_returns_causal_softmax_weights():
     torch.testing.assert_close(y, attend(q, k, v, None, "sdpa")[0], atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_training_attention_is_the_fp32_computation_rounded_once():
-    """Under CPU bf16 autocast with gradients, attention runs in fp32 (its bf16 backward is slow
-    there): output and gradients are the fp32 ones, rounded to bf16, and fp32 = the plain formula."""
+def test_bf16_attention_on_cpu_is_the_fp32_computation_rounded_once():
+    """On CPU, bf16 attention runs in fp32 (torch's bf16 kernels are slow there): under autocast,
+    output and gradients are the fp32 ones rounded to bf16, and fp32 = the plain formula."""
     q, k, v = (t.bfloat16().requires_grad_() for t in torch.randn(3, 2, 4, BLOCK, 8).unbind(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, _ = attend(q, k, v, None, "sdpa")
