@@ -171,7 +171,7 @@ def attention_cmd(
     token, the numbers that tell local heads from far-looking and first-token ("sink") heads.
     """
     from quillgpt.checkpoint import load_run
-    from quillgpt.train import resolve_device
+    from quillgpt.perf import resolve_device
     from quillgpt import viz
 
     view = viz.output_format(out, fmt)
@@ -307,7 +307,7 @@ def sample_cmd(
     import torch
 
     from quillgpt.checkpoint import load_run
-    from quillgpt.evaluate import resolve_device
+    from quillgpt.perf import resolve_device
     from quillgpt.generate import Generation
 
     text = _sample_prompt(prompt, prompt_file)

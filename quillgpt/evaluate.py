@@ -32,6 +32,7 @@ from tqdm import tqdm
 from quillgpt.checkpoint import load_run
 from quillgpt.data import batch_from_starts, load_prepared, load_tokens, read_text
 from quillgpt.errors import QuillError
+from quillgpt.perf import resolve_device
 from quillgpt.tokenizer import Tokenizer
 
 SPLITS = ("val", "train")
@@ -231,22 +232,6 @@ def evaluate_text(
     )
     result.unknown_dropped = sum(unknown.values())
     return result
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto → cuda, mps or cpu; an unavailable accelerator is a user error."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QuillError(f"--device {name} but CUDA is not available here; use --device cpu or auto")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise QuillError("--device mps but MPS is not available here; use --device cpu or auto")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise QuillError(f"--device must be auto, cpu, cuda, cuda:N or mps, got {name!r}") from None
 
 
 def _split_tokens(run: Any, split: str) -> np.ndarray:

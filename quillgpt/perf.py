@@ -1,10 +1,12 @@
-"""Hardware peaks for MFU: a known table for GPUs, a measurement for CPUs."""
+"""The hardware: which device to run on, and the matmul peak MFU is measured against."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+
+from quillgpt.errors import QuillError
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s.
 GPU_PEAKS = {
@@ -49,3 +51,20 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     if device.type == "cpu":
         return measure_matmul_peak(dtype if dtype == torch.bfloat16 else torch.float32)
     return float("nan")
+
+
+def resolve_device(name: str, setting: str = "--device") -> torch.device:
+    """auto → cuda, mps or cpu; an unknown or unavailable device is a user error naming `setting`."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise QuillError(f"{setting} must be auto, cpu, cuda, cuda:N or mps, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QuillError(f"{setting} {name} asks for CUDA, which is not available here; use cpu or auto")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise QuillError(f"{setting} {name} asks for MPS, which is not available here; use cpu or auto")
+    return device

@@ -33,7 +33,7 @@ from quillgpt.config import Config, ModelConfig, TrainConfig, parse_duration, sa
 from quillgpt.data import BatchSampler, batch_from_starts, fixed_windows, load_prepared, load_tokens, prepare
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
-from quillgpt.perf import cpu_has_bf16, peak_flops
+from quillgpt.perf import cpu_has_bf16, peak_flops, resolve_device
 from quillgpt.tokenizer import save_tokenizer
 
 
@@ -76,20 +76,6 @@ def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> t
     ]
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QuillError(f"train.device={name} but CUDA is not available here; use train.device=cpu or auto")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise QuillError("train.device=mps but MPS is not available here; use train.device=cpu or auto")
-    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -222,9 +208,9 @@ def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
     """Under torchrun (WORLD_SIZE > 1): NCCL on GPUs, gloo on CPU; one device per rank."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return Dist(), resolve_device(device_name)
+        return Dist(), resolve_device(device_name, "train.device")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_name)
+    device = resolve_device(device_name, "train.device")
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
