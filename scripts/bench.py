@@ -14,6 +14,12 @@ C, ... — so a burst of load slows all of them alike, and each row gives the me
 with min and max. Compare ratios within one run; compare absolute figures only across runs with
 similar load averages (printed at the start and end).
 
+OpenMP is left as users run it. Beside another busy job its spinning threads can make steps of
+small ops 10-20× slower (a baby training step: 29 ms quiet, 300-500 ms next to a test run);
+OMP_WAIT_POLICY=PASSIVE caps that (38 ms quiet, ~60 ms loaded) but costs a wake-up per parallel
+region, which slows latency-bound work such as one-token decoding (see README "Performance").
+The header prints OMP_* variables that are set.
+
 Peak memory is the rise of the process's peak RSS over the RSS before the variant was built
 (Linux: /proc/self/clear_refs resets the peak), so it counts the model, optimizer state,
 activations and temporaries of that variant; CUDA rows give torch.cuda.max_memory_allocated.
@@ -37,7 +43,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,19 +95,20 @@ def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, lis
     return out
 
 
-def rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+def _proc_status_kb(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(key + ":")), None)
+    except OSError:
+        return None
 
 
 class PeakMemory:
     """Peak RSS rise (MB) inside the block; CUDA max allocated (MB) when on a GPU.
 
-    Linux resets the peak (VmHWM) through /proc/self/clear_refs; elsewhere ru_maxrss is the
-    process's peak so far, which only says something for the first, largest variant.
+    Linux resets the peak (VmHWM) through /proc/self/clear_refs, and freed heap pages are handed
+    back first (malloc_trim) so that memory reused from an earlier variant counts again.
+    Elsewhere the figure is ru_maxrss, the process's peak so far (only the first variant's means much).
     """
 
     def __init__(self, cuda: bool = False) -> None:
@@ -111,27 +118,24 @@ class PeakMemory:
 
     def __enter__(self) -> "PeakMemory":
         gc.collect()
-        with contextlib.suppress(OSError, AttributeError):  # hand freed heap pages back (glibc), so
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory reused from an earlier variant counts
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            self._reset = True
+            self._base = _proc_status_kb("VmRSS")
         except OSError:
-            self._reset = False
-        self._base = rss_kb() if self._reset else 0
+            self._base = None
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        peak = 0
-        if self._reset:
-            with open("/proc/self/status") as f:
-                peak = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+        peak = _proc_status_kb("VmHWM") if self._base is not None else None
+        if peak is None or self._base is None:
+            self.rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        self.rss_mb = (peak - self._base) / 1024
+            self.rss_mb = (peak - self._base) / 1024
         if self.cuda:
             self.cuda_mb = torch.cuda.max_memory_allocated() / 2**20
 
@@ -144,7 +148,7 @@ class Row:
     group: str
     name: str
     metric: str  # what `value` measures, with its unit
-    value: float | None  # None: not applicable (see note)
+    value: float | str | None  # None: not applicable (see note); str: already formatted
     lo: float | None = None
     hi: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more columns: ms/step, MFU, ratio, ...
@@ -217,11 +221,14 @@ def describe_machine(report: Report) -> None:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "load_average_start": os.getloadavg(),
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS")
+                if k in os.environ},
         "python": platform.python_version(),
     }
     report.header.update(h)
     print(f"torch {h['torch']} | {h['threads']} threads | CPU {h['cpu']} | capability {h['cpu_capability']} "
-          f"| GPU {h['gpu'] or 'none'} | load average {' '.join(f'{x:.2f}' for x in h['load_average_start'])}")
+          f"| GPU {h['gpu'] or 'none'} | load average {' '.join(f'{x:.2f}' for x in h['load_average_start'])}"
+          + "".join(f" | {k}={v}" for k, v in h["env"].items()))
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -429,14 +436,17 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     report.print_group(group)
 
     train_tokens, val_tokens, vocab, source = char_tokens(args.text, work)
+    for throwaway in (RefTrainer(SHAPES[0], vocab, train_tokens), QuillTrainer(SHAPES[0], vocab, train_tokens, torch.bfloat16)):
+        throwaway.step()  # one-time allocations (thread pools, kernel caches) stay out of the first row's memory
     bf16 = torch.bfloat16 in peaks
     for s in SHAPES:
         if args.quick and s.n_layer > 4:
             continue
         group = f"train: {s.name} ({source})"
-        reps = args.reps if s.steps_per_rep > 1 else max(2, args.reps // 2)
+        reps = args.reps if s.steps_per_rep > 1 else max(3, args.reps // 2)
         variants: dict[str, tuple[Any, torch.dtype]] = {}
         memory: dict[str, PeakMemory] = {}
+        notes: dict[str, str] = {}
         builders: dict[str, Callable[[], Any]] = {
             "reference fp32 (nanoGPT-style)": lambda: RefTrainer(s, vocab, train_tokens),
             "quill fp32": lambda: QuillTrainer(s, vocab, train_tokens, torch.float32),
@@ -457,7 +467,7 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             memory[name] = mem
             variants[name] = (trainer, torch.bfloat16 if "bf16" in name else torch.float32)
             if "compile" in name:
-                memory[name].extra_note = f"first {s.warmup} step(s) incl. compile: {warm_s:.0f} s"  # type: ignore[attr-defined]
+                notes[name] = f"first {s.warmup} step(s) incl. compiling: {warm_s:.0f} s"
         samples = interleaved({n: timed_steps(t, s.steps_per_rep) for n, (t, _) in variants.items()}, reps)
         fpt = GPT(model_config(s, vocab)).flops_per_token()
         tokens = s.batch * s.block
@@ -467,9 +477,9 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             ms = statistics.median(samples[name]) * 1e3
             peak = peaks[dtype].median
             report.add(Row(group, name, "tokens/s", st.median, st.lo, st.hi, extra={
-                "ms/step": ms, "MFU": f"{fpt * st.median / peak:.1%}", f"vs reference": f"{ref_ms / ms:.2f}×",
+                "ms/step": ms, "MFU": f"{fpt * st.median / peak:.1%}", "vs reference": f"{ref_ms / ms:.2f}×",
                 "peak RSS MB": memory[name].rss_mb,
-            }, note=getattr(memory[name], "extra_note", "")))
+            }, note=notes.get(name, "")))
         report.print_group(group)
         del variants
     loss_check(report, args, train_tokens, val_tokens, vocab, bf16, source)
@@ -511,8 +521,8 @@ def loss_check(report: Report, args: argparse.Namespace, train_tokens: np.ndarra
                 losses.append(model(x, y)[1].item())
         last = curves[name][-20:]
         diff = max(abs(a - b) for a, b in zip(curves[name], base))
-        report.add(Row(group, name, "val loss", statistics.mean(losses), extra={
-            "train loss (last 20)": statistics.mean(last),
+        report.add(Row(group, name, "val loss", f"{statistics.mean(losses):.4f}", extra={
+            "train loss (last 20)": f"{statistics.mean(last):.4f}",
             "max |Δ train loss| vs quill fp32": f"{diff:.4f}",
             "wall s": seconds[name],
         }))
@@ -695,12 +705,13 @@ def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any,
 
 
 def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
-    group = f"prepare: {args.text.name} ({args.text.stat().st_size / 1e6:.2f} MB), prepare(force=True)"
     if not args.text.is_file():
+        group = f"prepare: {args.text}"
         report.add(Row(group, "prepare", "MB/s", None, note=f"n/a: {args.text} not found"))
         report.print_group(group)
         return
     size_mb = args.text.stat().st_size / 1e6
+    group = f"prepare: {args.text.name} ({size_mb:.2f} MB), prepare(force=True): read, hash, tokenize, write"
     mem: dict[str, float] = {}
 
     def make(name: str) -> Callable[[], float]:
@@ -718,7 +729,7 @@ def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         with PeakMemory() as m:
             fn()  # warm-up: tiktoken loads its BPE ranks once per process
         mem[name] = m.rss_mb
-    samples = interleaved(fns, max(3, args.reps))
+    samples = interleaved(fns, max(5, args.reps))
     for name, xs in samples.items():
         st = Stats.of([size_mb / x for x in xs])
         report.add(Row(group, name, "MB/s", st.median, st.lo, st.hi,
@@ -732,7 +743,8 @@ def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
 def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     """GPT-2-124M-shaped training (bf16, torch.compile, flash SDPA) and KV-cached sampling."""
     if not torch.cuda.is_available():
-        print("\n## gpu\nskipped: no CUDA device")
+        print("\ngpu: skipped (no CUDA device)")
+        report.header["gpu_suite"] = "skipped: no CUDA device"
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -825,7 +837,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (the 6-layer training "
-                   "shape uses half, at least 2)")
+                   "shape uses half, at least 3)")
     p.add_argument("--json", type=Path, help="also write every row (and the machine) as JSON here")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="Tiny Shakespeare (default: ../shared/data)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
