@@ -139,7 +139,7 @@ class TrainConfig:
     eval_iters: int = 20  # fixed batches per split for each evaluation
     log_interval: int = 10  # a metrics.jsonl line every N steps
     device: str = "auto"  # auto (cuda → mps → cpu), cpu, cuda, cuda:1, mps
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16/fp16 on CUDA, fp32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 (fp16 if unsupported) on CUDA, bf16 on CPUs with bf16 units, else fp32
     compile: bool = False  # torch.compile the model
     resume: bool | Literal["auto"] = False  # true: continue the run in out_dir; auto: if one exists
     time_budget: str | None = None  # e.g. 90s, 5m, 1h: stop (with a checkpoint) when it runs out

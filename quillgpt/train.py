@@ -167,6 +167,7 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    device: torch.device = torch.device("cpu")  # NCCL reduces CUDA tensors only
 
     @property
     def enabled(self) -> bool:
@@ -180,7 +181,7 @@ class Dist:
         """True on every rank if it is True on any rank (so all ranks stop together)."""
         if not self.enabled:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0])
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
@@ -195,7 +196,7 @@ class Dist:
     def broadcast_int(self, value: int) -> int:
         if not self.enabled:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=0)
         return int(t.item())
 
@@ -216,7 +217,7 @@ def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank, local_rank, world), device
+    return Dist(rank, local_rank, world, device), device
 
 
 # --- evaluation on fixed windows --------------------------------------------------------------
