@@ -344,6 +344,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         # Every rank draws the same global batch and keeps its own slice, so N ranks with
         # batch B see exactly the windows one process with batch N·B would see.
         sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
+        parts = StepParts(optimizer, scaler, sampler, ddp, tc, device, dtype)
         n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
         windows = {
             "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval)),
@@ -407,9 +408,9 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 if verified:
-                    loss = _train_step(model, optimizer, scaler, sampler, ddp, tc, device, dtype, step)
+                    loss = _train_step(model, parts)
                 else:
-                    model, loss = _first_compiled_step(model, raw_model, optimizer, scaler, sampler, ddp, tc, device, dtype)
+                    model, loss = _first_compiled_step(model, raw_model, parts)
                     verified = True
                 step += 1
                 tokens_seen += tokens_per_step
@@ -474,19 +475,23 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
     return TrainResult(out_dir, step, best_val, last_val, elapsed, stopped)
 
 
-def _train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    sampler: BatchSampler,
-    ddp: Dist,
-    tc: TrainConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    step: int,
-) -> torch.Tensor:
+@dataclass
+class StepParts:
+    """Everything one optimizer step touches besides the model."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: BatchSampler
+    ddp: Dist
+    tc: TrainConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _train_step(model: torch.nn.Module, parts: StepParts) -> torch.Tensor:
     """One optimizer step over `grad_accum` micro-batches; returns the mean loss (detached)."""
-    total = torch.zeros((), device=device)
+    optimizer, scaler, sampler, ddp, tc = parts.optimizer, parts.scaler, parts.sampler, parts.ddp, parts.tc
+    total = torch.zeros((), device=parts.device)
     for micro in range(tc.grad_accum):
         x, y = sampler.next()
         if ddp.enabled:  # this rank's slice of the global batch
@@ -496,7 +501,7 @@ def _train_step(
         sync = model.no_sync() if ddp.enabled and not last else contextlib.nullcontext()
         with sync:
             try:
-                with autocast(device, dtype):
+                with autocast(parts.device, parts.dtype):
                     _, loss = model(x, y)
                 loss = loss / tc.grad_accum
                 scaler.scale(loss).backward()
@@ -534,28 +539,22 @@ def _budget_horizon(step: int, max_iters: int, pace_s: float, budget_left_s: flo
 
 
 def _first_compiled_step(
-    model: torch.nn.Module,
-    raw_model: GPT,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    sampler: BatchSampler,
-    ddp: Dist,
-    tc: TrainConfig,
-    device: torch.device,
-    dtype: torch.dtype,
+    model: torch.nn.Module, raw_model: GPT, parts: StepParts
 ) -> tuple[torch.nn.Module, torch.Tensor]:
     """torch.compile fails lazily, on the first call: then warn once and redo the step eagerly."""
-    before = sampler.state_dict()
+    before = parts.sampler.state_dict()
     try:
-        return model, _train_step(model, optimizer, scaler, sampler, ddp, tc, device, dtype, 0)
+        return model, _train_step(model, parts)
     except (QuillError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 — any compiler/backend failure falls back to eager
         warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training without it", stacklevel=2)
-        optimizer.zero_grad(set_to_none=True)
-        sampler.load_state_dict(before)
-        eager = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if ddp.enabled else raw_model
-        return eager, _train_step(eager, optimizer, scaler, sampler, ddp, tc, device, dtype, 0)
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.sampler.load_state_dict(before)
+        eager = raw_model
+        if parts.ddp.enabled:
+            eager = DDP(raw_model, device_ids=[parts.device.index] if parts.device.type == "cuda" else None)
+        return eager, _train_step(eager, parts)
 
 
 def _describe_tokenizer(spec: dict) -> str:

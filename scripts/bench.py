@@ -66,7 +66,7 @@ from quillgpt.generate import generate_tokens  # noqa: E402
 from quillgpt.model import GPT  # noqa: E402
 from quillgpt.perf import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
 from quillgpt.tokenizer import build_tokenizer  # noqa: E402
-from quillgpt.train import Dist, _train_step, configure_optimizer, lr_at  # noqa: E402
+from quillgpt.train import Dist, StepParts, _train_step, configure_optimizer, lr_at  # noqa: E402
 
 DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
 
@@ -384,14 +384,12 @@ class QuillTrainer:
         self.dtype = dtype
         self.model.train()
         self.fwd = torch.compile(self.model) if compile else self.model
-        self.step_no = 0
 
     def step(self, lr: float | None = None) -> torch.Tensor:
         for group in self.opt.param_groups:
             group["lr"] = self.tc.learning_rate if lr is None else lr
-        loss = _train_step(self.fwd, self.opt, self.scaler, self.sampler, Dist(), self.tc, self.device,
-                           self.dtype, self.step_no)
-        self.step_no += 1
+        loss = _train_step(self.fwd, StepParts(self.opt, self.scaler, self.sampler, Dist(), self.tc, self.device,
+                                               self.dtype))
         return loss
 
 
@@ -766,12 +764,10 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         scaler = torch.amp.GradScaler("cuda", enabled=False)
         sampler = BatchSampler(tokens, cfg.block_size, batch, seed=1, device=device)
         fwd = torch.compile(model) if compile else model
-        step = {"n": 0}
 
         def one() -> None:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                _train_step(fwd, opt, scaler, sampler, Dist(), tc, device, torch.bfloat16, step["n"])
-            step["n"] += 1
+                _train_step(fwd, StepParts(opt, scaler, sampler, Dist(), tc, device, torch.bfloat16))
 
         with PeakMemory(cuda=True) as mem:
             t = time.perf_counter()
