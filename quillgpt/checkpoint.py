@@ -163,7 +163,6 @@ class LoadedRun:
     config: Config
     step: int
     path: Path
-    state: dict[str, Any]
 
 
 def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> tuple[GPT, Config]:
@@ -186,7 +185,7 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     except KeyError as e:
         raise QuillError(f"{ckpt} is missing {e.args[0]!r}; it was not written by quill train") from None
     model.eval()
-    return LoadedRun(model, tokenizer, config, int(state.get("step", 0)), ckpt, state)
+    return LoadedRun(model, tokenizer, config, int(state.get("step", 0)), ckpt)
 
 
 def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ("dropout",)) -> list[str]:
