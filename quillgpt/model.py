@@ -190,7 +190,7 @@ class GPT(nn.Module):
         """An empty KV cache; default capacity = the attention span min(window, block_size)."""
         cfg, p = self.config, self.lm_head.weight
         return KVCache(
-            cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, capacity or self.span, self.span,
+            cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, self.span if capacity is None else capacity, self.span,
             device or p.device, dtype or p.dtype,
         )
 
