@@ -347,7 +347,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         parts = StepParts(optimizer, scaler, sampler, ddp, tc, device, dtype)
         n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
         windows = {
-            "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval)),
+            "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval, "train")),
             "val": (val_tokens, fixed_windows(val_tokens, cfg.model.block_size, n_eval)),
         }
 
