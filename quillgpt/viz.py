@@ -90,8 +90,10 @@ def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attentio
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     was_training = model.training
     model.eval()
-    maps = model.attention_maps(idx)  # per layer (1, n_head, T, T)
-    model.train(was_training)
+    try:
+        maps = model.attention_maps(idx)  # per layer (1, n_head, T, T)
+    finally:
+        model.train(was_training)
     weights = [m[0].float().cpu() for m in maps]
     tokens = [token_label(tokenizer.decode_bytes([i])) for i in ids]
     return Attention(ids, tokens, weights, cropped)
