@@ -444,6 +444,8 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                             f"validation loss became {last_val} at step {step}; training stopped and the last "
                             "good checkpoint is kept — lower train.learning_rate or check the data"
                         )
+                    record.setdefault("lr", lr)
+                    record.setdefault("elapsed_s", elapsed_before + t_eval - t_start)
                     record.update({"step": step, "tokens": tokens_seen, "eval_train_loss": losses["train"], "val_loss": last_val})
                     record.setdefault("train_loss", train_loss)
                     if ddp.master:

@@ -214,3 +214,10 @@ def test_resuming_a_weights_only_checkpoint_points_to_init_from(shakespeare_path
                     tmp_path / "w" / "ckpt.pt")
     with pytest.raises(QuillError, match="holds weights only.*train.init_from"):
         train(tiny_config(shakespeare_path, data_dir, tmp_path / "w", "train.resume=true"), progress=False)
+
+
+def test_eval_lines_off_the_log_interval_still_carry_lr_time_and_tokens(shakespeare_path, data_dir, tmp_path):
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "x", "train.log_interval=3"), progress=False)
+    records = read_metrics(tmp_path / "x" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [3, 4, 6, 8]
+    assert all({"lr", "elapsed_s", "tokens", "train_loss"} <= set(r) for r in records)
