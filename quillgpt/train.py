@@ -550,13 +550,13 @@ def _first_compiled_step(
     except (QuillError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 — any compiler/backend failure falls back to eager
-        warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training without it", stacklevel=2)
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        if parts.ddp.enabled:  # DDP's hooks are on the parameters already: a second wrapper would double them
+            raise QuillError(f"torch.compile failed under DDP ({reason}); set train.compile=false") from None
+        warnings.warn(f"torch.compile failed ({reason}); training without it", stacklevel=2)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.sampler.load_state_dict(before)
-        eager = raw_model
-        if parts.ddp.enabled:
-            eager = DDP(raw_model, device_ids=[parts.device.index] if parts.device.type == "cuda" else None)
-        return eager, _train_step(eager, parts)
+        return raw_model, _train_step(raw_model, parts)
 
 
 def _describe_tokenizer(spec: dict) -> str:

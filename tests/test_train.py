@@ -221,3 +221,18 @@ def test_eval_lines_off_the_log_interval_still_carry_lr_time_and_tokens(shakespe
     records = read_metrics(tmp_path / "x" / "metrics.jsonl")
     assert [r["step"] for r in records] == [3, 4, 6, 8]
     assert all({"lr", "elapsed_s", "tokens", "train_loss"} <= set(r) for r in records)
+
+
+def test_a_failing_compile_falls_back_to_eager_with_one_warning(shakespeare_path, data_dir, tmp_path, monkeypatch):
+    class BrokenCompiled(torch.nn.Module):  # a compiled model whose backend fails on its first call
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("backend exploded")
+
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "eager"), progress=False)
+    monkeypatch.setattr(train_mod.torch, "compile", lambda model: BrokenCompiled())
+    with pytest.warns(UserWarning, match="torch.compile failed .*backend exploded"):
+        result = train(tiny_config(shakespeare_path, data_dir, tmp_path / "fallback", "train.compile=true"), progress=False)
+    assert result.step == 8
+    a = load_checkpoint(tmp_path / "eager" / "ckpt.pt")["model"]
+    b = load_checkpoint(tmp_path / "fallback" / "ckpt.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the failed step was redone on the same batch
