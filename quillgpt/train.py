@@ -306,12 +306,17 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         # The run directory is locked before anything else, so a second trainer pointed at it
         # refuses before it touches the data; temp files of a killed writer go. Data is prepared
         # once (by rank 0), then memory-mapped by every rank.
+        failure: QuillError | None = None
         if ddp.master:
-            _probe_writable(out_dir)
-            stack.enter_context(ckpt.RunLock(out_dir))
-            ckpt.remove_stale_temps(out_dir)
-            prepared = prepare(cfg.data, progress=progress)
-        ddp.barrier()
+            try:
+                _probe_writable(out_dir)
+                stack.enter_context(ckpt.RunLock(out_dir))
+                ckpt.remove_stale_temps(out_dir)
+                prepared = prepare(cfg.data, progress=progress)
+            except QuillError as e:
+                failure = e
+        if ddp.any(failure is not None):  # every rank stops, instead of waiting for rank 0 forever
+            raise failure or QuillError("rank 0 could not start the run (its message says why)")
         if not ddp.master:
             prepared = prepare(cfg.data, progress=False)
         meta, tokenizer = load_prepared(prepared.out_dir)
