@@ -18,7 +18,6 @@ import json
 import os
 import pickle
 import re
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from quillgpt.config import Config, ModelConfig, config_from_dict
 from quillgpt.errors import QuillError
+from quillgpt.files import atomic_write
 from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_spec
 
@@ -34,36 +34,6 @@ FORMAT = "quillgpt-checkpoint-v1"
 ZIP_MAGIC = b"PK\x03\x04"
 LATEST, BEST = "ckpt.pt", "best.pt"
 CHECKPOINT_FILES = {"latest": LATEST, "best": BEST}
-
-
-def atomic_write(path: str | Path, write: Any) -> None:
-    """Call `write(file)` on a temp file beside `path`, fsync, then rename over `path`.
-
-    A crash at any point leaves either the old file or the new one, never a partial file.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def remove_stale_temps(out_dir: str | Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 import types
 import typing
@@ -20,6 +19,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from quillgpt.errors import QuillError
+from quillgpt.files import atomic_write_text
 
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -391,6 +391,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write YAML via a temp file + rename, so a kill never leaves a half-written config."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

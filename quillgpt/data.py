@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from quillgpt.config import DataConfig
 from quillgpt.errors import QuillError
+from quillgpt.files import atomic_write, atomic_write_bytes
 from quillgpt.tokenizer import (
     GPT4_SPLIT_PATTERN,
     TOKENIZER_NAMES,
@@ -184,28 +185,23 @@ def _up_to_date(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
     return meta
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Temp file + rename: a crash leaves the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _write_tokens(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, bar: tqdm) -> int:
     """Encode `text` piece by piece straight into `path` (temp + rename); returns the token
     count. Pieces are cut at safe points and encoded in parallel; memory stays at one group."""
     chunks = text_chunks(text, CHUNK_CHARS, tok.safe_cut)
     step = 2 * (os.cpu_count() or 1)
     n = 0
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+
+    def write(f: BinaryIO) -> None:
+        nonlocal n
         for i in range(0, len(chunks), step):
             group = chunks[i : i + step]
             for ids in tok.encode_arrays(group):
                 ids.astype(dtype).tofile(f)
                 n += len(ids)
             bar.update(sum(map(len, group)))
-    os.replace(tmp, path)
+
+    atomic_write(path, write)
     return n
 
 
@@ -261,7 +257,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
         "tokenizer_fingerprint": tok.fingerprint(),
         "tokenizer": tok.spec(),
     }
-    _write_atomic(out_dir / "meta.json", dump_json(meta).encode("utf-8"))
+    atomic_write_bytes(out_dir / "meta.json", dump_json(meta).encode("utf-8"))
     return PreparedData(out_dir, meta, rebuilt=True, seconds=time.perf_counter() - t0)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import pickle
 import re
 import zipfile
@@ -32,6 +31,7 @@ from torch import Tensor
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, save_config
 from quillgpt.errors import QuillError
+from quillgpt.files import atomic_write_bytes, atomic_write_text
 from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 
@@ -389,12 +389,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     eot = loaded.tokenizer.eot_id
 
     _check_out_dir(out_dir, ("config.json", "model.safetensors"), force, "a model")
-    tmp = out_dir / ".model.safetensors.tmp"
-    try:
-        st_torch.save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out_dir / "model.safetensors")
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
     _write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
     generation = out_dir / "generation_config.json"
     if eot is not None:
@@ -406,6 +401,4 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")

@@ -24,6 +24,7 @@ import numpy as np
 import tiktoken
 
 from quillgpt.errors import QuillError
+from quillgpt.files import atomic_write_text
 
 TIKTOKEN_NAMES = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
 TOKENIZER_NAMES = ("char", *TIKTOKEN_NAMES, "bpe")
@@ -315,9 +316,7 @@ def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     path = Path(path)
     data = {"format": "quillgpt-tokenizer", "version": 1, "tokenizer": tok.spec()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dump_json(data), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, dump_json(data))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
