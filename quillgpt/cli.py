@@ -40,6 +40,30 @@ OVERRIDES_ARG = typer.Argument(
 # --- commands (each: parse → one library call → print) ------------------------------------
 
 
+@app.command("prepare")
+def prepare_cmd(
+    config: Path = CONFIG_OPT,
+    overrides: Optional[list[str]] = OVERRIDES_ARG,
+    force: bool = typer.Option(False, "--force", help="Rebuild even when meta.json says the files are up to date."),
+) -> None:
+    """Tokenize the config's text into train.bin / val.bin / meta.json under data.out_dir."""
+    from quillgpt.config import load_config
+    from quillgpt.data import prepare
+
+    cfg = load_config(config, overrides)
+    result = prepare(cfg.data, force=force)
+    meta = result.meta
+    if not result.rebuilt:
+        print(f"up to date: {result.out_dir} ({meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens; --force rebuilds)")
+        return
+    mb = meta["source_bytes"] / 1e6
+    print(
+        f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
+        f"{meta['tokenizer_name']} vocab {meta['vocab_size']:,} ({meta['dtype']}), "
+        f"{mb:.2f} MB in {result.seconds:.2f}s ({mb / max(result.seconds, 1e-9):.1f} MB/s)"
+    )
+
+
 @app.command()
 def train(
     config: Path = CONFIG_OPT,
@@ -69,54 +93,96 @@ def train(
         raise typer.Exit(130)
 
 
-@app.command("prepare")
-def prepare_cmd(
-    config: Path = CONFIG_OPT,
-    overrides: Optional[list[str]] = OVERRIDES_ARG,
-    force: bool = typer.Option(False, "--force", help="Rebuild even when meta.json says the files are up to date."),
+@app.command("sample")
+def sample_cmd(
+    ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample. This and the sampling flags default to the run's `sample:` config."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1]."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1)."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Same seed, same text."),
+    num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
+    no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: autocast and KV-cache dtype."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
+    echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No stats line on stderr."),
 ) -> None:
-    """Tokenize the config's text into train.bin / val.bin / meta.json under data.out_dir."""
-    from quillgpt.config import load_config
-    from quillgpt.data import prepare
+    """Continue a prompt with a trained model, streaming the text as it comes.
 
-    cfg = load_config(config, overrides)
-    result = prepare(cfg.data, force=force)
-    meta = result.meta
-    if not result.rebuilt:
-        print(f"up to date: {result.out_dir} ({meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens; --force rebuilds)")
-        return
-    mb = meta["source_bytes"] / 1e6
-    print(
-        f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
-        f"{meta['tokenizer_name']} vocab {meta['vocab_size']:,} ({meta['dtype']}), "
-        f"{mb:.2f} MB in {result.seconds:.2f}s ({mb / max(result.seconds, 1e-9):.1f} MB/s)"
+    With --num-samples N, sample 1 streams under a `--- sample 1 ---` header and samples 2..N
+    follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
+    """
+    import json
+
+    import torch
+
+    from quillgpt.checkpoint import load_run
+    from quillgpt.perf import resolve_device
+    from quillgpt.generate import Generation
+
+    text = _sample_prompt(prompt, prompt_file)
+    if num_samples < 1:
+        raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    stops = [_unescape(s) for s in stop or []]
+    run = load_run(ckpt, which=which, device=resolve_device(device))
+    sc = run.config.sample
+    settings = dict(
+        max_new_tokens=sc.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        temperature=sc.temperature if temperature is None else temperature,
+        top_k=sc.top_k if top_k is None else (top_k or None),
+        top_p=sc.top_p if top_p is None else top_p,
+        min_p=sc.min_p if min_p is None else min_p,
+        repetition_penalty=sc.repetition_penalty if repetition_penalty is None else repetition_penalty,
+        seed=sc.seed if seed is None else seed,
     )
-
-
-tokenizer_app = typer.Typer(help="Tokenizers: train a byte-level BPE on your own text.", no_args_is_help=True)
-app.add_typer(tokenizer_app, name="tokenizer")
-
-
-@tokenizer_app.command("train")
-def tokenizer_train_cmd(
-    input_path: Path = typer.Option(..., "--input", "-i", help="UTF-8 text file to learn the BPE merges from."),
-    vocab_size: int = typer.Option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
-    out: Path = typer.Option(Path("tokenizer.json"), "--out", "-o", help="Where to write the tokenizer JSON."),
-) -> None:
-    """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
-    import time
-
-    from quillgpt.data import read_text
-    from quillgpt.tokenizer import build_tokenizer, save_tokenizer, text_chunks
-
-    text = read_text(input_path)
-    t0 = time.perf_counter()
-    tok = build_tokenizer("bpe", text, vocab_size)
-    seconds = time.perf_counter() - t0
-    save_tokenizer(tok, out)
-    n_tokens = sum(len(ids) for ids in tok.encode_arrays(text_chunks(text)))
-    ratio = len(text.encode("utf-8")) / max(n_tokens, 1)
-    print(f"saved {out}: vocab size {tok.vocab_size:,}, {ratio:.2f} bytes/token on {input_path}, trained in {seconds:.2f}s")
+    gen = Generation(
+        run.model, run.tokenizer, [text] * num_samples, stop=stops, use_cache=not no_kv_cache,
+        dtype=getattr(torch, dtype), **settings,
+    )
+    out = sys.stdout
+    try:
+        if as_json:
+            for _ in gen:
+                pass
+            settings.update(stop=stops, kv_cache=not no_kv_cache, device=str(run.model.lm_head.weight.device), dtype=dtype)
+            out.write(json.dumps({
+                "checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
+                "settings": settings, "stats": gen.stats.to_dict(),
+            }, ensure_ascii=False) + "\n")
+        else:
+            head = (lambda i: f"--- sample {i} ---\n") if num_samples > 1 else (lambda i: "")
+            shown = text if echo else ""
+            out.write(head(1) + shown)
+            out.flush()
+            for pieces in gen:
+                if stream and pieces[0]:
+                    out.write(pieces[0])
+                    out.flush()
+            if not stream:
+                out.write(gen.texts[0])
+            for i, sample in enumerate(gen.texts, 1):
+                if i > 1:
+                    out.write(head(i) + shown + sample)
+                if not (shown + sample).endswith("\n"):
+                    out.write("\n")
+        out.flush()
+    except BrokenPipeError:  # `quill sample ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return
+    if not quiet:
+        how = f"{'kv cache' if not no_kv_cache else 'no kv cache'}, {run.model.lm_head.weight.device.type}, {dtype}"
+        print(f"{gen.stats.line()} ({how})", file=sys.stderr)
 
 
 @app.command("eval")
@@ -274,96 +340,30 @@ def _unescape(text: str) -> str:
     return re.sub(r"\\([ntr\\])", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group(1)], text)
 
 
-@app.command("sample")
-def sample_cmd(
-    ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
-    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample. This and the sampling flags default to the run's `sample:` config."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1]."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1)."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Same seed, same text."),
-    num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
-    no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: autocast and KV-cache dtype."),
-    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
-    echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No stats line on stderr."),
+tokenizer_app = typer.Typer(help="Tokenizers: train a byte-level BPE on your own text.", no_args_is_help=True)
+app.add_typer(tokenizer_app, name="tokenizer")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train_cmd(
+    input_path: Path = typer.Option(..., "--input", "-i", help="UTF-8 text file to learn the BPE merges from."),
+    vocab_size: int = typer.Option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
+    out: Path = typer.Option(Path("tokenizer.json"), "--out", "-o", help="Where to write the tokenizer JSON."),
 ) -> None:
-    """Continue a prompt with a trained model, streaming the text as it comes.
+    """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
+    import time
 
-    With --num-samples N, sample 1 streams under a `--- sample 1 ---` header and samples 2..N
-    follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
-    """
-    import json
+    from quillgpt.data import read_text
+    from quillgpt.tokenizer import build_tokenizer, save_tokenizer, text_chunks
 
-    import torch
-
-    from quillgpt.checkpoint import load_run
-    from quillgpt.perf import resolve_device
-    from quillgpt.generate import Generation
-
-    text = _sample_prompt(prompt, prompt_file)
-    if num_samples < 1:
-        raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    stops = [_unescape(s) for s in stop or []]
-    run = load_run(ckpt, which=which, device=resolve_device(device))
-    sc = run.config.sample
-    settings = dict(
-        max_new_tokens=sc.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        temperature=sc.temperature if temperature is None else temperature,
-        top_k=sc.top_k if top_k is None else (top_k or None),
-        top_p=sc.top_p if top_p is None else top_p,
-        min_p=sc.min_p if min_p is None else min_p,
-        repetition_penalty=sc.repetition_penalty if repetition_penalty is None else repetition_penalty,
-        seed=sc.seed if seed is None else seed,
-    )
-    gen = Generation(
-        run.model, run.tokenizer, [text] * num_samples, stop=stops, use_cache=not no_kv_cache,
-        dtype=getattr(torch, dtype), **settings,
-    )
-    out = sys.stdout
-    try:
-        if as_json:
-            for _ in gen:
-                pass
-            settings.update(stop=stops, kv_cache=not no_kv_cache, device=str(run.model.lm_head.weight.device), dtype=dtype)
-            out.write(json.dumps({
-                "checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
-                "settings": settings, "stats": gen.stats.to_dict(),
-            }, ensure_ascii=False) + "\n")
-        else:
-            head = (lambda i: f"--- sample {i} ---\n") if num_samples > 1 else (lambda i: "")
-            shown = text if echo else ""
-            out.write(head(1) + shown)
-            out.flush()
-            for pieces in gen:
-                if stream and pieces[0]:
-                    out.write(pieces[0])
-                    out.flush()
-            if not stream:
-                out.write(gen.texts[0])
-            for i, sample in enumerate(gen.texts, 1):
-                if i > 1:
-                    out.write(head(i) + shown + sample)
-                if not (shown + sample).endswith("\n"):
-                    out.write("\n")
-        out.flush()
-    except BrokenPipeError:  # `quill sample ... | head`: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
-        return
-    if not quiet:
-        how = f"{'kv cache' if not no_kv_cache else 'no kv cache'}, {run.model.lm_head.weight.device.type}, {dtype}"
-        print(f"{gen.stats.line()} ({how})", file=sys.stderr)
+    text = read_text(input_path)
+    t0 = time.perf_counter()
+    tok = build_tokenizer("bpe", text, vocab_size)
+    seconds = time.perf_counter() - t0
+    save_tokenizer(tok, out)
+    n_tokens = sum(len(ids) for ids in tok.encode_arrays(text_chunks(text)))
+    ratio = len(text.encode("utf-8")) / max(n_tokens, 1)
+    print(f"saved {out}: vocab size {tok.vocab_size:,}, {ratio:.2f} bytes/token on {input_path}, trained in {seconds:.2f}s")
 
 
 # --- end of commands ----------------------------------------------------------------------
