@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import quillgpt.checkpoint as ckpt_mod
-import quillgpt.train as train_mod
 from quillgpt.checkpoint import load_checkpoint, read_metrics
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.data import prepare
+from support import poison_loss_at
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
@@ -294,17 +294,7 @@ def test_disk_full_outside_a_checkpoint_is_one_line_too(shakespeare_path, data_d
 
 
 def test_nan_loss_stops_with_the_step_and_exit_code_2(shakespeare_path, data_dir, tmp_path, capsys, monkeypatch):
-    original, calls = train_mod.GPT.forward, {"n": 0}
-
-    def forward(self, idx, targets=None, **kw):
-        logits, loss = original(self, idx, targets, **kw)
-        if targets is not None and self.training:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                loss = loss * float("nan")
-        return logits, loss
-
-    monkeypatch.setattr(train_mod.GPT, "forward", forward)
+    poison_loss_at(monkeypatch, 3)
     out = tmp_path / "nan"
     code, _, err = run_main(capsys, train_args(shakespeare_path, data_dir, out))
     assert code == 2

@@ -27,18 +27,9 @@ from quillgpt.generate import (
 )
 from quillgpt.model import GPT
 from quillgpt.tokenizer import CharTokenizer, build_tokenizer
+from support import BLOCK, V, VARIANTS
 
 INF = float("inf")
-BLOCK, V = 16, 37
-VARIANTS = {
-    "mha-learned": {},
-    "gqa": {"n_kv_head": 2},
-    "mqa": {"n_kv_head": 1},
-    "window": {"window": 5},
-    "rope": {"pos": "rope"},
-    "rope-window-gqa": {"pos": "rope", "window": 5, "n_kv_head": 2},
-    "rmsnorm-swiglu": {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "tie_embeddings": False},
-}
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9], [(7 * i + 2) % V for i in range(22)]]  # 22 > block
 

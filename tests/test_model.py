@@ -6,17 +6,8 @@ import torch
 
 from quillgpt.config import ModelConfig
 from quillgpt.model import GPT
+from support import BLOCK, V, VARIANTS
 
-BLOCK, V = 16, 37
-VARIANTS = {
-    "mha-learned": {},
-    "gqa": {"n_kv_head": 2},
-    "mqa": {"n_kv_head": 1},
-    "window": {"window": 5},
-    "rope": {"pos": "rope"},
-    "rope-window-gqa": {"pos": "rope", "window": 5, "n_kv_head": 2},
-    "rmsnorm-swiglu": {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "tie_embeddings": False},
-}
 ROPE = [k for k, v in VARIANTS.items() if v.get("pos") == "rope"]
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 

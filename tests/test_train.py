@@ -15,6 +15,7 @@ from quillgpt.checkpoint import RunLock, load_checkpoint, read_metrics
 from quillgpt.config import TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.train import lr_at, train
+from support import poison_loss_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,18 +127,7 @@ def test_resume_auto_starts_fresh_then_continues(shakespeare_path, data_dir, tmp
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shakespeare_path, data_dir, tmp_path, monkeypatch):
     cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "nan", "train.eval_interval=2")
-    original = train_mod.GPT.forward
-    calls = {"n": 0}
-
-    def forward(self, idx, targets=None, **kw):
-        logits, loss = original(self, idx, targets, **kw)
-        if targets is not None and self.training:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                loss = loss * float("nan")
-        return logits, loss
-
-    monkeypatch.setattr(train_mod.GPT, "forward", forward)
+    poison_loss_at(monkeypatch, 3)
     with pytest.raises(QuillError, match="at step 3"):
         train(cfg, progress=False)
     kept = load_checkpoint(tmp_path / "nan" / "ckpt.pt")
