@@ -30,8 +30,9 @@ from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, TrainConfig, parse_duration, save_config
-from quillgpt.data import BatchSampler, batch_from_starts, fixed_windows, load_prepared, load_tokens, prepare
+from quillgpt.data import BatchSampler, fixed_windows, load_prepared, load_tokens, prepare
 from quillgpt.errors import QuillError
+from quillgpt.evaluate import evaluate_windows
 from quillgpt.model import GPT
 from quillgpt.perf import cpu_has_bf16, peak_flops, resolve_device
 from quillgpt.tokenizer import save_tokenizer
@@ -223,36 +224,23 @@ def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
 # --- evaluation on fixed windows --------------------------------------------------------------
 
 
-@torch.no_grad()
 def estimate_loss(
-    model: torch.nn.Module,
+    model: GPT,
     windows: dict[str, tuple[np.ndarray, np.ndarray]],
-    block_size: int,
     batch_size: int,
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict[str, float]:
-    """Mean loss over the same windows every time, so curves are comparable across steps.
+    """Mean loss per split over the same windows every time, so curves are comparable across steps.
 
     On CPU this runs in fp32 even when training in bf16: the few eval batches cost little, and the
     logged val loss is then exactly what `quill eval` reports for the saved weights.
     """
-    if device.type == "cpu":
-        dtype = torch.float32
-    was_training = model.training
-    model.eval()
-    out = {}
-    for split, (tokens, starts) in windows.items():
-        total, count = 0.0, 0
-        for i in range(0, len(starts), batch_size):
-            x, y = batch_from_starts(tokens, starts[i : i + batch_size], block_size, device)
-            with autocast(device, dtype):
-                _, loss = model(x, y)
-            total += loss.item() * len(x)
-            count += len(x)
-        out[split] = total / count
-    model.train(was_training)
-    return out
+    with autocast(device, torch.float32 if device.type == "cpu" else dtype):
+        return {
+            split: evaluate_windows(model, tokens, starts, batch_size=batch_size, device=device).loss
+            for split, (tokens, starts) in windows.items()
+        }
 
 
 # --- the trainer ------------------------------------------------------------------------------
@@ -442,7 +430,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
                 if step % tc.eval_interval == 0 or step == horizon:
                     train_loss = _checked_loss(loss, step, ddp)  # before anything is saved
                     t_eval = time.time()
-                    losses = estimate_loss(raw_model, windows, cfg.model.block_size, tc.batch_size, device, dtype)
+                    losses = estimate_loss(raw_model, windows, tc.batch_size, device, dtype)
                     last_val = losses["val"]
                     if not math.isfinite(last_val):  # weights went bad in this step: keep the last checkpoint
                         raise QuillError(
