@@ -25,6 +25,7 @@ from torch import Tensor
 
 from quillgpt.checkpoint import read_metrics
 from quillgpt.errors import QuillError
+from quillgpt.generate import encode_prompt
 from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer
 
@@ -69,15 +70,15 @@ def token_label(raw: bytes) -> str:
     return "".join(out)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> tuple[list[int], int]:
+def _cropped_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> tuple[list[int], int]:
     """(ids of the prompt's last block_size tokens, number of tokens cropped from the front).
 
     Cropping keeps the end of the prompt: that is the context the model would condition on
-    when generating from it.
+    when generating from it. Unknown characters get the same error as in `quill sample`.
     """
     if not prompt:
         raise QuillError("the prompt is empty; pass some text with --prompt")
-    ids = tokenizer.encode(prompt)  # a char model's unknown characters raise its QuillError
+    ids = encode_prompt(tokenizer, prompt)
     cropped = max(0, len(ids) - block_size)
     return ids[cropped:], cropped
 
@@ -85,7 +86,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> tuple[l
 @torch.no_grad()
 def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attention:
     """Run the prompt once and collect every layer's and head's attention weights."""
-    ids, cropped = encode_prompt(tokenizer, prompt, model.config.block_size)
+    ids, cropped = _cropped_prompt(tokenizer, prompt, model.config.block_size)
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     was_training = model.training
