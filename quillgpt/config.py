@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -19,7 +21,29 @@ from typing import Any, Literal, Union
 import yaml
 
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_text
+from quillgpt.files import atomic_write_text, read_text
+
+# Bounds that keep every number inside what numpy, torch and Python's float can represent;
+# what fits in memory is checked later against the machine (perf.check_train_memory).
+MAX_INT = 2**62  # any int field: larger cannot be an index, a count or a size
+MAX_SEED = 2**32 - 1  # numpy's seed range
+MAX_VOCAB = 2**24  # ids of a vocabulary (o200k_base has 200k); also bounds data.bpe_vocab_size
+MAX_CONFIG_BYTES = 1 << 24  # a config file; /dev/zero given as --config must not fill memory
+MAX_YAML_NODES = 100_000  # a config expanded through its aliases; a real one has a few hundred
+SHOWN_VALUE_CHARS = 200  # error messages print a user value cut to this length
+
+
+def shown_value(value: Any) -> str:
+    """repr() of a user value, bounded in time and length (an alias bomb must not be printed)."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxtuple, r.maxset = 3, 8, 8, 8, 8
+    r.maxstring = r.maxother = r.maxlong = SHOWN_VALUE_CHARS
+    text = r.repr(value)
+    return _cut(text)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -44,10 +68,18 @@ class DataConfig:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.path is None and self.url is None:
             raise QuillError("set data.path (a local text file) or data.url (a file to download)")
-        if self.bpe_vocab_size < 257:
+        if not 257 <= self.bpe_vocab_size <= MAX_VOCAB:
             raise QuillError(
-                f"data.bpe_vocab_size must be at least 257 (256 bytes + 1 merge), got {self.bpe_vocab_size}"
+                f"data.bpe_vocab_size must be between 257 (256 bytes + 1 merge) and {MAX_VOCAB:,}, got {self.bpe_vocab_size}"
             )
+
+
+# The largest value of each size of ModelConfig (None = unset is allowed where the type says so).
+# Generous for any model this toolkit can train; what fits in memory is checked against the machine.
+MODEL_SIZE_LIMITS = {
+    "vocab_size": MAX_VOCAB, "block_size": 2**24, "n_layer": 1024, "n_head": 2**12, "n_kv_head": 2**12,
+    "n_embd": 2**17, "mlp_hidden": 2**19, "window": 2**24,
+}
 
 
 @dataclass
@@ -71,6 +103,12 @@ class ModelConfig:
     window: int | None = None  # sliding-window attention: token i sees tokens (i-window, i]
     tie_embeddings: bool = True  # share the token embedding with the output head
     attn_impl: Literal["sdpa", "math"] = "sdpa"  # fused kernel, or explicit softmax(QK^T/√d)V
+    # causal | prefix (prefix-LM: the prompt/prefix attends both ways) | infini (Infini-attention)
+    attention: Literal["causal", "prefix", "infini"] = "causal"
+    prefix_max: int | None = None  # prefix: training prefixes drawn uniform in [0, prefix_max]; None = block_size/2
+    prefix_sep: str | None = None  # prefix: a one-token separator; a window's prefix ends at its first one
+    segment_size: int | None = None  # infini: tokens per segment (block_size = k × segment_size)
+    memory_update: Literal["linear", "delta"] = "linear"  # infini: how a segment is written to memory
 
     @property
     def kv_heads(self) -> int:
@@ -89,11 +127,10 @@ class ModelConfig:
         return 64 * ((int(8 * self.n_embd / 3) + 63) // 64)
 
     def validate(self) -> None:
-        for key in ("block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, key) < 1:
-                raise QuillError(f"model.{key} must be at least 1, got {getattr(self, key)}")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise QuillError(f"model.vocab_size must be at least 1, got {self.vocab_size}")
+        for key, most in MODEL_SIZE_LIMITS.items():
+            value = getattr(self, key)
+            if value is not None and not 1 <= value <= most:
+                raise QuillError(f"model.{key} must be between 1 and {most:,}, got {value}")
         if self.n_embd % self.n_head != 0:
             raise QuillError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
@@ -108,14 +145,31 @@ class ModelConfig:
             raise QuillError(
                 f"model.pos=rope needs an even head size, got n_embd/n_head = {self.head_dim}"
             )
-        if self.window is not None and self.window < 1:
-            raise QuillError(f"model.window must be at least 1 (or null for none), got {self.window}")
         if not 0.0 <= self.dropout < 1.0:
             raise QuillError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.mlp_hidden is not None and self.mlp_hidden < 1:
-            raise QuillError(f"model.mlp_hidden must be at least 1, got {self.mlp_hidden}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise QuillError("model.rope_theta and model.norm_eps must be positive")
+        self._validate_attention()
+
+    def _validate_attention(self) -> None:
+        """The attention variant's own keys, and the combinations that cannot work (both keys named)."""
+        a = f"model.attention={self.attention}"
+        if self.attention != "prefix" and (self.prefix_max is not None or self.prefix_sep is not None):
+            raise QuillError(f"model.prefix_max / model.prefix_sep need model.attention=prefix, got {a}")
+        if self.attention != "infini" and (self.segment_size is not None or self.memory_update != "linear"):
+            raise QuillError(f"model.segment_size / model.memory_update need model.attention=infini, got {a}")
+        if self.attention != "causal" and self.window is not None:
+            raise QuillError(f"{a} does not combine with model.window (set model.window=null)")
+        if self.attention == "prefix" and self.prefix_max is not None and not 0 <= self.prefix_max <= self.block_size:
+            raise QuillError(f"model.prefix_max must be in [0, model.block_size={self.block_size}], got {self.prefix_max}")
+        if self.attention == "prefix" and self.prefix_sep == "":
+            raise QuillError("model.prefix_sep must be a non-empty string (or null)")
+        if self.attention == "infini" and (
+            self.segment_size is None or self.segment_size < 1 or self.block_size % self.segment_size
+        ):
+            raise QuillError(
+                f"{a} needs model.segment_size dividing model.block_size ({self.block_size}), got {self.segment_size}"
+            )
 
 
 @dataclass
@@ -166,7 +220,9 @@ class TrainConfig:
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
             raise QuillError("train.beta1 and train.beta2 must be in [0, 1)")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
-            raise QuillError(f"train.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+            raise QuillError(f"train.device must be auto, cpu, cuda, cuda:N or mps, got {shown_value(self.device)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise QuillError(f"train.seed must be between 0 and {MAX_SEED} (2**32 - 1), got {self.seed}")
         if self.time_budget is not None:
             parse_duration(self.time_budget, key="train.time_budget")
 
@@ -239,8 +295,8 @@ class Config:
 def parse_duration(text: str, key: str = "duration") -> float:
     """'90s', '5m', '1.5h' or a bare number of seconds → seconds."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise QuillError(f"{key} must be a positive duration such as 90s, 5m or 1h, got {text!r}")
+    if not m or not 0 < float(m.group(1)) < 1e9:  # 1e9 s: 31 years, and never inf
+        raise QuillError(f"{key} must be a positive duration such as 90s, 5m or 1h, got {shown_value(text)}")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
@@ -286,22 +342,34 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             return value
     elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        number = value if _matches(value, int) else int(value) if isinstance(value, float) and value.is_integer() else None
+        if number is not None:
+            if abs(number) > MAX_INT:
+                raise QuillError(f"{key} must be between -2**62 and 2**62, got {shown_value(value)}")
+            return number
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _to_float(value)
+        if number is not None:
+            if not math.isfinite(number):
+                raise QuillError(f"{key} must be a finite number, got {shown_value(value)}")
+            return number
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-    raise QuillError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    raise QuillError(f"{key} must be {_type_name(tp)}, got {shown_value(value)}")
+
+
+def _to_float(value: Any) -> float | None:
+    """A YAML number (or a string such as "1e-3", which YAML 1.1 reads as a string) as a float,
+    inf for an int too large for one; None when `value` is not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # float(10**400)
+        return math.inf
+    except ValueError:
+        return None
 
 
 def _matches(value: Any, tp: Any) -> bool:
@@ -322,7 +390,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in valid:
-            raise QuillError(f"unknown config key {prefix}{key}{_suggest(str(key), valid)}")
+            raise QuillError(f"unknown config key {prefix}{_cut(str(key))}{_suggest(_cut(str(key)), valid)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
@@ -344,37 +412,78 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     sections = [f.name for f in fields(Config)]
     for item in overrides:
         if "=" not in item:
-            raise QuillError(f"override {item!r} must look like section.key=value, e.g. train.max_iters=200")
+            raise QuillError(f"override {shown_value(item)} must look like section.key=value, e.g. train.max_iters=200")
         dotted, raw = item.split("=", 1)
         parts = dotted.strip().split(".")
         if len(parts) != 2:
-            raise QuillError(f"override key {dotted!r} must be section.key, e.g. model.n_layer")
+            raise QuillError(f"override key {shown_value(dotted)} must be section.key, e.g. model.n_layer")
         section, key = parts
         if section not in sections:
-            raise QuillError(f"unknown config section {section!r}{_suggest(section, sections)}")
+            raise QuillError(f"unknown config section {shown_value(section)}{_suggest(_cut(section), sections)}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = parse_yaml(raw, "override") if raw.strip() else None
         except yaml.YAMLError:
             value = raw
         out.setdefault(section, {})
         if not isinstance(out[section], dict):
-            raise QuillError(f"config section {section!r} must be a mapping")
+            raise QuillError(f"config section {shown_value(section)} must be a mapping")
         out[section][key] = value
     return out
 
 
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a document whose aliases expand it past MAX_YAML_NODES nodes
+    (a 400-byte "billion laughs" file would otherwise become gigabytes when printed or copied)."""
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        if node is not None:
+            _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Nodes in `node` with every alias expanded (memoized: each shared node is counted once per use)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise QuillError("the YAML refers to itself through an alias (a recursive structure); remove the alias")
+    open_nodes.add(id(node))
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    total = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+    open_nodes.discard(id(node))
+    if total > MAX_YAML_NODES:
+        raise QuillError(f"the YAML expands to more than {MAX_YAML_NODES:,} values through its aliases (&/*); write the values out")
+    sizes[id(node)] = total
+    return total
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """yaml.safe_load with aliases bounded; nesting too deep for the parser is a QuillError.
+    Syntax errors stay yaml.YAMLError for the caller to word."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 — a SafeLoader subclass
+    except RecursionError:
+        raise QuillError(f"{what} is nested too deeply to be a config") from None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
-        raise QuillError(f"config file not found: {path} (pass --config with a YAML file, e.g. configs/shakespeare_char_cpu.yaml)")
+    hint = " (pass --config with a YAML file, e.g. configs/shakespeare_char_cpu.yaml)"
+    text = read_text(path, "--config", hint=hint, limit=MAX_CONFIG_BYTES)
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        values = parse_yaml(text, str(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise QuillError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    except UnicodeDecodeError as e:
-        raise QuillError(f"{path} is not UTF-8 text (byte offset {e.start})") from None
+        problem = _cut(str(getattr(e, "problem", None) or e).replace("\n", " "))
+        raise QuillError(f"{path} is not valid YAML{where}: {problem}") from None
+    except QuillError as e:
+        raise QuillError(f"{path}: {e}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):

@@ -69,22 +69,30 @@ def os_error(e: OSError, path: str | Path, action: str, what: str) -> QuillError
     return QuillError(f"cannot {action} {what} {shown(path)}: {reason}")
 
 
-def read_bytes(path: str | Path, what: str = "file") -> bytes:
-    """The whole file, or a QuillError naming `what` (e.g. '--config'), the path and the reason."""
+def read_bytes(path: str | Path, what: str = "file", hint: str = "", limit: int | None = None) -> bytes:
+    """The whole file, or a QuillError naming `what` (e.g. '--config'), the path and the reason.
+
+    `hint` follows the "does not exist" message (how to get the file); a file longer than
+    `limit` bytes (e.g. /dev/zero given as a config) is refused after reading limit + 1 bytes.
+    """
     path = Path(path)
     try:
         if path.is_dir():
             raise QuillError(f"{what} {shown(path)} is a directory; pass a file")
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read() if limit is None else f.read(limit + 1)
     except OSError as e:
         if isinstance(e, FileNotFoundError):
-            raise QuillError(f"{what} {shown(path)} does not exist") from None
+            raise QuillError(f"{what} {shown(path)} does not exist{hint}") from None
         raise os_error(e, path, "read", what) from None
+    if limit is not None and len(data) > limit:
+        raise QuillError(f"{what} {shown(path)} is larger than {limit:,} bytes; is it the right file?")
+    return data
 
 
-def read_text(path: str | Path, what: str = "file") -> str:
+def read_text(path: str | Path, what: str = "file", hint: str = "", limit: int | None = None) -> str:
     """The file as UTF-8 text, or one QuillError (unreadable, or not UTF-8 with the offset)."""
-    data = read_bytes(path, what)
+    data = read_bytes(path, what, hint, limit)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -105,3 +113,39 @@ def probe_writable(directory: str | Path, what: str = "output directory") -> Pat
     except OSError as e:
         raise QuillError(f"{what} {shown(directory)} is not writable ({e.strerror}); choose another directory") from None
     return directory
+
+
+def check_output_file(path: str | Path, what: str, force: bool = True, inputs: tuple[str | Path, ...] = ()) -> Path:
+    """Refuse, before long work starts, an output file that cannot or must not be written:
+    a directory, one of the command's `inputs`, an existing file without `force`, a name the
+    file system refuses, or a directory that cannot be written. Creates the directory."""
+    path = Path(path)
+    try:
+        exists = path.exists() or path.is_symlink()
+        if path.is_dir():
+            raise QuillError(f"{what} {shown(path)} is a directory; pass a file name")
+        if exists and any(_same_file(path, Path(i)) for i in inputs):
+            raise QuillError(f"{what} {shown(path)} is also the input; write the output to another file")
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise os_error(e, path, "write", what) from None
+    if exists and not force:
+        raise QuillError(f"{what} {shown(path)} already exists; choose another name or pass --force to overwrite it")
+    if len(path.name.encode()) > 255 - 16:  # room for atomic_write's temp name beside it
+        raise QuillError(f"cannot write {what} {shown(path)}: File name too long")
+    probe_writable(path.parent, f"the directory of {what}")
+    return path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def write_file(path: str | Path, write: Callable[[BinaryIO], object], what: str) -> None:
+    """atomic_write to a user's path; an OSError becomes one QuillError naming `what` and the path."""
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        raise os_error(e, path, "write", what) from None

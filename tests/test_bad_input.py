@@ -107,7 +107,7 @@ def w(tmp_path_factory, shakespeare_path):
 CASES = {
     # --- config
     "config_missing": lambda w: (["train", "--config", str(w.f / "nope.yaml")],
-                                 ["config file not found", "pass --config"]),
+                                 ["nope.yaml does not exist", "pass --config"]),
     "config_not_yaml": lambda w: (["train", "--config", str(w.f / "broken.yaml")],
                                   ["is not valid YAML at line"]),
     "config_not_a_mapping": lambda w: (["train", "--config", str(w.f / "list.yaml")],

@@ -58,7 +58,24 @@ def test_round_trip_through_saved_yaml(tmp_path):
         (["modle.n_layer=2"], "did you mean 'model'"),
         (["model.n_head=5"], "must be divisible by model.n_head"),
         (["model.n_kv_head=4"], "must divide model.n_head"),
-        (["model.block_size=0"], "model.block_size must be at least 1"),
+        (["model.block_size=0"], "model.block_size must be between 1 and"),
+        (["model.n_layer=10000000"], "model.n_layer must be between 1 and 1,024"),
+        (["model.window=0"], "model.window must be between 1 and"),
+        (["model.vocab_size=1099511627776"], "model.vocab_size must be between 1 and"),
+        (["model.n_layer=1e999"], "model.n_layer must be int"),
+        (["model.n_layer=" + "9" * 400], "model.n_layer must be between -2**62 and 2**62"),
+        (["train.learning_rate=nan"], "train.learning_rate must be a finite number, got 'nan'"),
+        (["train.learning_rate=.nan"], "train.learning_rate must be a finite number, got nan"),
+        (["train.grad_clip=.inf"], "train.grad_clip must be a finite number, got inf"),
+        (["train.weight_decay=-.inf"], "train.weight_decay must be a finite number"),
+        (["model.dropout=1e999"], "model.dropout must be a finite number"),
+        (["model.rope_theta=" + "9" * 400], "model.rope_theta must be a finite number"),
+        (["train.seed=-1"], "train.seed must be between 0 and 4294967295"),
+        (["train.seed=4294967296"], "train.seed must be between 0 and 4294967295"),
+        (["data.bpe_vocab_size=1099511627776"], "data.bpe_vocab_size must be between 257"),
+        (["train.time_budget=" + "9" * 400], "train.time_budget must be a positive duration"),
+        (["model.n_layer=" + "[" * 5000], "nested too deeply"),
+        (["model.x" + "y" * 10_000 + "=1"], "unknown config key model.xyyy"),
         (["model.pos=alibi"], "model.pos must be learned | rope"),
         (["model.n_layer=two"], "model.n_layer must be int"),
         (["model.n_layer=2.5"], "model.n_layer must be int"),
@@ -82,9 +99,51 @@ def test_each_mistake_is_one_clear_error(overrides, message):
     assert "\n" not in str(err.value)
 
 
+def test_long_values_are_cut_in_messages():
+    with pytest.raises(QuillError) as err:
+        load_config(None, ["train.max_iters=" + "x" * 100_000])
+    assert len(str(err.value)) < 300 and "..." in str(err.value)
+
+
+BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")
+) + "model: {n_layer: *i}\n"
+
+
+def test_alias_bomb_is_refused_quickly(tmp_path):
+    """400 bytes that expand to 9**9 values: refused while parsing, not printed in an error."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    with pytest.raises(QuillError, match="expands to more than 100,000 values through its aliases"):
+        load_config(path)
+    with pytest.raises(QuillError, match="expands to more than"):
+        load_config(None, ["model.n_layer=" + BOMB.replace("\n", ", ").join("{}")])
+
+
+def test_aliases_within_bounds_still_work(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("model: &m {n_layer: 2, n_head: 2, n_embd: 32}\ntrain: {max_iters: 3}\n")
+    assert load_config(path).model.n_layer == 2
+
+
+def test_recursive_alias_is_refused(tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("model: &m {n_layer: *m}\n")
+    with pytest.raises(QuillError, match="refers to itself"):
+        load_config(path)
+
+
 def test_file_errors(tmp_path):
-    with pytest.raises(QuillError, match="config file not found"):
+    with pytest.raises(QuillError, match="nope.yaml does not exist .pass --config"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(QuillError, match="cannot read --config /proc/self/mem: Input/output error"):
+        load_config("/proc/self/mem")
+    with pytest.raises(QuillError, match="File name too long"):
+        load_config(tmp_path / ("x" * 300 + ".yaml"))
+    with pytest.raises(QuillError, match="is a directory"):
+        load_config(tmp_path)
+    with pytest.raises(QuillError, match="larger than 16,777,216 bytes"):
+        load_config("/dev/zero")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
     with pytest.raises(QuillError, match="not valid YAML"):
