@@ -58,6 +58,16 @@ def attention_mask(q_pos: Tensor, k_pos: Tensor, span: int) -> Tensor:
     return ((k <= q) & (k > q - span) & (k >= 0)) | (k == q)
 
 
+def prefix_mask(q_pos: Tensor, k_pos: Tensor, prefix_len: Tensor | int, span: int) -> Tensor:
+    """attention_mask plus the prefix-LM rule: query i sees key j iff j ≤ i or both lie in the
+    row's prefix, positions [0, prefix_len) — the prefix attends both ways. prefix_len: (B,) or int."""
+    P = torch.as_tensor(prefix_len, device=q_pos.device).view(-1, 1, 1, 1)  # (B or 1, 1, 1, 1)
+    q = q_pos[:, None, :, None]  # (B, 1, T, 1)
+    k = k_pos[:, None, None, :]  # (B, 1, 1, S)
+    both = (q >= 0) & (q < P) & (k >= 0) & (k < P)
+    return attention_mask(q_pos, k_pos, span) | both
+
+
 def mask_to_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Boolean mask → additive bias (0 where allowed, -inf elsewhere). CPU sdpa is far faster
     with it: a boolean mask over a cache slice sends decode steps to a path ~50× slower."""

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 
 from quillgpt.attention import CausalSelfAttention, KVCache, attention_mask, mask_to_bias, rope_cos_sin
 from quillgpt.config import ModelConfig
+from quillgpt.attention import prefix_mask
+from quillgpt.infini import InfiniAttention, InfiniCache, segment_positions
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -60,7 +62,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = InfiniAttention(cfg) if cfg.attention == "infini" else CausalSelfAttention(cfg)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
@@ -79,6 +81,8 @@ class GPT(nn.Module):
         self.config = cfg
         # every query sees at most this many positions back (itself included)
         self.span = min(cfg.window, cfg.block_size) if cfg.window else cfg.block_size
+        if cfg.attention == "infini":  # the dot-product part; the memory sees everything before
+            self.span = cfg.segment_size
         modules = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
         if cfg.pos == "learned":
             modules["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -118,14 +122,17 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         pos: Tensor | None = None,
         all_logits: bool = False,
+        prefix_len: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) → logits (B, T, V) with targets or all_logits, else (B, 1, V); loss or None.
 
         pos: absolute positions (B, T) or (T,) (negative = left padding); default 0..T-1, or following
         the cache's tokens. cache: a KVCache from make_cache, extended by these T tokens.
         The loss is the mean cross-entropy over targets != -1.
+        prefix_len (B,): model.attention=prefix only — each row's prefix (positions < prefix_len)
+        attends both ways (attention.prefix_mask); None = no prefix (causal).
         """
-        x, _ = self._hidden(idx, pos, cache, need_weights=False)
+        x, _ = self._hidden(idx, pos, cache, need_weights=False, prefix_len=prefix_len)
         if targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -134,18 +141,25 @@ class GPT(nn.Module):
         return self.lm_head(x if all_logits else x[:, -1:, :]), None
 
     @torch.no_grad()
-    def attention_maps(self, idx: Tensor) -> list[Tensor]:
+    def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:
         """Per layer, the (B, n_head, T, T) softmax weights of the explicit math path."""
-        _, maps = self._hidden(idx, None, None, need_weights=True)
+        _, maps = self._hidden(idx, None, None, need_weights=True, prefix_len=prefix_len)
         return maps
 
     def _hidden(
-        self, idx: Tensor, pos: Tensor | None, cache: KVCache | None, need_weights: bool
+        self, idx: Tensor, pos: Tensor | None, cache: KVCache | None, need_weights: bool,
+        prefix_len: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """Embeddings → blocks → ln_f: the (B, T, C) final hidden states (and attention maps)."""
         cfg = self.config
         B, T = idx.shape
-        if cfg.pos == "learned" and T > cfg.block_size:
+        infini = cfg.attention == "infini"  # positions restart in each segment; no mask (infini.py)
+        if infini:
+            pos = cache.plan(T, idx.device) if cache is not None else segment_positions(0, T, self.span, idx.device)
+        elif prefix_len is not None and pos is None:  # the prefix rule needs positions
+            start = cache.seen if cache is not None else 0
+            pos = torch.arange(start, start + T, device=idx.device)[None]
+        if cfg.pos == "learned" and T > cfg.block_size and not infini:
             raise ValueError(f"cannot forward {T} tokens: block_size is {cfg.block_size} (learned positions)")
         if pos is not None:
             pos = pos.view(-1, T)  # (B, T), or (1, T) shared by all rows
@@ -154,9 +168,12 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + T, device=idx.device)[None]  # (1, T): one mask row for all
         # pos None now means the plain causal case: sdpa's is_causal fast path, no mask tensor
         mask = None
-        if pos is not None:
+        if pos is not None and not infini:
             key_pos = cache.plan(pos) if cache is not None else pos
-            mask = attention_mask(pos, key_pos, self.span)  # (B, 1, T, S), shared by all layers
+            if prefix_len is None:
+                mask = attention_mask(pos, key_pos, self.span)  # (B, 1, T, S), shared by all layers
+            else:
+                mask = prefix_mask(pos, key_pos, prefix_len, self.span)
             mask = mask_to_bias(mask, self.lm_head.weight.dtype)
 
         x = self.transformer.wte(idx)  # (B, T, C)
@@ -187,8 +204,11 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """An empty KV cache; default capacity = the attention span min(window, block_size)."""
+        """An empty KV cache; default capacity = the attention span min(window, block_size).
+        Infini-attention: an InfiniCache (memory + one segment's keys/values), capacity unused."""
         cfg, p = self.config, self.lm_head.weight
+        if cfg.attention == "infini":
+            return InfiniCache(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, cfg.segment_size, device or p.device, dtype or p.dtype)
         return KVCache(
             cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, self.span if capacity is None else capacity, self.span,
             device or p.device, dtype or p.dtype,

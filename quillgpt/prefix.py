@@ -1,0 +1,75 @@
+"""Prefix-LM training: which part of each window is the (bidirectional) prefix, and what is scored.
+
+A prefix-LM (`model.attention: prefix`) reads the first P tokens of a window both ways
+(attention.prefix_mask) and is trained to predict only what comes after them: the target of
+position t (the token t+1) counts iff t ≥ P − 1, so the first scored token is the one right after
+the prefix, predicted from the prefix's last position, which has seen the whole prefix.
+
+P is drawn per row, uniform in [0, prefix_max] (default block_size / 2), by a seeded generator
+whose state goes into the checkpoint, so a resumed run draws what the uninterrupted run drew.
+With `model.prefix_sep` (a string that is one token), a window that contains the separator has
+its prefix end right after the first one (e.g. "question=answer" lines with prefix_sep "=");
+windows without it get a drawn P.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from quillgpt.config import ModelConfig
+from quillgpt.errors import QuillError
+
+
+def prefix_max(cfg: ModelConfig) -> int:
+    """The largest training prefix: model.prefix_max, or block_size / 2."""
+    return cfg.block_size // 2 if cfg.prefix_max is None else cfg.prefix_max
+
+
+def eval_prefix_len(cfg: ModelConfig) -> int:
+    """The prefix of the trainer's fixed evaluation windows: the middle of the training draw."""
+    return prefix_max(cfg) // 2
+
+
+def mask_prefix_targets(y: Tensor, prefix_len: Tensor) -> Tensor:
+    """y (B, T) with the targets inside each row's prefix set to -1 (ignored): t < prefix_len − 1."""
+    t = torch.arange(y.shape[1], device=y.device)[None, :]  # (1, T)
+    return y.masked_fill(t < prefix_len.to(y.device)[:, None] - 1, -1)
+
+
+class PrefixLengths:
+    """Per-row prefix lengths for training windows, from a seeded, checkpointed generator."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, sep_id: int | None = None) -> None:
+        self.high = prefix_max(cfg)
+        self.sep_id = sep_id
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draw(self, x: Tensor) -> Tensor:
+        """(B,) prefix lengths for the windows x (B, T), on x's device."""
+        P = torch.randint(self.high + 1, (x.shape[0],), generator=self.generator).to(x.device)
+        if self.sep_id is not None:
+            is_sep = x == self.sep_id  # (B, T)
+            first = is_sep.int().argmax(dim=1)  # first separator (0 when there is none)
+            P = torch.where(is_sep.any(dim=1), first + 1, P)
+        return P
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def separator_id(cfg: ModelConfig, encode: Any) -> int | None:
+    """model.prefix_sep as one token id (encode: the tokenizer's str → ids), or None."""
+    if cfg.prefix_sep is None:
+        return None
+    ids = encode(cfg.prefix_sep)
+    if len(ids) != 1:
+        raise QuillError(
+            f"model.prefix_sep {cfg.prefix_sep!r} is {len(ids)} tokens with this tokenizer; it must be exactly one"
+        )
+    return ids[0]

@@ -1,0 +1,229 @@
+"""Infini-attention against its equations (Munkhdalai et al. 2024) computed by hand on small tensors."""
+
+import math
+
+import pytest
+import torch
+
+from quillgpt.config import ModelConfig
+from quillgpt.errors import QuillError
+from quillgpt.infini import InfiniAttention, SegmentState, gate_values, infini_attend, retrieve, sigma, write
+from quillgpt.model import GPT
+
+V = 23
+
+
+def cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=V, block_size=12, n_layer=2, n_head=4, n_embd=16, attention="infini", segment_size=4)
+    return ModelConfig(**{**base, **kw})
+
+
+def elu1(x: float) -> float:
+    return x + 1.0 if x > 0 else math.exp(x)
+
+
+def test_sigma_is_elu_plus_one():
+    x = torch.tensor([-3.0, -0.5, 0.0, 0.7, 4.0])
+    assert torch.allclose(sigma(x), torch.tensor([elu1(v) for v in x.tolist()]))
+
+
+def _hand_memory(ks, vs, update):
+    """M, z after writing segments ks[s], vs[s] (lists of (L, d) tensors), as scalar loops."""
+    d = ks[0].shape[1]
+    M = [[0.0] * d for _ in range(d)]
+    z = [0.0] * d
+    for k, v in zip(ks, vs):
+        sk = [[elu1(a) for a in row] for row in k.tolist()]
+        vv = v.tolist()
+        if update == "delta":  # v − σ(k)M/(σ(k)z), with 0 for an empty memory
+            old = []
+            for row in sk:
+                den = sum(row[i] * z[i] for i in range(d))
+                old.append([sum(row[i] * M[i][j] for i in range(d)) / den if den > 0 else 0.0 for j in range(d)])
+            vv = [[vv[t][j] - old[t][j] for j in range(d)] for t in range(len(vv))]
+        for t, row in enumerate(sk):
+            for i in range(d):
+                z[i] += row[i]
+                for j in range(d):
+                    M[i][j] += row[i] * vv[t][j]
+    return torch.tensor(M), torch.tensor(z)
+
+
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_write_and_retrieve_equal_the_equations(update):
+    g = torch.Generator().manual_seed(0)
+    L, d = 3, 4
+    ks = [torch.randn(L, d, generator=g) for _ in range(3)]
+    vs = [torch.randn(L, d, generator=g) for _ in range(3)]
+    mem, norm = torch.zeros(1, 1, d, d), torch.zeros(1, 1, d)
+    for s in range(3):
+        mem, norm = write(mem, norm, ks[s][None, None], vs[s][None, None], update)
+        M, z = _hand_memory(ks[: s + 1], vs[: s + 1], update)
+        assert torch.allclose(mem[0, 0], M, atol=1e-5) and torch.allclose(norm[0, 0], z, atol=1e-5)
+    q = torch.randn(2, d, generator=g)
+    got = retrieve(sigma(q)[None, None], mem, norm)[0, 0]
+    M, z = _hand_memory(ks, vs, update)
+    for t, row in enumerate(q.tolist()):
+        sq = [elu1(a) for a in row]
+        den = sum(sq[i] * z[i].item() for i in range(d))
+        want = [sum(sq[i] * M[i][j].item() for i in range(d)) / den for j in range(d)]
+        assert torch.allclose(got[t], torch.tensor(want), atol=1e-5)
+
+
+def test_delta_rewrite_of_a_stored_value_adds_nothing():
+    """Delta rule: writing (k, v) again where the memory already returns v for k leaves M as is."""
+    k, v = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)
+    mem, norm = write(torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4), k, v, "delta")
+    assert torch.allclose(retrieve(sigma(k), mem, norm), v, atol=1e-5)  # one key: exact recall
+    mem2, _ = write(mem, norm, k, v, "delta")
+    assert torch.allclose(mem2, mem, atol=1e-5)
+
+
+def test_empty_memory_retrieves_zero_without_nan_gradients():
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    out = retrieve(sigma(q), torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4))
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def _reference(q, k, v, beta, L, update):
+    """The paper's loop over segments, with a hand-written causal softmax inside each: (B, H, T, hd)."""
+    B, H, T, d = q.shape
+    G = H // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)  # query head h reads kv head h // G
+    mem, norm = torch.zeros(B, H, d, d), torch.zeros(B, H, d)
+    gate = torch.sigmoid(beta).view(1, H, 1, 1)
+    out = []
+    for s in range(0, T, L):
+        qs, ks, vs = q[:, :, s : s + L], k[:, :, s : s + L], v[:, :, s : s + L]
+        n = qs.shape[2]
+        scores = qs @ ks.transpose(-1, -2) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        a_dot = scores.softmax(-1) @ vs
+        sq, sk = sigma(qs), sigma(ks)
+        den = sq @ norm[..., None]
+        a_mem = torch.where(den > 0, (sq @ mem) / den.clamp(min=1e-30), torch.zeros(()))
+        out.append(gate * a_mem + (1 - gate) * a_dot)
+        if n == L:  # only finished segments are written
+            if update == "delta":
+                den_k = sk @ norm[..., None]
+                vs = vs - torch.where(den_k > 0, (sk @ mem) / den_k.clamp(min=1e-30), torch.zeros(()))
+            mem, norm = mem + sk.transpose(-1, -2) @ vs, norm + sk.sum(2)
+    return torch.cat(out, 2)  # (a memory per query head: heads of a group hold equal copies)
+
+
+@pytest.mark.parametrize("update", ["linear", "delta"])
+@pytest.mark.parametrize("kv", [4, 2])
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+def test_infini_attend_equals_the_loop_over_segments(update, kv, impl):
+    g = torch.Generator().manual_seed(1)
+    B, H, T, d, L = 2, 4, 11, 8, 4  # 2 full segments and a partial one
+    q, k, v = (torch.randn(B, h, T, d, generator=g) for h in (H, kv, kv))
+    beta = torch.randn(H, generator=g)
+    y, state, _ = infini_attend(q, k, v, SegmentState.empty(B, kv, d, k), beta, L, update, impl)
+    assert torch.allclose(y, _reference(q, k, v, beta, L, update), atol=1e-5)
+    assert state.k.shape[2] == T % L  # the unfinished segment is carried, not written
+
+
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_chunks_in_any_split_equal_one_call(update):
+    """State carried across calls: feeding 11 tokens as 3 + 1 + 5 + 2 = feeding them at once."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 11, 4, generator=g) for _ in range(3))
+    beta = torch.randn(2, generator=g)
+    whole, _, _ = infini_attend(q, k, v, SegmentState.empty(1, 2, 4, k), beta, 4, update)
+    state, parts, t = SegmentState.empty(1, 2, 4, k), [], 0
+    for m in (3, 1, 5, 2):
+        y, state, _ = infini_attend(q[:, :, t : t + m], k[:, :, t : t + m], v[:, :, t : t + m], state, beta, 4, update)
+        parts.append(y)
+        t += m
+    assert torch.allclose(torch.cat(parts, 2), whole, atol=1e-6)
+
+
+VARIANTS = {
+    "learned-linear": {},
+    "rope-delta": {"pos": "rope", "memory_update": "delta"},
+    "gqa-rope": {"pos": "rope", "n_kv_head": 2},
+    "mqa-math": {"n_kv_head": 1, "attn_impl": "math"},
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_model_forward_equals_segment_by_segment_and_token_by_token(name):
+    torch.manual_seed(0)
+    model = GPT(cfg(**VARIANTS[name])).eval()
+    idx = torch.randint(V, (2, 30))  # longer than block_size: segments go on for ever
+    full, _ = model(idx, all_logits=True)
+    for step in (4, 1, 3):  # segment by segment, token by token, and across boundaries
+        cache, parts = model.make_cache(2), []
+        for t in range(0, 30, step):
+            logits, _ = model(idx[:, t : t + step], cache=cache, all_logits=True)
+            parts.append(logits)
+        assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5), step
+
+
+def test_gradients_flow_through_the_memory_across_segments():
+    torch.manual_seed(0)
+    layer = InfiniAttention(cfg())
+    x = torch.randn(1, 12, 16, requires_grad=True)
+    y, _ = layer(x)
+    y[:, 8:].sum().backward()  # the third segment only
+    assert x.grad[:, :4].abs().sum() > 0  # reached the first segment: only the memory connects them
+    assert layer.beta.grad.abs().sum() > 0
+
+
+def test_a_long_run_stays_finite():
+    """Training steps at a high lr over many segments, then 20,000 tokens through the cache."""
+    torch.manual_seed(0)
+    model = GPT(cfg(block_size=64, segment_size=4, memory_update="delta"))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(8):
+        idx = torch.randint(V, (4, 65))
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        assert math.isfinite(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    cache = model.make_cache(1)
+    with torch.inference_mode():
+        for _ in range(20_000 // 400):
+            logits, _ = model(torch.randint(V, (1, 400)), cache=cache)
+            assert torch.isfinite(logits).all()
+    assert torch.isfinite(cache.mem).all() and cache.seen == 20_000
+
+
+def test_gates_are_sigmoid_beta_per_head():
+    model = GPT(cfg())
+    with torch.no_grad():
+        model.transformer.h[1].attn.beta.copy_(torch.tensor([0.0, 2.0, -1.0, 5.0]))
+    gates = gate_values(model)
+    assert len(gates) == 2 and torch.allclose(gates[0], torch.full((4,), 0.5))
+    assert torch.allclose(gates[1], torch.sigmoid(torch.tensor([0.0, 2.0, -1.0, 5.0])))
+
+
+def test_attention_maps_are_block_diagonal_by_segment():
+    model = GPT(cfg()).eval()
+    maps = model.attention_maps(torch.randint(V, (1, 12)))
+    w = maps[0][0]  # (H, T, T)
+    assert torch.allclose(w.sum(-1), torch.ones(4, 12))
+    seg = torch.arange(12) // 4
+    outside = (seg[:, None] != seg[None, :]) | (torch.arange(12)[None] > torch.arange(12)[:, None])
+    assert w[:, outside].abs().max() == 0
+
+
+@pytest.mark.parametrize(
+    "kw, keys",
+    [
+        ({"segment_size": None}, "model.segment_size"),
+        ({"segment_size": 5}, "model.segment_size"),
+        ({"window": 4}, "model.window"),
+        ({"attention": "causal"}, "model.segment_size"),
+        ({"attention": "causal", "segment_size": None, "memory_update": "delta"}, "model.memory_update"),
+    ],
+)
+def test_impossible_combinations_name_both_keys(kw, keys):
+    with pytest.raises(QuillError, match=keys) as e:
+        cfg(**kw).validate()
+    assert "model.attention" in str(e.value)

@@ -1,0 +1,121 @@
+"""Prefix-LM (bidirectional prefix attention): the mask rule, the model, the training draws."""
+
+import pytest
+import torch
+
+from quillgpt.attention import prefix_mask
+from quillgpt.config import ModelConfig
+from quillgpt.errors import QuillError
+from quillgpt.model import GPT
+from quillgpt.prefix import PrefixLengths, mask_prefix_targets, separator_id
+
+V = 19
+
+
+def cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=V, block_size=16, n_layer=2, n_head=4, n_embd=16, attention="prefix")
+    return ModelConfig(**{**base, **kw})
+
+
+def brute_force(q_pos, k_pos, P, span):
+    B, T, S = q_pos.shape[0], q_pos.shape[1], k_pos.shape[1]
+    out = torch.zeros(B, 1, T, S, dtype=torch.bool)
+    for b in range(B):
+        for t in range(T):
+            for s in range(S):
+                i, j = int(q_pos[b, t]), int(k_pos[b, s])
+                causal = 0 <= j <= i and j > i - span
+                both = 0 <= i < P[b] and 0 <= j < P[b]
+                out[b, 0, t, s] = causal or both or i == j
+    return out
+
+
+def test_prefix_mask_equals_brute_force():
+    g = torch.Generator().manual_seed(0)
+    pad = torch.tensor([0, 2, 0])
+    q_pos = torch.arange(9)[None] - pad[:, None]  # left padding: negative positions
+    P = torch.tensor([4, 3, 0])
+    assert torch.equal(prefix_mask(q_pos, q_pos, P, 16), brute_force(q_pos, q_pos, P, 16))
+    k_pos = torch.randint(-3, 12, (3, 14), generator=g)  # e.g. a cache's keys; decoding queries
+    q_pos = torch.tensor([[9], [10], [3]])
+    assert torch.equal(prefix_mask(q_pos, k_pos, P, 16), brute_force(q_pos, k_pos, P, 16))
+
+
+def test_the_prefix_sees_both_ways_and_the_rest_only_left():
+    torch.manual_seed(0)
+    model = GPT(cfg()).eval()
+    idx = torch.randint(V, (1, 10))
+    P = torch.tensor([5])
+    base, _ = model(idx, all_logits=True, prefix_len=P)
+    right = idx.clone()
+    right[0, 4] = (right[0, 4] + 1) % V  # the prefix's last token
+    changed, _ = model(right, all_logits=True, prefix_len=P)
+    assert not torch.allclose(changed[0, :4], base[0, :4])  # earlier prefix tokens see it
+    later = idx.clone()
+    later[0, 7] = (later[0, 7] + 1) % V  # after the prefix: only later tokens see it
+    changed, _ = model(later, all_logits=True, prefix_len=P)
+    assert torch.allclose(changed[0, :7], base[0, :7], atol=1e-6)
+    causal, _ = model(idx, all_logits=True)
+    assert torch.allclose(model(idx, all_logits=True, prefix_len=torch.tensor([1]))[0], causal, atol=1e-6)
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_fused_equals_math_and_cached_decoding_equals_recompute(pos):
+    torch.manual_seed(0)
+    model = GPT(cfg(pos=pos)).eval()
+    math_model = GPT(cfg(pos=pos, attn_impl="math")).eval()
+    math_model.load_state_dict(model.state_dict())
+    idx = torch.randint(V, (3, 12))
+    P = torch.tensor([0, 4, 9])
+    fused, _ = model(idx, all_logits=True, prefix_len=P)
+    assert torch.allclose(fused, math_model(idx, all_logits=True, prefix_len=P)[0], atol=1e-5)
+    # the prompt (first 6 tokens, all prefix) prefilled at once, then one token at a time
+    full, _ = model(idx, all_logits=True, prefix_len=torch.tensor([6] * 3))
+    cache = model.make_cache(3)
+    first, _ = model(idx[:, :6], cache=cache, all_logits=True, prefix_len=torch.tensor([6] * 3))
+    steps = [model(idx[:, t : t + 1], cache=cache)[0] for t in range(6, 12)]
+    assert torch.allclose(torch.cat([first, *steps], 1), full, atol=1e-5)
+
+
+def test_training_targets_count_only_after_the_prefix():
+    y = torch.arange(10, 16).repeat(3, 1)  # (3, 6)
+    out = mask_prefix_targets(y, torch.tensor([0, 1, 4]))
+    assert out[0].tolist() == y[0].tolist() and out[1].tolist() == y[1].tolist()
+    assert out[2].tolist() == [-1, -1, -1, 13, 14, 15]  # position 3 (the prefix's last) predicts token 4
+
+
+def test_prefix_lengths_are_seeded_resumable_and_in_range():
+    c = cfg(prefix_max=6)
+    a, b = PrefixLengths(c, seed=3), PrefixLengths(c, seed=3)
+    x = torch.zeros(64, 16, dtype=torch.long)
+    first = a.draw(x)
+    assert 0 <= first.min() and first.max() <= 6 and len(set(first.tolist())) > 3
+    state = a.state_dict()
+    nxt = a.draw(x)
+    b.draw(x)
+    b.load_state_dict(state)
+    assert torch.equal(b.draw(x), nxt)
+    assert PrefixLengths(cfg(), seed=0).high == 8  # default: block_size / 2
+
+
+def test_a_separator_sets_the_prefix():
+    lengths = PrefixLengths(cfg(prefix_sep="="), seed=0, sep_id=7)
+    x = torch.tensor([[1, 2, 7, 3, 7, 4], [1, 1, 1, 1, 1, 1]])
+    P = lengths.draw(x)
+    assert P[0] == 3 and 0 <= P[1] <= 8  # ends after the first "="; no separator: drawn
+    assert separator_id(cfg(prefix_sep="="), lambda s: [7]) == 7
+    with pytest.raises(QuillError, match="prefix_sep"):
+        separator_id(cfg(prefix_sep="=>"), lambda s: [7, 8])
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"window": 4}, "model.window"),
+        ({"attention": "causal", "prefix_max": 3}, "model.prefix_max"),
+        ({"prefix_max": 17}, "model.prefix_max"),
+    ],
+)
+def test_impossible_combinations_name_both_keys(kw, key):
+    with pytest.raises(QuillError, match=key):
+        cfg(**kw).validate()
