@@ -348,19 +348,21 @@ app.add_typer(tokenizer_app, name="tokenizer")
 def tokenizer_train_cmd(
     input_path: Path = typer.Option(..., "--input", "-i", help="UTF-8 text file to learn the BPE merges from."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
-    out: Path = typer.Option(Path("tokenizer.json"), "--out", "-o", help="Where to write the tokenizer JSON."),
+    out: Path = typer.Option(Path("tokenizer.json"), "--out", "-o", help="Where to write the tokenizer JSON (a new file unless --force)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite --out when it exists."),
 ) -> None:
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
     import time
 
-    from quillgpt.data import read_text
+    from quillgpt.files import check_output_file, read_text
     from quillgpt.tokenizer import build_tokenizer, save_tokenizer, text_chunks
 
-    text = read_text(input_path)
+    check_output_file(out, "--out", force=force, inputs=(input_path,))
+    text = read_text(input_path, "--input")
     t0 = time.perf_counter()
     tok = build_tokenizer("bpe", text, vocab_size)
     seconds = time.perf_counter() - t0
-    save_tokenizer(tok, out)
+    save_tokenizer(tok, out, what="--out")
     n_tokens = sum(len(ids) for ids in tok.encode_arrays(text_chunks(text)))
     ratio = len(text.encode("utf-8")) / max(n_tokens, 1)
     print(f"saved {out}: vocab size {tok.vocab_size:,}, {ratio:.2f} bytes/token on {input_path}, trained in {seconds:.2f}s")

@@ -23,12 +23,14 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import tiktoken
 
+from quillgpt.config import MAX_VOCAB, shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_text
+from quillgpt.files import os_error, read_text, shown, write_file
 
 TIKTOKEN_NAMES = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
 TOKENIZER_NAMES = ("char", *TIKTOKEN_NAMES, "bpe")
 EOT = "<|endoftext|>"
+MAX_TOKENIZER_BYTES = 1 << 28  # a saved tokenizer; o200k_base as JSON is about 4 MB
 
 # GPT-4's (cl100k) pre-tokenizer: text is split into these pieces before BPE merges bytes.
 GPT4_SPLIT_PATTERN = (
@@ -255,8 +257,8 @@ def train_bpe(text: str, vocab_size: int, pattern: str = GPT4_SPLIT_PATTERN) -> 
     (fewer merges when the text runs out of pairs to merge)."""
     import rustbpe
 
-    if vocab_size < 257:
-        raise QuillError(f"a BPE vocabulary needs at least 257 ids (256 bytes + {EOT}), got {vocab_size}")
+    if not 257 <= vocab_size <= MAX_VOCAB:
+        raise QuillError(f"a BPE vocabulary needs at least 257 ids (256 bytes + {EOT}) and at most {MAX_VOCAB:,}, got {vocab_size}")
     if not text:
         raise QuillError("cannot train a BPE tokenizer on empty text")
     trainer = rustbpe.Tokenizer()
@@ -278,10 +280,10 @@ def build_tokenizer(name: str, text: str | None = None, vocab_size: int = 4096) 
         if text is None:
             raise QuillError(f"the {name} tokenizer is learned from text: pass the training text")
         return CharTokenizer.from_text(text) if name == "char" else train_bpe(text, vocab_size)
-    if name.endswith(".json") or os.sep in name or "/" in name or Path(name).is_file():
+    if name.endswith(".json") or os.sep in name or "/" in name or os.path.isfile(name):
         return load_tokenizer(name)
     raise QuillError(
-        f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZER_NAMES)} "
+        f"unknown tokenizer {shown_value(name)}: use one of {', '.join(TOKENIZER_NAMES)} "
         "or a path to a tokenizer .json saved by `quill tokenizer train`"
     )
 
@@ -294,7 +296,7 @@ def tokenizer_from_spec(spec: dict[str, Any]) -> Tokenizer:
             return CharTokenizer(str(spec["chars"]))
         if kind == "tiktoken":
             if spec["name"] not in TIKTOKEN_NAMES:
-                raise ValueError(f"unknown encoding {spec['name']!r}, expected one of {', '.join(TIKTOKEN_NAMES)}")
+                raise ValueError(f"unknown encoding {shown_value(spec['name'])}, expected one of {', '.join(TIKTOKEN_NAMES)}")
             return build_tokenizer(spec["name"])
         if kind == "bpe":
             ranks = {base64.b64decode(b, validate=True): int(r) for b, r in spec["ranks"]}
@@ -306,33 +308,38 @@ def tokenizer_from_spec(spec: dict[str, Any]) -> Tokenizer:
             if any(v < len(ranks) for v in specials.values()):
                 raise ValueError("special token ids must come after the ranks")
             return _bpe_tokenizer(ranks, str(spec["pattern"]), specials)
-    except (KeyError, TypeError, ValueError) as e:
-        raise QuillError(f"invalid {kind} tokenizer spec: {e}") from None
-    raise QuillError(f"unknown tokenizer spec type {kind!r} (expected char, tiktoken or bpe)")
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise QuillError(f"invalid {shown_value(kind)} tokenizer spec: {str(e)[:200]}") from None
+    raise QuillError(f"unknown tokenizer spec type {shown_value(kind)} (expected char, tiktoken or bpe)")
 
 
-def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
-    """Write the tokenizer's spec as JSON (temp file + rename, so a crash leaves no half file)."""
+def save_tokenizer(tok: Tokenizer, path: str | Path, what: str = "tokenizer file") -> None:
+    """Write the tokenizer's spec as JSON (temp file + rename, so a crash leaves no half file);
+    a directory that cannot be made or written is a QuillError naming `what` and the path."""
     path = Path(path)
     data = {"format": "quillgpt-tokenizer", "version": 1, "tokenizer": tok.spec()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, dump_json(data))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, path.parent, "create the directory of", what) from None
+    text = dump_json(data).encode("utf-8")
+    write_file(path, lambda f: f.write(text), what)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path)
-    if not path.is_file():
-        raise QuillError(f"tokenizer file not found: {path} (create one with `quill tokenizer train`)")
+    text = read_text(path, "tokenizer file", hint=" (create one with `quill tokenizer train`)", limit=MAX_TOKENIZER_BYTES)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise QuillError(f"{path} is not a tokenizer JSON file ({e})") from None
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
+        raise QuillError(f"{shown(path)} is not a tokenizer JSON file ({why})") from None
     if not isinstance(data, dict) or data.get("format") != "quillgpt-tokenizer":
-        raise QuillError(f"{path} is not a QuillGPT tokenizer file (made by `quill tokenizer train`)")
+        raise QuillError(f"{shown(path)} is not a QuillGPT tokenizer file (made by `quill tokenizer train`)")
     try:
         return tokenizer_from_spec(data.get("tokenizer"))
     except QuillError as e:
-        raise QuillError(f"{path}: {e}") from None
+        raise QuillError(f"{shown(path)}: {e}") from None
 
 
 def dump_json(obj: dict[str, Any]) -> str:

@@ -180,8 +180,10 @@ def test_bpe_save_and_load_gives_identical_ids(bpe, text, tmp_path):
 def test_bpe_rejects_bad_vocab_and_bad_files(tmp_path, bpe):
     with pytest.raises(QuillError, match="at least 257"):
         build_tokenizer("bpe", "some text", vocab_size=100)
-    with pytest.raises(QuillError, match="not found"):
+    with pytest.raises(QuillError, match="missing.json does not exist .create one with `quill tokenizer train`"):
         build_tokenizer(str(tmp_path / "missing.json"))
+    with pytest.raises(QuillError, match="at most 16,777,216, got 1099511627776"):
+        build_tokenizer("bpe", "some text", vocab_size=2**40)
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(QuillError, match="not a tokenizer JSON"):
         load_tokenizer(tmp_path / "bad.json")
@@ -193,6 +195,24 @@ def test_bpe_rejects_bad_vocab_and_bad_files(tmp_path, bpe):
         tokenizer_from_spec(spec)
     with pytest.raises(QuillError, match="spec type"):
         tokenizer_from_spec({"type": "sentencepiece"})
+
+
+def test_tokenizer_files_that_cannot_be_read_or_written(tmp_path, bpe):
+    """Every OSError on a tokenizer path is one QuillError naming the path and the reason."""
+    for path, reason in [
+        ("/proc/self/mem", "Input/output error"),
+        (str(tmp_path / ("t" * 300 + ".json")), "File name too long"),
+        (str(tmp_path), "is a directory"),
+    ]:
+        with pytest.raises(QuillError, match=reason):
+            build_tokenizer(path)
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    with pytest.raises(QuillError, match="nested too deeply"):
+        load_tokenizer(tmp_path / "deep.json")
+    with pytest.raises(QuillError, match="cannot .* /proc/x.*No such file or directory"):
+        save_tokenizer(bpe, "/proc/x/t.json")
+    with pytest.raises(QuillError, match="cannot write tokenizer file .*File name too long"):
+        save_tokenizer(bpe, tmp_path / ("t" * 300 + ".json"))
 
 
 def test_cli_tokenizer_train(tmp_path, text, capsys):
@@ -207,7 +227,46 @@ def test_cli_tokenizer_train(tmp_path, text, capsys):
     assert load_tokenizer(out).encode(text[:1000]) == build_tokenizer("bpe", text[:50_000], 300).encode(text[:1000])
 
     with pytest.raises(SystemExit) as e:
-        main(["tokenizer", "train", "--input", str(tmp_path / "nope.txt"), "--out", str(out)])
+        main(["tokenizer", "train", "--input", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "new.json")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: data file not found") and err.count("\n") == 1
+    assert err.startswith("error: --input ") and "nope.txt does not exist" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("case, message", [
+    ("output_is_input", "is also the input; write the output to another file"),
+    ("output_exists", "already exists; choose another name or pass --force"),
+    ("output_is_a_directory", "is a directory; pass a file name"),
+    ("output_under_proc", "is not writable"),
+    ("input_unreadable", "cannot read --input /proc/self/mem: Input/output error"),
+    ("input_name_too_long", "File name too long"),
+])
+def test_cli_tokenizer_train_refuses_without_touching_files(tmp_path, text, capsys, case, message):
+    """`-i corpus.txt -o corpus.txt` once replaced a 1.1 MB corpus by 4.6 KB of JSON."""
+    corpus, existing = tmp_path / "corpus.txt", tmp_path / "tok.json"
+    corpus.write_text(text[:5_000], encoding="utf-8")
+    existing.write_text("mine")
+    inp, out = {
+        "output_is_input": (corpus, corpus),
+        "output_exists": (corpus, existing),
+        "output_is_a_directory": (corpus, tmp_path),
+        "output_under_proc": (corpus, "/proc/x.json"),
+        "input_unreadable": ("/proc/self/mem", tmp_path / "new.json"),
+        "input_name_too_long": (tmp_path / ("c" * 300), tmp_path / "new.json"),
+    }[case]
+    with pytest.raises(SystemExit) as e:
+        main(["tokenizer", "train", "-i", str(inp), "-o", str(out), "--vocab-size", "300"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert corpus.read_text(encoding="utf-8") == text[:5_000] and existing.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "tok.json"]
+
+
+def test_cli_tokenizer_train_force_overwrites(tmp_path, text, capsys):
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "tok.json"
+    corpus.write_text(text[:5_000], encoding="utf-8")
+    out.write_text("old")
+    with pytest.raises(SystemExit) as e:
+        main(["tokenizer", "train", "-i", str(corpus), "-o", str(out), "--vocab-size", "300", "--force"])
+    assert e.value.code == 0 and load_tokenizer(out).vocab_size == 300
