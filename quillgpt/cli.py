@@ -253,12 +253,14 @@ def attention_cmd(
               f"(dropped {attn.cropped})", file=sys.stderr)
     summary = viz.head_summary(attn.weights)
     if view == "text":
-        print(viz.render_text(attn.tokens, attn.weights, layers, heads, top_k))
+        print(viz.render_text(attn.tokens, attn.weights, layers, heads, top_k, prefix=attn.prefix))
     else:
         title = f"{run.path} (step {run.step}): {''.join(attn.tokens)}"
-        viz.plot_attention(attn.tokens, attn.weights, out, layers, heads, title=title[:120])
+        viz.plot_attention(attn.tokens, attn.weights, out, layers, heads, title=title[:120], prefix=attn.prefix, gates=attn.gates)
     print()
     print(viz.format_head_table([r for r in summary if r["layer"] in layers and r["head"] in heads]))
+    if attn.gates is not None:
+        print(viz.format_gates(attn.gates))
     if summary_json is None and out is not None:
         summary_json = out.with_name(f"{out.stem}.heads.json")
     if summary_json is not None:

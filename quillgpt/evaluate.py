@@ -12,6 +12,12 @@ compare a char model with a BPE model on the same text:
     bits/byte = total nats / (ln 2 · UTF-8 bytes of the scored text)
 where the scored text is the text of tokens 1..N-1 (the first token is context only). A
 character counts where its first byte lies.
+
+A prefix-LM (model.attention=prefix) reads each window's context-only tokens as its bidirectional
+prefix: a window that scores targets from offset `skip` on gets prefix_len = skip + 1 (its input
+tokens 0..skip), so exactly the tokens after the prefix are scored, and the same tokens as for a
+causal model (with the default stride = block_size every window but the last has prefix 1, causal).
+The trainer's fixed windows use a fixed prefix (prefix.eval_prefix_len) and score what follows it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from quillgpt.checkpoint import load_run
 from quillgpt.data import batch_from_starts, load_prepared, load_tokens, read_text
 from quillgpt.errors import QuillError
 from quillgpt.perf import resolve_device
+from quillgpt.prefix import eval_prefix_len, mask_prefix_targets
 from quillgpt.tokenizer import Tokenizer
 
 SPLITS = ("val", "train")
@@ -101,12 +108,19 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters(), torch.empty(0)).device
 
 
-def _batch_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def _batch_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, prefix_len: torch.Tensor | None = None) -> float:
     """Summed cross-entropy of targets y != -1 given inputs x (B, T), accumulated in float64."""
-    logits, _ = model(x, all_logits=True)  # (B, T, V)
+    if prefix_len is not None and _is_prefix_lm(model):
+        logits, _ = model(x, all_logits=True, prefix_len=prefix_len)  # (B, T, V)
+    else:
+        logits, _ = model(x, all_logits=True)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     nats = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
     return nats.double().sum().item()
+
+
+def _is_prefix_lm(model: torch.nn.Module) -> bool:
+    return getattr(model.config, "attention", "causal") == "prefix"
 
 
 @contextlib.contextmanager
@@ -150,7 +164,8 @@ def evaluate_tokens(
             x = torch.from_numpy(tokens[idx].astype(np.int64))
             y = torch.from_numpy(tokens[idx + 1].astype(np.int64))
             y[torch.from_numpy(offsets < skip[i : i + batch_size, None])] = -1  # context only
-            total += _batch_nats(model, x.to(device), y.to(device))
+            prefix_len = torch.from_numpy(skip[i : i + batch_size] + 1).to(device)  # prefix-LM: the context
+            total += _batch_nats(model, x.to(device), y.to(device), prefix_len)
             bar.update(int(length * len(idx) - skip[i : i + batch_size].sum()))
     bar.close()
     n_bytes = n_chars = None
@@ -186,12 +201,20 @@ def evaluate_windows(
     block_size = model.config.block_size
     device = torch.device(device) if device is not None else _model_device(model)
     t0 = time.perf_counter()
-    total = 0.0
+    total, prefix, scored = 0.0, None, block_size
+    if _is_prefix_lm(model):  # score what follows a fixed prefix
+        P = eval_prefix_len(model.config)
+        prefix, scored = torch.tensor([P], device=device), block_size - max(P - 1, 0)
     with _eval_mode(model):
         for i in range(0, len(starts), batch_size):
             x, y = batch_from_starts(tokens, starts[i : i + batch_size], block_size, device)
-            total += _batch_nats(model, x, y)
-    return EvalResult(total, len(starts) * block_size, None, None, time.perf_counter() - t0)
+            if prefix is not None:
+                prefix_len = prefix.expand(len(x))
+                y = mask_prefix_targets(y, prefix_len)
+                total += _batch_nats(model, x, y, prefix_len)
+            else:
+                total += _batch_nats(model, x, y)
+    return EvalResult(total, len(starts) * scored, None, None, time.perf_counter() - t0)
 
 
 # --- texts, splits and checkpoints -------------------------------------------------------------

@@ -26,6 +26,7 @@ from torch import Tensor
 from quillgpt.checkpoint import read_metrics
 from quillgpt.errors import QuillError
 from quillgpt.generate import encode_prompt
+from quillgpt.infini import gate_values
 from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer
 
@@ -45,6 +46,14 @@ class Attention:
     tokens: list[str]  # a readable label per token (see token_label)
     weights: list[Tensor]  # per layer (n_head, T, T) float32 on CPU; row i = query i, sums to 1
     cropped: int  # tokens dropped from the front because the prompt exceeded block_size
+    prefix: int = 0  # prefix-LM: the prompt is the prefix, its tokens attend both ways
+    gates: list[Tensor] | None = None  # Infini-attention: per layer, each head's sigmoid(β)
+
+
+def visible(T: int, prefix: int = 0) -> np.ndarray:
+    """(T, T) bool: which keys a query may see — the past, plus the whole prefix inside the prefix."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    return (j <= i) | ((i < prefix) & (j < prefix))
 
 
 _ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", " ": "␣"}
@@ -92,12 +101,14 @@ def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attentio
     was_training = model.training
     model.eval()
     try:
-        maps = model.attention_maps(idx)  # per layer (1, n_head, T, T)
+        prefix = len(ids) if model.config.attention == "prefix" else 0  # the prompt is the prefix
+        maps = model.attention_maps(idx, prefix_len=torch.tensor([prefix], device=device) if prefix else None)
     finally:
         model.train(was_training)
     weights = [m[0].float().cpu() for m in maps]
     tokens = [token_label(tokenizer.decode_bytes([i])) for i in ids]
-    return Attention(ids, tokens, weights, cropped)
+    gates = gate_values(model) if model.config.attention == "infini" else None
+    return Attention(ids, tokens, weights, cropped, prefix, gates)
 
 
 # --- per-head summary -------------------------------------------------------------------------
@@ -153,10 +164,21 @@ def format_head_table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_gates(gates: list[Tensor]) -> str:
+    """Infini-attention: each head's gate sigmoid(β), the share of its output read from memory."""
+    lines = ["memory gate sigmoid(β) per head (1 = reads only memory, 0 = only local attention)"]
+    lines += [f"  layer {layer}: " + " ".join(f"{v:.2f}" for v in g.tolist()) for layer, g in enumerate(gates)]
+    return "\n".join(lines)
+
+
 def write_summary_json(path: str | Path, attention: Attention, summary: list[dict[str, Any]], **info: Any) -> Path:
     """Save the head summary with the tokens it was measured on (and `info`, e.g. the run)."""
     path = Path(path)
     record = {**info, "tokens": attention.tokens, "ids": attention.ids, "cropped": attention.cropped, "heads": summary}
+    if attention.prefix:
+        record["prefix"] = attention.prefix
+    if attention.gates is not None:
+        record["gates"] = [g.tolist() for g in attention.gates]
     path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
 
@@ -208,9 +230,11 @@ def output_format(out: str | Path | None, fmt: str | None) -> Literal["png", "sv
 
 
 def render_text(
-    tokens: list[str], weights: list[Tensor], layers: list[int], heads: list[int], top_k: int = 3
+    tokens: list[str], weights: list[Tensor], layers: list[int], heads: list[int], top_k: int = 3,
+    prefix: int = 0,
 ) -> str:
-    """For each query token, its top-k attended tokens with weights — for terminals."""
+    """For each query token, its top-k attended tokens with weights — for terminals (a prefix-LM's
+    prefix queries also look right, up to the end of the prefix)."""
     if top_k < 1:
         raise QuillError(f"--top-k must be at least 1, got {top_k}")
     width = max(len(t) for t in tokens)
@@ -221,7 +245,8 @@ def render_text(
             lines.append(f"layer {layer} head {head}: query → top-{top_k} keys (token@position weight)")
             w = weights[layer][head]  # (T, T)
             for i, tok in enumerate(tokens):
-                values, where = torch.topk(w[i, : i + 1], min(top_k, i + 1))  # query i sees 0..i
+                seen = max(i + 1, prefix if i < prefix else 0)  # query i sees 0..i (or the whole prefix)
+                values, where = torch.topk(w[i, :seen], min(top_k, seen))
                 picks = "".join(f"{tokens[j]}@{j} {v:.2f}".ljust(cell) for v, j in zip(values.tolist(), where.tolist()))
                 lines.append(f"  {i:>3d} {tok:<{width}} → {picks}".rstrip())
     return "\n".join(lines)
@@ -275,11 +300,14 @@ def plot_attention(
     heads: list[int],
     title: str | None = None,
     dpi: int = 100,
+    prefix: int = 0,
+    gates: list[Tensor] | None = None,
 ) -> Path:
     """Heatmaps of the chosen layers × heads (query down, key across), saved as PNG or SVG.
 
     Colours share one 0..1 scale so heads can be compared; the future (upper triangle) is
-    left blank. Token labels are drawn on every panel while they fit, else on the outer ones.
+    left blank, except a prefix-LM's prefix block (square: it attends both ways). With `gates`
+    (Infini-attention) each panel's title gives the head's memory gate sigmoid(β). Token labels are drawn on every panel while they fit, else on the outer ones.
     """
     out = Path(out)
     fmt = out.suffix.lower().lstrip(".")
@@ -295,7 +323,7 @@ def plot_attention(
         fontsize = 9 if rows * cols == 1 else 7 if rows * cols <= 16 else 5
         fit = int(panel * 72 / (fontsize * 1.25))  # labels that fit along a panel side (72 pt/inch)
         ticks = list(range(0, T, max(1, math.ceil(T / fit))))
-        future = np.triu(np.ones((T, T), dtype=bool), k=1)
+        future = ~visible(T, prefix)
         image = None
         for n, ax in enumerate(axes.flat):
             if n >= len(panels):
@@ -304,7 +332,8 @@ def plot_attention(
             layer, head = panels[n]
             w = np.ma.masked_array(weights[layer][head].numpy(), mask=future)  # (T, T)
             image = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-            ax.set_title(f"layer {layer} head {head}", fontsize=fontsize + 1)
+            gate = f", gate {gates[layer][head]:.2f}" if gates else ""
+            ax.set_title(f"layer {layer} head {head}{gate}", fontsize=fontsize + 1)
             r, c = divmod(n, cols)
             left, bottom = not outer_only or c == 0, not outer_only or r == rows - 1
             ax.set_yticks(ticks, [tokens[i] for i in ticks] if left else [], fontsize=fontsize)

@@ -227,3 +227,16 @@ def test_impossible_combinations_name_both_keys(kw, keys):
     with pytest.raises(QuillError, match=keys) as e:
         cfg(**kw).validate()
     assert "model.attention" in str(e.value)
+
+
+def test_attention_view_reports_each_heads_gate():
+    from quillgpt import viz
+    from quillgpt.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("char", text="abcdefghij")
+    model = GPT(cfg(vocab_size=tok.vocab_size)).eval()
+    with torch.no_grad():
+        model.transformer.h[0].attn.beta.fill_(1.0)
+    attn = viz.attention_weights(model, tok, "abcdefgh")
+    assert torch.allclose(attn.gates[0], torch.full((4,), torch.sigmoid(torch.tensor(1.0)).item()))
+    assert "layer 0: 0.73 0.73 0.73 0.73" in viz.format_gates(attn.gates)

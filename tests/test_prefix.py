@@ -119,3 +119,47 @@ def test_a_separator_sets_the_prefix():
 def test_impossible_combinations_name_both_keys(kw, key):
     with pytest.raises(QuillError, match=key):
         cfg(**kw).validate()
+
+
+def test_eval_scores_the_tokens_after_the_prefix():
+    import numpy as np
+    import torch.nn.functional as F
+
+    from quillgpt.evaluate import evaluate_tokens, evaluate_windows
+    from quillgpt.prefix import eval_prefix_len
+
+    torch.manual_seed(0)
+    model = GPT(cfg()).eval()
+    tokens = np.random.default_rng(0).integers(0, V, 60)
+    starts = np.array([0, 7, 30])
+    got = evaluate_windows(model, tokens, starts)
+    P = eval_prefix_len(model.config)  # 4: targets from position 3 on
+    x = torch.from_numpy(tokens[starts[:, None] + np.arange(16)])
+    y = torch.from_numpy(tokens[starts[:, None] + np.arange(1, 17)])
+    logits, _ = model(x, all_logits=True, prefix_len=torch.tensor([P] * 3))
+    want = F.cross_entropy(logits[:, P - 1 :].flatten(0, 1), y[:, P - 1 :].flatten(), reduction="sum")
+    assert got.tokens == 3 * (16 - P + 1) and got.nats == pytest.approx(want.item(), rel=1e-5)
+    # sliding pass, stride 4: each window's context is its prefix (window 2 starts at 4, scores 16..19)
+    slid = evaluate_tokens(model, tokens[:21], stride=4)
+    x2, y2 = torch.from_numpy(tokens[4:20])[None], torch.from_numpy(tokens[5:21])[None]
+    l2, _ = model(x2, all_logits=True, prefix_len=torch.tensor([13]))  # skip 12 → inputs 0..12
+    l1, _ = model(torch.from_numpy(tokens[:16])[None], all_logits=True, prefix_len=torch.tensor([1]))
+    want = F.cross_entropy(l1[0], torch.from_numpy(tokens[1:17]), reduction="sum") + F.cross_entropy(
+        l2[0, 12:], y2[0, 12:], reduction="sum")
+    assert slid.tokens == 20 and slid.nats == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_attention_view_shows_the_square_prompt_block():
+    from quillgpt import viz
+    from quillgpt.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("char", text="abcdefghij")
+    torch.manual_seed(0)
+    model = GPT(cfg(vocab_size=tok.vocab_size)).eval()
+    attn = viz.attention_weights(model, tok, "abcde")
+    assert attn.prefix == 5
+    w = attn.weights[0]  # (H, 5, 5): the whole prompt is the prefix, every query sees every key
+    assert (w > 0).all() and torch.allclose(w.sum(-1), torch.ones(4, 5))
+    assert viz.visible(4, 2).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    text = viz.render_text(attn.tokens, attn.weights, [0], [0], top_k=5, prefix=attn.prefix)
+    assert text.splitlines()[1].count("@") == 5  # query 0 lists keys to its right too
