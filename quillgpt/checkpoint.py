@@ -4,7 +4,8 @@ A run directory holds
     config.yaml      the resolved config that produced it
     tokenizer.json   the tokenizer spec (rebuilds the tokenizer without the corpus)
     ckpt.pt          the latest checkpoint (everything needed to resume exactly)
-    best.pt          the checkpoint with the lowest validation loss so far
+    best.pt          the weights with the lowest validation loss so far (model, config, tokenizer,
+                     step, val_loss: no optimizer or RNG state; resume reads ckpt.pt only)
     metrics.jsonl    one JSON object per logged step
 Checkpoints are plain tensors and containers loaded with `torch.load(weights_only=True)`,
 so a crafted file cannot run code.
@@ -14,19 +15,20 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import pickle
 import re
+import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from quillgpt.config import Config, ModelConfig, config_from_dict
+from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write
+from quillgpt.files import atomic_write, os_error, shown
+from quillgpt.metrics import append_jsonl, read_metrics, truncate_metrics  # noqa: F401 — their old home
 from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_spec
 
@@ -62,37 +64,93 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         raise
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint safely (no code runs); anything else is one clear QuillError."""
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", require: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Load a checkpoint safely (no code runs) and check it: every zip member's CRC (bytes
+    damaged on disk), the structure (STATE_TYPES, plus `require`, e.g. RESUME_KEYS) and finite
+    weights. Anything wrong is one QuillError naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise QuillError(f"checkpoint not found: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != ZIP_MAGIC:  # torch.save writes a zip; anything else is never unpickled
-            raise QuillError(
-                f"{path} is not a QuillGPT checkpoint (not a PyTorch zip archive); "
-                "pass a run directory or a ckpt.pt/best.pt written by quill train"
-            )
+    shown_path = shown(path)
+    try:
+        if not os.path.isfile(path):
+            raise QuillError(f"checkpoint not found: {shown_path}")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise os_error(e, path, "read", "checkpoint") from None
+    if magic != ZIP_MAGIC:  # torch.save writes a zip; anything else is never unpickled
+        raise QuillError(
+            f"{shown_path} is not a QuillGPT checkpoint (not a PyTorch zip archive); "
+            "pass a run directory or a ckpt.pt/best.pt written by quill train"
+        )
+    damaged = f"{shown_path} is not a readable checkpoint (truncated or corrupt: {{}}); use the other checkpoint in the run (ckpt.pt or best.pt) or retrain"
+    _verify_zip(path, damaged)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"it would call {unsafe.group(1)}" if unsafe else str(e).splitlines()[0][:120]
         raise QuillError(
-            f"{path} was refused: loading it needs code execution, which is unsafe ({what}); "
+            f"{shown_path} was refused: loading it needs code execution, which is unsafe ({what}); "
             "only load checkpoints written by quill"
         ) from None
     except Exception as e:  # noqa: BLE001 — damaged bytes fail in torch.load with many types
-        raise QuillError(
-            f"{path} is not a readable checkpoint (truncated or corrupt: {str(e).splitlines()[0][:100]}); "
-            "use the other checkpoint in the run (--which latest/best) or retrain"
-        ) from None
+        raise QuillError(damaged.format((str(e).splitlines() or [type(e).__name__])[0][:100])) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise QuillError(
-            f"{path} is not a QuillGPT checkpoint (no {FORMAT!r} marker); pass a ckpt.pt/best.pt "
+            f"{shown_path} is not a QuillGPT checkpoint (no {FORMAT!r} marker); pass a ckpt.pt/best.pt "
             "written by quill train (GPT-2 weights come in with quill import-hf)"
         )
+    check_state(state, shown_path, require)
     return state
+
+
+def _verify_zip(path: Path, damaged: str) -> None:
+    """Check every member's CRC-32 (torch.load does not): flipped bytes are refused here instead
+    of loading as silently wrong weights. About 1 GB/s."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as e:
+        raise QuillError(damaged.format(str(e)[:100] or type(e).__name__)) from None
+    except OSError as e:
+        raise os_error(e, path, "read", "checkpoint") from None
+    if bad is not None:
+        raise QuillError(damaged.format(f"{bad} fails its CRC check: bytes on disk changed"))
+
+
+# What each key of a checkpoint must hold; RESUME_KEYS are required where training continues.
+STATE_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (dict,), "config": (dict,), "tokenizer": (dict,), "step": (int,), "tokens_seen": (int,),
+    "optimizer": (dict,), "scaler": (dict,), "sampler": (dict,), "rng": (dict,),
+    "best_val_loss": (float, int), "val_loss": (float, int), "elapsed_s": (float, int),
+}
+REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
+RESUME_KEYS = ("optimizer", "scaler", "sampler", "rng", "tokens_seen", "best_val_loss", "elapsed_s")
+
+
+def check_state(state: dict[str, Any], name: str, require: tuple[str, ...] = ()) -> None:
+    """The structure a checkpoint must have, so a damaged or foreign one fails here with its
+    name instead of as a KeyError, a TypeError or NaN text later."""
+    for key in (*REQUIRED_KEYS, *require):
+        if key not in state:
+            raise QuillError(f"{name} is missing {key!r}; it was not written by quill train, or is damaged")
+    for key, types in STATE_TYPES.items():
+        value = state.get(key)
+        if key in state and (not isinstance(value, types) or isinstance(value, bool)):
+            raise QuillError(f"{name}: {key!r} must be {' or '.join(t.__name__ for t in types)}, "
+                             f"got {type(value).__name__}; the file is damaged or not from quill")
+    if state["step"] < 0:
+        raise QuillError(f"{name}: 'step' is {state['step']}, must be ≥ 0; the file is damaged")
+    for key, t in state["model"].items():
+        if not isinstance(key, str) or not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.dtype} tensor"
+            raise QuillError(f"{name}: weight {shown_value(key)} is {what}, not a floating-point tensor; "
+                             "the file is damaged or not from quill")
+        if not bool(torch.isfinite(t).all()):
+            raise QuillError(f"{name}: weight {key[:100]} holds NaN or infinite values; the model it saved "
+                             "had diverged or the file is damaged: use the run's other checkpoint or retrain")
 
 
 def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -110,18 +168,24 @@ def resolve_checkpoint(path: str | Path, which: str = "best") -> Path:
     """A run directory or a .pt file → the checkpoint file to load."""
     path = Path(path)
     if which not in CHECKPOINT_FILES:
-        raise QuillError(f"--which must be best or latest, got {which!r}")
-    if path.is_dir():
+        raise QuillError(f"--which must be best or latest, got {shown_value(which)}")
+    if os.path.isdir(path):  # os.path: False (not an OSError) for a name too long to exist
         preferred = path / CHECKPOINT_FILES[which]
-        if preferred.is_file():
+        if os.path.isfile(preferred):
             return preferred
         other = path / (LATEST if which == "best" else BEST)
-        if other.is_file():
+        if os.path.isfile(other):
             return other
-        raise QuillError(f"no checkpoint in {path} (expected {LATEST} or {BEST}); train one with quill train")
-    if path.is_file():
+        raise QuillError(f"no checkpoint in {shown(path)} (expected {LATEST} or {BEST}); train one with quill train")
+    if os.path.isfile(path):
         return path
-    raise QuillError(f"checkpoint not found: {path} (pass a run directory or a .pt file)")
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # ENAMETOOLONG, EACCES on a parent, ...
+        raise os_error(e, path, "read", "checkpoint") from None
+    raise QuillError(f"checkpoint not found: {shown(path)} (pass a run directory or a .pt file)")
 
 
 @dataclass
@@ -136,13 +200,36 @@ class LoadedRun:
 
 
 def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> tuple[GPT, Config]:
-    config = config_from_dict(state["config"])
-    model = GPT(config.model)
+    """The GPT a checked state describes. Its weights are compared with the config's shapes
+    before the model is built, so a config that disagrees with them allocates nothing."""
     try:
-        model.load_state_dict(clean_state_dict(state["model"]))
-    except RuntimeError as e:
-        raise QuillError(f"checkpoint weights do not match its own config: {str(e).splitlines()[0]}") from None
+        config = config_from_dict(state["config"])
+    except QuillError as e:
+        raise QuillError(f"the checkpoint's config is not valid for this version of quill ({e}); "
+                         "was it written by a newer version?") from None
+    weights = clean_state_dict(state["model"])
+    problems = weight_mismatches(weights, config.model)
+    if problems:
+        raise QuillError(f"checkpoint weights do not match its own config ({problems}); the file is damaged")
+    model = GPT(config.model)
+    model.load_state_dict(weights)
     return model.to(device), config
+
+
+def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str:
+    """Missing, unexpected and wrongly shaped weights for GPT(cfg), in a few words ('' if none)."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        expected = GPT(cfg).state_dict()
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    wrong = [f"{k} {tuple(weights[k].shape)} ≠ {tuple(v.shape)}" for k, v in expected.items()
+             if k in weights and weights[k].shape != v.shape]
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if items:
+            more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+            problems.append(f"{label}: {', '.join(str(i)[:100] for i in items[:4])}{more}")
+    return "; ".join(problems)
 
 
 def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu") -> LoadedRun:
@@ -152,10 +239,10 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     try:
         model, config = model_from_state(state, device)
         tokenizer = tokenizer_from_spec(state["tokenizer"])
-    except KeyError as e:
-        raise QuillError(f"{ckpt} is missing {e.args[0]!r}; it was not written by quill train") from None
+    except QuillError as e:
+        raise QuillError(f"{shown(ckpt)}: {e}") from None
     model.eval()
-    return LoadedRun(model, tokenizer, config, int(state.get("step", 0)), ckpt)
+    return LoadedRun(model, tokenizer, config, state["step"], ckpt)
 
 
 def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ("dropout",)) -> list[str]:
@@ -165,32 +252,6 @@ def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ..
         for f in fields(ModelConfig)
         if f.name not in ignore and getattr(old, f.name) != getattr(new, f.name)
     ]
-
-
-def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """metrics.jsonl as a list of dicts, skipping a last line cut short by a kill."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
-
-def truncate_metrics(path: str | Path, after_step: int) -> None:
-    """Drop metric lines past `after_step` (written after the checkpoint we resume from)."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    keep = [r for r in read_metrics(path) if r.get("step", 0) <= after_step]
-    atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep).encode()))
 
 
 class RunLock:

@@ -69,12 +69,14 @@ def train(
     config: Path = CONFIG_OPT,
     overrides: Optional[list[str]] = OVERRIDES_ARG,
     resume: bool = typer.Option(False, "--resume", help="Continue the run in train.out_dir from its latest checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in train.out_dir (= train.overwrite=true)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Train a GPT: checkpoints, metrics.jsonl and the resolved config go to train.out_dir.
 
-    Ctrl-C saves a checkpoint and exits; `--resume` continues exactly where it stopped.
-    Under `torchrun --nproc_per_node N -m quillgpt train ...` it trains with DDP.
+    A train.out_dir that already holds a run is refused unless you say `--resume` (continue it)
+    or `--overwrite` (replace it). Ctrl-C saves a checkpoint and exits; `--resume` continues
+    exactly where it stopped. Under `torchrun --nproc_per_node N -m quillgpt train ...` it trains with DDP.
     """
     from quillgpt.config import load_config
     from quillgpt.train import train as run_training
@@ -82,6 +84,8 @@ def train(
     cfg = load_config(config, overrides)
     if resume:
         cfg.train.resume = True
+    if overwrite:
+        cfg.train.overwrite = True
     result = run_training(cfg, progress=not quiet)
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"

@@ -199,8 +199,8 @@ class TrainConfig:
     time_budget: str | None = None  # e.g. 90s, 5m, 1h: stop (with a checkpoint) when it runs out
     init_from: str | None = None  # start from another run's weights (fine-tuning), fresh optimizer
     seed: int = 1337
-    tensorboard: bool = False
-    wandb: bool = False
+    tensorboard: bool = False  # also write TensorBoard event files (losses, lr, tokens/s, MFU) into out_dir
+    overwrite: bool = False  # replace a run already in out_dir (--overwrite); without it or resume, train refuses
 
     def validate(self) -> None:
         for key in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
@@ -382,6 +382,14 @@ def _matches(value: Any, tp: Any) -> bool:
     return isinstance(tp, type) and isinstance(value, tp)
 
 
+# Keys earlier versions accepted. `false` asks for nothing, so old runs' config.yaml and
+# checkpoints still load; anything else is refused with the reason.
+REMOVED_KEYS = {
+    "train.wandb": "Weights & Biases logging was never implemented; delete the key "
+    "(train.tensorboard=true writes TensorBoard logs)",
+}
+
+
 def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     if not isinstance(values, dict):
         raise QuillError(f"{prefix.rstrip('.') or 'the config'} must be a mapping of keys to values")
@@ -389,6 +397,10 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     valid = [f.name for f in fields(cls)]
     kwargs = {}
     for key, value in values.items():
+        if f"{prefix}{key}" in REMOVED_KEYS:
+            if value is False:
+                continue
+            raise QuillError(f"{prefix}{key} is no longer supported: {REMOVED_KEYS[prefix + key]}")
         if key not in valid:
             raise QuillError(f"unknown config key {prefix}{_cut(str(key))}{_suggest(_cut(str(key)), valid)}")
         tp = hints[key]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quillgpt.checkpoint import read_metrics
+from quillgpt.metrics import read_log
 from quillgpt.errors import QuillError
 from quillgpt.generate import encode_prompt
 from quillgpt.infini import gate_values
@@ -364,10 +364,12 @@ class Curves:
     train: tuple[list[float], list[float]]  # (x, train_loss) at every logged step
     val: tuple[list[float], list[float]]  # (x, val_loss) at evaluation steps; may be empty
     last_step: int
+    skipped: int = 0  # metrics.jsonl lines that could not be read, left out
 
 
 def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "step") -> Curves:
-    """Read a run's metrics.jsonl (also while it trains: a half-written last line is skipped).
+    """Read a run's metrics.jsonl (also while it trains) with metrics.read_log: lines it cannot
+    read (a half-written last line, non-UTF-8 bytes, non-numeric values) are skipped and counted.
 
     tokens = tokens trained on so far (all processes); time = elapsed_s (seconds of training).
     """
@@ -377,7 +379,8 @@ def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "ste
         raise QuillError(f"--x must be step, tokens or time, got {x!r}")
     if not path.is_file():
         raise QuillError(f"{run} has no metrics.jsonl; pass a run directory written by quill train")
-    records = [r for r in read_metrics(path) if isinstance(r, dict) and "step" in r]
+    log = read_log(path)
+    records = log.records
     if not records:
         raise QuillError(f"{path} has no logged steps yet; wait for the first log_interval")
     key = {"step": "step", "tokens": "tokens", "time": "elapsed_s"}[x]
@@ -388,6 +391,7 @@ def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "ste
         train=([p[0] for p in train], [p[1] for p in train]),
         val=([p[0] for p in val], [p[1] for p in val]),
         last_step=int(records[-1]["step"]),
+        skipped=log.skipped,
     )
 
 

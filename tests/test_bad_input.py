@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from quillgpt.checkpoint import FORMAT, load_checkpoint, load_run
+from quillgpt.checkpoint import FORMAT, RESUME_KEYS, load_checkpoint, load_run
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.errors import QuillError
@@ -100,8 +100,37 @@ def w(tmp_path_factory, shakespeare_path):
     state = load_checkpoint(w.run / "ckpt.pt")
     del state["tokenizer"]
     torch.save(state, f / "no_tokenizer.pt")
+    (f / "flipped.pt").write_bytes(flip_weight_bytes(w.run / "ckpt.pt"))
+    for name, change in CRAFTED.items():
+        state = load_checkpoint(w.run / "ckpt.pt")
+        change(state)
+        torch.save(state, f / name)
     return w
 
+
+def flip_weight_bytes(path):
+    """The checkpoint with 4 KB inside its largest tensor zeroed: the zip CRC no longer matches."""
+    import zipfile
+
+    data = bytearray(Path(path).read_bytes())
+    with zipfile.ZipFile(path) as z:
+        member = max(z.infolist(), key=lambda i: i.file_size)
+    start = member.header_offset + 30 + len(member.filename) + 64 + 256  # past the local header
+    data[start : start + 4096] = bytes(4096)
+    return bytes(data)
+
+
+CRAFTED = {  # checkpoints whose content is not what quill writes
+    "nan_weights.pt": lambda s: s["model"]["lm_head.weight"].fill_(float("nan")),
+    "string_step.pt": lambda s: s.update(step="12"),
+    "negative_step.pt": lambda s: s.update(step=-3),
+    "int_weights.pt": lambda s: s["model"].update({"lm_head.weight": s["model"]["lm_head.weight"].long()}),
+    "list_weights.pt": lambda s: s["model"].update({"lm_head.weight": [1.0, 2.0]}),
+    "model_not_a_dict.pt": lambda s: s.update(model=[1, 2]),
+    "newer_config_key.pt": lambda s: s["config"]["model"].update(moe_experts=8),
+    "no_sampler.pt": lambda s: s.pop("sampler"),
+    "huge_config.pt": lambda s: s["config"]["model"].update(n_layer=1024, n_embd=131072, n_head=2),
+}
 
 # name → (arguments, fragments the one error line must contain: the problem, then the fix)
 CASES = {
@@ -188,6 +217,25 @@ CASES = {
                                   "use the other checkpoint in the run"]),
     "ckpt_not_a_checkpoint": lambda w: (["eval", "--ckpt", str(w.f / "text.pt")],
                                         ["text.pt is not a QuillGPT checkpoint (not a PyTorch zip archive)", "written by quill train"]),
+    "ckpt_bytes_flipped": lambda w: (["eval", "--ckpt", str(w.f / "flipped.pt")],
+                                     ["flipped.pt is not a readable checkpoint", "fails its CRC check",
+                                      "use the other checkpoint in the run"]),
+    "ckpt_nan_weights": lambda w: (["eval", "--ckpt", str(w.f / "nan_weights.pt")],
+                                   ["nan_weights.pt: weight", "holds NaN or infinite values"]),
+    "ckpt_string_step": lambda w: (["sample", "--ckpt", str(w.f / "string_step.pt"), "-p", "To be"],
+                                   ["string_step.pt: 'step' must be int, got str"]),
+    "ckpt_negative_step": lambda w: (["eval", "--ckpt", str(w.f / "negative_step.pt")], ["'step' is -3"]),
+    "ckpt_int_weights": lambda w: (["eval", "--ckpt", str(w.f / "int_weights.pt")],
+                                   ["weight 'lm_head.weight' is a torch.int64 tensor, not a floating-point tensor"]),
+    "ckpt_list_weights": lambda w: (["eval", "--ckpt", str(w.f / "list_weights.pt")], ["is list, not a floating-point"]),
+    "ckpt_model_not_a_dict": lambda w: (["eval", "--ckpt", str(w.f / "model_not_a_dict.pt")], ["'model' must be dict, got list"]),
+    "ckpt_newer_config_key": lambda w: (["attention", "--ckpt", str(w.f / "newer_config_key.pt"), "-p", "To be"],
+                                        ["config is not valid for this version of quill", "model.moe_experts",
+                                         "written by a newer version"]),
+    "ckpt_huge_config": lambda w: (["eval", "--ckpt", str(w.f / "huge_config.pt")],
+                                   ["checkpoint weights do not match its own config", "wrong shape"]),
+    "ckpt_unreadable": lambda w: (["eval", "--ckpt", "/proc/self/mem"], ["cannot read checkpoint /proc/self/mem: Input/output error"]),
+    "ckpt_name_too_long": lambda w: (["eval", "--ckpt", str(w.f / ("c" * 300 + ".pt"))], ["File name too long"]),
     "ckpt_without_marker": lambda w: (["attention", "--ckpt", str(w.f / "no_marker.pt"), "-p", "To be"],
                                       ["no_marker.pt is not a QuillGPT checkpoint (no", "written by quill train"]),
     "ckpt_runs_code_torch_save": lambda w: (["eval", "--ckpt", str(w.f / "exploit_torch.pt")],
@@ -315,9 +363,17 @@ def test_crafted_pickles_are_refused_by_the_library_too(w):
             load_checkpoint(w.f / name)
         with pytest.raises(QuillError):
             load_run(w.f / name)
-    with pytest.raises(QuillError, match="not a tokenizer JSON file"):
+    with pytest.raises(QuillError, match="exploit_pickle.pt is not UTF-8 text"):
         load_tokenizer(w.f / "exploit_pickle.pt")
     assert not w.marker.exists()
+
+
+def test_checkpoint_structure_checks(w):
+    """Resume needs the training state; inference does not. A clean checkpoint still loads."""
+    with pytest.raises(QuillError, match="no_sampler.pt is missing 'sampler'"):
+        load_checkpoint(w.f / "no_sampler.pt", require=RESUME_KEYS)
+    assert load_run(w.f / "no_sampler.pt").step == 2
+    assert load_checkpoint(w.run / "ckpt.pt", require=RESUME_KEYS)["step"] == 2
 
 
 def test_real_entry_point_and_quill_debug(w):

@@ -1,0 +1,233 @@
+"""Token shards: tokenizing pieces of text in parallel processes, writing fixed-size shard files
+in order, and reading a split's shards back as one array.
+
+A split (train or val) is a sequence of shard files of `shard_tokens` ids each (the last one
+shorter): `train.bin`, `train-000001.bin`, `train-000002.bin`, ... so a corpus that fits one
+shard has nanoGPT's layout. Shards are written whole (temp file + rename), one after another;
+after each, the caller records where the next one starts, which is all a resumed run needs.
+
+This module imports no torch: worker processes start with numpy and tiktoken only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from quillgpt.corpus import Piece
+from quillgpt.files import atomic_write
+from quillgpt.tokenizer import Tokenizer, tokenizer_from_spec
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}.bin" if index == 0 else f"{split}-{index:06d}.bin"
+
+
+@dataclass
+class Task:
+    """Consecutive pieces of one split, tokenized as a unit by one worker."""
+
+    split: str
+    cursor: dict[str, int]  # where the reader stood when the task began: a resume point
+    pieces: list[str] = field(default_factory=list)
+    starts: list[bool] = field(default_factory=list)  # the piece begins a document
+    chars: int = 0
+    read_bytes: int = 0  # bytes of the corpus on disk read for this task (progress)
+
+    def add(self, piece: str, start: bool) -> None:
+        self.pieces.append(piece)
+        self.starts.append(start)
+        self.chars += len(piece)
+
+
+def iter_tasks(pieces: Iterator[Piece], task_chars: int, read_before: int = 0) -> Iterator[Task]:
+    """Group consecutive pieces of one split into tasks of at least `task_chars` characters. A
+    task's boundaries depend only on the pieces from its first one on, so a resumed run that
+    starts at a task's cursor forms the same tasks as the first run."""
+    task, read = None, read_before
+    for piece in pieces:
+        if task is not None and (task.split != piece.split or task.chars >= task_chars):
+            yield task
+            task = None
+        if task is None:
+            task = Task(piece.split, piece.cursor)
+        task.add(piece.text, piece.starts_document)
+        task.read_bytes += piece.read_bytes - read
+        read = piece.read_bytes
+    if task is not None:
+        yield task
+
+
+def encode_task(tok: Tokenizer, pieces: list[str], starts: list[bool], dtype: np.dtype, bulk: bool = True) -> np.ndarray:
+    """(n,) ids of the pieces in order, with the end-of-text id before each piece that starts a
+    document (none for a tokenizer without one, as char). `bulk` uses the tokenizer's batch
+    encoder (tiktoken's threads); a worker process encodes one piece at a time."""
+    encoded = tok.encode_arrays(pieces) if bulk else [np.asarray(tok.encode(p), dtype=np.int64) for p in pieces]
+    parts = []
+    for ids, start in zip(encoded, starts):
+        if start and tok.eot_id is not None:
+            parts.append(np.array([tok.eot_id], dtype=dtype))
+        parts.append(ids.astype(dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+# --- worker processes --------------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}  # a worker process's tokenizer and dtype, set once by _init_worker
+
+
+def _init_worker(spec: dict[str, Any], dtype: str) -> None:
+    _WORKER["tok"], _WORKER["dtype"] = tokenizer_from_spec(spec), np.dtype(dtype)
+
+
+def _encode_in_worker(pieces: list[str], starts: list[bool]) -> np.ndarray:
+    return encode_task(_WORKER["tok"], pieces, starts, _WORKER["dtype"], bulk=False)
+
+
+def encode_tasks(tasks: Iterator[Task], tok: Tokenizer, dtype: np.dtype, workers: int) -> Iterator[tuple[Task, np.ndarray]]:
+    """(task, ids) in task order. With workers > 1, that many processes tokenize while this one
+    reads; at most 2 tasks per worker are in flight, so memory stays bounded."""
+    if workers <= 1:
+        for task in tasks:
+            yield task, encode_task(tok, task.pieces, task.starts, dtype)
+        return
+    pool = cf.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(tok.spec(), dtype.name)
+    )
+    window: deque[tuple[Task, cf.Future]] = deque()
+    try:
+        for task in tasks:
+            window.append((task, pool.submit(_encode_in_worker, task.pieces, task.starts)))
+            if len(window) >= 2 * workers:
+                done, future = window.popleft()
+                yield done, future.result()
+        while window:
+            done, future = window.popleft()
+            yield done, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+class _TokenStream:
+    """The encoded tasks as one stream of ids that shards take from, tracking the resume point."""
+
+    def __init__(self, results: Iterator[tuple[Task, np.ndarray]], skip: int, on_task_done: Callable[[Task], None]):
+        self.results, self.on_task_done = results, on_task_done
+        self.head: tuple[Task, np.ndarray] | None = None
+        self.offset = skip  # ids of the head task already written (by an earlier, killed run)
+
+    def peek(self) -> Task | None:
+        while self.head is None:
+            item = next(self.results, None)
+            if item is None:
+                return None
+            self.head = item
+            if self.offset >= len(item[1]):  # nothing left of it to write
+                self._finish()
+        return self.head[0]
+
+    def take(self, n: int) -> np.ndarray:
+        task, ids = self.head
+        part = ids[self.offset : self.offset + n]
+        self.offset += len(part)
+        if self.offset >= len(ids):
+            self._finish()
+        return part
+
+    def _finish(self) -> None:
+        self.on_task_done(self.head[0])
+        self.head, self.offset = None, 0
+
+    def cursor(self) -> dict[str, Any] | None:
+        """Where the next shard starts: the task to re-tokenize and how many of its ids to skip."""
+        task = self.peek()
+        return None if task is None else {**task.cursor, "split": task.split, "skip_tokens": self.offset}
+
+
+def write_shards(
+    results: Iterator[tuple[Task, np.ndarray]],
+    out_dir: Path,
+    shard_tokens: int,
+    shards: dict[str, list[dict[str, Any]]],
+    skip_tokens: int,
+    on_shard: Callable[[dict[str, list[dict[str, Any]]], dict[str, Any] | None], None],
+    on_task_done: Callable[[Task], None],
+) -> dict[str, list[dict[str, Any]]]:
+    """Write the ids of `results` as shards of `shard_tokens` ids (a split's last one shorter),
+    appending to `shards` ({split: [{"file", "tokens"}]}); `on_shard(shards, cursor)` after each."""
+    stream = _TokenStream(results, skip_tokens, on_task_done)
+    while (task := stream.peek()) is not None:
+        split, count = task.split, 0
+
+        def write(f: Any) -> None:
+            nonlocal count
+            while count < shard_tokens and (head := stream.peek()) is not None and head.split == split:
+                part = stream.take(shard_tokens - count)
+                part.tofile(f)
+                count += len(part)
+
+        name = shard_name(split, len(shards.setdefault(split, [])))
+        atomic_write(out_dir / name, write)
+        shards[split].append({"file": name, "tokens": count})
+        on_shard(shards, stream.cursor())
+    return shards
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+class ShardedTokens:
+    """A split's shards as one read-only (N,) array of ids: len(), integer, slice and integer-array
+    indexing (windows may cross shard boundaries), np.asarray. Each shard is a memmap."""
+
+    def __init__(self, parts: list[np.memmap]):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])  # (S+1,) start of each shard
+        self.dtype = parts[0].dtype
+        self.shape = (int(self.offsets[-1]),)
+        self.ndim = 1
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return self._range(start, max(start, stop))
+            return self._gather(np.arange(start, stop, step, dtype=np.int64))
+        if isinstance(index, (int, np.integer)):
+            return self._gather(np.asarray([index % len(self) if index < 0 else index]))[0]
+        return self._gather(np.asarray(index))
+
+    def _range(self, start: int, stop: int) -> np.ndarray:
+        parts = [
+            p[max(start - o, 0) : min(stop - o, len(p))]
+            for p, o in zip(self.parts, self.offsets[:-1])
+            if o < stop and o + len(p) > start
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
+
+    def _gather(self, idx: np.ndarray) -> np.ndarray:
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"index out of range for {len(self)} tokens")
+        flat = idx.ravel()
+        shard = np.searchsorted(self.offsets, flat, side="right") - 1  # (n,) which shard holds each
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for s in np.unique(shard):
+            sel = shard == s
+            out[sel] = self.parts[s][flat[sel] - self.offsets[s]]
+        return out.reshape(idx.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = np.concatenate(self.parts)
+        return whole if dtype is None else whole.astype(dtype)
