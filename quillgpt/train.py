@@ -1,20 +1,24 @@
 """The training loop: AdamW + warmup/cosine, accumulation, AMP, DDP, exact resume.
 
-`train(cfg)` is what `quill train` calls. The loop reads top to bottom like nanoGPT's; what
-makes it trustworthy lives in the helpers: every source of randomness is checkpointed (resume
-is bit-identical on CPU), checkpoints are atomic, one process owns a run directory, and faults
-(Ctrl-C, SIGTERM, a non-finite loss, OOM, a full disk) end with a clear message and the last
-good checkpoint intact.
+`train(cfg)` is what `quill train` calls, and reads as its steps:
+
+    open_run   lock the run directory, refuse to replace a run nobody said to, prepare the data
+    setup      tokenizer, model, optimizer, sampler, evaluation windows (nothing written yet)
+    restore    a resumed run's weights, optimizer, sampler, random streams, counters, horizon
+    start_run  only now write config.yaml / tokenizer.json and start or trim metrics.jsonl
+    loop       train_step, log, evaluate_and_save, stop on a signal or the time budget
+
+What makes it trustworthy lives in the helpers: every source of randomness is checkpointed (resume
+is bit-identical on CPU, per rank under DDP), checkpoints are atomic, one process owns a run
+directory, an existing run is never replaced without --overwrite, and faults (Ctrl-C, SIGTERM, a
+non-finite loss, OOM, a full disk) end with a clear message and the last good checkpoint intact.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import random
 import signal
-import tempfile
 import threading
 import time
 import warnings
@@ -24,18 +28,23 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, TrainConfig, parse_duration, save_config
-from quillgpt.data import BatchSampler, fixed_windows, load_prepared, load_tokens, prepare
+from quillgpt.data import BatchSampler, PreparedData, fixed_windows, load_prepared, load_tokens, prepare
+from quillgpt.distributed import (
+    Dist, rank_rng_states, restore_rank_rng, seed_rank, setup_distributed, teardown_distributed, wrap_model,
+)
 from quillgpt.errors import QuillError
 from quillgpt.evaluate import evaluate_windows
+from quillgpt.files import probe_writable
+from quillgpt.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
 from quillgpt.model import GPT
-from quillgpt.perf import cpu_has_bf16, peak_flops, resolve_device
-from quillgpt.tokenizer import save_tokenizer
+from quillgpt.perf import cpu_has_bf16, peak_flops
+from quillgpt.tokenizer import Tokenizer, save_tokenizer
+
+FIT_AFTER_STEPS = 10  # train.time_budget: the horizon is fitted once, at this step or warmup's end
 
 
 @dataclass
@@ -66,6 +75,15 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
         frac = (step - cfg.warmup_iters) / max(1, total - cfg.warmup_iters)
         frac = 0.5 * (1.0 - math.cos(math.pi * min(frac, 1.0)))
     return cfg.learning_rate - min(frac, 1.0) * (cfg.learning_rate - cfg.min_lr)
+
+
+def fit_horizon(step: int, cfg: TrainConfig, pace_s: float, budget_left_s: float, world_size: int = 1) -> int:
+    """The last step that fits in the time budget at `pace_s` seconds per step, so the lr
+    schedule decays in time. Evaluations are counted as forward passes (a third of a training
+    micro-step each); the budget still stops the run if the pace changes later."""
+    eval_steps = 2 * cfg.eval_iters * world_size / (3 * cfg.grad_accum)  # per evaluation, in step-times
+    per_step = pace_s * (1 + eval_steps / cfg.eval_interval)
+    return min(cfg.max_iters, max(step + 1, step + int(budget_left_s / per_step)))
 
 
 def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -99,38 +117,6 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-# --- RNG state: everything random is saved, so resume is exact --------------------------------
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "python": [py_version, list(py_state), py_gauss],
-        "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    version, py_state, gauss = state["python"]
-    random.setstate((version, tuple(py_state), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 # --- signals ----------------------------------------------------------------------------------
 
 
@@ -160,67 +146,6 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-# --- distributed ------------------------------------------------------------------------------
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")  # NCCL reduces CUDA tensors only
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (so all ranks stop together)."""
-        if not self.enabled:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of a scalar over ranks (for logging a loss all ranks agree on)."""
-        if not self.enabled:
-            return value
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value / self.world_size
-
-    def broadcast_int(self, value: int) -> int:
-        if not self.enabled:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=0)
-        return int(t.item())
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
-
-def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
-    """Under torchrun (WORLD_SIZE > 1): NCCL on GPUs, gloo on CPU; one device per rank."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(), resolve_device(device_name, "train.device")
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_name, "train.device")
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank, local_rank, world, device), device
-
-
 # --- evaluation on fixed windows --------------------------------------------------------------
 
 
@@ -246,16 +171,151 @@ def estimate_loss(
 # --- the trainer ------------------------------------------------------------------------------
 
 
-def _probe_writable(out_dir: Path) -> None:
-    """Fail before any work when out_dir cannot take files (an unnamed temp file: nothing to
-    clean up after a kill, no clash with another process probing the same directory)."""
+@dataclass
+class Trainer:
+    """Everything the loop touches: built by `setup`, brought back by `restore`, moved on by steps."""
+
+    cfg: Config
+    ddp: Dist
+    device: torch.device
+    dtype: torch.dtype
+    out_dir: Path
+    tokenizer: Tokenizer
+    raw_model: GPT  # what checkpoints save and evaluation runs
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: BatchSampler
+    windows: dict[str, tuple[np.ndarray, np.ndarray]]
+    budget_s: float | None
+    model: torch.nn.Module | None = None  # what the step calls: raw_model, compiled and/or wrapped
+    step: int = 0
+    tokens_seen: int = 0
+    best_val: float = math.inf
+    elapsed_before: float = 0.0  # seconds trained before this process (by the runs it resumes)
+    horizon: int = 0  # the step the lr schedule ends at: max_iters, or fitted to train.time_budget
+    fitted: bool = False  # the horizon was fitted to the budget (once; checkpointed)
+    budget_ended: bool = False  # the time budget ended the run
+    t_start: float = 0.0
+    first_step: int = 0  # the step this process started from
+    log: MetricsWriter | None = None  # rank 0 only
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.time() - self.t_start
+
+
+def train(cfg: Config, progress: bool = True) -> TrainResult:
+    """Train a GPT as `cfg` says; returns where the run stopped and its losses."""
+    ddp, device = setup_distributed(cfg.train.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out_dir) as probe:
-            probe.write(b"ok")
-            probe.flush()
-    except OSError as e:
-        raise QuillError(f"train.out_dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
+        with contextlib.ExitStack() as stack:
+            prepared, resuming = open_run(cfg, ddp, stack, progress)
+            t, state = setup(cfg, ddp, device, prepared, resuming)
+            if state is not None:
+                restore(t, state)
+            stack.callback(lambda: t.log.close() if t.log is not None else None)
+            t.model = wrap_model(torch.compile(t.raw_model) if cfg.train.compile else t.raw_model, ddp, device)
+            return loop(t, progress, resumed=state is not None)
+    finally:
+        teardown_distributed(ddp)
+
+
+def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool) -> tuple[PreparedData, bool]:
+    """Lock the run directory, decide whether this is a resume, prepare the data; returns the
+    prepared data and whether to resume. Rank 0 does the checks before any rank does work, and a
+    refusal there stops every rank (instead of leaving them waiting for rank 0 forever)."""
+    out_dir, failure, resuming = Path(cfg.train.out_dir), None, False
+    if ddp.master:
+        try:
+            probe_writable(out_dir, "train.out_dir")
+            stack.enter_context(ckpt.RunLock(out_dir))
+            ckpt.remove_stale_temps(out_dir)
+            resuming = _resuming(cfg.train, out_dir)
+            if cfg.train.tensorboard:
+                check_tensorboard()
+            prepared = prepare(cfg.data, progress=progress)
+        except QuillError as e:
+            failure = e
+    if ddp.any(failure is not None):
+        raise failure or QuillError("rank 0 could not start the run (its message says why)")
+    if not ddp.master:
+        prepared = prepare(cfg.data, progress=False)
+    return prepared, bool(ddp.broadcast_int(int(resuming)))
+
+
+def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
+    """Resume, start afresh, or refuse: a run already in out_dir is continued only with
+    train.resume and replaced only with train.overwrite, never by a forgotten flag."""
+    latest, best = out_dir / ckpt.LATEST, out_dir / ckpt.BEST
+    if tc.resume is True and tc.overwrite:
+        raise QuillError("--resume continues the run in train.out_dir and --overwrite replaces it; pass one of them")
+    if tc.resume is True and not latest.is_file():
+        hint = (f"its {ckpt.BEST} can seed a new run with train.init_from={best} and another train.out_dir, "
+                "or --overwrite starts over here" if best.is_file() else "drop --resume to start a new run")
+        raise QuillError(f"cannot resume: no checkpoint at {latest}; {hint}")
+    resuming = bool(tc.resume) and not tc.overwrite and latest.is_file()
+    if not resuming and not tc.overwrite and (latest.is_file() or best.is_file()):
+        raise QuillError(
+            f"{out_dir} already holds a run ({describe_run(out_dir)}); continue it with --resume "
+            "(train.resume=true), or replace it with --overwrite (train.overwrite=true)"
+        )
+    return resuming
+
+
+def describe_run(out_dir: Path) -> str:
+    """'step 800, best val loss 1.5412' from the run's checkpoint, for messages about the run."""
+    for name in (ckpt.LATEST, ckpt.BEST):
+        if (out_dir / name).is_file():
+            try:
+                state = ckpt.load_checkpoint(out_dir / name)
+            except QuillError:
+                continue
+            best = state.get("best_val_loss", state.get("val_loss"))
+            shown = f"{best:.4f}" if isinstance(best, float) and math.isfinite(best) else "n/a"
+            return f"step {state.get('step', '?')}, best val loss {shown}"
+    return "its checkpoints are unreadable"
+
+
+def setup(
+    cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, resuming: bool
+) -> tuple[Trainer, dict[str, Any] | None]:
+    """Build everything a run needs (and check a resume fits it) without writing anything."""
+    tc = cfg.train
+    _, tokenizer = load_prepared(prepared.out_dir)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    elif cfg.model.vocab_size < tokenizer.vocab_size:
+        raise QuillError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
+            "remove model.vocab_size to use the tokenizer's"
+        )
+    init_state = None
+    if tc.init_from:
+        cfg, init_state = _init_from(cfg, tokenizer.spec())
+    state = _load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec()) if resuming else None
+    train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
+
+    seed_rank(tc.seed, ddp)  # each rank its own stream; DDP copies rank 0's initial weights to all
+    model = GPT(cfg.model).to(device)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    dtype = resolve_dtype(tc.dtype, device)
+    # Every rank draws the same global batch and keeps its own slice, so N ranks with
+    # batch B see exactly the windows one process with batch N·B would see.
+    sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
+    n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
+    windows = {
+        "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval, "train")),
+        "val": (val_tokens, fixed_windows(val_tokens, cfg.model.block_size, n_eval)),
+    }
+    t = Trainer(
+        cfg, ddp, device, dtype, Path(tc.out_dir), tokenizer, model, configure_optimizer(model, tc, device),
+        torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16)), sampler, windows,
+        budget_s=parse_duration(tc.time_budget) if tc.time_budget else None, horizon=tc.max_iters,
+    )
+    return t, state
 
 
 def _init_from(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, torch.Tensor]]:
@@ -279,216 +339,226 @@ def _init_from(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, tor
     return cfg, state
 
 
-def train(cfg: Config, progress: bool = True) -> TrainResult:
-    """Train a GPT as `cfg` says; returns where the run stopped and its losses."""
-    tc = cfg.train
-    ddp, device = setup_distributed(tc.device)
-    dtype = resolve_dtype(tc.dtype, device)
-    out_dir = Path(tc.out_dir)
-    budget_s = parse_duration(tc.time_budget) if tc.time_budget else None
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+def _load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict) -> dict[str, Any]:
+    """ckpt.pt, checked against the config; a damaged one says what `train` can do instead."""
+    latest = out_dir / ckpt.LATEST
+    try:
+        state = ckpt.load_checkpoint(latest)
+    except QuillError as e:
+        what = str(e).split("; ")[0]  # what is wrong, without advice meant for sample/eval (--which)
+        best = out_dir / ckpt.BEST
+        keep = f", or keep {ckpt.BEST}'s weights with train.init_from={best} and a new train.out_dir" if best.is_file() else ""
+        raise QuillError(f"cannot resume: {what}; start over with --overwrite{keep}") from None
+    _check_compatible(state, cfg, tokenizer_spec, latest)
+    return state
 
-    with contextlib.ExitStack() as stack:
-        # The run directory is locked before anything else, so a second trainer pointed at it
-        # refuses before it touches the data; temp files of a killed writer go. Data is prepared
-        # once (by rank 0), then memory-mapped by every rank.
-        failure: QuillError | None = None
-        if ddp.master:
-            try:
-                _probe_writable(out_dir)
-                stack.enter_context(ckpt.RunLock(out_dir))
-                ckpt.remove_stale_temps(out_dir)
-                prepared = prepare(cfg.data, progress=progress)
-            except QuillError as e:
-                failure = e
-        if ddp.any(failure is not None):  # every rank stops, instead of waiting for rank 0 forever
-            raise failure or QuillError("rank 0 could not start the run (its message says why)")
-        if not ddp.master:
-            prepared = prepare(cfg.data, progress=False)
-        meta, tokenizer = load_prepared(prepared.out_dir)
-        if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = tokenizer.vocab_size
-        elif cfg.model.vocab_size < tokenizer.vocab_size:
-            raise QuillError(
-                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
-                "remove model.vocab_size to use the tokenizer's"
-            )
-        init_state = None
-        if tc.init_from:
-            cfg, init_state = _init_from(cfg, tokenizer.spec())
-        train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
 
-        latest = out_dir / ckpt.LATEST
-        resume_state = None
-        if tc.resume is True and not latest.is_file():
-            raise QuillError(f"cannot resume: no checkpoint at {latest}; drop --resume to start a new run")
-        if tc.resume and latest.is_file():
-            resume_state = ckpt.load_checkpoint(latest)
-            _check_compatible(resume_state, cfg, tokenizer.spec(), latest)
+def restore(t: Trainer, state: dict[str, Any]) -> None:
+    """Bring a checkpoint back: weights, optimizer, scaler, sampler, this rank's random stream,
+    counters, and a time budget's fitted horizon (so the schedule continues, not restarts)."""
+    t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]))
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scaler.load_state_dict(state["scaler"])
+    t.sampler.load_state_dict(state["sampler"])
+    restore_rank_rng(state, t.cfg.train.seed, t.ddp, t.device)
+    t.step, t.tokens_seen = state["step"], state["tokens_seen"]
+    t.best_val, t.elapsed_before = state["best_val_loss"], state["elapsed_s"]
+    if t.budget_s is not None and state.get("horizon") is not None:
+        t.horizon, t.fitted = min(state["horizon"], t.cfg.train.max_iters), True
+        t.budget_ended = bool(state.get("budget_ended", False))
 
-        seed_everything(tc.seed)
-        model = GPT(cfg.model).to(device)
-        if init_state is not None:
-            model.load_state_dict(init_state)
-        optimizer = configure_optimizer(model, tc, device)
-        scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
-        # Every rank draws the same global batch and keeps its own slice, so N ranks with
-        # batch B see exactly the windows one process with batch N·B would see.
-        sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
-        parts = StepParts(optimizer, scaler, sampler, ddp, tc, device, dtype)
-        n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
-        windows = {
-            "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval, "train")),
-            "val": (val_tokens, fixed_windows(val_tokens, cfg.model.block_size, n_eval)),
-        }
 
-        step, tokens_seen, best_val, elapsed_before = 0, 0, float("inf"), 0.0
-        if resume_state is not None:
-            model.load_state_dict(ckpt.clean_state_dict(resume_state["model"]))
-            optimizer.load_state_dict(resume_state["optimizer"])
-            scaler.load_state_dict(resume_state["scaler"])
-            sampler.load_state_dict(resume_state["sampler"])
-            set_rng_state(resume_state["rng"], device)
-            step, tokens_seen = resume_state["step"], resume_state["tokens_seen"]
-            best_val, elapsed_before = resume_state["best_val_loss"], resume_state["elapsed_s"]
-        if ddp.master:
-            save_config(cfg, out_dir / "config.yaml")
-            save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-            metrics_path = out_dir / "metrics.jsonl"
-            if resume_state is not None:
-                ckpt.truncate_metrics(metrics_path, step)
-            elif metrics_path.exists():
-                metrics_path.unlink()
+def start_run(t: Trainer, resumed: bool) -> None:
+    """The point of no return, reached after the first step gave a finite loss: only now are the
+    run's files written, so a run that fails or is stopped before it really starts changes
+    nothing. A fresh run clears what an earlier one left; --overwrite says so."""
+    if t.ddp.master:
+        metrics = t.out_dir / METRICS
+        if resumed:
+            skipped = truncate_metrics(metrics, t.step)
+            if skipped:
+                tqdm.write(f"note: dropped {skipped} unreadable line(s) of {metrics}")
+        else:
+            replaced = describe_run(t.out_dir) if (t.out_dir / ckpt.LATEST).is_file() or (t.out_dir / ckpt.BEST).is_file() else None
+            for path in [t.out_dir / ckpt.LATEST, t.out_dir / ckpt.BEST, metrics, *t.out_dir.glob("events.out.tfevents.*")]:
+                path.unlink(missing_ok=True)
+            if replaced is not None:
+                tqdm.write(f"--overwrite: replaced the run in {t.out_dir} ({replaced}) with a new one")
+        save_config(t.cfg, t.out_dir / "config.yaml")
+        save_tokenizer(t.tokenizer, t.out_dir / "tokenizer.json")
+        t.log = MetricsWriter(t.out_dir, t.cfg.train.tensorboard, purge_step=t.step + 1 if resumed else None)
 
-        raw_model = model
-        if tc.compile:
-            model = torch.compile(model)
-        if ddp.enabled:
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-        def save(path: Path) -> None:
-            state = {
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(),
-                "sampler": sampler.state_dict(),
-                "rng": rng_state(device),
-                "step": step,
-                "tokens_seen": tokens_seen,
-                "best_val_loss": best_val,
-                "elapsed_s": elapsed_before + time.time() - t_start,
-                "config": cfg.to_dict(),
-                "tokenizer": tokenizer.spec(),
-            }
-            ckpt.save_checkpoint(state, path)
-
-        tokens_per_step = tc.batch_size * tc.grad_accum * ddp.world_size * cfg.model.block_size
-        flops_per_step = raw_model.flops_per_token() * tokens_per_step / ddp.world_size
-        peak = peak_flops(device, dtype)
-        horizon = tc.max_iters
-        last_val, stopped = None, "done"
-        t_start, first_step = time.time(), step
-        t_log, step_at_log = time.time(), step
-        bar = tqdm(total=tc.max_iters, initial=step, disable=not (progress and ddp.master), unit="step", dynamic_ncols=True)
-
-        with StopFlag() as stop:
-            model.train()
-            verified = not tc.compile  # a compiled model proves itself on its first step
-            while step < horizon:
-                lr = lr_at(step, tc, horizon)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                if verified:
-                    loss = _train_step(model, parts)
-                else:
-                    model, loss = _first_compiled_step(model, raw_model, parts)
-                    verified = True
-                step += 1
-                tokens_seen += tokens_per_step
-                bar.update(1)
-                if budget_s is not None and ddp.any(elapsed_before + time.time() - t_start >= budget_s):
-                    horizon, stopped = step, "time_budget"  # finish as if this were the last step
-
-                record: dict[str, Any] = {}
-                if step % tc.log_interval == 0 or step == horizon:
-                    now = time.time()
-                    train_loss = _checked_loss(loss, step, ddp)
-                    dt = max(now - t_log, 1e-9)
-                    tok_s = tokens_per_step * (step - step_at_log) / dt
-                    mfu = flops_per_step * (step - step_at_log) / dt / peak
-                    record = {"step": step, "tokens": tokens_seen, "train_loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
-                              "mfu": mfu, "elapsed_s": elapsed_before + now - t_start}
-                    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
-                    if budget_s is not None and stopped != "time_budget":
-                        pace = (now - t_start) / (step - first_step)  # seconds per step, evals included
-                        horizon = _budget_horizon(step, tc.max_iters, pace, budget_s - record["elapsed_s"], ddp)
-                        bar.total = horizon
-                    t_log, step_at_log = now, step
-
-                if step % tc.eval_interval == 0 or step == horizon:
-                    train_loss = _checked_loss(loss, step, ddp)  # before anything is saved
-                    t_eval = time.time()
-                    losses = estimate_loss(raw_model, windows, tc.batch_size, device, dtype)
-                    last_val = losses["val"]
-                    if not math.isfinite(last_val):  # weights went bad in this step: keep the last checkpoint
-                        raise QuillError(
-                            f"validation loss became {last_val} at step {step}; training stopped and the last "
-                            "good checkpoint is kept — lower train.learning_rate or check the data"
-                        )
-                    record.setdefault("lr", lr)
-                    record.setdefault("elapsed_s", elapsed_before + t_eval - t_start)
-                    record.update({"step": step, "tokens": tokens_seen, "eval_train_loss": losses["train"], "val_loss": last_val})
-                    record.setdefault("train_loss", train_loss)
-                    if ddp.master:
-                        # The line goes in before the checkpoint: a checkpoint at step k always has
-                        # its line (a kill in between redoes step k, and resume drops the extra line).
-                        ckpt.append_jsonl(out_dir / "metrics.jsonl", record)
-                        if last_val < best_val:
-                            best_val = last_val
-                            save(out_dir / ckpt.BEST)
-                        save(out_dir / ckpt.LATEST)
-                        bar.write(f"step {step}: train {losses['train']:.4f}, val {last_val:.4f}")
-                    record = {}
-                    ddp.barrier()
-                    t_log += time.time() - t_eval  # keep evaluation out of tokens/s
-
-                if record and ddp.master:
-                    ckpt.append_jsonl(out_dir / "metrics.jsonl", record)
-                if ddp.any(stop.signal is not None) and step < horizon:
-                    stopped = "interrupted"
-                    _checked_loss(loss, step, ddp)
-                    if ddp.master:
-                        save(out_dir / ckpt.LATEST)
-                        bar.write(f"stopped at step {step}; checkpoint saved to {out_dir / ckpt.LATEST} (resume with --resume)")
-                    break
-        bar.close()
-        elapsed = elapsed_before + time.time() - t_start
-    if ddp.enabled:
-        dist.destroy_process_group()
-    return TrainResult(out_dir, step, best_val, last_val, elapsed, stopped)
+def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
+    """Steps until the horizon, a stop signal or the time budget; evaluates and checkpoints."""
+    tc, ddp = t.cfg.train, t.ddp
+    tokens_per_step = tc.batch_size * tc.grad_accum * ddp.world_size * t.cfg.model.block_size
+    meter = Meter(t.raw_model.flops_per_token() * tokens_per_step / ddp.world_size, peak_flops(t.device, t.dtype))
+    last_val, stopped = None, None
+    t.t_start, t.first_step = time.time(), t.step
+    meter.start(t.step)
+    bar = tqdm(total=t.horizon, initial=t.step, disable=not (progress and ddp.master), unit="step", dynamic_ncols=True)
+    with StopFlag() as stop:
+        t.model.train()
+        verified = not tc.compile  # a compiled model proves itself on its first step
+        while t.step < t.horizon:
+            lr = lr_at(t.step, tc, t.horizon)
+            for group in t.optimizer.param_groups:
+                group["lr"] = lr
+            loss = train_step(t.model, t) if verified else _first_compiled_step(t)
+            verified = True
+            t.step += 1
+            t.tokens_seen += tokens_per_step
+            bar.update(1)
+            if t.step == t.first_step + 1 and not _started(t, loss, stop, resumed, bar):
+                t.step, stopped = t.first_step, "interrupted"  # the step is not kept: nothing was saved
+                break
+            _follow_budget(t, bar)
+            record = _log_record(t, loss, lr, meter, bar, tokens_per_step) if t.step % tc.log_interval == 0 or t.step == t.horizon else {}
+            if t.step % tc.eval_interval == 0 or t.step == t.horizon:
+                eval_started = time.time()
+                last_val = evaluate_and_save(t, loss, lr, record, bar)
+                meter.exclude(time.time() - eval_started)  # keep evaluation out of tokens/s
+            elif record and ddp.master:
+                t.log.append(record)
+            if ddp.any(stop.signal is not None) and t.step < t.horizon:
+                stopped = "interrupted"
+                _save_on_stop(t, loss, bar)
+                break
+    bar.close()
+    stopped = stopped or ("time_budget" if t.budget_ended else "done")
+    return TrainResult(t.out_dir, t.step, t.best_val, last_val, t.elapsed(), stopped)
 
 
 @dataclass
-class StepParts:
-    """Everything one optimizer step touches besides the model."""
+class Meter:
+    """tokens/s and MFU between log lines, with evaluation time left out."""
 
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    sampler: BatchSampler
-    ddp: Dist
-    tc: TrainConfig
-    device: torch.device
-    dtype: torch.dtype
+    flops_per_step: float
+    peak: float
+    t_log: float = 0.0
+    step_at_log: int = 0
+
+    def start(self, step: int) -> None:
+        self.t_log, self.step_at_log = time.time(), step
+
+    def exclude(self, seconds: float) -> None:
+        self.t_log += seconds
 
 
-def _train_step(model: torch.nn.Module, parts: StepParts) -> torch.Tensor:
+def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar: tqdm) -> bool:
+    """After this process's first step: start the run's files, unless the loss is not finite (an
+    error) or a stop was asked for already (then nothing was written, and False)."""
+    _checked_loss(loss, t.step, t.ddp)
+    if t.ddp.any(stop.signal is not None):
+        bar.write(f"stopped before the first step was done; nothing in {t.out_dir} was changed")
+        return False
+    start_run(t, resumed)
+    return True
+
+
+def _follow_budget(t: Trainer, bar: tqdm) -> None:
+    """train.time_budget: fit the horizon once (at FIT_AFTER_STEPS or warmup's end, whichever is
+    later: before that the schedule does not depend on it); stop when the time is up."""
+    if t.budget_s is None or t.budget_ended:
+        return
+    if t.ddp.any(t.elapsed() >= t.budget_s):
+        t.horizon, t.budget_ended = t.step, True  # finish as if this were the last step
+    elif not t.fitted and t.step >= max(FIT_AFTER_STEPS, t.cfg.train.warmup_iters):
+        pace = (time.time() - t.t_start) / (t.step - t.first_step)  # seconds per step
+        horizon = fit_horizon(t.step, t.cfg.train, pace, t.budget_s - t.elapsed(), t.ddp.world_size)
+        t.horizon, t.fitted = t.ddp.broadcast_int(horizon), True
+        bar.total = t.horizon
+    if t.step >= t.horizon and t.horizon < t.cfg.train.max_iters:
+        t.budget_ended = True  # the fitted end: the budget, not max_iters, ended the run
+
+
+def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: tqdm, tokens_per_step: int) -> dict[str, Any]:
+    """A metrics line for this step (reading the loss waits for the device: only at log steps)."""
+    now = time.time()
+    train_loss = _checked_loss(loss, t.step, t.ddp)
+    dt, steps = max(now - meter.t_log, 1e-9), t.step - meter.step_at_log
+    tok_s, mfu = tokens_per_step * steps / dt, meter.flops_per_step * steps / dt / meter.peak
+    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
+    meter.start(t.step)
+    return {"step": t.step, "tokens": t.tokens_seen, "train_loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
+            "mfu": mfu, "elapsed_s": t.elapsed_before + now - t.t_start}
+
+
+def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[str, Any], bar: tqdm) -> float:
+    """Val loss on the fixed windows, then metrics line, best.pt (if better) and ckpt.pt."""
+    train_loss = _checked_loss(loss, t.step, t.ddp)  # before anything is saved
+    eval_started = time.time()
+    losses = estimate_loss(t.raw_model, t.windows, t.cfg.train.batch_size, t.device, t.dtype)
+    val = losses["val"]
+    if not math.isfinite(val):  # weights went bad in this step: keep the last checkpoint
+        raise QuillError(
+            f"validation loss became {val} at step {t.step}; training stopped and the last "
+            "good checkpoint is kept — lower train.learning_rate or check the data"
+        )
+    record.setdefault("lr", lr)
+    record.setdefault("elapsed_s", t.elapsed_before + eval_started - t.t_start)
+    record.update({"step": t.step, "tokens": t.tokens_seen, "eval_train_loss": losses["train"], "val_loss": val})
+    record.setdefault("train_loss", train_loss)
+    improved = val < t.best_val
+    t.best_val = min(t.best_val, val)
+    rngs = rank_rng_states(t.ddp, t.device)  # every rank's stream, gathered on rank 0
+    if t.ddp.master:
+        # The line goes in before the checkpoint: a checkpoint at step k always has its line
+        # (a kill in between redoes step k, and resume drops the extra line).
+        t.log.append(record)
+        if improved:
+            ckpt.save_checkpoint(weights_state(t, val), t.out_dir / ckpt.BEST)
+        ckpt.save_checkpoint(checkpoint_state(t, rngs), t.out_dir / ckpt.LATEST)
+        bar.write(f"step {t.step}: train {losses['train']:.4f}, val {val:.4f}")
+    t.ddp.barrier()
+    return val
+
+
+def _save_on_stop(t: Trainer, loss: torch.Tensor, bar: tqdm) -> None:
+    _checked_loss(loss, t.step, t.ddp)
+    rngs = rank_rng_states(t.ddp, t.device)
+    if t.ddp.master:
+        ckpt.save_checkpoint(checkpoint_state(t, rngs), t.out_dir / ckpt.LATEST)
+        bar.write(f"stopped at step {t.step}; checkpoint saved to {t.out_dir / ckpt.LATEST} (resume with --resume)")
+
+
+def checkpoint_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
+    """ckpt.pt: everything needed to continue exactly (`rngs` from rank_rng_states)."""
+    return {
+        "model": t.raw_model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scaler": t.scaler.state_dict(),
+        "sampler": t.sampler.state_dict(),
+        **rngs,
+        "step": t.step,
+        "tokens_seen": t.tokens_seen,
+        "best_val_loss": t.best_val,
+        "elapsed_s": t.elapsed(),
+        "horizon": t.horizon if t.fitted else None,  # a time budget's fitted end of the schedule
+        "budget_ended": t.budget_ended,
+        "config": t.cfg.to_dict(),
+        "tokenizer": t.tokenizer.spec(),
+    }
+
+
+def weights_state(t: Trainer, val_loss: float) -> dict[str, Any]:
+    """best.pt: the user's model — weights, config, tokenizer, step and val loss, nothing to resume."""
+    return {
+        "model": t.raw_model.state_dict(),
+        "config": t.cfg.to_dict(),
+        "tokenizer": t.tokenizer.spec(),
+        "step": t.step,
+        "val_loss": val_loss,
+    }
+
+
+def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
     """One optimizer step over `grad_accum` micro-batches; returns the mean loss (detached)."""
-    optimizer, scaler, sampler, ddp, tc = parts.optimizer, parts.scaler, parts.sampler, parts.ddp, parts.tc
-    total = torch.zeros((), device=parts.device)
+    tc, ddp = t.cfg.train, t.ddp
+    total = torch.zeros((), device=t.device)
     for micro in range(tc.grad_accum):
-        x, y = sampler.next()
+        x, y = t.sampler.next()
         if ddp.enabled:  # this rank's slice of the global batch
             x = x[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
             y = y[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
@@ -496,10 +566,10 @@ def _train_step(model: torch.nn.Module, parts: StepParts) -> torch.Tensor:
         sync = model.no_sync() if ddp.enabled and not last else contextlib.nullcontext()
         with sync:
             try:
-                with autocast(parts.device, parts.dtype):
+                with autocast(t.device, t.dtype):
                     _, loss = model(x, y)
                 loss = loss / tc.grad_accum
-                scaler.scale(loss).backward()
+                t.scaler.scale(loss).backward()
             except torch.OutOfMemoryError:
                 raise QuillError(
                     f"out of memory at train.batch_size={tc.batch_size}, model.block_size={x.shape[1]}: "
@@ -507,11 +577,11 @@ def _train_step(model: torch.nn.Module, parts: StepParts) -> torch.Tensor:
                 ) from None
         total += loss.detach()
     if tc.grad_clip > 0:
-        scaler.unscale_(optimizer)
+        t.scaler.unscale_(t.optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    t.scaler.step(t.optimizer)
+    t.scaler.update()
+    t.optimizer.zero_grad(set_to_none=True)
     return total
 
 
@@ -528,28 +598,22 @@ def _checked_loss(loss: torch.Tensor, step: int, ddp: Dist) -> float:
     return value
 
 
-def _budget_horizon(step: int, max_iters: int, pace_s: float, budget_left_s: float, ddp: Dist) -> int:
-    """The last step that fits in the time budget at this pace, so the lr schedule still decays."""
-    return ddp.broadcast_int(min(max_iters, max(step + 1, step + int(budget_left_s / pace_s))))
-
-
-def _first_compiled_step(
-    model: torch.nn.Module, raw_model: GPT, parts: StepParts
-) -> tuple[torch.nn.Module, torch.Tensor]:
+def _first_compiled_step(t: Trainer) -> torch.Tensor:
     """torch.compile fails lazily, on the first call: then warn once and redo the step eagerly."""
-    before = parts.sampler.state_dict()
+    before = t.sampler.state_dict()
     try:
-        return model, _train_step(model, parts)
+        return train_step(t.model, t)
     except (QuillError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 — any compiler/backend failure falls back to eager
         reason = f"{type(e).__name__}: {str(e)[:200]}"
-        if parts.ddp.enabled:  # DDP's hooks are on the parameters already: a second wrapper would double them
+        if t.ddp.enabled:  # DDP's hooks are on the parameters already: a second wrapper would double them
             raise QuillError(f"torch.compile failed under DDP ({reason}); set train.compile=false") from None
         warnings.warn(f"torch.compile failed ({reason}); training without it", stacklevel=2)
-        parts.optimizer.zero_grad(set_to_none=True)
-        parts.sampler.load_state_dict(before)
-        return raw_model, _train_step(raw_model, parts)
+        t.optimizer.zero_grad(set_to_none=True)
+        t.sampler.load_state_dict(before)
+        t.model = t.raw_model
+        return train_step(t.model, t)
 
 
 def _describe_tokenizer(spec: dict) -> str:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import quillgpt.train as train_mod
-from quillgpt.checkpoint import RunLock, load_checkpoint, read_metrics
+from quillgpt.checkpoint import RunLock, load_checkpoint
+from quillgpt.metrics import read_metrics
 from quillgpt.config import TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.train import lr_at, train
@@ -68,14 +70,14 @@ def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [4, 8]
     best = load_checkpoint(run / "best.pt")
-    assert best["best_val_loss"] == min(r["val_loss"] for r in evals)
+    assert best["val_loss"] == min(r["val_loss"] for r in evals)
     assert best["step"] == min(evals, key=lambda r: r["val_loss"])["step"]
 
 
 def _interrupt_after(monkeypatch, n_steps):
     """Deliver a real SIGINT to ourselves right after optimizer step `n_steps`."""
     calls = {"n": 0}
-    original = train_mod._train_step
+    original = train_mod.train_step
 
     def step_then_maybe_interrupt(*args, **kwargs):
         out = original(*args, **kwargs)
@@ -84,7 +86,7 @@ def _interrupt_after(monkeypatch, n_steps):
             os.kill(os.getpid(), signal.SIGINT)
         return out
 
-    monkeypatch.setattr(train_mod, "_train_step", step_then_maybe_interrupt)
+    monkeypatch.setattr(train_mod, "train_step", step_then_maybe_interrupt)
 
 
 @pytest.mark.parametrize("extra", [[], ["train.grad_accum=2", "model.dropout=0.1"]], ids=["plain", "accum+dropout"])
@@ -226,3 +228,170 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(shakespeare_path
     a = load_checkpoint(tmp_path / "eager" / "ckpt.pt")["model"]
     b = load_checkpoint(tmp_path / "fallback" / "ckpt.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)  # the failed step was redone on the same batch
+
+
+# --- a run is never lost: refusals, --overwrite, weights-only best.pt, damaged inputs ------------
+
+CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
+RUN_FILES = ("config.yaml", "tokenizer.json", "metrics.jsonl", "ckpt.pt", "best.pt")
+
+
+@pytest.fixture(autouse=True)
+def without_quill_debug(monkeypatch):
+    monkeypatch.delenv("QUILL_DEBUG", raising=False)
+
+
+@pytest.fixture(scope="module")
+def finished(shakespeare_path, data_dir, tmp_path_factory):
+    """A finished 2-step run; tests work on copies of it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train(tiny_config(shakespeare_path, data_dir, out, "train.max_iters=2", "train.eval_interval=2"), progress=False)
+    return out
+
+
+def copy_run(finished, tmp_path):
+    return Path(shutil.copytree(finished, tmp_path / "run"))
+
+
+def snapshot(run):
+    return {name: (run / name).read_bytes() for name in RUN_FILES}
+
+
+def quill_train(capsys, overrides, *flags):
+    """`quill train` in-process: (exit code, stdout, stderr)."""
+    from quillgpt.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", str(CONFIG), "-q", *flags, *overrides])
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
+
+
+def one_error_line(err):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_second_train_never_replaces_a_run_unasked(shakespeare_path, data_dir, finished, tmp_path, capsys, monkeypatch):
+    run = copy_run(finished, tmp_path)
+    before = snapshot(run)
+    args = tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=3", "train.eval_interval=2")
+    code, _, err = quill_train(capsys, args)
+    assert code == 2
+    line = one_error_line(err)
+    best = load_checkpoint(run / "best.pt")["val_loss"]
+    for part in (str(run), "step 2", f"best val loss {best:.4f}", "--resume", "--overwrite"):
+        assert part in line, line
+    code, _, err = quill_train(capsys, args, "--resume", "--overwrite")
+    assert code == 2 and "pass one of them" in one_error_line(err)
+    assert snapshot(run) == before
+
+    # Replacing it was asked for, but the new run fails (NaN) or is stopped in its first step: still untouched.
+    poison_loss_at(monkeypatch, 1)
+    code, _, err = quill_train(capsys, [*args, "train.overwrite=true"])
+    assert code == 2 and "loss became nan at step 1" in one_error_line(err)
+    monkeypatch.undo()
+    _interrupt_after(monkeypatch, 1)
+    code, out, _ = quill_train(capsys, args, "--overwrite")
+    assert code == 130 and f"nothing in {run} was changed" in out
+    monkeypatch.undo()
+    assert snapshot(run) == before
+
+    code, out, err = quill_train(capsys, args, "--overwrite")
+    assert code == 0, err
+    assert f"replaced the run in {run} (step 2" in out and "done: step 3" in out
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_best_pt_holds_weights_only_and_loads_for_inference(finished):
+    from quillgpt.checkpoint import load_run
+
+    best = load_checkpoint(finished / "best.pt")
+    assert set(best) == {"format", "model", "config", "tokenizer", "step", "val_loss"}
+    assert (finished / "best.pt").stat().st_size < (finished / "ckpt.pt").stat().st_size / 2
+    loaded = load_run(finished, which="best")
+    assert loaded.step == 2 and not loaded.model.training
+
+
+def test_resume_of_a_healthy_checkpoint_skips_unreadable_metrics_lines(shakespeare_path, data_dir, finished, tmp_path, capsys):
+    run = copy_run(finished, tmp_path)
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'caf\xe9 \xff\n[1, 2]\n{"step": "abc", "train_loss": 1.0}\n{"step": 2, "train_loss": 1e999}\n')
+    code, out, err = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=3"), "--resume")
+    assert code == 0, err
+    assert f"dropped 4 unreadable line(s) of {run / 'metrics.jsonl'}" in out and "done: step 3" in out
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resume_from_a_damaged_checkpoint_says_what_train_can_do(shakespeare_path, data_dir, finished, tmp_path, capsys):
+    run = copy_run(finished, tmp_path)
+    data = (run / "ckpt.pt").read_bytes()
+    (run / "ckpt.pt").write_bytes(data[: len(data) // 2])
+    before = snapshot(run)
+    code, _, err = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=3"), "--resume")
+    line = one_error_line(err)
+    assert code == 2 and "--which" not in line
+    assert "cannot resume" in line and "--overwrite" in line and f"train.init_from={run / 'best.pt'}" in line
+    assert snapshot(run) == before
+
+
+def test_wandb_is_refused_by_name_but_old_runs_still_load(finished, tmp_path):
+    from quillgpt.checkpoint import load_run, save_checkpoint
+
+    with pytest.raises(QuillError, match=r"train\.wandb is no longer supported: .*train\.tensorboard=true"):
+        load_config(CONFIG, ["train.wandb=true"])
+    assert not hasattr(load_config(CONFIG, ["train.wandb=false"]).train, "wandb")  # an old run's config.yaml
+    state = load_checkpoint(finished / "best.pt")
+    state["config"]["train"]["wandb"] = False  # as every checkpoint written before the key went
+    save_checkpoint(state, tmp_path / "old.pt")
+    assert load_run(tmp_path / "old.pt").step == 2
+
+
+def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    train(tiny_config(shakespeare_path, data_dir, out, "train.max_iters=4", "train.tensorboard=true"), progress=False)
+    events = EventAccumulator(str(out))
+    events.Reload()
+    assert {"loss/train", "loss/val", "lr", "perf/tokens_per_sec", "perf/mfu"} <= set(events.Tags()["scalars"])
+    logged = read_metrics(out / "metrics.jsonl")
+    assert [(e.step, e.value) for e in events.Scalars("loss/train")] == pytest.approx(
+        [(r["step"], r["train_loss"]) for r in logged])
+    assert [e.step for e in events.Scalars("loss/val")] == [4]
+
+
+# --- time budget: the horizon is fitted once and checkpointed ------------------------------------
+
+
+def test_fit_horizon_counts_evaluations_and_stays_in_range():
+    cfg = TrainConfig(max_iters=1000, eval_iters=3, eval_interval=4, grad_accum=1)
+    # 0.5 s/step plus an evaluation (2 splits × 3 forward batches = 2 step-times) every 4 steps
+    assert train_mod.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=75.0) == 10 + 100
+    assert train_mod.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=1e9) == 1000
+    assert train_mod.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=0.0) == 11
+
+
+def test_budgeted_run_resumes_on_its_saved_horizon(shakespeare_path, data_dir, tmp_path, monkeypatch):
+    """The pace is fixed here (the horizon is a measurement), then taken away before the resume:
+    a resume that fitted again, or fell back to max_iters, would end at another step."""
+    real_fit = train_mod.fit_horizon
+    monkeypatch.setattr(train_mod, "fit_horizon", lambda step, cfg, pace, left, world=1: real_fit(step, cfg, 0.1, 0.8, world))
+    extra = ("train.max_iters=1000", "train.time_budget=1h", "train.eval_interval=4", "train.log_interval=2")
+    straight = train(tiny_config(shakespeare_path, data_dir, tmp_path / "a", *extra), progress=False)
+    fit_step = max(train_mod.FIT_AFTER_STEPS, 2)
+    horizon = real_fit(fit_step, tiny_config(shakespeare_path, data_dir, "x", *extra).train, 0.1, 0.8)
+    assert straight.stopped == "time_budget" and straight.step == horizon > fit_step + 2
+    saved = load_checkpoint(tmp_path / "a" / "ckpt.pt")
+    assert saved["horizon"] == horizon and saved["budget_ended"] is True
+
+    _interrupt_after(monkeypatch, fit_step + 2)
+    first = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *extra), progress=False)
+    assert first.stopped == "interrupted" and load_checkpoint(tmp_path / "b" / "ckpt.pt")["horizon"] == horizon
+    monkeypatch.undo()
+    resumed = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *extra, "train.resume=true"), progress=False)
+    assert resumed.stopped == "time_budget" and resumed.step == horizon
+    a, b = (load_checkpoint(tmp_path / r / "ckpt.pt")["model"] for r in ("a", "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
