@@ -46,7 +46,8 @@ def prepare_cmd(
     overrides: Optional[list[str]] = OVERRIDES_ARG,
     force: bool = typer.Option(False, "--force", help="Rebuild even when meta.json says the files are up to date."),
 ) -> None:
-    """Tokenize the config's text into train.bin / val.bin / meta.json under data.out_dir."""
+    """Tokenize data.path (a text file, a directory or a glob of .txt/.jsonl/.parquet, .gz/.zst too)
+    into token shards + meta.json under data.out_dir; a killed run resumes at its last shard."""
     from quillgpt.config import load_config
     from quillgpt.data import prepare
 
@@ -57,10 +58,11 @@ def prepare_cmd(
         print(f"up to date: {result.out_dir} ({meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens; --force rebuilds)")
         return
     mb = meta["source_bytes"] / 1e6
+    shards = sum(len(v) for v in meta["shards"].values())
     print(
-        f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
-        f"{meta['tokenizer_name']} vocab {meta['vocab_size']:,} ({meta['dtype']}), "
-        f"{mb:.2f} MB in {result.seconds:.2f}s ({mb / max(result.seconds, 1e-9):.1f} MB/s)"
+        f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in {shards} "
+        f"shard(s) from {meta['documents']:,} document(s), {meta['tokenizer_name']} vocab {meta['vocab_size']:,} "
+        f"({meta['dtype']}), {mb:.2f} MB in {result.seconds:.2f}s ({mb / max(result.seconds, 1e-9):.1f} MB/s)"
     )
 
 

@@ -55,19 +55,28 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 class DataConfig:
     """Where the text comes from, how it is tokenized and where token files go."""
 
-    path: str | None = None  # local UTF-8 text file; when unset, `url` is downloaded into data/
+    path: str | None = None  # a text file, a directory or a glob of .txt/.jsonl/.parquet (.gz/.zst); unset: `url`
     url: str | None = TINY_SHAKESPEARE_URL  # downloaded once, verified against `sha256`
     sha256: str | None = TINY_SHAKESPEARE_SHA256
     tokenizer: str = "char"  # char | gpt2 | r50k_base | cl100k_base | o200k_base | bpe | path/to/tokenizer.json
     bpe_vocab_size: int = 4096  # vocabulary size when `tokenizer: bpe` trains one on the corpus
-    out_dir: str = "data/shakespeare_char"  # train.bin, val.bin, meta.json go here
-    val_fraction: float = 0.1  # the last fraction of the text is the validation split
+    out_dir: str = "data/shakespeare_char"  # token shards (train.bin, train-000001.bin, ..., val.bin) and meta.json
+    val_fraction: float = 0.1  # val: the last fraction of the documents (of the text, for one document)
+    text_field: str = "text"  # the field (jsonl) or column (parquet) that holds each document's text
+    shard_tokens: int = 100_000_000  # token ids per shard file
+    workers: int | None = None  # tokenizer processes; null = every core (in-process for a small corpus)
 
     def validate(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.path is None and self.url is None:
             raise QuillError("set data.path (a local text file) or data.url (a file to download)")
+        if not 1024 <= self.shard_tokens <= 2**40:
+            raise QuillError(f"data.shard_tokens must be between 1024 and 2^40, got {self.shard_tokens}")
+        if self.workers is not None and not 1 <= self.workers <= 1024:
+            raise QuillError(f"data.workers must be between 1 and 1024 (or null for every core), got {self.workers}")
+        if not self.text_field:
+            raise QuillError("data.text_field must name the jsonl field / parquet column that holds the text")
         if not 257 <= self.bpe_vocab_size <= MAX_VOCAB:
             raise QuillError(
                 f"data.bpe_vocab_size must be between 257 (256 bytes + 1 merge) and {MAX_VOCAB:,}, got {self.bpe_vocab_size}"

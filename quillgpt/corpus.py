@@ -17,7 +17,6 @@ import codecs
 import glob
 import gzip
 import json
-import os
 import re
 import zlib
 from contextlib import contextmanager

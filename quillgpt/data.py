@@ -1,44 +1,62 @@
-"""Text → token files, and batches of windows from them.
+"""A corpus → token shards, and batches of windows from them.
 
-`prepare` turns one UTF-8 text (a local file, or a URL downloaded once and checked) into
-`train.bin` / `val.bin` (flat uint16 or uint32 ids, as in nanoGPT) and `meta.json`, which
-records the tokenizer's spec and what the files were made from, so that running it again on
-the same inputs does nothing. Training reads the bins through a memmap, so a corpus larger
-than memory still trains.
+`prepare` reads `data.path` (a text file, a directory or a glob of .txt/.jsonl/.parquet files,
+compressed or not: see corpus.py) or a URL downloaded once and checked, tokenizes it in parallel
+processes and writes each split as token shards (flat uint16 or uint32 ids, as in nanoGPT:
+`train.bin`, `train-000001.bin`, ...; one shard for a small corpus) plus `meta.json`, the
+manifest: shards, token counts, tokenizer spec, and the sources with their sizes and mtimes,
+so that running it again on the same inputs does nothing and a killed run resumes at its last
+finished shard. Documents are separated by the tokenizer's end-of-text id (before each one),
+so a model learns where a document starts. Training reads the shards through memmaps, so a
+corpus larger than memory still trains.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import fcntl
 import hashlib
 import http.client
 import json
 import os
+import re
 import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from quillgpt.config import DataConfig
+from quillgpt.corpus import Piece, Source, count_chars, count_records, find_sources, iter_pieces
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write, atomic_write_bytes
+from quillgpt.files import atomic_write_bytes, os_error, probe_writable, read_bytes, shown
+from quillgpt.shards import ShardedTokens, encode_tasks, iter_tasks, write_shards
 from quillgpt.tokenizer import (
     GPT4_SPLIT_PATTERN,
     TOKENIZER_NAMES,
+    CharTokenizer,
     Tokenizer,
     build_tokenizer,
     dump_json,
-    text_chunks,
     tokenizer_from_spec,
 )
 
 DOWNLOAD_DIR = Path("data") / "downloads"  # relative to where `quill` runs; git-ignored
-CHUNK_CHARS = 1 << 18  # text is tokenized in pieces of about this many characters, in parallel
+FORMAT = 2  # meta.json layout: 2 = shards with a manifest (1 = train.bin/val.bin, read still)
+PIECE_CHARS = 1 << 20  # documents are cut into pieces of about this many characters...
+TASK_CHARS = 1 << 22  # ...grouped into tasks of about this many, one per worker call
+IN_PROCESS_BYTES = 1 << 24  # a corpus smaller than this is tokenized without worker processes
+BPE_TRAIN_CHARS = 1 << 30  # `tokenizer: bpe` learns its merges from the corpus's first 1 G chars
+LOCK_FILE = ".prepare.lock"
+STATE_FILE = ".prepare-state.json"  # a prepare in progress: plan, tokenizer, finished shards, cursor
+SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?\.bin")
+TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|prepare-state\.json)[^/]*\.tmp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,11 +64,15 @@ CHUNK_CHARS = 1 << 18  # text is tokenized in pieces of about this many characte
 
 
 def _read_bytes(path: Path) -> bytes:
-    if not path.exists():
+    try:
+        exists, is_file = path.exists(), path.is_file()
+    except OSError as e:  # e.g. a name too long
+        raise os_error(e, path, "read", "file") from None
+    if not exists:
         raise QuillError(f"data file not found: {path} (set data.path to a UTF-8 text file)")
-    if not path.is_file():
+    if not is_file:
         raise QuillError(f"{path} is not a file (set data.path to a UTF-8 text file)")
-    raw = path.read_bytes()
+    raw = read_bytes(path, "file")
     if not raw:
         raise QuillError(f"{path} is empty: it needs some text to train on")
     return raw
@@ -128,7 +150,7 @@ def source_path(cfg: DataConfig, progress: bool = True) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# prepare: text → train.bin, val.bin, meta.json
+# prepare: a corpus → token shards of train and val, and meta.json (the manifest)
 
 
 @dataclass
@@ -157,6 +179,19 @@ def _tokenizer_request(cfg: DataConfig) -> dict[str, Any]:
     return {"name": "file", "fingerprint": build_tokenizer(cfg.tokenizer).fingerprint()}
 
 
+def _want(cfg: DataConfig, sources: list[Source]) -> dict[str, Any]:
+    """Everything the shards are made from: same inputs → nothing to do (sizes and mtimes stand
+    for the files' content, so a corpus of many gigabytes is not hashed on every run)."""
+    return {
+        "format": FORMAT,
+        "sources": [s.manifest() for s in sources],
+        "text_field": cfg.text_field,
+        "tokenizer_request": _tokenizer_request(cfg),
+        "val_fraction": cfg.val_fraction,
+        "shard_tokens": cfg.shard_tokens,
+    }
+
+
 def _read_meta(out_dir: Path) -> dict[str, Any]:
     path = out_dir / "meta.json"
     if not path.is_file():
@@ -170,95 +205,225 @@ def _read_meta(out_dir: Path) -> dict[str, Any]:
     return meta
 
 
+def _shard_list(meta: dict[str, Any], split: str) -> list[dict[str, Any]]:
+    """A split's shards; a meta.json from before shards describes one file, {split}.bin."""
+    if "shards" in meta:
+        return meta["shards"][split]
+    return [{"file": f"{split}.bin", "tokens": meta[f"{split}_tokens"]}]
+
+
+def _shards_complete(out_dir: Path, shards: dict[str, list[dict[str, Any]]], itemsize: int) -> bool:
+    try:
+        return all(
+            (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize for split in shards.values() for s in split
+        )
+    except (OSError, KeyError, TypeError):
+        return False
+
+
 def _up_to_date(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
-    """meta.json when it was made from exactly `want` and both bins are complete, else None."""
+    """meta.json when it was made from exactly `want` and every shard is complete, else None."""
     try:
         meta = _read_meta(out_dir)
         if any(meta.get(k) != v for k, v in want.items()):
             return None
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in ("train", "val"):
-            if (out_dir / f"{split}.bin").stat().st_size != meta[f"{split}_tokens"] * itemsize:
-                return None
-    except (QuillError, OSError, KeyError, TypeError):
-        return None
-    return meta
+        if _shards_complete(out_dir, meta["shards"], np.dtype(meta["dtype"]).itemsize):
+            return meta
+    except (QuillError, KeyError, TypeError):
+        pass
+    return None
 
 
-def _write_tokens(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, bar: tqdm) -> int:
-    """Encode `text` piece by piece straight into `path` (temp + rename); returns the token
-    count. Pieces are cut at safe points and encoded in parallel; memory stays at one group."""
-    chunks = text_chunks(text, CHUNK_CHARS, tok.safe_cut)
-    step = 2 * (os.cpu_count() or 1)
-    n = 0
-
-    def write(f: BinaryIO) -> None:
-        nonlocal n
-        for i in range(0, len(chunks), step):
-            group = chunks[i : i + step]
-            for ids in tok.encode_arrays(group):
-                ids.astype(dtype).tofile(f)
-                n += len(ids)
-            bar.update(sum(map(len, group)))
-
-    atomic_write(path, write)
-    return n
+@contextlib.contextmanager
+def _prepare_lock(out_dir: Path) -> Iterator[None]:
+    """One prepare per data.out_dir at a time; a second waits. Held, it also proves every temp
+    file of ours in the directory belongs to a writer that is gone."""
+    path = out_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise os_error(e, path, "write", "data.out_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
-def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> PreparedData:
-    """Tokenize the configured text into cfg.out_dir, unless meta.json shows it is up to date."""
-    t0 = time.perf_counter()
-    if cfg.tokenizer == "bpe":
-        token_dtype(cfg.bpe_vocab_size)  # fail before reading or training anything
-    source = source_path(cfg, progress)
-    raw = _read_bytes(source)
-    out_dir = Path(cfg.out_dir)
-    want = {
-        "source_sha256": hashlib.sha256(raw).hexdigest(),
-        "tokenizer_request": _tokenizer_request(cfg),
-        "val_fraction": cfg.val_fraction,
-    }
-    if not force and (meta := _up_to_date(out_dir, want)) is not None:
-        return PreparedData(out_dir, meta, rebuilt=False, seconds=time.perf_counter() - t0)
+def _remove_stale_temps(out_dir: Path) -> None:
+    """Temp files a killed prepare left (e.g. .train.bin.x1y2.tmp): only ours, only under the lock."""
+    for path in out_dir.iterdir():
+        if TEMP_FILE.fullmatch(path.name):
+            path.unlink(missing_ok=True)
 
-    text = _decode(raw, source)
-    tok = build_tokenizer(cfg.tokenizer, text, cfg.bpe_vocab_size)
-    if cfg.tokenizer not in TOKENIZER_NAMES and (unknown := tok.unknown_chars(text)):  # a saved char vocabulary
-        shown = ", ".join(f"{c!r} ×{k}" for c, k in list(unknown.items())[:5])
-        raise QuillError(
-            f"{source} has {len(unknown)} distinct character(s) the tokenizer {cfg.tokenizer} cannot "
-            f"encode ({shown}); use data.tokenizer=char to build a vocabulary from this text"
-        )
+
+def _plan(cfg: DataConfig, sources: list[Source], progress: bool) -> dict[str, Any]:
+    """Where val begins. Several documents: the last val_fraction of them (at least one, and at
+    least one left for train). One document (one text file): its last val_fraction of characters,
+    moved to the next place where the cut leaves the tokens unchanged."""
+    with tqdm(sources, desc="count documents", unit="file", disable=not progress, delay=1.0, leave=False) as bar:
+        records = [count_records(s) for s in bar]
+    total, where = sum(records), sources[0].path if len(sources) == 1 else cfg.path
+    if total >= 2:
+        n_val = min(total - 1, max(1, round(total * cfg.val_fraction)))
+        return {"records": records, "val_from": total - n_val, "split_at": None}
+    chars = count_chars(sources[records.index(1)], cfg.text_field) if total else 0
+    if chars == 0:
+        raise QuillError(f"{shown(where)} is empty: it needs some text to train on")
+    val_chars = max(1, round(chars * cfg.val_fraction))
+    if chars - val_chars < 1:
+        raise QuillError(f"{shown(where)} has only {chars} character(s): too short to split into train and val")
+    return {"records": records, "val_from": None, "split_at": chars - val_chars}
+
+
+def _pieces(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], anywhere: bool, start: dict | None = None) -> Iterator[Piece]:
+    return iter_pieces(
+        sources, cfg.text_field, plan["records"], plan["val_from"], plan["split_at"], PIECE_CHARS, anywhere, start
+    )
+
+
+def _learn_tokenizer(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], progress: bool) -> Tokenizer:
+    """The tokenizer: by name, from a file, or learned from the corpus (char: its characters;
+    bpe: merges from its first BPE_TRAIN_CHARS characters). A saved char vocabulary must cover
+    every character of the corpus."""
+    if cfg.tokenizer not in ("char", "bpe"):
+        tok = build_tokenizer(cfg.tokenizer)
+        if isinstance(tok, CharTokenizer):
+            unknown: collections.Counter[str] = collections.Counter()
+            for piece in _pieces(cfg, sources, plan, anywhere=True):
+                unknown.update(tok.unknown_chars(piece.text))
+            if unknown:
+                shown_chars = ", ".join(f"{c!r} ×{k}" for c, k in list(unknown.items())[:5])
+                raise QuillError(
+                    f"{shown(cfg.path or sources[0].path)} has {len(unknown)} distinct character(s) the tokenizer "
+                    f"{cfg.tokenizer} cannot encode ({shown_chars}); use data.tokenizer=char to build a vocabulary from this text"
+                )
+        return tok
+    bar = tqdm(desc=f"learn {cfg.tokenizer} tokenizer", unit="char", unit_scale=True, disable=not progress, delay=1.0, leave=False)
+    with bar:
+        if cfg.tokenizer == "char":
+            chars: set[str] = set()
+            for piece in _pieces(cfg, sources, plan, anywhere=True):
+                chars.update(piece.text)
+                bar.update(len(piece.text))
+            if not chars:
+                raise QuillError(f"{shown(cfg.path or sources[0].path)} holds no text (every document is empty)")
+            return CharTokenizer("".join(sorted(chars)))
+        texts, n = [], 0
+        for piece in _pieces(cfg, sources, plan, anywhere=False):
+            texts.append(piece.text[: BPE_TRAIN_CHARS - n])
+            n += len(texts[-1])
+            bar.update(len(texts[-1]))
+            if n >= BPE_TRAIN_CHARS:
+                break
+    return build_tokenizer("bpe", "".join(texts), cfg.bpe_vocab_size)
+
+
+def _workers(cfg: DataConfig, sources: list[Source]) -> int:
+    """data.workers, else every core the process may use; a small corpus stays in-process."""
+    if cfg.workers is not None:
+        return cfg.workers
+    if sum(s.size for s in sources) < IN_PROCESS_BYTES:
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _resumable(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
+    """The state a killed prepare of the same inputs left, when its finished shards are intact."""
+    try:
+        state = json.loads((out_dir / STATE_FILE).read_text(encoding="utf-8"))
+        itemsize = token_dtype(tokenizer_from_spec(state["tokenizer"]).vocab_size).itemsize
+        if state["want"] == want and _shards_complete(out_dir, state["shards"], itemsize):
+            return state
+    except (OSError, ValueError, KeyError, TypeError, QuillError):
+        pass
+    return None
+
+
+def _save_state(out_dir: Path, state: dict[str, Any]) -> None:
+    atomic_write_bytes(out_dir / STATE_FILE, json.dumps(state).encode("utf-8"))
+
+
+def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok: Tokenizer, out_dir: Path, progress: bool) -> None:
+    """Write the shards from state["cursor"] on, saving the state after each finished shard."""
+    start = state["cursor"]
     dtype = token_dtype(tok.vocab_size)
-    # Validation is the last val_fraction of the text; a tiktoken/BPE split moves to a nearby
-    # newline so the two halves tokenize exactly as the whole text would.
-    val_chars = max(1, round(len(text) * cfg.val_fraction))
-    if len(text) - val_chars < 1:
-        raise QuillError(f"{source} has only {len(text)} character(s): too short to split into train and val")
-    cut = tok.safe_cut(text, len(text) - val_chars, window=max(1, min(10_000, val_chars // 10)))
+    done = sum(s.size for s in sources[: start["source"]])
+    pieces = _pieces(cfg, sources, state["plan"], isinstance(tok, CharTokenizer), start)
+    results = encode_tasks(iter_tasks(pieces, TASK_CHARS, done), tok, dtype, _workers(cfg, sources))
+    total = sum(s.size for s in sources)
+    with tqdm(total=total, initial=done, desc="tokenize", unit="B", unit_scale=True, disable=not progress, delay=0.5) as bar:
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+        def on_shard(shards: dict[str, list], cursor: dict[str, Any] | None) -> None:
+            state["shards"], state["cursor"] = shards, cursor
+            _save_state(out_dir, state)
+
+        write_shards(results, out_dir, cfg.shard_tokens, state["shards"], start["skip_tokens"], on_shard, lambda t: bar.update(t.read_bytes))
+
+
+def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir: Path, force: bool, progress: bool) -> dict[str, Any]:
+    """Tokenize the corpus into shards, resuming a killed run of the same inputs; the manifest."""
+    state = None if force else _resumable(out_dir, want)
     (out_dir / "meta.json").unlink(missing_ok=True)  # a crash from here on must not look up to date
-    with tqdm(total=len(text), unit="char", unit_scale=True, desc="tokenize", disable=not progress, delay=0.5) as bar:
-        n_train = _write_tokens(tok, text[:cut], out_dir / "train.bin", dtype, bar)
-        n_val = _write_tokens(tok, text[cut:], out_dir / "val.bin", dtype, bar)
+    if state is None:
+        plan = _plan(cfg, sources, progress)
+        tok = _learn_tokenizer(cfg, sources, plan, progress)
+        cursor = {"source": 0, "record": 0, "piece": 0, "skip_tokens": 0}
+        state = {"want": want, "plan": plan, "tokenizer": tok.spec(), "shards": {}, "cursor": cursor}
+        _save_state(out_dir, state)
+    else:
+        tok = tokenizer_from_spec(state["tokenizer"])
+    if state["cursor"] is not None:
+        _tokenize(cfg, sources, state, tok, out_dir, progress)
+    shards = {split: state["shards"].get(split, []) for split in ("train", "val")}
+    tokens = {split: sum(s["tokens"] for s in shards[split]) for split in shards}
+    if not tokens["train"] or not tokens["val"]:
+        empty = "train" if not tokens["train"] else "val"
+        raise QuillError(
+            f"{shown(cfg.path or sources[0].path)} gives an empty {empty} split (data.val_fraction="
+            f"{cfg.val_fraction}): it needs more text, or more documents with text"
+        )
+    plan = state["plan"]
     meta = {
         **want,
-        "source": str(source),
-        "source_bytes": len(raw),
-        "train_chars": cut,
-        "val_chars": len(text) - cut,
-        "train_tokens": n_train,
-        "val_tokens": n_val,
+        "source": str(cfg.path or sources[0].path),
+        "source_bytes": sum(s.size for s in sources),
+        "documents": sum(plan["records"]),
+        "val_documents": 0 if plan["val_from"] is None else sum(plan["records"]) - plan["val_from"],
+        "train_tokens": tokens["train"],
+        "val_tokens": tokens["val"],
+        "shards": shards,
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
-        "dtype": dtype.name,
+        "dtype": token_dtype(tok.vocab_size).name,
         "tokenizer_name": tok.name,
         "tokenizer_fingerprint": tok.fingerprint(),
         "tokenizer": tok.spec(),
     }
     atomic_write_bytes(out_dir / "meta.json", dump_json(meta).encode("utf-8"))
-    return PreparedData(out_dir, meta, rebuilt=True, seconds=time.perf_counter() - t0)
+    (out_dir / STATE_FILE).unlink(missing_ok=True)
+    keep = {s["file"] for split in shards.values() for s in split}
+    for path in out_dir.iterdir():  # shards of an earlier, longer prepare
+        if SHARD_FILE.fullmatch(path.name) and path.name not in keep:
+            path.unlink()
+    return meta
+
+
+def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> PreparedData:
+    """Tokenize the configured corpus into token shards under cfg.out_dir, unless meta.json shows
+    they are up to date; a killed prepare of the same inputs resumes at its last finished shard."""
+    t0 = time.perf_counter()
+    if cfg.tokenizer == "bpe":
+        token_dtype(cfg.bpe_vocab_size)  # fail before reading or training anything
+    out_dir = probe_writable(cfg.out_dir, "data.out_dir")
+    sources = find_sources(cfg.path if cfg.path is not None else source_path(cfg, progress))
+    want = _want(cfg, sources)
+    with _prepare_lock(out_dir):
+        _remove_stale_temps(out_dir)
+        rebuilt = force or (meta := _up_to_date(out_dir, want)) is None
+        if rebuilt:
+            meta = _build(cfg, sources, want, out_dir, force, progress)
+    return PreparedData(out_dir, meta, rebuilt=rebuilt, seconds=time.perf_counter() - t0)
 
 
 def load_prepared(out_dir: str | Path) -> tuple[dict[str, Any], Tokenizer]:
@@ -270,25 +435,28 @@ def load_prepared(out_dir: str | Path) -> tuple[dict[str, Any], Tokenizer]:
         raise QuillError(f"{Path(out_dir) / 'meta.json'} has no tokenizer; rebuild it with `quill prepare --force`") from None
 
 
-def load_tokens(out_dir: str | Path, split: str) -> np.memmap:
-    """(N,) token ids of one split, memory-mapped read-only."""
+def load_tokens(out_dir: str | Path, split: str) -> np.memmap | ShardedTokens:
+    """(N,) token ids of one split, memory-mapped read-only: a memmap for one shard, else a
+    ShardedTokens over all of them (the same indexing)."""
     if split not in ("train", "val"):
         raise QuillError(f"split must be 'train' or 'val', got {split!r}")
     out_dir = Path(out_dir)
     meta = _read_meta(out_dir)
-    path = out_dir / f"{split}.bin"
+    rebuild = "rebuild it with `quill prepare --force`"
     try:
-        dtype, vocab_size, n = np.dtype(meta["dtype"]), int(meta["vocab_size"]), int(meta[f"{split}_tokens"])
+        dtype, vocab_size = np.dtype(meta["dtype"]), int(meta["vocab_size"])
+        shards = [(out_dir / Path(s["file"]).name, int(s["tokens"])) for s in _shard_list(meta, split)]
     except (KeyError, TypeError, ValueError):
-        raise QuillError(f"{out_dir / 'meta.json'} is incomplete; rebuild it with `quill prepare --force`") from None
+        raise QuillError(f"{out_dir / 'meta.json'} is incomplete; {rebuild}") from None
     if vocab_size > np.iinfo(dtype).max + 1:
-        raise QuillError(
-            f"{out_dir / 'meta.json'} says dtype {dtype.name}, too small for vocab_size {vocab_size}; "
-            "rebuild it with `quill prepare --force`"
-        )
-    if not path.is_file() or path.stat().st_size != n * dtype.itemsize:
-        raise QuillError(f"{path} is missing or not the {n} tokens meta.json expects; rebuild it with `quill prepare --force`")
-    return np.memmap(path, dtype=dtype, mode="r")
+        raise QuillError(f"{out_dir / 'meta.json'} says dtype {dtype.name}, too small for vocab_size {vocab_size}; {rebuild}")
+    for path, n in shards:
+        if not path.is_file() or path.stat().st_size != n * dtype.itemsize:
+            raise QuillError(f"{path} is missing or not the {n} tokens meta.json expects; {rebuild}")
+    if not shards:
+        raise QuillError(f"{out_dir / 'meta.json'} lists no {split} shards; {rebuild}")
+    parts = [np.memmap(path, dtype=dtype, mode="r") for path, _ in shards]
+    return parts[0] if len(parts) == 1 else ShardedTokens(parts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@ import hashlib
 import io
 import json
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,7 +58,10 @@ def test_prepare_char_from_config(tmp_path, shakespeare_path):
     meta, tok = load_prepared(result.out_dir)
     assert result.rebuilt and meta == result.meta
     assert meta["vocab_size"] == 65 and meta["dtype"] == "uint16" and meta["tokenizer"]["type"] == "char"
-    assert meta["source_sha256"] == hashlib.sha256(shakespeare_path.read_bytes()).hexdigest()
+    assert meta["sources"] == [{"path": str(shakespeare_path), "bytes": len(shakespeare_path.read_bytes()),
+                                "mtime_ns": os.stat(shakespeare_path).st_mtime_ns}]
+    assert meta["shards"] == {"train": [{"file": "train.bin", "tokens": len(text) - round(0.1 * len(text))}],
+                              "val": [{"file": "val.bin", "tokens": round(0.1 * len(text))}]}
     train, val = load_tokens(result.out_dir, "train"), load_tokens(result.out_dir, "val")
     assert train.dtype == np.uint16 and len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
     assert len(val) == round(0.1 * len(text))  # char: the split is exactly the last val_fraction
@@ -68,10 +73,12 @@ def test_prepare_gpt2_from_config_matches_plain_encoding(tmp_path, shakespeare_p
     cfg = data_cfg(tmp_path, path=str(shakespeare_path), tokenizer="gpt2", out_dir=str(tmp_path / "gpt2"))
     meta = prepare(cfg, progress=False).meta
     assert meta["vocab_size"] == 50257 and meta["eot_id"] == 50256 and meta["dtype"] == "uint16"
-    ids = np.concatenate([load_tokens(cfg.out_dir, "train"), load_tokens(cfg.out_dir, "val")])
-    # parallel chunks + the split at a newline = one plain encode of the whole text
-    assert ids.tolist() == build_tokenizer("gpt2").encode(text)
-    assert abs(meta["val_chars"] - 0.1 * len(text)) <= 1000 and text[meta["train_chars"] - 1] == "\n"
+    train, val = load_tokens(cfg.out_dir, "train"), load_tokens(cfg.out_dir, "val")
+    # the document starts with end-of-text; pieces + the split at a newline = one plain encode
+    tok = build_tokenizer("gpt2")
+    assert np.concatenate([train, val]).tolist() == [50256] + tok.encode(text)
+    val_text = tok.decode(val)
+    assert abs(len(val_text) - 0.1 * len(text)) <= 1000 and tok.decode(train).endswith("\n")
 
 
 def test_prepare_bpe_rebuilds_its_tokenizer_from_meta(tmp_path, small_text):
@@ -80,7 +87,9 @@ def test_prepare_bpe_rebuilds_its_tokenizer_from_meta(tmp_path, small_text):
     _, tok = load_prepared(cfg.out_dir)
     assert tok.vocab_size == meta["vocab_size"] == 300 and tok.fingerprint() == meta["tokenizer_fingerprint"]
     text = small_text.read_text(encoding="utf-8")
-    assert tok.decode(load_tokens(cfg.out_dir, "train")) + tok.decode(load_tokens(cfg.out_dir, "val")) == text
+    train = load_tokens(cfg.out_dir, "train")
+    assert train[0] == tok.eot_id == 299  # the empty prompt's start token is in the training data
+    assert tok.decode(train[1:]) + tok.decode(load_tokens(cfg.out_dir, "val")) == text
 
 
 def test_prepare_is_idempotent_and_rebuilds_on_any_change(tmp_path, small_text):
@@ -97,7 +106,7 @@ def test_prepare_is_idempotent_and_rebuilds_on_any_change(tmp_path, small_text):
     with open(small_text, "a", encoding="utf-8") as f:
         f.write("\nA new line of text.\n")
     result = prepare(load_config(cfg_file, ["data.tokenizer=gpt2"]).data, progress=False)
-    assert result.rebuilt and result.meta["source_sha256"] == hashlib.sha256(small_text.read_bytes()).hexdigest()
+    assert result.rebuilt and result.meta["sources"][0]["bytes"] == small_text.stat().st_size
     (out / "val.bin").unlink()  # a damaged output is rebuilt, not trusted
     assert prepare(load_config(cfg_file, ["data.tokenizer=gpt2"]).data, progress=False).rebuilt
     assert not list(out.glob("*.tmp"))
@@ -121,7 +130,7 @@ def test_download_file_url_once_then_reuse(tmp_path, small_text, monkeypatch):
     cfg = data_cfg(tmp_path, url=src.as_uri(), sha256=sha, out_dir="data/remote_char")
     result = prepare(cfg, progress=False)
     dest = tmp_path / "data" / "downloads" / "remote.txt"
-    assert dest.read_bytes() == src.read_bytes() and result.meta["source_sha256"] == sha
+    assert dest.read_bytes() == src.read_bytes() and result.meta["sources"][0]["path"] == str(Path("data/downloads/remote.txt"))
     src.unlink()  # the second run must not need the "network"
     assert not prepare(cfg, progress=False).rebuilt
     assert not list(dest.parent.glob("*.part"))
@@ -181,9 +190,8 @@ def test_file_smaller_than_a_block_fails_when_the_sampler_is_built(tmp_path):
 
 def test_vocab_too_big_for_the_dtype(tmp_path, small_text):
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
-    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="bpe", bpe_vocab_size=2**32 + 1, out_dir=str(tmp_path / "o"))
     with pytest.raises(QuillError, match="does not fit uint32"):
-        prepare(cfg, progress=False)
+        token_dtype(2**32 + 1)
     cfg = data_cfg(tmp_path, path=str(small_text), out_dir=str(tmp_path / "o"))
     prepare(cfg, progress=False)
     meta_path = tmp_path / "o" / "meta.json"
@@ -286,3 +294,147 @@ def test_cli_prepare(tmp_path, small_text, capsys):
     assert run_cli(["prepare", "--config", str(cfg_file), f"data.path={tmp_path / 'gone.txt'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: data file not found") and err.count("\n") == 1
+
+
+# --- corpora of many files, shards, resume ---------------------------------------------------
+
+
+def make_corpus(root, text):
+    """Documents cut from `text` in four files: jsonl, jsonl.gz, parquet (2 row groups), txt.zst."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    docs = [text[i : i + 900 + 37 * (i % 11)] for i in range(0, 24_000, 1000)]
+    root.mkdir()
+    with open(root / "a.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[:8])
+    with gzip.open(root / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d, "url": "x"}) + "\n" for d in docs[8:16])
+    pq.write_table(pa.table({"text": docs[16:23]}), root / "c.parquet", row_group_size=4)
+    (root / "d.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(docs[23].encode()))
+    return docs
+
+
+def split_stream(out_dir):
+    return load_tokens(out_dir, "train"), load_tokens(out_dir, "val")
+
+
+def test_many_files_give_the_stream_of_each_document_whole(tmp_path, small_text):
+    docs = make_corpus(tmp_path / "corpus", small_text.read_text(encoding="utf-8"))
+    gpt2 = build_tokenizer("gpt2")
+    expected = [[gpt2.eot_id] + gpt2.encode(d) for d in docs]  # end-of-text before every document
+    n_val = round(0.1 * len(docs))
+    cfg = data_cfg(tmp_path, path=str(tmp_path / "corpus"), tokenizer="gpt2", out_dir=str(tmp_path / "o"),
+                   shard_tokens=1024, workers=2)
+    meta = prepare(cfg, progress=False).meta
+    train, val = split_stream(cfg.out_dir)
+    assert np.asarray(train).tolist() == sum(expected[:-n_val], []) and val.tolist() == sum(expected[-n_val:], [])
+    assert meta["documents"] == 24 and meta["val_documents"] == n_val and len(meta["sources"]) == 4
+    assert [s["tokens"] for s in meta["shards"]["train"]][:-1] == [1024] * (len(meta["shards"]["train"]) - 1)
+    assert meta["shards"]["train"][1]["file"] == "train-000001.bin" and type(train).__name__ == "ShardedTokens"
+    # one process, one shard per split: the same ids
+    cfg1 = data_cfg(tmp_path, path=str(tmp_path / "corpus"), tokenizer="gpt2", out_dir=str(tmp_path / "one"), workers=1)
+    meta1 = prepare(cfg1, progress=False).meta
+    assert [s["file"] for s in meta1["shards"]["train"]] == ["train.bin"]
+    assert np.array_equal(load_tokens(cfg1.out_dir, "train"), np.asarray(train))
+    # char: no end-of-text id, documents follow each other as they are
+    cfgc = data_cfg(tmp_path, path=str(tmp_path / "corpus" / "*.jsonl*"), out_dir=str(tmp_path / "c"), shard_tokens=1024)
+    metac, tok = prepare(cfgc, progress=False).meta, None
+    _, tok = load_prepared(cfgc.out_dir)
+    assert tok.eot_id is None and metac["documents"] == 16
+    assert tok.decode(np.concatenate(split_stream(cfgc.out_dir))) == "".join(docs[:16])
+
+
+def test_sharded_tokens_index_like_one_array(tmp_path, small_text):
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="gpt2", out_dir=str(tmp_path / "o"), shard_tokens=1024)
+    prepare(cfg, progress=False)
+    train = load_tokens(cfg.out_dir, "train")
+    whole = np.asarray(train)
+    assert len(train.parts) > 4 and len(train) == len(whole)
+    starts = np.array([0, 1000, 1020, 3000, len(whole) - 17])  # some windows cross shard boundaries
+    for a, b in zip(batch_from_starts(train, starts, 16), batch_from_starts(whole, starts, 16)):
+        assert torch.equal(a, b)
+    assert train[1020:1030].tolist() == whole[1020:1030].tolist() and train[-1] == whole[-1]
+    x1, _ = BatchSampler(train, 32, 8, seed=5).next()
+    assert torch.equal(x1, BatchSampler(whole, 32, 8, seed=5).next()[0])
+
+
+def test_killed_prepare_resumes_at_its_last_shard(tmp_path, small_text, monkeypatch):
+    import quillgpt.data as data
+    import quillgpt.shards as shards
+
+    monkeypatch.setattr(data, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(data, "TASK_CHARS", 2000)  # ~500 ids a task: a resume re-tokenizes one
+
+    def cfg(out):
+        return data_cfg(tmp_path, path=str(small_text), tokenizer="gpt2", out_dir=str(tmp_path / out), shard_tokens=1024)
+
+    prepare(cfg("whole"), progress=False)
+    out = tmp_path / "killed"
+    real, calls = shards.atomic_write, []
+
+    def dies_in_the_fourth_shard(path, write):
+        calls.append(path.name)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # what a kill looks like to the files: 3 shards done, 1 half written
+        real(path, write)
+
+    monkeypatch.setattr(shards, "atomic_write", dies_in_the_fourth_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg("killed"), progress=False)
+    monkeypatch.setattr(shards, "atomic_write", real)
+    (out / ".train-000003.bin.k1ll3d.tmp").write_bytes(b"\0" * 999)  # what kill -9 leaves behind
+    (out / ".train.bin.old.tmp").write_bytes(b"\0" * 9)
+    (out / ".notes.tmp").write_bytes(b"the user's")
+    before = {n: os.stat(out / n).st_mtime_ns for n in ("train.bin", "train-000001.bin", "train-000002.bin")}
+    assert not (out / "meta.json").exists()
+    monkeypatch.setattr(shards, "encode_task", counting := CountingEncode(shards.encode_task))
+    result = prepare(cfg("killed"), progress=False)
+    assert result.rebuilt and {n: os.stat(out / n).st_mtime_ns for n in before} == before  # not rewritten
+    assert counting.chars < 0.95 * len(small_text.read_text())  # the finished shards were not tokenized again
+    for split in ("train", "val"):
+        assert np.array_equal(np.asarray(load_tokens(out, split)), np.asarray(load_tokens(tmp_path / "whole", split)))
+    assert result.meta == json.loads((tmp_path / "whole" / "meta.json").read_text()) | {"sources": result.meta["sources"]}
+    assert sorted(p.name for p in out.glob(".*")) == [".notes.tmp", ".prepare.lock"]  # stale temps gone, not the user's
+
+
+class CountingEncode:
+    def __init__(self, encode):
+        self.encode, self.chars = encode, 0
+
+    def __call__(self, tok, pieces, *args, **kwargs):
+        self.chars += sum(map(len, pieces))
+        return self.encode(tok, pieces, *args, **kwargs)
+
+
+def test_old_meta_without_shards_still_loads(tmp_path, small_text):
+    cfg = data_cfg(tmp_path, path=str(small_text), out_dir=str(tmp_path / "o"))
+    meta = prepare(cfg, progress=False).meta
+    old = {k: v for k, v in meta.items() if k not in ("shards", "format")}
+    (tmp_path / "o" / "meta.json").write_text(json.dumps(old))
+    assert len(load_tokens(tmp_path / "o", "val")) == meta["val_tokens"]
+    assert prepare(cfg, progress=False).rebuilt  # an old layout is rebuilt once
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.path=/proc/self/mem", "cannot read data.path /proc/self/mem: Input/output error"),
+    ("data.path={tmp}/" + "n" * 300, "cannot read data.path .*File name too long"),
+    ("data.path={tmp}/empty_dir", "holds no .txt, .jsonl or .parquet files"),
+    ("data.out_dir=/proc/x", "data.out_dir /proc/x is not writable"),
+    ("data.path={tmp}/bad.jsonl", r"bad.jsonl line 2 is not a JSON object"),
+    ("data.path={tmp}/nofield.jsonl", r"nofield.jsonl line 1 has no 'text' field"),
+    ("data.path={tmp}/blank.jsonl", "blank.jsonl holds no text"),
+    ("data.path={tmp}/blank.jsonl data.tokenizer=gpt2", "blank.jsonl gives an empty train split"),
+])
+def test_unreadable_corpus_or_unwritable_out_dir_is_one_line(tmp_path, small_text, capsys, override, message):
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
+    (tmp_path / "nofield.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n\n{"text": ""}\n')
+    cfg_file = write_config(tmp_path, path=str(small_text), out_dir=str(tmp_path / "o"))
+    assert run_cli(["prepare", "--config", str(cfg_file), *override.format(tmp=tmp_path).split()]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
