@@ -121,13 +121,16 @@ def attend(
 
 
 class KVCache:
-    """Preallocated keys/values of every layer: (n_layer, B, kv_heads, capacity, head_dim) each.
+    """Static keys/values of every layer: (n_layer, rows, kv_heads, capacity, head_dim) each.
 
-    Tokens are written in order into slot `n % capacity` (a ring buffer), with their positions
-    kept per row in `pos` so the shared attention rule masks what a query may not see. With
-    capacity ≥ the attention span (min(window, block_size), the default) the ring drops only keys
-    no query can see any more, so memory stays bounded however long generation runs. A smaller
-    capacity is allowed as long as it never has to drop a key (ValueError otherwise).
+    A token at position p of a row is written by index into slot p % capacity of that row, and
+    `pos` (rows, capacity) keeps the position each slot holds, so the shared attention rule masks
+    what a query may not see. With capacity ≥ the attention span (min(window, block_size), the
+    default) a slot is only overwritten by a position `capacity` later, when no query can see the
+    old key any more: a ring, exact however long generation runs, and the shapes never change
+    (a one-token step attends over the whole buffer with a mask). Rows are independent: each has
+    its own positions, and `reset(row)` forgets one row. A smaller capacity is allowed as long as
+    it never has to drop a visible key (ValueError otherwise).
     """
 
     def __init__(
@@ -141,63 +144,80 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.full((batch_size, capacity), EMPTY_POS, device=device, dtype=torch.long)
         self.capacity, self.span = capacity, span
-        self.seen = 0  # tokens written since the last reset (all rows advance together)
-        self._start, self._len, self._slots = 0, 0, None  # the current forward's write plan
+        self.seen = 0  # tokens written by forwards with default positions (all rows together)
+        self.empty = True  # nothing written since the last full reset: a forward needs no old keys
+        self._slots: Tensor | None = None  # the current forward's write plan (see plan)
+        self._first, self._fresh, self._inplace = 0, True, False
 
     @property
     def nbytes(self) -> int:
         """Bytes held by keys and values (the per-row positions add batch·capacity·8 more)."""
         return self.k.nbytes + self.v.nbytes
 
-    def reset(self) -> None:
-        """Forget every token (the buffers are reused, not reallocated)."""
-        self.pos.fill_(EMPTY_POS)
-        self.seen = 0
+    def reset(self, row: int | None = None) -> None:
+        """Forget every token, or one row's (the buffers are reused, not reallocated)."""
+        if row is None:
+            self.pos.fill_(EMPTY_POS)
+            self.seen, self.empty = 0, True
+        else:
+            self.pos[row].fill_(EMPTY_POS)
+
+    def fresh_row(self, row: int) -> KVCache:
+        """Forget one row and return a one-row view of it whose writes land in this cache (to
+        prefill one row of many while the others keep their tokens)."""
+        self.reset(row)
+        view = KVCache.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        view.k, view.v, view.pos = self.k[:, row : row + 1], self.v[:, row : row + 1], self.pos[row : row + 1]
+        view.seen, view.empty = 0, True
+        return view
 
     def plan(self, pos: Tensor) -> Tensor:
         """Start a forward of T new tokens at positions (B, T): record them, return key positions.
 
-        Three cases: append without wrapping; one token into the oldest ring slot; or several
-        tokens past the end, which attend over [cache, new] before the ring keeps the last ones.
+        One token: written in place, the keys are the whole buffer. Several: they attend over
+        [old keys, new keys] (only the new ones when the cache is empty), then the last
+        min(T, capacity) of them are written to their slots (distinct: consecutive positions).
+        Negative (padding) positions may only start a row, never follow its real tokens.
         """
         pos = pos.expand(self.pos.shape[0], -1)  # (B, T)
-        T, start = pos.shape[1], self.seen
-        if self.capacity < self.span and start + T > self.capacity:
+        T = pos.shape[1]
+        if self.capacity < self.span and int(pos.max()) >= self.capacity:
             raise ValueError(
-                f"KV cache of capacity {self.capacity} is full ({start} + {T} tokens) and would drop "
+                f"KV cache of capacity {self.capacity} is full (position {int(pos.max())}) and would drop "
                 f"keys still within the attention span ({self.span}); make it larger or reset it"
             )
-        self._start, self._len, self.seen = start, T, start + T
-        if start + T <= self.capacity:
-            self.pos[:, start : start + T] = pos
-            return self.pos[:, : start + T]
-        if T == 1:
-            self.pos[:, start % self.capacity] = pos[:, 0]
-            return self.pos
-        key_pos = torch.cat([self.pos, pos], dim=1)  # (B, capacity + T)
-        m = min(T, self.capacity)  # only the last `capacity` new tokens survive
-        self._slots = torch.arange(start + T - m, start + T, device=pos.device) % self.capacity
-        self.pos.index_copy_(1, self._slots, pos[:, T - m :])
-        return key_pos
+        m = min(T, self.capacity)
+        self._first, self._slots = T - m, pos[:, T - m :] % self.capacity  # (B, m)
+        self._fresh, self._inplace = self.empty, T == 1 and not self.empty
+        key_pos = pos if self._fresh or self._inplace else torch.cat([self.pos, pos], dim=1)  # (B, [cap +] T)
+        self.pos.scatter_(1, self._slots, pos[:, T - m :])
+        self.seen, self.empty = self.seen + T, False
+        return self.pos if self._inplace else key_pos
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this layer's new k, v (B, KV, T, hd); return the keys/values to attend over."""
-        start, T, ks, vs = self._start, self._len, self.k[layer], self.v[layer]
-        if start + T <= self.capacity:
-            ks[:, :, start : start + T] = k
-            vs[:, :, start : start + T] = v
-            return ks[:, :, : start + T], vs[:, :, : start + T]
-        if T == 1:
-            slot = start % self.capacity
-            ks[:, :, slot] = k[:, :, 0]
-            vs[:, :, slot] = v[:, :, 0]
-            return ks, vs
-        k_all = torch.cat([ks, k.to(ks.dtype)], dim=2)  # copies first, so the writes below are safe
-        v_all = torch.cat([vs, v.to(vs.dtype)], dim=2)
-        m = min(T, self.capacity)
-        ks.index_copy_(2, self._slots, k[:, :, T - m :].to(ks.dtype))
-        vs.index_copy_(2, self._slots, v[:, :, T - m :].to(vs.dtype))
+        """Store this layer's new k, v (B, KV, T, hd) as planned; return the keys/values to attend
+        over, in the order of `plan`'s key positions."""
+        ks, vs, slots, first = self.k[layer], self.v[layer], self._slots, self._first
+        if self._inplace:
+            return self.write(layer, k, v, slots[:, 0])
+        k_all = k if self._fresh else torch.cat([ks, k.to(ks.dtype)], dim=2)  # copies before the writes
+        v_all = v if self._fresh else torch.cat([vs, v.to(vs.dtype)], dim=2)
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1) with slots (B, m)
+        ks[rows, :, slots] = k[:, :, first:].transpose(1, 2).to(ks.dtype)  # (B, m, KV, hd)
+        vs[rows, :, slots] = v[:, :, first:].transpose(1, 2).to(vs.dtype)
         return k_all, v_all
+
+    def write(
+        self, layer: int, k: Tensor, v: Tensor, slots: Tensor, n_keys: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """One new token per row, k, v (B, KV, 1, hd), into slots (B,): the decode step's fixed-shape
+        write. Returns the (B, KV, n_keys or capacity, hd) buffers to attend over."""
+        ks, vs = self.k[layer], self.v[layer]
+        rows = torch.arange(k.shape[0], device=k.device)
+        ks[rows, :, slots] = k[:, :, 0].to(ks.dtype)  # (B, KV, hd) per (row, slot)
+        vs[rows, :, slots] = v[:, :, 0].to(vs.dtype)
+        return ks[:, :, :n_keys], vs[:, :, :n_keys]
 
 
 class CausalSelfAttention(nn.Module):
@@ -224,10 +244,14 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         need_weights: bool = False,
+        slots: Tensor | None = None,
+        n_keys: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, T, C) → (B, T, C) and the attention weights when need_weights.
 
         rope: cos/sin for these tokens; mask: (B, 1, T, S) from `attention_mask`, None = causal.
+        slots (B,): the decode step's one token per row goes to these cache slots (no plan), and
+        attends over the first n_keys slots (None: all; fixed shapes for a compiled step).
         """
         B, T, _ = x.shape
         H, KV, hd = self.n_head, self.kv_heads, self.head_dim
@@ -238,7 +262,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, KV, S, hd)
+            k, v = cache.update(layer, k, v) if slots is None else cache.write(layer, k, v, slots, n_keys)
             if k.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
         dropout_p = self.dropout if self.training else 0.0

@@ -89,10 +89,8 @@ def load_checkpoint(
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"it would call {unsafe.group(1)}" if unsafe else str(e).splitlines()[0][:120]
         raise QuillError(
-            f"{shown_path} was refused: loading it needs code execution, which is unsafe ({what}); "
+            f"{shown_path} was refused: loading it needs code execution, which is unsafe ({refused_call(e)}); "
             "only load checkpoints written by quill"
         ) from None
     except Exception as e:  # noqa: BLE001 — damaged bytes fail in torch.load with many types
@@ -104,6 +102,12 @@ def load_checkpoint(
         )
     check_state(state, shown_path, require)
     return state
+
+
+def refused_call(e: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, in a few words: 'it would call posix.system'."""
+    unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))
+    return f"it would call {unsafe.group(1)}" if unsafe else (str(e).splitlines() or ["unsafe content"])[0][:120]
 
 
 def _verify_zip(path: Path, damaged: str) -> None:

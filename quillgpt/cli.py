@@ -115,6 +115,7 @@ def sample_cmd(
     num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
     no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decode step (default: only where it measured faster: CUDA)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: autocast and KV-cache dtype."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
@@ -132,36 +133,33 @@ def sample_cmd(
     import torch
 
     from quillgpt.checkpoint import load_run
-    from quillgpt.perf import resolve_device
+    from quillgpt.config import SampleConfig
     from quillgpt.generate import Generation
+    from quillgpt.perf import resolve_device
 
     text = _sample_prompt(prompt, prompt_file)
     if num_samples < 1:
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    stops = [_unescape(s) for s in stop or []]
+    flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                 repetition_penalty=repetition_penalty, seed=seed)
+    stops = tuple(_unescape(s) for s in stop or [])
+    _sample_params(SampleConfig(), flags, stops)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device))
-    sc = run.config.sample
-    settings = dict(
-        max_new_tokens=sc.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        temperature=sc.temperature if temperature is None else temperature,
-        top_k=sc.top_k if top_k is None else (top_k or None),
-        top_p=sc.top_p if top_p is None else top_p,
-        min_p=sc.min_p if min_p is None else min_p,
-        repetition_penalty=sc.repetition_penalty if repetition_penalty is None else repetition_penalty,
-        seed=sc.seed if seed is None else seed,
-    )
+    params = _sample_params(run.config.sample, flags, stops)
     gen = Generation(
-        run.model, run.tokenizer, [text] * num_samples, stop=stops, use_cache=not no_kv_cache,
-        dtype=getattr(torch, dtype), **settings,
+        run.model, run.tokenizer, [text] * num_samples, params=params, use_cache=not no_kv_cache,
+        dtype=getattr(torch, dtype), compile=compile,
     )
+    settings = {k: getattr(params, k) for k in flags}
     out = sys.stdout
     try:
         if as_json:
             for _ in gen:
                 pass
-            settings.update(stop=stops, kv_cache=not no_kv_cache, device=str(run.model.lm_head.weight.device), dtype=dtype)
+            settings.update(stop=list(stops), kv_cache=not no_kv_cache, compiled=gen.compiled,
+                            device=str(run.model.lm_head.weight.device), dtype=dtype)
             out.write(json.dumps({
                 "checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
                 "settings": settings, "stats": gen.stats.to_dict(),
@@ -187,7 +185,8 @@ def sample_cmd(
         os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return
     if not quiet:
-        how = f"{'kv cache' if not no_kv_cache else 'no kv cache'}, {run.model.lm_head.weight.device.type}, {dtype}"
+        how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
+        how = f"{how}, {run.model.lm_head.weight.device.type}, {dtype}"
         print(f"{gen.stats.line()} ({how})", file=sys.stderr)
 
 
@@ -322,6 +321,20 @@ def export_hf_cmd(
 
     done = export_hf(run, out, which=which, force=force)
     print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
+
+
+def _sample_params(sc, flags: dict, stops: tuple[str, ...]):
+    """The run's `sample:` settings with the flags that were given (--top-k 0 = no limit) and the
+    stop strings, as SamplingParams; a bad value is named by its flag."""
+    from quillgpt.sampling import InvalidParam, SamplingParams
+
+    values = {k: getattr(sc, k) if v is None else v for k, v in flags.items()}
+    if flags["top_k"] == 0:
+        values["top_k"] = None
+    try:
+        return SamplingParams(**values, stop=stops)
+    except InvalidParam as e:
+        raise QuillError(e.message("--" + e.param.replace("_", "-"))) from None
 
 
 def _sample_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:

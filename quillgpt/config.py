@@ -238,7 +238,7 @@ class TrainConfig:
 
 @dataclass
 class SampleConfig:
-    """Defaults for `quill sample`; command-line flags override them."""
+    """Defaults for `quill sample`: SamplingParams' fields (no stop strings); flags override them."""
 
     max_new_tokens: int = 500
     temperature: float = 0.8  # 0 = greedy
@@ -246,42 +246,19 @@ class SampleConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int = 1337
+    seed: int | None = 1337
 
     def validate(self) -> None:
-        validate_sampling(
-            self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
-            self.max_new_tokens, prefix="sample.",
-        )
+        self.params()
 
+    def params(self):  # -> quillgpt.sampling.SamplingParams (imported lazily: config stays torch-free)
+        """These settings as SamplingParams, validated there; a bad value names sample.<key>."""
+        from quillgpt.sampling import InvalidParam, SamplingParams
 
-def validate_sampling(
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
-    min_p: float,
-    repetition_penalty: float,
-    max_new_tokens: int,
-    prefix: str = "--",
-) -> None:
-    """Shared by the config section and the CLI flags so both say the same thing."""
-    dash = prefix == "--"
-
-    def name(key: str) -> str:
-        return prefix + (key.replace("_", "-") if dash else key)
-
-    if temperature < 0:
-        raise QuillError(f"{name('temperature')} must be ≥ 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise QuillError(f"{name('top_k')} must be at least 1, got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise QuillError(f"{name('top_p')} must be in (0, 1], got {top_p}")
-    if not 0.0 <= min_p < 1.0:
-        raise QuillError(f"{name('min_p')} must be in [0, 1), got {min_p}")
-    if repetition_penalty <= 0:
-        raise QuillError(f"{name('repetition_penalty')} must be > 0 (1 = off), got {repetition_penalty}")
-    if max_new_tokens < 0:
-        raise QuillError(f"{name('max_new_tokens')} must be ≥ 0, got {max_new_tokens}")
+        try:
+            return SamplingParams(**asdict(self))
+        except InvalidParam as e:
+            raise QuillError(e.message("sample." + e.param)) from None
 
 
 @dataclass

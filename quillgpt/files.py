@@ -99,19 +99,38 @@ def read_text(path: str | Path, what: str = "file", hint: str = "", limit: int |
         raise QuillError(f"{what} {shown(path)} is not UTF-8 text (invalid byte at offset {e.start})") from None
 
 
-def probe_writable(directory: str | Path, what: str = "output directory") -> Path:
+def probe_writable(directory: str | Path, what: str = "output directory", create: bool = True) -> Path:
     """Create `directory` if needed and prove a file can be written there, before long work starts.
 
     Uses an unnamed temp file: nothing to clean up after a kill, no clash with another process.
+    With create=False a missing directory is not made: its nearest existing parent is probed
+    instead, and the names still to be made are checked for length (a failed command leaves nothing).
     """
     directory = Path(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory) as probe:
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory if create else _existing_parent(directory)) as probe:
             probe.write(b"ok")
             probe.flush()
     except OSError as e:
         raise QuillError(f"{what} {shown(directory)} is not writable ({e.strerror}); choose another directory") from None
+    return directory
+
+
+def _existing_parent(directory: Path) -> Path:
+    """The nearest directory of `directory`'s ancestry (itself included) that exists; raises
+    the OSError mkdir would for a name too long or a parent that is a file."""
+    missing = []
+    while not os.path.isdir(directory):
+        if os.path.lexists(directory):
+            raise NotADirectoryError(20, "Not a directory")
+        missing.append(directory.name)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    if any(len(name.encode()) > 255 for name in missing):
+        raise OSError(36, "File name too long")
     return directory
 
 

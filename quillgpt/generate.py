@@ -1,15 +1,15 @@
-"""Token generation: an iterator over new tokens, with a KV cache or by recomputing.
+"""Token generation over the engine, with the recompute path as the plain reference, and text
+on top of tokens.
 
-`generate_tokens` yields one (B,) tensor of next tokens per step; decoding text, stop strings and
-streaming belong to the caller. Each logit transform is a small pure function so it can be
-tested on hand-computed cases. Prompts of different lengths are left-padded into one batch
-(pad tokens get negative positions and are never attended to), so a row's tokens are the same
-alone or in a batch.
+`generate_tokens` yields one (B,) tensor of next tokens per step for a batch of prompts: with the
+KV cache it runs the engine (quillgpt/engine.py: each prompt its own row, prefilled alone, rows
+decoded together); with `use_cache=False` it recomputes every step from the tokens (the
+reference the engine is tested against). Both draw row i's tokens with its own generator, seeded
+seed + i, so a row's tokens are the same alone or in a batch, cached or not.
 
-Past block_size (the semantics of model.py, identical with and without the cache):
+Past block_size (the semantics of model.py, the same in both paths):
 * learned positions: the context is the last block_size tokens, positions 0..block_size-1
-  (nanoGPT). The cache is refilled from that window at each such step, so these steps cost
-  as much as recomputing.
+  (nanoGPT); the engine refills that row of the cache from them at each such step.
 * RoPE: absolute positions, each layer attending to the last min(window, block_size) positions.
   The cache rolls; recomputing feeds the last n_layer·(span-1)+1 tokens — the receptive field of
   the last token through n_layer banded layers — which gives exactly the same logits. (Feeding
@@ -19,15 +19,17 @@ Past block_size (the semantics of model.py, identical with and without the cache
 Text on top of tokens: `TextStream` turns one row's token ids into printable text (an incremental
 UTF-8 decoder, so a character split across BPE tokens is printed whole, and `StopStrings`, which
 works on the decoded text, so a stop string may span tokens). `Generation` runs a batch of text
-prompts through `generate_tokens` with one TextStream per row; `stream_text` and
-`generate_text` are its two everyday forms, and `quill sample` is a thin shell over it.
+prompts through the engine with one TextStream per row; `stream_text` and `generate_text` are its
+two everyday forms, and `quill sample` is a thin shell over it.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,176 +37,120 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from quillgpt.config import validate_sampling
+from quillgpt.engine import Engine, check_prompt
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
+from quillgpt.sampling import SamplingParams, row_generator, sample_rows
 from quillgpt.tokenizer import Tokenizer
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """CTRL/HF penalty on tokens already in the row (seen: (B, V) bool): a positive logit is
-    divided by `penalty`, a negative one multiplied, so penalty > 1 always makes them less likely."""
-    if penalty == 1.0:
-        return logits
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
-
-
-def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
-    """Sharpen (< 1) or flatten (> 1) the distribution; temperature 0 is handled as argmax."""
-    return logits / temperature
-
-
-def apply_top_k(logits: Tensor, k: int | None) -> Tensor:
-    """Keep the k largest logits per row (and any tied with the k-th); the rest become -inf."""
-    if k is None or k >= logits.size(-1):
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def apply_top_p(logits: Tensor, p: float) -> Tensor:
-    """Nucleus: keep the most likely tokens until their probability reaches p (at least one)."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
-    drop_sorted = mass_before >= p
-    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
-    """Drop tokens less likely than min_p × the most likely token's probability."""
-    if min_p <= 0.0:
-        return logits
-    probs = logits.softmax(dim=-1)
-    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-
-
-def sample_next(
-    logits: Tensor,
-    *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """(B, V) logits → (B,) tokens: argmax at temperature 0, else a draw after the filters."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    logits = apply_temperature(logits, temperature)
-    logits = apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+def row_params(params: SamplingParams, row: int) -> SamplingParams:
+    """Row i of a batch samples with seed + i: distinct samples, each repeatable alone."""
+    if params.seed is None or row == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + row)
 
 
 def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
     if not prompts:
         raise QuillError("no prompts given: pass at least one prompt")
     for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise QuillError(f"prompt {i} is empty: it needs at least one token to continue from")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise QuillError(
-                f"prompt {i} has token id {bad[0]} outside the model's vocabulary (0..{vocab_size - 1}); "
-                "was it encoded with the model's own tokenizer?"
-            )
+        check_prompt(p, vocab_size, what=f"prompt {i}")
+
+
+def make_params(params: SamplingParams | None = None, **settings: Any) -> SamplingParams:
+    """`params`, with any of its fields given as keyword arguments replaced (validated)."""
+    params = params or SamplingParams()
+    return dataclasses.replace(params, **settings) if settings else params
 
 
 @torch.inference_mode()
 def generate_tokens(
     model: GPT,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    generator: torch.Generator | None = None,
+    params: SamplingParams | None = None,
     use_cache: bool = True,
     stop_ids: Iterable[int] | None = None,
     dtype: torch.dtype | None = None,
+    compile: bool | None = None,
+    **settings: Any,
 ) -> Iterator[Tensor]:
     """Yield (B,) int64 tensors: each step's next token for every prompt.
 
-    temperature 0 = greedy. With `stop_ids`, a row that has produced one of them keeps yielding
-    that same id, and iteration ends once every row has stopped (the stop tokens are yielded).
-    `dtype` (e.g. torch.bfloat16): run the forward passes under autocast to it and keep the KV
-    cache in it (half the memory); None = the model's own dtype, no autocast.
+    Sampling: `params`, or SamplingParams fields as keywords (temperature=0 = greedy, seed, ...).
+    With `stop_ids`, a row that has produced one of them keeps yielding that same id, and
+    iteration ends once every row has stopped (the stop tokens are yielded). `dtype` (e.g.
+    torch.bfloat16): forward passes under autocast to it and the KV cache in it; None = the
+    model's own dtype. `compile`: the engine's compiled decode (None: where it pays).
     The model must be in eval mode (dropout off).
     """
+    if max_new_tokens is not None:
+        settings["max_new_tokens"] = max_new_tokens
+    params = make_params(params, **settings)
     if model.training:
         raise ValueError("call model.eval() before generating: dropout would make tokens random")
-    validate_sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens)
-    cfg = model.config
-    _check_prompts(prompts, cfg.vocab_size)
-    device, param_dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-    amp = contextlib.nullcontext()
-    if dtype is not None and dtype != param_dtype:
-        amp = torch.autocast(device_type=device.type, dtype=dtype)
-    B, lengths = len(prompts), [len(p) for p in prompts]
-    W = max(lengths)
-    seq = torch.zeros(B, W + max_new_tokens, dtype=torch.long, device=device)  # left-padded tokens
-    for r, p in enumerate(prompts):
-        seq[r, W - len(p) : W] = torch.tensor(p, dtype=torch.long)
-    n_pad = torch.tensor([W - n for n in lengths], device=device)  # (B,)
-    max_pad = W - min(lengths)
+    _check_prompts(prompts, model.config.vocab_size)
+    if params.max_new_tokens == 0:
+        return
+    stop = frozenset(stop_ids or ())
+    steps = _engine_steps if use_cache else _recompute_steps
+    yield from steps(model, prompts, params, stop, dtype, compile)
 
+
+def _engine_steps(model, prompts, params, stop, dtype, compile) -> Iterator[Tensor]:
+    engine = Engine(model, len(prompts), dtype=dtype, compile=compile)
+    first = [engine.add(p, row_params(params, i), stop) for i, p in enumerate(prompts)]
+    last = [t.token for t in first]  # a stopped row repeats its stop id
+    yield torch.tensor(last, device=model.lm_head.weight.device)
+    for _ in range(params.max_new_tokens - 1):
+        if not engine.active_rows():
+            return
+        for t in engine.step():
+            last[t.row] = t.token
+        yield torch.tensor(last, device=model.lm_head.weight.device)
+
+
+def _recompute_steps(model, prompts, params, stop, dtype, compile) -> Iterator[Tensor]:
+    """The plain reference: every step a forward over each row's context, left-padded."""
+    cfg, device = model.config, model.lm_head.weight.device
+    amp = contextlib.nullcontext()
+    if dtype is not None and dtype != model.lm_head.weight.dtype:
+        amp = torch.autocast(device_type=device.type, dtype=dtype)
+    learned = cfg.pos == "learned" and getattr(cfg, "attention", "causal") != "infini"
+    context = cfg.block_size if learned else cfg.n_layer * (model.span - 1) + 1
+    rows = [row_params(params, i) for i in range(len(prompts))]
+    gens = [row_generator(p, device) for p in rows]
+    ctx = [deque(p, maxlen=context) for p in prompts]  # bounded: never the whole requested length
+    total = [len(p) for p in prompts]
     seen = None  # (B, V) which tokens each row contains, for the repetition penalty
-    if repetition_penalty != 1.0:
-        seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(len(prompts), cfg.vocab_size, dtype=torch.bool, device=device)
         for r, p in enumerate(prompts):
             seen[r, p] = True
-    stop = torch.tensor(sorted(set(stop_ids)), device=device) if stop_ids else None
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    stopped_with = torch.zeros(B, dtype=torch.long, device=device)
-
-    learned = cfg.pos == "learned"
-    # tokens that decide the next logits: the crop window (learned) or the receptive field (RoPE)
-    context = cfg.block_size if learned else cfg.n_layer * (model.span - 1) + 1
-    cache = model.make_cache(B, dtype=dtype) if use_cache else None
-    w = W  # filled columns of seq
-    for step in range(max_new_tokens):
-        c = max(0, w - context)  # first column of the context
-        if cache is not None and step > 0 and not (learned and c > 0):
-            a = w - 1  # decode: only the newest token, the cache holds the rest
-        else:
-            a = c  # recompute, first prefill, or learned-position refill after a crop
-            if cache is not None:
-                cache.reset()
-        cols = torch.arange(a, w, device=device)
-        if learned:  # positions restart at the crop; pad tokens are negative
-            pos = (cols - c)[None, :] - (n_pad - c).clamp(min=0)[:, None]
-            default_pos = max_pad <= c
-        else:  # RoPE: absolute positions within each row
-            pos = cols[None, :] - n_pad[:, None]
-            default_pos = max_pad == 0 and c == 0
-        if cache is None and default_pos:
-            pos = None  # plain 0..T-1: lets the model take the is_causal fast path
+    done: list[int | None] = [None] * len(prompts)  # the stop id a row ended with
+    for _ in range(params.max_new_tokens):
+        W = max(len(c) for c in ctx)
+        idx = torch.zeros(len(ctx), W, dtype=torch.long)
+        pos = torch.zeros(len(ctx), W, dtype=torch.long)
+        for r, c in enumerate(ctx):  # left padding: pad tokens get negative positions
+            idx[r, W - len(c) :] = torch.tensor(list(c))
+            first = 0 if learned else total[r] - len(c)  # RoPE keeps absolute positions
+            pos[r] = torch.arange(W) - (W - len(c)) + first
+        plain = bool((pos == torch.arange(W)).all())  # 0..W-1 everywhere: sdpa's causal fast path
         with amp:
-            logits, _ = model(seq[:, a:w], pos=pos, cache=cache)
-        logits = logits[:, -1, :].float()  # (B, V)
-        if seen is not None:
-            logits = apply_repetition_penalty(logits, seen, repetition_penalty)
-        nxt = sample_next(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator
-        )
-        if stop is not None:
-            nxt = torch.where(done, stopped_with, nxt)
-            newly = torch.isin(nxt, stop) & ~done
-            stopped_with = torch.where(newly, nxt, stopped_with)
-            done |= newly
-        if seen is not None:
-            seen[torch.arange(B, device=device), nxt] = True
-        seq[:, w] = nxt
-        w += 1
-        yield nxt
-        if stop is not None and bool(done.all()):
+            logits, _ = model(idx.to(device), pos=None if plain else pos.to(device))
+        nxt = sample_rows(logits[:, -1].float(), rows, gens, seen).tolist()
+        for r, t in enumerate(nxt):
+            t = done[r] if done[r] is not None else t
+            if t in stop:
+                done[r] = t
+            ctx[r].append(t)
+            total[r] += 1
+            nxt[r] = t
+        yield torch.tensor(nxt, device=device)
+        if stop and all(d is not None for d in done):
             return
 
 
@@ -351,10 +297,11 @@ class Generation:
 
     Iterate (once) for each step's new text of every row: a list with one string per row, ""
     while a row holds text back or has ended. A row ends at max_new_tokens, at the tokenizer's
-    end-of-text token, or at the first of `stop` (neither is included). Afterwards `texts` holds
-    each row's completion and `stats` its counts and timings. Prompts of different lengths are
-    batched with left padding and give the same tokens as alone. `seed` makes sampling
-    repeatable (greedy needs none); `dtype` as in generate_tokens.
+    end-of-text token, or at the first of its stop strings (neither is included); an ended row
+    leaves the engine at once. Afterwards `texts` holds each row's completion and `stats` its
+    counts and timings. Sampling: `params` and/or SamplingParams fields as keywords (row i
+    samples with seed + i); `use_cache=False` recomputes (the reference); `dtype`, `compile` as
+    in generate_tokens.
     """
 
     def __init__(
@@ -362,78 +309,93 @@ class Generation:
         model: GPT,
         tokenizer: Tokenizer,
         prompts: list[str],
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: Iterable[str] = (),
+        params: SamplingParams | None = None,
         use_cache: bool = True,
         dtype: torch.dtype | None = None,
+        compile: bool | None = None,
+        **settings: Any,
     ) -> None:
-        validate_sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens)
+        if max_new_tokens is not None:
+            settings["max_new_tokens"] = max_new_tokens
+        self.params = make_params(params, **settings)
         self.model, self.tokenizer = model, tokenizer
         self.prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
         _check_prompts(self.prompt_ids, model.config.vocab_size)
-        self.max_new_tokens = max_new_tokens
-        self.sampling = dict(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, use_cache=use_cache, dtype=dtype,
-        )
-        self.seed = seed
-        self.streams = [TextStream(tokenizer, stop) for _ in prompts]
+        self.use_cache, self.dtype, self.compile = use_cache, dtype, compile
+        self.streams = [TextStream(tokenizer, self.params.stop) for _ in prompts]
         self.stats = GenerationStats(prompt_tokens=[len(p) for p in self.prompt_ids])
+        self._engine: Engine | None = None
 
     @property
     def texts(self) -> list[str]:
         return [s.text for s in self.streams]
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the engine ran its decode step compiled (known once iteration has started)."""
+        return self._engine is not None and self._engine.compiled
+
+    def _token_steps(self) -> Iterator[list[int | None]]:
+        """Each step's new token per row (None: the row has left the engine)."""
+        eot = [] if self.tokenizer.eot_id is None else [self.tokenizer.eot_id]
+        if not self.use_cache:
+            for ids in generate_tokens(self.model, self.prompt_ids, params=self.params, use_cache=False,
+                                       stop_ids=eot, dtype=self.dtype):
+                yield ids.tolist()
+            return
+        if self.params.max_new_tokens == 0:
+            return
+        engine = self._engine = Engine(self.model, len(self.prompt_ids), dtype=self.dtype, compile=self.compile)
+        yield [engine.add(p, row_params(self.params, i), eot).token for i, p in enumerate(self.prompt_ids)]
+        while engine.active_rows():
+            out: list[int | None] = [None] * len(self.prompt_ids)
+            for t in engine.step():
+                out[t.row] = t.token
+            yield out
+
     def __iter__(self) -> Iterator[list[str]]:
-        device = self.model.lm_head.weight.device
-        generator = None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
-        eot = self.tokenizer.eot_id
-        steps = generate_tokens(
-            self.model, self.prompt_ids, self.max_new_tokens, generator=generator,
-            stop_ids=None if eot is None else [eot], **self.sampling,
-        )
-        stats, streams = self.stats, self.streams
+        stats, streams, eot = self.stats, self.streams, self.tokenizer.eot_id
         stats.new_tokens, stats.finish = [0] * len(streams), ["length"] * len(streams)
+        steps = self._token_steps()
         try:
             while not all(s.done for s in streams):
                 t0 = time.perf_counter()
                 ids = next(steps, None)
-                ids = None if ids is None else ids.tolist()  # .tolist() waits for the device
                 stats.total_s += time.perf_counter() - t0
                 if ids is None:
                     break
                 if stats.steps == 0:
                     stats.prefill_ms = 1000 * stats.total_s
                 stats.steps += 1
-                pieces = []
-                for r, (stream, t) in enumerate(zip(streams, ids)):
-                    if stream.done:
-                        pieces.append("")
-                        continue
-                    stats.new_tokens[r] += 1
-                    if t == eot:
-                        stats.finish[r] = "eot"
-                        pieces.append(stream.finish())
-                    else:
-                        pieces.append(stream.push(t))
-                        if stream.stopped:
-                            stats.finish[r] = "stop"
-                yield pieces
+                yield [self._push(r, t, eot) for r, t in enumerate(ids)]
         finally:
             steps.close()
         last = [s.finish() for s in streams]  # rows that ran to max_new_tokens
         if any(last):
             yield last
 
+    def _push(self, r: int, token: int | None, eot: int | None) -> str:
+        """Row r's new token → its new text; a row that ends here leaves the engine."""
+        stream, stats = self.streams[r], self.stats
+        if stream.done or token is None:
+            return ""
+        stats.new_tokens[r] += 1
+        if token == eot:
+            stats.finish[r] = "eot"
+            return stream.finish()
+        piece = stream.push(token)
+        if stream.stopped:
+            stats.finish[r] = "stop"
+            if self._engine is not None:
+                self._engine.release(r)
+        return piece
 
-def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 200, **kwargs: Any) -> Iterator[str]:
+
+def stream_text(
+    model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int | None = None, **kwargs: Any
+) -> Iterator[str]:
     """Yield the continuation of one prompt as it is generated (keyword arguments: Generation's).
 
         for piece in stream_text(run.model, run.tokenizer, "ROMEO:", 100, temperature=0.8, seed=1):
@@ -445,7 +407,7 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: i
 
 
 def generate_text(
-    model: GPT, tokenizer: Tokenizer, prompts: str | list[str], max_new_tokens: int = 200, **kwargs: Any
+    model: GPT, tokenizer: Tokenizer, prompts: str | list[str], max_new_tokens: int | None = None, **kwargs: Any
 ) -> tuple[list[str], GenerationStats]:
     """Continuations of one or more prompts (generated together in one batch), and the stats."""
     gen = Generation(model, tokenizer, [prompts] if isinstance(prompts, str) else prompts, max_new_tokens, **kwargs)

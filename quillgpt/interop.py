@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pickle
 import re
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.config import Config, ModelConfig, save_config
+from quillgpt.config import Config, ModelConfig, config_from_dict, save_config, shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, atomic_write_text
+from quillgpt.files import atomic_write_bytes, atomic_write_text, os_error, probe_writable, read_text, shown
 from quillgpt.model import GPT
 from quillgpt.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 
@@ -52,6 +52,10 @@ HUB_WEIGHTS = (  # what import-hf fetches from the Hub: safetensors first, else 
     ["config.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*-of-*.bin"],
 )
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
+# What import-hf writes or removes in --out, and what export-hf writes: either refuses without
+# --force when any one of them is already there.
+RUN_FILES = (ckpt.LATEST, ckpt.BEST, "config.yaml", "tokenizer.json", "metrics.jsonl")
+HF_FILES = ("config.json", "model.safetensors", "generation_config.json", QUILL_TOKENIZER)
 
 
 @dataclass
@@ -79,13 +83,13 @@ def hf_to_model_config(hf: dict[str, Any], source: str = "config.json") -> Model
     """A GPT-2 config.json → quill ModelConfig; anything quill cannot run exactly is refused."""
     if hf.get("model_type", "gpt2") != "gpt2":
         raise QuillError(
-            f"{source}: model_type is {hf['model_type']!r}, not 'gpt2'; import-hf reads GPT-2 "
+            f"{source}: model_type is {shown_value(hf['model_type'])}, not 'gpt2'; import-hf reads GPT-2 "
             "(GPT2LMHeadModel) checkpoints only"
         )
     c = {**GPT2_DEFAULTS, **{k: v for k, v in hf.items() if k in GPT2_DEFAULTS and (v is not None or k == "n_inner")}}
     problems = []
     if c["activation_function"] not in GELU_TANH:
-        problems.append(f"activation_function={c['activation_function']!r} (quill's MLP is the tanh GELU, gelu_new)")
+        problems.append(f"activation_function={shown_value(c['activation_function'])} (quill's MLP is the tanh GELU, gelu_new)")
     if not c["scale_attn_weights"]:
         problems.append("scale_attn_weights=false (quill always scales attention by 1/√head_dim)")
     if c["scale_attn_by_inverse_layer_idx"]:
@@ -95,19 +99,22 @@ def hf_to_model_config(hf: dict[str, Any], source: str = "config.json") -> Model
     # reorder_and_upcast_attn only changes rounding (the same formula in fp32), so it imports as is.
     if problems:
         raise QuillError(f"cannot import {source}: quill has no equivalent of " + "; ".join(problems))
+    n_inner = c["n_inner"]
+    model = {  # quill key ← config.json value, typed, bounded and validated like a config file's
+        "vocab_size": c["vocab_size"], "block_size": c["n_positions"], "n_layer": c["n_layer"],
+        "n_head": c["n_head"], "n_kv_head": None, "n_embd": c["n_embd"], "dropout": 0.0, "bias": True,
+        "pos": "learned", "norm": "layernorm", "norm_eps": c["layer_norm_epsilon"], "mlp": "gelu",
+        "mlp_hidden": None if n_inner is None or _is_int(n_inner) and _is_int(c["n_embd"]) and n_inner == 4 * c["n_embd"] else n_inner,
+        "window": None, "tie_embeddings": c["tie_word_embeddings"], "attn_impl": "sdpa",
+    }
     try:
-        n_embd, n_inner = int(c["n_embd"]), c["n_inner"]
-        cfg = ModelConfig(
-            vocab_size=int(c["vocab_size"]), block_size=int(c["n_positions"]), n_layer=int(c["n_layer"]),
-            n_head=int(c["n_head"]), n_kv_head=None, n_embd=n_embd, dropout=0.0, bias=True, pos="learned",
-            norm="layernorm", norm_eps=float(c["layer_norm_epsilon"]), mlp="gelu",
-            mlp_hidden=None if n_inner is None or int(n_inner) == 4 * n_embd else int(n_inner),
-            window=None, tie_embeddings=bool(c["tie_word_embeddings"]), attn_impl="sdpa",
-        )
-        cfg.validate()
-    except (TypeError, ValueError, QuillError) as e:
-        raise QuillError(f"cannot import {source}: {e}") from None
-    return cfg
+        return config_from_dict({"model": model}).model
+    except QuillError as e:
+        raise QuillError(f"cannot import {source}: {e} (from its GPT-2 keys n_positions, n_embd, n_inner, ...)") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def gpt2_incompatibilities(cfg: ModelConfig) -> list[str]:
@@ -172,6 +179,8 @@ def hf_to_quill_state(hf_state: dict[str, Tensor], cfg: ModelConfig) -> dict[str
         name = key.removeprefix("transformer.")
         if MASK_BUFFER.fullmatch(name):
             continue
+        if not t.is_floating_point():
+            raise QuillError(f"weight {key[:100]} is a {t.dtype} tensor; GPT-2 weights are floating point")
         if name == "lm_head.weight":
             head = t
             continue
@@ -183,27 +192,13 @@ def hf_to_quill_state(hf_state: dict[str, Tensor], cfg: ModelConfig) -> dict[str
             state["lm_head.weight"] = wte  # one tensor under both names, as in the tied model
     elif head is not None:
         state["lm_head.weight"] = head.float()
-    _check_against_model(state, cfg)
-    return state
-
-
-def _check_against_model(state: dict[str, Tensor], cfg: ModelConfig) -> None:
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        expected = GPT(cfg).state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [f"{k} {tuple(state[k].shape)} ≠ {tuple(v.shape)}" for k, v in expected.items()
-             if k in state and state[k].shape != v.shape]
-    problems = []
-    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
-        if items:
-            more = f" and {len(items) - 4} more" if len(items) > 4 else ""
-            problems.append(f"{label}: {', '.join(items[:4])}{more}")
+    problems = ckpt.weight_mismatches(state, cfg)
     if problems:
         raise QuillError(
-            "the weights do not match a GPT-2 of this config.json (" + "; ".join(problems) + "); "
+            f"the weights do not match a GPT-2 of this config.json ({problems}); "
             "is it a GPT2LMHeadModel checkpoint with its own config.json?"
         )
+    return state
 
 
 def quill_to_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
@@ -226,16 +221,12 @@ def quill_to_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, T
 def load_hf_weights(src: Path) -> dict[str, Tensor]:
     """The tensors of an HF model directory: model.safetensors, else pytorch_model.bin (sharded or not)."""
     for name, loader in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
-        if (src / name).is_file():
+        if os.path.isfile(src / name):
             return loader(src / name)
         index = src / f"{name}.index.json"
-        if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                raise QuillError(f"{index} is not a valid shard index ({e})") from None
+        if os.path.isfile(index):
             tensors: dict[str, Tensor] = {}
-            for shard in shards:
+            for shard in _shard_names(index):
                 tensors.update(loader(src / shard))
             return tensors
     raise QuillError(
@@ -244,31 +235,51 @@ def load_hf_weights(src: Path) -> dict[str, Tensor]:
     )
 
 
-def _load_safetensors(path: Path) -> dict[str, Tensor]:
-    st = _require("safetensors")
-    st_torch = _require("safetensors.torch")
-    if not path.is_file():
-        raise QuillError(f"{path} is missing (named in the shard index)")
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an *.index.json names: plain file names beside it, never a path elsewhere."""
     try:
-        return st_torch.load_file(path, device="cpu")
-    except (st.SafetensorError, OSError) as e:
-        raise QuillError(f"{path} is not a readable safetensors file ({e}); download it again") from None
+        weight_map = json.loads(read_text(index, "shard index", limit=1 << 26))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise QuillError(f"{shown(index)} is not a valid shard index ({type(e).__name__}: {str(e)[:100]})") from None
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise QuillError(f"{shown(index)} names the shard {shown_value(shard)}; shards must be files beside it")
+    return shards
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    st_torch = _require("safetensors.torch")
+    if not os.path.isfile(path):
+        raise QuillError(f"{shown(path)} is missing (named in the shard index)")
+    try:
+        return _checked_tensors(st_torch.load_file(path, device="cpu"), path)
+    except QuillError:
+        raise
+    except Exception as e:  # noqa: BLE001 — SafetensorError, OSError, and whatever a crafted header raises
+        raise QuillError(f"{shown(path)} is not a readable safetensors file ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:100]}); download it again") from None
 
 
 def _load_bin(path: Path) -> dict[str, Tensor]:
-    if not path.is_file():
-        raise QuillError(f"{path} is missing (named in the shard index)")
+    if not os.path.isfile(path):
+        raise QuillError(f"{shown(path)} is missing (named in the shard index)")
     try:
         tensors = torch.load(path, map_location="cpu", weights_only=True)  # never runs code
     except pickle.UnpicklingError as e:
         raise QuillError(
-            f"{path} was refused: loading it would run code ({str(e).splitlines()[0][:120]}); "
-            "use the model's model.safetensors instead"
+            f"{shown(path)} was refused: loading it needs code execution, which is unsafe "
+            f"({ckpt.refused_call(e)}); use the model's model.safetensors instead"
         ) from None
-    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
-        raise QuillError(f"{path} is not a readable PyTorch weights file ({str(e).splitlines()[0][:100]})") from None
-    if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
-        raise QuillError(f"{path} is not a state dict of tensors")
+    except Exception as e:  # noqa: BLE001 — damaged bytes fail in torch.load with many types
+        raise QuillError(f"{shown(path)} is not a readable PyTorch weights file "
+                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]})") from None
+    return _checked_tensors(tensors, path)
+
+
+def _checked_tensors(tensors: Any, path: Path) -> dict[str, Tensor]:
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(t, Tensor) for k, t in tensors.items()):
+        raise QuillError(f"{shown(path)} is not a state dict (names → tensors); is it a GPT-2 weights file?")
     return tensors
 
 
@@ -279,13 +290,13 @@ def resolve_source(src: str | Path) -> Path:
     """A local HF model directory, or a hub name (gpt2, gpt2-medium, openai-community/gpt2)
     resolved from huggingface_hub's cache, downloading when online."""
     path = Path(src)
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise QuillError(f"{path} is not a Hugging Face model directory (no config.json in it)")
+    if os.path.exists(path):  # os.path: False, not an OSError, for a name too long to exist
+        if not os.path.isfile(path / "config.json"):
+            raise QuillError(f"{shown(path)} is not a Hugging Face model directory (no config.json in it)")
         return path
     name = str(src)
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
-        raise QuillError(f"{name} not found: pass a local model directory or a hub name such as gpt2")
+    if not re.fullmatch(r"[\w.-]{1,96}(/[\w.-]{1,96})?", name):  # the Hub's repo id rules
+        raise QuillError(f"{shown(name)} not found: pass a local model directory or a hub name such as gpt2")
     hub = _require("huggingface_hub")
     errors = _require("huggingface_hub.errors")
     try:
@@ -312,15 +323,23 @@ def resolve_source(src: str | Path) -> Path:
 
 
 def _check_out_dir(out_dir: Path, ours: tuple[str, ...], force: bool, what: str) -> None:
-    existing = [n for n in ours if (out_dir / n).exists()]
+    """Before any long work: --out must be a writable directory holding none of the files this
+    command writes or removes (any one of them is someone's work), unless --force."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise QuillError(f"--out {shown(out_dir)} is a file; pass a directory")
+    existing = [n for n in ours if os.path.lexists(out_dir / n)]  # os.path: no OSError for odd names
     if existing and not force:
         raise QuillError(
-            f"{out_dir} already holds {what} ({', '.join(existing)}); choose another --out or pass --force to overwrite"
+            f"--out {shown(out_dir)} already holds {what} ({', '.join(existing)}); choose another --out or pass --force to overwrite"
         )
+    probe_writable(out_dir, "--out", create=False)  # made when the files are written: a failure leaves nothing
+
+
+def _make_out_dir(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise QuillError(f"cannot create {out_dir} ({e.strerror})") from None
+        raise os_error(e, out_dir, "create", "--out") from None
 
 
 # --- the two directions -----------------------------------------------------------------------
@@ -332,13 +351,16 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     The run (config.yaml, tokenizer.json, ckpt.pt) works with quill sample/eval and as
     train.init_from. The tokenizer is tiktoken's gpt2, or the one export-hf saved beside the weights.
     """
-    path, out_dir = resolve_source(src), Path(out_dir)
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, RUN_FILES, force, "a quill run's files")
+    path = resolve_source(src)
     try:
-        hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise QuillError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+        hf_config = json.loads(read_text(path / "config.json", "config.json", limit=1 << 24))
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
+        raise QuillError(f"{shown(path / 'config.json')} is not valid JSON ({why})") from None
     if not isinstance(hf_config, dict):
-        raise QuillError(f"{path / 'config.json'} must be a JSON object")
+        raise QuillError(f"{shown(path / 'config.json')} must be a JSON object")
     model_cfg = hf_to_model_config(hf_config, str(path / "config.json"))
     tokenizer = _source_tokenizer(path)
     if model_cfg.vocab_size < tokenizer.vocab_size:
@@ -347,8 +369,9 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
             f"ids of its tokenizer ({tokenizer.name}); import-hf needs a model with GPT-2's vocabulary"
         )
     state = hf_to_quill_state(load_hf_weights(path), model_cfg)
+    ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
 
-    _check_out_dir(out_dir, (ckpt.LATEST, ckpt.BEST), force, "a quill run")
+    _make_out_dir(out_dir)
     cfg = Config(model=model_cfg)
     tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
     cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")
@@ -357,7 +380,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
     save_config(cfg, out_dir / "config.yaml")
     save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-    for stale in (ckpt.BEST, "metrics.jsonl"):  # with --force: not this model's
+    for stale in (ckpt.BEST, "metrics.jsonl"):  # only with --force (checked above): not this model's
         (out_dir / stale).unlink(missing_ok=True)
     ckpt.save_checkpoint(
         {"model": state, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": 0,
@@ -368,7 +391,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
 
 
 def _source_tokenizer(path: Path) -> Tokenizer:
-    if (path / QUILL_TOKENIZER).is_file():
+    if os.path.isfile(path / QUILL_TOKENIZER):
         return load_tokenizer(path / QUILL_TOKENIZER)
     return build_tokenizer("gpt2")
 
@@ -380,15 +403,17 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     end-of-text id) and quill_tokenizer.json; `GPT2LMHeadModel.from_pretrained(out_dir)` loads it.
     """
     st_torch = _require("safetensors.torch")
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, HF_FILES, force, "a model's files")
     loaded = ckpt.load_run(run, which=which)
-    cfg, out_dir = loaded.config.model, Path(out_dir)
+    cfg = loaded.config.model
     problems = gpt2_incompatibilities(cfg)
     if problems:
         raise QuillError(f"cannot export {loaded.path} to GPT-2: " + "; ".join(problems))
     tensors = quill_to_hf_state(loaded.model.state_dict(), cfg)
     eot = loaded.tokenizer.eot_id
 
-    _check_out_dir(out_dir, ("config.json", "model.safetensors"), force, "a model")
+    _make_out_dir(out_dir)
     atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
     _write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
     generation = out_dir / "generation_config.json"

@@ -140,6 +140,29 @@ class GPT(nn.Module):
         # only the last position's logits when sampling: skips most of the big head matmul
         return self.lm_head(x if all_logits else x[:, -1:, :]), None
 
+    def decode(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None = None) -> Tensor:
+        """One new token per row: idx, pos (R,) → next-token logits (R, V); each row's keys and
+        values go to its cache slot pos % capacity and it attends over the cache with the shared
+        mask rule. Fixed shapes, no host syncs, no checks (what the engine runs, and compiles): the
+        caller keeps positions valid (learned: < block_size). n_keys: attend over the first n_keys
+        slots only (they must hold every visible key; None = all, the compiled step's shape)."""
+        cfg, R = self.config, idx.shape[0]
+        slots = pos % cache.capacity  # (R,)
+        cache.pos[torch.arange(R, device=idx.device), slots] = pos
+        mask = attention_mask(pos[:, None], cache.pos[:, :n_keys], self.span)  # (R, 1, 1, S)
+        mask = mask_to_bias(mask, self.lm_head.weight.dtype)
+        x = self.transformer.wte(idx)[:, None]  # (R, 1, C)
+        rope = None
+        if cfg.pos == "learned":
+            x = x + self.transformer.wpe(pos)[:, None]
+        else:
+            cos, sin = rope_cos_sin(pos[:, None], cfg.head_dim, cfg.rope_theta)  # (R, 1, hd)
+            dt = self.rope_cos.dtype
+            rope = (cos[:, None].to(dt), sin[:, None].to(dt))  # (R, 1, 1, hd): over heads
+        for i, block in enumerate(self.transformer.h):
+            x, _ = block(x, rope=rope, mask=mask, cache=cache, layer=i, slots=slots, n_keys=n_keys)
+        return self.lm_head(self.transformer.ln_f(x[:, 0]))  # (R, V)
+
     @torch.no_grad()
     def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:
         """Per layer, the (B, n_head, T, T) softmax weights of the explicit math path."""
@@ -166,6 +189,12 @@ class GPT(nn.Module):
         elif cache is not None or T > self.span:
             start = cache.seen if cache is not None else 0
             pos = torch.arange(start, start + T, device=idx.device)[None]  # (1, T): one mask row for all
+        if cfg.pos == "learned" and pos is not None and not infini and int(pos.max()) >= cfg.block_size:
+            raise ValueError(
+                f"position {int(pos.max())} is past block_size {cfg.block_size}: learned positions stop at "
+                f"{cfg.block_size - 1}; crop the context to its last {cfg.block_size} tokens and refill the "
+                "cache from them (the engine and generate_tokens do)"
+            )
         # pos None now means the plain causal case: sdpa's is_causal fast path, no mask tensor
         mask = None
         if pos is not None and not infini:

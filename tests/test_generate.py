@@ -1,5 +1,5 @@
-"""Logit transforms on hand-computed cases; generation with the KV cache = recompute = the
-definition (per row, unpadded), past block_size too; seeded sampling; stop ids; bad input.
+"""Generation with the KV cache (the engine) = recompute = the definition (per row, unpadded),
+past block_size too; seeded sampling (row i: seed + i); stop ids; bad input.
 Text layer: stop strings across token boundaries, UTF-8 streaming of characters split across
 GPT-2 tokens, batched text = text alone, empty prompts, stats."""
 
@@ -14,18 +14,13 @@ from quillgpt.generate import (
     Generation,
     StopStrings,
     TextStream,
-    apply_min_p,
-    apply_repetition_penalty,
-    apply_temperature,
-    apply_top_k,
-    apply_top_p,
     encode_prompt,
     generate_text,
     generate_tokens,
-    sample_next,
     stream_text,
 )
 from quillgpt.model import GPT
+from quillgpt.sampling import apply_repetition_penalty
 from quillgpt.tokenizer import CharTokenizer, build_tokenizer
 from support import BLOCK, V, VARIANTS
 
@@ -49,59 +44,6 @@ def random_model(variant: str = "mha-learned", seed: int = 0) -> GPT:
 def run(model, prompts, n, **kw) -> list[list[int]]:
     steps = list(generate_tokens(model, prompts, n, **kw))
     return torch.stack(steps, dim=1).tolist() if steps else [[] for _ in prompts]
-
-
-# --- logit transforms ---------------------------------------------------------------------------
-
-
-def test_repetition_penalty():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    seen = torch.tensor([[True, True, False, False]])
-    assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -2.0, 0.5, 3.0]]
-    assert apply_repetition_penalty(logits, seen, 1.0) is logits
-
-
-def test_temperature():
-    assert apply_temperature(torch.tensor([[2.0, -1.0]]), 0.5).tolist() == [[4.0, -2.0]]
-
-
-def test_top_k():
-    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [5.0, 2.0, 2.0, 1.0]])
-    assert apply_top_k(logits, 2).tolist() == [[-INF, 3.0, 2.0, -INF], [5.0, 2.0, 2.0, -INF]]  # ties kept
-    assert apply_top_k(logits, 1).tolist() == [[-INF, 3.0, -INF, -INF], [5.0, -INF, -INF, -INF]]
-    assert apply_top_k(logits, 4) is logits and apply_top_k(logits, None) is logits
-
-
-def test_top_p():
-    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])  # sorted: 0.5, 0.3, 0.15, 0.05
-    logits = probs.log()
-    kept = lambda p: torch.isfinite(apply_top_p(logits, p)).int().tolist()
-    assert kept(0.45) == [[0, 1, 0, 0]]
-    assert kept(0.7) == [[0, 1, 0, 1]]
-    assert kept(0.85) == [[1, 1, 0, 1]]
-    assert kept(0.99) == [[1, 1, 1, 1]]
-    assert apply_top_p(logits, 1.0) is logits
-    torch.testing.assert_close(apply_top_p(logits, 0.7)[0, [1, 3]], logits[0, [1, 3]])
-
-
-def test_min_p():
-    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
-    kept = lambda m: torch.isfinite(apply_min_p(logits, m)).int().tolist()
-    assert kept(0.2) == [[1, 1, 0, 1]]  # threshold 0.1
-    assert kept(0.5) == [[0, 1, 0, 1]]  # threshold 0.25
-    assert apply_min_p(logits, 0.0) is logits
-
-
-def test_sample_next():
-    logits = torch.tensor([[0.7, 0.2, 0.1]]).log().expand(4000, 3)
-    assert (sample_next(logits) == 0).all()  # temperature 0: argmax
-    draw = lambda seed, **kw: sample_next(logits, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)
-    assert (draw(0, top_k=1) == 0).all()
-    assert torch.equal(draw(0), draw(0)) and not torch.equal(draw(0), draw(1))
-    freq = torch.bincount(draw(0), minlength=3) / 4000
-    assert freq.tolist() == pytest.approx([0.7, 0.2, 0.1], abs=0.03)
-    nucleus = torch.bincount(draw(0, top_p=0.75), minlength=3) / 4000  # keeps 0.7 and 0.2
-    assert nucleus.tolist() == pytest.approx([0.7 / 0.9, 0.2 / 0.9, 0.0], abs=0.03)
 
 
 # --- generation ---------------------------------------------------------------------------------
@@ -142,11 +84,12 @@ def test_repetition_penalty_covers_prompt_and_generated_tokens():
 def test_seeded_sampling_is_reproducible_with_and_without_cache(variant):
     model = random_model(variant)
     kw = dict(temperature=1.0, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.2)
-    sample = lambda seed, **more: run(model, PROMPTS, 30, generator=torch.Generator().manual_seed(seed), **kw, **more)
+    sample = lambda seed, **more: run(model, PROMPTS, 30, seed=seed, **kw, **more)
     first = sample(7)
     assert sample(7) == first
     assert sample(7, use_cache=False) == first
     assert sample(8) != first
+    assert run(model, PROMPTS[1:2], 30, seed=8, **kw) == first[1:2]  # row i: seed + i, as alone
 
 
 def test_stop_ids_end_rows_and_then_iteration():
@@ -330,5 +273,5 @@ def test_generation_stats_and_zero_tokens():
     assert st.total_s > 0 and st.prefill_ms > 0 and st.tokens_per_s == pytest.approx(24 / st.total_s)
     assert "24 new tokens" in st.line() and "prompts 2/5 tokens" in st.line()
     assert generate_text(model, tok, "ab", 0)[0] == [""]
-    with pytest.raises(QuillError, match="top-p"):
+    with pytest.raises(QuillError, match="top_p"):
         Generation(model, tok, ["ab"], 5, top_p=0.0)

@@ -217,7 +217,12 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path, change, message):
     (dict(vocab_size=1000), "vocab_size=1000, fewer than the 50257 ids"),
     (dict(n_layer=3), r"missing: transformer\.h\.2\."),  # config.json and weights disagree
     (dict(n_head=5), r"n_embd \(64\) must be divisible by model.n_head \(5\)"),
-    (dict(n_embd="wide"), "invalid literal"),
+    (dict(n_embd="wide"), "model.n_embd must be int, got 'wide'"),
+    (dict(n_embd=float("inf")), "model.n_embd must be int, got inf"),  # json.dumps writes Infinity
+    (dict(n_layer=10**7), "model.n_layer must be between 1 and 1,024, got 10000000"),
+    (dict(n_positions=-1), "model.block_size must be between 1 and"),
+    (dict(layer_norm_epsilon="nan"), "model.norm_eps must be a finite number"),
+    (dict(n_inner=[1] * 10_000), r"model.mlp_hidden must be int or null, got \[1, 1, 1"),
 ])
 def test_import_refuses_what_quill_cannot_run_exactly(hf_dir, tmp_path, change, message):
     src = tmp_path / "src"
@@ -268,7 +273,63 @@ def test_unsafe_or_missing_weights_are_clear_errors(hf_dir, tmp_path):
     with pytest.raises(QuillError, match="no weights: expected model.safetensors"):
         import_hf(src, tmp_path / "run")
     torch.save({"w": Payload()}, src / "pytorch_model.bin")
-    with pytest.raises(QuillError, match="refused: loading it would run code"):
+    with pytest.raises(QuillError, match="refused: loading it needs code execution, which is unsafe "
+                                         r"\(it would call [\w.]*Payload\)"):
+        import_hf(src, tmp_path / "run")
+    torch.save({0: torch.zeros(2)}, src / "pytorch_model.bin")  # integer keys
+    with pytest.raises(QuillError, match=r"is not a state dict \(names → tensors\)"):
         import_hf(src, tmp_path / "run")
     with pytest.raises(QuillError, match="not a Hugging Face model directory"):
         import_hf(tmp_path, tmp_path / "run")
+    (src / "pytorch_model.bin").unlink()
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "../../etc/passwd"}}))
+    with pytest.raises(QuillError, match="shards must be files beside it"):
+        import_hf(src, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_or_integer_weights_are_refused(hf_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    for name, change in [("nan", lambda t: t.fill_(float("nan"))), ("int", lambda t: t.long())]:
+        src = tmp_path / name
+        shutil.copytree(hf_dir[1], src)
+        tensors = load_file(src / "model.safetensors")
+        key = next(k for k in tensors if k.endswith("ln_f.weight"))
+        tensors[key] = change(tensors[key].clone())
+        save_file(tensors, src / "model.safetensors")
+        with pytest.raises(QuillError, match="holds NaN or infinite values" if name == "nan" else "is a torch.int64 tensor"):
+            import_hf(src, tmp_path / f"run_{name}")
+        assert not (tmp_path / f"run_{name}").exists()
+
+
+@pytest.mark.parametrize("command, existing", [
+    ("import-hf", "config.yaml"), ("import-hf", "tokenizer.json"), ("import-hf", "metrics.jsonl"),
+    ("import-hf", "best.pt"), ("export-hf", "generation_config.json"), ("export-hf", "quill_tokenizer.json"),
+    ("export-hf", "config.json"),
+])
+def test_out_dir_with_any_file_of_ours_needs_force(hf_dir, imported, tmp_path, capsys, command, existing):
+    """Without --force nothing in --out is rewritten or deleted, whichever of our files it holds."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / existing).write_text("the user's work")
+    src = hf_dir[1] if command == "import-hf" else imported
+    with pytest.raises(SystemExit) as exit_:
+        main([command, str(src), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "--force" in err and existing in err, err
+    assert [p.name for p in out.iterdir()] == [existing] and (out / existing).read_text() == "the user's work"
+
+
+@pytest.mark.parametrize("out, message", [
+    ("/proc/self", "--out /proc/self is not writable"),
+    ("/proc/x/run", "--out /proc/x/run is not writable"),
+    ("{tmp}/" + "d" * 300, "File name too long"),
+    ("{tmp}/file.txt", "is a file; pass a directory"),
+])
+def test_out_dir_that_cannot_be_written_is_refused_before_any_work(hf_dir, tmp_path, capsys, out, message):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        main(["import-hf", str(hf_dir[1]), "--out", out.format(tmp=tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err

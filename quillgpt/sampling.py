@@ -1,0 +1,181 @@
+"""Sampling settings and the next-token draw, in one place for generate, the CLI, the config's
+`sample:` section and the server.
+
+`SamplingParams` validates every field when it is built (a NaN compares False with everything,
+so each float is checked finite before its range); a bad value raises `InvalidParam`, whose
+`.param` is the bare field name so each caller names it its own way (`--top-p`, `sample.top_p`,
+an OpenAI `param`). The logit filters are small pure functions, tested on hand-computed cases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quillgpt.errors import QuillError
+
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds; keep seed + row in int64
+
+
+class InvalidParam(QuillError):
+    """A sampling setting out of range: `param` is the field name, `rule` what it must be."""
+
+    def __init__(self, param: str, rule: str, value: object) -> None:
+        self.param, self.rule, self.value = param, rule, value
+        super().__init__(self.message(param))
+
+    def message(self, name: str) -> str:
+        """The one-line error with the setting called `name` (e.g. "--top-p", "sample.top_p")."""
+        value = str(self.value)
+        return f"{name} {self.rule}, got {value if len(value) <= 60 else value[:57] + '...'}"
+
+
+def _float(name: str, value: object, ok, rule: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParam(name, "must be a number", repr(value))
+    if not math.isfinite(value) or not ok(value):
+        raise InvalidParam(name, rule, value)
+    return float(value)
+
+
+def _int(name: str, value: object, lo: int, hi: int, rule: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParam(name, "must be a whole number", repr(value))
+    if value < lo:
+        raise InvalidParam(name, rule, value)
+    if value > hi:
+        raise InvalidParam(name, f"must be at most {hi}", value)
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one row continues its prompt; validated on construction (see InvalidParam)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None  # None = no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # None: drawn from torch's global generator (repeatable under torch.manual_seed)
+    stop: tuple[str, ...] = ()  # stop strings (text level; the engine ignores them)
+
+    def __post_init__(self) -> None:
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        put("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 0, 2**62, "must be ≥ 0"))
+        put("temperature", _float("temperature", self.temperature, lambda t: t >= 0, "must be ≥ 0 (0 = greedy)"))
+        if self.top_k is not None:
+            _int("top_k", self.top_k, 1, 2**62, "must be at least 1")
+        put("top_p", _float("top_p", self.top_p, lambda p: 0 < p <= 1, "must be in (0, 1]"))
+        put("min_p", _float("min_p", self.min_p, lambda p: 0 <= p < 1, "must be in [0, 1)"))
+        put("repetition_penalty", _float(
+            "repetition_penalty", self.repetition_penalty, lambda r: r > 0, "must be > 0 (1 = off)"))
+        if self.seed is not None:
+            _int("seed", self.seed, 0, MAX_SEED, "must be ≥ 0")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or s == "" for s in stop):
+            raise InvalidParam("stop", "must be non-empty strings (a stop string must not be empty)", repr(stop))
+        put("stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --- logit filters: (B, V) float logits in, same shape out -------------------------------------
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL/HF penalty on tokens already in the row (seen: (B, V) bool): a positive logit is
+    divided by `penalty`, a negative one multiplied, so penalty > 1 always makes them less likely.
+    Clamped to finite values: a tiny penalty must not turn a logit into inf (softmax → NaN)."""
+    if penalty == 1.0:
+        return logits
+    big = torch.finfo(logits.dtype).max
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-big, big)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """Sharpen (< 1) or flatten (> 1) the distribution; temperature 0 is handled as argmax."""
+    return logits / temperature
+
+
+def apply_top_k(logits: Tensor, k: int | None) -> Tensor:
+    """Keep the k largest logits per row (and any tied with the k-th); the rest become -inf."""
+    if k is None or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, p: float) -> Tensor:
+    """Nucleus: keep the most likely tokens until their probability reaches p (at least one)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
+    drop_sorted = mass_before >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
+    """Drop tokens less likely than min_p × the most likely token's probability."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
+def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+    """(B, V) logits (repetition penalty already applied) → (B,) tokens on the logits' device:
+    argmax at temperature 0, else a draw with `generator` after temperature, top-k, top-p, min-p."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    # shift so the best logit is 0 before dividing, and never divide by a temperature that rounds
+    # to 0 in the logits' dtype: a tiny temperature then gives 0 and -inf, never inf - inf or 0/0
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = apply_temperature(logits - logits.max(dim=-1, keepdim=True).values, temperature)
+    logits = apply_min_p(apply_top_p(apply_top_k(logits, params.top_k), params.top_p), params.min_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def row_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The row's own random stream: seeded from params.seed, or from torch's global generator
+    when unset (so torch.manual_seed still makes a run repeatable); None for greedy rows."""
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(0, MAX_SEED, ()))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_rows(
+    logits: Tensor,
+    params: list[SamplingParams | None],
+    generators: list[torch.Generator | None],
+    seen: Tensor | None = None,
+) -> Tensor:
+    """(n, V) float logits → (n,) tokens, row i drawn with params[i] and generators[i] (None: an
+    idle row, argmax). Greedy rows share one argmax; each sampling row draws from its own stream,
+    so its tokens do not depend on the other rows. seen (n, V) bool: the rows' tokens so far, for
+    the repetition penalty; updated in place with the new tokens."""
+    nxt = logits.argmax(dim=-1)
+    for i, p in enumerate(params):
+        if p is None or (p.greedy and p.repetition_penalty == 1.0):
+            continue
+        lg = logits[i : i + 1]
+        if p.repetition_penalty != 1.0:
+            lg = apply_repetition_penalty(lg, seen[i : i + 1], p.repetition_penalty)
+        nxt[i : i + 1] = sample_next(lg, p, generators[i])
+    if seen is not None:
+        rows = [i for i, p in enumerate(params) if p is not None and p.repetition_penalty != 1.0]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            seen[idx, nxt[idx]] = True
+    return nxt
