@@ -22,6 +22,8 @@ from torch import Tensor
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 
+Batch = tuple[Tensor, Tensor, Tensor]  # x, y (prefix targets masked), prefix_len
+
 
 def prefix_max(cfg: ModelConfig) -> int:
     """The largest training prefix: model.prefix_max, or block_size / 2."""
@@ -73,3 +75,36 @@ def separator_id(cfg: ModelConfig, encode: Any) -> int | None:
             f"model.prefix_sep {cfg.prefix_sep!r} is {len(ids)} tokens with this tokenizer; it must be exactly one"
         )
     return ids[0]
+
+
+class PrefixSampler:
+    """A training batch sampler (next() → x, y) turned into one for a prefix-LM: next() → x, y with
+    the prefix targets ignored, and each row's prefix length; its state holds both generators."""
+
+    def __init__(self, sampler: Any, lengths: PrefixLengths) -> None:
+        self.sampler, self.lengths = sampler, lengths
+
+    def next(self) -> Batch:
+        x, y = self.sampler.next()
+        prefix_len = self.lengths.draw(x)
+        return x, mask_prefix_targets(y, prefix_len), prefix_len
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.sampler.state_dict(), "prefix": self.lengths.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+        self.lengths.load_state_dict(state["prefix"])
+
+
+def check_fits(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
+    """A prefix-LM's prompt is its prefix and is never cropped: prompt + new tokens must fit
+    block_size (cropping would drop part of the prefix, or change which tokens it holds)."""
+    if cfg.attention != "prefix" or prompt_len + max_new_tokens <= cfg.block_size:
+        return
+    room = cfg.block_size - prompt_len
+    fix = f"lower --max-new-tokens to {room}" if room > 0 else "shorten the prompt"
+    raise QuillError(
+        f"a prefix-LM (model.attention=prefix) keeps its whole prompt as the prefix: the prompt ({prompt_len} "
+        f"tokens) + max_new_tokens ({max_new_tokens}) exceeds block_size ({cfg.block_size}); {fix}"
+    )

@@ -39,8 +39,10 @@ from quillgpt.distributed import (
 from quillgpt.errors import QuillError
 from quillgpt.evaluate import evaluate_windows
 from quillgpt.files import probe_writable
+from quillgpt.infini import GATE_LR_MULT, is_gate
 from quillgpt.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
 from quillgpt.model import GPT
+from quillgpt.prefix import PrefixLengths, PrefixSampler, separator_id
 from quillgpt.perf import cpu_has_bf16, peak_flops
 from quillgpt.tokenizer import Tokenizer, save_tokenizer
 
@@ -87,12 +89,14 @@ def fit_horizon(step: int, cfg: TrainConfig, pace_s: float, budget_left_s: float
 
 
 def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or gains)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW with weight decay on matrices only (not norms, biases or gains). Infini-attention's
+    gates β get their own group: no decay, lr × infini.GATE_LR_MULT (the loop applies lr_mult)."""
+    params = [p for n, p in model.named_parameters() if p.requires_grad and not is_gate(n)]
+    gates = [p for n, p in model.named_parameters() if p.requires_grad and is_gate(n)]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    ] + ([{"params": gates, "weight_decay": 0.0, "lr_mult": GATE_LR_MULT}] if gates else [])
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
 
@@ -305,6 +309,9 @@ def setup(
     # Every rank draws the same global batch and keeps its own slice, so N ranks with
     # batch B see exactly the windows one process with batch N·B would see.
     sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
+    if cfg.model.attention == "prefix":  # batches also carry each row's prefix length (prefix.py)
+        lengths = PrefixLengths(cfg.model, tc.seed + 1, separator_id(cfg.model, tokenizer.encode))
+        sampler = PrefixSampler(sampler, lengths)
     n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
     windows = {
         "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval, "train")),
@@ -404,7 +411,7 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
         while t.step < t.horizon:
             lr = lr_at(t.step, tc, t.horizon)
             for group in t.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_mult", 1.0)
             loss = train_step(t.model, t) if verified else _first_compiled_step(t)
             verified = True
             t.step += 1
@@ -558,16 +565,17 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
     tc, ddp = t.cfg.train, t.ddp
     total = torch.zeros((), device=t.device)
     for micro in range(tc.grad_accum):
-        x, y = t.sampler.next()
+        x, y, *prefix = t.sampler.next()  # a prefix-LM's batches add each row's prefix length
         if ddp.enabled:  # this rank's slice of the global batch
             x = x[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
             y = y[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
+            prefix = [p[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size] for p in prefix]
         last = micro == tc.grad_accum - 1
         sync = model.no_sync() if ddp.enabled and not last else contextlib.nullcontext()
         with sync:
             try:
                 with autocast(t.device, t.dtype):
-                    _, loss = model(x, y)
+                    _, loss = model(x, y, prefix_len=prefix[0]) if prefix else model(x, y)
                 loss = loss / tc.grad_accum
                 t.scaler.scale(loss).backward()
             except torch.OutOfMemoryError:

@@ -240,3 +240,30 @@ def test_attention_view_reports_each_heads_gate():
     attn = viz.attention_weights(model, tok, "abcdefgh")
     assert torch.allclose(attn.gates[0], torch.full((4,), torch.sigmoid(torch.tensor(1.0)).item()))
     assert "layer 0: 0.73 0.73 0.73 0.73" in viz.format_gates(attn.gates)
+
+
+def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path, tmp_path):
+    from pathlib import Path
+
+    from quillgpt.checkpoint import load_checkpoint
+    from quillgpt.config import load_config
+    from quillgpt.infini import GATE_LR_MULT
+    from quillgpt.train import configure_optimizer, train
+
+    root = Path(__file__).resolve().parents[1]
+    c = load_config(root / "configs" / "shakespeare_char_cpu.yaml", [
+        f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}",
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.attention=infini",
+        "model.segment_size=4", "train.batch_size=4", "train.max_iters=6", "train.eval_interval=6",
+        "train.eval_iters=2", "train.warmup_iters=0", "train.device=cpu", "train.dtype=float32",
+        "train.lr_schedule=constant", "train.learning_rate=1e-3", "train.min_lr=0",
+    ])
+    result = train(c, progress=False)
+    assert result.last_val_loss is not None and math.isfinite(result.last_val_loss)
+    model = GPT(c.model)
+    gate_group = configure_optimizer(model, c.train, torch.device("cpu")).param_groups[-1]
+    assert gate_group["weight_decay"] == 0.0 and gate_group["lr_mult"] == GATE_LR_MULT
+    assert {id(p) for p in gate_group["params"]} == {id(b.attn.beta) for b in model.transformer.h}
+    beta = load_checkpoint(tmp_path / "run" / "ckpt.pt")["model"]["transformer.h.0.attn.beta"]
+    # Adam moves a parameter by about its lr per step: 6 steps at 10 × 1e-3 ≈ 0.06, not 0.006
+    assert beta.abs().max() > 6 * 1e-3 * 2

@@ -163,3 +163,59 @@ def test_attention_view_shows_the_square_prompt_block():
     assert viz.visible(4, 2).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     text = viz.render_text(attn.tokens, attn.weights, [0], [0], top_k=5, prefix=attn.prefix)
     assert text.splitlines()[1].count("@") == 5  # query 0 lists keys to its right too
+
+
+def _tiny_run(shakespeare_path, tmp_path, out, *extra):
+    from pathlib import Path
+
+    from quillgpt.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    return load_config(root / "configs" / "shakespeare_char_cpu.yaml", [
+        f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / out}",
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.attention=prefix",
+        "train.batch_size=4", "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=2",
+        "train.log_interval=1", "train.warmup_iters=2", "train.device=cpu", "train.dtype=float32", *extra,
+    ])
+
+
+def test_quill_train_prefix_lm_resumes_bit_identically(shakespeare_path, tmp_path, monkeypatch):
+    """Per-row prefix draws are part of the checkpoint: interrupted + resumed = straight through."""
+    import os
+    import signal
+
+    import quillgpt.train as train_mod
+    from quillgpt.checkpoint import load_checkpoint
+    from quillgpt.metrics import read_metrics
+
+    straight = train_mod.train(_tiny_run(shakespeare_path, tmp_path, "a", "model.prefix_sep=,"), progress=False)
+    original, calls = train_mod.train_step, {"n": 0}
+
+    def step_then_interrupt(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(train_mod, "train_step", step_then_interrupt)
+    assert train_mod.train(_tiny_run(shakespeare_path, tmp_path, "b", "model.prefix_sep=,"), progress=False).step == 2
+    monkeypatch.undo()
+    resumed = train_mod.train(
+        _tiny_run(shakespeare_path, tmp_path, "b", "model.prefix_sep=,", "train.resume=true"), progress=False)
+    assert resumed.step == straight.step == 6
+    a, b = (load_checkpoint(tmp_path / r / "ckpt.pt") for r in "ab")
+    assert "prefix" in a["sampler"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    la, lb = (read_metrics(tmp_path / r / "metrics.jsonl") for r in "ab")
+    assert [r["train_loss"] for r in la] == [r["train_loss"] for r in lb]
+
+
+def test_generation_must_fit_block_size():
+    from quillgpt.prefix import check_fits
+
+    check_fits(cfg(), 10, 6)  # 16 = block_size: fine
+    with pytest.raises(QuillError, match=r"prompt \(10 tokens\) \+ max_new_tokens \(7\) exceeds block_size \(16\); lower --max-new-tokens to 6"):
+        check_fits(cfg(), 10, 7)
+    with pytest.raises(QuillError, match="shorten the prompt"):
+        check_fits(cfg(), 17, 1)
+    check_fits(cfg(attention="causal"), 100, 100)  # other variants crop or slide as before
