@@ -190,6 +190,30 @@ def sample_cmd(
         print(f"{gen.stats.line()} ({how})", file=sys.stderr)
 
 
+@app.command("serve")
+def serve_cmd(
+    ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file to serve (fixed for the server's life)."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default is this machine only."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUILL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."),
+    max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: autocast and KV-cache dtype."),
+    cors: Optional[str] = typer.Option(None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."),
+) -> None:
+    """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
+
+    Concurrent requests are decoded together (continuous batching). Ctrl-C (or SIGTERM) stops
+    accepting, lets running streams finish for a few seconds, then exits.
+    """
+    from quillgpt.serve.server import serve
+
+    serve(ckpt, which=which, host=host, port=port, api_key=api_key, max_batch=max_batch,
+          max_tokens=max_tokens, device=device, dtype=dtype, cors=cors)
+
+
 @app.command("eval")
 def eval_cmd(
     ckpt: list[Path] = typer.Option(..., "--ckpt", help="Run directory or .pt file; repeat to compare several in one table."),

@@ -1,0 +1,310 @@
+"""The HTTP side: OpenAI routes, Server-Sent Events, auth, body limits and the web page.
+
+`create_app` builds a FastAPI app around a loaded run and a running `Batcher`; nothing here
+touches the model directly. Every route turns its body into `Job`s (one per choice), hands them
+to the batcher and turns the `Event`s that come back into OpenAI's JSON or SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from quillgpt.errors import QuillError
+from quillgpt.generate import TextStream, encode_prompt
+from quillgpt.sampling import InvalidParam, SamplingParams
+from quillgpt.serve.batcher import Batcher, Busy, Event, Job
+from quillgpt.serve.chat import CHAT_STOPS, chat_prompt
+from quillgpt.serve.errors import APIError, install_handlers
+from quillgpt.serve.responses import DONE, Reply, sse
+from quillgpt.serve.schemas import (
+    AttentionRequest, ChatRequest, CompletionRequest, SamplingFields, parse_body, reject_unsupported, stop_strings,
+)
+
+if TYPE_CHECKING:
+    from quillgpt.checkpoint import LoadedRun
+
+STATIC = Path(__file__).resolve().parent / "static"
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams field → request field
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What the server allows; fixed at start-up."""
+
+    model_id: str
+    api_key: str | None = None
+    max_tokens: int = 2048  # the largest max_tokens a request may ask for (also the chat default)
+    max_prompt_tokens: int = 4096
+    max_body_bytes: int = 1 << 20
+    max_waiting: int = 256  # choices queued beyond the running batch before answering 503
+    attention_max_tokens: int = 64  # the attention view: T×T weights per head get large fast
+    cors: str | None = None
+
+
+def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastAPI:
+    """The app; starting it starts the batcher's thread, stopping it stops the thread."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        try:
+            yield
+        finally:
+            batcher.stop()
+
+    app = FastAPI(title="quill serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+    app.add_middleware(Guard, api_key=options.api_key, max_body=options.max_body_bytes)
+    if options.cors:
+        app.add_middleware(CORSMiddleware, allow_origins=[options.cors], allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    routes = Routes(run, batcher, options)
+    app.get("/", include_in_schema=False)(lambda: FileResponse(STATIC / "index.html"))
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.get("/health")(routes.health)
+    app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id}")(routes.model)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat)
+    app.post("/v1/attention")(routes.attention)
+    return app
+
+
+class Guard:
+    """ASGI middleware: the API key on /v1 and the body-size cap, before any route runs."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            extra = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None
+            return await refusal.response(extra)(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise APIError(413, f"the request body is over {self.max_body:,} bytes", code="body_too_large")
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> APIError | None:
+        if self.expected is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
+                                code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return APIError(413, f"the request body is over {self.max_body:,} bytes", code="body_too_large")
+        return None
+
+
+class Routes:
+    """The route handlers, sharing the run, the batcher and the options."""
+
+    def __init__(self, run: LoadedRun, batcher: Batcher, options: ServeOptions) -> None:
+        self.run, self.batcher, self.options = run, batcher, options
+        self.created = int(time.time())
+
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", **self.batcher.load()}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self._check_model(model_id)
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        cfg = self.run.config.model
+        return {
+            "id": self.options.model_id, "object": "model", "created": self.created, "owned_by": "quill",
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "block_size": cfg.block_size,
+            "vocab_size": cfg.vocab_size, "step": self.run.step, "max_tokens": self.options.max_tokens,
+        }
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.options.model_id:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {self.options.model_id!r}",
+                           param="model", code="model_not_found")
+
+    async def completions(self, request: Request) -> Any:
+        req = parse_body(await request.body(), CompletionRequest)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts:
+            raise APIError(400, "prompt is an empty list; give at least one prompt", param="prompt")
+        return await self._generate(request, req, prompts, "prompt", stops=(), default_max=16, chat=False)
+
+    async def chat(self, request: Request) -> Any:
+        req = parse_body(await request.body(), ChatRequest)
+        if req.max_completion_tokens is not None:
+            req.max_tokens = req.max_completion_tokens
+        prompt = chat_prompt(req.messages)
+        return await self._generate(request, req, [prompt], "messages", stops=CHAT_STOPS,
+                                    default_max=self.options.max_tokens, chat=True)
+
+    async def attention(self, request: Request) -> dict[str, Any]:
+        from quillgpt.viz import attention_weights
+
+        req = parse_body(await request.body(), AttentionRequest)
+        self._check_model(req.model)
+        if not req.prompt:
+            raise APIError(400, "prompt is empty; give some text to look at", param="prompt")
+        n = len(self._encode(req.prompt, "prompt"))
+        limit = self.options.attention_max_tokens
+        if n > limit:
+            raise APIError(400, f"the prompt has {n} tokens; the attention view takes at most {limit}",
+                           param="prompt", code="prompt_too_long")
+        attn = await self._on_engine(lambda: attention_weights(self.run.model, self.run.tokenizer, req.prompt))
+        return {
+            "object": "attention", "model": self.options.model_id, "tokens": attn.tokens, "token_ids": attn.ids,
+            "cropped": attn.cropped, "n_layer": len(attn.weights), "n_head": attn.weights[0].shape[0],
+            "weights": [(w * 1e4).round().div(1e4).tolist() for w in attn.weights],  # [layer][head][query][key]
+        }
+
+    async def _on_engine(self, fn: Any) -> Any:
+        try:
+            future = self.batcher.call(fn)
+        except Busy as e:
+            raise APIError(503, str(e), code="server_busy") from None
+        return await asyncio.wrap_future(future)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            ids = encode_prompt(self.run.tokenizer, text)
+        except QuillError as e:
+            raise APIError(400, str(e), param=param, code="invalid_prompt") from None
+        if len(ids) > self.options.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids):,} tokens; this server takes at most "
+                           f"{self.options.max_prompt_tokens:,}", param=param, code="prompt_too_long")
+        return ids
+
+    def _params(self, req: SamplingFields, max_tokens: int, seed: int | None, stops: tuple[str, ...]) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=req.top_k or None, top_p=1.0 if req.top_p is None else req.top_p,
+                min_p=req.min_p or 0.0, repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=seed, stop=stops,
+            )
+        except InvalidParam as e:
+            param = OPENAI_NAMES.get(e.param, e.param)
+            raise APIError(400, e.message(param), param=param, code="invalid_value") from None
+
+    def _max_tokens(self, req: SamplingFields, default: int) -> int:
+        cap = self.options.max_tokens
+        n = min(default, cap) if req.max_tokens is None else req.max_tokens
+        if not 1 <= n <= cap:
+            raise APIError(400, f"max_tokens must be between 1 and {cap:,} (the server's --max-tokens), got {n}",
+                           param="max_tokens", code="invalid_value")
+        return n
+
+    async def _generate(self, request: Request, req: SamplingFields, prompts: list[str], param: str,
+                        stops: tuple[str, ...], default_max: int, chat: bool) -> Any:
+        """Check the request, queue one job per choice, answer with SSE or the whole reply."""
+        self._check_model(req.model)
+        reject_unsupported(req)
+        n, rows = (1 if req.n is None else req.n), self.batcher.engine.max_rows
+        if n < 1 or n * len(prompts) > rows:
+            raise APIError(400, f"n × prompts must be between 1 and {rows} (the server's --max-batch), "
+                           f"got {n} × {len(prompts)}", param="n", code="invalid_value")
+        stops = stops + stop_strings(req.stop)
+        max_tokens = self._max_tokens(req, default_max)
+        ids = [self._encode(p, param) for p in prompts]
+        params = [self._params(req, max_tokens, None if req.seed is None else req.seed + k, stops) for k in range(n)]
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emit(event: Event) -> None:  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                pass
+
+        eot = self.run.tokenizer.eot_id
+        jobs = [Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit,
+                    stop_ids=() if eot is None else (eot,)) for i in range(len(prompts)) for k in range(n)]
+        try:
+            self.batcher.submit(jobs)
+        except Busy as e:
+            raise APIError(503, str(e), code="server_busy") from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        reply = Reply(chat, self.options.model_id, sum(map(len, ids)), include_usage)
+        if req.stream:
+            return StreamingResponse(self._stream(reply, jobs, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(request, reply, jobs, events)
+
+    async def _stream(self, reply: Reply, jobs: list[Job], events: asyncio.Queue) -> AsyncIterator[str]:
+        """SSE chunks as the engine produces text; a client that leaves cancels its jobs."""
+        try:
+            if reply.chat:
+                for job in jobs:
+                    yield sse(reply.chunk(job.index, role=True))
+            left, tokens = len(jobs), {}
+            while left:
+                event = await events.get()
+                if event.finish == "error":
+                    yield sse(APIError(event.status, event.text, code="generation_failed").body())
+                    break
+                tokens[event.index] = event.tokens
+                yield sse(reply.chunk(event.index, event.text, event.finish))
+                left -= event.finish is not None
+            else:
+                if reply.include_usage:
+                    yield sse(reply.usage_chunk(sum(tokens.values())))
+            yield DONE
+        finally:
+            for job in jobs:
+                self.batcher.cancel(job)
+
+    async def _collect(self, request: Request, reply: Reply, jobs: list[Job], events: asyncio.Queue) -> Any:
+        """Wait for every choice to finish (or the client to leave) and build the whole reply."""
+        texts: list[list[str]] = [[] for _ in jobs]
+        finishes: list[str | None] = [None] * len(jobs)
+        tokens = [0] * len(jobs)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while None in finishes:
+                getting = asyncio.ensure_future(events.get())
+                await asyncio.wait({getting, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():
+                    getting.cancel()
+                    return JSONResponse({}, status_code=499)  # the client left: nobody will read it
+                event = getting.result()
+                if event.finish == "error":
+                    raise APIError(event.status, event.text, code="generation_failed")
+                texts[event.index].append(event.text)
+                tokens[event.index] = event.tokens
+                finishes[event.index] = event.finish
+        finally:
+            gone.cancel()
+            for job in jobs:
+                self.batcher.cancel(job)
+        return reply.full(["".join(t) for t in texts], finishes, sum(tokens))
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

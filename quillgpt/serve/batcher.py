@@ -1,0 +1,224 @@
+"""The engine task: one thread owns the Engine and serves every request (continuous batching).
+
+Requests enter a queue as `Job`s (one per choice). At every step of the loop, jobs whose client
+went away release their row, waiting jobs are prefilled into free rows (up to the engine's
+`max_rows`), and one decode step advances every active row, each with its own sampling settings
+and seed, so a job's tokens are the ones it gets alone. Each job's tokens become text through its
+own `TextStream` (UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side
+through the job's `emit` callback. Work that must not run beside a decode step (the attention
+view) is queued as a plain call and runs between steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from quillgpt.errors import QuillError
+from quillgpt.generate import TextStream
+
+if TYPE_CHECKING:
+    from quillgpt.engine import Engine, RowToken
+    from quillgpt.sampling import SamplingParams
+
+log = logging.getLogger("quillgpt.serve")
+
+
+@dataclass
+class Event:
+    """What a job produced since the last event: text, and finally why it ended."""
+
+    index: int  # the choice index in its request
+    text: str = ""
+    finish: str | None = None  # "stop", "length", or "error" (then text is the message)
+    tokens: int = 0  # completion tokens so far
+    status: int = 500  # with finish "error": the HTTP status it maps to
+
+
+@dataclass
+class Job:
+    """One choice of one request: a prompt to continue with its own settings."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: TextStream
+    emit: Callable[[Event], None]  # thread-safe: called on the engine thread
+    stop_ids: tuple[int, ...] = ()
+    tokens: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    admitted: bool = False  # prefilled into a row (set under the batcher's lock)
+
+
+class Busy(Exception):
+    """The queue is full or the server is stopping (answered with 503)."""
+
+
+class Batcher:
+    """Owns the engine on its own thread; `submit` jobs, `cancel` them, `call` functions."""
+
+    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._rows: dict[int, Job] = {}
+        self._queued = 0  # jobs submitted and not yet prefilled (inbox + waiting)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="quill-engine", daemon=True)
+
+    # --- called from the HTTP side ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self._lock:
+            if self._stopping:
+                raise Busy("the server is shutting down")
+            if self._queued + len(jobs) > self.max_waiting:
+                raise Busy(f"{self._queued} choices are already waiting for a free row (limit {self.max_waiting}); retry shortly")
+            self._queued += len(jobs)
+            self._inbox.put(jobs)  # under the lock: never behind stop()'s sentinel
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the row is freed at the next step (no-op once the job ended);
+        a job still waiting stops counting against the queue limit at once."""
+        with self._lock:
+            if job.cancelled.is_set():
+                return
+            job.cancelled.set()
+            if not job.admitted:
+                self._queued -= 1
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the engine thread between steps; the Future holds its result or exception."""
+        future: Future = Future()
+        with self._lock:
+            if self._stopping:
+                raise Busy("the server is shutting down")
+            self._inbox.put((fn, future))
+        return future
+
+    def load(self) -> dict[str, int]:
+        return {"active": len(self._rows), "waiting": self._queued, "max_batch": self.engine.max_rows}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new work, end the jobs still running (as errors) and join the thread."""
+        with self._lock:
+            self._stopping = True
+            self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if not self._take_inbox(block=not self._rows and not self._waiting):
+                break
+            self._drop_cancelled()
+            self._admit()
+            if self._rows:
+                self._step()
+        self._fail_all("the server stopped before this request finished")
+
+    def _fail_all(self, message: str) -> None:
+        while True:  # nothing can enter the inbox any more (stop() holds _stopping)
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                break
+            if isinstance(item, list):
+                self._waiting.extend(item)
+            elif isinstance(item, tuple) and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(Busy(message))
+        for job in [*self._rows.values(), *self._waiting]:
+            job.emit(Event(job.index, message, "error", job.tokens, status=503))
+        self._rows.clear()
+        self._waiting.clear()
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Move new jobs to the waiting line and run queued calls; False once stop() was called."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, tuple):
+                fn, future = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # handed to the caller, who decides
+                        future.set_exception(e)
+            else:
+                self._waiting.extend(item)
+
+    def _drop_cancelled(self) -> None:
+        for row, job in list(self._rows.items()):
+            if job.cancelled.is_set():
+                self.engine.release(row)
+                del self._rows[row]
+        self._waiting = collections.deque(j for j in self._waiting if not j.cancelled.is_set())
+
+    def _admit(self) -> None:
+        """Prefill waiting jobs into free rows; each prefill yields the job's first token."""
+        while self._waiting and self.engine.free_rows() > 0:
+            job = self._waiting.popleft()
+            with self._lock:
+                if job.cancelled.is_set():
+                    continue
+                job.admitted = True
+                self._queued -= 1
+            try:
+                first = self.engine.add(job.prompt_ids, job.params, stop_ids=job.stop_ids)
+            except (QuillError, ValueError) as e:
+                job.emit(Event(job.index, str(e), "error", status=400))
+                continue
+            except Exception:  # a bug or out of memory: this job fails, the server goes on
+                log.exception("prefill failed")
+                job.emit(Event(job.index, "internal error during prefill (logged on the server)", "error"))
+                continue
+            self._rows[first.row] = job
+            self._deliver(first)
+
+    def _step(self) -> None:
+        try:
+            tokens = self.engine.step()
+        except Exception:  # rows may be half-updated: end every active job, keep serving
+            log.exception("decode step failed")
+            for row, job in self._rows.items():
+                self.engine.release(row)
+                job.emit(Event(job.index, "internal error during decoding (logged on the server)", "error", job.tokens))
+            self._rows.clear()
+            return
+        for token in tokens:
+            self._deliver(token)
+
+    def _deliver(self, rt: RowToken) -> None:
+        """One new token of a row → its text piece; at the row's end, the finish reason."""
+        job = self._rows[rt.row]
+        job.tokens += 1
+        finish = None
+        if rt.finish == "stop_id":  # end-of-text: not part of the text
+            text, finish = job.stream.finish(), "stop"
+        else:
+            text = job.stream.push(rt.token)
+            if job.stream.stopped:
+                finish = "stop"
+                self.engine.release(rt.row)  # idempotent if the row also hit its length
+            elif rt.finish == "length":
+                text, finish = text + job.stream.finish(), "length"
+        if finish is not None:
+            del self._rows[rt.row]
+        if text or finish:
+            job.emit(Event(job.index, text, finish, job.tokens))

@@ -1,0 +1,160 @@
+"""Request bodies of the OpenAI routes, parsed strictly: one clear error per bad field.
+
+The body is read by hand (UTF-8, JSON, an object) and then validated by pydantic in strict mode
+(no "5" for 5, no NaN, no unknown fields), so every way a body can be wrong maps to one
+`APIError`: 400 for a body that is not a JSON object, 422 for a field of the wrong type or an
+unknown field. Value ranges of the sampling settings are checked once, by `SamplingParams`.
+OpenAI fields quill does not implement are accepted only at their neutral value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quillgpt.serve.errors import APIError
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = None
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (None = the default)."""
+
+    model_config = STRICT
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # quill extra (0 or null = off)
+    min_p: float | None = None  # quill extra
+    repetition_penalty: float | None = None  # quill extra
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as a label for the caller's own logs
+    presence_penalty: float | None = None  # neutral only (0)
+    frequency_penalty: float | None = None  # neutral only (0)
+    logit_bias: dict[str, float] | None = None  # neutral only (empty)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+    echo: bool | None = None  # neutral only (false)
+    logprobs: int | None = None  # neutral only (null)
+    suffix: str | None = None  # neutral only (null)
+    best_of: int | None = None  # neutral only (null or n)
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None  # neutral only (false)
+    top_logprobs: int | None = None  # neutral only (null)
+
+
+class AttentionRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    prompt: str
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, schema: type[Body]) -> Body:
+    """Raw request bytes → a validated request, or the APIError that says what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not UTF-8 (invalid byte at offset {e.start})",
+                       code="invalid_body") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        detail = f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                       code="invalid_body")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise _field_error(e) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _field_error(e: ValidationError) -> APIError:
+    """One pydantic error as one line naming the field (e.g. messages.0.content): of a union's
+    alternatives, the one that got furthest into the value."""
+    located = [(".".join(str(p) for p in err["loc"] if not _is_type_tag(p)), err) for err in e.errors(include_url=False)]
+    param, err = max(located, key=lambda pe: pe[0].count(".") + bool(pe[0]))
+    param = param or None
+    if err["type"] == "extra_forbidden":
+        return APIError(422, f"unknown field {param!r}; quill accepts OpenAI's fields and top_k, min_p, "
+                        "repetition_penalty", param=param, code="unknown_field")
+    if err["type"] == "missing":
+        return APIError(422, f"{param} is required", param=param, code="missing_field")
+    return APIError(422, f"{param}: {err['msg']}", param=param, code="invalid_type")
+
+
+def _is_type_tag(part: Any) -> bool:
+    """pydantic names the union member in the location (e.g. 'list[str]'); drop it from the path."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
+
+
+def reject_unsupported(req: SamplingFields) -> None:
+    """OpenAI features quill does not have are refused unless they are at their neutral value."""
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
+    for name, value in neutral.items():
+        got = getattr(req, name)
+        if got is not None and got != value:
+            raise APIError(400, f"{name} is not supported by quill (use repetition_penalty)", param=name,
+                           code="unsupported")
+    checks = {
+        "logit_bias": bool(req.logit_bias),
+        "logprobs": bool(getattr(req, "logprobs", None)),
+        "top_logprobs": bool(getattr(req, "top_logprobs", None)),
+        "echo": bool(getattr(req, "echo", None)),
+        "suffix": bool(getattr(req, "suffix", None)),
+        "best_of": getattr(req, "best_of", None) not in (None, req.n or 1),
+    }
+    for name, used in checks.items():
+        if used:
+            raise APIError(400, f"{name} is not supported by quill", param=name, code="unsupported")
+
+
+def stop_strings(stop: str | list[str] | None, max_count: int = 4, max_chars: int = 256) -> tuple[str, ...]:
+    """`stop` as a tuple: at most `max_count` non-empty strings (OpenAI's limit is 4)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > max_count:
+        raise APIError(400, f"stop takes at most {max_count} strings, got {len(stops)}", param="stop")
+    for s in stops:
+        if not s or len(s) > max_chars:
+            raise APIError(400, f"each stop string must have 1 to {max_chars} characters", param="stop")
+    return tuple(stops)
+

@@ -1,0 +1,116 @@
+"""Start-up and shutdown: load the run, build the engine task and the app, listen, drain.
+
+`serve` is what `quill serve` calls. Tests and scripts use its parts: `make_app` (a run → an app
+with its engine), `listen` (a bound socket, so port 0 picks a free port and a busy port is a
+one-line error) and `uvicorn_server` (SIGINT/SIGTERM stop accepting, give in-flight streams
+`drain_s` seconds to finish, then stop the engine thread).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from quillgpt.errors import QuillError
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from quillgpt.checkpoint import LoadedRun
+    from quillgpt.serve.app import ServeOptions
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch.dtype | None = None) -> FastAPI:
+    """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows."""
+    from quillgpt.engine import Engine
+    from quillgpt.serve.app import create_app
+    from quillgpt.serve.batcher import Batcher
+
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype)
+    return create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise QuillError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port or --host") from None
+    return sock
+
+
+def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info") -> uvicorn.Server:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_s, access_log=False,
+                            server_header=False)
+    return uvicorn.Server(config)
+
+
+def require_extra() -> None:
+    """A clear line instead of an ImportError when the optional "serve" extra is missing."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise QuillError(f'quill serve needs {" and ".join(missing)}, the optional "serve" extra: '
+                         'pip install -e ".[serve]"')
+
+
+def model_id(ckpt: str | Path) -> str:
+    """The name clients pass as `model`: the run directory's name (or the .pt file's stem)."""
+    path = Path(ckpt).resolve()
+    return path.name if path.is_dir() else path.stem
+
+
+def serve(
+    ckpt: str | Path, *, which: str = "best", host: str = "127.0.0.1", port: int = 8000,
+    api_key: str | None = None, max_batch: int = 16, max_tokens: int = 2048, device: str = "auto",
+    dtype: str = "float32", cors: str | None = None, drain_s: float = 5.0,
+    announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> None:
+    """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop)."""
+    from quillgpt.checkpoint import load_run
+    from quillgpt.perf import resolve_device
+
+    require_extra()
+    from quillgpt.serve.app import ServeOptions
+
+    if not 1 <= max_batch <= 1024:
+        raise QuillError(f"--max-batch must be between 1 and 1024, got {max_batch}")
+    if max_tokens < 1:
+        raise QuillError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if not 0 <= port <= 65535:
+        raise QuillError(f"--port must be between 0 and 65535, got {port}")
+    if dtype not in DTYPES:
+        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if api_key is not None and not api_key.strip():
+        raise QuillError("the API key is empty; pass a real key or none")
+    run = load_run(ckpt, which=which, device=resolve_device(device))
+    options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
+    app = make_app(run, options, max_batch, DTYPES[dtype])
+    sock = listen(host, port)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    announce(f"serving {run.path} (step {run.step}) as model {options.model_id!r}: http://{shown}:{bound}/ "
+             f"(OpenAI API at /v1, up to {max_batch} rows at once)")
+    if host not in LOOPBACK and api_key is None:
+        announce(f"warning: listening on {host} without an API key: anyone who can reach it can use the model")
+    try:
+        uvicorn_server(app, drain_s).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the drain is done
+        pass
+    announce("stopped")
