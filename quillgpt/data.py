@@ -26,10 +26,9 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from quillgpt.config import DataConfig
@@ -46,6 +45,9 @@ from quillgpt.tokenizer import (
     dump_json,
     tokenizer_from_spec,
 )
+
+if TYPE_CHECKING:  # torch is imported where batches are made: `quill prepare` runs without it
+    import torch
 
 DOWNLOAD_DIR = Path("data") / "downloads"  # relative to where `quill` runs; git-ignored
 FORMAT = 2  # meta.json layout: 2 = shards with a manifest (1 = train.bin/val.bin, read still)
@@ -475,6 +477,8 @@ def batch_from_starts(
     tokens: np.ndarray, starts: np.ndarray, block_size: int, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) int64 (B, T) windows starting at `starts`; y[:, t] = x[:, t + 1] continued."""
+    import torch
+
     idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(block_size + 1)  # (B, T+1)
     w = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))  # (B, T+1)
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
@@ -504,6 +508,8 @@ class BatchSampler:
         device: str | torch.device = "cpu",
         split: str = "train",
     ):
+        import torch
+
         _check_length(tokens, block_size, split)
         self.tokens = tokens
         self.block_size = block_size
@@ -512,6 +518,8 @@ class BatchSampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=self.generator)
         return batch_from_starts(self.tokens, starts.numpy(), self.block_size, self.device)
 
