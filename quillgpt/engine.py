@@ -31,6 +31,7 @@ from torch import Tensor
 
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
+from quillgpt.prefix import check_fits
 from quillgpt.sampling import SamplingParams, row_generator, sample_rows
 
 
@@ -90,6 +91,7 @@ class Engine:
             torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != weight.dtype else contextlib.nullcontext()
         )
         self.static = getattr(cfg, "attention", "causal") != "infini"  # infini keeps its own per-row state
+        self.prefix_lm = getattr(cfg, "attention", "causal") == "prefix"  # the prompt attends both ways
         self.learned = cfg.pos == "learned" and self.static
         # tokens that decide the next logits: the crop window (learned) or the receptive field (RoPE)
         self.context = cfg.block_size if self.learned else cfg.n_layer * (model.span - 1) + 1
@@ -134,6 +136,7 @@ class Engine:
         if params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1 to add a row")
         check_prompt(prompt_ids, self.model.config.vocab_size)
+        check_fits(self.model.config, len(prompt_ids), params.max_new_tokens)  # a prefix is never cropped
         if self.free_rows() == 0:
             raise ValueError(f"no free row: all {self.max_rows} rows are generating; release one first")
         r = self._rows.index(None)
@@ -162,7 +165,8 @@ class Engine:
         else:
             cache = row.cache = self.model.make_cache(1, dtype=self.dtype)
         with self._amp:
-            logits, _ = self.model(idx, pos=pos, cache=cache)
+            prefix = torch.tensor([len(ids)], device=self.device) if self.prefix_lm else None  # the prompt
+            logits, _ = self.model(idx, pos=pos, cache=cache, prefix_len=prefix)
         return logits[0, -1].float()
 
     @torch.inference_mode()

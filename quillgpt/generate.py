@@ -40,6 +40,7 @@ from torch import Tensor
 from quillgpt.engine import Engine, check_prompt
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
+from quillgpt.prefix import check_fits
 from quillgpt.sampling import SamplingParams, row_generator, sample_rows
 from quillgpt.tokenizer import Tokenizer
 
@@ -118,8 +119,14 @@ def _recompute_steps(model, prompts, params, stop, dtype, compile) -> Iterator[T
     amp = contextlib.nullcontext()
     if dtype is not None and dtype != model.lm_head.weight.dtype:
         amp = torch.autocast(device_type=device.type, dtype=dtype)
-    learned = cfg.pos == "learned" and getattr(cfg, "attention", "causal") != "infini"
+    attention = getattr(cfg, "attention", "causal")
+    learned = cfg.pos == "learned" and attention != "infini"
     context = cfg.block_size if learned else cfg.n_layer * (model.span - 1) + 1
+    if attention == "infini":  # the memory holds every earlier token: recompute from the start
+        context = None
+    for p in prompts:
+        check_fits(cfg, len(p), params.max_new_tokens)  # prefix-LM: the prompt is never cropped
+    prefix = torch.tensor([len(p) for p in prompts], device=device) if attention == "prefix" else None
     rows = [row_params(params, i) for i in range(len(prompts))]
     gens = [row_generator(p, device) for p in rows]
     ctx = [deque(p, maxlen=context) for p in prompts]  # bounded: never the whole requested length
@@ -140,8 +147,11 @@ def _recompute_steps(model, prompts, params, stop, dtype, compile) -> Iterator[T
             pos[r] = torch.arange(W) - (W - len(c)) + first
         plain = bool((pos == torch.arange(W)).all())  # 0..W-1 everywhere: sdpa's causal fast path
         with amp:
-            logits, _ = model(idx.to(device), pos=None if plain else pos.to(device))
-        nxt = sample_rows(logits[:, -1].float(), rows, gens, seen).tolist()
+            if context is None:  # infini: each row alone from its first token (no padding in the memory)
+                last = torch.cat([model(torch.tensor([list(c)], device=device))[0][:, -1] for c in ctx])
+            else:
+                last = model(idx.to(device), pos=None if plain else pos.to(device), prefix_len=prefix)[0][:, -1]
+        nxt = sample_rows(last.float(), rows, gens, seen).tolist()
         for r, t in enumerate(nxt):
             t = done[r] if done[r] is not None else t
             if t in stop:

@@ -219,3 +219,41 @@ def test_generation_must_fit_block_size():
     with pytest.raises(QuillError, match="shorten the prompt"):
         check_fits(cfg(), 17, 1)
     check_fits(cfg(attention="causal"), 100, 100)  # other variants crop or slide as before
+
+
+def _sharp(model: GPT) -> GPT:
+    """Sharpened attention, so that what a token may see decides the tokens sampled."""
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.mul_(8)
+            block.attn.c_proj.weight.mul_(20)  # attention, not the embedding, dominates the stream
+        model.lm_head.weight.mul_(10)  # (tied with wte) and confident logits
+    return model.eval()
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_cached_generation_equals_recompute_and_uses_the_prefix(pos):
+    from quillgpt.generate import generate_tokens
+
+    torch.manual_seed(0)
+    model = _sharp(GPT(cfg(pos=pos)))
+    causal = GPT(cfg(pos=pos, attention="causal")).eval()
+    causal.load_state_dict(model.state_dict())
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]  # different lengths: left padding in the recompute
+
+    def run(m, use_cache):
+        return torch.stack(list(generate_tokens(m, prompts, 9, temperature=1.0, seed=5, use_cache=use_cache)), 1)
+
+    cached = run(model, True)
+    assert torch.equal(cached, run(model, False))
+    assert not torch.equal(cached, run(causal, True))  # the bidirectional prompt changes what comes out
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_past_block_size_is_refused_not_cropped(use_cache):
+    from quillgpt.generate import generate_tokens
+
+    model = GPT(cfg()).eval()
+    with pytest.raises(QuillError, match=r"prompt \(7 tokens\) \+ max_new_tokens \(10\) exceeds block_size \(16\)"):
+        list(generate_tokens(model, [[1] * 7], 10, use_cache=use_cache))
+    assert len(list(generate_tokens(model, [[1] * 7], 9, use_cache=use_cache))) == 9  # exactly fills it
