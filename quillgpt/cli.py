@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 
 from quillgpt.errors import QuillError
+from quillgpt.files import check_output_file
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
 # from typer's own copy of click (typer._click, no click dependency) in newer typer.
@@ -272,6 +273,9 @@ def attention_cmd(
     view = viz.output_format(out, fmt)
     if view != "text" and out is None:
         out = Path(f"attention.{view}")
+    for path in (out if view != "text" else None, summary_json):
+        if path is not None:
+            check_output_file(path, "--out" if path == out else "--summary-json")
     run = load_run(ckpt, which=which, device=resolve_device(device))
     mcfg = run.config.model
     layers = viz.select_layers(layer, mcfg.n_layer)
@@ -309,6 +313,7 @@ def plot_cmd(
     """Train and val loss of one or more runs on one plot (works while a run is training)."""
     from quillgpt.viz import plot_runs
 
+    check_output_file(out, "--out")
     for c in plot_runs(run_dirs, out, x=x, log=log):
         best = f"best val {min(c.val[1]):.4f}" if c.val[1] else "no val points yet"
         print(f"{c.name}: step {c.last_step}, last train {c.train[1][-1]:.4f}, {best}")
@@ -399,7 +404,7 @@ def tokenizer_train_cmd(
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
     import time
 
-    from quillgpt.files import check_output_file, read_text
+    from quillgpt.files import read_text
     from quillgpt.tokenizer import build_tokenizer, save_tokenizer, text_chunks
 
     check_output_file(out, "--out", force=force, inputs=(input_path,))
@@ -418,13 +423,13 @@ def tokenizer_train_cmd(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `quill` and `python -m quillgpt`: user mistakes exit 2 with one line."""
-    debug = os.environ.get("QUILL_DEBUG", "") not in ("", "0")
+    debug = os.environ.get("QUILL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
     try:
         code = app(args=argv, standalone_mode=False)
     except QuillError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
         sys.exit(2)
     except typer.Abort:
         print("aborted", file=sys.stderr)
@@ -435,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # plain `quill`: the help is the answer
             e.show()
             sys.exit(e.exit_code)
-        print(f"error: {e.format_message()} (see quill --help)", file=sys.stderr)
+        print(f"error: {_one_line(e.format_message())} (see quill --help)", file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # a full disk is the user's to fix, wherever the write happened
         if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -444,3 +449,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e.strerror}{where}; free disk space (or write elsewhere) and run again", file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _one_line(message: str, limit: int = 2000) -> str:
+    """The error line as promised: newlines (from a user's value) escaped, length bounded."""
+    text = message.replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

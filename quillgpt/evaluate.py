@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from quillgpt.checkpoint import load_run
-from quillgpt.data import batch_from_starts, load_prepared, load_tokens, read_text
+from quillgpt.data import batch_from_starts, load_prepared, load_tokens
+from quillgpt.files import read_text
 from quillgpt.errors import QuillError
 from quillgpt.perf import resolve_device
 from quillgpt.prefix import eval_prefix_len, mask_prefix_targets
@@ -292,7 +293,7 @@ def evaluate_checkpoint(
     kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
     if texts:
         results = [
-            evaluate_text(run.model, run.tokenizer, read_text(t), skip_unknown=skip_unknown, name=str(t), **kwargs)
+            evaluate_text(run.model, run.tokenizer, read_text(t, "--text"), skip_unknown=skip_unknown, name=str(t), **kwargs)
             for t in texts
         ]
         for result, t in zip(results, texts):

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from quillgpt.metrics import read_log
 from quillgpt.errors import QuillError
+from quillgpt.files import os_error, write_file
 from quillgpt.generate import encode_prompt
 from quillgpt.infini import gate_values
 from quillgpt.model import GPT
@@ -179,8 +180,18 @@ def write_summary_json(path: str | Path, attention: Attention, summary: list[dic
         record["prefix"] = attention.prefix
     if attention.gates is not None:
         record["gates"] = [g.tolist() for g in attention.gates]
-    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    data = (json.dumps(record, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+    write_file(path, lambda f: f.write(data), "--summary-json")
     return path
+
+
+def save_figure(fig: Any, out: Path, fmt: str, dpi: int) -> None:
+    """Write a figure whole or not at all; a path that cannot be written is one QuillError."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, out.parent, "create the directory of", "--out") from None
+    write_file(out, lambda f: fig.savefig(f, format=fmt, dpi=dpi), "--out")
 
 
 # --- choosing what to show --------------------------------------------------------------------
@@ -346,8 +357,7 @@ def plot_attention(
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
         if title:
             fig.suptitle(title, fontsize=10)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format=fmt, dpi=dpi)
+        save_figure(fig, out, fmt, dpi)
     return out
 
 
@@ -433,6 +443,5 @@ def plot_runs(
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=8)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format=fmt, dpi=dpi)
+        save_figure(fig, out, fmt, dpi)
     return curves

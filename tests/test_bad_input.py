@@ -55,7 +55,10 @@ def tiny(w, *extra):
 
 
 def train_cmd(w, *extra):
-    return ["train", "--config", str(CONFIG), "-q", *tiny(w, *extra)]
+    """A tiny run over the existing one: with train.overwrite=true unless resuming, so each case
+    shows that a mistake changes nothing even where the user allowed replacing the run."""
+    again = [] if "train.resume=true" in extra else ["train.overwrite=true"]
+    return ["train", "--config", str(CONFIG), "-q", *tiny(w, *extra), *again]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,7 @@ def w(tmp_path_factory, shakespeare_path):
     f = w.f
     f.mkdir()
     (f / "empty_dir").mkdir()
+    (f / "dir.png").mkdir()
     w.marker = f / "CODE_RAN"
     touch = f"touch {shlex.quote(str(w.marker))}"
 
@@ -178,8 +182,8 @@ CASES = {
     # --- data
     "data_missing": lambda w: (train_cmd(w, f"data.path={w.f / 'missing.txt'}"),
                                ["data file not found", "set data.path to a UTF-8 text file"]),
-    "data_is_a_directory": lambda w: (train_cmd(w, f"data.path={w.f}"),
-                                      ["is not a file", "set data.path to a UTF-8 text file"]),
+    "data_is_a_directory": lambda w: (train_cmd(w, f"data.path={w.f / 'empty_dir'}"),
+                                      ["holds no .txt, .jsonl or .parquet files", "set data.path to"]),
     "data_empty": lambda w: (train_cmd(w, f"data.path={w.f / 'empty.txt'}"), ["empty.txt is empty"]),
     "data_binary": lambda w: (train_cmd(w, f"data.path={w.f / 'image.png'}"),
                               ["image.png is not UTF-8 text: byte 0x89 at byte offset 0", "convert it first"]),
@@ -200,12 +204,29 @@ CASES = {
                                                ["character(s) the tokenizer", "cannot encode",
                                                 "use data.tokenizer=char"]),
     "bpe_vocab_too_small": lambda w: (train_cmd(w, "data.tokenizer=bpe", "data.bpe_vocab_size=100"),
-                                      ["data.bpe_vocab_size must be at least 257"]),
+                                      ["data.bpe_vocab_size must be between 257"]),
     "tokenizer_train_missing_input": lambda w: (["tokenizer", "train", "-i", str(w.f / "missing.txt"),
                                                  "-o", str(w.f / "tok.json")], ["--input", "missing.txt does not exist"]),
     "tokenizer_train_vocab_too_small": lambda w: (["tokenizer", "train", "-i", str(w.f / "other.txt"),
                                                    "--vocab-size", "10", "-o", str(w.f / "tok.json")],
                                                   ["a BPE vocabulary needs at least 257 ids", "got 10"]),
+    "eval_text_is_a_directory": lambda w: (["eval", "--ckpt", str(w.run), "--text", str(w.f)],
+                                         ["--text", "is a directory; pass a file"]),
+    "eval_text_unreadable": lambda w: (["eval", "--ckpt", str(w.run), "--text", "/proc/self/mem"],
+                                       ["cannot read --text /proc/self/mem: Input/output error"]),
+    "eval_text_name_too_long": lambda w: (["eval", "--ckpt", str(w.run), "--text", str(w.f / ("t" * 300))],
+                                          ["cannot read --text", "File name too long"]),
+    "eval_text_not_utf8": lambda w: (["eval", "--ckpt", str(w.run), "--text", str(w.f / "latin1.txt")],
+                                     ["--text", "latin1.txt is not UTF-8 text"]),
+    "attention_out_under_proc": lambda w: (["attention", "--ckpt", str(w.run), "-p", "To be", "--out", "/proc/x/a.png"],
+                                           ["--out", "/proc/x is not writable"]),
+    "attention_out_is_a_directory": lambda w: (["attention", "--ckpt", str(w.run), "-p", "To be", "--out", str(w.f / "dir.png")],
+                                               ["is a directory; pass a file name"]),
+    "plot_out_under_proc": lambda w: (["plot", str(w.run), "-o", "/proc/x/c.png"], ["/proc/x is not writable"]),
+    "plot_out_name_too_long": lambda w: (["plot", str(w.run), "-o", str(w.f / ("c" * 300 + ".png"))], ["File name too long"]),
+    "config_unreadable": lambda w: (["train", "--config", "/proc/self/mem"], ["cannot read --config /proc/self/mem: Input/output error"]),
+    "tokenizer_file_unreadable": lambda w: (train_cmd(w, "data.tokenizer=/proc/self/mem"),
+                                            ["cannot read tokenizer file /proc/self/mem: Input/output error"]),
     "eval_text_with_unknown_chars": lambda w: (["eval", "--ckpt", str(w.run), "--text", str(w.f / "emoji.txt")],
                                                ["cannot encode ('🙂' ×1)", "pass --skip-unknown"]),
     # --- checkpoints
@@ -252,7 +273,7 @@ CASES = {
     "resume_a_different_tokenizer": lambda w: (train_cmd(w, "train.resume=true", f"data.path={w.f / 'other.txt'}",
                                                          f"data.out_dir={w.f / 'other_data'}"),
                                                ["cannot resume", "data.tokenizer: char (65 characters) → char (8 characters)"]),
-    "resume_without_checkpoint": lambda w: (train_cmd(w, f"train.out_dir={w.f / 'new_run'}") + ["--resume"],
+    "resume_without_checkpoint": lambda w: (train_cmd(w, f"train.out_dir={w.f / 'new_run'}", "train.resume=true"),
                                             ["cannot resume: no checkpoint", "drop --resume"]),
     "init_from_missing": lambda w: (train_cmd(w, f"train.init_from={w.f / 'nope'}"), ["checkpoint not found"]),
     "which_unknown": lambda w: (["eval", "--ckpt", str(w.run), "--which", "newest"], ["--which must be best or latest"]),
@@ -391,3 +412,22 @@ def test_real_entry_point_and_quill_debug(w):
     assert "Traceback (most recent call last)" in debug.stderr
     assert "quillgpt.errors.QuillError" in debug.stderr and "was refused" in debug.stderr
     assert not w.marker.exists()
+
+
+@pytest.mark.parametrize("value, debug", [("false", False), ("0", False), ("no", False), ("OFF", False), ("", False),
+                                          ("1", True), ("true", True), ("yes", True)])
+def test_quill_debug_false_means_off(w, capsys, monkeypatch, value, debug):
+    monkeypatch.setenv("QUILL_DEBUG", value)
+    argv = ["eval", "--ckpt", str(w.f / "nope.pt")]
+    if debug:
+        with pytest.raises(QuillError):
+            main(argv)
+    else:
+        code, _, err = run_main(capsys, argv)
+        assert code == 2 and err.startswith("error: checkpoint not found")
+
+
+def test_error_line_stays_one_line(w, capsys):
+    """A user's value with a newline in it is escaped, not printed as a second line."""
+    code, _, err = run_main(capsys, ["eval", "--ckpt", str(w.f / "two\nlines.pt")])
+    assert code == 2 and err.count("\n") == 1 and "two\\nlines.pt" in err
