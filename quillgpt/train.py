@@ -43,7 +43,7 @@ from quillgpt.infini import GATE_LR_MULT, is_gate
 from quillgpt.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
 from quillgpt.model import GPT
 from quillgpt.prefix import PrefixLengths, PrefixSampler, separator_id
-from quillgpt.perf import cpu_has_bf16, peak_flops
+from quillgpt.perf import check_train_memory, cpu_has_bf16, peak_flops
 from quillgpt.tokenizer import Tokenizer, save_tokenizer
 
 FIT_AFTER_STEPS = 10  # train.time_budget: the horizon is fitted once, at this step or warmup's end
@@ -299,6 +299,7 @@ def setup(
     if tc.init_from:
         cfg, init_state = _init_from(cfg, tokenizer.spec())
     state = _load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec()) if resuming else None
+    check_train_memory(cfg.model, tc, device)  # before anything big is allocated
     train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
 
     seed_rank(tc.seed, ddp)  # each rank its own stream; DDP copies rank 0's initial weights to all
@@ -351,6 +352,8 @@ def _load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict) -> dict
     latest = out_dir / ckpt.LATEST
     try:
         state = ckpt.load_checkpoint(latest)
+        if "optimizer" in state:  # weights only (import-hf): _check_compatible says what to do
+            ckpt.check_state(state, str(latest), ckpt.RESUME_KEYS)
     except QuillError as e:
         what = str(e).split("; ")[0]  # what is wrong, without advice meant for sample/eval (--which)
         best = out_dir / ckpt.BEST
@@ -382,7 +385,7 @@ def start_run(t: Trainer, resumed: bool) -> None:
     if t.ddp.master:
         metrics = t.out_dir / METRICS
         if resumed:
-            skipped = truncate_metrics(metrics, t.step)
+            skipped = truncate_metrics(metrics, t.first_step)  # the checkpoint's step
             if skipped:
                 tqdm.write(f"note: dropped {skipped} unreadable line(s) of {metrics}")
         else:
@@ -393,7 +396,7 @@ def start_run(t: Trainer, resumed: bool) -> None:
                 tqdm.write(f"--overwrite: replaced the run in {t.out_dir} ({replaced}) with a new one")
         save_config(t.cfg, t.out_dir / "config.yaml")
         save_tokenizer(t.tokenizer, t.out_dir / "tokenizer.json")
-        t.log = MetricsWriter(t.out_dir, t.cfg.train.tensorboard, purge_step=t.step + 1 if resumed else None)
+        t.log = MetricsWriter(t.out_dir, t.cfg.train.tensorboard, purge_step=t.first_step + 1 if resumed else None)
 
 
 def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
@@ -458,7 +461,7 @@ def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar:
     error) or a stop was asked for already (then nothing was written, and False)."""
     _checked_loss(loss, t.step, t.ddp)
     if t.ddp.any(stop.signal is not None):
-        bar.write(f"stopped before the first step was done; nothing in {t.out_dir} was changed")
+        bar.write(f"stopped before the run started; nothing in {t.out_dir} was changed")
         return False
     start_run(t, resumed)
     return True

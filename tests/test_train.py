@@ -4,8 +4,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -162,28 +160,6 @@ def test_bfloat16_autocast_on_cpu_trains(shakespeare_path, data_dir, tmp_path):
     assert result.step == 8 and result.last_val_loss is not None and result.last_val_loss < 5
 
 
-def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_path):
-    """gloo, 2 ranks × batch 2 sees exactly the windows of 1 rank × batch 4: same losses."""
-    # fp32: bf16 sums differ with the thread count and batch split by more than the tolerance
-    common = tiny_overrides(shakespeare_path, data_dir, tmp_path / "single", "train.max_iters=4", "train.dtype=float32")
-    train(load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", common), progress=False)
-    ddp = tiny_overrides(shakespeare_path, data_dir, tmp_path / "ddp", "train.max_iters=4", "train.batch_size=2",
-                         "train.dtype=float32")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "quillgpt", "train", "--config", str(ROOT / "configs" / "shakespeare_char_cpu.yaml"), "-q", *ddp],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    single, multi = losses(tmp_path / "single"), losses(tmp_path / "ddp")
-    assert [s for s, *_ in single] == [s for s, *_ in multi]
-    for (_, a, va), (_, b, vb) in zip(single, multi):
-        assert a == pytest.approx(b, abs=1e-4)
-        if va is not None:
-            assert va == pytest.approx(vb, abs=1e-4)
-
-
 def test_cli_train_reports_and_writes_resolved_config(shakespeare_path, data_dir, tmp_path, capsys):
     from quillgpt.cli import main
 
@@ -318,10 +294,12 @@ def test_resume_of_a_healthy_checkpoint_skips_unreadable_metrics_lines(shakespea
     run = copy_run(finished, tmp_path)
     with open(run / "metrics.jsonl", "ab") as f:
         f.write(b'caf\xe9 \xff\n[1, 2]\n{"step": "abc", "train_loss": 1.0}\n{"step": 2, "train_loss": 1e999}\n')
+        f.write(b'{"step": 3, "train_loss": 9.5}\n')  # past the checkpoint (a killed run's): redone, not kept
     code, out, err = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=3"), "--resume")
     assert code == 0, err
     assert f"dropped 4 unreadable line(s) of {run / 'metrics.jsonl'}" in out and "done: step 3" in out
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    logged = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [1, 2, 3] and logged[-1]["train_loss"] != 9.5
 
 
 def test_resume_from_a_damaged_checkpoint_says_what_train_can_do(shakespeare_path, data_dir, finished, tmp_path, capsys):

@@ -1,0 +1,129 @@
+"""DDP on CPU (gloo, 2 processes): the same windows as one process, each rank its own dropout
+stream, and exact resume of every rank's stream."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quillgpt.checkpoint import load_checkpoint
+from quillgpt.config import load_config
+from quillgpt.data import prepare
+from quillgpt.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
+from quillgpt.metrics import read_metrics
+from quillgpt.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
+
+
+def tiny(shakespeare_path, data_dir, out_dir, *extra):
+    return [
+        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+        "train.eval_interval=2", "train.eval_iters=2", "train.log_interval=1", "train.warmup_iters=2",
+        "train.device=cpu", "train.dtype=float32", *extra,  # fp32: bf16 sums differ with the batch split
+    ]
+
+
+def losses(out_dir):
+    return [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(Path(out_dir) / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, shakespeare_path):
+    data_dir = tmp_path_factory.mktemp("data") / "char"
+    prepare(load_config(CONFIG, tiny(shakespeare_path, data_dir, "unused")).data, progress=False)
+    return data_dir
+
+
+def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_path):
+    """gloo, 2 ranks × batch 2 sees exactly the windows of 1 rank × batch 4: same losses."""
+    train(load_config(CONFIG, tiny(shakespeare_path, data_dir, tmp_path / "single", "train.max_iters=4",
+                                   "train.batch_size=4")), progress=False)
+    ddp = tiny(shakespeare_path, data_dir, tmp_path / "ddp", "train.max_iters=4", "train.batch_size=2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "quillgpt", "train", "--config", str(CONFIG), "-q", *ddp],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    single, multi = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert [s for s, *_ in single] == [s for s, *_ in multi]
+    for (_, a, va), (_, b, vb) in zip(single, multi):
+        assert a == pytest.approx(b, abs=1e-4)
+        if va is not None:
+            assert va == pytest.approx(vb, abs=1e-4)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_draw_their_own_dropout_and_resume_restores_each_ranks_stream(shakespeare_path, data_dir, tmp_path):
+    """Two ranks with dropout: different masks; stopping at step 2 and resuming to 4 gives the
+    weights, optimizer and every rank's RNG state of 4 straight steps, bit for bit."""
+    overrides = tiny(shakespeare_path, data_dir, "set-by-worker", "model.dropout=0.1", "train.batch_size=2",
+                     "train.lr_schedule=constant")  # constant: stopping via max_iters keeps the schedule
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path), *overrides],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+
+    masks = [json.loads((tmp_path / f"mask{r}.json").read_text()) for r in (0, 1)]
+    assert len(masks[0]) == len(masks[1]) > 100 and masks[0] != masks[1]
+    straight, resumed = (load_checkpoint(tmp_path / name / "ckpt.pt") for name in ("straight", "resumed"))
+    assert straight["step"] == resumed["step"] == 4
+    ranks = straight["rank_rng"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
+    assert torch.equal(straight["rng"]["torch"], ranks[0]["torch"])
+    for key in ("model", "optimizer", "rank_rng", "sampler"):
+        assert_same(straight[key], resumed[key], key)
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+
+
+def assert_same(a, b, where):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_rank_streams_round_trip_in_one_process():
+    """What a checkpoint keeps of a single process's stream (no rank_rng) brings it back; a rank
+    the checkpoint has no stream for starts from seed + rank."""
+    device = torch.device("cpu")
+    seed_rank(7, Dist())
+    saved = rank_rng_states(Dist(), device)
+    assert set(saved) == {"rng"}
+    expected = torch.rand(3)
+    restore_rank_rng(saved, 7, Dist(), device)
+    assert torch.equal(torch.rand(3), expected)
+    restore_rank_rng(saved, 7, Dist(rank=1, world_size=1), device)  # rank 1 of a run saved by one process
+    fresh = torch.rand(3)
+    torch.manual_seed(8)
+    assert torch.equal(fresh, torch.rand(3))
