@@ -306,3 +306,15 @@ def test_a_long_generation_keeps_constant_memory():
         steps += 1
         assert (cache.kv_bytes, cache.memory_bytes) == sizes and cache.n < 4
     assert steps == 1500 and cache.seen == 1502 and torch.isfinite(cache.mem).all()
+
+
+def test_the_demo_configs_load():
+    from pathlib import Path
+
+    from quillgpt.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    infini = load_config(root / "configs" / "infini_demo.yaml").model
+    prefix = load_config(root / "configs" / "prefix_demo.yaml").model
+    assert (infini.attention, infini.segment_size, infini.memory_update) == ("infini", 32, "delta")
+    assert (prefix.attention, prefix.prefix_max) == ("prefix", 32)
