@@ -394,6 +394,7 @@ def start_run(t: Trainer, resumed: bool) -> None:
                 path.unlink(missing_ok=True)
             if replaced is not None:
                 tqdm.write(f"--overwrite: replaced the run in {t.out_dir} ({replaced}) with a new one")
+        t.cfg.train.overwrite = False  # a one-off permission: the run's config.yaml must not carry it on
         save_config(t.cfg, t.out_dir / "config.yaml")
         save_tokenizer(t.tokenizer, t.out_dir / "tokenizer.json")
         t.log = MetricsWriter(t.out_dir, t.cfg.train.tensorboard, purge_step=t.first_step + 1 if resumed else None)

@@ -396,6 +396,8 @@ def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "ste
     key = {"step": "step", "tokens": "tokens", "time": "elapsed_s"}[x]
     train = [(float(r[key]), float(r["train_loss"])) for r in records if key in r and "train_loss" in r]
     val = [(float(r[key]), float(r["val_loss"])) for r in records if key in r and "val_loss" in r]
+    if not train:
+        raise QuillError(f"{path} has no readable line with train_loss and {key} yet ({log.skipped} unreadable skipped)")
     return Curves(
         name=run.resolve().name,
         train=([p[0] for p in train], [p[1] for p in train]),

@@ -62,6 +62,9 @@ def test_plot_reads_through_the_same_reader(tmp_path):
     curves = load_curves(tmp_path)
     assert curves.train == ([1.0, 2.0, 3.0], [4.1, 3.9, 3.7]) and curves.val == ([2.0], [3.95])
     assert curves.skipped == len(BAD) and curves.last_step == 3
+    write_log(tmp_path / "metrics.jsonl", [b'{"step": 1}', b"\xff"])  # steps, but no losses to draw
+    with pytest.raises(QuillError, match=r"no readable line with train_loss and step yet \(1 unreadable skipped\)"):
+        load_curves(tmp_path)
 
 
 @settings(max_examples=80, deadline=None)

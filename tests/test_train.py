@@ -277,6 +277,7 @@ def test_a_second_train_never_replaces_a_run_unasked(shakespeare_path, data_dir,
     code, out, err = quill_train(capsys, args, "--overwrite")
     assert code == 0, err
     assert f"replaced the run in {run} (step 2" in out and "done: step 3" in out
+    assert load_config(run / "config.yaml").train.overwrite is False  # reusing the run's config replaces nothing
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
 
 
