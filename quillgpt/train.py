@@ -469,8 +469,9 @@ def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar:
 
 
 def _follow_budget(t: Trainer, bar: tqdm) -> None:
-    """train.time_budget: fit the horizon once (at FIT_AFTER_STEPS or warmup's end, whichever is
-    later: before that the schedule does not depend on it); stop when the time is up."""
+    """train.time_budget: fit the horizon once, at a fixed step (FIT_AFTER_STEPS or warmup's end,
+    whichever is later), so the steps before it follow max_iters' schedule identically in a
+    straight and a resumed run; stop when the time is up."""
     if t.budget_s is None or t.budget_ended:
         return
     if t.ddp.any(t.elapsed() >= t.budget_s):
