@@ -133,6 +133,8 @@ def gpt2_incompatibilities(cfg: ModelConfig) -> list[str]:
         problems.append(f"model.n_kv_head={cfg.n_kv_head}: GPT-2 has multi-head attention only (n_kv_head null)")
     if cfg.window is not None:
         problems.append(f"model.window={cfg.window}: GPT-2 has full causal attention only (window null)")
+    if cfg.attention != "causal":
+        problems.append(f"model.attention={cfg.attention}: GPT-2 has causal attention only")
     return problems
 
 

@@ -257,3 +257,11 @@ def test_past_block_size_is_refused_not_cropped(use_cache):
     with pytest.raises(QuillError, match=r"prompt \(7 tokens\) \+ max_new_tokens \(10\) exceeds block_size \(16\)"):
         list(generate_tokens(model, [[1] * 7], 10, use_cache=use_cache))
     assert len(list(generate_tokens(model, [[1] * 7], 9, use_cache=use_cache))) == 9  # exactly fills it
+
+
+def test_gpt2_export_refuses_both_variants():
+    from quillgpt.interop import gpt2_incompatibilities
+
+    assert gpt2_incompatibilities(cfg(bias=True)) == ["model.attention=prefix: GPT-2 has causal attention only"]
+    infini = cfg(attention="infini", segment_size=4)
+    assert gpt2_incompatibilities(infini) == ["model.attention=infini: GPT-2 has causal attention only"]
