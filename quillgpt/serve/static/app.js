@@ -137,7 +137,7 @@ function drawMap(ctx, weights, x0, y0, cell) {
 
 function drawGrid() {
   const a = state.attn, T = a.tokens.length, canvas = $("attn-grid");
-  const width = Math.min(1150, document.body.clientWidth - 60);
+  const width = Math.min(560, document.body.clientWidth - 60);  // the enlarged map goes beside it
   const cell = Math.max(1, Math.min(10, Math.floor((width - GRID.pad - GRID.gap * a.n_head) / (a.n_head * T))));
   const size = cell * T;
   canvas.width = GRID.pad + a.n_head * (size + GRID.gap);
@@ -158,7 +158,7 @@ function drawGrid() {
 
 function drawFocus() {
   const a = state.attn, [l, h] = state.focus, T = a.tokens.length, canvas = $("attn-focus");
-  const cell = Math.max(8, Math.min(28, Math.floor(620 / T)));
+  const cell = Math.max(8, Math.min(28, Math.floor(520 / T)));
   const label = 90;
   canvas.width = label + T * cell + 10;
   canvas.height = label + T * cell + 10;
@@ -178,7 +178,7 @@ function drawFocus() {
     ctx.fillText(t, 0, 0);
   });
   ctx.restore();
-  $("focus-title").textContent = `layer ${l}, head ${h} (query tokens down, attended tokens across)`;
+  $("focus-title").textContent = `layer ${l}, head ${h}: tokens down, what each attends to across`;
   state.focusCell = { cell, label };
 }
 

@@ -1,0 +1,216 @@
+"""Load test for `quill serve`: concurrent streaming clients on the loopback interface.
+
+Starts `quill serve` on 127.0.0.1 (a free port) for --ckpt, or uses a running server given by
+--url (loopback addresses only), then runs three phases with the same sampling settings:
+
+  1 client      one client, --requests-per-client requests of --tokens tokens, one after another
+  16 clients    16 clients doing the same at once: aggregate tokens/s vs 1 client (target ≥ 3×)
+  32 mixed      32 clients, prompt and max_tokens lengths mixed (16..256 tokens)
+
+Every response must be a well-formed stream (status 200, `data:` JSON events with one id,
+finish_reason null until the last chunk, a usage chunk, `data: [DONE]`) and hold as many tokens
+as the usage says; any malformed response makes the exit code 1. Each phase reports requests/s,
+aggregate completion tokens/s and p50/p95 time to first token. Request counts are fixed and the
+whole run is bounded by --time-limit.
+
+    python scripts/load_serve.py --ckpt out/shakespeare_char_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.",
+           "To be, or not to be", "KING HENRY:\nOnce more unto the breach", "\n", "JULIET:\nO Romeo, Romeo!"]
+MIXED_TOKENS = [16, 32, 64, 128, 256]
+
+
+@dataclass
+class Phase:
+    name: str
+    clients: int
+    ttft: list[float] = field(default_factory=list)
+    tokens: int = 0
+    requests: int = 0
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def row(self) -> str:
+        p50 = 1000 * statistics.median(self.ttft) if self.ttft else float("nan")
+        p95 = 1000 * _percentile(self.ttft, 0.95) if self.ttft else float("nan")
+        return (f"{self.name:<12} {self.clients:>7} {self.requests:>8} {self.tokens:>8} {self.seconds:>8.1f} "
+                f"{self.requests / self.seconds:>7.2f} {self.tokens / self.seconds:>9.1f} {p50:>9.0f} {p95:>9.0f}")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def one_request(http: httpx.AsyncClient, phase: Phase, body: dict) -> None:
+    """Stream one completion, check it is well-formed, record its tokens and time to first token."""
+    t0, first, ids, finishes, usage, events = time.perf_counter(), None, set(), [], None, []
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                phase.errors.append(f"status {r.status_code}: {(await r.aread())[:200]!r}")
+                return
+            buffer = ""
+            async for text in r.aiter_text():
+                buffer += text
+                *done, buffer = buffer.split("\n\n")
+                for event in done:
+                    events.append(event)
+                    if not event.startswith("data: {"):
+                        continue
+                    chunk = json.loads(event[6:])
+                    ids.add(chunk["id"])
+                    if chunk["choices"]:
+                        finishes.append(chunk["choices"][0]["finish_reason"])
+                        if first is None and chunk["choices"][0]["text"]:
+                            first = time.perf_counter() - t0
+                    else:
+                        usage = chunk["usage"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        phase.errors.append(f"{type(e).__name__}: {e}")
+        return
+    problems = []
+    if not events or events[-1] != "data: [DONE]" or buffer:
+        problems.append("the stream does not end with data: [DONE]")
+    if any(not e.startswith("data: ") for e in events):
+        problems.append("an event that is not a data: line")
+    if len(ids) != 1:
+        problems.append(f"{len(ids)} ids in one stream")
+    if not finishes or any(f is not None for f in finishes[:-1]) or finishes[-1] not in ("stop", "length"):
+        problems.append(f"finish_reason sequence ends {finishes[-3:]}")
+    if usage is None or not 0 < usage["completion_tokens"] <= body["max_tokens"]:
+        problems.append(f"usage {usage}")
+    elif finishes and finishes[-1] == "length" and usage["completion_tokens"] != body["max_tokens"]:
+        problems.append(f"length finish after {usage['completion_tokens']} of {body['max_tokens']} tokens")
+    if problems:
+        phase.errors.append("; ".join(problems))
+        return
+    phase.requests += 1
+    phase.tokens += usage["completion_tokens"]
+    phase.ttft.append(first if first is not None else time.perf_counter() - t0)
+
+
+async def run_phase(url: str, phase: Phase, bodies: list[list[dict]], deadline: float) -> Phase:
+    """bodies[c] = the requests client c sends one after another; all clients start together."""
+    limits = httpx.Limits(max_connections=phase.clients + 4, max_keepalive_connections=phase.clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0), limits=limits) as http:
+
+        async def client(mine: list[dict]) -> None:
+            for body in mine:
+                await one_request(http, phase, body)
+
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(client(b) for b in bodies)), timeout=max(1.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            phase.errors.append("the --time-limit ran out during this phase")
+        phase.seconds = time.perf_counter() - t0
+    return phase
+
+
+def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Random, model: str) -> list[list[dict]]:
+    out = []
+    for c in range(clients):
+        mine = []
+        for i in range(per_client):
+            n = tokens if tokens is not None else rng.choice(MIXED_TOKENS)
+            prompt = PROMPTS[0] if tokens is not None else rng.choice(PROMPTS)
+            mine.append({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.8, "top_p": 0.95,
+                         "seed": 1000 * c + i, "stream": True, "stream_options": {"include_usage": True}})
+        out.append(mine)
+    return out
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "quillgpt", "serve", "--ckpt", args.ckpt, "--host", "127.0.0.1", "--port", "0",
+           "--max-batch", str(args.max_batch), "--device", args.device]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    found = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
+    if not found:
+        proc.kill()
+        sys.exit(f"quill serve did not start: {line.strip()} {proc.stderr.read()[-2000:]}")
+    return proc, found.group(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--ckpt", help="run directory or .pt file: start `quill serve` on 127.0.0.1 for it")
+    where.add_argument("--url", help="a running server on a loopback address, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--max-batch", type=int, default=32, help="--max-batch of the server this script starts")
+    parser.add_argument("--device", default="auto", help="--device of the server this script starts")
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens in the 1- and 16-client phases")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    args = parser.parse_args()
+    proc, url = None, args.url
+    if url is not None and urlparse(url).hostname not in LOOPBACK:
+        sys.exit(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), got {url}")
+    if args.ckpt is not None:
+        proc, url = start_server(args)
+    deadline = time.monotonic() + args.time_limit
+    try:
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        rng = random.Random(0)
+        warm = Phase("warm-up", 2)
+        asyncio.run(run_phase(url, warm, bodies_for(2, 1, 16, rng, model), deadline))
+        n = args.requests_per_client
+        phases = [Phase("1 client", 1), Phase("16 clients", 16), Phase("32 mixed", 32)]
+        plans = [bodies_for(1, n, args.tokens, rng, model), bodies_for(16, n, args.tokens, rng, model),
+                 bodies_for(32, n, None, rng, model)]
+        for phase, plan in zip(phases, plans):
+            asyncio.run(run_phase(url, phase, plan, deadline))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(f"{'phase':<12} {'clients':>7} {'requests':>8} {'tokens':>8} {'seconds':>8} {'req/s':>7} "
+          f"{'tokens/s':>9} {'ttft p50':>9} {'ttft p95':>9}  (ms)")
+    for phase in phases:
+        print(phase.row())
+    speedup = phases[1].tokens_per_s / phases[0].tokens_per_s if phases[0].tokens_per_s else float("nan")
+    print(f"aggregate tokens/s, 16 clients vs 1 client: {speedup:.2f}x (target ≥ 3x); "
+          f"cpu threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
+    errors = [f"{p.name}: {e}" for p in [warm, *phases] for e in p.errors]
+    for e in errors[:20]:
+        print("error:", e, file=sys.stderr)
+    if args.json:
+        print(json.dumps({"phases": [{"name": p.name, "clients": p.clients, "requests": p.requests,
+                                      "tokens": p.tokens, "seconds": p.seconds, "tokens_per_s": p.tokens_per_s,
+                                      "ttft_p50_ms": 1000 * statistics.median(p.ttft) if p.ttft else None,
+                                      "ttft_p95_ms": 1000 * _percentile(p.ttft, 0.95) if p.ttft else None}
+                                     for p in phases], "speedup_16_vs_1": speedup, "errors": len(errors)}))
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()
