@@ -304,13 +304,13 @@ def _learn_tokenizer(cfg: DataConfig, sources: list[Source], plan: dict[str, Any
     bar = tqdm(desc=f"learn {cfg.tokenizer} tokenizer", unit="char", unit_scale=True, disable=not progress, delay=1.0, leave=False)
     with bar:
         if cfg.tokenizer == "char":
-            chars: set[str] = set()
+            seen = np.zeros(0x110000, dtype=bool)  # every code point that occurs
             for piece in _pieces(cfg, sources, plan, anywhere=True):
-                chars.update(piece.text)
+                seen[np.frombuffer(piece.text.encode("utf-32-le", "surrogatepass"), dtype="<u4")] = True
                 bar.update(len(piece.text))
-            if not chars:
+            if not seen.any():
                 raise QuillError(f"{shown(cfg.path or sources[0].path)} holds no text (every document is empty)")
-            return CharTokenizer("".join(sorted(chars)))
+            return CharTokenizer("".join(map(chr, np.flatnonzero(seen))))
         texts, n = [], 0
         for piece in _pieces(cfg, sources, plan, anywhere=False):
             texts.append(piece.text[: BPE_TRAIN_CHARS - n])
@@ -358,7 +358,8 @@ def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok
 
         def on_shard(shards: dict[str, list], cursor: dict[str, Any] | None) -> None:
             state["shards"], state["cursor"] = shards, cursor
-            _save_state(out_dir, state)
+            if cursor is not None:  # after the last shard, meta.json comes next
+                _save_state(out_dir, state)
 
         write_shards(results, out_dir, cfg.shard_tokens, state["shards"], start["skip_tokens"], on_shard, lambda t: bar.update(t.read_bytes))
 
@@ -372,11 +373,14 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
         tok = _learn_tokenizer(cfg, sources, plan, progress)
         cursor = {"source": 0, "record": 0, "piece": 0, "skip_tokens": 0}
         state = {"want": want, "plan": plan, "tokenizer": tok.spec(), "shards": {}, "cursor": cursor}
-        _save_state(out_dir, state)
+        (out_dir / STATE_FILE).unlink(missing_ok=True)  # first saved when the first shard is done
     else:
         tok = tokenizer_from_spec(state["tokenizer"])
     if state["cursor"] is not None:
-        _tokenize(cfg, sources, state, tok, out_dir, progress)
+        try:
+            _tokenize(cfg, sources, state, tok, out_dir, progress)
+        except OSError as e:  # the disk filled up, the directory went away...: finished shards stay
+            raise os_error(e, out_dir, "write token shards to", "data.out_dir") from None
     shards = {split: state["shards"].get(split, []) for split in ("train", "val")}
     tokens = {split: sum(s["tokens"] for s in shards[split]) for split in shards}
     if not tokens["train"] or not tokens["val"]:

@@ -438,3 +438,23 @@ def test_unreadable_corpus_or_unwritable_out_dir_is_one_line(tmp_path, small_tex
     assert run_cli(["prepare", "--config", str(cfg_file), *override.format(tmp=tmp_path).split()]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
+
+
+def test_gpt2_124m_recipe_prepares_a_parquet_corpus(tmp_path, small_text):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from quillgpt.model import GPT
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "fw").mkdir()
+    text = small_text.read_text(encoding="utf-8")
+    pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(0, 30_000, 3000)]}), tmp_path / "fw" / "000_00000.parquet")
+    cfg = load_config(root / "configs" / "gpt2_124m.yaml", [f"data.path={tmp_path}/fw/*.parquet", f"data.out_dir={tmp_path}/o",
+                                                          "data.val_fraction=0.2"])
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
+    meta = prepare(cfg.data, progress=False).meta
+    assert meta["tokenizer_name"] == "gpt2" and meta["documents"] == 10 and meta["val_documents"] == 2
+    cfg.model.vocab_size = meta["vocab_size"]
+    with torch.device("meta"):
+        assert round(sum(p.numel() for p in GPT(cfg.model).parameters()) / 1e6) == 124
