@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -77,8 +78,11 @@ def read_bytes(path: str | Path, what: str = "file", hint: str = "", limit: int 
     """
     path = Path(path)
     try:
-        if path.is_dir():
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
             raise QuillError(f"{what} {shown(path)} is a directory; pass a file")
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero would never end, a disk is no text
+            raise QuillError(f"{what} {shown(path)} is a device, not a file; pass a file")
         with open(path, "rb") as f:
             data = f.read() if limit is None else f.read(limit + 1)
     except OSError as e:

@@ -142,8 +142,12 @@ def test_file_errors(tmp_path):
         load_config(tmp_path / ("x" * 300 + ".yaml"))
     with pytest.raises(QuillError, match="is a directory"):
         load_config(tmp_path)
-    with pytest.raises(QuillError, match="larger than 16,777,216 bytes"):
+    with pytest.raises(QuillError, match="/dev/zero is a device, not a file"):
         load_config("/dev/zero")
+    endless = tmp_path / "big.yaml"
+    endless.write_bytes(b"#" * (16 * 2**20 + 1))
+    with pytest.raises(QuillError, match="larger than 16,777,216 bytes"):
+        load_config(endless)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
     with pytest.raises(QuillError, match="not valid YAML"):
