@@ -367,8 +367,7 @@ def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok
 def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir: Path, force: bool, progress: bool) -> dict[str, Any]:
     """Tokenize the corpus into shards, resuming a killed run of the same inputs; the manifest."""
     state = None if force else _resumable(out_dir, want)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # a crash from here on must not look up to date
-    if state is None:
+    if state is None:  # an empty or too short text is refused here, before any output changes
         plan = _plan(cfg, sources, progress)
         tok = _learn_tokenizer(cfg, sources, plan, progress)
         cursor = {"source": 0, "record": 0, "piece": 0, "skip_tokens": 0}
@@ -376,6 +375,7 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
         (out_dir / STATE_FILE).unlink(missing_ok=True)  # first saved when the first shard is done
     else:
         tok = tokenizer_from_spec(state["tokenizer"])
+    (out_dir / "meta.json").unlink(missing_ok=True)  # a crash from here on must not look up to date
     if state["cursor"] is not None:
         try:
             _tokenize(cfg, sources, state, tok, out_dir, progress)
