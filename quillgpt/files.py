@@ -147,6 +147,8 @@ def check_output_file(path: str | Path, what: str, force: bool = True, inputs: t
         exists = path.exists() or path.is_symlink()
         if path.is_dir():
             raise QuillError(f"{what} {shown(path)} is a directory; pass a file name")
+        if exists and not stat.S_ISREG(path.stat().st_mode):  # /dev/zero, a FIFO: renaming over it replaces it
+            raise QuillError(f"{what} {shown(path)} is not a regular file (a device, pipe or socket); pass a file name")
         if exists and any(_same_file(path, Path(i)) for i in inputs):
             raise QuillError(f"{what} {shown(path)} is also the input; write the output to another file")
     except OSError as e:  # e.g. a name longer than the file system allows

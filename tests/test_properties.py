@@ -76,6 +76,8 @@ def w(tmp_path_factory, shakespeare_path):
     w.hf = root / "hf"
     code, _, err = run(["export-hf", str(w.run), "--out", str(w.hf)])
     assert code == 0, err
+    w.fifo = root / "fifo.png"  # a special file a careless -o might name
+    os.mkfifo(w.fifo)
     w.protected = (w.run, w.data, w.hf, w.small)
     return w
 
@@ -232,12 +234,14 @@ def paths(w, outputs: bool = False) -> st.SearchStrategy:
     """Paths a careless or hostile user might give. Outputs leave out the protected files (a
     user who names one as an output asks for it to be written)."""
     common = [
-        str(w.root), str(w.scratch / "new.txt"), "/proc/self/mem", "/proc/x/y.png", "/proc/self", "/dev/null",
-        "/dev/zero", str(w.scratch / ("n" * 300)), str(w.scratch / ("n" * 300) / "a.png"),
+        str(w.root), str(w.scratch / "new.txt"), "/proc/self/mem", "/proc/x/y.png", "/proc/self",
+        str(w.scratch / ("n" * 300)), str(w.scratch / ("n" * 300) / "a.png"),
         str(w.scratch / "sub" / "dir" / "out.png"), str(w.scratch / "out.svg"), str(w.scratch / "x.json"), "", str(w.run),
     ]
-    inputs = [str(w.small), str(w.run / "ckpt.pt"), str(w.run / "config.yaml"), str(w.hf)]
-    return st.sampled_from(common if outputs else common + inputs)
+    # Devices only as inputs: an output path that renamed over /dev/zero once replaced it (as root).
+    inputs = [str(w.small), str(w.run / "ckpt.pt"), str(w.run / "config.yaml"), str(w.hf), "/dev/zero", "/dev/null"]
+    # A FIFO only as an output: reading one waits for a writer, as `cat fifo` does.
+    return st.sampled_from(common + [str(w.fifo)] if outputs else common + inputs)
 
 
 def flag_sets(w) -> st.SearchStrategy:

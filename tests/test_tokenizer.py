@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 
 import pytest
 import requests
@@ -238,6 +240,7 @@ def test_cli_tokenizer_train(tmp_path, text, capsys):
     ("output_exists", "already exists; choose another name or pass --force"),
     ("output_is_a_directory", "is a directory; pass a file name"),
     ("output_under_proc", "is not writable"),
+    ("output_is_a_fifo", "is not a regular file (a device, pipe or socket)"),
     ("input_unreadable", "cannot read --input /proc/self/mem: Input/output error"),
     ("input_name_too_long", "File name too long"),
 ])
@@ -246,11 +249,15 @@ def test_cli_tokenizer_train_refuses_without_touching_files(tmp_path, text, caps
     corpus, existing = tmp_path / "corpus.txt", tmp_path / "tok.json"
     corpus.write_text(text[:5_000], encoding="utf-8")
     existing.write_text("mine")
+    if case == "output_is_a_fifo":  # as /dev/zero would be: renaming over it would replace it
+        existing.unlink()
+        os.mkfifo(existing)
     inp, out = {
         "output_is_input": (corpus, corpus),
         "output_exists": (corpus, existing),
         "output_is_a_directory": (corpus, tmp_path),
         "output_under_proc": (corpus, "/proc/x.json"),
+        "output_is_a_fifo": (corpus, tmp_path / "tok.json"),
         "input_unreadable": ("/proc/self/mem", tmp_path / "new.json"),
         "input_name_too_long": (tmp_path / ("c" * 300), tmp_path / "new.json"),
     }[case]
@@ -259,7 +266,8 @@ def test_cli_tokenizer_train_refuses_without_touching_files(tmp_path, text, caps
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err
-    assert corpus.read_text(encoding="utf-8") == text[:5_000] and existing.read_text() == "mine"
+    assert corpus.read_text(encoding="utf-8") == text[:5_000]
+    assert existing.read_text() == "mine" if case != "output_is_a_fifo" else stat.S_ISFIFO(existing.stat().st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "tok.json"]
 
 
