@@ -18,6 +18,11 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     a writer that raises leaves no temp file behind.
     """
     path = Path(path)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # renaming over /dev/zero or a FIFO would replace it
+            raise QuillError(f"{shown(path)} is not a regular file (a directory, device, pipe or socket); write elsewhere")
+    except FileNotFoundError:
+        pass
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode

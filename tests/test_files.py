@@ -1,0 +1,92 @@
+"""The I/O boundary: every OSError on a user's path becomes one QuillError naming the path and
+the reason, and nothing is written where it must not be."""
+
+import os
+import stat
+
+import pytest
+
+from quillgpt.errors import QuillError
+from quillgpt.files import (
+    atomic_write_text,
+    check_output_file,
+    probe_writable,
+    read_bytes,
+    read_text,
+    write_file,
+)
+
+LONG = "n" * 300
+
+
+@pytest.mark.parametrize("name, message", [
+    ("missing", "--x {p} does not exist (make one)"),
+    ("directory", "--x {p} is a directory; pass a file"),
+    ("device", "--x /dev/zero is a device, not a file; pass a file"),
+    ("eio", "cannot read --x /proc/self/mem: Input/output error"),
+    ("too_long", "cannot read --x {p}: File name too long"),
+    ("too_big", "--x {p} is larger than 10 bytes; is it the right file?"),
+])
+def test_read_bytes_refusals_name_the_path_and_the_reason(tmp_path, name, message):
+    path = {
+        "missing": tmp_path / "nope", "directory": tmp_path, "device": "/dev/zero", "eio": "/proc/self/mem",
+        "too_long": tmp_path / LONG, "too_big": tmp_path / "big",
+    }[name]
+    (tmp_path / "big").write_bytes(b"x" * 11)
+    with pytest.raises(QuillError) as e:
+        read_bytes(path, "--x", hint=" (make one)", limit=10)
+    assert str(e.value) == message.format(p=str(path)[:78] + "..." + str(path)[-78:] if len(str(path)) > 160 else path)
+
+
+def test_read_within_limit_and_utf8(tmp_path):
+    (tmp_path / "ok").write_bytes("héllo".encode())
+    assert read_bytes(tmp_path / "ok", limit=6) == "héllo".encode()
+    assert read_text(tmp_path / "ok") == "héllo"
+    (tmp_path / "latin1").write_bytes("héllo".encode("latin-1"))
+    with pytest.raises(QuillError, match=r"latin1 is not UTF-8 text \(invalid byte at offset 1\)"):
+        read_text(tmp_path / "latin1", "--text")
+
+
+def test_check_output_file(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("keep")
+    os.mkfifo(tmp_path / "fifo")
+    cases = [
+        (dict(path=src, inputs=(src,)), "is also the input"),
+        (dict(path=tmp_path / "." / "in.txt", inputs=(src,)), "is also the input"),  # the same file by another name
+        (dict(path=src, force=False), "already exists; choose another name or pass --force"),
+        (dict(path=tmp_path), "is a directory; pass a file name"),
+        (dict(path=tmp_path / "fifo"), "is not a regular file"),
+        (dict(path=tmp_path / (LONG + ".json")), "File name too long"),
+        (dict(path="/proc/x/a.png"), "is not writable"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(QuillError, match=message):
+            check_output_file(what="-o", **kwargs)
+    assert check_output_file(src, "-o", force=True) == src  # --force: the user said so
+    assert check_output_file(tmp_path / "new" / "out.png", "-o") == tmp_path / "new" / "out.png"
+    assert src.read_text() == "keep" and stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+
+
+def test_probe_without_creating_leaves_nothing(tmp_path):
+    target = tmp_path / "a" / "b"
+    assert probe_writable(target, create=False) == target
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(QuillError, match="File name too long"):
+        probe_writable(tmp_path / LONG / "b", create=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(QuillError, match="Not a directory"):
+        probe_writable(tmp_path / "file" / "b", create=False)
+    with pytest.raises(QuillError, match="/proc/x/y is not writable"):
+        probe_writable("/proc/x/y", "--out", create=False)
+
+
+def test_writes_refuse_special_files_and_name_os_errors(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(QuillError, match="is not a regular file"):
+        atomic_write_text(tmp_path / "fifo", "x")
+    assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+    with pytest.raises(QuillError, match=r"cannot write -o .*: File name too long"):
+        write_file(tmp_path / LONG, lambda f: f.write(b"x"), "-o")
+    write_file(tmp_path / "ok", lambda f: f.write(b"x"), "-o")
+    assert (tmp_path / "ok").read_bytes() == b"x" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
