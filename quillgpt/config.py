@@ -42,6 +42,14 @@ def shown_value(value: Any) -> str:
     return _cut(text)
 
 
+def check_finite(section: Any, name: str) -> None:
+    """Every float of a section is finite: ranges below compare with NaN as False, so a config
+    built in Python (not through _coerce) gets the same guarantee."""
+    for key, value in vars(section).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise QuillError(f"{name}.{key} must be a finite number, got {value}")
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
@@ -67,6 +75,7 @@ class DataConfig:
     workers: int | None = None  # tokenizer processes; null = every core (in-process for a small corpus)
 
     def validate(self) -> None:
+        check_finite(self, "data")
         if not 0.0 < self.val_fraction < 1.0:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.path is None and self.url is None:
@@ -136,6 +145,7 @@ class ModelConfig:
         return 64 * ((int(8 * self.n_embd / 3) + 63) // 64)
 
     def validate(self) -> None:
+        check_finite(self, "model")
         for key, most in MODEL_SIZE_LIMITS.items():
             value = getattr(self, key)
             if value is not None and not 1 <= value <= most:
@@ -212,6 +222,7 @@ class TrainConfig:
     overwrite: bool = False  # replace a run already in out_dir (--overwrite); without it or resume, train refuses
 
     def validate(self) -> None:
+        check_finite(self, "train")
         for key in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
             if getattr(self, key) < 1:
                 raise QuillError(f"train.{key} must be at least 1, got {getattr(self, key)}")

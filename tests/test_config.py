@@ -162,6 +162,16 @@ def test_file_errors(tmp_path):
         load_config(section)
 
 
+def test_configs_built_in_python_are_checked_for_finite_numbers():
+    from quillgpt.config import ModelConfig, TrainConfig
+
+    for cfg, message in [(ModelConfig(dropout=float("nan")), "model.dropout must be a finite number, got nan"),
+                         (TrainConfig(grad_clip=float("nan")), "train.grad_clip must be a finite number, got nan"),
+                         (TrainConfig(learning_rate=float("inf")), "train.learning_rate must be a finite number")]:
+        with pytest.raises(QuillError, match=message):
+            cfg.validate()
+
+
 def test_defaults_validate():
     config_from_dict({}).validate()
     assert Config().model.kv_heads == Config().model.n_head
