@@ -5,7 +5,11 @@ Starts `quill serve` on 127.0.0.1 (a free port) for --ckpt, or uses a running se
 
   1 client      one client, --requests-per-client requests of --tokens tokens, one after another
   16 clients    16 clients doing the same at once: aggregate tokens/s vs 1 client (target ≥ 3×)
-  32 mixed      32 clients, prompt and max_tokens lengths mixed (16..256 tokens)
+  32 mixed      32 clients, mixed prompts and max_tokens (1/8 .. 3/4 of block_size, at most 256)
+
+Requests stay within the model's context (block_size): there every decode step is one batched
+step. Past block_size a learned-position model re-prefills each row at every step (see
+quillgpt/engine.py), which batching does not speed up.
 
 Every response must be a well-formed stream (status 200, `data:` JSON events with one id,
 finish_reason null until the last chunk, a usage chunk, `data: [DONE]`) and hold as many tokens
@@ -37,7 +41,8 @@ import httpx
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.",
            "To be, or not to be", "KING HENRY:\nOnce more unto the breach", "\n", "JULIET:\nO Romeo, Romeo!"]
-MIXED_TOKENS = [16, 32, 64, 128, 256]
+MIXED_FRACTIONS = [1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4]  # of block_size, for the mixed phase
+MAX_MIXED_TOKENS = 256
 
 
 @dataclass
@@ -132,14 +137,17 @@ async def run_phase(url: str, phase: Phase, bodies: list[list[dict]], deadline: 
     return phase
 
 
-def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Random, model: str) -> list[list[dict]]:
-    out = []
+def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Random, model: dict) -> list[list[dict]]:
+    """Requests of each client. tokens None: mixed prompts and lengths, each request kept within
+    the model's context (prompt characters + max_tokens ≤ block_size; BPE prompts are shorter)."""
+    block, out = model["block_size"], []
     for c in range(clients):
         mine = []
         for i in range(per_client):
-            n = tokens if tokens is not None else rng.choice(MIXED_TOKENS)
             prompt = PROMPTS[0] if tokens is not None else rng.choice(PROMPTS)
-            mine.append({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.8, "top_p": 0.95,
+            n = tokens if tokens is not None else rng.choice(MIXED_FRACTIONS) * block
+            n = max(4, min(int(n), MAX_MIXED_TOKENS, block - len(prompt)))
+            mine.append({"model": model["id"], "prompt": prompt, "max_tokens": n, "temperature": 0.8, "top_p": 0.95,
                          "seed": 1000 * c + i, "stream": True, "stream_options": {"include_usage": True}})
         out.append(mine)
     return out
@@ -165,7 +173,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32, help="--max-batch of the server this script starts")
     parser.add_argument("--device", default="auto", help="--device of the server this script starts")
     parser.add_argument("--requests-per-client", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64, help="max_tokens in the 1- and 16-client phases")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     args = parser.parse_args()
@@ -175,14 +184,15 @@ def main() -> None:
     if args.ckpt is not None:
         proc, url = start_server(args)
     deadline = time.monotonic() + args.time_limit
+    warm = Phase("warm-up", 2)
+    phases = [Phase("1 client", 1), Phase("16 clients", 16), Phase("32 mixed", 32)]
     try:
-        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
         rng = random.Random(0)
-        warm = Phase("warm-up", 2)
         asyncio.run(run_phase(url, warm, bodies_for(2, 1, 16, rng, model), deadline))
         n = args.requests_per_client
-        phases = [Phase("1 client", 1), Phase("16 clients", 16), Phase("32 mixed", 32)]
-        plans = [bodies_for(1, n, args.tokens, rng, model), bodies_for(16, n, args.tokens, rng, model),
+        tokens = args.tokens or model["block_size"] // 2
+        plans = [bodies_for(1, n, tokens, rng, model), bodies_for(16, n, tokens, rng, model),
                  bodies_for(32, n, None, rng, model)]
         for phase, plan in zip(phases, plans):
             asyncio.run(run_phase(url, phase, plan, deadline))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -119,12 +120,44 @@ class Guard:
         return None
 
 
+class Relay:
+    """Carries events from the engine thread to the event loop: one wake-up of the loop per
+    burst (a decode step's events for every row), not one per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Event]] = []
+
+    def post(self, queue: asyncio.Queue, event: Event) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return  # a wake-up is already on its way
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
 class Routes:
     """The route handlers, sharing the run, the batcher and the options."""
 
     def __init__(self, run: LoadedRun, batcher: Batcher, options: ServeOptions) -> None:
         self.run, self.batcher, self.options = run, batcher, options
         self.created = int(time.time())
+        self._relays: dict[asyncio.AbstractEventLoop, Relay] = {}
+
+    def _relay(self, loop: asyncio.AbstractEventLoop) -> Relay:
+        if loop not in self._relays:
+            self._relays[loop] = Relay(loop)
+        return self._relays[loop]
 
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", **self.batcher.load()}
@@ -233,14 +266,9 @@ class Routes:
         max_tokens = self._max_tokens(req, default_max)
         ids = [self._encode(p, param) for p in prompts]
         params = [self._params(req, max_tokens, None if req.seed is None else req.seed + k, stops) for k in range(n)]
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-        def emit(event: Event) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop has closed: nobody is listening any more
-                pass
-
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        relay = self._relay(asyncio.get_running_loop())
+        emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
         eot = self.run.tokenizer.eot_id
         jobs = [Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit,
                     stop_ids=() if eot is None else (eot,)) for i in range(len(prompts)) for k in range(n)]
@@ -263,13 +291,20 @@ class Routes:
                     yield sse(reply.chunk(job.index, role=True))
             left, tokens = len(jobs), {}
             while left:
-                event = await events.get()
-                if event.finish == "error":
-                    yield sse(APIError(event.status, event.text, code="generation_failed").body())
+                batch = [await events.get()]
+                while not events.empty():  # behind (slow client, busy loop): one chunk per choice
+                    batch.append(events.get_nowait())
+                error = next((e for e in batch if e.finish == "error"), None)
+                if error is not None:
+                    yield sse(APIError(error.status, error.text, code="generation_failed").body())
                     break
-                tokens[event.index] = event.tokens
-                yield sse(reply.chunk(event.index, event.text, event.finish))
-                left -= event.finish is not None
+                merged: dict[int, Event] = {}
+                for e in batch:
+                    m = merged.setdefault(e.index, Event(e.index))
+                    m.text, m.finish, m.tokens = m.text + e.text, e.finish, e.tokens
+                yield "".join(sse(reply.chunk(m.index, m.text, m.finish)) for m in merged.values())
+                tokens.update((m.index, m.tokens) for m in merged.values())
+                left -= sum(m.finish is not None for m in merged.values())
             else:
                 if reply.include_usage:
                     yield sse(reply.usage_chunk(sum(tokens.values())))
