@@ -76,6 +76,10 @@ def _source(path: Path, loose: bool) -> Source | None:
     return Source(path, kind or "txt", compression, st.st_size, st.st_mtime_ns)
 
 
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
 def find_sources(spec: str | Path) -> list[Source]:
     """The files `data.path` names, in a fixed order (sorted paths), or one QuillError."""
     path = Path(spec)
@@ -84,7 +88,7 @@ def find_sources(spec: str | Path) -> list[Source]:
     except OSError as e:  # ENAMETOOLONG and friends
         raise os_error(e, path, "read", WHAT) from None
     if is_dir:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
         sources = [s for p in files if (s := _source(p, loose=False)) is not None]
         if not sources:
             raise QuillError(f"{WHAT} {shown(path)} holds no .txt, .jsonl or .parquet files; {HOW}")

@@ -444,8 +444,6 @@ def test_gpt2_124m_recipe_prepares_a_parquet_corpus(tmp_path, small_text):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from quillgpt.model import GPT
-
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "fw").mkdir()
     text = small_text.read_text(encoding="utf-8")
@@ -455,6 +453,35 @@ def test_gpt2_124m_recipe_prepares_a_parquet_corpus(tmp_path, small_text):
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
     meta = prepare(cfg.data, progress=False).meta
     assert meta["tokenizer_name"] == "gpt2" and meta["documents"] == 10 and meta["val_documents"] == 2
-    cfg.model.vocab_size = meta["vocab_size"]
-    with torch.device("meta"):
-        assert round(sum(p.numel() for p in GPT(cfg.model).parameters()) / 1e6) == 124
+    m, c = cfg.model, cfg.model.n_embd  # GPT-2's parameter count: tied embeddings, biases
+    params = (meta["vocab_size"] + m.block_size) * c + m.n_layer * (12 * c * c + 13 * c) + 2 * c
+    assert m.bias and m.tie_embeddings and params == 124_439_808
+
+
+def test_kill_9_mid_prepare_then_resume_gives_the_same_shards(tmp_path, shakespeare_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    text = shakespeare_path.read_text(encoding="utf-8")[:400_000]
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "killed"
+    code = ("import sys; from quillgpt.config import DataConfig; from quillgpt.data import prepare; "
+            "prepare(DataConfig(path=sys.argv[1], tokenizer='gpt2', out_dir=sys.argv[2], shard_tokens=4096), progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "text.txt"), str(out)])
+    deadline = time.monotonic() + 60
+    while not (out / ".prepare-state.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "meta.json").exists(), "prepare finished before it could be killed"
+    done = json.loads((out / ".prepare-state.json").read_text())["shards"]["train"]
+    cfg = data_cfg(tmp_path, path=str(tmp_path / "text.txt"), tokenizer="gpt2", out_dir=str(out), shard_tokens=4096)
+    meta = prepare(cfg, progress=False).meta
+    assert meta["shards"]["train"][: len(done)] == done and len(meta["shards"]["train"]) > len(done)
+    assert [s["tokens"] for s in meta["shards"]["train"][:-1]] == [4096] * (len(meta["shards"]["train"]) - 1)
+    ids = np.concatenate([np.asarray(load_tokens(out, "train")), np.asarray(load_tokens(out, "val"))])
+    assert ids.tolist() == [50256] + build_tokenizer("gpt2").encode(text)
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
