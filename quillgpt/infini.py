@@ -92,9 +92,10 @@ def infini_attend(
     update: str,
     impl: str = "sdpa",
     dropout_p: float = 0.0,
+    need_weights: bool = False,
 ) -> tuple[Tensor, SegmentState, list[Tensor]]:
     """q (B, H, T, hd), k, v (B, KV, T, hd) continuing `state` → output (B, H, T, hd), new state,
-    and per chunk the (B, H, m, n+m) dot-attention weights when impl == "math"."""
+    and with need_weights per chunk the (B, H, m, n+m) dot-attention weights."""
     T, gate = q.shape[2], torch.sigmoid(beta.float()).view(1, -1, 1, 1)  # (1, H, 1, 1)
     outs, weights, t = [], [], 0
     while t < T:
@@ -107,10 +108,10 @@ def infini_attend(
         if n > 0:  # query i of the chunk sits at n+i in the segment
             allowed = torch.arange(n + m, device=q.device)[None, :] <= n + torch.arange(m, device=q.device)[:, None]
             mask = mask_to_bias(allowed, q.dtype)
-        a_dot, w = attend(qc, ks, vs, mask, impl, dropout_p, need_weights=impl == "math")
+        a_dot, w = attend(qc, ks, vs, mask, impl, dropout_p, need_weights)
         a_mem = retrieve(sigma(qc), state.mem, state.norm)
         outs.append((gate * a_mem + (1 - gate) * a_dot.float()).to(q.dtype))
-        if w is not None:
+        if need_weights:
             weights.append(w)
         if n + m == segment:  # segment finished: write it, start the next one empty
             mem, norm = write(state.mem, state.norm, ks, vs, update)
@@ -212,12 +213,14 @@ class InfiniAttention(CausalSelfAttention):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         state = SegmentState.empty(B, KV, hd, k) if cache is None else cache.layer_state(layer)
-        impl = "math" if need_weights else self.impl
         dropout_p = self.dropout if self.training else 0.0
-        y, state, chunks = infini_attend(q, k, v, state, self.beta, self.segment, self.update, impl, dropout_p)
+        need_weights = need_weights and cache is None  # the maps of one forward from an empty state
+        y, state, chunks = infini_attend(
+            q, k, v, state, self.beta, self.segment, self.update, self.impl, dropout_p, need_weights
+        )
         if cache is not None:
             cache.store(layer, state)
-        weights = _block_diagonal(chunks, T) if need_weights and cache is None else None
+        weights = _block_diagonal(chunks, T) if need_weights else None
         y = y.transpose(1, 2).reshape(B, T, H * hd)
         return self.resid_dropout(self.c_proj(y)), weights
 
