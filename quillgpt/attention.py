@@ -121,7 +121,7 @@ def attend(
 
 
 class KVCache:
-    """Static keys/values of every layer: (n_layer, rows, kv_heads, capacity, head_dim) each.
+    """Static keys/values: per layer, k[layer] and v[layer] of (rows, kv_heads, capacity, head_dim).
 
     A token at position p of a row is written by index into slot p % capacity of that row, and
     `pos` (rows, capacity) keeps the position each slot holds, so the shared attention rule masks
@@ -139,9 +139,11 @@ class KVCache:
     ) -> None:
         if capacity < 1:
             raise ValueError(f"KV cache capacity must be at least 1, got {capacity}")
-        shape = (n_layer, batch_size, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # one tensor per layer, not views of one: a compiled decode step then writes them in place
+        # (a write through a view of a graph input makes inductor copy the whole base back)
+        shape = (batch_size, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.pos = torch.full((batch_size, capacity), EMPTY_POS, device=device, dtype=torch.long)
         self.capacity, self.span = capacity, span
         self.seen = 0  # tokens written by forwards with default positions (all rows together)
@@ -152,7 +154,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by keys and values (the per-row positions add batch·capacity·8 more)."""
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
     def reset(self, row: int | None = None) -> None:
         """Forget every token, or one row's (the buffers are reused, not reallocated)."""
@@ -168,7 +170,8 @@ class KVCache:
         self.reset(row)
         view = KVCache.__new__(KVCache)
         view.__dict__.update(self.__dict__)
-        view.k, view.v, view.pos = self.k[:, row : row + 1], self.v[:, row : row + 1], self.pos[row : row + 1]
+        view.k, view.v = [k[row : row + 1] for k in self.k], [v[row : row + 1] for v in self.v]
+        view.pos = self.pos[row : row + 1]
         view.seen, view.empty = 0, True
         return view
 

@@ -118,7 +118,7 @@ def sample_cmd(
     no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decode step (default: only where it measured faster: CUDA)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: autocast and KV-cache dtype."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache; bfloat16 reads half the bytes per token."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
     echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),

@@ -21,7 +21,7 @@ None chooses by device (see `compile_by_default`).
 
 from __future__ import annotations
 
-import contextlib
+import copy
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -70,8 +70,42 @@ def check_prompt(ids: list[int], vocab_size: int, what: str = "the prompt") -> N
 
 
 def compile_by_default(device: torch.device) -> bool:
-    """Whether `compile=None` compiles the decode step: only where the bench measured it faster."""
-    return device.type == "cuda"
+    """Whether `compile=None` compiles the decode step: only where the bench measured it faster.
+    Nowhere yet: on CPU compiling takes 60-130 s and the step was not faster (scripts/bench.py)."""
+    return False
+
+
+def in_dtype(model: GPT, dtype: torch.dtype | None) -> GPT:
+    """The model with its weights in `dtype` (a converted copy; the model itself if it already is).
+    Converted once, not autocast per step: autocast re-casts every weight at every step, which
+    made bf16 decoding slower than fp32; bf16 weights halve the bytes a step reads."""
+    if dtype is None or dtype == model.lm_head.weight.dtype:
+        return model
+    return copy.deepcopy(model).to(dtype)
+
+
+def cache_bytes(model: GPT, rows: int) -> int:
+    """Bytes of a static KV cache of `rows` rows for this model (keys + values + positions)."""
+    cfg = model.config
+    per_row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * model.lm_head.weight.element_size() + 8
+    return rows * model.span * per_row
+
+
+def check_memory(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse, in one line, an allocation larger than the memory the device has free."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return
+    if nbytes > free:
+        raise QuillError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB but {device.type} has {free / 2**30:.1f} GiB free: "
+            "generate fewer rows at once (--num-samples) or use a smaller dtype"
+        )
 
 
 class Engine:
@@ -84,18 +118,16 @@ class Engine:
             raise ValueError("call model.eval() before generating: dropout would make tokens random")
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        model = in_dtype(model, dtype)
         cfg, weight = model.config, model.lm_head.weight
-        self.model, self.max_rows, self.device = model, max_rows, weight.device
-        self.dtype = dtype or weight.dtype
-        self._amp = (
-            torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != weight.dtype else contextlib.nullcontext()
-        )
+        self.model, self.max_rows, self.device, self.dtype = model, max_rows, weight.device, weight.dtype
+        check_memory(cache_bytes(model, max_rows), self.device, f"the KV cache for {max_rows} row(s)")
         self.static = getattr(cfg, "attention", "causal") != "infini"  # infini keeps its own per-row state
         self.prefix_lm = getattr(cfg, "attention", "causal") == "prefix"  # the prompt attends both ways
         self.learned = cfg.pos == "learned" and self.static
         # tokens that decide the next logits: the crop window (learned) or the receptive field (RoPE)
         self.context = cfg.block_size if self.learned else cfg.n_layer * (model.span - 1) + 1
-        self.cache = model.make_cache(max_rows, dtype=self.dtype) if self.static else None
+        self.cache = model.make_cache(max_rows) if self.static else None
         self._tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # each row's newest token
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # ... and its position
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances
@@ -163,10 +195,9 @@ class Engine:
         if self.static:
             cache = self.cache.fresh_row(r)
         else:
-            cache = row.cache = self.model.make_cache(1, dtype=self.dtype)
-        with self._amp:
-            prefix = torch.tensor([len(ids)], device=self.device) if self.prefix_lm else None  # the prompt
-            logits, _ = self.model(idx, pos=pos, cache=cache, prefix_len=prefix)
+            cache = row.cache = self.model.make_cache(1)
+        prefix = torch.tensor([len(ids)], device=self.device) if self.prefix_lm else None  # the prompt
+        logits, _ = self.model(idx, pos=pos, cache=cache, prefix_len=prefix)
         return logits[0, -1].float()
 
     @torch.inference_mode()
@@ -190,16 +221,14 @@ class Engine:
         if not self.static:
             logits = torch.zeros(self.max_rows, self.model.config.vocab_size, device=self.device)
             for r, row in zip(active, rows):
-                with self._amp:
-                    out, _ = self.model(self._tok[r].view(1, 1), cache=row.cache)
+                out, _ = self.model(self._tok[r].view(1, 1), cache=row.cache)
                 logits[r] = out[0, -1].float()
             return logits
         if any(not row.refill for row in rows):
             n_keys = None
             if not self.compiled:  # eager: attend over the filled part only (slot = pos < capacity)
                 n_keys = min(self.cache.capacity, max(row.length for row in rows if not row.refill))
-            with self._amp:
-                logits = self._decode(self._tok, self._pos, self.cache, n_keys).float()
+            logits = self._decode(self._tok, self._pos, self.cache, n_keys).float()
         refills = [r for r, row in zip(active, rows) if row.refill]
         if refills:
             fresh = torch.stack([self.prefill(r, list(self._rows[r].tokens)) for r in refills])

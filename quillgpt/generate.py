@@ -26,7 +26,6 @@ two everyday forms, and `quill sample` is a thin shell over it.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from quillgpt.engine import Engine, check_prompt
+from quillgpt.engine import Engine, check_prompt, in_dtype
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
 from quillgpt.prefix import check_fits
@@ -83,8 +82,8 @@ def generate_tokens(
     Sampling: `params`, or SamplingParams fields as keywords (temperature=0 = greedy, seed, ...).
     With `stop_ids`, a row that has produced one of them keeps yielding that same id, and
     iteration ends once every row has stopped (the stop tokens are yielded). `dtype` (e.g.
-    torch.bfloat16): forward passes under autocast to it and the KV cache in it; None = the
-    model's own dtype. `compile`: the engine's compiled decode (None: where it pays).
+    torch.bfloat16): run a copy of the model with its weights, and the KV cache, in that dtype;
+    None = the model's own. `compile`: the engine's compiled decode (None: where it pays).
     The model must be in eval mode (dropout off).
     """
     if max_new_tokens is not None:
@@ -115,10 +114,8 @@ def _engine_steps(model, prompts, params, stop, dtype, compile) -> Iterator[Tens
 
 def _recompute_steps(model, prompts, params, stop, dtype, compile) -> Iterator[Tensor]:
     """The plain reference: every step a forward over each row's context, left-padded."""
+    model = in_dtype(model, dtype)
     cfg, device = model.config, model.lm_head.weight.device
-    amp = contextlib.nullcontext()
-    if dtype is not None and dtype != model.lm_head.weight.dtype:
-        amp = torch.autocast(device_type=device.type, dtype=dtype)
     attention = getattr(cfg, "attention", "causal")
     learned = cfg.pos == "learned" and attention != "infini"
     context = cfg.block_size if learned else cfg.n_layer * (model.span - 1) + 1
@@ -146,11 +143,10 @@ def _recompute_steps(model, prompts, params, stop, dtype, compile) -> Iterator[T
             first = 0 if learned else total[r] - len(c)  # RoPE keeps absolute positions
             pos[r] = torch.arange(W) - (W - len(c)) + first
         plain = bool((pos == torch.arange(W)).all())  # 0..W-1 everywhere: sdpa's causal fast path
-        with amp:
-            if context is None:  # infini: each row alone from its first token (no padding in the memory)
-                last = torch.cat([model(torch.tensor([list(c)], device=device))[0][:, -1] for c in ctx])
-            else:
-                last = model(idx.to(device), pos=None if plain else pos.to(device), prefix_len=prefix)[0][:, -1]
+        if context is None:  # infini: each row alone from its first token (no padding in the memory)
+            last = torch.cat([model(torch.tensor([list(c)], device=device))[0][:, -1] for c in ctx])
+        else:
+            last = model(idx.to(device), pos=None if plain else pos.to(device), prefix_len=prefix)[0][:, -1]
         nxt = sample_rows(last.float(), rows, gens, seen).tolist()
         for r, t in enumerate(nxt):
             t = done[r] if done[r] is not None else t

@@ -2,6 +2,7 @@
 block_size; rows that finish early and rows that join a running batch give exactly the tokens
 they give alone; the static cache never changes shape; row bookkeeping and bad input."""
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -101,11 +102,11 @@ def test_rows_finish_at_max_new_tokens_and_release_is_idempotent():
 def test_static_cache_keeps_its_buffers_and_shapes():
     model = random_model("rope-window-gqa")
     engine = Engine(model, 2)
-    k, shape = engine.cache.k.data_ptr(), engine.cache.k.shape
+    k, shape = [t.data_ptr() for t in engine.cache.k], [t.shape for t in engine.cache.k]
     engine.add(PROMPTS[2], GREEDY)
     for _ in range(2 * BLOCK):
         engine.step()
-    assert engine.cache.k.data_ptr() == k and engine.cache.k.shape == shape
+    assert [t.data_ptr() for t in engine.cache.k] == k and [t.shape for t in engine.cache.k] == shape
 
 
 def test_bad_input():
@@ -127,3 +128,29 @@ def test_learned_positions_past_block_size_refuse_a_cache_forward_clearly():
     model(torch.zeros(1, BLOCK, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="past block_size 16.*crop the context"):
         model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+def test_too_many_rows_for_memory_is_one_clear_line():
+    model = random_model()
+    with pytest.raises(QuillError, match=r"KV cache for 1000000000000 row\(s\) needs .* GiB.*--num-samples"):
+        Engine(model, 10**12)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_huge_max_new_tokens_allocates_nothing_by_count(use_cache):
+    """-n 10**11 must start at once (bounded buffers), not reserve memory for 10**11 tokens."""
+    steps = generate_tokens(random_model("rope"), PROMPTS, 10**11, use_cache=use_cache)
+    first = [next(steps) for _ in range(3)]
+    steps.close()
+    assert all(t.shape == (3,) for t in first)
+
+
+@pytest.mark.skipif(not os.environ.get("QUILL_TEST_COMPILE"), reason="torch.compile takes ~1 min on CPU: "
+                    "set QUILL_TEST_COMPILE=1 (scripts/bench.py --suite sample checks it at the bench shape)")
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa"])
+def test_compiled_decode_equals_eager(variant):
+    model = random_model(variant)
+    params = replace(GREEDY, max_new_tokens=40)
+    eager = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=False)), 1)
+    compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
+    assert torch.equal(compiled, eager)

@@ -132,12 +132,13 @@ def test_first_token_is_the_models_argmax():
     assert run(model, PROMPTS[1:2], 1) == [[int(logits.argmax())]]
 
 
-def test_autocast_dtype_keeps_cache_equal_to_recompute():
-    model = random_model("rope-window-gqa")
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa"])
+def test_bf16_weights_keep_cache_equal_to_recompute(variant):
+    model = random_model(variant)
     got = run(model, PROMPTS, 20, dtype=torch.bfloat16)
     assert got == run(model, PROMPTS, 20, dtype=torch.bfloat16, use_cache=False)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        first = model(torch.tensor([PROMPTS[1]]))[0][0, -1]
+    assert next(model.parameters()).dtype == torch.float32  # a converted copy ran, not the model
+    first = model.to(torch.bfloat16)(torch.tensor([PROMPTS[1]]))[0][0, -1]  # bf16 weights, not autocast
     assert got[1][0] == int(first.float().argmax())
 
 

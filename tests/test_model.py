@@ -131,11 +131,11 @@ def test_rope_ring_buffer_equals_banded_forward_past_block_size(variant):
     idx = torch.randint(0, V, (2, 3 * BLOCK))
     full, _ = model(idx, all_logits=True)
     cache = model.make_cache(2)
-    keys = cache.k.data_ptr()
+    keys = [k.data_ptr() for k in cache.k]
     outs = [model(idx[:, :10], cache=cache, all_logits=True)[0]]
     outs += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(10, 3 * BLOCK)]
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
-    assert cache.k.data_ptr() == keys and cache.capacity == min(model.config.window or BLOCK, BLOCK)
+    assert [k.data_ptr() for k in cache.k] == keys and cache.capacity == min(model.config.window or BLOCK, BLOCK)
 
 
 def test_learned_positions_refuse_more_than_block_size():
@@ -173,7 +173,7 @@ def test_kv_cache_memory(variant):
     per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim  # keys + values, every layer
     assert model.make_cache(3).nbytes == 3 * capacity * per_token * 4
     assert model.make_cache(3, dtype=torch.bfloat16).nbytes == 3 * capacity * per_token * 2
-    assert model.make_cache(1, capacity=100).k.shape == (cfg.n_layer, 1, cfg.kv_heads, 100, cfg.head_dim)
+    assert [k.shape for k in model.make_cache(1, capacity=100).k] == [(1, cfg.kv_heads, 100, cfg.head_dim)] * cfg.n_layer
     mha = random_model(variant, n_kv_head=None)
     assert mha.make_cache(3).nbytes == model.make_cache(3).nbytes * cfg.n_head // cfg.kv_heads
 
