@@ -214,6 +214,8 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda → mps → cpu), cpu, cuda, cuda:1, mps
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 (fp16 if unsupported) on CUDA, bf16 on CPUs with bf16 units, else fp32
     compile: bool = False  # torch.compile the model
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # under torchrun: ddp copies the model, fsdp shards it; auto: ddp if it fits
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory, ~1/3 more compute)
     resume: bool | Literal["auto"] = False  # true: continue the run in out_dir; auto: if one exists
     time_budget: str | None = None  # e.g. 90s, 5m, 1h: stop (with a checkpoint) when it runs out
     init_from: str | None = None  # start from another run's weights (fine-tuning), fresh optimizer

@@ -1,4 +1,9 @@
-"""Several processes, one run: process group, model wrapping, and each rank's own random stream.
+"""Several processes, one run: process group, DDP or FSDP, and each rank's own random stream.
+
+train.strategy picks how N ranks share the model: `ddp` keeps a whole copy on each rank and
+averages gradients; `fsdp` (FSDP2, `fully_shard` per block and on the whole model) keeps 1/N of
+the weights, gradients and AdamW state on each rank and gathers a block's weights only while it
+runs; `auto` takes ddp when the model fits on one device (see `resolve_strategy`).
 
 Under torchrun every rank draws the same global batch and keeps its slice (data.BatchSampler is
 seeded by train.seed alone), while everything else random — dropout above all — comes from the
@@ -8,6 +13,7 @@ and given back to that rank on resume, so a resumed DDP run with dropout is exac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass
@@ -16,9 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from quillgpt.perf import resolve_device
+from quillgpt.config import ModelConfig, TrainConfig
+from quillgpt.errors import QuillError
+from quillgpt.model import GPT
+from quillgpt.perf import available_bytes, estimate_train_bytes, resolve_device
+
+FITS_FRACTION = 0.7  # auto: ddp when one micro-step's whole training state takes ≤ 70% of free device memory
 
 
 @dataclass
@@ -97,12 +111,71 @@ def teardown_distributed(ddp: Dist) -> None:
         dist.destroy_process_group()
 
 
+def resolve_strategy(tc: TrainConfig, model_cfg: ModelConfig, ddp: Dist, device: torch.device) -> str:
+    """'single' (one process), 'ddp' or 'fsdp'. auto: ddp when the model "fits", i.e. fp32
+    weights + gradients + AdamW's two moments (16 bytes per parameter) plus one micro-batch of
+    activations (perf.estimate_train_bytes) take at most FITS_FRACTION of the device's free memory
+    at start; fsdp otherwise. On CPU (and MPS) auto is ddp: there memory is the host's, shared."""
+    if not ddp.enabled:
+        return "single"
+    strategy = tc.strategy
+    if strategy == "auto":
+        free = available_bytes(device) if device.type == "cuda" else None
+        need = estimate_train_bytes(model_cfg, tc).total
+        strategy = "fsdp" if free is not None and need > FITS_FRACTION * free else "ddp"
+    if strategy == "fsdp" and getattr(tc, "optimizer", "adamw") != "adamw":
+        raise QuillError("train.optimizer=muon needs whole matrices, which FSDP shards; use train.strategy=ddp "
+                         "or train.optimizer=adamw")
+    return strategy
+
+
+def prepare_model(model: GPT, tc: TrainConfig, strategy: str, ddp: Dist, dtype: torch.dtype) -> GPT:
+    """Before the optimizer is built (FSDP replaces the parameters): activation checkpointing on
+    each block if asked, then FSDP2 on each block and on the whole model (the embeddings, the head
+    tied to them and the final norm). Mixed precision follows train.dtype: weights are gathered in
+    it, gradients reduced in fp32, and the sharded master weights stay fp32."""
+    if tc.activation_checkpointing:
+        from torch.distributed._composable import checkpoint  # recompute a block in backward: same names, same RNG
+
+        for block in model.transformer.h:
+            checkpoint(block)
+    if strategy != "fsdp":
+        return model
+    mesh = init_device_mesh(ddp.device.type, (ddp.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # moves the shards to the mesh's device
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+
+
 def wrap_model(model: torch.nn.Module, ddp: Dist, device: torch.device) -> torch.nn.Module:
     """The module the training step calls: DDP across ranks (which also copies rank 0's weights
-    to every rank), the model itself in one process. Checkpoints always save the unwrapped model."""
-    if not ddp.enabled:
+    to every rank), the model itself in one process or under FSDP (sharded in prepare_model).
+    Checkpoints always save the unwrapped model."""
+    if not ddp.enabled or is_sharded(model):
         return model
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def grad_sync(model: torch.nn.Module, raw_model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Gradient accumulation: reduce gradients across ranks on the last micro-step only."""
+    if isinstance(raw_model, FSDPModule):
+        raw_model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return model.no_sync() if isinstance(model, DDP) and not sync else contextlib.nullcontext()
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, as a one-process run saves it. Under FSDP a collective
+    (every rank calls it): rank 0 gets the gathered weights on CPU, the others an empty dict."""
+    if not is_sharded(model):
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # --- random streams: everything random is saved, so resume is exact --------------------------

@@ -33,8 +33,10 @@ from tqdm import tqdm
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, TrainConfig, parse_duration, save_config
 from quillgpt.data import BatchSampler, PreparedData, fixed_windows, load_prepared, load_tokens, prepare
+from quillgpt import sharded
 from quillgpt.distributed import (
-    Dist, rank_rng_states, restore_rank_rng, seed_rank, setup_distributed, teardown_distributed, wrap_model,
+    Dist, full_weights, grad_sync, is_sharded, prepare_model, rank_rng_states, resolve_strategy, restore_rank_rng,
+    seed_rank, setup_distributed, teardown_distributed, wrap_model,
 )
 from quillgpt.errors import QuillError
 from quillgpt.evaluate import evaluate_windows
@@ -236,6 +238,7 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
             probe_writable(out_dir, "train.out_dir")
             stack.enter_context(ckpt.RunLock(out_dir))
             ckpt.remove_stale_temps(out_dir)
+            sharded.remove_stale(out_dir)
             resuming = _resuming(cfg.train, out_dir)
             if cfg.train.tensorboard:
                 check_tensorboard()
@@ -253,14 +256,15 @@ def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
     """Resume, start afresh, or refuse: a run already in out_dir is continued only with
     train.resume and replaced only with train.overwrite, never by a forgotten flag."""
     latest, best = out_dir / ckpt.LATEST, out_dir / ckpt.BEST
+    saved = latest.is_file() or (out_dir / sharded.SHARDED / sharded.POINTER).is_file()  # or an FSDP run's shards
     if tc.resume is True and tc.overwrite:
         raise QuillError("--resume continues the run in train.out_dir and --overwrite replaces it; pass one of them")
-    if tc.resume is True and not latest.is_file():
+    if tc.resume is True and not saved:
         hint = (f"its {ckpt.BEST} can seed a new run with train.init_from={best} and another train.out_dir, "
                 "or --overwrite starts over here" if best.is_file() else "drop --resume to start a new run")
         raise QuillError(f"cannot resume: no checkpoint at {latest}; {hint}")
-    resuming = bool(tc.resume) and not tc.overwrite and latest.is_file()
-    if not resuming and not tc.overwrite and (latest.is_file() or best.is_file()):
+    resuming = bool(tc.resume) and not tc.overwrite and saved
+    if not resuming and not tc.overwrite and (saved or best.is_file()):
         raise QuillError(
             f"{out_dir} already holds a run ({describe_run(out_dir)}); continue it with --resume "
             "(train.resume=true), or replace it with --overwrite (train.overwrite=true)"
@@ -298,15 +302,21 @@ def setup(
     init_state = None
     if tc.init_from:
         cfg, init_state = _init_from(cfg, tokenizer.spec())
-    state = _load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec()) if resuming else None
-    check_train_memory(cfg.model, tc, device)  # before anything big is allocated
+    strategy = resolve_strategy(tc, cfg.model, ddp, device)
+    state = _load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy) if resuming else None
+    if strategy != "fsdp":  # FSDP holds a 1/world_size share of the state per device
+        check_train_memory(cfg.model, tc, device)  # before anything big is allocated
     train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
 
-    seed_rank(tc.seed, ddp)  # each rank its own stream; DDP copies rank 0's initial weights to all
-    model = GPT(cfg.model).to(device)
+    # DDP copies rank 0's initial weights to all ranks; FSDP shards what every rank built alike
+    # (from train.seed, on the CPU: only the shards go to the device). Then each rank its own stream.
+    seed_rank(tc.seed, Dist() if strategy == "fsdp" else ddp)
+    model = GPT(cfg.model).to("cpu" if strategy == "fsdp" else device)
     if init_state is not None:
         model.load_state_dict(init_state)
+    seed_rank(tc.seed, ddp)
     dtype = resolve_dtype(tc.dtype, device)
+    model = prepare_model(model, tc, strategy, ddp, dtype)  # activation checkpointing, FSDP
     # Every rank draws the same global batch and keeps its own slice, so N ranks with
     # batch B see exactly the windows one process with batch N·B would see.
     sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
@@ -347,11 +357,18 @@ def _init_from(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, tor
     return cfg, state
 
 
-def _load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict) -> dict[str, Any]:
-    """ckpt.pt, checked against the config; a damaged one says what `train` can do instead."""
-    latest = out_dir / ckpt.LATEST
+def _load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str) -> dict[str, Any]:
+    """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory),
+    checked against the config; a damaged one says what `train` can do instead."""
+    latest, shards = out_dir / ckpt.LATEST, sharded.latest_sharded(out_dir)
+    if (shards is not None) != (strategy == "fsdp"):
+        raise QuillError(_strategy_mismatch(out_dir, shards is not None))
     try:
-        state = ckpt.load_checkpoint(latest)
+        if shards is not None:
+            latest = shards / sharded.TRAIN_STATE
+            state = {**sharded.load_train_state(shards), "shards": shards}
+        else:
+            state = ckpt.load_checkpoint(latest)
         if "optimizer" in state:  # weights only (import-hf): _check_compatible says what to do
             ckpt.check_state(state, str(latest), ckpt.RESUME_KEYS)
     except QuillError as e:
@@ -363,11 +380,22 @@ def _load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict) -> dict
     return state
 
 
+def _strategy_mismatch(out_dir: Path, has_shards: bool) -> str:
+    if has_shards:
+        return (f"{out_dir} holds the sharded checkpoint of an FSDP run; resume it under torchrun with "
+                "train.strategy=fsdp (any number of processes)")
+    return (f"{out_dir / ckpt.LATEST} was written by a DDP or one-process run, not sharded; resume it with "
+            "train.strategy=ddp")
+
+
 def restore(t: Trainer, state: dict[str, Any]) -> None:
     """Bring a checkpoint back: weights, optimizer, scaler, sampler, this rank's random stream,
     counters, and a time budget's fitted horizon (so the schedule continues, not restarts)."""
-    t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]))
-    t.optimizer.load_state_dict(state["optimizer"])
+    if "shards" in state:  # FSDP: every rank reads its own part
+        sharded.load_sharded(state["shards"], t.raw_model, t.optimizer)
+    else:
+        t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]))
+        t.optimizer.load_state_dict(state["optimizer"])
     t.scaler.load_state_dict(state["scaler"])
     t.sampler.load_state_dict(state["sampler"])
     restore_rank_rng(state, t.cfg.train.seed, t.ddp, t.device)
@@ -392,6 +420,7 @@ def start_run(t: Trainer, resumed: bool) -> None:
             replaced = describe_run(t.out_dir) if (t.out_dir / ckpt.LATEST).is_file() or (t.out_dir / ckpt.BEST).is_file() else None
             for path in [t.out_dir / ckpt.LATEST, t.out_dir / ckpt.BEST, metrics, *t.out_dir.glob("events.out.tfevents.*")]:
                 path.unlink(missing_ok=True)
+            sharded.remove_sharded(t.out_dir)
             if replaced is not None:
                 tqdm.write(f"--overwrite: replaced the run in {t.out_dir} ({replaced}) with a new one")
         t.cfg.train.overwrite = False  # a one-off permission: the run's config.yaml must not carry it on
@@ -515,13 +544,15 @@ def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[st
     improved = val < t.best_val
     t.best_val = min(t.best_val, val)
     rngs = rank_rng_states(t.ddp, t.device)  # every rank's stream, gathered on rank 0
+    weights = full_weights(t.raw_model)  # FSDP: gathered on rank 0, every rank taking part
     if t.ddp.master:
         # The line goes in before the checkpoint: a checkpoint at step k always has its line
         # (a kill in between redoes step k, and resume drops the extra line).
         t.log.append(record)
         if improved:
-            ckpt.save_checkpoint(weights_state(t, val), t.out_dir / ckpt.BEST)
-        ckpt.save_checkpoint(checkpoint_state(t, rngs), t.out_dir / ckpt.LATEST)
+            ckpt.save_checkpoint(weights_state(t, weights, val_loss=val), t.out_dir / ckpt.BEST)
+    save_latest(t, rngs, weights)
+    if t.ddp.master:
         bar.write(f"step {t.step}: train {losses['train']:.4f}, val {val:.4f}")
     t.ddp.barrier()
     return val
@@ -529,17 +560,31 @@ def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[st
 
 def _save_on_stop(t: Trainer, loss: torch.Tensor, bar: tqdm) -> None:
     _checked_loss(loss, t.step, t.ddp)
-    rngs = rank_rng_states(t.ddp, t.device)
+    save_latest(t, rank_rng_states(t.ddp, t.device), full_weights(t.raw_model))
     if t.ddp.master:
-        ckpt.save_checkpoint(checkpoint_state(t, rngs), t.out_dir / ckpt.LATEST)
         bar.write(f"stopped at step {t.step}; checkpoint saved to {t.out_dir / ckpt.LATEST} (resume with --resume)")
+
+
+def save_latest(t: Trainer, rngs: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    """ckpt.pt, written by rank 0. FSDP: first every rank writes its shard of the weights and
+    AdamW state (sharded.py: what resume reads), then ckpt.pt gets the gathered weights only, so
+    sample/eval/export-hf read an FSDP run like any other."""
+    if is_sharded(t.raw_model):
+        sharded.save_sharded(t.out_dir, t.step, t.raw_model, t.optimizer, run_state(t, rngs) if t.ddp.master else None, t.ddp)
+        if t.ddp.master:
+            ckpt.save_checkpoint(weights_state(t, weights, best_val_loss=t.best_val), t.out_dir / ckpt.LATEST)
+    elif t.ddp.master:
+        ckpt.save_checkpoint(checkpoint_state(t, rngs), t.out_dir / ckpt.LATEST)
 
 
 def checkpoint_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
     """ckpt.pt: everything needed to continue exactly (`rngs` from rank_rng_states)."""
+    return {"model": t.raw_model.state_dict(), "optimizer": t.optimizer.state_dict(), **run_state(t, rngs)}
+
+
+def run_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
+    """What resume needs besides weights and optimizer: scaler, sampler, every rank's RNG, counters."""
     return {
-        "model": t.raw_model.state_dict(),
-        "optimizer": t.optimizer.state_dict(),
         "scaler": t.scaler.state_dict(),
         "sampler": t.sampler.state_dict(),
         **rngs,
@@ -554,15 +599,10 @@ def checkpoint_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def weights_state(t: Trainer, val_loss: float) -> dict[str, Any]:
-    """best.pt: the user's model — weights, config, tokenizer, step and val loss, nothing to resume."""
-    return {
-        "model": t.raw_model.state_dict(),
-        "config": t.cfg.to_dict(),
-        "tokenizer": t.tokenizer.spec(),
-        "step": t.step,
-        "val_loss": val_loss,
-    }
+def weights_state(t: Trainer, weights: dict[str, torch.Tensor], **extra: float) -> dict[str, Any]:
+    """best.pt (and an FSDP run's ckpt.pt): the user's model — weights (full_weights), config,
+    tokenizer, step and `extra` (val_loss), nothing to resume."""
+    return {"model": weights, "config": t.cfg.to_dict(), "tokenizer": t.tokenizer.spec(), "step": t.step, **extra}
 
 
 def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
@@ -576,8 +616,7 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
             y = y[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
             prefix = [p[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size] for p in prefix]
         last = micro == tc.grad_accum - 1
-        sync = model.no_sync() if ddp.enabled and not last else contextlib.nullcontext()
-        with sync:
+        with grad_sync(model, t.raw_model, sync=last):
             try:
                 with autocast(t.device, t.dtype):
                     _, loss = model(x, y, prefix_len=prefix[0]) if prefix else model(x, y)
@@ -640,7 +679,7 @@ def _describe_tokenizer(spec: dict) -> str:
 
 def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path) -> None:
     """Refuse to resume a run whose model shape or tokenizer differ from the config's."""
-    if "optimizer" not in state:
+    if "optimizer" not in state and "shards" not in state:
         raise QuillError(
             f"cannot resume {path}: it holds weights only (e.g. from quill import-hf); "
             f"fine-tune it with train.init_from={path.parent} and a new train.out_dir"

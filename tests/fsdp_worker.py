@@ -1,0 +1,53 @@
+"""One rank of tests/test_fsdp.py's two-process FSDP runs (started with RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set, as torchrun would).
+
+    python tests/fsdp_worker.py train OUT_DIR override...    straight: 6 steps; crashed: killed mid-save at step 4
+    python tests/fsdp_worker.py resume OUT_DIR override...   crashed: resumed to step 6
+
+The kill: both ranks leave with os._exit right after every shard of step 4 is on disk, before
+rank 0 commits the checkpoint — as a SIGKILL mid-save would.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from quillgpt import sharded
+from quillgpt.config import load_config
+from quillgpt.train import train
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char_cpu.yaml"
+KILLED = 17
+
+
+def kill_after_shards_of(step: int) -> None:
+    real = sharded.dcp.save
+
+    def save(state, storage_writer):
+        real(state, storage_writer=storage_writer)
+        if Path(storage_writer.path).name.startswith(f".step-{step:08d}-"):
+            os._exit(KILLED)
+
+    sharded.dcp.save = save
+
+
+def main() -> None:
+    phase, out, overrides = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    dist.init_process_group("gloo")  # ours: train() uses it and leaves it open
+    run = lambda name, *extra: train(load_config(CONFIG, [*overrides, f"train.out_dir={out / name}", *extra]), progress=False)
+    if phase == "train":
+        assert run("straight").step == 6
+        kill_after_shards_of(4)
+        run("crashed")
+        raise AssertionError("the crashed run was not killed")
+    assert run("crashed", "train.resume=true").step == 6
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

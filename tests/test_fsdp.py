@@ -1,0 +1,167 @@
+"""FSDP2 on CPU (gloo, 2 processes, fp32): the same losses as one process with the same global
+batch, a kill mid-save that leaves the previous sharded checkpoint loadable, an exact resume, and
+a consolidated ckpt.pt that holds (and samples) what the shards hold."""
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from quillgpt import sharded
+from quillgpt.checkpoint import load_checkpoint, load_run
+from quillgpt.config import ModelConfig, TrainConfig, load_config
+from quillgpt.distributed import FITS_FRACTION, Dist, resolve_strategy
+from quillgpt.errors import QuillError
+from quillgpt.generate import generate_tokens
+from quillgpt.model import GPT
+from quillgpt.perf import estimate_train_bytes
+from quillgpt.train import train
+from test_distributed import CONFIG, ROOT, data_dir, free_port, losses, tiny  # noqa: F401 — data_dir is a fixture
+
+FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=true", "train.grad_accum=2", "train.max_iters=6")
+
+
+@pytest.fixture(scope="module")
+def runs(shakespeare_path, data_dir, tmp_path_factory):
+    """One process (batch 4); two FSDP ranks (batch 2 each) straight to step 6; two more killed
+    mid-save at step 4, then resumed in new processes."""
+    out = tmp_path_factory.mktemp("fsdp")
+    overrides = tiny(shakespeare_path, data_dir, "set-by-worker", "train.batch_size=2", *FSDP)
+    train(load_config(CONFIG, tiny(shakespeare_path, data_dir, out / "single", "train.batch_size=4", "train.grad_accum=2",
+                                   "train.max_iters=6")), progress=False)
+    codes = [two_ranks("train", out, overrides), None]
+    pending = sharded.latest_sharded(out / "crashed")  # what the kill left, before the resume cleans up
+    leftovers = sorted(p.name for p in (out / "crashed" / sharded.SHARDED).iterdir())
+    codes[1] = two_ranks("resume", out, overrides)
+    return out, codes, pending, leftovers
+
+
+def two_ranks(phase, out, overrides):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fsdp_worker.py"), phase, str(out), *overrides],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, err[-3000:]) for p, (_, err) in zip(procs, results)]
+
+
+def test_fsdp_matches_one_process_with_the_same_global_batch(runs):
+    """2 ranks × batch 2 with activation checkpointing and 2 accumulation micro-steps = 1 process
+    × batch 4: same losses, and the gathered weights agree."""
+    out, codes, *_ = runs
+    assert [c for c, _ in codes[0]] == [17, 17], codes[0]  # both killed where the worker kills them
+    single, multi = losses(out / "single"), losses(out / "straight")
+    assert [s for s, *_ in single] == [s for s, *_ in multi] == [1, 2, 3, 4, 5, 6]
+    for (_, a, va), (_, b, vb) in zip(single, multi):
+        assert a == pytest.approx(b, abs=1e-5)
+        if va is not None:
+            assert va == pytest.approx(vb, abs=1e-5)
+    a, b = (load_checkpoint(out / name / "ckpt.pt")["model"] for name in ("single", "straight"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_kill_mid_save_keeps_the_last_checkpoint_and_resume_is_exact(runs):
+    """Killed after step 4's shards were written but before the commit: `latest` still names
+    step 2's complete checkpoint; resumed from it, the run ends with the straight run's weights,
+    AdamW state, sampler, RNG streams and metrics."""
+    out, codes, pending, leftovers = runs
+    assert all(c == 0 for c, _ in codes[1]), codes[1]
+    assert pending.name.startswith("step-00000002-")
+    assert len(leftovers) == 3 and any(n.startswith(".step-00000004-") and n.endswith(".tmp") for n in leftovers)
+    assert sorted(p.name for p in (out / "crashed" / sharded.SHARDED).iterdir()) == [
+        "latest", sharded.latest_sharded(out / "crashed").name]  # the temp dir went at the restart
+    straight, crashed = (shard_state(out / name) for name in ("straight", "crashed"))
+    assert_equal(straight, crashed)
+    states = [sharded.load_train_state(sharded.latest_sharded(out / name)) for name in ("straight", "crashed")]
+    for key in ("step", "sampler", "rank_rng", "tokens_seen"):
+        assert_equal(states[0][key], states[1][key])
+    assert len(states[0]["rank_rng"]) == 2
+    assert losses(out / "straight") == losses(out / "crashed")
+
+
+def test_consolidated_checkpoint_holds_and_samples_what_the_shards_hold(runs):
+    out = runs[0] / "straight"
+    run = load_run(out, which="latest")
+    shards = shard_state(out)["model"]
+    weights = run.model.state_dict()
+    assert set(shards) <= set(weights)
+    for k, v in shards.items():
+        assert torch.equal(weights[k], v), k
+    from_shards = GPT(run.config.model)
+    from_shards.load_state_dict(shards, strict=False)  # a tied head is the embedding
+    assert torch.equal(from_shards.lm_head.weight, weights["lm_head.weight"])
+    from_shards.eval()
+    prompt = [run.tokenizer.encode("ROMEO:")]
+    sample = lambda model: torch.stack(list(generate_tokens(model, prompt, 24, temperature=1.0, seed=3))).tolist()
+    assert sample(run.model) == sample(from_shards)
+
+
+def test_resuming_an_fsdp_run_without_fsdp_is_one_line(runs, shakespeare_path, data_dir):
+    out = runs[0] / "straight"
+    cfg = load_config(CONFIG, tiny(shakespeare_path, data_dir, out, "train.batch_size=2", "train.max_iters=8",
+                                   "train.resume=true"))
+    with pytest.raises(QuillError, match="sharded checkpoint of an FSDP run; resume it under torchrun with train.strategy=fsdp"):
+        train(cfg, progress=False)
+
+
+def test_crafted_metadata_is_refused_before_dcp_unpickles_it(runs, tmp_path):
+    path = sharded.latest_sharded(runs[0] / "straight")
+    sharded._check_metadata(path / ".metadata")  # DCP's own metadata passes
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(os.system))
+    with pytest.raises(QuillError, match="refused.*it would load posix.system"):
+        sharded._check_metadata(tmp_path / ".metadata")
+
+
+def test_auto_strategy_shards_only_what_does_not_fit():
+    model, tc = ModelConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=1024), TrainConfig(batch_size=8)
+    need = estimate_train_bytes(model, tc).total
+    two = Dist(rank=0, world_size=2)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_strategy(tc, model, Dist(), cuda) == "single"
+    assert resolve_strategy(tc, model, two, cpu) == "ddp"  # host memory: always ddp
+    free = {"now": int(need / FITS_FRACTION) + 1}
+    import quillgpt.distributed as distributed
+    real = distributed.available_bytes
+    distributed.available_bytes = lambda device: free["now"]
+    try:
+        assert resolve_strategy(tc, model, two, cuda) == "ddp"
+        free["now"] = int(need / FITS_FRACTION) - 1
+        assert resolve_strategy(tc, model, two, cuda) == "fsdp"
+        tc.strategy = "ddp"
+        assert resolve_strategy(tc, model, two, cuda) == "ddp"
+    finally:
+        distributed.available_bytes = real
+
+
+def shard_state(run_dir):
+    """A run's sharded checkpoint read back in this one process by PyTorch's own converter."""
+    target = Path(run_dir) / "consolidated-for-test.pt"
+    dcp_to_torch_save(sharded.latest_sharded(run_dir), target)
+    return torch.load(target, weights_only=True)
+
+
+def assert_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
