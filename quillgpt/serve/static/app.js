@@ -159,15 +159,17 @@ function drawGrid() {
 function drawFocus() {
   const a = state.attn, [l, h] = state.focus, T = a.tokens.length, canvas = $("attn-focus");
   const cell = Math.max(8, Math.min(28, Math.floor(520 / T)));
-  const label = 90;
+  const ctx = canvas.getContext("2d");
+  const font = `${Math.min(12, cell)}px ui-monospace, monospace`;
+  ctx.font = font;
+  const label = 10 + Math.max(...a.tokens.map((t) => ctx.measureText(t).width));  // room for the longest token
   canvas.width = label + T * cell + 10;
   canvas.height = label + T * cell + 10;
-  const ctx = canvas.getContext("2d");
   ctx.fillStyle = "#fff";
   ctx.fillRect(0, 0, canvas.width, canvas.height);
   drawMap(ctx, a.weights[l][h], label, label, cell);
   ctx.fillStyle = "#1d2330";
-  ctx.font = `${Math.min(12, cell)}px ui-monospace, monospace`;
+  ctx.font = font;  // resizing the canvas reset it
   ctx.textAlign = "right";
   a.tokens.forEach((t, i) => ctx.fillText(t, label - 4, label + i * cell + cell * 0.75));
   ctx.save();
