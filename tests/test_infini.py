@@ -174,11 +174,11 @@ def test_gradients_flow_through_the_memory_across_segments():
 
 
 def test_a_long_run_stays_finite():
-    """Training steps at a high lr over many segments, then 10,000 tokens through the cache."""
+    """Training steps at a high lr over 8 segments, then 10,000 tokens (1,250 segments) through the cache."""
     torch.manual_seed(0)
-    model = GPT(cfg(block_size=64, segment_size=4, memory_update="delta"))
+    model = GPT(cfg(block_size=64, segment_size=8, memory_update="delta"))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    for _ in range(8):
+    for _ in range(4):
         idx = torch.randint(V, (4, 65))
         _, loss = model(idx[:, :-1], idx[:, 1:])
         assert math.isfinite(loss.item())
@@ -188,8 +188,8 @@ def test_a_long_run_stays_finite():
     model.eval()
     cache = model.make_cache(1)
     with torch.inference_mode():
-        for _ in range(10_000 // 400):
-            logits, _ = model(torch.randint(V, (1, 400)), cache=cache)
+        for _ in range(10_000 // 1000):
+            logits, _ = model(torch.randint(V, (1, 1000)), cache=cache)
             assert torch.isfinite(logits).all()
     assert torch.isfinite(cache.mem).all() and cache.seen == 10_000
 
@@ -296,7 +296,7 @@ def test_a_long_generation_keeps_constant_memory():
     torch.manual_seed(0)
     model = GPT(cfg(n_layer=1)).eval()
     engine = Engine(model, 1)
-    engine.add([1, 2, 3], SamplingParams(max_new_tokens=1500, temperature=1.0, seed=0))
+    engine.add([1, 2, 3], SamplingParams(max_new_tokens=800, temperature=1.0, seed=0))
     cache = engine._rows[0].cache
     sizes = (cache.kv_bytes, cache.memory_bytes)
     assert sizes == (2 * 1 * 4 * 4 * 4 * 4, 1 * 4 * (4 * 4 + 4) * 4)  # k+v (layers,rows,heads,segment,hd) fp32; M, z
@@ -305,7 +305,7 @@ def test_a_long_generation_keeps_constant_memory():
         engine.step()
         steps += 1
         assert (cache.kv_bytes, cache.memory_bytes) == sizes and cache.n < 4
-    assert steps == 1500 and cache.seen == 1502 and torch.isfinite(cache.mem).all()
+    assert steps == 800 and cache.seen == 802 and torch.isfinite(cache.mem).all()
 
 
 def test_the_demo_configs_load():
