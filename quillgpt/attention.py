@@ -237,6 +237,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.kv_heads) * self.head_dim, bias=cfg.bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # model.qk_norm: RMSNorm over each head's q and k (gains shared by the heads)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -262,6 +265,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, KV, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:

@@ -116,8 +116,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    mlp_hidden: int | None = None  # None = 4·n_embd for gelu, ≈ 8/3·n_embd (multiple of 64) for swiglu
+    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: relu(x)² (modded-nanogpt, Primer)
+    mlp_hidden: int | None = None  # None = 4·n_embd for gelu/relu2, ≈ 8/3·n_embd (multiple of 64) for swiglu
+    qk_norm: bool = False  # RMSNorm (learned gains) on each head's q and k before attention and RoPE
+    logit_softcap: float | None = None  # c: logits = c·tanh(logits/c), bounded in (-c, c) (Gemma 2); null = off
+    zero_init_proj: bool = False  # output projections (attn.c_proj, mlp.c_proj) start at zero: blocks start as identity
     window: int | None = None  # sliding-window attention: token i sees tokens (i-window, i]
     tie_embeddings: bool = True  # share the token embedding with the output head
     attn_impl: Literal["sdpa", "math"] = "sdpa"  # fused kernel, or explicit softmax(QK^T/√d)V
@@ -140,7 +143,7 @@ class ModelConfig:
     def hidden_dim(self) -> int:
         if self.mlp_hidden is not None:
             return self.mlp_hidden
-        if self.mlp == "gelu":
+        if self.mlp in ("gelu", "relu2"):
             return 4 * self.n_embd
         return 64 * ((int(8 * self.n_embd / 3) + 63) // 64)
 
@@ -168,6 +171,8 @@ class ModelConfig:
             raise QuillError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise QuillError("model.rope_theta and model.norm_eps must be positive")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise QuillError(f"model.logit_softcap must be positive (e.g. 30) or null, got {self.logit_softcap}")
         self._validate_attention()
 
     def _validate_attention(self) -> None:
@@ -177,6 +182,8 @@ class ModelConfig:
             raise QuillError(f"model.prefix_max / model.prefix_sep need model.attention=prefix, got {a}")
         if self.attention != "infini" and (self.segment_size is not None or self.memory_update != "linear"):
             raise QuillError(f"model.segment_size / model.memory_update need model.attention=infini, got {a}")
+        if self.attention == "infini" and self.qk_norm:
+            raise QuillError(f"{a} does not combine with model.qk_norm (set model.qk_norm=false)")
         if self.attention != "causal" and self.window is not None:
             raise QuillError(f"{a} does not combine with model.window (set model.window=null)")
         if self.attention == "prefix" and self.prefix_max is not None and not 0 <= self.prefix_max <= self.block_size:
@@ -205,6 +212,9 @@ class TrainConfig:
     lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # wsd = warmup-stable-decay
     decay_frac: float = 0.2  # wsd only: fraction of the run spent decaying
     weight_decay: float = 0.1  # only on ≥2-D weights
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the blocks' matrices, AdamW for the rest
+    muon_lr: float = 0.02  # muon: Muon's peak lr (scaled by the schedule like learning_rate)
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the Muon matrices
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # 0 disables
@@ -241,6 +251,8 @@ class TrainConfig:
             raise QuillError("train.grad_clip and train.weight_decay must be ≥ 0")
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
             raise QuillError("train.beta1 and train.beta2 must be in [0, 1)")
+        if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0:
+            raise QuillError(f"need train.muon_lr > 0 and train.muon_momentum in [0, 1), got {self.muon_lr}, {self.muon_momentum}")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise QuillError(f"train.device must be auto, cpu, cuda, cuda:N or mps, got {shown_value(self.device)}")
         if not 0 <= self.seed <= MAX_SEED:

@@ -120,7 +120,8 @@ def _is_int(value: Any) -> bool:
 def gpt2_incompatibilities(cfg: ModelConfig) -> list[str]:
     """The options of `cfg` that GPT-2 cannot express, each with the reason (empty: exportable).
 
-    Missing biases are not among them: a zero bias is exactly no bias, so export writes zeros.
+    Missing biases are not among them: a zero bias is exactly no bias, so export writes zeros;
+    nor is model.zero_init_proj, which only sets where training starts.
     """
     problems = []
     if cfg.pos != "learned":
@@ -135,6 +136,10 @@ def gpt2_incompatibilities(cfg: ModelConfig) -> list[str]:
         problems.append(f"model.window={cfg.window}: GPT-2 has full causal attention only (window null)")
     if cfg.attention != "causal":
         problems.append(f"model.attention={cfg.attention}: GPT-2 has causal attention only")
+    if cfg.qk_norm:
+        problems.append("model.qk_norm=true: GPT-2 has no norm on queries and keys")
+    if cfg.logit_softcap is not None:
+        problems.append(f"model.logit_softcap={cfg.logit_softcap}: GPT-2's logits are not capped")
     return problems
 
 

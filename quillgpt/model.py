@@ -36,11 +36,12 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """GELU (tanh approximation, = HF gelu_new) or SwiGLU: c_fc gives [gate | up], silu(gate)·up."""
+    """GELU (tanh approximation, = HF gelu_new), ReLU² (relu(x)²) or SwiGLU: c_fc gives
+    [gate | up], silu(gate)·up."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
+        self.kind, self.swiglu = cfg.mlp, cfg.mlp == "swiglu"
         hidden = cfg.hidden_dim
         self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
@@ -51,6 +52,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
         else:
             h = F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
@@ -101,8 +104,11 @@ class GPT(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections so the residual stream's variance stays ~constant
+        # (model.zero_init_proj: start them at zero instead, so every block starts as the identity)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith("c_proj.weight") and cfg.zero_init_proj:
+                nn.init.zeros_(p)
+            elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -134,11 +140,17 @@ class GPT(nn.Module):
         """
         x, _ = self._hidden(idx, pos, cache, need_weights=False, prefix_len=prefix_len)
         if targets is not None:
-            logits = self.lm_head(x)
+            logits = self.head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
             return logits, loss
         # only the last position's logits when sampling: skips most of the big head matmul
-        return self.lm_head(x if all_logits else x[:, -1:, :]), None
+        return self.head(x if all_logits else x[:, -1:, :]), None
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final hidden states (…, C) → logits (…, V); model.logit_softcap=c bounds them as c·tanh(z/c)."""
+        logits = self.lm_head(x)
+        c = self.config.logit_softcap
+        return logits if c is None else c * torch.tanh(logits / c)
 
     def decode(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None = None) -> Tensor:
         """One new token per row: idx, pos (R,) → next-token logits (R, V); each row's keys and
@@ -161,7 +173,7 @@ class GPT(nn.Module):
             rope = (cos[:, None].to(dt), sin[:, None].to(dt))  # (R, 1, 1, hd): over heads
         for i, block in enumerate(self.transformer.h):
             x, _ = block(x, rope=rope, mask=mask, cache=cache, layer=i, slots=slots, n_keys=n_keys)
-        return self.lm_head(self.transformer.ln_f(x[:, 0]))  # (R, V)
+        return self.head(self.transformer.ln_f(x[:, 0]))  # (R, V)
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:

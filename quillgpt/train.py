@@ -41,9 +41,9 @@ from quillgpt.distributed import (
 from quillgpt.errors import QuillError
 from quillgpt.evaluate import evaluate_windows
 from quillgpt.files import probe_writable
-from quillgpt.infini import GATE_LR_MULT, is_gate
 from quillgpt.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
 from quillgpt.model import GPT
+from quillgpt.optim import MuonAdamW, build_optimizer
 from quillgpt.prefix import PrefixLengths, PrefixSampler, separator_id
 from quillgpt.perf import check_train_memory, cpu_has_bf16, peak_flops
 from quillgpt.tokenizer import Tokenizer, save_tokenizer
@@ -90,17 +90,11 @@ def fit_horizon(step: int, cfg: TrainConfig, pace_s: float, budget_left_s: float
     return min(cfg.max_iters, max(step + 1, step + int(budget_left_s / per_step)))
 
 
-def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or gains). Infini-attention's
-    gates β get their own group: no decay, lr × infini.GATE_LR_MULT (the loop applies lr_mult)."""
-    params = [p for n, p in model.named_parameters() if p.requires_grad and not is_gate(n)]
-    gates = [p for n, p in model.named_parameters() if p.requires_grad and is_gate(n)]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ] + ([{"params": gates, "weight_decay": 0.0, "lr_mult": GATE_LR_MULT}] if gates else [])
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW | MuonAdamW:
+    """train.optimizer: AdamW with weight decay on matrices only (not norms, biases or gains), or
+    Muon for the blocks' matrices + AdamW for the rest; groups with an lr_mult (Infini-attention's
+    gates, Muon) get lr × lr_mult from the loop (see optim.py)."""
+    return build_optimizer(model, cfg, device)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -686,6 +680,9 @@ def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, 
         )
     old = ModelConfig(**state["config"]["model"])
     diffs = ckpt.config_differences(old, cfg.model)
+    old_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
+    if old_optimizer != cfg.train.optimizer:  # their states do not load into each other
+        diffs.append(f"train.optimizer: {old_optimizer} → {cfg.train.optimizer}")
     if state["tokenizer"] != tokenizer_spec:
         diffs.append(f"data.tokenizer: {_describe_tokenizer(state['tokenizer'])} → {_describe_tokenizer(tokenizer_spec)}")
     if diffs:
