@@ -25,6 +25,9 @@ from quillgpt.files import atomic_write
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_spec
 
 
+IN_FLIGHT = 3  # tasks per worker submitted ahead: slack for uneven tasks, ~12 MB of text each
+
+
 def shard_name(split: str, index: int) -> str:
     return f"{split}.bin" if index == 0 else f"{split}-{index:06d}.bin"
 
@@ -92,7 +95,7 @@ def _encode_in_worker(pieces: list[str], starts: list[bool]) -> np.ndarray:
 
 def encode_tasks(tasks: Iterator[Task], tok: Tokenizer, dtype: np.dtype, workers: int) -> Iterator[tuple[Task, np.ndarray]]:
     """(task, ids) in task order. With workers > 1, that many processes tokenize while this one
-    reads; at most 2 tasks per worker are in flight, so memory stays bounded."""
+    reads; at most IN_FLIGHT tasks per worker are in flight, so memory stays bounded."""
     if workers <= 1:
         for task in tasks:
             yield task, encode_task(tok, task.pieces, task.starts, dtype)
@@ -104,7 +107,7 @@ def encode_tasks(tasks: Iterator[Task], tok: Tokenizer, dtype: np.dtype, workers
     try:
         for task in tasks:
             window.append((task, pool.submit(_encode_in_worker, task.pieces, task.starts)))
-            if len(window) >= 2 * workers:
+            if len(window) >= IN_FLIGHT * workers:
                 done, future = window.popleft()
                 yield done, future.result()
         while window:
