@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -226,6 +224,40 @@ def test_engine_task_stop_ids_and_cancel(run_dir):
         batcher.stop()
 
 
+def test_engine_task_survives_a_failing_step(run_dir, caplog):
+    """A step that raises (a bug, out of memory) fails the jobs it held; the next job runs."""
+    run = load_run(run_dir)
+    want, _ = generate_text(run.model, run.tokenizer, "ROMEO:", 12)
+    engine = Engine(run.model, max_rows=2)
+    real_step, calls = engine.step, {"n": 0}
+
+    def failing_third_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated out of memory")
+        return real_step()
+
+    engine.step = failing_third_step
+    batcher = Batcher(engine)
+    batcher.start()
+    try:
+        for expect_error in (True, False):
+            events: list[Event] = []
+            done = threading.Event()
+            job = Job(0, encode_prompt(run.tokenizer, "ROMEO:"), SamplingParams(max_new_tokens=12),
+                      TextStream(run.tokenizer), lambda e: (events.append(e), e.finish and done.set()))
+            batcher.submit([job])
+            assert done.wait(10)
+            if expect_error:
+                assert events[-1].finish == "error" and events[-1].status == 500 and "logged" in events[-1].text
+                assert "simulated out of memory" in caplog.text
+            else:
+                assert "".join(e.text for e in events) == want[0] and events[-1].finish == "length"
+        assert engine.free_rows() == 2
+    finally:
+        batcher.stop()
+
+
 # --- limits, auth, hostile input ---------------------------------------------------------------
 
 
@@ -385,27 +417,40 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         assert info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
-def test_cli_serves_until_sigint_and_drains_a_stream(run_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "QUILL_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "quillgpt", "serve", "--ckpt", str(run_dir), "--port", "0",
-                             "--device", "cpu"], stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = proc.stderr.readline()
-        assert line.startswith("serving ") and "as model 'tiny'" in line, line
-        url = line.split(": ", 1)[1].split()[0].rstrip("/")
-        auth = {"Authorization": f"Bearer {KEY}"}
-        with httpx.Client(base_url=url, timeout=30, headers=auth) as c:
-            assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
+def test_cli_serves_until_sigint_and_drains_a_stream(run_dir, monkeypatch, capsys):
+    """`quill serve` in this process (main thread: uvicorn's signal handlers); a client thread
+    starts a stream, then SIGINT: the stream still ends with [DONE] and the command exits 0."""
+    monkeypatch.setenv("QUILL_API_KEY", KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seen: dict = {}
+
+    def client() -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"}) as c:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    seen["model"] = c.get("/v1/models").json()["data"][0]["id"]
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.05)
+            else:
+                return  # the server never came up: main() has failed on its own
             body = {"prompt": "ROMEO:", "max_tokens": 300, "temperature": 0, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
-                proc.send_signal(signal.SIGINT)  # stop accepting; the running stream may finish
-                rest = list(lines)
-            assert "data: [DONE]" in rest
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        proc.stderr.close()
+                os.kill(os.getpid(), signal.SIGINT)  # stop accepting; the running stream may finish
+                seen["rest"] = list(lines)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--ckpt", str(run_dir), "--port", str(port), "--device", "cpu"])
+    thread.join(30)
+    err = capsys.readouterr().err
+    assert info.value.code == 0, err
+    assert f"as model 'tiny': http://127.0.0.1:{port}/" in err and err.rstrip().endswith("stopped")
+    assert seen["model"] == MODEL and [line for line in seen["rest"] if line][-1] == "data: [DONE]"

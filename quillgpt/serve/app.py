@@ -115,7 +115,9 @@ class Guard:
                 return APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
                                 code="invalid_api_key")
         length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+        if length is not None and not length.isdigit():
+            return APIError(400, "the Content-Length header is not a number", code="invalid_body")
+        if length is not None and int(length) > self.max_body:
             return APIError(413, f"the request body is over {self.max_body:,} bytes", code="body_too_large")
         return None
 

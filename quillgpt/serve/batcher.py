@@ -120,12 +120,21 @@ class Batcher:
 
     def _run(self) -> None:
         while True:
-            if not self._take_inbox(block=not self._rows and not self._waiting):
-                break
-            self._drop_cancelled()
-            self._admit()
-            if self._rows:
-                self._step()
+            try:
+                if not self._take_inbox(block=not self._rows and not self._waiting):
+                    break
+                self._drop_cancelled()
+                self._admit()
+                if self._rows:
+                    for token in self.engine.step():
+                        self._deliver(token)
+            except Exception:  # a bug or out of memory: the running jobs fail, the server goes on
+                log.exception("engine task error")
+                for row, job in self._rows.items():
+                    self.engine.release(row)
+                    job.emit(Event(job.index, "internal error while generating (logged on the server)", "error",
+                                   job.tokens))
+                self._rows.clear()
         self._fail_all("the server stopped before this request finished")
 
     def _fail_all(self, message: str) -> None:
@@ -184,25 +193,12 @@ class Batcher:
             except (QuillError, ValueError) as e:
                 job.emit(Event(job.index, str(e), "error", status=400))
                 continue
-            except Exception:  # a bug or out of memory: this job fails, the server goes on
+            except Exception:  # a bug or out of memory: this job fails, the others go on
                 log.exception("prefill failed")
                 job.emit(Event(job.index, "internal error during prefill (logged on the server)", "error"))
                 continue
             self._rows[first.row] = job
             self._deliver(first)
-
-    def _step(self) -> None:
-        try:
-            tokens = self.engine.step()
-        except Exception:  # rows may be half-updated: end every active job, keep serving
-            log.exception("decode step failed")
-            for row, job in self._rows.items():
-                self.engine.release(row)
-                job.emit(Event(job.index, "internal error during decoding (logged on the server)", "error", job.tokens))
-            self._rows.clear()
-            return
-        for token in tokens:
-            self._deliver(token)
 
     def _deliver(self, rt: RowToken) -> None:
         """One new token of a row → its text piece; at the row's end, the finish reason."""
