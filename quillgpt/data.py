@@ -322,12 +322,12 @@ def _learn_tokenizer(cfg: DataConfig, sources: list[Source], plan: dict[str, Any
 
 
 def _workers(cfg: DataConfig, sources: list[Source]) -> int:
-    """data.workers, else every core the process may use; a small corpus stays in-process."""
+    """data.workers (at most one per core: more would only add memory), else every core the
+    process may use; a small corpus stays in-process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cfg.workers is not None:
-        return cfg.workers
-    if sum(s.size for s in sources) < IN_PROCESS_BYTES:
-        return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return min(cfg.workers, cores)
+    return 1 if sum(s.size for s in sources) < IN_PROCESS_BYTES else cores
 
 
 def _resumable(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
