@@ -417,9 +417,10 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         assert info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
-def test_cli_serves_until_sigint_and_drains_a_stream(run_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_serves_until_a_signal_and_drains_a_stream(run_dir, monkeypatch, capsys, stop_signal):
     """`quill serve` in this process (main thread: uvicorn's signal handlers); a client thread
-    starts a stream, then SIGINT: the stream still ends with [DONE] and the command exits 0."""
+    starts a stream, then SIGINT or SIGTERM: the stream still ends with [DONE], exit code 0."""
     monkeypatch.setenv("QUILL_API_KEY", KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -442,7 +443,7 @@ def test_cli_serves_until_sigint_and_drains_a_stream(run_dir, monkeypatch, capsy
             with c.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
-                os.kill(os.getpid(), signal.SIGINT)  # stop accepting; the running stream may finish
+                os.kill(os.getpid(), stop_signal)  # stop accepting; the running stream may finish
                 seen["rest"] = list(lines)
 
     thread = threading.Thread(target=client, daemon=True)

@@ -8,6 +8,7 @@ one-line error) and `uvicorn_server` (SIGINT/SIGTERM stop accepting, give in-fli
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -82,7 +83,8 @@ def serve(
     dtype: str = "float32", cors: str | None = None, drain_s: float = 5.0,
     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
-    """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop)."""
+    """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
+    Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
     from quillgpt.checkpoint import load_run
     from quillgpt.perf import resolve_device
 
@@ -109,8 +111,15 @@ def serve(
              f"(OpenAI API at /v1, up to {max_batch} rows at once)")
     if host not in LOOPBACK and api_key is None:
         announce(f"warning: listening on {host} without an API key: anyone who can reach it can use the model")
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends like Ctrl-C: drained, exit 0
     try:
         uvicorn_server(app, drain_s).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; the drain is done
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once the drain is done
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     announce("stopped")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
