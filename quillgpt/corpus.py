@@ -131,21 +131,19 @@ class _Counting:
 @contextmanager
 def _open(source: Source) -> Iterator[tuple[Any, _Counting]]:
     """(decompressed binary stream, byte counter of the file on disk)."""
+    zstd = _zstandard() if source.compression == "zst" else None
+    failures = (OSError, EOFError, zlib.error) + ((zstd.ZstdError,) if zstd else ())
     try:
         with open(source.path, "rb") as raw:
             counter = _Counting(raw)
             if source.compression == "gz":
                 yield gzip.GzipFile(fileobj=counter, mode="rb"), counter
-            elif source.compression == "zst":
-                yield _zstandard().ZstdDecompressor().stream_reader(counter), counter
+            elif zstd is not None:
+                yield zstd.ZstdDecompressor().stream_reader(counter), counter
             else:
                 yield counter, counter
-    except (OSError, EOFError, zlib.error) as e:
+    except failures as e:  # unreadable, or not valid gzip/zstd (truncated, corrupt)
         raise _read_error(e, source) from None
-    except Exception as e:  # zstandard.ZstdError has no importable base to name before import
-        if type(e).__name__ == "ZstdError":
-            raise _read_error(e, source) from None
-        raise
 
 
 def _read_error(e: BaseException, source: Source) -> QuillError:
@@ -162,12 +160,13 @@ def _zstandard() -> Any:
     return zstandard
 
 
-def _pyarrow_parquet() -> Any:
+def _pyarrow() -> Any:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401  (pyarrow.parquet below)
     except ImportError:
         raise QuillError("reading .parquet files needs pyarrow: pip install 'quillgpt[data]'") from None
-    return pq
+    return pyarrow
 
 
 def _blocks(stream: Any) -> Iterator[bytes]:
@@ -230,12 +229,12 @@ def count_chars(source: Source, text_field: str) -> int:
 
 
 def _parquet_file(source: Source) -> Any:
-    pq = _pyarrow_parquet()
+    pa = _pyarrow()
     try:
-        return pq.ParquetFile(source.path)
+        return pa.parquet.ParquetFile(source.path)
     except OSError as e:
         raise _read_error(e, source) from None
-    except Exception as e:  # pyarrow.ArrowInvalid: not a parquet file
+    except pa.ArrowException as e:  # ArrowInvalid: not a parquet file
         raise QuillError(f"cannot read {WHAT} {shown(source.path)}: not a parquet file ({e})") from None
 
 
@@ -257,12 +256,15 @@ def _json_text(line: bytes, number: int, source: Source, field: str) -> str | No
 
 
 def _parquet_texts(source: Source, field: str, skip: int) -> Iterator[tuple[int, str | None, int]]:
-    pf = _parquet_file(source)
+    pf, pa = _parquet_file(source), _pyarrow()
     names = pf.schema_arrow.names
     if field not in names:
         raise QuillError(
             f"{shown(source.path)} has no {field!r} column (columns: {', '.join(names[:10])}); set data.text_field"
         )
+    kind = pf.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise QuillError(f"{shown(source.path)}: column {field!r} holds {kind}, not text; set data.text_field")
     meta, first, start = pf.metadata, 0, 0
     while first < meta.num_row_groups and start + meta.row_group(first).num_rows <= skip:
         start += meta.row_group(first).num_rows
@@ -277,6 +279,8 @@ def _parquet_texts(source: Source, field: str, skip: int) -> Iterator[tuple[int,
                 index += 1
     except OSError as e:
         raise _read_error(e, source) from None
+    except pa.ArrowException as e:  # a corrupt page
+        raise QuillError(f"cannot read {WHAT} {shown(source.path)}: corrupt parquet data ({e})") from None
 
 
 def read_records(source: Source, text_field: str, skip: int = 0) -> Iterator[tuple[int, str, bool, int]]:

@@ -85,6 +85,11 @@ def test_parquet_records_skip_across_row_groups(tmp_path):
     assert texts(source, skip=7) == {7: docs[7], 8: docs[8], 9: docs[9]}
     with pytest.raises(QuillError, match=r"has no 'body' column \(columns: text, n\)"):
         texts(source, "body")
+    with pytest.raises(QuillError, match=r"column 'n' holds int64, not text"):
+        texts(source, "n")
+    (tmp_path / "fake.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(QuillError, match="fake.parquet: not a parquet file"):
+        count_records(find_sources(tmp_path / "fake.parquet")[0])
 
 
 def test_txt_streams_in_blocks_and_reports_bad_utf8_offsets(tmp_path, monkeypatch):
@@ -160,3 +165,9 @@ def test_iter_pieces_resumes_at_a_cursor(tmp_path):
         resumed = list(iter_pieces(*args, start=pieces[i].cursor))
         assert [(p.text, p.split, p.starts_document) for p in resumed] == [
             (p.text, p.split, p.starts_document) for p in pieces[i:]]
+
+
+def test_corrupt_zstd_is_one_line(tmp_path):
+    (tmp_path / "x.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"not a zstd frame at all" * 3)
+    with pytest.raises(QuillError, match="cannot read data.path .*x.jsonl.zst: not valid zst"):
+        texts(find_sources(tmp_path / "x.jsonl.zst")[0])
