@@ -302,13 +302,15 @@ def setup(
         check_train_memory(cfg.model, tc, device)  # before anything big is allocated
     train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
 
-    # DDP copies rank 0's initial weights to all ranks; FSDP shards what every rank built alike
-    # (from train.seed, on the CPU: only the shards go to the device). Then each rank its own stream.
+    # Each rank its own stream; DDP copies rank 0's initial weights to all. FSDP shards what every
+    # rank built alike (from train.seed, on the CPU: only the shards go to the device), then the
+    # ranks' own streams start.
     seed_rank(tc.seed, Dist() if strategy == "fsdp" else ddp)
     model = GPT(cfg.model).to("cpu" if strategy == "fsdp" else device)
     if init_state is not None:
         model.load_state_dict(init_state)
-    seed_rank(tc.seed, ddp)
+    if strategy == "fsdp":
+        seed_rank(tc.seed, ddp)
     dtype = resolve_dtype(tc.dtype, device)
     model = prepare_model(model, tc, strategy, ddp, dtype)  # activation checkpointing, FSDP
     # Every rank draws the same global batch and keeps its own slice, so N ranks with

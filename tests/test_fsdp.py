@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from quillgpt import sharded
 from quillgpt.checkpoint import load_checkpoint, load_run
 from quillgpt.config import ModelConfig, TrainConfig, load_config
-from quillgpt.distributed import FITS_FRACTION, Dist, resolve_strategy
+from quillgpt.distributed import FITS_FRACTION, Dist, prepare_model, resolve_strategy
 from quillgpt.errors import QuillError
 from quillgpt.generate import generate_tokens
 from quillgpt.model import GPT
@@ -143,6 +143,23 @@ def test_auto_strategy_shards_only_what_does_not_fit():
         assert resolve_strategy(tc, model, two, cuda) == "ddp"
     finally:
         distributed.available_bytes = real
+    with pytest.raises(QuillError, match="train.optimizer=muon needs whole matrices"):
+        resolve_strategy(TrainConfig(strategy="fsdp", optimizer="muon"), model, two, cpu)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    """Recomputed blocks (dropout on: the RNG is replayed) = stored activations, bit for bit."""
+    cfg = ModelConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
+    plain, recomputed = GPT(cfg), GPT(cfg)
+    recomputed.load_state_dict(plain.state_dict())
+    prepare_model(recomputed, TrainConfig(activation_checkpointing=True), "single", Dist(), torch.float32)
+    assert list(recomputed.state_dict()) == list(plain.state_dict())  # checkpoints keep their names
+    x = torch.randint(0, 65, (2, 16))
+    for model in (plain, recomputed):
+        torch.manual_seed(1)
+        model(x, x)[1].backward()
+    for (name, p), q in zip(plain.named_parameters(), recomputed.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 def shard_state(run_dir):
