@@ -96,10 +96,11 @@ class TrainMemory:
     params: int  # parameter count
     state_bytes: int  # fp32 weights + gradients + AdamW's two moments: 16 bytes per parameter
     activation_bytes: int  # what one micro-batch keeps for backward, logits included
+    eval_bytes: int  # the fixed evaluation windows: eval_iters × batch_size starts per split
 
     @property
     def total(self) -> int:
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.activation_bytes + self.eval_bytes
 
 
 def count_params(cfg: ModelConfig, vocab_size: int) -> int:
@@ -125,7 +126,8 @@ def estimate_train_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_s
     if model_cfg.attn_impl == "math":
         per_layer += 2 * B * model_cfg.n_head * T * min(T, model_cfg.window or T)  # scores and softmax
     activations = 2 * L * per_layer + 2 * 4 * B * T * V + 2 * 8 * B * T  # + logits and grad, x and y
-    return TrainMemory(params, 16 * params, activations)
+    windows = 2 * 16 * train_cfg.eval_iters * B  # train and val: float64 spacing, then int64 starts
+    return TrainMemory(params, 16 * params, activations, windows)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -155,8 +157,9 @@ def check_train_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, device: t
         raise QuillError(
             f"this run needs at least {need.total / gb:,.1f} GB on {device} ({need.params:,} parameters × 16 bytes "
             f"for weights, gradients and AdamW = {need.state_bytes / gb:,.1f} GB, plus {need.activation_bytes / gb:,.1f} GB "
-            f"of activations for train.batch_size={train_cfg.batch_size} × model.block_size={model_cfg.block_size}), "
-            f"but {free / gb:,.1f} GB is free; lower train.batch_size (raise train.grad_accum to keep the batch) "
-            "or shrink the model"
+            f"of activations for train.batch_size={train_cfg.batch_size} × model.block_size={model_cfg.block_size}, "
+            f"plus {need.eval_bytes / gb:,.1f} GB of evaluation windows for train.eval_iters={train_cfg.eval_iters}), "
+            f"but {free / gb:,.1f} GB is free; lower train.batch_size (raise train.grad_accum to keep the batch), "
+            "train.eval_iters, or the model's size"
         )
     return need
