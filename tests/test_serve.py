@@ -347,10 +347,22 @@ def test_hostile_bodies_get_openai_errors_and_the_server_keeps_answering(http):
     assert complete(http, prompt="still here", max_tokens=3)["choices"][0]["finish_reason"] == "length"
 
 
-def test_api_key_and_queue_limit(run_dir):
-    with running_server(run_dir, max_batch=1, api_key=KEY, max_waiting=1, max_tokens=10**6) as (url, _):
+def test_no_cors_by_default(http):
+    r = http.get("/v1/models", headers={"Origin": "http://elsewhere.test"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_api_key_cors_and_queue_limit(run_dir):
+    origin = "http://app.example.test"
+    with running_server(run_dir, max_batch=1, api_key=KEY, max_waiting=1, max_tokens=10**6, cors=origin) as (url, _):
         with httpx.Client(base_url=url, timeout=30) as c:
             assert c.get("/").status_code == 200 and c.get("/health").status_code == 200  # no key needed
+            preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization,content-type"}
+            r = c.options("/v1/completions", headers=preflight)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+            r = c.options("/v1/completions", headers={**preflight, "Origin": "http://evil.test"})
+            assert r.headers.get("access-control-allow-origin") != "http://evil.test"
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 err = error_of(c.get("/v1/models", headers=headers), 401)
                 assert err["code"] == "invalid_api_key"
