@@ -15,8 +15,9 @@ The division guard: M and z start at zero, so the first segment's retrieval is 0
 σ(Q)z is 0 exactly when nothing was written yet (z = 0), and then σ(Q)M = 0 too; we define that
 retrieval as 0 (A_mem = 0: the first segment reads only local attention), by dividing by 1 where
 the denominator is 0 — exact, and NaN-free in the backward pass. Every later denominator is a sum
-of positive terms and is used as is. The memory is kept in float32 whatever the model's dtype
-(its sums grow with the text; bf16 would round them away).
+of positive terms and is used as is. The memory is kept and computed in float32 whatever the
+model's dtype, autocast switched off around it (its sums grow with the text; bf16 would round
+them away).
 
 One code path serves training, recompute and the cache: `infini_attend` walks the new tokens in
 chunks that end at segment boundaries, starting from a `SegmentState` (fresh for a forward
@@ -109,12 +110,14 @@ def infini_attend(
             allowed = torch.arange(n + m, device=q.device)[None, :] <= n + torch.arange(m, device=q.device)[:, None]
             mask = mask_to_bias(allowed, q.dtype)
         a_dot, w = attend(qc, ks, vs, mask, impl, dropout_p, need_weights)
-        a_mem = retrieve(sigma(qc), state.mem, state.norm)
+        with torch.autocast(q.device.type, enabled=False):  # the memory's sums stay in fp32
+            a_mem = retrieve(sigma(qc), state.mem, state.norm)
         outs.append((gate * a_mem + (1 - gate) * a_dot.float()).to(q.dtype))
         if need_weights:
             weights.append(w)
         if n + m == segment:  # segment finished: write it, start the next one empty
-            mem, norm = write(state.mem, state.norm, ks, vs, update)
+            with torch.autocast(q.device.type, enabled=False):
+                mem, norm = write(state.mem, state.norm, ks, vs, update)
             state = SegmentState(mem, norm, ks[:, :, :0], vs[:, :, :0])
         else:
             state = SegmentState(state.mem, state.norm, ks, vs)

@@ -318,3 +318,14 @@ def test_the_demo_configs_load():
     prefix = load_config(root / "configs" / "prefix_demo.yaml").model
     assert (infini.attention, infini.segment_size, infini.memory_update) == ("infini", 32, "delta")
     assert (prefix.attention, prefix.prefix_max) == ("prefix", 32)
+
+
+def test_the_memory_stays_fp32_under_bf16_autocast():
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 2, 8, 16, generator=g).bfloat16() for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, state, _ = infini_attend(k, k, v, SegmentState.empty(1, 2, 16, k), torch.zeros(2), 4, "delta")
+    mem, norm = torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16)
+    for s in (0, 4):
+        mem, norm = write(mem, norm, k[:, :, s : s + 4].float(), v[:, :, s : s + 4].float(), "delta")
+    assert state.mem.dtype == torch.float32 and torch.allclose(state.mem, mem, atol=1e-5)
