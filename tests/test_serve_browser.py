@@ -33,8 +33,12 @@ return [c.width * c.height, drawn, colours.size];
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, shakespeare_path):
-    run_dir = tiny_run_dir(tmp_path_factory.mktemp("browser") / "tiny", shakespeare_path)
+def run_dir(tmp_path_factory, shakespeare_path):
+    return tiny_run_dir(tmp_path_factory.mktemp("browser") / "tiny", shakespeare_path)
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
     with running_server(run_dir, max_batch=4) as (url, _):
         yield url
 
@@ -113,3 +117,22 @@ def test_write_stream_stop_attention_and_screenshot(server, browser, tmp_path):
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     logs = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not logs, logs  # no script errors, no failed loads
+
+
+def test_the_page_asks_for_the_api_key(run_dir, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, WAIT_S)
+    find = lambda id_: browser.find_element(By.ID, id_)  # noqa: E731
+    with running_server(run_dir, max_batch=1, api_key="sk-browser-key") as (url, _):
+        browser.get(url + "/")
+        wait.until(lambda d: find("key-form").is_displayed())
+        assert "needs an API key" in find("model-info").text
+        find("key").send_keys("sk-browser-key")
+        find("key-form").submit()
+        wait.until(lambda d: "tiny" in find("model-info").text)
+        assert not find("key-form").is_displayed()
+        find("generate").click()
+        wait.until(lambda d: "finished: length" in find("stats").text)
+        assert len(find("out-gen").text) > 0
