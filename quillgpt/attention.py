@@ -203,7 +203,7 @@ class KVCache:
         over, in the order of `plan`'s key positions."""
         ks, vs, slots, first = self.k[layer], self.v[layer], self._slots, self._first
         if self._inplace:
-            return self.write(layer, k, v, slots[:, 0])
+            return self.write(layer, k, v, (torch.arange(k.shape[0], device=k.device), slots[:, 0]))
         k_all = k if self._fresh else torch.cat([ks, k.to(ks.dtype)], dim=2)  # copies before the writes
         v_all = v if self._fresh else torch.cat([vs, v.to(vs.dtype)], dim=2)
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1) with slots (B, m)
@@ -212,14 +212,14 @@ class KVCache:
         return k_all, v_all
 
     def write(
-        self, layer: int, k: Tensor, v: Tensor, slots: Tensor, n_keys: int | None = None
+        self, layer: int, k: Tensor, v: Tensor, at: tuple[Tensor, Tensor], n_keys: int | None = None
     ) -> tuple[Tensor, Tensor]:
-        """One new token per row, k, v (B, KV, 1, hd), into slots (B,): the decode step's fixed-shape
-        write. Returns the (B, KV, n_keys or capacity, hd) buffers to attend over."""
+        """One new token per row, k, v (B, KV, 1, hd), at (rows, slots) (B,) each: the decode step's
+        fixed-shape write. Returns the (B, KV, n_keys or capacity, hd) buffers to attend over."""
         ks, vs = self.k[layer], self.v[layer]
-        rows = torch.arange(k.shape[0], device=k.device)
-        ks[rows, :, slots] = k[:, :, 0].to(ks.dtype)  # (B, KV, hd) per (row, slot)
-        vs[rows, :, slots] = v[:, :, 0].to(vs.dtype)
+        rows, slots = at
+        ks[rows, :, slots] = k[:, :, 0] if k.dtype == ks.dtype else k[:, :, 0].to(ks.dtype)  # (B, KV, hd)
+        vs[rows, :, slots] = v[:, :, 0] if v.dtype == vs.dtype else v[:, :, 0].to(vs.dtype)
         return ks[:, :, :n_keys], vs[:, :, :n_keys]
 
 
@@ -250,14 +250,14 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         need_weights: bool = False,
-        slots: Tensor | None = None,
+        slots: tuple[Tensor, Tensor] | None = None,
         n_keys: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, T, C) → (B, T, C) and the attention weights when need_weights.
 
         rope: cos/sin for these tokens; mask: (B, 1, T, S) from `attention_mask`, None = causal.
-        slots (B,): the decode step's one token per row goes to these cache slots (no plan), and
-        attends over the first n_keys slots (None: all; fixed shapes for a compiled step).
+        slots (rows, slots), (B,) each: the decode step's one token per row goes to these cache slots
+        (no plan) and attends over the first n_keys slots (None: all; fixed shapes when compiled).
         """
         B, T, _ = x.shape
         H, KV, hd = self.n_head, self.kv_heads, self.head_dim

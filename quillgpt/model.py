@@ -159,8 +159,8 @@ class GPT(nn.Module):
         caller keeps positions valid (learned: < block_size). n_keys: attend over the first n_keys
         slots only (they must hold every visible key; None = all, the compiled step's shape)."""
         cfg, R = self.config, idx.shape[0]
-        slots = pos % cache.capacity  # (R,)
-        cache.pos[torch.arange(R, device=idx.device), slots] = pos
+        at = (torch.arange(R, device=idx.device), pos % cache.capacity)  # (row, slot) of each new key
+        cache.pos[at] = pos
         mask = attention_mask(pos[:, None], cache.pos[:, :n_keys], self.span)  # (R, 1, 1, S)
         mask = mask_to_bias(mask, self.lm_head.weight.dtype)
         x = self.transformer.wte(idx)[:, None]  # (R, 1, C)
@@ -172,7 +172,7 @@ class GPT(nn.Module):
             dt = self.rope_cos.dtype
             rope = (cos[:, None].to(dt), sin[:, None].to(dt))  # (R, 1, 1, hd): over heads
         for i, block in enumerate(self.transformer.h):
-            x, _ = block(x, rope=rope, mask=mask, cache=cache, layer=i, slots=slots, n_keys=n_keys)
+            x, _ = block(x, rope=rope, mask=mask, cache=cache, layer=i, slots=at, n_keys=n_keys)
         return self.head(self.transformer.ln_f(x[:, 0]))  # (R, V)
 
     @torch.no_grad()

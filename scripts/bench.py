@@ -556,11 +556,11 @@ def hf_model(run: Path, out: Path) -> Any:
     return GPT2LMHeadModel.from_pretrained(out).eval()
 
 
-def quill_generate(model: GPT, prompts: list[list[int]], n: int, use_cache: bool) -> tuple[torch.Tensor, list[float]]:
-    """All new tokens (B, n) and the time at which each step's token arrived."""
+def quill_generate(model: GPT, prompts: list[list[int]], n: int, use_cache: bool, **kw: Any) -> tuple[torch.Tensor, list[float]]:
+    """All new tokens (B, n) and the time at which each step's token arrived (kw: dtype, compile)."""
     times, out = [], []
     t0 = time.perf_counter()
-    for tok in generate_tokens(model, prompts, n, temperature=0.0, use_cache=use_cache):
+    for tok in generate_tokens(model, prompts, n, temperature=0.0, use_cache=use_cache, **kw):
         out.append(tok)
         times.append(time.perf_counter() - t0)
     return torch.stack(out, 1), times
@@ -587,7 +587,8 @@ def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
 
 def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str,
                  block: int, B: int) -> None:
-    """New tokens/s: quill's KV cache (fp32, and bf16 weights) vs recompute vs transformers."""
+    """New tokens/s: quill's engine (eager, compiled decode, bf16 weights) vs recompute vs
+    transformers, each as a fraction of this machine's L3-bandwidth and compute bounds."""
     n_new, prompt_len = args.sample_tokens, 16
     past_window = prompt_len + n_new > block
     if past_window and B > 1:  # every token past the window costs a B×block prefill: keep it short
@@ -597,10 +598,10 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     reps = 1 if past_window else args.sample_reps
     tokens: dict[str, torch.Tensor] = {}
 
-    def quill(m: GPT, key: str) -> Callable[[], float]:
+    def quill(key: str, **kw: Any) -> Callable[[], float]:
         def run() -> float:
             t = time.perf_counter()
-            tokens[key], _ = quill_generate(m, prompts, n_new, use_cache=True)
+            tokens[key], _ = quill_generate(model, prompts, n_new, use_cache=True, **kw)
             return time.perf_counter() - t
         return run
 
@@ -609,15 +610,17 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
         tokens["hf"] = hf_generate(hf, prompts, n_new)
         return time.perf_counter() - t
 
-    fns = {"quill KV cache": quill(model, "quill")}
+    fns = {"quill engine (eager decode)": quill("quill", compile=False)}
     if not past_window:
-        fns["quill KV cache, bf16 weights"] = quill(copy.deepcopy(model).to(torch.bfloat16), "bf16")
+        fns["quill engine, bf16 weights"] = quill("bf16", compile=False, dtype=torch.bfloat16)
+        if args.sample_compile:
+            fns["quill engine, compiled decode"] = quill("compiled", compile=True)
     hf_ok = prompt_len + n_new <= hf.config.n_positions
     if hf_ok:
         fns["transformers generate (use_cache)"] = transformers
     mem: dict[str, float] = {}
     warm: dict[str, float] = {}
-    for name, fn in fns.items():  # one full run each first: warm-up, and its memory peak
+    for name, fn in fns.items():  # one full run each first: warm-up (compiling), and its memory peak
         with PeakMemory() as m:
             warm[name] = fn()
         mem[name] = m.rss_mb
@@ -634,26 +637,86 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     mem["quill recompute (no cache)"] = m.rss_mb
     rec = Stats.of([B / x for x in np.diff(times)])  # per-token times (the first also builds the batch)
 
+    bounds = {dt: decode_bounds(model, B, mean_ctx, dt, args) for dt in (torch.float32, torch.bfloat16)}
     hf_tps = B * n_new / statistics.median(samples["transformers generate (use_cache)"]) if hf_ok else None
     for name, xs in samples.items():
         st = Stats.of([B * n_new / x for x in xs])
-        note = ""
-        if name == "quill KV cache" and hf_ok:
-            note = f"greedy tokens = transformers' for {agreement(tokens['quill'], tokens['hf'])}"
-        elif name == "quill KV cache, bf16 weights":
-            note = f"greedy tokens = fp32 quill's for {agreement(tokens['bf16'], tokens['quill'])}"
-        elif name == "quill KV cache" and past_window:
-            note = (f"past {block} tokens learned positions shift, so the cache is refilled every step "
-                    f"(nanoGPT's crop): a {block}-token prefill per token, like recompute")
-        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=sample_extra(
-            st.median, rec.median, hf_tps, mem[name]), note=note))
+        extra = sample_extra(st.median, rec.median, hf_tps, mem[name])
+        extra.update(bound_fractions(st.median, bounds[torch.bfloat16 if "bf16" in name else torch.float32]))
+        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra,
+                       note=sample_note(name, tokens, past_window, block, hf_ok, warm[name] - xs[0])))
     if not hf_ok:
         report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=(
             f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past")))
     report.add(Row(group, "quill recompute (no cache)", "new tokens/s", rec.median, rec.lo, rec.hi,
                    extra=sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"]),
                    note=f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"))
+    fp32, bf16 = bounds[torch.float32], bounds[torch.bfloat16]
+    report.add(Row(group, "bounds (fp32 | bf16 weights)", "new tokens/s",
+                   f"{fp32['bandwidth']:,.0f} | {bf16['bandwidth']:,.0f} L3, {fp32['compute']:,.0f} | {bf16['compute']:,.0f} compute",
+                   note=(f"B x L3 read bandwidth {fp32['bw'] / 1e9:.0f} GB/s / bytes a step reads ({fp32['bytes'] / 1e6:.0f} MB fp32: "
+                         f"weights + mean-context KV); peak matmul {fp32['peak'] / 1e9:.0f} | {bf16['peak'] / 1e9:.0f} "
+                         f"GFLOP/s / {fp32['flops'] / 1e6:.1f} MFLOP a token")))
     report.print_group(group)
+
+
+def sample_note(name: str, tokens: dict[str, torch.Tensor], past_window: bool, block: int, hf_ok: bool,
+                compile_s: float) -> str:
+    """Greedy-token agreement of a row with its reference, and what else the reader must know."""
+    if name.startswith("quill engine (eager") and past_window:
+        return (f"past {block} tokens learned positions shift, so the row is refilled every step "
+                f"(nanoGPT's crop): a {block}-token prefill per token, like recompute")
+    if name.startswith("quill engine (eager") and hf_ok:
+        return f"greedy tokens = transformers' for {agreement(tokens['quill'], tokens['hf'])}"
+    if name == "quill engine, compiled decode":
+        return f"greedy tokens = eager's for {agreement(tokens['compiled'], tokens['quill'])}; compiling took {compile_s:.0f} s"
+    if name == "quill engine, bf16 weights":
+        return f"greedy tokens = fp32 quill's for {agreement(tokens['bf16'], tokens['quill'])}"
+    return ""
+
+
+_L3: dict[str, float] = {}
+
+
+def l3_read_bandwidth(nbytes: int) -> float:
+    """Bytes/s of summing an `nbytes` fp32 buffer that stays in the last-level cache once read
+    (the weights of the bench model fit in this CPU's L3); measured once per run."""
+    if "bw" not in _L3:
+        x = torch.ones(nbytes // 4)
+        x.sum()
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < 0.5:
+            x.sum()
+            reps += 1
+        _L3["bw"] = reps * x.nbytes / elapsed
+    return _L3["bw"]
+
+
+def decode_bounds(model: GPT, B: int, ctx: float, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, float]:
+    """Upper bounds on decode tokens/s: every step reads all weights (once for the B rows) and
+    each row's keys/values; every token costs 2 FLOPs per matmul weight + 4·L·C·ctx in attention."""
+    cfg, size = model.config, torch.tensor([], dtype=dtype).element_size()
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    weights = sum(p.numel() for p in model.parameters()) * size
+    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * ctx * size
+    flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * ctx
+    # without bf16 units torch converts bf16 weights and multiplies in fp32: the fp32 peak bounds it
+    bw, peak = l3_read_bandwidth(weights * 4 // size), matmul_peak(dtype if cpu_has_bf16() else torch.float32)
+    return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv,
+            "peak": peak, "flops": flops}
+
+
+_PEAKS: dict[torch.dtype, float] = {}
+
+
+def matmul_peak(dtype: torch.dtype) -> float:
+    if dtype not in _PEAKS:
+        _PEAKS[dtype] = measure_matmul_peak(dtype, seconds=0.5)
+    return _PEAKS[dtype]
+
+
+def bound_fractions(tps: float, bounds: dict[str, float]) -> dict[str, str]:
+    return {"of L3-bw bound": f"{tps / bounds['bandwidth']:.0%}", "of compute bound": f"{tps / bounds['compute']:.1%}"}
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -844,6 +907,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-tokens", type=int, default=1000)
     p.add_argument("--recompute-tokens", type=int, default=100)
     p.add_argument("--sample-reps", type=int, default=3)
+    p.add_argument("--sample-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)")
     p.add_argument("--gpu-batch", type=int, default=16)
     p.add_argument("--gpu-steps", type=int, default=10)
     p.add_argument("--gpu-sample-tokens", type=int, default=500)
