@@ -367,6 +367,8 @@ def test_api_key_cors_and_queue_limit(run_dir):
                 err = error_of(c.get("/v1/models", headers=headers), 401)
                 assert err["code"] == "invalid_api_key"
             error_of(c.post("/v1/completions", content=b"x" * (10 << 20)), 401)  # refused before reading
+            for path in ("/v2/anything", "//v1/models", "/static/../v1/models"):
+                assert c.get(path).status_code == 401  # deny by default, not only /v1
             ok = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()

@@ -83,7 +83,8 @@ def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastA
 
 
 class Guard:
-    """ASGI middleware: the API key on /v1 and the body-size cap, before any route runs."""
+    """ASGI middleware: the API key (every path but the page, its files and /health) and the
+    body-size cap, checked before any route runs."""
 
     def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
         self.app, self.max_body = app, max_body
@@ -110,7 +111,8 @@ class Guard:
         await self.app(scope, counted, send)
 
     def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> APIError | None:
-        if self.expected is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        public = scope["path"] in ("/", "/health") or scope["path"].startswith("/static/")
+        if self.expected is not None and not public and scope["method"] != "OPTIONS":  # deny by default
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
                                 code="invalid_api_key")
