@@ -135,6 +135,7 @@ def sample_cmd(
 
     from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
+    from quillgpt.engine import cache_bytes, check_memory
     from quillgpt.generate import Generation
     from quillgpt.perf import resolve_device
 
@@ -149,6 +150,8 @@ def sample_cmd(
     _sample_params(SampleConfig(), flags, stops)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device))
     params = _sample_params(run.config.sample, flags, stops)
+    check_memory(cache_bytes(run.model, num_samples), run.model.lm_head.weight.device,
+                 f"the KV cache for {num_samples} sample(s)")  # before N copies of anything are made
     gen = Generation(
         run.model, run.tokenizer, [text] * num_samples, params=params, use_cache=not no_kv_cache,
         dtype=getattr(torch, dtype), compile=compile,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from quillgpt.engine import Engine, check_prompt, in_dtype
+from quillgpt.engine import Engine, cache_bytes, check_memory, check_prompt, in_dtype
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
 from quillgpt.prefix import check_fits
@@ -326,6 +326,9 @@ class Generation:
         if max_new_tokens is not None:
             settings["max_new_tokens"] = max_new_tokens
         self.params = make_params(params, **settings)
+        if use_cache:  # before encoding: --num-samples 10**7 must fail at once, not after minutes
+            check_memory(cache_bytes(model, len(prompts)), model.lm_head.weight.device,
+                         f"the KV cache for {len(prompts)} sample(s)")
         self.model, self.tokenizer = model, tokenizer
         self.prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
         _check_prompts(self.prompt_ids, model.config.vocab_size)
