@@ -144,3 +144,16 @@ def test_sample_rows_draws_each_row_from_its_own_stream():
     pen = SamplingParams(repetition_penalty=1.3)
     tok = int(sample_rows(logits[:1], [pen], [None], seen)[0])
     assert seen[0].nonzero().flatten().tolist() == [tok]
+
+
+def test_the_config_section_is_sampling_params_and_names_its_key():
+    from dataclasses import fields
+
+    from quillgpt.config import SampleConfig, load_config
+
+    assert {f.name for f in fields(SampleConfig)} <= {f.name for f in fields(SamplingParams)}
+    assert load_config(None, ["sample.top_k=5"]).sample.params() == SamplingParams(
+        max_new_tokens=500, temperature=0.8, top_k=5, seed=1337)
+    for override in ("sample.temperature=.nan", "sample.repetition_penalty=.inf", "sample.top_p=0"):
+        with pytest.raises(QuillError, match="sample." + override.split("=")[0].split(".")[1]):
+            load_config(None, [override])
