@@ -147,6 +147,48 @@ def test_stop_strings_end_the_text(http):
     assert "".join(pieces) == cut and not any(stop in p for p in pieces)
 
 
+@pytest.fixture(scope="module")
+def utf8_run_dir(tmp_path_factory):
+    """GPT-2's byte-level BPE and a model whose logits ignore the input (ln_f gain 0, bias e0):
+    "日" (bytes E6 97 A5) as three single-byte tokens ranked first, then "!". Greedy with a
+    strong repetition penalty walks down that ranking: E6, 97, A5, "!"."""
+    from quillgpt.checkpoint import save_checkpoint
+    from quillgpt.config import config_from_dict
+    from quillgpt.model import GPT
+    from quillgpt.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("gpt2")
+    byte_id = {tok.decode_bytes([i]): i for i in range(256)}  # GPT-2's first 256 ids are the bytes
+    ranked = [byte_id[b"\xe6"], byte_id[b"\x97"], byte_id[b"\xa5"], byte_id[b"!"]]
+    cfg = config_from_dict({"model": {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 16, "bias": True,
+                                      "tie_embeddings": False, "vocab_size": tok.vocab_size}})
+    model = GPT(cfg.model)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.lm_head.weight.zero_()
+        for rank, i in enumerate(ranked):
+            model.lm_head.weight[i, 0] = 10.0 - rank
+    out = tmp_path_factory.mktemp("utf8") / "bytes"
+    out.mkdir()
+    state = {"config": cfg.to_dict(), "model": model.state_dict(), "tokenizer": tok.spec(), "step": 0}
+    save_checkpoint(state, out / "best.pt")
+    return out
+
+
+def test_a_character_split_across_tokens_streams_whole(utf8_run_dir):
+    with running_server(utf8_run_dir, max_batch=2) as (url, _):
+        body = {"prompt": "a", "max_tokens": 4, "temperature": 0, "repetition_penalty": 100.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            chunks = sse_events(r)[:-1]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == "日!" and "\ufffd" not in "".join(texts)
+    assert "日" in texts or "日!" in texts  # whole in one chunk: never its first byte or two alone
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 # --- continuous batching -----------------------------------------------------------------------
 
 REQUESTS = [  # different prompts, lengths (past block_size too), greedy and seeded
