@@ -133,9 +133,9 @@ class Engine:
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances
         self._seen: Tensor | None = None  # (rows, V) tokens each row contains, for repetition penalties
         self._rows: list[_Row | None] = [None] * max_rows
-        self.compiled = compile_by_default(self.device) if compile is None else compile
+        self.compiled = (compile_by_default(self.device) if compile is None else compile) and self.static
         self._decode = model.decode
-        if self.compiled and self.static:
+        if self.compiled:
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on GPU
             self._decode = torch.compile(model.decode, mode=mode, fullgraph=True, dynamic=False)
 
