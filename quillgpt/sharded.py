@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -87,7 +88,7 @@ def save_sharded(out_dir: Path, step: int, model: torch.nn.Module, optimizer: to
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=FileSystemWriter(tmp))
-    except Exception as e:  # noqa: BLE001 — DCP gathers every rank's failure into one CheckpointException
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 — DCP gathers every rank's failure into one (a BaseException)
         raise QuillError(f"could not write the sharded checkpoint {shown(tmp)} ({_first_line(e)}); the previous "
                          "checkpoint is intact — free disk space or choose another train.out_dir, then resume") from None
     if ddp.master:
@@ -118,7 +119,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
         dcp.load(state, storage_reader=FileSystemReader(path), planner=SafeLoadPlanner())
-    except Exception as e:  # noqa: BLE001 — missing or truncated shards, shapes that differ
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 — missing or truncated shards, shapes that differ
         raise QuillError(f"cannot resume from {shown(path)}: {_first_line(e)}; start over with --overwrite") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
@@ -167,7 +168,12 @@ def _check_metadata(path: Path) -> None:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    """A failure in a few words; for DCP's CheckpointException, the first rank's own error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (cause, *_) = next(iter(e.failures.items()))
+        return f"rank {rank}: {_first_line(cause)}"
+    text = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _fsync_dir(path: Path) -> None:

@@ -4,6 +4,7 @@ a consolidated ckpt.pt that holds (and samples) what the shards hold."""
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from quillgpt.errors import QuillError
 from quillgpt.generate import generate_tokens
 from quillgpt.model import GPT
 from quillgpt.perf import estimate_train_bytes
-from quillgpt.train import train
+from quillgpt.train import configure_optimizer, train
 from test_distributed import CONFIG, ROOT, data_dir, free_port, losses, tiny  # noqa: F401 — data_dir is a fixture
 
 FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=true", "train.grad_accum=2", "train.max_iters=6")
@@ -182,3 +183,23 @@ def assert_equal(a, b, where=""):
             assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: on purpose
+def test_shards_load_into_one_process_and_damage_is_one_line(runs, tmp_path):
+    """load_sharded reads the shards into an unsharded model (DCP reshards 2 → 1) and gets the
+    consolidated weights; a shard cut short is refused with one line naming the checkpoint."""
+    out = runs[0] / "straight"
+    run = load_run(out, which="latest")
+    model = GPT(run.config.model)
+    optimizer = configure_optimizer(model, run.config.train, torch.device("cpu"))
+    sharded.load_sharded(sharded.latest_sharded(out), model, optimizer)
+    for k, v in run.model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert optimizer.state_dict()["state"]  # AdamW's moments came back too
+    damaged = tmp_path / "step-00000006-0"
+    shutil.copytree(sharded.latest_sharded(out), damaged)
+    shard = damaged / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(QuillError, match=r"cannot resume from .*step-00000006-0: .*; start over with --overwrite"):
+        sharded.load_sharded(damaged, model, optimizer)
