@@ -265,8 +265,9 @@ def flag_sets(w) -> st.SearchStrategy:
     }).map(lambda f: ["tokenizer", "train", *sum(([k] if k == "--force" else [k, v] for k, v in f.items()), [])])
     hf_flags = st.tuples(st.sampled_from(["import-hf", "export-hf"]), paths(w, outputs=True), st.booleans()).map(
         lambda t: [t[0], str(w.hf if t[0] == "import-hf" else w.run), "--out", t[1], *(["--force"] if t[2] else [])])
+    # -n stays small: a valid huge -n is honoured (sampling until it is done), which no test can wait for.
     floats = st.one_of(st.floats(), st.floats(-1, 3), st.sampled_from(["nan", "inf", "-inf", "1e999", "x"])).map(str)
-    sample_flags = st.fixed_dictionaries({"-p": prompts, "-n": st.one_of(st.integers(-2, 12), st.integers(2**40, 2**70)).map(str)}, optional={
+    sample_flags = st.fixed_dictionaries({"-p": prompts, "-n": st.integers(-2, 12).map(str)}, optional={
         "--temperature": floats, "--top-k": ints, "--top-p": floats, "--min-p": floats, "--repetition-penalty": floats,
         "--seed": ints, "--num-samples": st.integers(-1, 3).map(str), "--stop": st.text(max_size=4), "--device": DEVICES,
         "--dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8"]), "--which": st.sampled_from(["best", "latest", "x"]),
