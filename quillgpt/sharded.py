@@ -83,7 +83,10 @@ def save_sharded(out_dir: Path, step: int, model: torch.nn.Module, optimizer: to
     name = f"step-{step:08d}-{ddp.broadcast_int(time.time_ns() // 1000 % 10**12):012d}"
     tmp, final = root / f".{name}.tmp", root / name
     if ddp.master:
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise os_error(e, tmp, "write", "train.out_dir") from None
     ddp.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
