@@ -66,7 +66,8 @@ from quillgpt.generate import generate_tokens  # noqa: E402
 from quillgpt.model import GPT  # noqa: E402
 from quillgpt.perf import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
 from quillgpt.tokenizer import build_tokenizer  # noqa: E402
-from quillgpt.train import Dist, StepParts, _train_step, configure_optimizer, lr_at  # noqa: E402
+from quillgpt.distributed import Dist  # noqa: E402
+from quillgpt.train import Trainer, configure_optimizer, lr_at, train_step  # noqa: E402
 
 DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
 
@@ -354,11 +355,12 @@ class Shape:
     dropout: float
     steps_per_rep: int  # optimizer steps timed together in one rep (short steps are noisy)
     warmup: int
+    log_every: int  # the `quill train` row: steps per metrics.jsonl line
 
 
 SHAPES = [
-    Shape("baby 4L/4H/128, block 64, batch 12", 4, 4, 128, 64, 12, 0.0, steps_per_rep=10, warmup=5),
-    Shape("6L/6H/384, block 256, batch 64", 6, 6, 384, 256, 64, 0.2, steps_per_rep=1, warmup=1),
+    Shape("baby 4L/4H/128, block 64, batch 12", 4, 4, 128, 64, 12, 0.0, steps_per_rep=10, warmup=5, log_every=20),
+    Shape("6L/6H/384, block 256, batch 64", 6, 6, 384, 256, 64, 0.2, steps_per_rep=1, warmup=1, log_every=3),
 ]
 
 
@@ -367,30 +369,65 @@ def model_config(s: Shape, vocab: int, **kw: Any) -> ModelConfig:
                        n_embd=s.n_embd, dropout=s.dropout, bias=False, **kw)
 
 
+def step_state(model: GPT, tc: TrainConfig, sampler: BatchSampler, device: torch.device, dtype: torch.dtype,
+               compile: bool = False) -> Trainer:
+    """The state `quill train` hands train.train_step, built from the same pieces (no run dir, no log)."""
+    opt = configure_optimizer(model, tc, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    t = Trainer(Config(model=model.config, train=tc), Dist(), device, dtype, Path(tc.out_dir), None, model, opt,
+                scaler, sampler, {}, None)
+    t.model = torch.compile(model) if compile else model
+    return t
+
+
 class QuillTrainer:
-    """quill's real step: configure_optimizer (fused AdamW) + train._train_step, as train() runs it."""
+    """quill's real step: configure_optimizer (fused AdamW) + train.train_step, as train() runs it."""
 
     def __init__(self, s: Shape, vocab: int, tokens: np.ndarray, dtype: torch.dtype, compile: bool = False,
                  init: dict[str, torch.Tensor] | None = None, lr: float = 1e-3) -> None:
-        self.device = torch.device("cpu")
         torch.manual_seed(0)
         self.model = GPT(model_config(s, vocab))
         if init is not None:
             self.model.load_state_dict(init)
         self.tc = TrainConfig(batch_size=s.batch, learning_rate=lr, min_lr=lr / 10, beta2=0.99, device="cpu")
-        self.opt = configure_optimizer(self.model, self.tc, self.device)
-        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
-        self.sampler = BatchSampler(tokens, s.block, s.batch, seed=1)
-        self.dtype = dtype
         self.model.train()
-        self.fwd = torch.compile(self.model) if compile else self.model
+        self.t = step_state(self.model, self.tc, BatchSampler(tokens, s.block, s.batch, seed=1), torch.device("cpu"),
+                            dtype, compile)
 
     def step(self, lr: float | None = None) -> torch.Tensor:
-        for group in self.opt.param_groups:
+        for group in self.t.optimizer.param_groups:
             group["lr"] = self.tc.learning_rate if lr is None else lr
-        loss = _train_step(self.fwd, StepParts(self.opt, self.scaler, self.sampler, Dist(), self.tc, self.device,
-                                               self.dtype))
-        return loss
+        return train_step(self.t.model, self.t)
+
+
+class TrainCommand:
+    """`quill train` itself, in a subprocess: one call = one run of `max_iters` steps; its time per
+    step is tokens per step / the median tokens_per_sec of its metrics.jsonl lines after the
+    first (the first includes start-up and warm-up steps; evaluation is left out by train)."""
+
+    def __init__(self, s: Shape, text: Path, work: Path, dtype: str, log_every: int, lines: int = 3) -> None:
+        self.tokens = s.batch * s.block
+        self.out = work / f"cmd-{s.n_layer}L-{dtype}"
+        steps = log_every * (lines + 1)
+        cfg = {
+            "data": {"path": str(text), "tokenizer": "char", "out_dir": str(work / "char")},
+            "model": {"block_size": s.block, "n_layer": s.n_layer, "n_head": s.n_head, "n_embd": s.n_embd,
+                      "dropout": s.dropout, "bias": False},
+            "train": {"out_dir": str(self.out), "max_iters": steps, "batch_size": s.batch, "learning_rate": 1e-3,
+                      "min_lr": 1e-4, "beta2": 0.99, "warmup_iters": 0, "eval_interval": steps, "eval_iters": 1,
+                      "log_interval": log_every, "dtype": dtype, "device": "cpu", "overwrite": True},
+        }
+        self.config = work / f"cmd-{s.n_layer}L-{dtype}.yaml"
+        self.config.write_text(json.dumps(cfg))  # JSON is YAML
+
+    def __call__(self) -> float:
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "quillgpt", "train", "-c", str(self.config), "-q"], check=True,
+                       cwd=ROOT, stdout=subprocess.DEVNULL)
+        lines = [json.loads(x) for x in (self.out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rates = [x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][1:]
+        return self.tokens / statistics.median(rates)
 
 
 class RefTrainer:
@@ -466,7 +503,16 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             variants[name] = (trainer, torch.bfloat16 if "bf16" in name else torch.float32)
             if "compile" in name:
                 notes[name] = f"first {s.warmup} step(s) incl. compiling: {warm_s:.0f} s"
-        samples = interleaved({n: timed_steps(t, s.steps_per_rep) for n, (t, _) in variants.items()}, reps)
+        fns = {n: timed_steps(t, s.steps_per_rep) for n, (t, _) in variants.items()}
+        cmd_dtype = "bfloat16" if bf16 else "float32"  # what train.dtype=auto picks on this CPU
+        cmd = f"quill train command ({'bf16' if bf16 else 'fp32'}, its metrics.jsonl)"
+        if args.text.is_file():  # the command trains on the text itself
+            fns[cmd] = TrainCommand(s, args.text, work, cmd_dtype, s.log_every)
+            variants[cmd] = (None, torch.bfloat16 if bf16 else torch.float32)
+            notes[cmd] = (f"a subprocess per rep, {s.log_every * 4} steps; median tokens_per_sec of its log "
+                          f"lines after the first (every {s.log_every} steps); memory not measured")
+            memory[cmd] = PeakMemory()
+        samples = interleaved(fns, reps)
         fpt = GPT(model_config(s, vocab)).flops_per_token()
         tokens = s.batch * s.block
         ref_ms = statistics.median(samples["reference fp32 (nanoGPT-style)"]) * 1e3
@@ -823,14 +869,12 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     def make(compile: bool) -> tuple[Callable[[], float], PeakMemory, float]:
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
-        opt = configure_optimizer(model, tc, device)
-        scaler = torch.amp.GradScaler("cuda", enabled=False)
         sampler = BatchSampler(tokens, cfg.block_size, batch, seed=1, device=device)
-        fwd = torch.compile(model) if compile else model
+        t = step_state(model, tc, sampler, device, torch.bfloat16, compile)
 
         def one() -> None:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                _train_step(fwd, StepParts(opt, scaler, sampler, Dist(), tc, device, torch.bfloat16))
+                train_step(t.model, t)
 
         with PeakMemory(cuda=True) as mem:
             t = time.perf_counter()
