@@ -50,6 +50,11 @@ def check_finite(section: Any, name: str) -> None:
             raise QuillError(f"{name}.{key} must be a finite number, got {value}")
 
 
+def _shown_key(key: Any) -> str:
+    """A config key as messages print it: as is when it looks like one, else repr'd and cut."""
+    return _cut(key) if isinstance(key, str) and key.isidentifier() else shown_value(key)
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
@@ -413,7 +418,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
                 continue
             raise QuillError(f"{prefix}{key} is no longer supported: {REMOVED_KEYS[prefix + key]}")
         if key not in valid:
-            raise QuillError(f"unknown config key {prefix}{_cut(str(key))}{_suggest(_cut(str(key)), valid)}")
+            raise QuillError(f"unknown config key {prefix}{_shown_key(key)}{_suggest(_cut(str(key)), valid)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
