@@ -85,9 +85,13 @@ def fit_horizon(step: int, cfg: TrainConfig, pace_s: float, budget_left_s: float
     """The last step that fits in the time budget at `pace_s` seconds per step, so the lr
     schedule decays in time. Evaluations are counted as forward passes (a third of a training
     micro-step each); the budget still stops the run if the pace changes later."""
-    eval_steps = 2 * cfg.eval_iters * world_size / (3 * cfg.grad_accum)  # per evaluation, in step-times
-    per_step = pace_s * (1 + eval_steps / cfg.eval_interval)
+    per_step = pace_s * (1 + eval_step_times(cfg, world_size) / cfg.eval_interval)
     return min(cfg.max_iters, max(step + 1, step + int(budget_left_s / per_step)))
+
+
+def eval_step_times(cfg: TrainConfig, world_size: int = 1) -> float:
+    """One evaluation (2 splits × eval_iters forward batches, a third of a micro-step each) in step-times."""
+    return 2 * cfg.eval_iters * world_size / (3 * cfg.grad_accum)
 
 
 def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW | MuonAdamW:
@@ -195,6 +199,7 @@ class Trainer:
     horizon: int = 0  # the step the lr schedule ends at: max_iters, or fitted to train.time_budget
     fitted: bool = False  # the horizon was fitted to the budget (once; checkpointed)
     budget_ended: bool = False  # the time budget ended the run
+    reserve_s: float = 0.0  # time budget: kept for the final evaluation + checkpoint (the last one's time)
     t_start: float = 0.0
     first_step: int = 0  # the step this process started from
     log: MetricsWriter | None = None  # rank 0 only
@@ -454,7 +459,8 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
             if t.step % tc.eval_interval == 0 or t.step == t.horizon:
                 eval_started = time.time()
                 last_val = evaluate_and_save(t, loss, lr, record, bar)
-                meter.exclude(time.time() - eval_started)  # keep evaluation out of tokens/s
+                t.reserve_s = time.time() - eval_started
+                meter.exclude(t.reserve_s)  # keep evaluation out of tokens/s
             elif record and ddp.master:
                 t.log.append(record)
             if ddp.any(stop.signal is not None) and t.step < t.horizon:
@@ -496,14 +502,17 @@ def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar:
 def _follow_budget(t: Trainer, bar: tqdm) -> None:
     """train.time_budget: fit the horizon once, at a fixed step (FIT_AFTER_STEPS or warmup's end,
     whichever is later), so the steps before it follow max_iters' schedule identically in a
-    straight and a resumed run; stop when the time is up."""
+    straight and a resumed run; stop once the time left only holds one more step and the final
+    evaluation and checkpoint (reserve_s: the last one's time; estimated from the pace before the
+    first), so they too end inside the budget."""
     if t.budget_s is None or t.budget_ended:
         return
-    if t.ddp.any(t.elapsed() >= t.budget_s):
+    pace = (time.time() - t.t_start) / max(1, t.step - t.first_step)  # seconds per step
+    reserve = t.reserve_s or pace * eval_step_times(t.cfg.train, t.ddp.world_size)
+    if t.ddp.any(t.elapsed() + pace + reserve >= t.budget_s):
         t.horizon, t.budget_ended = t.step, True  # finish as if this were the last step
     elif not t.fitted and t.step >= max(FIT_AFTER_STEPS, t.cfg.train.warmup_iters):
-        pace = (time.time() - t.t_start) / (t.step - t.first_step)  # seconds per step
-        horizon = fit_horizon(t.step, t.cfg.train, pace, t.budget_s - t.elapsed(), t.ddp.world_size)
+        horizon = fit_horizon(t.step, t.cfg.train, pace, t.budget_s - t.elapsed() - reserve, t.ddp.world_size)
         t.horizon, t.fitted = t.ddp.broadcast_int(horizon), True
         bar.total = t.horizon
     if t.step >= t.horizon and t.horizon < t.cfg.train.max_iters:

@@ -5,6 +5,7 @@ import math
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -231,6 +232,24 @@ def test_all_options_train_and_resume_bit_identically(shakespeare_path, tmp_path
     assert rows[-1][1] < rows[0][1] - 0.2  # it learns
     with pytest.raises(QuillError, match="train.optimizer: muon → adamw"):
         train(cfg(tmp_path / "a", "train.resume=true", "train.optimizer=adamw", "train.max_iters=14"), progress=False)
+
+
+def test_a_time_budget_stops_while_one_step_and_the_final_evaluation_still_fit(monkeypatch):
+    """At 8.0 s of 10 (0.5 s/step, last evaluation + checkpoint took 1.0 s) one more step fits;
+    at 8.6 s it does not: the run ends there, so its final evaluation and checkpoint end by 10 s."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(train_mod.time, "time", lambda: clock["now"])
+    t = SimpleNamespace(
+        budget_s=10.0, budget_ended=False, fitted=True, horizon=10_000, step=16, first_step=0, t_start=1000.0,
+        reserve_s=1.0, cfg=SimpleNamespace(train=TrainConfig(max_iters=10_000)), ddp=SimpleNamespace(any=bool),
+    )
+    t.elapsed = lambda: clock["now"] - t.t_start
+    clock["now"] = 1008.0
+    train_mod._follow_budget(t, SimpleNamespace())
+    assert not t.budget_ended and t.horizon == 10_000
+    clock["now"] = 1008.6
+    train_mod._follow_budget(t, SimpleNamespace())
+    assert t.budget_ended and t.horizon == 16
 
 
 def test_new_options_are_checked_and_gpt2_export_names_what_it_cannot_express():
