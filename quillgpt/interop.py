@@ -53,7 +53,7 @@ HUB_WEIGHTS = (  # what import-hf fetches from the Hub: safetensors first, else 
 )
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
-# --force when any one of them is already there.
+# --force when any one of these is already there (a run and an HF model never share a directory).
 RUN_FILES = (ckpt.LATEST, ckpt.BEST, "config.yaml", "tokenizer.json", "metrics.jsonl")
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", QUILL_TOKENIZER)
 
@@ -359,7 +359,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     train.init_from. The tokenizer is tiktoken's gpt2, or the one export-hf saved beside the weights.
     """
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, RUN_FILES, force, "a quill run's files")
+    _check_out_dir(out_dir, RUN_FILES + HF_FILES, force, "a run's or a model's files")
     path = resolve_source(src)
     try:
         hf_config = json.loads(read_text(path / "config.json", "config.json", limit=1 << 24))
@@ -411,7 +411,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     """
     st_torch = _require("safetensors.torch")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, HF_FILES, force, "a model's files")
+    _check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
     loaded = ckpt.load_run(run, which=which)
     cfg = loaded.config.model
     problems = gpt2_incompatibilities(cfg)

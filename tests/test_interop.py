@@ -306,7 +306,7 @@ def test_non_finite_or_integer_weights_are_refused(hf_dir, tmp_path):
 @pytest.mark.parametrize("command, existing", [
     ("import-hf", "config.yaml"), ("import-hf", "tokenizer.json"), ("import-hf", "metrics.jsonl"),
     ("import-hf", "best.pt"), ("export-hf", "generation_config.json"), ("export-hf", "quill_tokenizer.json"),
-    ("export-hf", "config.json"),
+    ("export-hf", "config.json"), ("export-hf", "ckpt.pt"), ("import-hf", "model.safetensors"),
 ])
 def test_out_dir_with_any_file_of_ours_needs_force(hf_dir, imported, tmp_path, capsys, command, existing):
     """Without --force nothing in --out is rewritten or deleted, whichever of our files it holds."""
