@@ -49,7 +49,7 @@ def run(name: str, config: Path, budget: str, args: argparse.Namespace) -> dict:
     if args.data_path:
         overrides.append(f"data.path={args.data_path}")
     cmd = [sys.executable, "-m", "quillgpt", "train", "--config", str(config), *overrides, "--overwrite", "-q"]
-    print("$", " ".join(cmd[1:]), flush=True)
+    print("$ quill", " ".join(cmd[3:]), flush=True)  # python -m quillgpt = quill
     started = time.time()
     if subprocess.run(cmd).returncode != 0:
         sys.exit(f"error: quill train failed for {config} (its message is above)")
