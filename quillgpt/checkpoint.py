@@ -211,6 +211,8 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") 
     except QuillError as e:
         raise QuillError(f"the checkpoint's config is not valid for this version of quill ({e}); "
                          "was it written by a newer version?") from None
+    if config.model.vocab_size is None:  # a trained or imported model always knows its vocabulary
+        raise QuillError("the checkpoint's config has no model.vocab_size; the file is damaged")
     weights = clean_state_dict(state["model"])
     problems = weight_mismatches(weights, config.model)
     if problems:

@@ -133,6 +133,7 @@ CRAFTED = {  # checkpoints whose content is not what quill writes
     "model_not_a_dict.pt": lambda s: s.update(model=[1, 2]),
     "newer_config_key.pt": lambda s: s["config"]["model"].update(moe_experts=8),
     "no_sampler.pt": lambda s: s.pop("sampler"),
+    "no_vocab_size.pt": lambda s: s["config"]["model"].update(vocab_size=None),
     "huge_config.pt": lambda s: s["config"]["model"].update(n_layer=1024, n_embd=131072, n_head=2),
 }
 
@@ -253,6 +254,8 @@ CASES = {
     "ckpt_newer_config_key": lambda w: (["attention", "--ckpt", str(w.f / "newer_config_key.pt"), "-p", "To be"],
                                         ["config is not valid for this version of quill", "model.moe_experts",
                                          "written by a newer version"]),
+    "ckpt_no_vocab_size": lambda w: (["eval", "--ckpt", str(w.f / "no_vocab_size.pt")],
+                                     ["no_vocab_size.pt: the checkpoint's config has no model.vocab_size"]),
     "ckpt_huge_config": lambda w: (["eval", "--ckpt", str(w.f / "huge_config.pt")],
                                    ["checkpoint weights do not match its own config", "wrong shape"]),
     "ckpt_unreadable": lambda w: (["eval", "--ckpt", "/proc/self/mem"], ["cannot read checkpoint /proc/self/mem: Input/output error"]),
