@@ -250,14 +250,10 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         need_weights: bool = False,
-        slots: tuple[Tensor, Tensor] | None = None,
-        n_keys: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, T, C) → (B, T, C) and the attention weights when need_weights.
 
         rope: cos/sin for these tokens; mask: (B, 1, T, S) from `attention_mask`, None = causal.
-        slots (rows, slots), (B,) each: the decode step's one token per row goes to these cache slots
-        (no plan) and attends over the first n_keys slots (None: all; fixed shapes when compiled).
         """
         B, T, _ = x.shape
         H, KV, hd = self.n_head, self.kv_heads, self.head_dim
@@ -270,10 +266,31 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            k, v = cache.update(layer, k, v) if slots is None else cache.write(layer, k, v, slots, n_keys)
+            k, v = cache.update(layer, k, v)
             if k.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
         dropout_p = self.dropout if self.training else 0.0
         y, weights = attend(q, k, v, mask, self.impl, dropout_p, need_weights)
         y = y.transpose(1, 2).reshape(B, T, H * hd)  # heads side by side again
         return self.resid_dropout(self.c_proj(y)), weights
+
+    def decode(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor, cache: KVCache, layer: int,
+        at: tuple[Tensor, Tensor], n_keys: int | None,
+    ) -> Tensor:
+        """The decode step's attention, x (R, C) one token per row → (R, C): forward's ops in eval
+        mode, without nn.Module calls (their overhead is ~10% of a one-token step). The token's
+        k, v go to cache slots at = (rows, slots); it attends over the first n_keys slots
+        (None: all, the compiled step's fixed shape)."""
+        R, H, KV, hd = x.shape[0], self.n_head, self.kv_heads, self.head_dim
+        q, k, v = self.c_attn.forward(x).split([H * hd, KV * hd, KV * hd], dim=1)
+        q, k, v = q.view(R, H, 1, hd), k.view(R, KV, 1, hd), v.view(R, KV, 1, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k, v = cache.write(layer, k, v, at, n_keys)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        y, _ = attend(q, k, v, mask, self.impl)  # (R, H, 1, hd)
+        return self.c_proj.forward(y.reshape(R, H * hd))
