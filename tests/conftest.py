@@ -19,3 +19,13 @@ def shakespeare_path() -> Path:
     if not path.is_file():
         pytest.skip(f"{path} not found (a local copy of Tiny Shakespeare)")
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def checkout_stays_clean():
+    """No test may leave files in the project's root (a command given an empty path writes to
+    the working directory): compare the root's entries before and after the whole session."""
+    before = set(os.listdir(ROOT))
+    yield
+    new = sorted(set(os.listdir(ROOT)) - before - {".pytest_cache", ".hypothesis"})
+    assert not new, f"tests left files in {ROOT}: {new}"

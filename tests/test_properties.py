@@ -83,6 +83,16 @@ def w(tmp_path_factory, shakespeare_path):
 
 
 @pytest.fixture(autouse=True, scope="module")
+def in_scratch_dir(w):
+    """Generated paths include "" (the working directory): let that be a scratch folder."""
+    cwd, saved = w.root / "cwd", os.getcwd()
+    cwd.mkdir(exist_ok=True)
+    os.chdir(cwd)
+    yield
+    os.chdir(saved)
+
+
+@pytest.fixture(autouse=True, scope="module")
 def without_quill_debug():
     saved = os.environ.pop("QUILL_DEBUG", None)
     yield
