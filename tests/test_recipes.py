@@ -94,9 +94,9 @@ def test_logit_softcap_is_c_tanh_of_the_logits_and_bounds_them():
     torch.testing.assert_close(loss, F.cross_entropy(logits[:, :-1].reshape(-1, V), idx[:, 1:].reshape(-1)))
 
 
-@pytest.mark.parametrize("options", [{"logit_softcap": 3.0, "qk_norm": True, "pos": "rope"}, {"qk_norm": True}])
+@pytest.mark.parametrize("options", [{"logit_softcap": 3.0, "qk_norm": True, "pos": "rope", "mlp": "relu2"}, {"qk_norm": True}])
 def test_kv_cache_and_decode_step_equal_the_full_forward(options):
-    """The cache path and the engine's decode step see the same options (cap, QK-norm)."""
+    """The cache path and the engine's decode step see the same options (cap, QK-norm, ReLU²)."""
     model = randomized(GPT(model_config(**options)))
     idx = torch.randint(0, V, (2, 16))
     full, _ = model(idx, all_logits=True)
