@@ -8,9 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from quillgpt.config import ModelConfig
 from quillgpt.engine import Engine
 from quillgpt.errors import QuillError
 from quillgpt.generate import generate_tokens
+from quillgpt.model import GPT
 from quillgpt.sampling import SamplingParams
 from support import BLOCK, V, VARIANTS
 from test_generate import PROMPTS, random_model
@@ -154,3 +156,29 @@ def test_compiled_decode_equals_eager(variant):
     eager = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=False)), 1)
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
     assert torch.equal(compiled, eager)
+
+
+RECIPE_OPTIONS = {"relu2-qknorm-softcap-rope": {"mlp": "relu2", "qk_norm": True, "logit_softcap": 5.0, "pos": "rope"}}
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, *RECIPE_OPTIONS])
+@pytest.mark.parametrize("all_slots", [False, True], ids=["filled-slots", "all-slots"])
+def test_decode_step_gives_the_forward_logits(variant, all_slots):
+    """GPT.decode (the lean one-token path the engine runs: Block.decode, no nn.Module calls)
+    against the plain full forward, position by position, past a sliding window's ring."""
+    torch.manual_seed(0)
+    options = {**VARIANTS, **RECIPE_OPTIONS}[variant]
+    model = GPT(ModelConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32, **options))
+    with torch.no_grad():  # decisive weights, as random_model
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name or ".ln_" in name else 0.0, 0.3 if p.dim() > 1 else 0.1)
+    model.eval()
+    ids = torch.randint(0, V, (2, BLOCK))
+    with torch.no_grad():
+        full, _ = model(ids, all_logits=True)  # (2, BLOCK, V)
+        cache = model.make_cache(2)
+        model(ids[:, :6], cache=cache)
+        for t in range(6, BLOCK):
+            n_keys = None if all_slots else min(cache.capacity, t + 1)
+            got = model.decode(ids[:, t], torch.full((2,), t), cache, n_keys)  # (2, V)
+            torch.testing.assert_close(got, full[:, t], atol=1e-4, rtol=1e-4)
