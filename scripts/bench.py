@@ -670,7 +670,7 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
         with PeakMemory() as m:
             warm[name] = fn()
         mem[name] = m.rss_mb
-    samples = interleaved(fns, reps) if reps > 1 else {k: [v] for k, v in warm.items()}
+    samples = interleaved(fns, reps) if not past_window else {k: [v] for k, v in warm.items()}  # past the window: its one (long) run
 
     # The recompute path costs ~10× more per token, so it generates fewer tokens, after a prompt
     # chosen so that their contexts average the same length as the full run's; per-token rate.
