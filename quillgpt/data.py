@@ -58,7 +58,7 @@ BPE_TRAIN_CHARS = 1 << 30  # `tokenizer: bpe` learns its merges from the corpus'
 LOCK_FILE = ".prepare.lock"
 STATE_FILE = ".prepare-state.json"  # a prepare in progress: plan, tokenizer, finished shards, cursor
 SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?\.bin")
-TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|prepare-state\.json)[^/]*\.tmp")
+TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|\.prepare-state\.json)[^/]*\.tmp")  # atomic_write names temps ".<name>.<random>.tmp"
 
 
 # ---------------------------------------------------------------------------------------------

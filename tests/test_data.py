@@ -388,6 +388,7 @@ def test_killed_prepare_resumes_at_its_last_shard(tmp_path, small_text, monkeypa
     monkeypatch.setattr(shards, "atomic_write", real)
     (out / ".train-000003.bin.k1ll3d.tmp").write_bytes(b"\0" * 999)  # what kill -9 leaves behind
     (out / ".train.bin.old.tmp").write_bytes(b"\0" * 9)
+    (out / "..prepare-state.json.k1ll3d.tmp").write_bytes(b"{")  # atomic_write's temp of .prepare-state.json
     (out / ".notes.tmp").write_bytes(b"the user's")
     before = {n: os.stat(out / n).st_mtime_ns for n in ("train.bin", "train-000001.bin", "train-000002.bin")}
     assert not (out / "meta.json").exists()
