@@ -31,6 +31,7 @@ from torch import Tensor
 
 from quillgpt.errors import QuillError
 from quillgpt.model import GPT
+from quillgpt.perf import available_bytes
 from quillgpt.prefix import check_fits
 from quillgpt.sampling import SamplingParams, row_generator, sample_rows
 
@@ -95,15 +96,8 @@ def cache_bytes(model: GPT, rows: int) -> int:
 
 def check_memory(nbytes: int, device: torch.device, what: str) -> None:
     """Refuse, in one line, an allocation larger than the memory the device has free."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            with open("/proc/meminfo") as f:
-                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration, ValueError):
-            return
-    if nbytes > free:
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
         raise QuillError(
             f"{what} needs {nbytes / 2**30:.1f} GiB but {device.type} has {free / 2**30:.1f} GiB free: "
             "generate fewer rows at once (--num-samples) or use a smaller dtype"
