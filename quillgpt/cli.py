@@ -11,7 +11,7 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, TextIO
 
 import typer
 
@@ -169,21 +169,7 @@ def sample_cmd(
                 "settings": settings, "stats": gen.stats.to_dict(),
             }, ensure_ascii=False) + "\n")
         else:
-            head = (lambda i: f"--- sample {i} ---\n") if num_samples > 1 else (lambda i: "")
-            shown = text if echo else ""
-            out.write(head(1) + shown)
-            out.flush()
-            for pieces in gen:
-                if stream and pieces[0]:
-                    out.write(pieces[0])
-                    out.flush()
-            if not stream:
-                out.write(gen.texts[0])
-            for i, sample in enumerate(gen.texts, 1):
-                if i > 1:
-                    out.write(head(i) + shown + sample)
-                if not (shown + sample).endswith("\n"):
-                    out.write("\n")
+            _print_samples(gen, text if echo else "", num_samples, stream, out)
         out.flush()
     except BrokenPipeError:  # `quill sample ... | head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
@@ -367,6 +353,25 @@ def _sample_params(sc, flags: dict, stops: tuple[str, ...]):
         return SamplingParams(**values, stop=stops)
     except InvalidParam as e:
         raise QuillError(e.message("--" + e.param.replace("_", "-"))) from None
+
+
+def _print_samples(gen: Any, shown: str, num_samples: int, stream: bool, out: TextIO) -> None:
+    """Sample 1 as it is generated (or at its end with --no-stream), then samples 2..N in full,
+    each under a `--- sample i ---` header when there are several, each ending in a newline."""
+    head = (lambda i: f"--- sample {i} ---\n") if num_samples > 1 else (lambda i: "")
+    out.write(head(1) + shown)
+    out.flush()
+    for pieces in gen:
+        if stream and pieces[0]:
+            out.write(pieces[0])
+            out.flush()
+    if not stream:
+        out.write(gen.texts[0])
+    for i, sample in enumerate(gen.texts, 1):
+        if i > 1:
+            out.write(head(i) + shown + sample)
+        if not (shown + sample).endswith("\n"):
+            out.write("\n")
 
 
 def _sample_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
