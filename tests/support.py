@@ -28,3 +28,22 @@ def poison_loss_at(monkeypatch, call: int) -> None:
         return logits, loss
 
     monkeypatch.setattr(train_mod.GPT, "forward", forward)
+
+
+def assert_same_state(a, b, where: str = "") -> None:
+    """Nested dicts/lists/tuples of tensors and plain values are equal, bit for bit; the message
+    names the first differing path, e.g. optimizer['state'][3]['exp_avg']."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

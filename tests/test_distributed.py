@@ -17,6 +17,7 @@ from quillgpt.data import prepare
 from quillgpt.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
 from quillgpt.metrics import read_metrics
 from quillgpt.train import train
+from support import assert_same_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
@@ -94,23 +95,8 @@ def test_ranks_draw_their_own_dropout_and_resume_restores_each_ranks_stream(shak
     assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
     assert torch.equal(straight["rng"]["torch"], ranks[0]["torch"])
     for key in ("model", "optimizer", "rank_rng", "sampler"):
-        assert_same(straight[key], resumed[key], key)
+        assert_same_state(straight[key], resumed[key], key)
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
-
-
-def assert_same(a, b, where):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def test_rank_streams_round_trip_in_one_process():

@@ -23,6 +23,7 @@ from quillgpt.model import GPT
 from quillgpt.perf import estimate_train_bytes
 from quillgpt.train import configure_optimizer, train
 from test_distributed import CONFIG, ROOT, data_dir, free_port, losses, tiny  # noqa: F401 — data_dir is a fixture
+from support import assert_same_state
 
 FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=true", "train.grad_accum=2", "train.max_iters=6")
 
@@ -84,10 +85,10 @@ def test_kill_mid_save_keeps_the_last_checkpoint_and_resume_is_exact(runs):
     assert sorted(p.name for p in (out / "crashed" / sharded.SHARDED).iterdir()) == [
         "latest", sharded.latest_sharded(out / "crashed").name]  # the temp dir went at the restart
     straight, crashed = (shard_state(out / name) for name in ("straight", "crashed"))
-    assert_equal(straight, crashed)
+    assert_same_state(straight, crashed)
     states = [sharded.load_train_state(sharded.latest_sharded(out / name)) for name in ("straight", "crashed")]
     for key in ("step", "sampler", "rank_rng", "tokens_seen"):
-        assert_equal(states[0][key], states[1][key])
+        assert_same_state(states[0][key], states[1][key])
     assert len(states[0]["rank_rng"]) == 2
     assert losses(out / "straight") == losses(out / "crashed")
 
@@ -168,21 +169,6 @@ def shard_state(run_dir):
     target = Path(run_dir) / "consolidated-for-test.pt"
     dcp_to_torch_save(sharded.latest_sharded(run_dir), target)
     return torch.load(target, weights_only=True)
-
-
-def assert_equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: on purpose
