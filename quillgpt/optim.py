@@ -38,23 +38,26 @@ def adamw_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> 
 
 
 def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """≈ the orthogonal factor UVᵀ of g = USVᵀ (2-D) by a quintic Newton–Schulz iteration in `dtype`:
-    torch.optim.Muon's iteration, step for step (bit-identical in bfloat16, its fixed choice)."""
+    """≈ the orthogonal factor UVᵀ of each matrix g = USVᵀ ((m, n), or a batch (k, m, n)) by a
+    quintic Newton–Schulz iteration in `dtype`: torch.optim.Muon's iteration, step for step (for
+    one 2-D matrix bit-identical in bfloat16, its fixed choice)."""
     a, b, c = coefficients
-    x = g.to(dtype)
-    if g.size(0) > g.size(1):
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))  # spectral norm ≤ 1
+    mm = torch.addmm if g.dim() == 2 else torch.baddbmm
+    wide = g.size(-2) <= g.size(-1)
+    x = g.to(dtype) if wide else g.to(dtype).mT  # iterate on the smaller Gram matrix
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm ≤ 1
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if g.size(0) > g.size(1) else x
+        gram = x @ x.mT
+        x = mm(x, mm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x if wide else x.mT
 
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (default "original" lr adjustment) with the Newton–Schulz iteration in
-    `ns_dtype`. torch runs it in bfloat16, which CPUs without bf16 units emulate: 13× slower than
-    fp32 on this project's AVX2 machine, making a Muon step 4× an AdamW step."""
+    `ns_dtype`, batched over matrices of one shape. torch runs it in bfloat16, which CPUs without
+    bf16 units emulate: 13× slower than fp32 on this project's AVX2 machine, making a Muon step 4×
+    an AdamW step. One batched iteration per shape (a model has four shapes, n_layer matrices
+    each) instead of one per matrix: fewer, larger matmuls (scripts/bench.py --suite train)."""
 
     def __init__(self, params: Any, ns_dtype: torch.dtype, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
@@ -63,14 +66,28 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         for group in self.param_groups:
-            lr, mu = group["lr"], group["momentum"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buf.lerp_(p.grad, 1 - mu)
-                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad)) for p in params]
+            torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
+            updates = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            for same in _by_shape(params).values():
+                g = torch.stack([updates[i] for i in same])
+                ortho = newton_schulz(g, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                rows, cols = g.shape[-2:]
+                scale = -group["lr"] * math.sqrt(max(1, rows / cols))
+                torch._foreach_add_([params[i] for i in same], list(ortho.to(g.dtype).unbind(0)), alpha=scale)
+
+
+def _by_shape(params: list[torch.Tensor]) -> dict[torch.Size, list[int]]:
+    """Indices of `params` grouped by shape, in first-seen order."""
+    groups: dict[torch.Size, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p.shape, []).append(i)
+    return groups
 
 
 class MuonAdamW:

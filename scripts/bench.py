@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import ctypes
 import gc
 import json
@@ -60,10 +61,11 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")  # gpt2 BPE files, offline
 
 from quillgpt import checkpoint as ckpt  # noqa: E402
-from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
 from quillgpt.data import BatchSampler, batch_from_starts, fixed_windows, load_tokens, prepare  # noqa: E402
 from quillgpt.generate import generate_tokens  # noqa: E402
 from quillgpt.model import GPT  # noqa: E402
+from quillgpt.optim import Muon, newton_schulz  # noqa: E402
 from quillgpt.perf import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
 from quillgpt.tokenizer import build_tokenizer  # noqa: E402
 from quillgpt.distributed import Dist  # noqa: E402
@@ -526,7 +528,91 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             }, note=notes.get(name, "")))
         report.print_group(group)
         del variants
+    recipe_step_group(report, args, train_tokens, vocab, source)
     loss_check(report, args, train_tokens, val_tokens, vocab, bf16, source)
+
+
+RECIPE = ROOT / "configs" / "shakespeare_char_75s.yaml"
+
+
+class PerMatrixMuon(Muon):
+    """torch.optim.Muon's step as torch writes it, one Newton–Schulz call per matrix (in quill's
+    ns_dtype): the baseline for quill's batched Muon."""
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            lr, mu = group["lr"], group["momentum"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - mu)
+                update = newton_schulz(p.grad.lerp(buf, mu), group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
+
+
+def recipe_trainer(vocab: int, tokens: np.ndarray, plain: bool) -> Trainer:
+    """The 75 s recipe's model and optimizer at its batch; `plain`: per-matrix Muon and autograd's relu²."""
+    cfg = load_config(RECIPE)
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab)).train()
+    t = step_state(model, cfg.train, BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1),
+                   torch.device("cpu"), torch.float32)
+    if plain:
+        for block in model.transformer.h:
+            block.mlp.act = lambda h: F.relu(h).square()
+        muon = t.optimizer.muon
+        t.optimizer.muon = PerMatrixMuon(muon.param_groups, muon.ns_dtype, **muon.defaults)
+    return t
+
+
+def recipe_step_group(report: Report, args: argparse.Namespace, tokens: np.ndarray, vocab: int, source: str) -> None:
+    """The time-to-quality recipe's step (fp32 here): its batched Muon and ReLU² backward against
+    the plain forms, and the Muon step alone."""
+    cfg = load_config(RECIPE)
+    group = (f"train: recipe step, {RECIPE.name} ({cfg.model.n_layer}L/{cfg.model.n_head}H/{cfg.model.n_embd}, "
+             f"block {cfg.model.block_size}, batch {cfg.train.batch_size}, Muon, ReLU², fp32) ({source})")
+    ours, plain = recipe_trainer(vocab, tokens, False), recipe_trainer(vocab, tokens, True)
+    fns = {"quill (batched Muon, ReLUSquared)": lambda: _timed_train_step(ours),
+           "per-matrix Muon, autograd relu²": lambda: _timed_train_step(plain),
+           "Muon step alone, batched": lambda: _timed(_with_grads(ours.optimizer.muon)),
+           "Muon step alone, per matrix": lambda: _timed(_with_grads(plain.optimizer.muon))}
+    for f in fns.values():
+        f()
+    samples = interleaved(fns, args.reps)
+    base = statistics.median(samples["per-matrix Muon, autograd relu²"])
+    tokens_per_step = cfg.train.batch_size * cfg.model.block_size
+    for name, xs in samples.items():
+        st = Stats.of([x * 1e3 for x in xs])
+        whole = "alone" not in name
+        report.add(Row(group, name, "ms", st.median, st.lo, st.hi, extra={
+            "tokens/s": tokens_per_step / statistics.median(xs) if whole else "",
+            "vs plain step": f"{base / statistics.median(xs):.2f}×" if whole else f"{statistics.median(xs) / base:.0%} of a plain step"}))
+    report.print_group(group)
+
+
+def _with_grads(muon: Muon) -> Callable[[], None]:
+    """muon.step with fixed random gradients (the train step leaves none behind)."""
+    params = [p for g in muon.param_groups for p in g["params"]]
+    grads = [torch.randn_like(p) for p in params]
+
+    def step() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+        muon.step()
+
+    return step
+
+
+def _timed_train_step(t: Trainer, n: int = 3) -> float:
+    return _timed(lambda: train_step(t.model, t), n)
+
+
+def _timed(fn: Callable[[], Any], n: int = 3) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
 
 
 def loss_check(report: Report, args: argparse.Namespace, train_tokens: np.ndarray, val_tokens: np.ndarray,

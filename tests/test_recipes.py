@@ -17,7 +17,7 @@ from quillgpt.config import ModelConfig, TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.interop import gpt2_incompatibilities
 from quillgpt.metrics import read_metrics
-from quillgpt.model import GPT, MLP
+from quillgpt.model import GPT, MLP, ReLUSquared
 from quillgpt.optim import Muon, MuonAdamW, build_optimizer, newton_schulz
 import quillgpt.train as train_mod
 from quillgpt.train import train
@@ -56,6 +56,16 @@ def test_relu2_mlp_is_relu_squared():
     expected = mlp.c_proj(F.relu(mlp.c_fc(x)) ** 2)
     torch.testing.assert_close(mlp(x), expected)
     assert mlp.c_fc.out_features == 4 * 32
+
+
+def test_relu2_backward_is_autograds():
+    """ReLUSquared's hand-written backward against autograd's through relu(h).square(), h = 0 included."""
+    h = torch.cat([torch.randn(40, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)]).requires_grad_()
+    grad = torch.randn(43, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(ReLUSquared.apply(h), h, grad)
+    (ref,) = torch.autograd.grad(F.relu(h).square(), h, grad)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(ReLUSquared.apply, (torch.randn(20, dtype=torch.float64, requires_grad=True),))
 
 
 def test_qk_norm_normalises_each_heads_queries_and_keys():
@@ -159,6 +169,31 @@ def test_muon_step_equals_torchs_muon_in_bfloat16_and_orthogonalises_in_float32(
     assert singular.min() > 0.5 and singular.max() < 1.3  # ≈ orthogonal (Muon's NS is loose by design)
     o16 = newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.bfloat16)
     torch.testing.assert_close(o32, o16.float(), atol=0.05, rtol=0.05)
+
+
+def test_muon_batches_same_shaped_matrices_as_torchs_muon_does_them_one_by_one():
+    """Muon's Newton–Schulz runs once per shape on the stacked matrices: the batched path against
+    torch.optim.Muon's per-matrix loop (both in bfloat16, so they differ by summation order only)."""
+    torch.manual_seed(1)
+    weights = [torch.randn(24, 8) for _ in range(3)] + [torch.randn(8, 24) for _ in range(2)] + [torch.randn(8, 8)]
+    ours = [torch.nn.Parameter(w.clone()) for w in weights]
+    ref = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt_ours = Muon(ours, torch.bfloat16, lr=0.02, weight_decay=0.1, momentum=0.9)
+    opt_ref = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, momentum=0.9)
+    ns = opt_ref.param_groups[0]["ns_coefficients"]
+    for _ in range(3):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt_ours.step()
+        opt_ref.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=0)  # a step moves each weight by ~lr = 0.02
+    stacked = torch.stack([w.grad for w in ours[:3]])
+    batched = newton_schulz(stacked, ns, 5, 1e-7, torch.float32)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], newton_schulz(stacked[i], ns, 5, 1e-7, torch.float32), atol=1e-6, rtol=1e-5)
+        assert not torch.equal(batched[i], batched[(i + 1) % 3])  # each matrix its own result
 
 
 @pytest.mark.parametrize(
