@@ -5,7 +5,8 @@
     python scripts/bench.py --suite train --reps 5 --json bench.json
 
 Suites: train (quill's real training step vs a plain nanoGPT-style step, fp32 and bf16, MFU
-against the matmul peak measured in this run, loss per step), sample (KV cache vs recompute vs
+against the matmul peak measured in this run, the time-to-quality recipe's step with batched vs
+per-matrix Muon, loss per step), sample (KV cache vs recompute vs
 transformers' GPT2LMHeadModel.generate on the same weights), prepare (MB/s), gpu (CUDA only).
 
 Why the method: this machine is shared and noisy, so absolute numbers drift from run to run.
