@@ -148,9 +148,12 @@ def test_muon_takes_exactly_the_hidden_matrices():
     assert len(opt.param_groups) == len(opt.adamw.param_groups) + 1
 
 
-def test_muon_step_equals_torchs_muon_in_bfloat16_and_orthogonalises_in_float32():
-    torch.manual_seed(0)
-    weights = [torch.randn(24, 8), torch.randn(8, 24)]
+NS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's default Newton–Schulz coefficients
+
+
+def muon_steps_beside_torchs(weights: list[torch.Tensor]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """Copies of `weights` after three steps with the same random gradients: quill's Muon (bf16
+    Newton–Schulz) and torch.optim.Muon."""
     ours = [torch.nn.Parameter(w.clone()) for w in weights]
     ref = [torch.nn.Parameter(w.clone()) for w in weights]
     opt_ours = Muon(ours, torch.bfloat16, lr=0.02, weight_decay=0.1, momentum=0.9)
@@ -161,13 +164,20 @@ def test_muon_step_equals_torchs_muon_in_bfloat16_and_orthogonalises_in_float32(
             b.grad = a.grad.clone()
         opt_ours.step()
         opt_ref.step()
+    return ours, ref
+
+
+def test_muon_step_equals_torchs_muon_in_bfloat16_and_orthogonalises_in_float32():
+    torch.manual_seed(0)
+    weights = [torch.randn(24, 8), torch.randn(8, 24)]
+    ours, ref = muon_steps_beside_torchs(weights)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
     g = torch.randn(16, 48)
-    o32 = newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+    o32 = newton_schulz(g, NS, 5, 1e-7, torch.float32)
     assert o32.dtype == torch.float32
     singular = torch.linalg.svdvals(o32)
     assert singular.min() > 0.5 and singular.max() < 1.3  # ≈ orthogonal (Muon's NS is loose by design)
-    o16 = newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.bfloat16)
+    o16 = newton_schulz(g, NS, 5, 1e-7, torch.bfloat16)
     torch.testing.assert_close(o32, o16.float(), atol=0.05, rtol=0.05)
 
 
@@ -176,23 +186,13 @@ def test_muon_batches_same_shaped_matrices_as_torchs_muon_does_them_one_by_one()
     torch.optim.Muon's per-matrix loop (both in bfloat16, so they differ by summation order only)."""
     torch.manual_seed(1)
     weights = [torch.randn(24, 8) for _ in range(3)] + [torch.randn(8, 24) for _ in range(2)] + [torch.randn(8, 8)]
-    ours = [torch.nn.Parameter(w.clone()) for w in weights]
-    ref = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt_ours = Muon(ours, torch.bfloat16, lr=0.02, weight_decay=0.1, momentum=0.9)
-    opt_ref = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, momentum=0.9)
-    ns = opt_ref.param_groups[0]["ns_coefficients"]
-    for _ in range(3):
-        for a, b in zip(ours, ref):
-            a.grad = torch.randn_like(a)
-            b.grad = a.grad.clone()
-        opt_ours.step()
-        opt_ref.step()
+    ours, ref = muon_steps_beside_torchs(weights)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=0)  # a step moves each weight by ~lr = 0.02
     stacked = torch.stack([w.grad for w in ours[:3]])
-    batched = newton_schulz(stacked, ns, 5, 1e-7, torch.float32)
+    batched = newton_schulz(stacked, NS, 5, 1e-7, torch.float32)
     for i in range(3):
-        torch.testing.assert_close(batched[i], newton_schulz(stacked[i], ns, 5, 1e-7, torch.float32), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(batched[i], newton_schulz(stacked[i], NS, 5, 1e-7, torch.float32), atol=1e-6, rtol=1e-5)
         assert not torch.equal(batched[i], batched[(i + 1) % 3])  # each matrix its own result
 
 
