@@ -129,45 +129,18 @@ def sample_cmd(
     With --num-samples N, sample 1 streams under a `--- sample 1 ---` header and samples 2..N
     follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
     """
-    import json
-
-    import torch
-
-    from quillgpt.checkpoint import load_run
-    from quillgpt.config import SampleConfig
-    from quillgpt.engine import cache_bytes, check_memory
-    from quillgpt.generate import Generation
-    from quillgpt.perf import resolve_device
-
     text = _sample_prompt(prompt, prompt_file)
-    if num_samples < 1:
-        raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed)
     stops = tuple(_unescape(s) for s in stop or [])
-    _sample_params(SampleConfig(), flags, stops)  # a bad flag fails before the checkpoint loads
-    run = load_run(ckpt, which=which, device=resolve_device(device))
-    params = _sample_params(run.config.sample, flags, stops)
-    check_memory(cache_bytes(run.model, num_samples), run.model.lm_head.weight.device,
-                 f"the KV cache for {num_samples} sample(s)")  # before N copies of anything are made
-    gen = Generation(
-        run.model, run.tokenizer, [text] * num_samples, params=params, use_cache=not no_kv_cache,
-        dtype=getattr(torch, dtype), compile=compile,
-    )
+    run, gen, params = _open_generation(ckpt, which, device, dtype, text, num_samples, flags, stops,
+                                        use_cache=not no_kv_cache, compile=compile)
     settings = {k: getattr(params, k) for k in flags}
     out = sys.stdout
     try:
         if as_json:
-            for _ in gen:
-                pass
-            settings.update(stop=list(stops), kv_cache=not no_kv_cache, compiled=gen.compiled,
-                            device=str(run.model.lm_head.weight.device), dtype=dtype)
-            out.write(json.dumps({
-                "checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
-                "settings": settings, "stats": gen.stats.to_dict(),
-            }, ensure_ascii=False) + "\n")
+            settings.update(stop=list(stops), kv_cache=not no_kv_cache)
+            out.write(_sample_json(gen, run, text, settings, dtype))
         else:
             _print_samples(gen, text if echo else "", num_samples, stream, out)
         out.flush()
@@ -178,6 +151,44 @@ def sample_cmd(
         how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
         how = f"{how}, {run.model.lm_head.weight.device.type}, {dtype}"
         print(f"{gen.stats.line()} ({how})", file=sys.stderr)
+
+
+def _open_generation(ckpt: Path, which: str, device: str, dtype: str, text: str, num_samples: int, flags: dict,
+                     stops: tuple[str, ...], use_cache: bool, compile: Optional[bool]) -> tuple[Any, Any, Any]:
+    """Check the flags (before the checkpoint loads), load the run, check the KV cache fits (before
+    N copies of anything are made) and set up the generation: (run, Generation, SamplingParams)."""
+    import torch
+
+    from quillgpt.checkpoint import load_run
+    from quillgpt.config import SampleConfig
+    from quillgpt.engine import cache_bytes, check_memory
+    from quillgpt.generate import Generation
+    from quillgpt.perf import resolve_device
+
+    if num_samples < 1:
+        raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    _sample_params(SampleConfig(), flags, stops)  # a bad flag fails before the checkpoint loads
+    run = load_run(ckpt, which=which, device=resolve_device(device))
+    params = _sample_params(run.config.sample, flags, stops)
+    check_memory(cache_bytes(run.model, num_samples), run.model.lm_head.weight.device,
+                 f"the KV cache for {num_samples} sample(s)")
+    gen = Generation(run.model, run.tokenizer, [text] * num_samples, params=params, use_cache=use_cache,
+                     dtype=getattr(torch, dtype), compile=compile)
+    return run, gen, params
+
+
+def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str) -> str:
+    """--json: generate everything, then one object with the prompt, the continuations, the
+    settings and the stats."""
+    import json
+
+    for _ in gen:
+        pass
+    settings = {**settings, "compiled": gen.compiled, "device": str(run.model.lm_head.weight.device), "dtype": dtype}
+    return json.dumps({"checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
+                       "settings": settings, "stats": gen.stats.to_dict()}, ensure_ascii=False) + "\n"
 
 
 @app.command("serve")
