@@ -574,10 +574,11 @@ def recipe_step_group(report: Report, args: argparse.Namespace, tokens: np.ndarr
     group = (f"train: recipe step, {RECIPE.name} ({cfg.model.n_layer}L/{cfg.model.n_head}H/{cfg.model.n_embd}, "
              f"block {cfg.model.block_size}, batch {cfg.train.batch_size}, Muon, ReLU², fp32) ({source})")
     ours, plain = recipe_trainer(vocab, tokens, False), recipe_trainer(vocab, tokens, True)
-    fns = {"quill (batched Muon, ReLUSquared)": lambda: _timed_train_step(ours),
-           "per-matrix Muon, autograd relu²": lambda: _timed_train_step(plain),
-           "Muon step alone, batched": lambda: _timed(_with_grads(ours.optimizer.muon)),
-           "Muon step alone, per matrix": lambda: _timed(_with_grads(plain.optimizer.muon))}
+    muon_ours, muon_plain = _with_grads(ours.optimizer.muon), _with_grads(plain.optimizer.muon)
+    fns = {"quill (batched Muon, ReLUSquared)": lambda: _timed(lambda: train_step(ours.model, ours)),
+           "per-matrix Muon, autograd relu²": lambda: _timed(lambda: train_step(plain.model, plain)),
+           "Muon step alone, batched": lambda: _timed(muon_ours),
+           "Muon step alone, per matrix": lambda: _timed(muon_plain)}
     for f in fns.values():
         f()
     samples = interleaved(fns, args.reps)
@@ -603,10 +604,6 @@ def _with_grads(muon: Muon) -> Callable[[], None]:
         muon.step()
 
     return step
-
-
-def _timed_train_step(t: Trainer, n: int = 3) -> float:
-    return _timed(lambda: train_step(t.model, t), n)
 
 
 def _timed(fn: Callable[[], Any], n: int = 3) -> float:
