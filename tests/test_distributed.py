@@ -3,7 +3,6 @@ stream, and exact resume of every rank's stream."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from quillgpt.data import prepare
 from quillgpt.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
 from quillgpt.metrics import read_metrics
 from quillgpt.train import train
-from support import assert_same_state
+from support import assert_same_state, two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
@@ -63,29 +62,13 @@ def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_pat
             assert va == pytest.approx(vb, abs=1e-4)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_draw_their_own_dropout_and_resume_restores_each_ranks_stream(shakespeare_path, data_dir, tmp_path):
     """Two ranks with dropout: different masks; stopping at step 2 and resuming to 4 gives the
     weights, optimizer and every rank's RNG state of 4 straight steps, bit for bit."""
     overrides = tiny(shakespeare_path, data_dir, "set-by-worker", "model.dropout=0.1", "train.batch_size=2",
                      "train.lr_schedule=constant")  # constant: stopping via max_iters keeps the schedule
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path), *overrides],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+    for code, err in two_ranks("ddp_worker.py", str(tmp_path), *overrides):
+        assert code == 0, err
 
     masks = [json.loads((tmp_path / f"mask{r}.json").read_text()) for r in (0, 1)]
     assert len(masks[0]) == len(masks[1]) > 100 and masks[0] != masks[1]

@@ -5,8 +5,6 @@ a consolidated ckpt.pt that holds (and samples) what the shards hold."""
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from quillgpt.generate import generate_tokens
 from quillgpt.model import GPT
 from quillgpt.perf import estimate_train_bytes
 from quillgpt.train import configure_optimizer, train
-from test_distributed import CONFIG, ROOT, data_dir, free_port, losses, tiny  # noqa: F401 — data_dir is a fixture
-from support import assert_same_state
+from test_distributed import CONFIG, data_dir, losses, tiny  # noqa: F401 — data_dir is a fixture
+from support import assert_same_state, two_ranks
 
 FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=true", "train.grad_accum=2", "train.max_iters=6")
 
@@ -36,25 +34,11 @@ def runs(shakespeare_path, data_dir, tmp_path_factory):
     overrides = tiny(shakespeare_path, data_dir, "set-by-worker", "train.batch_size=2", *FSDP)
     train(load_config(CONFIG, tiny(shakespeare_path, data_dir, out / "single", "train.batch_size=4", "train.grad_accum=2",
                                    "train.max_iters=6")), progress=False)
-    codes = [two_ranks("train", out, overrides), None]
+    codes = [two_ranks("fsdp_worker.py", "train", str(out), *overrides), None]
     pending = sharded.latest_sharded(out / "crashed")  # what the kill left, before the resume cleans up
     leftovers = sorted(p.name for p in (out / "crashed" / sharded.SHARDED).iterdir())
-    codes[1] = two_ranks("resume", out, overrides)
+    codes[1] = two_ranks("fsdp_worker.py", "resume", str(out), *overrides)
     return out, codes, pending, leftovers
-
-
-def two_ranks(phase, out, overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fsdp_worker.py"), phase, str(out), *overrides],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [(p.returncode, err[-3000:]) for p, (_, err) in zip(procs, results)]
 
 
 def test_fsdp_matches_one_process_with_the_same_global_batch(runs):

@@ -2,8 +2,6 @@
 Muon): each equals its formula, is off by default, trains, and resumes bit for bit."""
 
 import math
-import os
-import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +19,7 @@ from quillgpt.model import GPT, MLP, ReLUSquared
 from quillgpt.optim import Muon, MuonAdamW, build_optimizer, newton_schulz
 import quillgpt.train as train_mod
 from quillgpt.train import train
+from support import interrupt_after
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 37
@@ -227,20 +226,6 @@ def tiny_overrides(shakespeare_path, data_dir, out_dir, *extra):
     ]
 
 
-def stop_after(monkeypatch, n_steps):
-    """Ask the loop to stop (as SIGINT does) right after optimizer step `n_steps`."""
-    original, calls = train_mod.train_step, {"n": 0}
-
-    def step(*args, **kwargs):
-        out = original(*args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] == n_steps:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-
-    monkeypatch.setattr(train_mod, "train_step", step)
-
-
 ALL_OPTIONS = ["train.optimizer=muon", "model.mlp=relu2", "model.qk_norm=true", "model.logit_softcap=10",
                "model.zero_init_proj=true", "model.tie_embeddings=false", "model.pos=rope", "model.norm=rmsnorm"]
 
@@ -254,7 +239,7 @@ def test_all_options_train_and_resume_bit_identically(shakespeare_path, tmp_path
                                           "train.eval_interval=6", *extra))
 
     straight = train(cfg(tmp_path / "a"), progress=False)
-    stop_after(monkeypatch, 5)
+    interrupt_after(monkeypatch, 5)
     assert train(cfg(tmp_path / "b"), progress=False).step == 5
     monkeypatch.undo()
     resumed = train(cfg(tmp_path / "b", "train.resume=true"), progress=False)

@@ -1,9 +1,7 @@
 """The trainer: schedule, exact resume, DDP equivalence, and faults that keep work safe."""
 
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from quillgpt.metrics import read_metrics
 from quillgpt.config import TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.train import lr_at, train
-from support import poison_loss_at
+from support import interrupt_after, poison_loss_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,26 +70,11 @@ def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path):
     assert best["step"] == min(evals, key=lambda r: r["val_loss"])["step"]
 
 
-def _interrupt_after(monkeypatch, n_steps):
-    """Deliver a real SIGINT to ourselves right after optimizer step `n_steps`."""
-    calls = {"n": 0}
-    original = train_mod.train_step
-
-    def step_then_maybe_interrupt(*args, **kwargs):
-        out = original(*args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] == n_steps:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-
-    monkeypatch.setattr(train_mod, "train_step", step_then_maybe_interrupt)
-
-
 @pytest.mark.parametrize("extra", [[], ["train.grad_accum=2", "model.dropout=0.1"]], ids=["plain", "accum+dropout"])
 def test_resume_is_bit_identical(shakespeare_path, data_dir, tmp_path, monkeypatch, extra):
     straight = train(tiny_config(shakespeare_path, data_dir, tmp_path / "a", *extra), progress=False)
 
-    _interrupt_after(monkeypatch, 3)
+    interrupt_after(monkeypatch, 3)
     first = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *extra), progress=False)
     assert first.stopped == "interrupted" and first.step == 3
     monkeypatch.undo()
@@ -268,7 +251,7 @@ def test_a_second_train_never_replaces_a_run_unasked(shakespeare_path, data_dir,
     code, _, err = quill_train(capsys, [*args, "train.overwrite=true"])
     assert code == 2 and "loss became nan at step 1" in one_error_line(err)
     monkeypatch.undo()
-    _interrupt_after(monkeypatch, 1)
+    interrupt_after(monkeypatch, 1)
     code, out, _ = quill_train(capsys, args, "--overwrite")
     assert code == 130 and f"nothing in {run} was changed" in out
     monkeypatch.undo()
@@ -366,7 +349,7 @@ def test_budgeted_run_resumes_on_its_saved_horizon(shakespeare_path, data_dir, t
     saved = load_checkpoint(tmp_path / "a" / "ckpt.pt")
     assert saved["horizon"] == horizon and saved["budget_ended"] is True
 
-    _interrupt_after(monkeypatch, fit_step + 2)
+    interrupt_after(monkeypatch, fit_step + 2)
     first = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *extra), progress=False)
     assert first.stopped == "interrupted" and load_checkpoint(tmp_path / "b" / "ckpt.pt")["horizon"] == horizon
     monkeypatch.undo()
