@@ -28,9 +28,9 @@ import torch
 from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write, os_error, shown
-from quillgpt.metrics import append_jsonl, read_metrics, truncate_metrics  # noqa: F401 — their old home
-from quillgpt.model import GPT
-from quillgpt.tokenizer import Tokenizer, tokenizer_from_spec
+from quillgpt.train.metrics import append_jsonl, read_metrics, truncate_metrics  # noqa: F401 — their old home
+from quillgpt.model.gpt import GPT
+from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 
 FORMAT = "quillgpt-checkpoint-v1"
 ZIP_MAGIC = b"PK\x03\x04"

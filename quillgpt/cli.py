@@ -50,7 +50,7 @@ def prepare_cmd(
     """Tokenize data.path (a text file, a directory or a glob of .txt/.jsonl/.parquet, .gz/.zst too)
     into token shards + meta.json under data.out_dir; a killed run resumes at its last shard."""
     from quillgpt.config import load_config
-    from quillgpt.data import prepare
+    from quillgpt.data.prepare import prepare
 
     cfg = load_config(config, overrides)
     result = prepare(cfg.data, force=force)
@@ -82,7 +82,7 @@ def train(
     exactly where it stopped. Under `torchrun --nproc_per_node N -m quillgpt train ...` it trains with DDP.
     """
     from quillgpt.config import load_config
-    from quillgpt.train import train as run_training
+    from quillgpt.train.loop import train as run_training
 
     cfg = load_config(config, overrides)
     if resume:
@@ -161,9 +161,9 @@ def _open_generation(ckpt: Path, which: str, device: str, dtype: str, text: str,
 
     from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
-    from quillgpt.engine import cache_bytes, check_memory
-    from quillgpt.generate import Generation
-    from quillgpt.perf import resolve_device
+    from quillgpt.inference.engine import cache_bytes, check_memory
+    from quillgpt.inference.generate import Generation
+    from quillgpt.device import resolve_device
 
     if num_samples < 1:
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
@@ -233,7 +233,7 @@ def eval_cmd(
     """
     import json
 
-    from quillgpt.evaluate import evaluate_checkpoint, format_table
+    from quillgpt.evaluate.scores import evaluate_checkpoint, format_table
 
     results = []
     for path in ckpt:
@@ -267,8 +267,8 @@ def attention_cmd(
     token, the numbers that tell local heads from far-looking and first-token ("sink") heads.
     """
     from quillgpt.checkpoint import load_run
-    from quillgpt.perf import resolve_device
-    from quillgpt import viz
+    from quillgpt.device import resolve_device
+    from quillgpt.evaluate import attention_views as viz
 
     view = viz.output_format(out, fmt)
     if view != "text" and out is None:
@@ -311,7 +311,7 @@ def plot_cmd(
     log: bool = typer.Option(False, "--log", help="Log-scale loss axis."),
 ) -> None:
     """Train and val loss of one or more runs on one plot (works while a run is training)."""
-    from quillgpt.viz import plot_runs
+    from quillgpt.evaluate.attention_views import plot_runs
 
     check_output_file(out, "--out")
     for c in plot_runs(run_dirs, out, x=x, log=log):
@@ -327,7 +327,7 @@ def import_hf_cmd(
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
     """Import GPT-2 weights (transformers' GPT2LMHeadModel) as a quill run: sample, eval or fine-tune it."""
-    from quillgpt.interop import import_hf
+    from quillgpt.interop.gpt2 import import_hf
 
     done = import_hf(src, out, force=force)
     m = done.model
@@ -346,7 +346,7 @@ def export_hf_cmd(
     force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
 ) -> None:
     """Export a GPT-2-shaped run for transformers: GPT2LMHeadModel.from_pretrained(OUT) loads it."""
-    from quillgpt.interop import export_hf
+    from quillgpt.interop.gpt2 import export_hf
 
     done = export_hf(run, out, which=which, force=force)
     print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
@@ -355,7 +355,7 @@ def export_hf_cmd(
 def _sample_params(sc, flags: dict, stops: tuple[str, ...]):
     """The run's `sample:` settings with the flags that were given (--top-k 0 = no limit) and the
     stop strings, as SamplingParams; a bad value is named by its flag."""
-    from quillgpt.sampling import InvalidParam, SamplingParams
+    from quillgpt.inference.sampling import InvalidParam, SamplingParams
 
     values = {k: getattr(sc, k) if v is None else v for k, v in flags.items()}
     if flags["top_k"] == 0:
@@ -424,7 +424,7 @@ def tokenizer_train_cmd(
     import time
 
     from quillgpt.files import read_text
-    from quillgpt.tokenizer import build_tokenizer, save_tokenizer, text_chunks
+    from quillgpt.data.tokenizer import build_tokenizer, save_tokenizer, text_chunks
 
     check_output_file(out, "--out", force=force, inputs=(input_path,))
     text = read_text(input_path, "--input")

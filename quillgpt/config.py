@@ -283,7 +283,7 @@ class SampleConfig:
 
     def params(self):  # -> quillgpt.sampling.SamplingParams (imported lazily: config stays torch-free)
         """These settings as SamplingParams, validated there; a bad value names sample.<key>."""
-        from quillgpt.sampling import InvalidParam, SamplingParams
+        from quillgpt.inference.sampling import InvalidParam, SamplingParams
 
         try:
             return SamplingParams(**asdict(self))

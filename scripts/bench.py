@@ -63,14 +63,14 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
 
 from quillgpt import checkpoint as ckpt  # noqa: E402
 from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
-from quillgpt.data import BatchSampler, batch_from_starts, fixed_windows, load_tokens, prepare  # noqa: E402
-from quillgpt.generate import generate_tokens  # noqa: E402
-from quillgpt.model import GPT  # noqa: E402
-from quillgpt.optim import Muon, newton_schulz  # noqa: E402
-from quillgpt.perf import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
-from quillgpt.tokenizer import build_tokenizer  # noqa: E402
-from quillgpt.distributed import Dist  # noqa: E402
-from quillgpt.train import Trainer, configure_optimizer, lr_at, train_step  # noqa: E402
+from quillgpt.data.prepare import BatchSampler, batch_from_starts, fixed_windows, load_tokens, prepare  # noqa: E402
+from quillgpt.inference.generate import generate_tokens  # noqa: E402
+from quillgpt.model.gpt import GPT  # noqa: E402
+from quillgpt.train.optim import Muon, newton_schulz  # noqa: E402
+from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
+from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
+from quillgpt.train.distributed import Dist  # noqa: E402
+from quillgpt.train.loop import Trainer, configure_optimizer, lr_at, train_step  # noqa: E402
 
 DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
 
@@ -678,7 +678,7 @@ def hf_model(run: Path, out: Path) -> Any:
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from quillgpt.interop import export_hf
+    from quillgpt.interop.gpt2 import export_hf
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

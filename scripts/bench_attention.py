@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from quillgpt.config import ModelConfig, TrainConfig
-from quillgpt.engine import Engine
-from quillgpt.model import GPT
-from quillgpt.prefix import PrefixLengths, mask_prefix_targets
-from quillgpt.sampling import SamplingParams
-from quillgpt.train import configure_optimizer
+from quillgpt.inference.engine import Engine
+from quillgpt.model.gpt import GPT
+from quillgpt.train.prefix_batches import PrefixLengths, mask_prefix_targets
+from quillgpt.inference.sampling import SamplingParams
+from quillgpt.train.loop import configure_optimizer
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 VARIANTS = {

@@ -101,7 +101,7 @@ def write_corpus(root: Path, total: int, file_bytes: int, seed: int) -> tuple[in
 CHILD = """
 import json, sys, time
 from quillgpt.config import DataConfig
-from quillgpt.data import prepare
+from quillgpt.data.prepare import prepare
 cfg = DataConfig(path=sys.argv[1], tokenizer="gpt2", out_dir=sys.argv[2], workers=json.loads(sys.argv[3]))
 t0 = time.perf_counter()
 meta = prepare(cfg, force=True, progress=sys.argv[4] == "1").meta

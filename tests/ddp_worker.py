@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from quillgpt.config import load_config
-from quillgpt.train import train
+from quillgpt.train.loop import train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char_cpu.yaml"
 

@@ -13,8 +13,8 @@ import torch
 
 from quillgpt.checkpoint import load_run, save_checkpoint
 from quillgpt.config import config_from_dict
-from quillgpt.model import GPT
-from quillgpt.tokenizer import CharTokenizer
+from quillgpt.model.gpt import GPT
+from quillgpt.data.tokenizer import CharTokenizer
 
 BLOCK = 16
 

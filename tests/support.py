@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import quillgpt.train as train_mod
+import quillgpt.train.loop as train_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quillgpt.attention import (
+from quillgpt.model.attention import (
     CausalSelfAttention,
     KVCache,
     apply_rope,

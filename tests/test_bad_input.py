@@ -21,8 +21,8 @@ from quillgpt.checkpoint import FORMAT, RESUME_KEYS, load_checkpoint, load_run
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.errors import QuillError
-from quillgpt.tokenizer import CharTokenizer, load_tokenizer, save_tokenizer
-from quillgpt.train import train
+from quillgpt.data.tokenizer import CharTokenizer, load_tokenizer, save_tokenizer
+from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"

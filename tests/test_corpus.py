@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import quillgpt.corpus as corpus
-from quillgpt.corpus import DocumentCutter, count_chars, count_records, find_sources, iter_pieces, read_records
+import quillgpt.data.corpus as corpus
+from quillgpt.data.corpus import DocumentCutter, count_chars, count_records, find_sources, iter_pieces, read_records
 from quillgpt.errors import QuillError
-from quillgpt.tokenizer import build_tokenizer
+from quillgpt.data.tokenizer import build_tokenizer
 
 DOCS = ["First doc.\nIt has two lines.", "", "Second — with ünïcode 🙂 text", "third\n\nwith a blank line\n"]
 

@@ -12,7 +12,7 @@ import yaml
 
 from quillgpt.cli import main
 from quillgpt.config import load_config
-from quillgpt.data import (
+from quillgpt.data.prepare import (
     BatchSampler,
     batch_from_starts,
     download,
@@ -24,7 +24,7 @@ from quillgpt.data import (
     token_dtype,
 )
 from quillgpt.errors import QuillError
-from quillgpt.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
+from quillgpt.data.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
 
 
 def write_config(tmp_path, name="cfg.yaml", **data):
@@ -363,8 +363,8 @@ def test_sharded_tokens_index_like_one_array(tmp_path, small_text):
 
 
 def test_killed_prepare_resumes_at_its_last_shard(tmp_path, small_text, monkeypatch):
-    import quillgpt.data as data
-    import quillgpt.shards as shards
+    import quillgpt.data.prepare as data
+    import quillgpt.data.shards as shards
 
     monkeypatch.setattr(data, "PIECE_CHARS", 1000)
     monkeypatch.setattr(data, "TASK_CHARS", 2000)  # ~500 ids a task: a resume re-tokenizes one
@@ -468,7 +468,7 @@ def test_kill_9_mid_prepare_then_resume_gives_the_same_shards(tmp_path, shakespe
     text = shakespeare_path.read_text(encoding="utf-8")[:400_000]
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
     out = tmp_path / "killed"
-    code = ("import sys; from quillgpt.config import DataConfig; from quillgpt.data import prepare; "
+    code = ("import sys; from quillgpt.config import DataConfig; from quillgpt.data.prepare import prepare; "
             "prepare(DataConfig(path=sys.argv[1], tokenizer='gpt2', out_dir=sys.argv[2], shard_tokens=4096), progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "text.txt"), str(out)])
     deadline = time.monotonic() + 60

@@ -12,10 +12,10 @@ import torch
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import load_config
-from quillgpt.data import prepare
-from quillgpt.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
-from quillgpt.metrics import read_metrics
-from quillgpt.train import train
+from quillgpt.data.prepare import prepare
+from quillgpt.train.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
+from quillgpt.train.metrics import read_metrics
+from quillgpt.train.loop import train
 from support import assert_same_state, two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

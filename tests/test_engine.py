@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from quillgpt.config import ModelConfig
-from quillgpt.engine import Engine
+from quillgpt.inference.engine import Engine
 from quillgpt.errors import QuillError
-from quillgpt.generate import generate_tokens
-from quillgpt.model import GPT
-from quillgpt.sampling import SamplingParams
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.model.gpt import GPT
+from quillgpt.inference.sampling import SamplingParams
 from support import BLOCK, V, VARIANTS
 from test_generate import PROMPTS, random_model
 

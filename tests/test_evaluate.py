@@ -13,12 +13,12 @@ from torch import nn
 
 from quillgpt.checkpoint import load_checkpoint, load_run, read_metrics, save_checkpoint
 from quillgpt.config import ModelConfig, load_config
-from quillgpt.data import fixed_windows, load_tokens
+from quillgpt.data.prepare import fixed_windows, load_tokens
 from quillgpt.errors import QuillError
-from quillgpt.evaluate import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
-from quillgpt.model import GPT
-from quillgpt.tokenizer import build_tokenizer
-from quillgpt.train import train
+from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
+from quillgpt.model.gpt import GPT
+from quillgpt.data.tokenizer import build_tokenizer
+from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 8

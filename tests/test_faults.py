@@ -20,12 +20,12 @@ import pytest
 import torch
 
 import quillgpt.checkpoint as ckpt_mod
-import quillgpt.metrics as metrics_mod
+import quillgpt.train.metrics as metrics_mod
 from quillgpt.checkpoint import load_checkpoint
-from quillgpt.metrics import read_metrics
+from quillgpt.train.metrics import read_metrics
 from quillgpt.cli import main
 from quillgpt.config import load_config
-from quillgpt.data import prepare
+from quillgpt.data.prepare import prepare
 from support import poison_loss_at
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from quillgpt import sharded
+from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.checkpoint import load_checkpoint, load_run
 from quillgpt.config import ModelConfig, TrainConfig, load_config
-from quillgpt.distributed import FITS_FRACTION, Dist, prepare_model, resolve_strategy
+from quillgpt.train.distributed import FITS_FRACTION, Dist, prepare_model, resolve_strategy
 from quillgpt.errors import QuillError
-from quillgpt.generate import generate_tokens
-from quillgpt.model import GPT
-from quillgpt.perf import estimate_train_bytes
-from quillgpt.train import configure_optimizer, train
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.model.gpt import GPT
+from quillgpt.device import estimate_train_bytes
+from quillgpt.train.loop import configure_optimizer, train
 from test_distributed import CONFIG, data_dir, losses, tiny  # noqa: F401 — data_dir is a fixture
 from support import assert_same_state, two_ranks
 
@@ -118,7 +118,7 @@ def test_auto_strategy_shards_only_what_does_not_fit():
     assert resolve_strategy(tc, model, Dist(), cuda) == "single"
     assert resolve_strategy(tc, model, two, cpu) == "ddp"  # host memory: always ddp
     free = {"now": int(need / FITS_FRACTION) + 1}
-    import quillgpt.distributed as distributed
+    import quillgpt.train.distributed as distributed
     real = distributed.available_bytes
     distributed.available_bytes = lambda device: free["now"]
     try:

@@ -10,7 +10,7 @@ import torch
 
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
-from quillgpt.generate import (
+from quillgpt.inference.generate import (
     Generation,
     StopStrings,
     TextStream,
@@ -19,9 +19,9 @@ from quillgpt.generate import (
     generate_tokens,
     stream_text,
 )
-from quillgpt.model import GPT
-from quillgpt.sampling import apply_repetition_penalty
-from quillgpt.tokenizer import CharTokenizer, build_tokenizer
+from quillgpt.model.gpt import GPT
+from quillgpt.inference.sampling import apply_repetition_penalty
+from quillgpt.data.tokenizer import CharTokenizer, build_tokenizer
 from support import BLOCK, V, VARIANTS
 
 INF = float("inf")

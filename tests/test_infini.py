@@ -7,8 +7,8 @@ import torch
 
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
-from quillgpt.infini import InfiniAttention, SegmentState, gate_values, infini_attend, retrieve, sigma, write
-from quillgpt.model import GPT
+from quillgpt.model.variants.infini import InfiniAttention, SegmentState, gate_values, infini_attend, retrieve, sigma, write
+from quillgpt.model.gpt import GPT
 
 V = 23
 
@@ -230,8 +230,8 @@ def test_impossible_combinations_name_both_keys(kw, keys):
 
 
 def test_attention_view_reports_each_heads_gate():
-    from quillgpt import viz
-    from quillgpt.tokenizer import build_tokenizer
+    from quillgpt.evaluate import attention_views as viz
+    from quillgpt.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer("char", text="abcdefghij")
     model = GPT(cfg(vocab_size=tok.vocab_size)).eval()
@@ -247,8 +247,8 @@ def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path,
 
     from quillgpt.checkpoint import load_checkpoint
     from quillgpt.config import load_config
-    from quillgpt.infini import GATE_LR_MULT
-    from quillgpt.train import configure_optimizer, train
+    from quillgpt.model.variants.infini import GATE_LR_MULT
+    from quillgpt.train.loop import configure_optimizer, train
 
     root = Path(__file__).resolve().parents[1]
     c = load_config(root / "configs" / "shakespeare_char_cpu.yaml", [
@@ -271,7 +271,7 @@ def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path,
 
 @pytest.mark.parametrize("kw", [{}, {"pos": "rope", "memory_update": "delta", "n_kv_head": 2}])
 def test_cached_generation_equals_recompute_segment_by_segment(kw):
-    from quillgpt.generate import generate_tokens
+    from quillgpt.inference.generate import generate_tokens
 
     torch.manual_seed(0)
     model = GPT(cfg(**kw))
@@ -290,8 +290,8 @@ def test_cached_generation_equals_recompute_segment_by_segment(kw):
 
 def test_a_long_generation_keeps_constant_memory():
     """Token by token through the engine: the row's state stays memory + one segment's K/V."""
-    from quillgpt.engine import Engine
-    from quillgpt.sampling import SamplingParams
+    from quillgpt.inference.engine import Engine
+    from quillgpt.inference.sampling import SamplingParams
 
     torch.manual_seed(0)
     model = GPT(cfg(n_layer=1)).eval()

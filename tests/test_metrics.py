@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillgpt.errors import QuillError
-from quillgpt.metrics import (
+from quillgpt.train.metrics import (
     NUMERIC, MetricsWriter, TensorBoardLog, check_tensorboard, read_log, read_metrics, truncate_metrics,
 )
-from quillgpt.viz import load_curves
+from quillgpt.evaluate.attention_views import load_curves
 
 GOOD = [
     {"step": 1, "tokens": 64, "train_loss": 4.1, "lr": 1e-3, "elapsed_s": 0.5},

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from quillgpt.config import ModelConfig
-from quillgpt.model import GPT
+from quillgpt.model.gpt import GPT
 from support import BLOCK, V, VARIANTS
 
 ROPE = [k for k, v in VARIANTS.items() if v.get("pos") == "rope"]

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from quillgpt.attention import prefix_mask
+from quillgpt.model.attention import prefix_mask
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
-from quillgpt.model import GPT
-from quillgpt.prefix import PrefixLengths, mask_prefix_targets, separator_id
+from quillgpt.model.gpt import GPT
+from quillgpt.train.prefix_batches import PrefixLengths, mask_prefix_targets, separator_id
 
 V = 19
 
@@ -125,8 +125,8 @@ def test_eval_scores_the_tokens_after_the_prefix():
     import numpy as np
     import torch.nn.functional as F
 
-    from quillgpt.evaluate import evaluate_tokens, evaluate_windows
-    from quillgpt.prefix import eval_prefix_len
+    from quillgpt.evaluate.scores import evaluate_tokens, evaluate_windows
+    from quillgpt.train.prefix_batches import eval_prefix_len
 
     torch.manual_seed(0)
     model = GPT(cfg()).eval()
@@ -150,8 +150,8 @@ def test_eval_scores_the_tokens_after_the_prefix():
 
 
 def test_attention_view_shows_the_square_prompt_block():
-    from quillgpt import viz
-    from quillgpt.tokenizer import build_tokenizer
+    from quillgpt.evaluate import attention_views as viz
+    from quillgpt.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer("char", text="abcdefghij")
     torch.manual_seed(0)
@@ -184,9 +184,9 @@ def test_quill_train_prefix_lm_resumes_bit_identically(shakespeare_path, tmp_pat
     import os
     import signal
 
-    import quillgpt.train as train_mod
+    import quillgpt.train.loop as train_mod
     from quillgpt.checkpoint import load_checkpoint
-    from quillgpt.metrics import read_metrics
+    from quillgpt.train.metrics import read_metrics
 
     straight = train_mod.train(_tiny_run(shakespeare_path, tmp_path, "a", "model.prefix_sep=,"), progress=False)
     original, calls = train_mod.train_step, {"n": 0}
@@ -211,7 +211,7 @@ def test_quill_train_prefix_lm_resumes_bit_identically(shakespeare_path, tmp_pat
 
 
 def test_generation_must_fit_block_size():
-    from quillgpt.prefix import check_fits
+    from quillgpt.train.prefix_batches import check_fits
 
     check_fits(cfg(), 10, 6)  # 16 = block_size: fine
     with pytest.raises(QuillError, match=r"prompt \(10 tokens\) \+ max_new_tokens \(7\) exceeds block_size \(16\); lower --max-new-tokens to 6"):
@@ -233,7 +233,7 @@ def _sharp(model: GPT) -> GPT:
 
 @pytest.mark.parametrize("pos", ["learned", "rope"])
 def test_cached_generation_equals_recompute_and_uses_the_prefix(pos):
-    from quillgpt.generate import generate_tokens
+    from quillgpt.inference.generate import generate_tokens
 
     torch.manual_seed(0)
     model = _sharp(GPT(cfg(pos=pos)))
@@ -251,7 +251,7 @@ def test_cached_generation_equals_recompute_and_uses_the_prefix(pos):
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_past_block_size_is_refused_not_cropped(use_cache):
-    from quillgpt.generate import generate_tokens
+    from quillgpt.inference.generate import generate_tokens
 
     model = GPT(cfg()).eval()
     with pytest.raises(QuillError, match=r"prompt \(7 tokens\) \+ max_new_tokens \(10\) exceeds block_size \(16\)"):
@@ -260,7 +260,7 @@ def test_past_block_size_is_refused_not_cropped(use_cache):
 
 
 def test_gpt2_export_refuses_both_variants():
-    from quillgpt.interop import gpt2_incompatibilities
+    from quillgpt.interop.gpt2 import gpt2_incompatibilities
 
     assert gpt2_incompatibilities(cfg(bias=True)) == ["model.attention=prefix: GPT-2 has causal attention only"]
     infini = cfg(attention="infini", segment_size=4)

@@ -36,7 +36,7 @@ from quillgpt.config import (
     load_config,
 )
 from quillgpt.errors import QuillError
-from quillgpt.train import train
+from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"

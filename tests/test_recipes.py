@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quillgpt.attention import CausalSelfAttention
+from quillgpt.model.attention import CausalSelfAttention
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig, TrainConfig, load_config
 from quillgpt.errors import QuillError
-from quillgpt.interop import gpt2_incompatibilities
-from quillgpt.metrics import read_metrics
-from quillgpt.model import GPT, MLP, ReLUSquared
-from quillgpt.optim import Muon, MuonAdamW, build_optimizer, newton_schulz
-import quillgpt.train as train_mod
-from quillgpt.train import train
+from quillgpt.interop.gpt2 import gpt2_incompatibilities
+from quillgpt.train.metrics import read_metrics
+from quillgpt.model.gpt import GPT, MLP, ReLUSquared
+from quillgpt.train.optim import Muon, MuonAdamW, build_optimizer, newton_schulz
+import quillgpt.train.loop as train_mod
+from quillgpt.train.loop import train
 from support import interrupt_after
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ import torch
 from quillgpt.checkpoint import load_checkpoint, load_run, save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import load_config
-from quillgpt.generate import generate_text
-from quillgpt.train import train
+from quillgpt.inference.generate import generate_text
+from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16

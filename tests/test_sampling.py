@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillgpt.errors import QuillError
-from quillgpt.sampling import (
+from quillgpt.inference.sampling import (
     InvalidParam,
     SamplingParams,
     apply_min_p,

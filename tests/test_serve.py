@@ -21,13 +21,13 @@ import torch
 
 from quillgpt.checkpoint import load_run
 from quillgpt.cli import main
-from quillgpt.engine import Engine
-from quillgpt.generate import TextStream, encode_prompt, generate_text
-from quillgpt.sampling import SamplingParams
+from quillgpt.inference.engine import Engine
+from quillgpt.inference.generate import TextStream, encode_prompt, generate_text
+from quillgpt.inference.sampling import SamplingParams
 from quillgpt.serve.batcher import Batcher, Event, Job
 from quillgpt.serve.chat import chat_prompt
 from quillgpt.serve.schemas import ChatMessage
-from quillgpt.viz import attention_weights
+from quillgpt.evaluate.attention_views import attention_weights
 from serve_support import BLOCK, running_server, tiny_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,8 +154,8 @@ def utf8_run_dir(tmp_path_factory):
     strong repetition penalty walks down that ranking: E6, 97, A5, "!"."""
     from quillgpt.checkpoint import save_checkpoint
     from quillgpt.config import config_from_dict
-    from quillgpt.model import GPT
-    from quillgpt.tokenizer import build_tokenizer
+    from quillgpt.model.gpt import GPT
+    from quillgpt.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer("gpt2")
     byte_id = {tok.decode_bytes([i]): i for i in range(256)}  # GPT-2's first 256 ids are the bytes

@@ -9,7 +9,7 @@ import tiktoken.load
 
 from quillgpt.cli import main
 from quillgpt.errors import QuillError
-from quillgpt.tokenizer import (
+from quillgpt.data.tokenizer import (
     GPT4_SPLIT_PATTERN,
     TOKENIZER_NAMES,
     CharTokenizer,

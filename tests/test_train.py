@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import quillgpt.train as train_mod
+import quillgpt.train.loop as train_mod
 from quillgpt.checkpoint import RunLock, load_checkpoint
-from quillgpt.metrics import read_metrics
+from quillgpt.train.metrics import read_metrics
 from quillgpt.config import TrainConfig, load_config
 from quillgpt.errors import QuillError
-from quillgpt.train import lr_at, train
+from quillgpt.train.loop import lr_at, train
 from support import interrupt_after, poison_loss_at
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,13 +10,13 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from quillgpt import viz
+from quillgpt.evaluate import attention_views as viz
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import Config, ModelConfig, load_config, save_config
 from quillgpt.errors import QuillError
-from quillgpt.model import GPT
-from quillgpt.tokenizer import build_tokenizer
+from quillgpt.model.gpt import GPT
+from quillgpt.data.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHABET = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind"
@@ -309,7 +309,7 @@ def test_cli_plot_same_names_and_svg(tmp_path, capsys):
 
 def test_a_trained_run_end_to_end(shakespeare_path, tmp_path, capsys):
     """quill train writes what quill plot and quill attention read."""
-    from quillgpt.train import train
+    from quillgpt.train.loop import train
 
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", [

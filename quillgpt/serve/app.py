@@ -22,8 +22,8 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from quillgpt.errors import QuillError
-from quillgpt.generate import TextStream, encode_prompt
-from quillgpt.sampling import InvalidParam, SamplingParams
+from quillgpt.inference.generate import TextStream, encode_prompt
+from quillgpt.inference.sampling import InvalidParam, SamplingParams
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.chat import CHAT_STOPS, chat_prompt
 from quillgpt.serve.errors import APIError, install_handlers
@@ -202,7 +202,7 @@ class Routes:
                                     default_max=self.options.max_tokens, chat=True)
 
     async def attention(self, request: Request) -> dict[str, Any]:
-        from quillgpt.viz import attention_weights
+        from quillgpt.evaluate.attention_views import attention_weights
 
         req = parse_body(await request.body(), AttentionRequest)
         self._check_model(req.model)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from quillgpt.errors import QuillError
-from quillgpt.generate import TextStream
+from quillgpt.inference.generate import TextStream
 
 if TYPE_CHECKING:
-    from quillgpt.engine import Engine, RowToken
-    from quillgpt.sampling import SamplingParams
+    from quillgpt.inference.engine import Engine, RowToken
+    from quillgpt.inference.sampling import SamplingParams
 
 log = logging.getLogger("quillgpt.serve")
 

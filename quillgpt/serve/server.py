@@ -31,7 +31,7 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch.dtype | None = None) -> FastAPI:
     """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows."""
-    from quillgpt.engine import Engine
+    from quillgpt.inference.engine import Engine
     from quillgpt.serve.app import create_app
     from quillgpt.serve.batcher import Batcher
 
@@ -86,7 +86,7 @@ def serve(
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
     from quillgpt.checkpoint import load_run
-    from quillgpt.perf import resolve_device
+    from quillgpt.device import resolve_device
 
     require_extra()
     from quillgpt.serve.app import ServeOptions

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.attention import CausalSelfAttention, KVCache, attention_mask, mask_to_bias, rope_cos_sin
+from quillgpt.model.attention import CausalSelfAttention, KVCache, attention_mask, mask_to_bias, rope_cos_sin
 from quillgpt.config import ModelConfig
-from quillgpt.attention import prefix_mask
-from quillgpt.infini import InfiniAttention, InfiniCache, segment_positions
+from quillgpt.model.attention import prefix_mask
+from quillgpt.model.variants.infini import InfiniAttention, InfiniCache, segment_positions
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.distributed import Dist
+from quillgpt.train.distributed import Dist
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_text, os_error, shown
 

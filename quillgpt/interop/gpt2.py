@@ -32,8 +32,8 @@ from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, config_from_dict, save_config, shown_value
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_bytes, atomic_write_text, os_error, probe_writable, read_text, shown
-from quillgpt.model import GPT
-from quillgpt.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
+from quillgpt.model.gpt import GPT
+from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 
 HF_INSTALL = 'pip install -e ".[hf]"'
 # Weights HF keeps as Conv1D (in, out): transposed to and from nn.Linear's (out, in).

@@ -16,8 +16,8 @@ from torch import nn
 
 from quillgpt.config import TrainConfig
 from quillgpt.errors import QuillError
-from quillgpt.infini import GATE_LR_MULT, is_gate
-from quillgpt.perf import cpu_has_bf16
+from quillgpt.model.variants.infini import GATE_LR_MULT, is_gate
+from quillgpt.device import cpu_has_bf16
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:

@@ -32,21 +32,21 @@ from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, TrainConfig, parse_duration, save_config
-from quillgpt.data import BatchSampler, PreparedData, fixed_windows, load_prepared, load_tokens, prepare
-from quillgpt import sharded
-from quillgpt.distributed import (
+from quillgpt.data.prepare import BatchSampler, PreparedData, fixed_windows, load_prepared, load_tokens, prepare
+from quillgpt.train import fsdp_checkpoint as sharded
+from quillgpt.train.distributed import (
     Dist, full_weights, grad_sync, is_sharded, prepare_model, rank_rng_states, resolve_strategy, restore_rank_rng,
     seed_rank, setup_distributed, teardown_distributed, wrap_model,
 )
 from quillgpt.errors import QuillError
-from quillgpt.evaluate import evaluate_windows
+from quillgpt.evaluate.scores import evaluate_windows
 from quillgpt.files import probe_writable
-from quillgpt.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
-from quillgpt.model import GPT
-from quillgpt.optim import MuonAdamW, build_optimizer
-from quillgpt.prefix import PrefixLengths, PrefixSampler, separator_id
-from quillgpt.perf import check_train_memory, cpu_has_bf16, peak_flops
-from quillgpt.tokenizer import Tokenizer, save_tokenizer
+from quillgpt.train.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
+from quillgpt.model.gpt import GPT
+from quillgpt.train.optim import MuonAdamW, build_optimizer
+from quillgpt.train.prefix_batches import PrefixLengths, PrefixSampler, separator_id
+from quillgpt.device import check_train_memory, cpu_has_bf16, peak_flops
+from quillgpt.data.tokenizer import Tokenizer, save_tokenizer
 
 FIT_AFTER_STEPS = 10  # train.time_budget: the horizon is fitted once, at this step or warmup's end
 

@@ -30,10 +30,10 @@ import torch
 from torch import Tensor
 
 from quillgpt.errors import QuillError
-from quillgpt.model import GPT
-from quillgpt.perf import available_bytes
-from quillgpt.prefix import check_fits
-from quillgpt.sampling import SamplingParams, row_generator, sample_rows
+from quillgpt.model.gpt import GPT
+from quillgpt.device import available_bytes
+from quillgpt.train.prefix_batches import check_fits
+from quillgpt.inference.sampling import SamplingParams, row_generator, sample_rows
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.attention import CausalSelfAttention, apply_rope, attend, mask_to_bias
+from quillgpt.model.attention import CausalSelfAttention, apply_rope, attend, mask_to_bias
 from quillgpt.config import ModelConfig
 
 GATE_LR_MULT = 10.0  # β's learning rate = this × the schedule's: at the base lr the gate barely moves

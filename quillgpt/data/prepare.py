@@ -32,11 +32,11 @@ import numpy as np
 from tqdm import tqdm
 
 from quillgpt.config import DataConfig
-from quillgpt.corpus import Piece, Source, count_chars, count_records, find_sources, iter_pieces
+from quillgpt.data.corpus import Piece, Source, count_chars, count_records, find_sources, iter_pieces
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_bytes, os_error, probe_writable, read_bytes, shown
-from quillgpt.shards import ShardedTokens, encode_tasks, iter_tasks, write_shards
-from quillgpt.tokenizer import (
+from quillgpt.data.shards import ShardedTokens, encode_tasks, iter_tasks, write_shards
+from quillgpt.data.tokenizer import (
     GPT4_SPLIT_PATTERN,
     TOKENIZER_NAMES,
     CharTokenizer,

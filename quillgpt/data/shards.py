@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from quillgpt.corpus import Piece
+from quillgpt.data.corpus import Piece
 from quillgpt.files import atomic_write
-from quillgpt.tokenizer import Tokenizer, tokenizer_from_spec
+from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 
 
 IN_FLIGHT = 3  # tasks per worker submitted ahead: slack for uneven tasks, ~12 MB of text each

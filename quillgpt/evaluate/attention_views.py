@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quillgpt.metrics import read_log
+from quillgpt.train.metrics import read_log
 from quillgpt.errors import QuillError
 from quillgpt.files import os_error, write_file
-from quillgpt.generate import encode_prompt
-from quillgpt.infini import gate_values
-from quillgpt.model import GPT
-from quillgpt.tokenizer import Tokenizer
+from quillgpt.inference.generate import encode_prompt
+from quillgpt.model.variants.infini import gate_values
+from quillgpt.model.gpt import GPT
+from quillgpt.data.tokenizer import Tokenizer
 
 INSTALL_HINT = 'plotting needs matplotlib, the optional "plot" extra: pip install -e ".[plot]"'
 IMAGE_FORMATS = ("png", "svg")

@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from quillgpt.engine import Engine, cache_bytes, check_memory, check_prompt, in_dtype
+from quillgpt.inference.engine import Engine, cache_bytes, check_memory, check_prompt, in_dtype
 from quillgpt.errors import QuillError
-from quillgpt.model import GPT
-from quillgpt.prefix import check_fits
-from quillgpt.sampling import SamplingParams, row_generator, sample_rows
-from quillgpt.tokenizer import Tokenizer
+from quillgpt.model.gpt import GPT
+from quillgpt.train.prefix_batches import check_fits
+from quillgpt.inference.sampling import SamplingParams, row_generator, sample_rows
+from quillgpt.data.tokenizer import Tokenizer
 
 
 def row_params(params: SamplingParams, row: int) -> SamplingParams:

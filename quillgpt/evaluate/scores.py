@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from quillgpt.checkpoint import load_run
-from quillgpt.data import batch_from_starts, load_prepared, load_tokens
+from quillgpt.data.prepare import batch_from_starts, load_prepared, load_tokens
 from quillgpt.files import read_text
 from quillgpt.errors import QuillError
-from quillgpt.perf import resolve_device
-from quillgpt.prefix import eval_prefix_len, mask_prefix_targets
-from quillgpt.tokenizer import Tokenizer
+from quillgpt.device import resolve_device
+from quillgpt.train.prefix_batches import eval_prefix_len, mask_prefix_targets
+from quillgpt.data.tokenizer import Tokenizer
 
 SPLITS = ("val", "train")
 

@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.errors import QuillError
-from quillgpt.model import GPT
-from quillgpt.perf import available_bytes, estimate_train_bytes, resolve_device
+from quillgpt.model.gpt import GPT
+from quillgpt.device import available_bytes, estimate_train_bytes, resolve_device
 
 FITS_FRACTION = 0.7  # auto: ddp when one micro-step's whole training state takes ≤ 70% of free device memory
 

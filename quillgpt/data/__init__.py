@@ -1,0 +1,1 @@
+"""(package docstring: see DESIGN.md)"""
