@@ -116,7 +116,7 @@ def sample_cmd(
     num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
     no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decode step (default: only where it measured faster: CUDA)."),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the decode step (default: eager, which measured no slower on CPU; compiling takes a minute)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache; bfloat16 reads half the bytes per token."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
@@ -154,28 +154,23 @@ def sample_cmd(
 
 
 def _open_generation(ckpt: Path, which: str, device: str, dtype: str, text: str, num_samples: int, flags: dict,
-                     stops: tuple[str, ...], use_cache: bool, compile: Optional[bool]) -> tuple[Any, Any, Any]:
-    """Check the flags (before the checkpoint loads), load the run, check the KV cache fits (before
-    N copies of anything are made) and set up the generation: (run, Generation, SamplingParams)."""
-    import torch
-
+                     stops: tuple[str, ...], use_cache: bool, compile: bool) -> tuple[Any, Any, Any]:
+    """Check the flags (before the checkpoint loads), load the run and set up the generation
+    (whose engine checks the KV cache fits before anything is made per sample):
+    (run, Generation, SamplingParams)."""
     from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
-    from quillgpt.inference.engine import cache_bytes, check_memory
+    from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.generate import Generation
-    from quillgpt.device import resolve_device
 
     if num_samples < 1:
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    _sample_params(SampleConfig(), flags, stops)  # a bad flag fails before the checkpoint loads
+    torch_dtype = parse_dtype(dtype)
+    SampleConfig().params(**flags, stop=stops)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device))
-    params = _sample_params(run.config.sample, flags, stops)
-    check_memory(cache_bytes(run.model, num_samples), run.model.lm_head.weight.device,
-                 f"the KV cache for {num_samples} sample(s)")
-    gen = Generation(run.model, run.tokenizer, [text] * num_samples, params=params, use_cache=use_cache,
-                     dtype=getattr(torch, dtype), compile=compile)
+    params = run.config.sample.params(**flags, stop=stops)
+    gen = Generation(run.model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
+                     dtype=torch_dtype, compile=compile)
     return run, gen, params
 
 
@@ -201,7 +196,7 @@ def serve_cmd(
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: autocast and KV-cache dtype."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
     cors: Optional[str] = typer.Option(None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."),
 ) -> None:
     """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
@@ -350,20 +345,6 @@ def export_hf_cmd(
 
     done = export_hf(run, out, which=which, force=force)
     print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
-
-
-def _sample_params(sc, flags: dict, stops: tuple[str, ...]):
-    """The run's `sample:` settings with the flags that were given (--top-k 0 = no limit) and the
-    stop strings, as SamplingParams; a bad value is named by its flag."""
-    from quillgpt.inference.sampling import InvalidParam, SamplingParams
-
-    values = {k: getattr(sc, k) if v is None else v for k, v in flags.items()}
-    if flags["top_k"] == 0:
-        values["top_k"] = None
-    try:
-        return SamplingParams(**values, stop=stops)
-    except InvalidParam as e:
-        raise QuillError(e.message("--" + e.param.replace("_", "-"))) from None
 
 
 def _print_samples(gen: Any, shown: str, num_samples: int, stream: bool, out: TextIO) -> None:

@@ -24,7 +24,7 @@ from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_text, read_text
 
 # Bounds that keep every number inside what numpy, torch and Python's float can represent;
-# what fits in memory is checked later against the machine (perf.check_train_memory).
+# what fits in memory is checked later against the machine (train/memory.py).
 MAX_INT = 2**62  # any int field: larger cannot be an index, a count or a size
 MAX_SEED = 2**32 - 1  # numpy's seed range
 MAX_VOCAB = 2**24  # ids of a vocabulary (o200k_base has 200k); also bounds data.bpe_vocab_size
@@ -187,8 +187,6 @@ class ModelConfig:
             raise QuillError(f"model.prefix_max / model.prefix_sep need model.attention=prefix, got {a}")
         if self.attention != "infini" and (self.segment_size is not None or self.memory_update != "linear"):
             raise QuillError(f"model.segment_size / model.memory_update need model.attention=infini, got {a}")
-        if self.attention == "infini" and self.qk_norm:
-            raise QuillError(f"{a} does not combine with model.qk_norm (set model.qk_norm=false)")
         if self.attention != "causal" and self.window is not None:
             raise QuillError(f"{a} does not combine with model.window (set model.window=null)")
         if self.attention == "prefix" and self.prefix_max is not None and not 0 <= self.prefix_max <= self.block_size:
@@ -281,14 +279,21 @@ class SampleConfig:
     def validate(self) -> None:
         self.params()
 
-    def params(self):  # -> quillgpt.sampling.SamplingParams (imported lazily: config stays torch-free)
-        """These settings as SamplingParams, validated there; a bad value names sample.<key>."""
+    def params(self, *, stop: tuple[str, ...] = (), **flags: Any):  # -> inference.sampling.SamplingParams
+        """These settings with the flags that were given (None: not given; top_k 0: no limit) and
+        the stop strings, as SamplingParams (imported lazily: config stays torch-free); a bad value
+        is named where it came from: --top-p for a flag, sample.top_p for the config."""
         from quillgpt.inference.sampling import InvalidParam, SamplingParams
 
+        given = {k: v for k, v in flags.items() if v is not None}
+        values = {**asdict(self), **given}
+        if given.get("top_k") == 0:
+            values["top_k"] = None
         try:
-            return SamplingParams(**asdict(self))
+            return SamplingParams(**values, stop=stop)
         except InvalidParam as e:
-            raise QuillError(e.message("sample." + e.param)) from None
+            from_flag = e.param in given or e.param == "stop"
+            raise QuillError(e.message("--" + e.param.replace("_", "-") if from_flag else "sample." + e.param)) from None
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The hardware: which device to run on, and the matmul peak MFU is measured against."""
+"""The hardware: which device and dtype to run on, the memory it has free, and the matmul peak
+MFU is measured against. Every device and dtype a user names is checked here."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.errors import QuillError
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s.
@@ -86,48 +86,28 @@ def resolve_device(name: str, setting: str = "--device") -> torch.device:
     return device
 
 
-# --- will it fit? -----------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class TrainMemory:
-    """A lower estimate of what one training process allocates, in bytes."""
-
-    params: int  # parameter count
-    state_bytes: int  # fp32 weights + gradients + AdamW's two moments: 16 bytes per parameter
-    activation_bytes: int  # what one micro-batch keeps for backward, logits included
-    eval_bytes: int  # the fixed evaluation windows: eval_iters × batch_size starts per split
-
-    @property
-    def total(self) -> int:
-        return self.state_bytes + self.activation_bytes + self.eval_bytes
+def parse_dtype(name: str, setting: str = "--dtype") -> torch.dtype:
+    """A dtype a user names (float32, bfloat16, float16) → the torch dtype, or one QuillError."""
+    if name not in DTYPES:
+        raise QuillError(f"{setting} must be float32, bfloat16 or float16, got {str(name)[:60]!r}")
+    return DTYPES[name]
 
 
-def count_params(cfg: ModelConfig, vocab_size: int) -> int:
-    """Parameters of GPT(cfg) from the config alone (no model is built); exact without biases
-    (model.bias=false), a few thousand short with them."""
-    C, L, V = cfg.n_embd, cfg.n_layer, vocab_size
-    kv = cfg.kv_heads * cfg.head_dim
-    attention = C * (C + 2 * kv) + C * C
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * C * cfg.hidden_dim
-    embeddings = V * C + (cfg.block_size * C if cfg.pos == "learned" else 0)
-    head = 0 if cfg.tie_embeddings else V * C
-    return embeddings + L * (attention + mlp + 2 * C) + C + head  # + norm weights
-
-
-def estimate_train_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_size: int | None = None) -> TrainMemory:
-    """Bytes one training process needs at least: weights, gradients and AdamW moments (fp32),
-    plus one micro-batch of activations (2 bytes each, as under autocast) and fp32 logits with
-    their gradient. Meant to refuse what cannot fit, so it errs low."""
-    V = vocab_size or model_cfg.vocab_size or 256
-    B, T, C, L = train_cfg.batch_size, model_cfg.block_size, model_cfg.n_embd, model_cfg.n_layer
-    params = count_params(model_cfg, V)
-    per_layer = B * T * (10 * C + 2 * model_cfg.hidden_dim)  # norms, q/k/v, attention out, MLP in/out
-    if model_cfg.attn_impl == "math":
-        per_layer += 2 * B * model_cfg.n_head * T * min(T, model_cfg.window or T)  # scores and softmax
-    activations = 2 * L * per_layer + 2 * 4 * B * T * V + 2 * 8 * B * T  # + logits and grad, x and y
-    windows = 2 * 16 * train_cfg.eval_iters * B  # train and val: float64 spacing, then int64 starts
-    return TrainMemory(params, 16 * params, activations, windows)
+def resolve_dtype(name: str, device: torch.device, setting: str = "train.dtype") -> torch.dtype:
+    """auto: bf16 on CUDA where supported, else fp16; bf16 on CPUs with bf16 units (AVX512-BF16,
+    AMX: matmuls ~4× fp32's rate, same loss per step — see scripts/bench.py); else fp32."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu" and cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise QuillError(f"{setting}=float16 is not supported on CPU; use bfloat16 or float32")
+    return parse_dtype(name, setting)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -146,20 +126,3 @@ def available_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def check_train_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device) -> TrainMemory:
-    """Refuse a run that cannot fit on `device`, before anything is allocated."""
-    need = estimate_train_bytes(model_cfg, train_cfg)
-    free = available_bytes(device)
-    if free is not None and need.total > free:
-        gb = 1e9
-        raise QuillError(
-            f"this run needs at least {need.total / gb:,.1f} GB on {device} ({need.params:,} parameters × 16 bytes "
-            f"for weights, gradients and AdamW = {need.state_bytes / gb:,.1f} GB, plus {need.activation_bytes / gb:,.1f} GB "
-            f"of activations for train.batch_size={train_cfg.batch_size} × model.block_size={model_cfg.block_size}, "
-            f"plus {need.eval_bytes / gb:,.1f} GB of evaluation windows for train.eval_iters={train_cfg.eval_iters}), "
-            f"but {free / gb:,.1f} GB is free; lower train.batch_size (raise train.grad_accum to keep the batch), "
-            "train.eval_iters, or the model's size"
-        )
-    return need

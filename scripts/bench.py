@@ -70,7 +70,8 @@ from quillgpt.train.optim import Muon, newton_schulz  # noqa: E402
 from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
 from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
 from quillgpt.train.distributed import Dist  # noqa: E402
-from quillgpt.train.loop import Trainer, configure_optimizer, lr_at, train_step  # noqa: E402
+from quillgpt.train.loop import Trainer, lr_at, train_step  # noqa: E402
+from quillgpt.train.optim import build_optimizer  # noqa: E402
 
 DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
 
@@ -375,7 +376,7 @@ def model_config(s: Shape, vocab: int, **kw: Any) -> ModelConfig:
 def step_state(model: GPT, tc: TrainConfig, sampler: BatchSampler, device: torch.device, dtype: torch.dtype,
                compile: bool = False) -> Trainer:
     """The state `quill train` hands train.train_step, built from the same pieces (no run dir, no log)."""
-    opt = configure_optimizer(model, tc, device)
+    opt = build_optimizer(model, tc, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     t = Trainer(Config(model=model.config, train=tc), Dist(), device, dtype, Path(tc.out_dir), None, model, opt,
                 scaler, sampler, {}, None)

@@ -23,9 +23,10 @@ import torch
 from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.inference.engine import Engine
 from quillgpt.model.gpt import GPT
-from quillgpt.train.prefix_batches import PrefixLengths, mask_prefix_targets
+from quillgpt.model.variants.prefix import mask_prefix_targets
+from quillgpt.train.prefix_batches import PrefixLengths
 from quillgpt.inference.sampling import SamplingParams
-from quillgpt.train.loop import configure_optimizer
+from quillgpt.train.optim import build_optimizer
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 VARIANTS = {
@@ -45,7 +46,7 @@ def build(kw: dict, vocab: int, block: int) -> GPT:
 def trainer(model: GPT, tokens: np.ndarray, batch: int, steps: int):
     """A function running `steps` optimizer steps, returning seconds per step."""
     cfg = model.config
-    opt = configure_optimizer(model, TrainConfig(learning_rate=1e-3), torch.device("cpu"))
+    opt = build_optimizer(model, TrainConfig(learning_rate=1e-3), torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     lengths = PrefixLengths(cfg, 2) if cfg.attention == "prefix" else None
     model.train()

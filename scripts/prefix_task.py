@@ -19,7 +19,7 @@ import torch
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.gpt import GPT
-from quillgpt.train.prefix_batches import mask_prefix_targets
+from quillgpt.model.variants.prefix import mask_prefix_targets
 
 LETTERS = "abcdefghijklmnop"
 EQ, NL = len(LETTERS), len(LETTERS) + 1  # ids of "=" and "\n"

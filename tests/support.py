@@ -22,6 +22,24 @@ VARIANTS = {
     "rope-window-gqa": {"pos": "rope", "window": 5, "n_kv_head": 2},
     "rmsnorm-swiglu": {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False, "tie_embeddings": False},
 }
+PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9], [(7 * i + 2) % V for i in range(22)]]  # 22 > block
+
+
+def random_model(variant: str = "mha-learned", seed: int = 0):
+    """Larger-than-init random weights: decisive logits, so greedy has no near-ties."""
+    import torch
+
+    from quillgpt.config import ModelConfig
+    from quillgpt.model.gpt import GPT
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32, **VARIANTS[variant])
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_gain = ".ln_" in name and name.endswith("weight")
+            p.normal_(1.0 if is_gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
+    return model.eval()
 
 
 def poison_loss_at(monkeypatch, call: int) -> None:
@@ -92,3 +110,22 @@ def two_ranks(worker: str, *args: str) -> list[tuple[int, str]]:
         for p in procs:
             p.kill()
     return [(p.returncode, err[-3000:]) for p, (_, err) in zip(procs, results)]
+
+
+CPU_CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
+
+
+def tiny(shakespeare_path, data_dir, out_dir, *extra):
+    return [
+        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+        "train.eval_interval=2", "train.eval_iters=2", "train.log_interval=1", "train.warmup_iters=2",
+        "train.device=cpu", "train.dtype=float32", *extra,  # fp32: bf16 sums differ with the batch split
+    ]
+
+
+def losses(out_dir):
+    """(step, train loss, val loss or None) of every line of a run's metrics.jsonl."""
+    from quillgpt.train.metrics import read_metrics
+
+    return [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(Path(out_dir) / "metrics.jsonl")]

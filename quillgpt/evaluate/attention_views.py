@@ -26,8 +26,7 @@ from torch import Tensor
 from quillgpt.train.metrics import read_log
 from quillgpt.errors import QuillError
 from quillgpt.files import os_error, write_file
-from quillgpt.inference.generate import encode_prompt
-from quillgpt.model.variants.infini import gate_values
+from quillgpt.inference.text import encode_prompt
 from quillgpt.model.gpt import GPT
 from quillgpt.data.tokenizer import Tokenizer
 
@@ -102,13 +101,13 @@ def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attentio
     was_training = model.training
     model.eval()
     try:
-        prefix = len(ids) if model.config.attention == "prefix" else 0  # the prompt is the prefix
+        prefix = len(ids) if model.variant.bidirectional_prefix else 0  # the prompt is the prefix
         maps = model.attention_maps(idx, prefix_len=torch.tensor([prefix], device=device) if prefix else None)
     finally:
         model.train(was_training)
     weights = [m[0].float().cpu() for m in maps]
     tokens = [token_label(tokenizer.decode_bytes([i])) for i in ids]
-    gates = gate_values(model) if model.config.attention == "infini" else None
+    gates = model.variant.shows(model).get("gates")  # Infini-attention's memory gates
     return Attention(ids, tokens, weights, cropped, prefix, gates)
 
 

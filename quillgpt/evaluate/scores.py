@@ -40,7 +40,7 @@ from quillgpt.data.prepare import batch_from_starts, load_prepared, load_tokens
 from quillgpt.files import read_text
 from quillgpt.errors import QuillError
 from quillgpt.device import resolve_device
-from quillgpt.train.prefix_batches import eval_prefix_len, mask_prefix_targets
+from quillgpt.model.variants.prefix import eval_prefix_len, mask_prefix_targets
 from quillgpt.data.tokenizer import Tokenizer
 
 SPLITS = ("val", "train")
@@ -121,7 +121,7 @@ def _batch_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, prefix
 
 
 def _is_prefix_lm(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "attention", "causal") == "prefix"
+    return model.variant.bidirectional_prefix
 
 
 @contextlib.contextmanager

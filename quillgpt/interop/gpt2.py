@@ -33,6 +33,7 @@ from quillgpt.config import Config, ModelConfig, config_from_dict, save_config, 
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_bytes, atomic_write_text, os_error, probe_writable, read_text, shown
 from quillgpt.model.gpt import GPT
+from quillgpt.model.variants import variant_of
 from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 
 HF_INSTALL = 'pip install -e ".[hf]"'
@@ -134,7 +135,7 @@ def gpt2_incompatibilities(cfg: ModelConfig) -> list[str]:
         problems.append(f"model.n_kv_head={cfg.n_kv_head}: GPT-2 has multi-head attention only (n_kv_head null)")
     if cfg.window is not None:
         problems.append(f"model.window={cfg.window}: GPT-2 has full causal attention only (window null)")
-    if cfg.attention != "causal":
+    if not variant_of(cfg).hf_exportable:
         problems.append(f"model.attention={cfg.attention}: GPT-2 has causal attention only")
     if cfg.qk_norm:
         problems.append("model.qk_norm=true: GPT-2 has no norm on queries and keys")

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.model.attention import CausalSelfAttention, KVCache, attention_mask, mask_to_bias, rope_cos_sin
 from quillgpt.config import ModelConfig
-from quillgpt.model.attention import prefix_mask
-from quillgpt.model.variants.infini import InfiniAttention, InfiniCache, segment_positions
+from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin
+from quillgpt.model.kv_cache import KVCache
+from quillgpt.model.variants import Variant, variant_of
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -80,19 +80,19 @@ class ReLUSquared(torch.autograd.Function):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, variant: Variant) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
-        self.attn = InfiniAttention(cfg) if cfg.attention == "infini" else CausalSelfAttention(cfg)
+        self.attn = variant.attention(cfg)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
-        a, weights = self.attn(self.ln_1(x), **attn_kwargs)
+    def forward(self, x: Tensor, inputs: LayerInputs, layer: int = 0) -> tuple[Tensor, Tensor | None]:
+        a, weights = self.attn(self.ln_1(x), inputs, layer)
         x = x + a
         return x + self.mlp(self.ln_2(x)), weights
 
-    def decode(self, x: Tensor, **attn_kwargs) -> Tensor:
+    def decode(self, x: Tensor, **attn_kwargs: Any) -> Tensor:
         """forward for the decode step, x (R, C) in eval mode: the same ops without nn.Module
         calls or the (identity) dropouts, whose overhead is ~10% of a one-token step."""
         x = x + self.attn.decode(self.ln_1.forward(x), **attn_kwargs)
@@ -107,16 +107,14 @@ class GPT(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set (it comes from the tokenizer)")
         cfg.validate()
         self.config = cfg
-        # every query sees at most this many positions back (itself included)
-        self.span = min(cfg.window, cfg.block_size) if cfg.window else cfg.block_size
-        if cfg.attention == "infini":  # the dot-product part; the memory sees everything before
-            self.span = cfg.segment_size
+        self.variant = variant_of(cfg)
+        self.span = self.variant.span(cfg)  # every query sees at most this many positions back (itself included)
         modules = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
         if cfg.pos == "learned":
             modules["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
         modules.update(
             drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            h=nn.ModuleList(Block(cfg, self.variant) for _ in range(cfg.n_layer)),
             ln_f=make_norm(cfg),
         )
         self.transformer = nn.ModuleDict(modules)
@@ -150,20 +148,21 @@ class GPT(nn.Module):
         idx: Tensor,
         targets: Tensor | None = None,
         *,
-        cache: KVCache | None = None,
         pos: Tensor | None = None,
+        cache: Any = None,
+        rows: Tensor | None = None,
         all_logits: bool = False,
         prefix_len: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) → logits (B, T, V) with targets or all_logits, else (B, 1, V); loss or None.
 
-        pos: absolute positions (B, T) or (T,) (negative = left padding); default 0..T-1, or following
-        the cache's tokens. cache: a KVCache from make_cache, extended by these T tokens.
-        The loss is the mean cross-entropy over targets != -1.
-        prefix_len (B,): model.attention=prefix only — each row's prefix (positions < prefix_len)
-        attends both ways (attention.prefix_mask); None = no prefix (causal).
+        pos: absolute positions (B, T) or (T,) (negative = left padding); default 0..T-1. cache:
+        from make_cache, extended by these T tokens at `pos` (required with a cache) in its `rows`
+        (B,) (default: all). The loss is the mean cross-entropy over targets != -1.
+        prefix_len (B,): a prefix-LM's prefixes (positions < prefix_len attend both ways,
+        variants/prefix.py); None = no prefix (causal).
         """
-        x, _ = self._hidden(idx, pos, cache, need_weights=False, prefix_len=prefix_len)
+        x, _ = self._hidden(idx, pos, cache, rows, prefix_len, need_weights=False)
         if targets is not None:
             logits = self.head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -183,19 +182,13 @@ class GPT(nn.Module):
         mask rule. Fixed shapes, no host syncs, no checks (what the engine runs, and compiles): the
         caller keeps positions valid (learned: < block_size). n_keys: attend over the first n_keys
         slots only (they must hold every visible key; None = all, the compiled step's shape)."""
-        cfg, R = self.config, idx.shape[0]
-        at = (torch.arange(R, device=idx.device), pos % cache.capacity)  # (row, slot) of each new key
-        cache.pos[at] = pos
+        at = cache.decode_slots(pos)  # (row, slot) of each new key
         mask = attention_mask(pos[:, None], cache.pos[:, :n_keys], self.span)  # (R, 1, 1, S)
         mask = mask_to_bias(mask, self.lm_head.weight.dtype)
         x = self.transformer.wte(idx)  # (R, C)
-        rope = None
-        if cfg.pos == "learned":
+        if self.config.pos == "learned":
             x = x + self.transformer.wpe(pos)
-        else:
-            cos, sin = rope_cos_sin(pos[:, None], cfg.head_dim, cfg.rope_theta)  # (R, 1, hd)
-            dt = self.rope_cos.dtype
-            rope = (cos[:, None].to(dt), sin[:, None].to(dt))  # (R, 1, 1, hd): over heads
+        rope = self._rope(pos[:, None], T=1)  # (R, 1, 1, hd): over heads
         for i, block in enumerate(self.transformer.h):
             x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
         return self.head(self.transformer.ln_f(x))  # (R, V)
@@ -203,82 +196,87 @@ class GPT(nn.Module):
     @torch.no_grad()
     def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:
         """Per layer, the (B, n_head, T, T) softmax weights of the explicit math path."""
-        _, maps = self._hidden(idx, None, None, need_weights=True, prefix_len=prefix_len)
+        _, maps = self._hidden(idx, None, None, None, prefix_len, need_weights=True)
         return maps
 
     def _hidden(
-        self, idx: Tensor, pos: Tensor | None, cache: KVCache | None, need_weights: bool,
-        prefix_len: Tensor | None = None,
+        self, idx: Tensor, pos: Tensor | None = None, cache: Any = None, rows: Tensor | None = None,
+        prefix_len: Tensor | None = None, need_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor]]:
-        """Embeddings → blocks → ln_f: the (B, T, C) final hidden states (and attention maps)."""
-        cfg = self.config
-        B, T = idx.shape
-        infini = cfg.attention == "infini"  # positions restart in each segment; no mask (infini.py)
-        if infini:
-            pos = cache.plan(T, idx.device) if cache is not None else segment_positions(0, T, self.span, idx.device)
-        elif prefix_len is not None and pos is None:  # the prefix rule needs positions
-            start = cache.seen if cache is not None else 0
-            pos = torch.arange(start, start + T, device=idx.device)[None]
-        if cfg.pos == "learned" and T > cfg.block_size and not infini:
+        """Positions → the variant's mask and cache plan → embeddings → blocks → ln_f: the (B, T, C)
+        final hidden states (and each layer's attention weights)."""
+        T = idx.shape[1]
+        pos = self._positions(idx, pos, cache, prefix_len)  # None: plain causal 0..T-1
+        mask, plan = self.variant.plan(pos, cache, rows, self.span, prefix_len, self.lm_head.weight.dtype)
+        x = self.transformer.drop(self._embed(idx, pos))  # (B, T, C)
+        inputs = LayerInputs(self._rope(pos, T), mask, cache, plan, need_weights)
+        maps = []
+        for i, block in enumerate(self.transformer.h):
+            x, w = block(x, inputs, i)
+            if need_weights:
+                maps.append(w)
+        return self.transformer.ln_f(x), maps
+
+    def _positions(self, idx: Tensor, pos: Tensor | None, cache: Any, prefix_len: Tensor | None) -> Tensor | None:
+        """The tokens' absolute positions (B or 1, T), checked; None for the plain causal case
+        0..T-1 that needs no mask (sdpa's is_causal fast path)."""
+        cfg, T = self.config, idx.shape[1]
+        crops = self.variant.crops(cfg)
+        if crops and T > cfg.block_size:
             raise ValueError(f"cannot forward {T} tokens: block_size is {cfg.block_size} (learned positions)")
-        if pos is not None:
-            pos = pos.view(-1, T)  # (B, T), or (1, T) shared by all rows
-        elif cache is not None or T > self.span:
-            start = cache.seen if cache is not None else 0
-            pos = torch.arange(start, start + T, device=idx.device)[None]  # (1, T): one mask row for all
-        if cfg.pos == "learned" and pos is not None and not infini and int(pos.max()) >= cfg.block_size:
+        if pos is None:
+            if cache is not None:
+                raise ValueError("a forward through a cache needs pos=: the positions of the tokens in their rows")
+            if prefix_len is None and T <= self.span:
+                return None
+            pos = torch.arange(T, device=idx.device)  # the prefix rule / a band past span needs positions
+        pos = pos.view(-1, T)  # (B, T), or (1, T) shared by all rows
+        if crops and int(pos.max()) >= cfg.block_size:
             raise ValueError(
                 f"position {int(pos.max())} is past block_size {cfg.block_size}: learned positions stop at "
                 f"{cfg.block_size - 1}; crop the context to its last {cfg.block_size} tokens and refill the "
                 "cache from them (the engine and generate_tokens do)"
             )
-        # pos None now means the plain causal case: sdpa's is_causal fast path, no mask tensor
-        mask = None
-        if pos is not None and not infini:
-            key_pos = cache.plan(pos) if cache is not None else pos
-            if prefix_len is None:
-                mask = attention_mask(pos, key_pos, self.span)  # (B, 1, T, S), shared by all layers
-            else:
-                mask = prefix_mask(pos, key_pos, prefix_len, self.span)
-            mask = mask_to_bias(mask, self.lm_head.weight.dtype)
+        return pos
 
-        x = self.transformer.wte(idx)  # (B, T, C)
-        rope = None
-        if cfg.pos == "learned":
-            p = torch.arange(T, device=idx.device) if pos is None else pos.clamp(min=0)
-            x = x + self.transformer.wpe(p)
-        elif pos is None:
-            rope = (self.rope_cos[:T], self.rope_sin[:T])  # (T, hd)
-        else:
-            cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # (B, T, hd)
-            dt = self.rope_cos.dtype  # round like the table does (bf16 after model.to(bfloat16))
-            rope = (cos[:, None].to(dt), sin[:, None].to(dt))  # broadcast over heads
-        x = self.transformer.drop(x)
-        maps = []
-        for i, block in enumerate(self.transformer.h):
-            x, w = block(x, rope=rope, mask=mask, cache=cache, layer=i, need_weights=need_weights)
-            if need_weights:
-                maps.append(w)
-        return self.transformer.ln_f(x), maps
+    def _embed(self, idx: Tensor, pos: Tensor | None) -> Tensor:
+        """Token embeddings, plus learned position embeddings (padding positions clamped to 0)."""
+        x = self.transformer.wte(idx)
+        if self.config.pos != "learned":
+            return x
+        p = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos.clamp(min=0)
+        return x + self.transformer.wpe(self.variant.embed_positions(self.config, p))
+
+    def _rope(self, pos: Tensor | None, T: int) -> tuple[Tensor, Tensor] | None:
+        """cos/sin for these tokens: the table's first T rows (T, hd), or from explicit positions
+        (B, 1, T, hd), rounded to the table's dtype (bf16 after model.to(bfloat16)); None when learned."""
+        cfg = self.config
+        if cfg.pos != "rope":
+            return None
+        if pos is None:
+            return self.rope_cos[:T], self.rope_sin[:T]  # (T, hd)
+        cos, sin = rope_cos_sin(self.variant.embed_positions(cfg, pos), cfg.head_dim, cfg.rope_theta)  # (B, T, hd)
+        dt = self.rope_cos.dtype
+        return cos[:, None].to(dt), sin[:, None].to(dt)  # broadcast over heads
 
     # --- cache and accounting -----------------------------------------------------------------
 
     def make_cache(
         self,
-        batch_size: int,
+        rows: int,
         capacity: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> KVCache:
-        """An empty KV cache; default capacity = the attention span min(window, block_size).
-        Infini-attention: an InfiniCache (memory + one segment's keys/values), capacity unused."""
-        cfg, p = self.config, self.lm_head.weight
-        if cfg.attention == "infini":
-            return InfiniCache(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, cfg.segment_size, device or p.device, dtype or p.dtype)
-        return KVCache(
-            cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, self.span if capacity is None else capacity, self.span,
-            device or p.device, dtype or p.dtype,
-        )
+    ) -> Any:
+        """An empty generation cache of the variant's kind for `rows` rows; a KVCache's default
+        capacity is the attention span min(window, block_size)."""
+        p = self.lm_head.weight
+        capacity = self.span if capacity is None else capacity
+        return self.variant.make_cache(self.config, rows, capacity, self.span, device or p.device, dtype or p.dtype)
+
+    def context(self) -> int | None:
+        """How many trailing tokens decide the next logits (None: all of them); see Variant.context."""
+        return self.variant.context(self.config, self.span)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; tied weights count once. non_embedding drops pure lookup tables:

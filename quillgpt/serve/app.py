@@ -22,7 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from quillgpt.errors import QuillError
-from quillgpt.inference.generate import TextStream, encode_prompt
+from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.inference.sampling import InvalidParam, SamplingParams
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.chat import CHAT_STOPS, chat_prompt

@@ -1,12 +1,13 @@
 """The engine task: one thread owns the Engine and serves every request (continuous batching).
 
 Requests enter a queue as `Job`s (one per choice). At every step of the loop, jobs whose client
-went away release their row, waiting jobs are prefilled into free rows (up to the engine's
-`max_rows`), and one decode step advances every active row, each with its own sampling settings
-and seed, so a job's tokens are the ones it gets alone. Each job's tokens become text through its
-own `TextStream` (UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side
-through the job's `emit` callback. Work that must not run beside a decode step (the attention
-view) is queued as a plain call and runs between steps.
+went away leave their row, waiting jobs join free rows (up to the engine's `max_rows`), and one
+decode step advances every active row, each with its own sampling settings and seed, so a job's
+tokens are the ones it gets alone. Rows join, step, finish and leave through the one driver,
+inference.text.TextBatch, which turns each job's tokens into text with its own `TextStream`
+(UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side through the
+job's `emit` callback. Work that must not run beside a decode step (the attention view) is
+queued as a plain call and runs between steps.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from quillgpt.errors import QuillError
-from quillgpt.inference.generate import TextStream
+from quillgpt.inference.text import Piece, TextBatch, TextStream
 
 if TYPE_CHECKING:
-    from quillgpt.inference.engine import Engine, RowToken
+    from quillgpt.inference.engine import Engine
     from quillgpt.inference.sampling import SamplingParams
 
 log = logging.getLogger("quillgpt.serve")
@@ -35,7 +36,7 @@ class Event:
 
     index: int  # the choice index in its request
     text: str = ""
-    finish: str | None = None  # "stop", "length", or "error" (then text is the message)
+    finish: str | None = None  # "stop", "length" (OpenAI's reasons), or "error" (then text is the message)
     tokens: int = 0  # completion tokens so far
     status: int = 500  # with finish "error": the HTTP status it maps to
 
@@ -67,7 +68,8 @@ class Batcher:
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._rows: dict[int, Job] = {}
+        self._batch = TextBatch(engine)  # jobs are the keys; each brings its own TextStream
+        self._rows: dict[int, Job] = {}  # id(job) → job, for the jobs that hold a row
         self._queued = 0  # jobs submitted and not yet prefilled (inbox + waiting)
         self._lock = threading.Lock()
         self._stopping = False
@@ -126,12 +128,12 @@ class Batcher:
                 self._drop_cancelled()
                 self._admit()
                 if self._rows:
-                    for token in self.engine.step():
-                        self._deliver(token)
+                    for piece in self._batch.step():
+                        self._deliver(piece)
             except Exception:  # a bug or out of memory: the running jobs fail, the server goes on
                 log.exception("engine task error")
-                for row, job in self._rows.items():
-                    self.engine.release(row)
+                for key, job in self._rows.items():
+                    self._batch.leave(key)
                     job.emit(Event(job.index, "internal error while generating (logged on the server)", "error",
                                    job.tokens))
                 self._rows.clear()
@@ -173,10 +175,10 @@ class Batcher:
                 self._waiting.extend(item)
 
     def _drop_cancelled(self) -> None:
-        for row, job in list(self._rows.items()):
+        for key, job in list(self._rows.items()):
             if job.cancelled.is_set():
-                self.engine.release(row)
-                del self._rows[row]
+                self._batch.leave(key)
+                del self._rows[key]
         self._waiting = collections.deque(j for j in self._waiting if not j.cancelled.is_set())
 
     def _admit(self) -> None:
@@ -189,7 +191,7 @@ class Batcher:
                 job.admitted = True
                 self._queued -= 1
             try:
-                first = self.engine.add(job.prompt_ids, job.params, stop_ids=job.stop_ids)
+                first = self._batch.join(id(job), job.prompt_ids, job.params, job.stop_ids, job.stream)
             except (QuillError, ValueError) as e:
                 job.emit(Event(job.index, str(e), "error", status=400))
                 continue
@@ -197,24 +199,15 @@ class Batcher:
                 log.exception("prefill failed")
                 job.emit(Event(job.index, "internal error during prefill (logged on the server)", "error"))
                 continue
-            self._rows[first.row] = job
+            self._rows[id(job)] = job
             self._deliver(first)
 
-    def _deliver(self, rt: RowToken) -> None:
-        """One new token of a row → its text piece; at the row's end, the finish reason."""
-        job = self._rows[rt.row]
-        job.tokens += 1
-        finish = None
-        if rt.finish == "stop_id":  # end-of-text: not part of the text
-            text, finish = job.stream.finish(), "stop"
-        else:
-            text = job.stream.push(rt.token)
-            if job.stream.stopped:
-                finish = "stop"
-                self.engine.release(rt.row)  # idempotent if the row also hit its length
-            elif rt.finish == "length":
-                text, finish = text + job.stream.finish(), "length"
+    def _deliver(self, piece: Piece) -> None:
+        """A row's new text → its job; at the row's end, the finish reason in OpenAI's words."""
+        job = self._rows[piece.key]
+        job.tokens = piece.tokens
+        finish = None if piece.finish is None else "length" if piece.finish == "length" else "stop"
         if finish is not None:
-            del self._rows[rt.row]
-        if text or finish:
-            job.emit(Event(job.index, text, finish, job.tokens))
+            del self._rows[piece.key]
+        if piece.text or finish:
+            job.emit(Event(job.index, piece.text, finish, job.tokens))

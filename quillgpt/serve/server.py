@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from quillgpt.checkpoint import LoadedRun
     from quillgpt.serve.app import ServeOptions
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -86,7 +85,7 @@ def serve(
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
     from quillgpt.checkpoint import load_run
-    from quillgpt.device import resolve_device
+    from quillgpt.device import parse_dtype, resolve_device
 
     require_extra()
     from quillgpt.serve.app import ServeOptions
@@ -97,13 +96,12 @@ def serve(
         raise QuillError(f"--max-tokens must be at least 1, got {max_tokens}")
     if not 0 <= port <= 65535:
         raise QuillError(f"--port must be between 0 and 65535, got {port}")
-    if dtype not in DTYPES:
-        raise QuillError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    torch_dtype = parse_dtype(dtype)
     if api_key is not None and not api_key.strip():
         raise QuillError("the API key is empty; pass a real key or none")
     run = load_run(ckpt, which=which, device=resolve_device(device))
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
-    app = make_app(run, options, max_batch, DTYPES[dtype])
+    app = make_app(run, options, max_batch, torch_dtype)
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host

@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
-from quillgpt.device import available_bytes, estimate_train_bytes, resolve_device
+from quillgpt.device import available_bytes, resolve_device
+from quillgpt.train.memory import estimate_train_bytes
 
 FITS_FRACTION = 0.7  # auto: ddp when one micro-step's whole training state takes ≤ 70% of free device memory
 
@@ -114,7 +115,7 @@ def teardown_distributed(ddp: Dist) -> None:
 def resolve_strategy(tc: TrainConfig, model_cfg: ModelConfig, ddp: Dist, device: torch.device) -> str:
     """'single' (one process), 'ddp' or 'fsdp'. auto: ddp when the model "fits", i.e. fp32
     weights + gradients + AdamW's two moments (16 bytes per parameter) plus one micro-batch of
-    activations (perf.estimate_train_bytes) take at most FITS_FRACTION of the device's free memory
+    activations (train/memory.py) take at most FITS_FRACTION of the device's free memory
     at start; fsdp otherwise. On CPU (and MPS) auto is ddp: there memory is the host's, shared."""
     if not ddp.enabled:
         return "single"

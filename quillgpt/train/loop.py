@@ -43,9 +43,11 @@ from quillgpt.evaluate.scores import evaluate_windows
 from quillgpt.files import probe_writable
 from quillgpt.train.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
 from quillgpt.model.gpt import GPT
+from quillgpt.model.variants import variant_of
 from quillgpt.train.optim import MuonAdamW, build_optimizer
 from quillgpt.train.prefix_batches import PrefixLengths, PrefixSampler, separator_id
-from quillgpt.device import check_train_memory, cpu_has_bf16, peak_flops
+from quillgpt.device import peak_flops, resolve_dtype
+from quillgpt.train.memory import check_train_memory
 from quillgpt.data.tokenizer import Tokenizer, save_tokenizer
 
 FIT_AFTER_STEPS = 10  # train.time_budget: the horizon is fitted once, at this step or warmup's end
@@ -92,27 +94,6 @@ def fit_horizon(step: int, cfg: TrainConfig, pace_s: float, budget_left_s: float
 def eval_step_times(cfg: TrainConfig, world_size: int = 1) -> float:
     """One evaluation (2 splits × eval_iters forward batches, a third of a micro-step each) in step-times."""
     return 2 * cfg.eval_iters * world_size / (3 * cfg.grad_accum)
-
-
-def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW | MuonAdamW:
-    """train.optimizer: AdamW with weight decay on matrices only (not norms, biases or gains), or
-    Muon for the blocks' matrices + AdamW for the rest; groups with an lr_mult (Infini-attention's
-    gates, Muon) get lr × lr_mult from the loop (see optim.py)."""
-    return build_optimizer(model, cfg, device)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA where supported, else fp16; bf16 on CPUs with bf16 units (AVX512-BF16,
-    AMX: matmuls ~4× fp32's rate, same loss per step — see scripts/bench.py); else fp32."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "cpu" and cpu_has_bf16():
-            return torch.bfloat16
-        return torch.float32
-    if name == "float16" and device.type == "cpu":
-        raise QuillError("train.dtype=float16 is not supported on CPU; use bfloat16 or float32")
-    return getattr(torch, name)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -322,7 +303,7 @@ def setup(
     # Every rank draws the same global batch and keeps its own slice, so N ranks with
     # batch B see exactly the windows one process with batch N·B would see.
     sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
-    if cfg.model.attention == "prefix":  # batches also carry each row's prefix length (prefix.py)
+    if variant_of(cfg.model).bidirectional_prefix:  # batches also carry each row's prefix length
         lengths = PrefixLengths(cfg.model, tc.seed + 1, separator_id(cfg.model, tokenizer.encode))
         sampler = PrefixSampler(sampler, lengths)
     n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
@@ -331,7 +312,7 @@ def setup(
         "val": (val_tokens, fixed_windows(val_tokens, cfg.model.block_size, n_eval)),
     }
     t = Trainer(
-        cfg, ddp, device, dtype, Path(tc.out_dir), tokenizer, model, configure_optimizer(model, tc, device),
+        cfg, ddp, device, dtype, Path(tc.out_dir), tokenizer, model, build_optimizer(model, tc, device),
         torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16)), sampler, windows,
         budget_s=parse_duration(tc.time_budget) if tc.time_budget else None, horizon=tc.max_iters,
     )

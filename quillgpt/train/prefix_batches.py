@@ -1,9 +1,7 @@
-"""Prefix-LM training: which part of each window is the (bidirectional) prefix, and what is scored.
+"""Prefix-LM training batches: which part of each window is the (bidirectional) prefix.
 
-A prefix-LM (`model.attention: prefix`) reads the first P tokens of a window both ways
-(attention.prefix_mask) and is trained to predict only what comes after them: the target of
-position t (the token t+1) counts iff t ≥ P − 1, so the first scored token is the one right after
-the prefix, predicted from the prefix's last position, which has seen the whole prefix.
+A prefix-LM (`model.attention: prefix`, model/variants/prefix.py) reads the first P tokens of a
+window both ways and is trained to predict only what comes after them (mask_prefix_targets).
 
 P is drawn per row, uniform in [0, prefix_max] (default block_size / 2), by a seeded generator
 whose state goes into the checkpoint, so a resumed run draws what the uninterrupted run drew.
@@ -21,24 +19,9 @@ from torch import Tensor
 
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
+from quillgpt.model.variants.prefix import mask_prefix_targets, prefix_max
 
 Batch = tuple[Tensor, Tensor, Tensor]  # x, y (prefix targets masked), prefix_len
-
-
-def prefix_max(cfg: ModelConfig) -> int:
-    """The largest training prefix: model.prefix_max, or block_size / 2."""
-    return cfg.block_size // 2 if cfg.prefix_max is None else cfg.prefix_max
-
-
-def eval_prefix_len(cfg: ModelConfig) -> int:
-    """The prefix of the trainer's fixed evaluation windows: the middle of the training draw."""
-    return prefix_max(cfg) // 2
-
-
-def mask_prefix_targets(y: Tensor, prefix_len: Tensor) -> Tensor:
-    """y (B, T) with the targets inside each row's prefix set to -1 (ignored): t < prefix_len − 1."""
-    t = torch.arange(y.shape[1], device=y.device)[None, :]  # (1, T)
-    return y.masked_fill(t < prefix_len.to(y.device)[:, None] - 1, -1)
 
 
 class PrefixLengths:
@@ -95,16 +78,3 @@ class PrefixSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self.lengths.load_state_dict(state["prefix"])
-
-
-def check_fits(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
-    """A prefix-LM's prompt is its prefix and is never cropped: prompt + new tokens must fit
-    block_size (cropping would drop part of the prefix, or change which tokens it holds)."""
-    if cfg.attention != "prefix" or prompt_len + max_new_tokens <= cfg.block_size:
-        return
-    room = cfg.block_size - prompt_len
-    fix = f"lower --max-new-tokens to {room}" if room > 0 else "shorten the prompt"
-    raise QuillError(
-        f"a prefix-LM (model.attention=prefix) keeps its whole prompt as the prefix: the prompt ({prompt_len} "
-        f"tokens) + max_new_tokens ({max_new_tokens}) exceeds block_size ({cfg.block_size}); {fix}"
-    )

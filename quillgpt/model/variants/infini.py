@@ -24,18 +24,24 @@ chunks that end at segment boundaries, starting from a `SegmentState` (fresh for
 without cache, the cache's for generation). A forward over k segments is therefore the same
 computation as feeding the segments one by one, and generation keeps only M, z and the current
 segment's keys/values: memory bounded by the segment, not by the text.
+
+As a variant (`Infini`): the projections, QK-norm and RoPE are self-attention's own
+(attention.SelfAttention), positions restart in each segment, segments decide who sees whom (no
+mask), and rows keep their own InfiniCache instead of the engine's static KV cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.model.attention import CausalSelfAttention, apply_rope, attend, mask_to_bias
 from quillgpt.config import ModelConfig
+from quillgpt.model.attention import LayerInputs, SelfAttention, attend, mask_to_bias
+from quillgpt.model.variants.base import Variant
 
 GATE_LR_MULT = 10.0  # β's learning rate = this × the schedule's: at the base lr the gate barely moves
 
@@ -128,20 +134,21 @@ def infini_attend(
 class InfiniCache:
     """Generation state of every layer: memory + normaliser + the current segment's keys/values.
 
-    Its size depends on the segment, never on how many tokens went through it.
+    Its size depends on the segment, never on how many tokens went through it. Rows move in
+    lockstep (the engine gives each row its own cache); `seen` counts the tokens written, and a
+    forward's positions must continue from it.
     """
 
     def __init__(
-        self, n_layer: int, batch_size: int, kv_heads: int, head_dim: int, segment: int,
+        self, n_layer: int, rows: int, kv_heads: int, head_dim: int, segment: int,
         device: torch.device | str, dtype: torch.dtype,
     ) -> None:
-        self.mem = torch.zeros(n_layer, batch_size, kv_heads, head_dim, head_dim, device=device)
-        self.norm = torch.zeros(n_layer, batch_size, kv_heads, head_dim, device=device)
-        self.k = torch.zeros(n_layer, batch_size, kv_heads, segment, head_dim, device=device, dtype=dtype)
+        self.mem = torch.zeros(n_layer, rows, kv_heads, head_dim, head_dim, device=device)
+        self.norm = torch.zeros(n_layer, rows, kv_heads, head_dim, device=device)
+        self.k = torch.zeros(n_layer, rows, kv_heads, segment, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.segment = segment
-        self.n = self._n = 0  # tokens of the unfinished segment held in k/v (before this forward)
-        self.seen = 0  # tokens since the last reset
+        self.seen = 0  # tokens written since the last reset
 
     @property
     def kv_bytes(self) -> int:
@@ -155,20 +162,32 @@ class InfiniCache:
     def nbytes(self) -> int:
         return self.kv_bytes + self.memory_bytes
 
-    def reset(self) -> None:
+    @property
+    def n(self) -> int:
+        """Tokens of the unfinished segment held in k/v."""
+        return self.seen % self.segment
+
+    def reset(self, row: int | None = None) -> None:
+        if row is not None and self.mem.shape[1] != 1:
+            raise ValueError("an InfiniCache resets all its rows together (rows move in lockstep)")
         self.mem.zero_()
         self.norm.zero_()
-        self.n = self._n = self.seen = 0
+        self.seen = 0
 
-    def plan(self, T: int, device: torch.device) -> Tensor:
-        """Start a forward of T new tokens: their (1, T) in-segment positions; every layer then
-        reads its state as it was before them (layer_state) and stores the new one."""
-        pos = segment_positions(self.seen, T, self.segment, device)
-        self._n, self.seen, self.n = self.n, self.seen + T, (self.n + T) % self.segment
-        return pos
+    def plan(self, pos: Tensor, rows: Tensor | None = None) -> int:
+        """T new tokens at absolute positions pos (B or 1, T), continuing the cache: returns how
+        many tokens of the unfinished segment every layer's state holds before them."""
+        if rows is not None and len(rows) != self.mem.shape[1]:
+            raise ValueError("an InfiniCache takes all its rows at once (rows move in lockstep)")
+        start = int(pos[0, 0])
+        if start != self.seen:
+            raise ValueError(f"positions must continue the Infini-attention cache: it holds {self.seen} tokens, "
+                             f"the new ones start at {start}")
+        n = self.seen % self.segment
+        self.seen += pos.shape[1]
+        return n
 
-    def layer_state(self, layer: int) -> SegmentState:
-        n = self._n
+    def layer_state(self, layer: int, n: int) -> SegmentState:
         return SegmentState(self.mem[layer], self.norm[layer], self.k[layer, :, :, :n], self.v[layer, :, :, :n])
 
     def store(self, layer: int, state: SegmentState) -> None:
@@ -179,53 +198,30 @@ class InfiniCache:
         self.v[layer, :, :, :n] = state.v
 
 
-
-def segment_positions(start: int, T: int, segment: int, device: torch.device) -> Tensor:
-    """(1, T) positions of tokens start..start+T-1 inside their segments (they restart at 0 in
-    each one: memory carries no positions, so a text of any length needs only `segment` of them)."""
-    return ((start + torch.arange(T, device=device)) % segment)[None]
-
-
-class InfiniAttention(CausalSelfAttention):
-    """CausalSelfAttention's projections (same names, so weights are interchangeable) with a
-    compressive memory across segments and one gate β per query head (initially 0: half/half)."""
+class InfiniAttention(SelfAttention):
+    """Self-attention's projections (same names, so weights are interchangeable with causal
+    attention's) with a compressive memory across segments and one gate β per query head
+    (initially 0: half/half)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.segment, self.update = cfg.segment_size, cfg.memory_update
         self.beta = nn.Parameter(torch.zeros(cfg.n_head))
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        rope: tuple[Tensor, Tensor] | None = None,
-        mask: Tensor | None = None,
-        cache: InfiniCache | None = None,
-        layer: int = 0,
-        need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, inputs: LayerInputs | None = None, layer: int = 0) -> tuple[Tensor, Tensor | None]:
         """x (B, T, C) → (B, T, C); with need_weights (no cache) also the (B, H, T, T) dot-attention
-        weights, block-diagonal by segment. `mask` is unused: segments decide who sees whom."""
-        B, T, _ = x.shape
-        H, KV, hd = self.n_head, self.kv_heads, self.head_dim
-        q, k, v = self.c_attn(x).split([H * hd, KV * hd, KV * hd], dim=2)
-        q = q.view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
-        v = v.view(B, T, KV, hd).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        state = SegmentState.empty(B, KV, hd, k) if cache is None else cache.layer_state(layer)
-        dropout_p = self.dropout if self.training else 0.0
-        need_weights = need_weights and cache is None  # the maps of one forward from an empty state
+        weights, block-diagonal by segment. The mask is unused: segments decide who sees whom."""
+        inputs = inputs or LayerInputs()
+        q, k, v = self.qkv(x, inputs.rope)
+        cache = inputs.cache
+        state = SegmentState.empty(x.shape[0], self.kv_heads, self.head_dim, k) if cache is None else cache.layer_state(layer, inputs.plan)
+        need_weights = inputs.need_weights and cache is None  # the maps of one forward from an empty state
         y, state, chunks = infini_attend(
-            q, k, v, state, self.beta, self.segment, self.update, self.impl, dropout_p, need_weights
+            q, k, v, state, self.beta, self.segment, self.update, self.impl, self.dropout_p, need_weights
         )
         if cache is not None:
             cache.store(layer, state)
-        weights = _block_diagonal(chunks, T) if need_weights else None
-        y = y.transpose(1, 2).reshape(B, T, H * hd)
-        return self.resid_dropout(self.c_proj(y)), weights
+        return self.out(y), _block_diagonal(chunks, x.shape[1]) if need_weights else None
 
 
 def _block_diagonal(chunks: list[Tensor], T: int) -> Tensor:
@@ -248,3 +244,37 @@ def gate_values(model: nn.Module) -> list[Tensor]:
 def is_gate(name: str) -> bool:
     """True for the parameter names of the memory gates β (their own lr, no weight decay)."""
     return name.endswith("attn.beta")
+
+
+class Infini(Variant):
+    name = "infini"
+    static_cache = False  # each row keeps its own memory
+    hf_exportable = False
+
+    def attention(self, cfg: ModelConfig) -> nn.Module:
+        return InfiniAttention(cfg)
+
+    def span(self, cfg: ModelConfig) -> int:
+        return cfg.segment_size  # the dot-product part; the memory sees everything before
+
+    def plan(self, pos: Tensor | None, cache: Any, rows: Tensor | None, span: int, prefix_len: Tensor | None,
+             dtype: torch.dtype) -> tuple[Tensor | None, Any]:
+        return None, (cache.plan(pos, rows) if cache is not None else None)  # no mask: segments decide
+
+    def embed_positions(self, cfg: ModelConfig, pos: Tensor) -> Tensor:
+        """Positions restart in every segment: memory carries no positions, so a text of any
+        length needs only `segment_size` of them."""
+        return pos % cfg.segment_size
+
+    def crops(self, cfg: ModelConfig) -> bool:
+        return False  # positions restart in each segment: nothing is ever cropped
+
+    def context(self, cfg: ModelConfig, span: int) -> int | None:
+        return None  # the memory holds every earlier token
+
+    def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int,
+                   device: torch.device | str, dtype: torch.dtype) -> InfiniCache:
+        return InfiniCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_dim, cfg.segment_size, device, dtype)
+
+    def shows(self, model: nn.Module) -> dict[str, Any]:
+        return {"gates": gate_values(model)}

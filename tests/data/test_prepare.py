@@ -445,7 +445,7 @@ def test_gpt2_124m_recipe_prepares_a_parquet_corpus(tmp_path, small_text):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / "fw").mkdir()
     text = small_text.read_text(encoding="utf-8")
     pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(0, 30_000, 3000)]}), tmp_path / "fw" / "000_00000.parquet")

@@ -146,6 +146,7 @@ VARIANTS = {
     "rope-delta": {"pos": "rope", "memory_update": "delta"},
     "gqa-rope": {"pos": "rope", "n_kv_head": 2},
     "mqa-math": {"n_kv_head": 1, "attn_impl": "math"},
+    "qk-norm-rope": {"pos": "rope", "qk_norm": True},
 }
 
 
@@ -158,9 +159,24 @@ def test_model_forward_equals_segment_by_segment_and_token_by_token(name):
     for step in (4, 1, 3):  # segment by segment, token by token, and across boundaries
         cache, parts = model.make_cache(2), []
         for t in range(0, 30, step):
-            logits, _ = model(idx[:, t : t + step], cache=cache, all_logits=True)
+            n = min(step, 30 - t)
+            logits, _ = model(idx[:, t : t + n], pos=torch.arange(t, t + n), cache=cache, all_logits=True)
             parts.append(logits)
         assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5), step
+
+
+def test_qk_norm_composes_with_infini_attention():
+    """Infini-attention uses self-attention's projections, QK-norm included: its gains change the
+    output, and q, k are normed per head exactly as causal attention norms them."""
+    torch.manual_seed(0)
+    layer = InfiniAttention(cfg(qk_norm=True)).eval()
+    x = torch.randn(2, 12, 16)
+    before, _ = layer(x)
+    q, k, _ = layer.qkv(x, None)
+    assert torch.allclose(q.pow(2).mean(-1), torch.ones(()), atol=1e-2)  # unit RMS per head (gains 1, eps aside)
+    with torch.no_grad():
+        layer.q_norm.weight.mul_(3.0)
+    assert not torch.allclose(layer(x)[0], before)
 
 
 def test_gradients_flow_through_the_memory_across_segments():
@@ -188,8 +204,8 @@ def test_a_long_run_stays_finite():
     model.eval()
     cache = model.make_cache(1)
     with torch.inference_mode():
-        for _ in range(10_000 // 1000):
-            logits, _ = model(torch.randint(V, (1, 1000)), cache=cache)
+        for t in range(0, 10_000, 1000):
+            logits, _ = model(torch.randint(V, (1, 1000)), pos=torch.arange(t, t + 1000), cache=cache)
             assert torch.isfinite(logits).all()
     assert torch.isfinite(cache.mem).all() and cache.seen == 10_000
 
@@ -248,9 +264,10 @@ def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path,
     from quillgpt.checkpoint import load_checkpoint
     from quillgpt.config import load_config
     from quillgpt.model.variants.infini import GATE_LR_MULT
-    from quillgpt.train.loop import configure_optimizer, train
+    from quillgpt.train.loop import train
+    from quillgpt.train.optim import build_optimizer
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     c = load_config(root / "configs" / "shakespeare_char_cpu.yaml", [
         f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}",
         "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.attention=infini",
@@ -261,7 +278,7 @@ def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path,
     result = train(c, progress=False)
     assert result.last_val_loss is not None and math.isfinite(result.last_val_loss)
     model = GPT(c.model)
-    gate_group = configure_optimizer(model, c.train, torch.device("cpu")).param_groups[-1]
+    gate_group = build_optimizer(model, c.train, torch.device("cpu")).param_groups[-1]
     assert gate_group["weight_decay"] == 0.0 and gate_group["lr_mult"] == GATE_LR_MULT
     assert {id(p) for p in gate_group["params"]} == {id(b.attn.beta) for b in model.transformer.h}
     beta = load_checkpoint(tmp_path / "run" / "ckpt.pt")["model"]["transformer.h.0.attn.beta"]
@@ -313,7 +330,7 @@ def test_the_demo_configs_load():
 
     from quillgpt.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     infini = load_config(root / "configs" / "infini_demo.yaml").model
     prefix = load_config(root / "configs" / "prefix_demo.yaml").model
     assert (infini.attention, infini.segment_size, infini.memory_update) == ("infini", 32, "delta")

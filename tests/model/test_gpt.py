@@ -118,7 +118,7 @@ def test_prefill_then_decode_equals_full_forward(variant):
         cache = model.make_cache(2)
         outs, t = [], 0
         for n in chunks:
-            outs.append(model(idx[:, t : t + n], cache=cache, all_logits=True)[0])
+            outs.append(model(idx[:, t : t + n], pos=torch.arange(t, t + n), cache=cache, all_logits=True)[0])
             t += n
         torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
 
@@ -132,8 +132,8 @@ def test_rope_ring_buffer_equals_banded_forward_past_block_size(variant):
     full, _ = model(idx, all_logits=True)
     cache = model.make_cache(2)
     keys = [k.data_ptr() for k in cache.k]
-    outs = [model(idx[:, :10], cache=cache, all_logits=True)[0]]
-    outs += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(10, 3 * BLOCK)]
+    outs = [model(idx[:, :10], pos=torch.arange(10), cache=cache, all_logits=True)[0]]
+    outs += [model(idx[:, t : t + 1], pos=torch.tensor([t]), cache=cache)[0] for t in range(10, 3 * BLOCK)]
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
     assert [k.data_ptr() for k in cache.k] == keys and cache.capacity == min(model.config.window or BLOCK, BLOCK)
 

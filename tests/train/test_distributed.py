@@ -16,30 +16,9 @@ from quillgpt.data.prepare import prepare
 from quillgpt.train.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
 from quillgpt.train.metrics import read_metrics
 from quillgpt.train.loop import train
-from support import assert_same_state, two_ranks
+from support import CPU_CONFIG as CONFIG, assert_same_state, losses, tiny, two_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
-
-
-def tiny(shakespeare_path, data_dir, out_dir, *extra):
-    return [
-        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        "train.eval_interval=2", "train.eval_iters=2", "train.log_interval=1", "train.warmup_iters=2",
-        "train.device=cpu", "train.dtype=float32", *extra,  # fp32: bf16 sums differ with the batch split
-    ]
-
-
-def losses(out_dir):
-    return [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(Path(out_dir) / "metrics.jsonl")]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory, shakespeare_path):
-    data_dir = tmp_path_factory.mktemp("data") / "char"
-    prepare(load_config(CONFIG, tiny(shakespeare_path, data_dir, "unused")).data, progress=False)
-    return data_dir
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_path):

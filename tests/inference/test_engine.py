@@ -15,7 +15,7 @@ from quillgpt.inference.generate import generate_tokens
 from quillgpt.model.gpt import GPT
 from quillgpt.inference.sampling import SamplingParams
 from support import BLOCK, V, VARIANTS
-from test_generate import PROMPTS, random_model
+from support import PROMPTS, random_model
 
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 GREEDY = SamplingParams(max_new_tokens=30)
@@ -81,7 +81,7 @@ def test_stop_ids_finish_a_row_with_its_stop_token():
     out = [engine.add(PROMPTS[1], GREEDY, stop_ids=[stop])]
     while out[-1].finish is None:
         out.append(next(t for t in engine.step() if t.row == out[0].row))
-    assert [t.token for t in out] == free[: first + 1] and out[-1].finish == "stop_id"
+    assert [t.token for t in out] == free[: first + 1] and out[-1].finish == "eot"  # one finish vocabulary (engine.FINISH_REASONS)
     assert engine.active_rows() == [0] and engine.free_rows() == 1
 
 
@@ -127,9 +127,9 @@ def test_bad_input():
 def test_learned_positions_past_block_size_refuse_a_cache_forward_clearly():
     model = random_model()
     cache = model.make_cache(1)
-    model(torch.zeros(1, BLOCK, dtype=torch.long), cache=cache)
+    model(torch.zeros(1, BLOCK, dtype=torch.long), pos=torch.arange(BLOCK), cache=cache)
     with pytest.raises(ValueError, match="past block_size 16.*crop the context"):
-        model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+        model(torch.zeros(1, 1, dtype=torch.long), pos=torch.tensor([BLOCK]), cache=cache)
 
 
 def test_too_many_rows_for_memory_is_one_clear_line():
@@ -177,7 +177,7 @@ def test_decode_step_gives_the_forward_logits(variant, all_slots):
     with torch.no_grad():
         full, _ = model(ids, all_logits=True)  # (2, BLOCK, V)
         cache = model.make_cache(2)
-        model(ids[:, :6], cache=cache)
+        model(ids[:, :6], pos=torch.arange(6), cache=cache)
         for t in range(6, BLOCK):
             n_keys = None if all_slots else min(cache.capacity, t + 1)
             got = model.decode(ids[:, t], torch.full((2,), t), cache, n_keys)  # (2, V)

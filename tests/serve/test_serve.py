@@ -22,7 +22,8 @@ import torch
 from quillgpt.checkpoint import load_run
 from quillgpt.cli import main
 from quillgpt.inference.engine import Engine
-from quillgpt.inference.generate import TextStream, encode_prompt, generate_text
+from quillgpt.inference.generate import generate_text
+from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.inference.sampling import SamplingParams
 from quillgpt.serve.batcher import Batcher, Event, Job
 from quillgpt.serve.chat import chat_prompt
@@ -30,7 +31,7 @@ from quillgpt.serve.schemas import ChatMessage
 from quillgpt.evaluate.attention_views import attention_weights
 from serve_support import BLOCK, running_server, tiny_run_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 KEY = "sk-test-0123456789"
 
@@ -450,7 +451,7 @@ def test_page_is_served_from_the_package_and_needs_no_network(http):
     assert page.status_code == 200 and "<canvas id=\"attn-grid\"" in page.text
     for name in ("app.js", "style.css"):
         assert http.get(f"/static/{name}").status_code == 200
-    static = Path(__file__).resolve().parents[1] / "quillgpt" / "serve" / "static"
+    static = Path(__file__).resolve().parents[2] / "quillgpt" / "serve" / "static"
     for f in static.iterdir():
         text = f.read_text(encoding="utf-8")
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, f.name

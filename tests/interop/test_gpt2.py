@@ -24,7 +24,7 @@ from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
 from quillgpt.train.loop import train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPT2_VOCAB = 50257
 N_POSITIONS = 32
 

@@ -15,7 +15,7 @@ from quillgpt.errors import QuillError
 from quillgpt.train.loop import lr_at, train
 from support import interrupt_after, poison_loss_at
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from quillgpt.model.attention import prefix_mask
+from quillgpt.model.variants.prefix import mask_prefix_targets, prefix_mask
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
-from quillgpt.train.prefix_batches import PrefixLengths, mask_prefix_targets, separator_id
+from quillgpt.train.prefix_batches import PrefixLengths, separator_id
 
 V = 19
 
@@ -72,8 +72,8 @@ def test_fused_equals_math_and_cached_decoding_equals_recompute(pos):
     # the prompt (first 6 tokens, all prefix) prefilled at once, then one token at a time
     full, _ = model(idx, all_logits=True, prefix_len=torch.tensor([6] * 3))
     cache = model.make_cache(3)
-    first, _ = model(idx[:, :6], cache=cache, all_logits=True, prefix_len=torch.tensor([6] * 3))
-    steps = [model(idx[:, t : t + 1], cache=cache)[0] for t in range(6, 12)]
+    first, _ = model(idx[:, :6], pos=torch.arange(6), cache=cache, all_logits=True, prefix_len=torch.tensor([6] * 3))
+    steps = [model(idx[:, t : t + 1], pos=torch.tensor([t]), cache=cache)[0] for t in range(6, 12)]
     assert torch.allclose(torch.cat([first, *steps], 1), full, atol=1e-5)
 
 
@@ -126,7 +126,7 @@ def test_eval_scores_the_tokens_after_the_prefix():
     import torch.nn.functional as F
 
     from quillgpt.evaluate.scores import evaluate_tokens, evaluate_windows
-    from quillgpt.train.prefix_batches import eval_prefix_len
+    from quillgpt.model.variants.prefix import eval_prefix_len
 
     torch.manual_seed(0)
     model = GPT(cfg()).eval()
@@ -170,7 +170,7 @@ def _tiny_run(shakespeare_path, tmp_path, out, *extra):
 
     from quillgpt.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     return load_config(root / "configs" / "shakespeare_char_cpu.yaml", [
         f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / out}",
         "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.attention=prefix",
@@ -211,7 +211,10 @@ def test_quill_train_prefix_lm_resumes_bit_identically(shakespeare_path, tmp_pat
 
 
 def test_generation_must_fit_block_size():
-    from quillgpt.train.prefix_batches import check_fits
+    from quillgpt.inference.engine import check_room
+
+    def check_fits(c, prompt_len, max_new_tokens):
+        check_room(GPT(c), prompt_len, max_new_tokens)
 
     check_fits(cfg(), 10, 6)  # 16 = block_size: fine
     with pytest.raises(QuillError, match=r"prompt \(10 tokens\) \+ max_new_tokens \(7\) exceeds block_size \(16\); lower --max-new-tokens to 6"):

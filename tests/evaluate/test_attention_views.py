@@ -18,7 +18,7 @@ from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
 from quillgpt.data.tokenizer import build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALPHABET = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind"
 PROMPT = "To be, or not to be"
 

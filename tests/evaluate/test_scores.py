@@ -17,19 +17,21 @@ from quillgpt.data.prepare import fixed_windows, load_tokens
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
 from quillgpt.model.gpt import GPT
+from quillgpt.model.variants import VARIANTS
 from quillgpt.data.tokenizer import build_tokenizer
 from quillgpt.train.loop import train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 8
 
 
 class Uniform(nn.Module):
-    """Same forward signature as GPT, all-zero logits: every token costs exactly ln(V)."""
+    """Same forward signature and variant as GPT, all-zero logits: every token costs exactly ln(V)."""
 
     def __init__(self, vocab_size: int, block_size: int):
         super().__init__()
         self.vocab_size, self.config = vocab_size, SimpleNamespace(block_size=block_size)
+        self.variant = VARIANTS["causal"]
 
     def forward(self, idx, targets=None, *, all_logits=False):
         return torch.zeros(*idx.shape, self.vocab_size), None

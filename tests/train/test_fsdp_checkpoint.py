@@ -18,9 +18,10 @@ from quillgpt.train.distributed import FITS_FRACTION, Dist, prepare_model, resol
 from quillgpt.errors import QuillError
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.model.gpt import GPT
-from quillgpt.device import estimate_train_bytes
-from quillgpt.train.loop import configure_optimizer, train
-from test_distributed import CONFIG, data_dir, losses, tiny  # noqa: F401 — data_dir is a fixture
+from quillgpt.train.memory import estimate_train_bytes
+from quillgpt.train.loop import train
+from quillgpt.train.optim import build_optimizer
+from support import CPU_CONFIG as CONFIG, losses, tiny
 from support import assert_same_state, two_ranks
 
 FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=true", "train.grad_accum=2", "train.max_iters=6")
@@ -162,7 +163,7 @@ def test_shards_load_into_one_process_and_damage_is_one_line(runs, tmp_path):
     out = runs[0] / "straight"
     run = load_run(out, which="latest")
     model = GPT(run.config.model)
-    optimizer = configure_optimizer(model, run.config.train, torch.device("cpu"))
+    optimizer = build_optimizer(model, run.config.train, torch.device("cpu"))
     sharded.load_sharded(sharded.latest_sharded(out), model, optimizer)
     for k, v in run.model.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k

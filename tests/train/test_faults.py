@@ -28,7 +28,7 @@ from quillgpt.config import load_config
 from quillgpt.data.prepare import prepare
 from support import poison_loss_at
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # same arithmetic in every subprocess
 CKPT_TEMPS = (".ckpt.pt.", ".best.pt.")  # atomic_write's temp-file prefixes

@@ -10,35 +10,15 @@ import torch
 
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
-from quillgpt.inference.generate import (
-    Generation,
-    StopStrings,
-    TextStream,
-    encode_prompt,
-    generate_text,
-    generate_tokens,
-    stream_text,
-)
+from quillgpt.inference.generate import Generation, generate_text, generate_tokens, stream_text
+from quillgpt.inference.text import StopStrings, TextStream, encode_prompt
 from quillgpt.model.gpt import GPT
 from quillgpt.inference.sampling import apply_repetition_penalty
 from quillgpt.data.tokenizer import CharTokenizer, build_tokenizer
-from support import BLOCK, V, VARIANTS
+from support import BLOCK, PROMPTS, V, VARIANTS, random_model
 
 INF = float("inf")
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
-PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9], [(7 * i + 2) % V for i in range(22)]]  # 22 > block
-
-
-def random_model(variant: str = "mha-learned", seed: int = 0) -> GPT:
-    """Larger-than-init random weights: decisive logits, so greedy has no near-ties."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32, **VARIANTS[variant])
-    model = GPT(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_gain = ".ln_" in name and name.endswith("weight")
-            p.normal_(1.0 if is_gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
-    return model.eval()
 
 
 def run(model, prompts, n, **kw) -> list[list[int]]:

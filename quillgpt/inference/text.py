@@ -1,0 +1,205 @@
+"""Text on top of tokens: prompts in, printable text out, and the one driver of an engine.
+
+`TextStream` turns one row's token ids into printable text (an incremental UTF-8 decoder, so a
+character split across BPE tokens is printed whole, and `StopStrings`, which works on the
+decoded text, so a stop string may span tokens). `TextBatch` is the one place rows of text
+join an engine, step, finish and leave: `quill sample` (through Generation), generate_tokens and
+the server's batcher all drive their engine through it. A row finishes at max_new_tokens
+("length"), at a stop token such as end-of-text ("eot": not part of the text) or at its first
+stop string ("stop": the text before it); the vocabulary is engine.FINISH_REASONS.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.errors import QuillError
+from quillgpt.inference.engine import RowToken, Rows
+from quillgpt.inference.sampling import SamplingParams
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Prompt text → ids. An empty prompt starts where documents start in training: after the
+    end-of-text token (BPE), or after a newline (char; the first id if there is no newline)."""
+    if text == "":
+        if tokenizer.eot_id is not None:
+            return [tokenizer.eot_id]
+        return tokenizer.encode("\n") if not tokenizer.unknown_chars("\n") else [0]
+    unknown = tokenizer.unknown_chars(text)
+    if unknown:
+        shown = ", ".join(repr(c) + (f" ({n}×)" if n > 1 else "") for c, n in list(unknown.items())[:8])
+        more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        raise QuillError(
+            f"the prompt has {sum(unknown.values())} character(s) that are not in the model's "
+            f"{tokenizer.name} vocabulary: {shown}{more}; remove or replace them"
+        )
+    return tokenizer.encode(text)
+
+
+class StopStrings:
+    """Find the first stop string in text that arrives piece by piece (a stop may span pieces).
+
+    `push` returns the text that can no longer be part of a stop, holding back the longest tail
+    that could still be the start of one; at a stop it returns the text before it and then
+    nothing more. `flush` releases the held tail when no more text will come.
+    """
+
+    def __init__(self, stops: Iterable[str] = ()) -> None:
+        self.stops = list(stops)
+        if any(s == "" for s in self.stops):
+            raise QuillError("a stop string must not be empty")
+        self.stopped = False
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return buf[: min(hits)]
+        keep = self._partial_tail(buf)
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+class TextStream:
+    """One row's token ids → the text to print, piece by piece.
+
+    A BPE token is a byte string and one character may span several tokens, so the bytes go
+    through an incremental UTF-8 decoder, which keeps an unfinished character until its last byte
+    arrives (U+FFFD only for bytes that can never form a character). The decoded text then goes
+    through StopStrings. `text` is everything returned so far.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopStrings(stop)
+        self._pieces: list[str] = []
+        self.done = False
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string was found."""
+        return self._stops.stopped
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+    def push(self, token_id: int) -> str:
+        if self.done:
+            return ""
+        out = self._stops.push(self._utf8.decode(self.tokenizer.decode_bytes([token_id])))
+        self.done = self._stops.stopped
+        self._pieces.append(out)
+        return out
+
+    def finish(self) -> str:
+        """No more tokens: end a cut character (as U+FFFD) and release held-back text."""
+        if self.done:
+            return ""
+        out = self._stops.push(self._utf8.decode(b"", final=True))
+        if not self._stops.stopped:
+            out += self._stops.flush()
+        self.done = True
+        self._pieces.append(out)
+        return out
+
+
+@dataclass
+class Piece:
+    """What one row produced in one step: its token, the text that can be printed now ("" while
+    text is held back), why it finished (None: it goes on) and its tokens so far."""
+
+    key: Hashable
+    token: int
+    text: str
+    finish: str | None
+    tokens: int
+
+
+@dataclass
+class _Text:
+    key: Hashable
+    stream: TextStream | None
+    tokens: int = 0
+
+
+class TextBatch:
+    """Rows of text over one engine: `join` a prompt (prefilled at once: its first Piece), `step`
+    every row (a Piece each), `leave` when the reader is gone. A finished row leaves the engine
+    by itself. Without a tokenizer the pieces carry tokens only (generate_tokens)."""
+
+    def __init__(self, engine: Rows, tokenizer: Tokenizer | None = None) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self._rows: dict[int, _Text] = {}  # engine row → its text
+        self._where: dict[Hashable, int] = {}  # key → engine row
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def free(self) -> int:
+        return self.engine.free_rows()
+
+    def join(self, key: Hashable, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (),
+             stream: TextStream | None = None) -> Piece:
+        """Prefill a prompt into a free row of the engine as `key`; its first token's Piece. The
+        text goes through `stream` (default: a new TextStream with params.stop)."""
+        if key in self._where:
+            raise ValueError(f"row {key!r} is already generating")
+        first = self.engine.add(prompt_ids, params, stop_ids)
+        if stream is None and self.tokenizer is not None:
+            stream = TextStream(self.tokenizer, params.stop)
+        self._rows[first.row], self._where[key] = _Text(key, stream), first.row
+        return self._piece(first)
+
+    def step(self) -> list[Piece]:
+        """One new token for every row: a Piece each."""
+        return [self._piece(t) for t in self.engine.step()]
+
+    def leave(self, key: Hashable) -> None:
+        """The reader went away: free the row now (no-op for a row that has finished)."""
+        row = self._where.pop(key, None)
+        if row is not None:
+            del self._rows[row]
+            self.engine.release(row)
+
+    def _piece(self, rt: RowToken) -> Piece:
+        """A row's new token → its text; at a stop string the row leaves the engine."""
+        text_row = self._rows[rt.row]
+        text_row.tokens += 1
+        stream, text, finish = text_row.stream, "", rt.finish
+        if stream is not None:
+            if finish == "eot":  # a stop token: not part of the text
+                text = stream.finish()
+            else:
+                text = stream.push(rt.token)
+                if stream.stopped:
+                    finish = "stop"
+                    self.engine.release(rt.row)  # idempotent if the row also hit its length
+                elif finish == "length":
+                    text += stream.finish()
+        if finish is not None:
+            del self._rows[rt.row]
+            del self._where[text_row.key]
+        return Piece(text_row.key, rt.token, text, finish, text_row.tokens)

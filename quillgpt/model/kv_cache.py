@@ -1,0 +1,119 @@
+"""The static KV cache, written at explicit positions (the gpt-fast design).
+
+Per layer, keys and values of (rows, kv_heads, capacity, head_dim), allocated once. A token at
+position p of a row goes to slot p % capacity of that row, and `pos` (rows, capacity) keeps the
+position each slot holds, so the shared attention rule (attention.attention_mask) masks what a
+query may not see. With capacity ≥ the attention span (min(window, block_size), the default) a
+slot is only overwritten by a position `capacity` later, when no query can see the old key any
+more: a ring, exact however long generation runs, and the shapes never change (a one-token step
+attends over the whole buffer with a mask). Rows are independent: each has its own positions,
+and `reset(row)` forgets one row.
+
+Nothing is remembered between calls but the keys, values and positions themselves: a forward
+asks `plan(pos, rows)` where its tokens go (a KVWrite, which it hands to every layer's `update`),
+and the decode step asks `decode_slots(pos)`. Every caller says where its tokens are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+EMPTY_POS = -(2**62)  # position of a cache slot that holds no key yet: matches no query
+SlotIndex = tuple[Tensor, Tensor]  # (rows, slots), each (R,): where a decode step's keys go
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """Where one forward's T tokens go and what they attend over, from their positions."""
+
+    rows: Tensor  # (B,) cache rows of the batch's rows
+    slots: Tensor  # (B, m) slots of the last m = min(T, capacity) tokens (earlier ones would be overwritten)
+    first: int  # T - m: tokens before the stored ones
+    key_pos: Tensor  # (B, S): positions of the keys the tokens attend over, [cached | new]
+    cached: bool  # the keys include the rows' cached keys (S = capacity + T), else only the new (S = T)
+
+
+class KVCache:
+    """Static keys/values of `rows` independent rows; see the module docstring."""
+
+    def __init__(
+        self, n_layer: int, rows: int, kv_heads: int, head_dim: int,
+        capacity: int, span: int, device: torch.device | str, dtype: torch.dtype,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"KV cache capacity must be at least 1, got {capacity}")
+        # one tensor per layer, not views of one: a compiled decode step then writes them in place
+        # (a write through a view of a graph input makes inductor copy the whole base back)
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.pos = torch.full((rows, capacity), EMPTY_POS, device=device, dtype=torch.long)
+        self.capacity, self.span = capacity, span
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (the per-row positions add rows·capacity·8 more)."""
+        return sum(t.nbytes for t in self.k + self.v)
+
+    def reset(self, row: int | None = None) -> None:
+        """Forget every row's tokens, or one row's (the buffers are reused, not reallocated)."""
+        if row is None:
+            self.pos.fill_(EMPTY_POS)
+        else:
+            self.pos[row].fill_(EMPTY_POS)
+
+    def plan(self, pos: Tensor, rows: Tensor | None = None) -> KVWrite:
+        """T new tokens at positions pos (B, T) (or (1, T) for every row) of cache `rows` (B,)
+        (None: all rows, B = the cache's rows): record their positions and say where they go.
+
+        They attend over [the rows' cached keys, their own] (only their own when those rows hold
+        nothing), then the last min(T, capacity) are stored (distinct slots: consecutive positions).
+        Negative (padding) positions may only start a row, never follow its real tokens.
+        """
+        if rows is None:
+            rows = torch.arange(self.pos.shape[0], device=pos.device)
+        pos = pos.expand(len(rows), -1)  # (B, T)
+        T = pos.shape[1]
+        if self.capacity < self.span and int(pos.max()) >= self.capacity:
+            raise ValueError(
+                f"KV cache of capacity {self.capacity} is full (position {int(pos.max())}) and would drop "
+                f"keys still within the attention span ({self.span}); make it larger or reset it"
+            )
+        m = min(T, self.capacity)
+        slots = pos[:, T - m :] % self.capacity  # (B, m)
+        old = self.pos[rows]  # (B, capacity): a copy, taken before the write
+        cached = bool((old != EMPTY_POS).any())
+        self.pos[rows[:, None], slots] = pos[:, T - m :]
+        key_pos = torch.cat([old, pos], dim=1) if cached else pos
+        return KVWrite(rows, slots, T - m, key_pos, cached)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, plan: KVWrite) -> tuple[Tensor, Tensor]:
+        """Store this layer's new k, v (B, KV, T, hd) as planned; return the keys/values to attend
+        over, in the order of plan.key_pos."""
+        ks, vs = self.k[layer], self.v[layer]
+        k_all = torch.cat([ks[plan.rows], k.to(ks.dtype)], dim=2) if plan.cached else k  # copies before the writes
+        v_all = torch.cat([vs[plan.rows], v.to(vs.dtype)], dim=2) if plan.cached else v
+        rows = plan.rows[:, None]  # (B, 1) with slots (B, m)
+        ks[rows, :, plan.slots] = k[:, :, plan.first :].transpose(1, 2).to(ks.dtype)  # (B, m, KV, hd)
+        vs[rows, :, plan.slots] = v[:, :, plan.first :].transpose(1, 2).to(vs.dtype)
+        return k_all, v_all
+
+    def decode_slots(self, pos: Tensor) -> SlotIndex:
+        """One new token for every row at positions pos (R,): record them; their (rows, slots)."""
+        at = (torch.arange(pos.shape[0], device=pos.device), pos % self.capacity)
+        self.pos[at] = pos
+        return at
+
+    def write_one(
+        self, layer: int, k: Tensor, v: Tensor, at: SlotIndex, n_keys: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """One new token per row, k, v (R, KV, 1, hd), at `at`: the decode step's fixed-shape
+        write. Returns the (R, KV, n_keys or capacity, hd) buffers to attend over."""
+        ks, vs = self.k[layer], self.v[layer]
+        rows, slots = at
+        ks[rows, :, slots] = k[:, :, 0] if k.dtype == ks.dtype else k[:, :, 0].to(ks.dtype)  # (R, KV, hd)
+        vs[rows, :, slots] = v[:, :, 0] if v.dtype == vs.dtype else v[:, :, 0].to(vs.dtype)
+        return ks[:, :, :n_keys], vs[:, :, :n_keys]
