@@ -1,20 +1,15 @@
-"""Run directories and checkpoints: atomic writes, safe loads, one writer per run.
+"""Checkpoints: atomic saves, safe loads, and a run loaded for use (model, tokenizer, config).
 
-A run directory holds
-    config.yaml      the resolved config that produced it
-    tokenizer.json   the tokenizer spec (rebuilds the tokenizer without the corpus)
-    ckpt.pt          the latest checkpoint (everything needed to resume exactly)
-    best.pt          the weights with the lowest validation loss so far (model, config, tokenizer,
-                     step, val_loss: no optimizer or RNG state; resume reads ckpt.pt only)
-    metrics.jsonl    one JSON object per logged step
-Checkpoints are plain tensors and containers loaded with `torch.load(weights_only=True)`,
-so a crafted file cannot run code.
+A run directory (train/run_dir.py) holds two checkpoints: ckpt.pt, the latest (everything needed
+to resume exactly), and best.pt, the weights with the lowest validation loss so far (model,
+config, tokenizer, step, val_loss: no optimizer or RNG state). Checkpoints are plain tensors and
+containers loaded with `torch.load(weights_only=True)`, so a crafted file cannot run code; every
+zip member's CRC and the structure are checked before anything is built from them.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import pickle
 import re
@@ -28,7 +23,6 @@ import torch
 from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write, os_error, shown
-from quillgpt.train.metrics import append_jsonl, read_metrics, truncate_metrics  # noqa: F401 — their old home
 from quillgpt.model.gpt import GPT
 from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 
@@ -36,13 +30,6 @@ FORMAT = "quillgpt-checkpoint-v1"
 ZIP_MAGIC = b"PK\x03\x04"
 LATEST, BEST = "ckpt.pt", "best.pt"
 CHECKPOINT_FILES = {"latest": LATEST, "best": BEST}
-
-
-def remove_stale_temps(out_dir: str | Path) -> None:
-    """Delete temp files that a killed writer left in a run directory (call holding its lock)."""
-    for name in (LATEST, BEST, "metrics.jsonl"):
-        for tmp in Path(out_dir).glob(f".{name}.*.tmp"):
-            tmp.unlink(missing_ok=True)
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
@@ -266,31 +253,3 @@ def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ..
     ]
 
 
-class RunLock:
-    """An exclusive lock on a run directory; the OS drops it when the holder dies."""
-
-    def __init__(self, out_dir: str | Path):
-        self.path = Path(out_dir) / ".lock"
-        self._fd: int | None = None
-
-    def __enter__(self) -> "RunLock":
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "another process"
-            os.close(self._fd)
-            self._fd = None
-            raise QuillError(
-                f"{self.path.parent} is in use by a running quill train (pid {holder}); "
-                "wait for it, or pass a different train.out_dir"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None

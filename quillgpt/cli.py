@@ -306,7 +306,7 @@ def plot_cmd(
     log: bool = typer.Option(False, "--log", help="Log-scale loss axis."),
 ) -> None:
     """Train and val loss of one or more runs on one plot (works while a run is training)."""
-    from quillgpt.evaluate.attention_views import plot_runs
+    from quillgpt.train.curves import plot_runs
 
     check_output_file(out, "--out")
     for c in plot_runs(run_dirs, out, x=x, log=log):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import ctypes
 import gc
@@ -63,7 +62,8 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
 
 from quillgpt import checkpoint as ckpt  # noqa: E402
 from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
-from quillgpt.data.prepare import BatchSampler, batch_from_starts, fixed_windows, load_tokens, prepare  # noqa: E402
+from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows  # noqa: E402
+from quillgpt.data.prepare import load_tokens, prepare  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.train.optim import Muon, newton_schulz  # noqa: E402

@@ -16,25 +16,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
-import hashlib
-import http.client
 import json
 import os
 import re
 import time
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from quillgpt.config import DataConfig
+from quillgpt.data.download import source_path
 from quillgpt.data.corpus import Piece, Source, count_chars, count_records, find_sources, iter_pieces
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, os_error, probe_writable, read_bytes, shown
+from quillgpt.files import atomic_write_bytes, os_error, probe_writable, shown
 from quillgpt.data.shards import ShardedTokens, encode_tasks, iter_tasks, write_shards
 from quillgpt.data.tokenizer import (
     GPT4_SPLIT_PATTERN,
@@ -46,10 +43,6 @@ from quillgpt.data.tokenizer import (
     tokenizer_from_spec,
 )
 
-if TYPE_CHECKING:  # torch is imported where batches are made: `quill prepare` runs without it
-    import torch
-
-DOWNLOAD_DIR = Path("data") / "downloads"  # relative to where `quill` runs; git-ignored
 FORMAT = 2  # meta.json layout: 2 = shards with a manifest (1 = train.bin/val.bin, read still)
 PIECE_CHARS = 1 << 20  # documents are cut into pieces of about this many characters...
 TASK_CHARS = 1 << 22  # ...grouped into tasks of about this many, one per worker call
@@ -63,92 +56,6 @@ TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|\.prepare-state\.json)[^/]*\.
 
 # ---------------------------------------------------------------------------------------------
 # reading and downloading text
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        exists, is_file = path.exists(), path.is_file()
-    except OSError as e:  # e.g. a name too long
-        raise os_error(e, path, "read", "file") from None
-    if not exists:
-        raise QuillError(f"data file not found: {path} (set data.path to a UTF-8 text file)")
-    if not is_file:
-        raise QuillError(f"{path} is not a file (set data.path to a UTF-8 text file)")
-    raw = read_bytes(path, "file")
-    if not raw:
-        raise QuillError(f"{path} is empty: it needs some text to train on")
-    return raw
-
-
-def _decode(raw: bytes, path: Path) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise QuillError(
-            f"{path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at byte offset {e.start} is "
-            f"invalid ({e.reason}); convert it first, e.g. iconv -f latin1 -t utf-8"
-        ) from None
-
-
-def read_text(path: str | Path) -> str:
-    """The whole file as text; a clear QuillError when it is missing, empty or not UTF-8."""
-    path = Path(path)
-    return _decode(_read_bytes(path), path)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def download(url: str, sha256: str | None, dest: str | Path, progress: bool = True) -> Path:
-    """Fetch `url` to `dest` once (temp file, checksum, rename); later calls reuse the file."""
-    dest = Path(dest)
-    by_hand = f"download it yourself and place it at {dest.resolve()}"
-    expected = sha256.lower() if sha256 else None
-    if dest.is_file():
-        actual = _sha256_file(dest)
-        if expected is None or actual == expected:
-            return dest
-        raise QuillError(
-            f"{dest} has sha256 {actual}, expected {expected} (data.sha256); "
-            f"delete it to download {url} again, or fix data.sha256"
-        )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".part")
-    h = hashlib.sha256()
-    try:
-        with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
-            size = int(r.headers.get("Content-Length") or 0) or None
-            with tqdm(total=size, unit="B", unit_scale=True, desc=f"download {dest.name}", disable=not progress) as bar:
-                while block := r.read(1 << 16):
-                    f.write(block)
-                    h.update(block)
-                    bar.update(len(block))
-    except (OSError, ValueError, http.client.HTTPException) as e:  # URLError is an OSError
-        tmp.unlink(missing_ok=True)
-        reason = getattr(e, "reason", None) or e
-        raise QuillError(f"could not download {url} ({reason}); {by_hand}") from None
-    actual = h.hexdigest()
-    if expected is not None and actual != expected:
-        tmp.unlink(missing_ok=True)
-        raise QuillError(
-            f"checksum mismatch for {url}: expected sha256 {expected}, got {actual}; "
-            f"{by_hand}, or fix data.sha256"
-        )
-    os.replace(tmp, dest)
-    return dest
-
-
-def source_path(cfg: DataConfig, progress: bool = True) -> Path:
-    """The local text file for `cfg`: data.path, else data.url downloaded into data/downloads/."""
-    if cfg.path is not None:
-        return Path(cfg.path)
-    name = Path(urllib.parse.urlparse(cfg.url).path).name or "download.txt"
-    return download(cfg.url, cfg.sha256, DOWNLOAD_DIR / name, progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,66 +376,3 @@ def load_tokens(out_dir: str | Path, split: str) -> np.memmap | ShardedTokens:
 # batches: x = a window of block_size ids, y = the same window shifted by one (the next tokens)
 
 
-def _check_length(tokens: np.ndarray, block_size: int, split: str) -> None:
-    if len(tokens) < block_size + 1:
-        raise QuillError(
-            f"the {split} split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
-            "use a smaller model.block_size, a larger data.val_fraction or more text"
-        )
-
-
-def batch_from_starts(
-    tokens: np.ndarray, starts: np.ndarray, block_size: int, device: str | torch.device = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y) int64 (B, T) windows starting at `starts`; y[:, t] = x[:, t + 1] continued."""
-    import torch
-
-    idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(block_size + 1)  # (B, T+1)
-    w = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))  # (B, T+1)
-    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
-    device = torch.device(device)
-    if device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
-def fixed_windows(tokens: np.ndarray, block_size: int, n: int, split: str = "val") -> np.ndarray:
-    """(n,) start offsets spread evenly over the split: the same every call, so periodic
-    evaluations compare like with like."""
-    _check_length(tokens, block_size, split)
-    return np.linspace(0, len(tokens) - block_size - 1, n).round().astype(np.int64)
-
-
-class BatchSampler:
-    """Random windows drawn with a seeded torch.Generator: the stream depends only on the seed
-    and how many batches were drawn, and `state_dict` lets a resumed run continue it exactly."""
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        block_size: int,
-        batch_size: int,
-        seed: int,
-        device: str | torch.device = "cpu",
-        split: str = "train",
-    ):
-        import torch
-
-        _check_length(tokens, block_size, split)
-        self.tokens = tokens
-        self.block_size = block_size
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
-
-        starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=self.generator)
-        return batch_from_starts(self.tokens, starts.numpy(), self.block_size, self.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])

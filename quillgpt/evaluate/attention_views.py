@@ -12,26 +12,23 @@ changes, PNGs are rendered by Agg and no display is needed. Without it the text 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from quillgpt.train.metrics import read_log
 from quillgpt.errors import QuillError
-from quillgpt.files import os_error, write_file
+from quillgpt.evaluate.figures import IMAGE_FORMATS, matplotlib_figure, save_figure
+from quillgpt.files import write_file
 from quillgpt.inference.text import encode_prompt
 from quillgpt.model.gpt import GPT
 from quillgpt.data.tokenizer import Tokenizer
 
-INSTALL_HINT = 'plotting needs matplotlib, the optional "plot" extra: pip install -e ".[plot]"'
-IMAGE_FORMATS = ("png", "svg")
 FIRST_TOKEN_SINK = 0.5  # a head putting at least this much weight on token 0 "looks at the first token"
 LOCAL_FRACTION = 0.5  # a head is "local" below this fraction of uniform attention's mean distance
 
@@ -184,15 +181,6 @@ def write_summary_json(path: str | Path, attention: Attention, summary: list[dic
     return path
 
 
-def save_figure(fig: Any, out: Path, fmt: str, dpi: int) -> None:
-    """Write a figure whole or not at all; a path that cannot be written is one QuillError."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, out.parent, "create the directory of", "--out") from None
-    write_file(out, lambda f: fig.savefig(f, format=fmt, dpi=dpi), "--out")
-
-
 # --- choosing what to show --------------------------------------------------------------------
 
 
@@ -265,22 +253,6 @@ def render_text(
 # --- drawing ----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _matplotlib() -> Iterator[Any]:
-    """matplotlib's Figure class, imported on first use, with text drawn literally.
-
-    Token labels and run names may contain '$', which matplotlib would parse as TeX (and fail
-    on); `text.parse_math` is read when each text is created, so drawing happens inside.
-    """
-    try:
-        import matplotlib
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise QuillError(f"{INSTALL_HINT} (or use --format text, which needs nothing)") from None
-    with matplotlib.rc_context({"text.parse_math": False}):
-        yield Figure
-
-
 def _layout(n_tokens: int, n_layers: int, n_heads: int) -> tuple[int, int, float]:
     """(rows, cols, panel inches): one layer's heads in a near-square grid, several layers as
     layer × head thumbnails; panels grow with the prompt up to a cap."""
@@ -323,7 +295,7 @@ def plot_attention(
     fmt = out.suffix.lower().lstrip(".")
     if fmt not in IMAGE_FORMATS:
         raise QuillError(f"{out}: the image must be .png or .svg")
-    with _matplotlib() as Figure:
+    with matplotlib_figure() as Figure:
         T = len(tokens)
         rows, cols, panel = _layout(T, len(layers), len(heads))
         fig = Figure(figsize=attention_figsize(T, len(layers), len(heads)), dpi=dpi, layout="constrained")
@@ -362,87 +334,4 @@ def plot_attention(
 
 # --- loss curves ------------------------------------------------------------------------------
 
-X_LABELS = {"step": "step", "tokens": "tokens seen", "time": "wall time"}
 
-
-@dataclass
-class Curves:
-    """One run's losses against the chosen x axis."""
-
-    name: str
-    train: tuple[list[float], list[float]]  # (x, train_loss) at every logged step
-    val: tuple[list[float], list[float]]  # (x, val_loss) at evaluation steps; may be empty
-    last_step: int
-    skipped: int = 0  # metrics.jsonl lines that could not be read, left out
-
-
-def load_curves(run_dir: str | Path, x: Literal["step", "tokens", "time"] = "step") -> Curves:
-    """Read a run's metrics.jsonl (also while it trains) with metrics.read_log: lines it cannot
-    read (a half-written last line, non-UTF-8 bytes, non-numeric values) are skipped and counted.
-
-    tokens = tokens trained on so far (all processes); time = elapsed_s (seconds of training).
-    """
-    run = Path(run_dir)
-    path = run / "metrics.jsonl"
-    if x not in X_LABELS:
-        raise QuillError(f"--x must be step, tokens or time, got {x!r}")
-    if not path.is_file():
-        raise QuillError(f"{run} has no metrics.jsonl; pass a run directory written by quill train")
-    log = read_log(path)
-    records = log.records
-    if not records:
-        raise QuillError(f"{path} has no logged steps yet; wait for the first log_interval")
-    key = {"step": "step", "tokens": "tokens", "time": "elapsed_s"}[x]
-    train = [(float(r[key]), float(r["train_loss"])) for r in records if key in r and "train_loss" in r]
-    val = [(float(r[key]), float(r["val_loss"])) for r in records if key in r and "val_loss" in r]
-    if not train:
-        raise QuillError(f"{path} has no readable line with train_loss and {key} yet ({log.skipped} unreadable skipped)")
-    return Curves(
-        name=run.resolve().name,
-        train=([p[0] for p in train], [p[1] for p in train]),
-        val=([p[0] for p in val], [p[1] for p in val]),
-        last_step=int(records[-1]["step"]),
-        skipped=log.skipped,
-    )
-
-
-def plot_runs(
-    run_dirs: list[str | Path],
-    out: str | Path,
-    x: Literal["step", "tokens", "time"] = "step",
-    log: bool = False,
-    dpi: int = 100,
-) -> list[Curves]:
-    """Train (solid) and val (dashed, dots) loss of several runs on one plot, one colour each."""
-    if not run_dirs:
-        raise QuillError("pass at least one run directory")
-    out = Path(out)
-    fmt = out.suffix.lower().lstrip(".")
-    if fmt not in IMAGE_FORMATS:
-        raise QuillError(f"--out {out} must end in .png or .svg")
-    curves = [load_curves(d, x) for d in run_dirs]
-    names = [c.name for c in curves]
-    if len(set(names)) < len(names):  # same leaf name in different places: use the paths as given
-        for c, d in zip(curves, run_dirs):
-            c.name = str(d)
-    scale, unit = 1.0, ""
-    if x == "time":
-        longest = max(max(c.train[0] + c.val[0], default=0.0) for c in curves)
-        scale, unit = (3600.0, " (h)") if longest > 3 * 3600 else (60.0, " (min)") if longest > 180 else (1.0, " (s)")
-    with _matplotlib() as Figure:
-        fig = Figure(figsize=(8, 5), dpi=dpi, layout="constrained")
-        ax = fig.subplots()
-        for n, c in enumerate(curves):
-            color = f"C{n % 10}"
-            ax.plot([v / scale for v in c.train[0]], c.train[1], color=color, lw=1.2, label=f"{c.name} train")
-            if c.val[0]:
-                ax.plot([v / scale for v in c.val[0]], c.val[1], color=color, ls="--", marker="o", ms=3,
-                        label=f"{c.name} val")
-        ax.set_xlabel(X_LABELS[x] + unit)
-        ax.set_ylabel("loss (nats/token)")
-        if log:
-            ax.set_yscale("log")
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        save_figure(fig, out, fmt, dpi)
-    return curves

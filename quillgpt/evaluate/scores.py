@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from quillgpt.checkpoint import load_run
-from quillgpt.data.prepare import batch_from_starts, load_prepared, load_tokens
+from quillgpt.data.batches import batch_from_starts
+from quillgpt.data.prepare import load_prepared, load_tokens
 from quillgpt.files import read_text
 from quillgpt.errors import QuillError
 from quillgpt.device import resolve_device

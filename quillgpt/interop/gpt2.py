@@ -9,20 +9,16 @@ Quill's parameter names already mirror HF GPT-2, so nothing is renamed; what dif
 * GPT-2's `gelu_new` is the tanh-approximated GELU that quill's MLP uses.
 Whatever one side can say and the other cannot is refused by name, never approximated.
 
-transformers, safetensors and huggingface_hub are the optional `hf` extra, imported inside the
-functions that need them.
+Reading and writing Hugging Face directories is interop/hf_files.py's.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -31,12 +27,11 @@ from torch import Tensor
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, config_from_dict, save_config, shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, atomic_write_text, os_error, probe_writable, read_text, shown
-from quillgpt.model.gpt import GPT
+from quillgpt.files import atomic_write_bytes, read_text, shown
+from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, make_out_dir, require, resolve_source, write_json
 from quillgpt.model.variants import variant_of
 from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 
-HF_INSTALL = 'pip install -e ".[hf]"'
 # Weights HF keeps as Conv1D (in, out): transposed to and from nn.Linear's (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")  # causal masks saved by old transformers
@@ -48,10 +43,6 @@ GPT2_DEFAULTS: dict[str, Any] = {
     "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
 }
-HUB_WEIGHTS = (  # what import-hf fetches from the Hub: safetensors first, else the pickle format
-    ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors"],
-    ["config.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*-of-*.bin"],
-)
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
 # --force when any one of these is already there (a run and an HF model never share a directory).
@@ -66,15 +57,6 @@ class Converted:
     path: Path
     model: ModelConfig
     tokenizer: str
-
-
-def _require(module: str) -> ModuleType:
-    """Import part of the `hf` extra, or say how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        top = module.split(".")[0]
-        raise QuillError(f"GPT-2 interop needs {top} (the hf extra): {HF_INSTALL}") from None
 
 
 # --- configs ----------------------------------------------------------------------------------
@@ -226,128 +208,7 @@ def quill_to_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, T
     return out
 
 
-def load_hf_weights(src: Path) -> dict[str, Tensor]:
-    """The tensors of an HF model directory: model.safetensors, else pytorch_model.bin (sharded or not)."""
-    for name, loader in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
-        if os.path.isfile(src / name):
-            return loader(src / name)
-        index = src / f"{name}.index.json"
-        if os.path.isfile(index):
-            tensors: dict[str, Tensor] = {}
-            for shard in _shard_names(index):
-                tensors.update(loader(src / shard))
-            return tensors
-    raise QuillError(
-        f"{src} has no weights: expected model.safetensors or pytorch_model.bin (or their sharded "
-        "*.index.json) next to config.json"
-    )
-
-
-def _shard_names(index: Path) -> list[str]:
-    """The shard files an *.index.json names: plain file names beside it, never a path elsewhere."""
-    try:
-        weight_map = json.loads(read_text(index, "shard index", limit=1 << 26))["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise QuillError(f"{shown(index)} is not a valid shard index ({type(e).__name__}: {str(e)[:100]})") from None
-    for shard in shards:
-        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
-            raise QuillError(f"{shown(index)} names the shard {shown_value(shard)}; shards must be files beside it")
-    return shards
-
-
-def _load_safetensors(path: Path) -> dict[str, Tensor]:
-    st_torch = _require("safetensors.torch")
-    if not os.path.isfile(path):
-        raise QuillError(f"{shown(path)} is missing (named in the shard index)")
-    try:
-        return _checked_tensors(st_torch.load_file(path, device="cpu"), path)
-    except QuillError:
-        raise
-    except Exception as e:  # noqa: BLE001 — SafetensorError, OSError, and whatever a crafted header raises
-        raise QuillError(f"{shown(path)} is not a readable safetensors file ({type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0][:100]}); download it again") from None
-
-
-def _load_bin(path: Path) -> dict[str, Tensor]:
-    if not os.path.isfile(path):
-        raise QuillError(f"{shown(path)} is missing (named in the shard index)")
-    try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)  # never runs code
-    except pickle.UnpicklingError as e:
-        raise QuillError(
-            f"{shown(path)} was refused: loading it needs code execution, which is unsafe "
-            f"({ckpt.refused_call(e)}); use the model's model.safetensors instead"
-        ) from None
-    except Exception as e:  # noqa: BLE001 — damaged bytes fail in torch.load with many types
-        raise QuillError(f"{shown(path)} is not a readable PyTorch weights file "
-                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]})") from None
-    return _checked_tensors(tensors, path)
-
-
-def _checked_tensors(tensors: Any, path: Path) -> dict[str, Tensor]:
-    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(t, Tensor) for k, t in tensors.items()):
-        raise QuillError(f"{shown(path)} is not a state dict (names → tensors); is it a GPT-2 weights file?")
-    return tensors
-
-
 # --- sources ----------------------------------------------------------------------------------
-
-
-def resolve_source(src: str | Path) -> Path:
-    """A local HF model directory, or a hub name (gpt2, gpt2-medium, openai-community/gpt2)
-    resolved from huggingface_hub's cache, downloading when online."""
-    path = Path(src)
-    if os.path.exists(path):  # os.path: False, not an OSError, for a name too long to exist
-        if not os.path.isfile(path / "config.json"):
-            raise QuillError(f"{shown(path)} is not a Hugging Face model directory (no config.json in it)")
-        return path
-    name = str(src)
-    if not re.fullmatch(r"[\w.-]{1,96}(/[\w.-]{1,96})?", name):  # the Hub's repo id rules
-        raise QuillError(f"{shown(name)} not found: pass a local model directory or a hub name such as gpt2")
-    hub = _require("huggingface_hub")
-    errors = _require("huggingface_hub.errors")
-    try:
-        for patterns in HUB_WEIGHTS:
-            snapshot = Path(hub.snapshot_download(name, allow_patterns=patterns))
-            if any((snapshot / p).is_file() for p in patterns[1:3]):
-                return snapshot
-    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.HFValidationError) as e:
-        raise QuillError(
-            f"{name} is neither a local directory nor a model on the Hugging Face Hub "
-            f"({type(e).__name__}); check the name, e.g. gpt2, gpt2-medium, openai-community/gpt2"
-        ) from None
-    except (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, OSError) as e:
-        cache = hub.constants.HF_HUB_CACHE
-        cause = e.__cause__ or e  # e.g. httpx's ConnectError behind LocalEntryNotFoundError
-        why = "HF_HUB_OFFLINE is set" if hub.constants.HF_HUB_OFFLINE else f"{type(cause).__name__}: {cause}"
-        raise QuillError(
-            f"{name} is not a local directory, not in the Hugging Face cache ({cache}), and could not be "
-            f"downloaded ({why}); on a machine with internet run `hf download {name} config.json "
-            f"model.safetensors --local-dir DIR` (`huggingface-cli download` before huggingface_hub 1.0), "
-            f"copy DIR here, then run `quill import-hf DIR --out RUN_DIR`"
-        ) from None
-    raise QuillError(f"the Hub repository {name} has no model.safetensors or pytorch_model.bin")
-
-
-def _check_out_dir(out_dir: Path, ours: tuple[str, ...], force: bool, what: str) -> None:
-    """Before any long work: --out must be a writable directory holding none of the files this
-    command writes or removes (any one of them is someone's work), unless --force."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise QuillError(f"--out {shown(out_dir)} is a file; pass a directory")
-    existing = [n for n in ours if os.path.lexists(out_dir / n)]  # os.path: no OSError for odd names
-    if existing and not force:
-        raise QuillError(
-            f"--out {shown(out_dir)} already holds {what} ({', '.join(existing)}); choose another --out or pass --force to overwrite"
-        )
-    probe_writable(out_dir, "--out", create=False)  # made when the files are written: a failure leaves nothing
-
-
-def _make_out_dir(out_dir: Path) -> None:
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, out_dir, "create", "--out") from None
 
 
 # --- the two directions -----------------------------------------------------------------------
@@ -360,7 +221,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     train.init_from. The tokenizer is tiktoken's gpt2, or the one export-hf saved beside the weights.
     """
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, RUN_FILES + HF_FILES, force, "a run's or a model's files")
+    check_out_dir(out_dir, RUN_FILES + HF_FILES, force, "a run's or a model's files")
     path = resolve_source(src)
     try:
         hf_config = json.loads(read_text(path / "config.json", "config.json", limit=1 << 24))
@@ -379,7 +240,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     state = hf_to_quill_state(load_hf_weights(path), model_cfg)
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
 
-    _make_out_dir(out_dir)
+    make_out_dir(out_dir)
     cfg = Config(model=model_cfg)
     tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
     cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")
@@ -410,9 +271,9 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     Writes config.json, model.safetensors, generation_config.json (when the tokenizer has an
     end-of-text id) and quill_tokenizer.json; `GPT2LMHeadModel.from_pretrained(out_dir)` loads it.
     """
-    st_torch = _require("safetensors.torch")
+    st_torch = require("safetensors.torch")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
+    check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
     loaded = ckpt.load_run(run, which=which)
     cfg = loaded.config.model
     problems = gpt2_incompatibilities(cfg)
@@ -421,17 +282,15 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     tensors = quill_to_hf_state(loaded.model.state_dict(), cfg)
     eot = loaded.tokenizer.eot_id
 
-    _make_out_dir(out_dir)
+    make_out_dir(out_dir)
     atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
-    _write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
+    write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
     generation = out_dir / "generation_config.json"
     if eot is not None:
-        _write_json(generation, {"bos_token_id": eot, "eos_token_id": eot})
+        write_json(generation, {"bos_token_id": eot, "eos_token_id": eot})
     else:
         generation.unlink(missing_ok=True)
     save_tokenizer(loaded.tokenizer, out_dir / QUILL_TOKENIZER)
     return Converted(out_dir, cfg, loaded.tokenizer.name)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")

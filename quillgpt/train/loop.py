@@ -31,8 +31,9 @@ import torch
 from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.config import Config, ModelConfig, TrainConfig, parse_duration, save_config
-from quillgpt.data.prepare import BatchSampler, PreparedData, fixed_windows, load_prepared, load_tokens, prepare
+from quillgpt.config import Config, parse_duration
+from quillgpt.data.batches import BatchSampler, fixed_windows
+from quillgpt.data.prepare import PreparedData, load_prepared, load_tokens
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import (
     Dist, full_weights, grad_sync, is_sharded, prepare_model, rank_rng_states, resolve_strategy, restore_rank_rng,
@@ -40,17 +41,16 @@ from quillgpt.train.distributed import (
 )
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_windows
-from quillgpt.files import probe_writable
-from quillgpt.train.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
+from quillgpt.train.metrics import MetricsWriter
 from quillgpt.model.gpt import GPT
 from quillgpt.model.variants import variant_of
-from quillgpt.train.optim import MuonAdamW, build_optimizer
+from quillgpt.train.optim import build_optimizer
 from quillgpt.train.prefix_batches import PrefixLengths, PrefixSampler, separator_id
+from quillgpt.train.run_dir import init_from_run, load_resume_state, open_run, start_run
+from quillgpt.train.schedule import follow_budget, lr_at
 from quillgpt.device import peak_flops, resolve_dtype
 from quillgpt.train.memory import check_train_memory
-from quillgpt.data.tokenizer import Tokenizer, save_tokenizer
-
-FIT_AFTER_STEPS = 10  # train.time_budget: the horizon is fitted once, at this step or warmup's end
+from quillgpt.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -64,36 +64,6 @@ class TrainResult:
 
 
 # --- schedule, optimizer, devices -------------------------------------------------------------
-
-
-def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
-    """Learning rate for optimizer step `step` (0-based) of a run of `total` steps."""
-    if step < cfg.warmup_iters:
-        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
-    if cfg.lr_schedule == "constant":
-        return cfg.learning_rate
-    if cfg.lr_schedule == "wsd":  # warmup, stable, then linear decay over the last decay_frac
-        decay_start = total - int(cfg.decay_frac * total)
-        if step < decay_start:
-            return cfg.learning_rate
-        frac = (step - decay_start) / max(1, total - decay_start)
-    else:  # cosine from the end of warmup to the end of the run
-        frac = (step - cfg.warmup_iters) / max(1, total - cfg.warmup_iters)
-        frac = 0.5 * (1.0 - math.cos(math.pi * min(frac, 1.0)))
-    return cfg.learning_rate - min(frac, 1.0) * (cfg.learning_rate - cfg.min_lr)
-
-
-def fit_horizon(step: int, cfg: TrainConfig, pace_s: float, budget_left_s: float, world_size: int = 1) -> int:
-    """The last step that fits in the time budget at `pace_s` seconds per step, so the lr
-    schedule decays in time. Evaluations are counted as forward passes (a third of a training
-    micro-step each); the budget still stops the run if the pace changes later."""
-    per_step = pace_s * (1 + eval_step_times(cfg, world_size) / cfg.eval_interval)
-    return min(cfg.max_iters, max(step + 1, step + int(budget_left_s / per_step)))
-
-
-def eval_step_times(cfg: TrainConfig, world_size: int = 1) -> float:
-    """One evaluation (2 splits × eval_iters forward batches, a third of a micro-step each) in step-times."""
-    return 2 * cfg.eval_iters * world_size / (3 * cfg.grad_accum)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -209,64 +179,6 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         teardown_distributed(ddp)
 
 
-def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool) -> tuple[PreparedData, bool]:
-    """Lock the run directory, decide whether this is a resume, prepare the data; returns the
-    prepared data and whether to resume. Rank 0 does the checks before any rank does work, and a
-    refusal there stops every rank (instead of leaving them waiting for rank 0 forever)."""
-    out_dir, failure, resuming = Path(cfg.train.out_dir), None, False
-    if ddp.master:
-        try:
-            probe_writable(out_dir, "train.out_dir")
-            stack.enter_context(ckpt.RunLock(out_dir))
-            ckpt.remove_stale_temps(out_dir)
-            sharded.remove_stale(out_dir)
-            resuming = _resuming(cfg.train, out_dir)
-            if cfg.train.tensorboard:
-                check_tensorboard()
-            prepared = prepare(cfg.data, progress=progress)
-        except QuillError as e:
-            failure = e
-    if ddp.any(failure is not None):
-        raise failure or QuillError("rank 0 could not start the run (its message says why)")
-    if not ddp.master:
-        prepared = prepare(cfg.data, progress=False)
-    return prepared, bool(ddp.broadcast_int(int(resuming)))
-
-
-def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
-    """Resume, start afresh, or refuse: a run already in out_dir is continued only with
-    train.resume and replaced only with train.overwrite, never by a forgotten flag."""
-    latest, best = out_dir / ckpt.LATEST, out_dir / ckpt.BEST
-    saved = latest.is_file() or (out_dir / sharded.SHARDED / sharded.POINTER).is_file()  # or an FSDP run's shards
-    if tc.resume is True and tc.overwrite:
-        raise QuillError("--resume continues the run in train.out_dir and --overwrite replaces it; pass one of them")
-    if tc.resume is True and not saved:
-        hint = (f"its {ckpt.BEST} can seed a new run with train.init_from={best} and another train.out_dir, "
-                "or --overwrite starts over here" if best.is_file() else "drop --resume to start a new run")
-        raise QuillError(f"cannot resume: no checkpoint at {latest}; {hint}")
-    resuming = bool(tc.resume) and not tc.overwrite and saved
-    if not resuming and not tc.overwrite and (saved or best.is_file()):
-        raise QuillError(
-            f"{out_dir} already holds a run ({describe_run(out_dir)}); continue it with --resume "
-            "(train.resume=true), or replace it with --overwrite (train.overwrite=true)"
-        )
-    return resuming
-
-
-def describe_run(out_dir: Path) -> str:
-    """'step 800, best val loss 1.5412' from the run's checkpoint, for messages about the run."""
-    for name in (ckpt.LATEST, ckpt.BEST):
-        if (out_dir / name).is_file():
-            try:
-                state = ckpt.load_checkpoint(out_dir / name)
-            except QuillError:
-                continue
-            best = state.get("best_val_loss", state.get("val_loss"))
-            shown = f"{best:.4f}" if isinstance(best, float) and math.isfinite(best) else "n/a"
-            return f"step {state.get('step', '?')}, best val loss {shown}"
-    return "its checkpoints are unreadable"
-
-
 def setup(
     cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, resuming: bool
 ) -> tuple[Trainer, dict[str, Any] | None]:
@@ -282,9 +194,9 @@ def setup(
         )
     init_state = None
     if tc.init_from:
-        cfg, init_state = _init_from(cfg, tokenizer.spec())
+        cfg, init_state = init_from_run(cfg, tokenizer.spec())
     strategy = resolve_strategy(tc, cfg.model, ddp, device)
-    state = _load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy) if resuming else None
+    state = load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy) if resuming else None
     if strategy != "fsdp":  # FSDP holds a 1/world_size share of the state per device
         check_train_memory(cfg.model, tc, device)  # before anything big is allocated
     train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
@@ -319,58 +231,6 @@ def setup(
     return t, state
 
 
-def _init_from(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, torch.Tensor]]:
-    """Fine-tuning: take the source run's architecture and weights (dropout/block_size may shrink)."""
-    source = ckpt.load_run(cfg.train.init_from, which="best")
-    if source.tokenizer.spec() != tokenizer_spec:
-        raise QuillError(
-            f"train.init_from={cfg.train.init_from} uses tokenizer {source.tokenizer.name!r} but the data "
-            f"was prepared with {cfg.data.tokenizer!r}; set data.tokenizer to match (e.g. data.tokenizer=gpt2)"
-        )
-    model_cfg = source.config.model
-    if cfg.model.block_size > model_cfg.block_size:
-        raise QuillError(
-            f"model.block_size={cfg.model.block_size} exceeds the source model's {model_cfg.block_size}"
-        )
-    state = source.model.state_dict()
-    if model_cfg.pos == "learned":
-        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: cfg.model.block_size]
-    model_cfg.block_size, model_cfg.dropout = cfg.model.block_size, cfg.model.dropout
-    cfg.model = model_cfg
-    return cfg, state
-
-
-def _load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str) -> dict[str, Any]:
-    """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory),
-    checked against the config; a damaged one says what `train` can do instead."""
-    latest, shards = out_dir / ckpt.LATEST, sharded.latest_sharded(out_dir)
-    if (shards is not None) != (strategy == "fsdp"):
-        raise QuillError(_strategy_mismatch(out_dir, shards is not None))
-    try:
-        if shards is not None:
-            latest = shards / sharded.TRAIN_STATE
-            state = {**sharded.load_train_state(shards), "shards": shards}
-        else:
-            state = ckpt.load_checkpoint(latest)
-        if "optimizer" in state:  # weights only (import-hf): _check_compatible says what to do
-            ckpt.check_state(state, str(latest), ckpt.RESUME_KEYS)
-    except QuillError as e:
-        what = str(e).split("; ")[0]  # what is wrong, without advice meant for sample/eval (--which)
-        best = out_dir / ckpt.BEST
-        keep = f", or keep {ckpt.BEST}'s weights with train.init_from={best} and a new train.out_dir" if best.is_file() else ""
-        raise QuillError(f"cannot resume: {what}; start over with --overwrite{keep}") from None
-    _check_compatible(state, cfg, tokenizer_spec, latest)
-    return state
-
-
-def _strategy_mismatch(out_dir: Path, has_shards: bool) -> str:
-    if has_shards:
-        return (f"{out_dir} holds the sharded checkpoint of an FSDP run; resume it under torchrun with "
-                "train.strategy=fsdp (any number of processes)")
-    return (f"{out_dir / ckpt.LATEST} was written by a DDP or one-process run, not sharded; resume it with "
-            "train.strategy=ddp")
-
-
 def restore(t: Trainer, state: dict[str, Any]) -> None:
     """Bring a checkpoint back: weights, optimizer, scaler, sampler, this rank's random stream,
     counters, and a time budget's fitted horizon (so the schedule continues, not restarts)."""
@@ -387,29 +247,6 @@ def restore(t: Trainer, state: dict[str, Any]) -> None:
     if t.budget_s is not None and state.get("horizon") is not None:
         t.horizon, t.fitted = min(state["horizon"], t.cfg.train.max_iters), True
         t.budget_ended = bool(state.get("budget_ended", False))
-
-
-def start_run(t: Trainer, resumed: bool) -> None:
-    """The point of no return, reached after the first step gave a finite loss: only now are the
-    run's files written, so a run that fails or is stopped before it really starts changes
-    nothing. A fresh run clears what an earlier one left; --overwrite says so."""
-    if t.ddp.master:
-        metrics = t.out_dir / METRICS
-        if resumed:
-            skipped = truncate_metrics(metrics, t.first_step)  # the checkpoint's step
-            if skipped:
-                tqdm.write(f"note: dropped {skipped} unreadable line(s) of {metrics}")
-        else:
-            replaced = describe_run(t.out_dir) if (t.out_dir / ckpt.LATEST).is_file() or (t.out_dir / ckpt.BEST).is_file() else None
-            for path in [t.out_dir / ckpt.LATEST, t.out_dir / ckpt.BEST, metrics, *t.out_dir.glob("events.out.tfevents.*")]:
-                path.unlink(missing_ok=True)
-            sharded.remove_sharded(t.out_dir)
-            if replaced is not None:
-                tqdm.write(f"--overwrite: replaced the run in {t.out_dir} ({replaced}) with a new one")
-        t.cfg.train.overwrite = False  # a one-off permission: the run's config.yaml must not carry it on
-        save_config(t.cfg, t.out_dir / "config.yaml")
-        save_tokenizer(t.tokenizer, t.out_dir / "tokenizer.json")
-        t.log = MetricsWriter(t.out_dir, t.cfg.train.tensorboard, purge_step=t.first_step + 1 if resumed else None)
 
 
 def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
@@ -436,7 +273,7 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
             if t.step == t.first_step + 1 and not _started(t, loss, stop, resumed, bar):
                 t.step, stopped = t.first_step, "interrupted"  # the step is not kept: nothing was saved
                 break
-            _follow_budget(t, bar)
+            follow_budget(t, bar)
             record = _log_record(t, loss, lr, meter, bar, tokens_per_step) if t.step % tc.log_interval == 0 or t.step == t.horizon else {}
             if t.step % tc.eval_interval == 0 or t.step == t.horizon:
                 eval_started = time.time()
@@ -479,30 +316,6 @@ def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar:
         return False
     start_run(t, resumed)
     return True
-
-
-def _follow_budget(t: Trainer, bar: tqdm) -> None:
-    """train.time_budget: fit the horizon once, at a fixed step (FIT_AFTER_STEPS or warmup's end,
-    whichever is later), so the steps before it follow max_iters' schedule identically in a
-    straight and a resumed run; stop once the time left only holds one more step and the final
-    evaluation and checkpoint (reserve_s: the last one's time; estimated from the pace before the
-    first), so they too end inside the budget."""
-    if t.budget_s is None or t.budget_ended:
-        return
-    # seconds per step, after the first one: its one-time costs (lazy kernels, allocations) took
-    # ~15 s of a 3-minute run on a busy machine and made the fitted horizon ~25% short
-    t.pace_mark = t.pace_mark or (time.time(), t.step)
-    since, step = t.pace_mark
-    pace = (time.time() - since) / (t.step - step) if t.step > step else time.time() - t.t_start
-    reserve = t.reserve_s or pace * eval_step_times(t.cfg.train, t.ddp.world_size)
-    if t.ddp.any(t.elapsed() + pace + reserve >= t.budget_s):
-        t.horizon, t.budget_ended = t.step, True  # finish as if this were the last step
-    elif not t.fitted and t.step >= max(FIT_AFTER_STEPS, t.cfg.train.warmup_iters):
-        horizon = fit_horizon(t.step, t.cfg.train, pace, t.budget_s - t.elapsed() - reserve, t.ddp.world_size)
-        t.horizon, t.fitted = t.ddp.broadcast_int(horizon), True
-        bar.total = t.horizon
-    if t.step >= t.horizon and t.horizon < t.cfg.train.max_iters:
-        t.budget_ended = True  # the fitted end: the budget, not max_iters, ended the run
 
 
 def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: tqdm, tokens_per_step: int) -> dict[str, Any]:
@@ -659,31 +472,3 @@ def _first_compiled_step(t: Trainer) -> torch.Tensor:
         return train_step(t.model, t)
 
 
-def _describe_tokenizer(spec: dict) -> str:
-    """A spec in a few words: two char vocabularies differ in their characters, not their name."""
-    if spec.get("type") == "char":
-        return f"char ({len(spec.get('chars', ''))} characters)"
-    if spec.get("type") == "bpe":
-        return f"bpe ({len(spec.get('ranks', [])) + len(spec.get('special_tokens', {}))} ids)"
-    return str(spec.get("name", spec.get("type")))
-
-
-def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path) -> None:
-    """Refuse to resume a run whose model shape or tokenizer differ from the config's."""
-    if "optimizer" not in state and "shards" not in state:
-        raise QuillError(
-            f"cannot resume {path}: it holds weights only (e.g. from quill import-hf); "
-            f"fine-tune it with train.init_from={path.parent} and a new train.out_dir"
-        )
-    old = ModelConfig(**state["config"]["model"])
-    diffs = ckpt.config_differences(old, cfg.model)
-    old_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
-    if old_optimizer != cfg.train.optimizer:  # their states do not load into each other
-        diffs.append(f"train.optimizer: {old_optimizer} → {cfg.train.optimizer}")
-    if state["tokenizer"] != tokenizer_spec:
-        diffs.append(f"data.tokenizer: {_describe_tokenizer(state['tokenizer'])} → {_describe_tokenizer(tokenizer_spec)}")
-    if diffs:
-        raise QuillError(
-            f"cannot resume {path}: the config differs in {'; '.join(diffs)} — "
-            "use the run's own config.yaml or a new train.out_dir"
-        )

@@ -12,17 +12,9 @@ import yaml
 
 from quillgpt.cli import main
 from quillgpt.config import load_config
-from quillgpt.data.prepare import (
-    BatchSampler,
-    batch_from_starts,
-    download,
-    fixed_windows,
-    load_prepared,
-    load_tokens,
-    prepare,
-    read_text,
-    token_dtype,
-)
+from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows
+from quillgpt.data.download import download
+from quillgpt.data.prepare import load_prepared, load_tokens, prepare, token_dtype
 from quillgpt.errors import QuillError
 from quillgpt.data.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
 
@@ -164,6 +156,9 @@ def test_existing_download_with_wrong_checksum_is_reported(tmp_path):
 
 
 def test_bad_text_files_are_one_clear_error(tmp_path):
+    def read_text(path):  # what quill prepare reads data.path with
+        prepare(data_cfg(tmp_path, path=str(path), out_dir=str(tmp_path / "o")), progress=False)
+
     with pytest.raises(QuillError, match="data file not found"):
         read_text(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_bytes(b"")

@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quillgpt.checkpoint import load_checkpoint, load_run, read_metrics, save_checkpoint
+from quillgpt.checkpoint import load_checkpoint, load_run, save_checkpoint
+from quillgpt.train.metrics import read_metrics
 from quillgpt.config import ModelConfig, load_config
-from quillgpt.data.prepare import fixed_windows, load_tokens
+from quillgpt.data.batches import fixed_windows
+from quillgpt.data.prepare import load_tokens
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
 from quillgpt.model.gpt import GPT

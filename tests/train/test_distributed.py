@@ -12,9 +12,7 @@ import torch
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import load_config
-from quillgpt.data.prepare import prepare
 from quillgpt.train.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
-from quillgpt.train.metrics import read_metrics
 from quillgpt.train.loop import train
 from support import CPU_CONFIG as CONFIG, assert_same_state, losses, tiny, two_ranks
 

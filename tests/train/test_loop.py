@@ -8,11 +8,14 @@ import pytest
 import torch
 
 import quillgpt.train.loop as train_mod
-from quillgpt.checkpoint import RunLock, load_checkpoint
+import quillgpt.train.schedule as schedule
+from quillgpt.checkpoint import load_checkpoint
+from quillgpt.train.run_dir import RunLock
 from quillgpt.train.metrics import read_metrics
 from quillgpt.config import TrainConfig, load_config
 from quillgpt.errors import QuillError
-from quillgpt.train.loop import lr_at, train
+from quillgpt.train.loop import train
+from quillgpt.train.schedule import lr_at
 from support import interrupt_after, poison_loss_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -331,19 +334,19 @@ def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path)
 def test_fit_horizon_counts_evaluations_and_stays_in_range():
     cfg = TrainConfig(max_iters=1000, eval_iters=3, eval_interval=4, grad_accum=1)
     # 0.5 s/step plus an evaluation (2 splits × 3 forward batches = 2 step-times) every 4 steps
-    assert train_mod.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=75.0) == 10 + 100
-    assert train_mod.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=1e9) == 1000
-    assert train_mod.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=0.0) == 11
+    assert schedule.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=75.0) == 10 + 100
+    assert schedule.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=1e9) == 1000
+    assert schedule.fit_horizon(10, cfg, pace_s=0.5, budget_left_s=0.0) == 11
 
 
 def test_budgeted_run_resumes_on_its_saved_horizon(shakespeare_path, data_dir, tmp_path, monkeypatch):
     """The pace is fixed here (the horizon is a measurement), then taken away before the resume:
     a resume that fitted again, or fell back to max_iters, would end at another step."""
-    real_fit = train_mod.fit_horizon
-    monkeypatch.setattr(train_mod, "fit_horizon", lambda step, cfg, pace, left, world=1: real_fit(step, cfg, 0.1, 0.8, world))
+    real_fit = schedule.fit_horizon
+    monkeypatch.setattr(schedule, "fit_horizon", lambda step, cfg, pace, left, world=1: real_fit(step, cfg, 0.1, 0.8, world))
     extra = ("train.max_iters=1000", "train.time_budget=1h", "train.eval_interval=4", "train.log_interval=2")
     straight = train(tiny_config(shakespeare_path, data_dir, tmp_path / "a", *extra), progress=False)
-    fit_step = max(train_mod.FIT_AFTER_STEPS, 2)
+    fit_step = max(schedule.FIT_AFTER_STEPS, 2)
     horizon = real_fit(fit_step, tiny_config(shakespeare_path, data_dir, "x", *extra).train, 0.1, 0.8)
     assert straight.stopped == "time_budget" and straight.step == horizon > fit_step + 2
     saved = load_checkpoint(tmp_path / "a" / "ckpt.pt")

@@ -1,0 +1,43 @@
+"""Figures without global state: matplotlib is optional (`pip install -e ".[plot]"`), imported
+only when drawing, and only through `matplotlib.figure.Figure`, never pyplot: nothing global
+such as the backend changes, PNGs are rendered by Agg and no display is needed."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+from quillgpt.errors import QuillError
+from quillgpt.files import os_error, write_file
+
+
+INSTALL_HINT = 'plotting needs matplotlib, the optional "plot" extra: pip install -e ".[plot]"'
+
+
+IMAGE_FORMATS = ("png", "svg")
+
+
+def save_figure(fig: Any, out: Path, fmt: str, dpi: int) -> None:
+    """Write a figure whole or not at all; a path that cannot be written is one QuillError."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, out.parent, "create the directory of", "--out") from None
+    write_file(out, lambda f: fig.savefig(f, format=fmt, dpi=dpi), "--out")
+
+
+@contextlib.contextmanager
+def matplotlib_figure() -> Iterator[Any]:
+    """matplotlib's Figure class, imported on first use, with text drawn literally.
+
+    Token labels and run names may contain '$', which matplotlib would parse as TeX (and fail
+    on); `text.parse_math` is read when each text is created, so drawing happens inside.
+    """
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise QuillError(f"{INSTALL_HINT} (or use --format text, which needs nothing)") from None
+    with matplotlib.rc_context({"text.parse_math": False}):
+        yield Figure

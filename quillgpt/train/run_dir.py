@@ -1,0 +1,237 @@
+"""The run directory and its policy: one process owns it, an existing run is never replaced
+without --overwrite, a resume must match the run it continues, and nothing is written until
+the first step has given a finite loss.
+
+    config.yaml      the resolved config that produced it
+    tokenizer.json   the tokenizer spec (rebuilds the tokenizer without the corpus)
+    ckpt.pt          the latest checkpoint (everything needed to resume exactly)
+    best.pt          the weights with the lowest validation loss so far
+    metrics.jsonl    one JSON object per logged step (train/metrics.py)
+    sharded/         an FSDP run's sharded checkpoints (train/fsdp_checkpoint.py)
+    .lock            held by the one process training in it
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from quillgpt import checkpoint as ckpt
+from quillgpt.config import Config, ModelConfig, TrainConfig, save_config
+from quillgpt.data.prepare import PreparedData, prepare
+from quillgpt.data.tokenizer import save_tokenizer
+from quillgpt.errors import QuillError
+from quillgpt.files import probe_writable
+from quillgpt.train import fsdp_checkpoint as sharded
+from quillgpt.train.distributed import Dist
+from quillgpt.train.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
+
+if TYPE_CHECKING:
+    from quillgpt.train.loop import Trainer
+
+
+def remove_stale_temps(out_dir: str | Path) -> None:
+    """Delete temp files that a killed writer left in a run directory (call holding its lock)."""
+    for name in (ckpt.LATEST, ckpt.BEST, METRICS):
+        for tmp in Path(out_dir).glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+class RunLock:
+    """An exclusive lock on a run directory; the OS drops it when the holder dies."""
+
+    def __init__(self, out_dir: str | Path):
+        self.path = Path(out_dir) / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "another process"
+            os.close(self._fd)
+            self._fd = None
+            raise QuillError(
+                f"{self.path.parent} is in use by a running quill train (pid {holder}); "
+                "wait for it, or pass a different train.out_dir"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool) -> tuple[PreparedData, bool]:
+    """Lock the run directory, decide whether this is a resume, prepare the data; returns the
+    prepared data and whether to resume. Rank 0 does the checks before any rank does work, and a
+    refusal there stops every rank (instead of leaving them waiting for rank 0 forever)."""
+    out_dir, failure, resuming = Path(cfg.train.out_dir), None, False
+    if ddp.master:
+        try:
+            probe_writable(out_dir, "train.out_dir")
+            stack.enter_context(RunLock(out_dir))
+            remove_stale_temps(out_dir)
+            sharded.remove_stale(out_dir)
+            resuming = _resuming(cfg.train, out_dir)
+            if cfg.train.tensorboard:
+                check_tensorboard()
+            prepared = prepare(cfg.data, progress=progress)
+        except QuillError as e:
+            failure = e
+    if ddp.any(failure is not None):
+        raise failure or QuillError("rank 0 could not start the run (its message says why)")
+    if not ddp.master:
+        prepared = prepare(cfg.data, progress=False)
+    return prepared, bool(ddp.broadcast_int(int(resuming)))
+
+
+def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
+    """Resume, start afresh, or refuse: a run already in out_dir is continued only with
+    train.resume and replaced only with train.overwrite, never by a forgotten flag."""
+    latest, best = out_dir / ckpt.LATEST, out_dir / ckpt.BEST
+    saved = latest.is_file() or (out_dir / sharded.SHARDED / sharded.POINTER).is_file()  # or an FSDP run's shards
+    if tc.resume is True and tc.overwrite:
+        raise QuillError("--resume continues the run in train.out_dir and --overwrite replaces it; pass one of them")
+    if tc.resume is True and not saved:
+        hint = (f"its {ckpt.BEST} can seed a new run with train.init_from={best} and another train.out_dir, "
+                "or --overwrite starts over here" if best.is_file() else "drop --resume to start a new run")
+        raise QuillError(f"cannot resume: no checkpoint at {latest}; {hint}")
+    resuming = bool(tc.resume) and not tc.overwrite and saved
+    if not resuming and not tc.overwrite and (saved or best.is_file()):
+        raise QuillError(
+            f"{out_dir} already holds a run ({describe_run(out_dir)}); continue it with --resume "
+            "(train.resume=true), or replace it with --overwrite (train.overwrite=true)"
+        )
+    return resuming
+
+
+def describe_run(out_dir: Path) -> str:
+    """'step 800, best val loss 1.5412' from the run's checkpoint, for messages about the run."""
+    for name in (ckpt.LATEST, ckpt.BEST):
+        if (out_dir / name).is_file():
+            try:
+                state = ckpt.load_checkpoint(out_dir / name)
+            except QuillError:
+                continue
+            best = state.get("best_val_loss", state.get("val_loss"))
+            shown = f"{best:.4f}" if isinstance(best, float) and math.isfinite(best) else "n/a"
+            return f"step {state.get('step', '?')}, best val loss {shown}"
+    return "its checkpoints are unreadable"
+
+
+def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, torch.Tensor]]:
+    """Fine-tuning: take the source run's architecture and weights (dropout/block_size may shrink)."""
+    source = ckpt.load_run(cfg.train.init_from, which="best")
+    if source.tokenizer.spec() != tokenizer_spec:
+        raise QuillError(
+            f"train.init_from={cfg.train.init_from} uses tokenizer {source.tokenizer.name!r} but the data "
+            f"was prepared with {cfg.data.tokenizer!r}; set data.tokenizer to match (e.g. data.tokenizer=gpt2)"
+        )
+    model_cfg = source.config.model
+    if cfg.model.block_size > model_cfg.block_size:
+        raise QuillError(
+            f"model.block_size={cfg.model.block_size} exceeds the source model's {model_cfg.block_size}"
+        )
+    state = source.model.state_dict()
+    if model_cfg.pos == "learned":
+        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: cfg.model.block_size]
+    model_cfg.block_size, model_cfg.dropout = cfg.model.block_size, cfg.model.dropout
+    cfg.model = model_cfg
+    return cfg, state
+
+
+def load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str) -> dict[str, Any]:
+    """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory),
+    checked against the config; a damaged one says what `train` can do instead."""
+    latest, shards = out_dir / ckpt.LATEST, sharded.latest_sharded(out_dir)
+    if (shards is not None) != (strategy == "fsdp"):
+        raise QuillError(_strategy_mismatch(out_dir, shards is not None))
+    try:
+        if shards is not None:
+            latest = shards / sharded.TRAIN_STATE
+            state = {**sharded.load_train_state(shards), "shards": shards}
+        else:
+            state = ckpt.load_checkpoint(latest)
+        if "optimizer" in state:  # weights only (import-hf): _check_compatible says what to do
+            ckpt.check_state(state, str(latest), ckpt.RESUME_KEYS)
+    except QuillError as e:
+        what = str(e).split("; ")[0]  # what is wrong, without advice meant for sample/eval (--which)
+        best = out_dir / ckpt.BEST
+        keep = f", or keep {ckpt.BEST}'s weights with train.init_from={best} and a new train.out_dir" if best.is_file() else ""
+        raise QuillError(f"cannot resume: {what}; start over with --overwrite{keep}") from None
+    _check_compatible(state, cfg, tokenizer_spec, latest)
+    return state
+
+
+def _strategy_mismatch(out_dir: Path, has_shards: bool) -> str:
+    if has_shards:
+        return (f"{out_dir} holds the sharded checkpoint of an FSDP run; resume it under torchrun with "
+                "train.strategy=fsdp (any number of processes)")
+    return (f"{out_dir / ckpt.LATEST} was written by a DDP or one-process run, not sharded; resume it with "
+            "train.strategy=ddp")
+
+
+def start_run(t: Trainer, resumed: bool) -> None:
+    """The point of no return, reached after the first step gave a finite loss: only now are the
+    run's files written, so a run that fails or is stopped before it really starts changes
+    nothing. A fresh run clears what an earlier one left; --overwrite says so."""
+    if t.ddp.master:
+        metrics = t.out_dir / METRICS
+        if resumed:
+            skipped = truncate_metrics(metrics, t.first_step)  # the checkpoint's step
+            if skipped:
+                tqdm.write(f"note: dropped {skipped} unreadable line(s) of {metrics}")
+        else:
+            replaced = describe_run(t.out_dir) if (t.out_dir / ckpt.LATEST).is_file() or (t.out_dir / ckpt.BEST).is_file() else None
+            for path in [t.out_dir / ckpt.LATEST, t.out_dir / ckpt.BEST, metrics, *t.out_dir.glob("events.out.tfevents.*")]:
+                path.unlink(missing_ok=True)
+            sharded.remove_sharded(t.out_dir)
+            if replaced is not None:
+                tqdm.write(f"--overwrite: replaced the run in {t.out_dir} ({replaced}) with a new one")
+        t.cfg.train.overwrite = False  # a one-off permission: the run's config.yaml must not carry it on
+        save_config(t.cfg, t.out_dir / "config.yaml")
+        save_tokenizer(t.tokenizer, t.out_dir / "tokenizer.json")
+        t.log = MetricsWriter(t.out_dir, t.cfg.train.tensorboard, purge_step=t.first_step + 1 if resumed else None)
+
+
+def _describe_tokenizer(spec: dict) -> str:
+    """A spec in a few words: two char vocabularies differ in their characters, not their name."""
+    if spec.get("type") == "char":
+        return f"char ({len(spec.get('chars', ''))} characters)"
+    if spec.get("type") == "bpe":
+        return f"bpe ({len(spec.get('ranks', [])) + len(spec.get('special_tokens', {}))} ids)"
+    return str(spec.get("name", spec.get("type")))
+
+
+def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path) -> None:
+    """Refuse to resume a run whose model shape or tokenizer differ from the config's."""
+    if "optimizer" not in state and "shards" not in state:
+        raise QuillError(
+            f"cannot resume {path}: it holds weights only (e.g. from quill import-hf); "
+            f"fine-tune it with train.init_from={path.parent} and a new train.out_dir"
+        )
+    old = ModelConfig(**state["config"]["model"])
+    diffs = ckpt.config_differences(old, cfg.model)
+    old_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
+    if old_optimizer != cfg.train.optimizer:  # their states do not load into each other
+        diffs.append(f"train.optimizer: {old_optimizer} → {cfg.train.optimizer}")
+    if state["tokenizer"] != tokenizer_spec:
+        diffs.append(f"data.tokenizer: {_describe_tokenizer(state['tokenizer'])} → {_describe_tokenizer(tokenizer_spec)}")
+    if diffs:
+        raise QuillError(
+            f"cannot resume {path}: the config differs in {'; '.join(diffs)} — "
+            "use the run's own config.yaml or a new train.out_dir"
+        )
