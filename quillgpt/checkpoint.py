@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
+from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write, os_error, shown
 from quillgpt.model.gpt import GPT
-from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 
 FORMAT = "quillgpt-checkpoint-v1"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -71,7 +71,8 @@ def load_checkpoint(
             f"{shown_path} is not a QuillGPT checkpoint (not a PyTorch zip archive); "
             "pass a run directory or a ckpt.pt/best.pt written by quill train"
         )
-    damaged = f"{shown_path} is not a readable checkpoint (truncated or corrupt: {{}}); use the other checkpoint in the run (ckpt.pt or best.pt) or retrain"
+    damaged = (f"{shown_path} is not a readable checkpoint (truncated or corrupt: {{}}); use the other checkpoint "
+               "in the run (ckpt.pt or best.pt) or retrain")
     _verify_zip(path, damaged)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)

@@ -11,7 +11,7 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 import typer
 
@@ -44,7 +44,7 @@ OVERRIDES_ARG = typer.Argument(
 @app.command("prepare")
 def prepare_cmd(
     config: Path = CONFIG_OPT,
-    overrides: Optional[list[str]] = OVERRIDES_ARG,
+    overrides: list[str] | None = OVERRIDES_ARG,
     force: bool = typer.Option(False, "--force", help="Rebuild even when meta.json says the files are up to date."),
 ) -> None:
     """Tokenize data.path (a text file, a directory or a glob of .txt/.jsonl/.parquet, .gz/.zst too)
@@ -70,7 +70,7 @@ def prepare_cmd(
 @app.command()
 def train(
     config: Path = CONFIG_OPT,
-    overrides: Optional[list[str]] = OVERRIDES_ARG,
+    overrides: list[str] | None = OVERRIDES_ARG,
     resume: bool = typer.Option(False, "--resume", help="Continue the run in train.out_dir from its latest checkpoint."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in train.out_dir (= train.overwrite=true)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
@@ -103,18 +103,18 @@ def train(
 @app.command("sample")
 def sample_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
-    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
+    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample. This and the sampling flags default to the run's `sample:` config."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1]."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1)."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Same seed, same text."),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample. This and the sampling flags default to the run's `sample:` config."),
+    temperature: float | None = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token)."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit."),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1]."),
+    min_p: float | None = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1)."),
+    repetition_penalty: float | None = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off."),
+    seed: int | None = typer.Option(None, "--seed", help="Same seed, same text."),
     num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
+    stop: list[str] | None = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
     no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
     compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the decode step (default: eager, which measured no slower on CPU; compiling takes a minute)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
@@ -192,12 +192,12 @@ def serve_cmd(
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default is this machine only."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUILL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="QUILL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
-    cors: Optional[str] = typer.Option(None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."),
+    cors: str | None = typer.Option(None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."),
 ) -> None:
     """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
 
@@ -215,8 +215,8 @@ def eval_cmd(
     ckpt: list[Path] = typer.Option(..., "--ckpt", help="Run directory or .pt file; repeat to compare several in one table."),
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     split: str = typer.Option("val", "--split", help="Prepared split of the run's data.out_dir to score: val or train."),
-    text: Optional[list[Path]] = typer.Option(None, "--text", help="Score this UTF-8 file instead of the split; repeatable."),
-    stride: Optional[int] = typer.Option(None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."),
+    text: list[Path] | None = typer.Option(None, "--text", help="Score this UTF-8 file instead of the split; repeatable."),
+    stride: int | None = typer.Option(None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."),
     batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
@@ -249,11 +249,11 @@ def attention_cmd(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to run once; longer than block_size keeps the last block_size tokens."),
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     layer: str = typer.Option("-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."),
-    head: Optional[int] = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Image to write, .png or .svg; without it a text view is printed."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="png, svg or text (default: from --out's extension, text without --out; png/svg without --out write attention.png/.svg)."),
+    head: int | None = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Image to write, .png or .svg; without it a text view is printed."),
+    fmt: str | None = typer.Option(None, "--format", help="png, svg or text (default: from --out's extension, text without --out; png/svg without --out write attention.png/.svg)."),
     top_k: int = typer.Option(3, "--top-k", help="Text view: attended tokens listed per query token."),
-    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."),
+    summary_json: Path | None = typer.Option(None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."),
     device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
 ) -> None:
     """Show where each head looks: heatmaps (or a text view) plus a per-head summary.
@@ -366,7 +366,7 @@ def _print_samples(gen: Any, shown: str, num_samples: int, stream: bool, out: Te
             out.write("\n")
 
 
-def _sample_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     """The prompt text from --prompt, --prompt-file or standard input (--prompt -); default ""."""
     if prompt is not None and prompt_file is not None:
         raise QuillError("pass the prompt once: --prompt or --prompt-file, not both")
@@ -404,8 +404,8 @@ def tokenizer_train_cmd(
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
     import time
 
-    from quillgpt.files import read_text
     from quillgpt.data.tokenizer import build_tokenizer, save_tokenizer, text_chunks
+    from quillgpt.files import read_text
 
     check_output_file(out, "--out", force=force, inputs=(input_path,))
     text = read_text(input_path, "--input")

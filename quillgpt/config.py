@@ -26,7 +26,7 @@ from quillgpt.files import atomic_write_text, read_text
 # Bounds that keep every number inside what numpy, torch and Python's float can represent;
 # what fits in memory is checked later against the machine (train/memory.py).
 MAX_INT = 2**62  # any int field: larger cannot be an index, a count or a size
-MAX_SEED = 2**32 - 1  # numpy's seed range
+MAX_SEED = 2**32 - 1  # every seed quill takes (train.seed, sampling seeds): numpy's seed range, so one value seeds every generator
 MAX_VOCAB = 2**24  # ids of a vocabulary (o200k_base has 200k); also bounds data.bpe_vocab_size
 MAX_CONFIG_BYTES = 1 << 24  # a config file; /dev/zero given as --config must not fill memory
 MAX_YAML_NODES = 100_000  # a config expanded through its aliases; a real one has a few hundred
@@ -225,7 +225,8 @@ class TrainConfig:
     eval_iters: int = 20  # fixed batches per split for each evaluation
     log_interval: int = 10  # a metrics.jsonl line every N steps
     device: str = "auto"  # auto (cuda → mps → cpu), cpu, cuda, cuda:1, mps
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 (fp16 if unsupported) on CUDA, bf16 on CPUs with bf16 units, else fp32
+    # auto: bf16 (fp16 if unsupported) on CUDA, bf16 on CPUs with bf16 units, else fp32
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     compile: bool = False  # torch.compile the model
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # under torchrun: ddp copies the model, fsdp shards it; auto: ddp if it fits
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory, ~1/3 more compute)

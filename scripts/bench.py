@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import ctypes
+import dataclasses
 import gc
 import json
 import math
@@ -64,14 +64,17 @@ from quillgpt import checkpoint as ckpt  # noqa: E402
 from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
 from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows  # noqa: E402
 from quillgpt.data.prepare import load_tokens, prepare  # noqa: E402
+from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
+from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.train.optim import Muon, newton_schulz  # noqa: E402
-from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
-from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
 from quillgpt.train.distributed import Dist  # noqa: E402
 from quillgpt.train.loop import Trainer, lr_at, train_step  # noqa: E402
-from quillgpt.train.optim import build_optimizer  # noqa: E402
+from quillgpt.train.optim import (  # noqa: E402
+    Muon,
+    build_optimizer,  # noqa: E402
+    newton_schulz,
+)
 
 DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
 
@@ -87,7 +90,7 @@ class Stats:
     n: int
 
     @classmethod
-    def of(cls, xs: list[float]) -> "Stats":
+    def of(cls, xs: list[float]) -> Stats:
         return cls(statistics.median(xs), min(xs), max(xs), len(xs))
 
 
@@ -121,7 +124,7 @@ class PeakMemory:
         self.rss_mb = float("nan")
         self.cuda_mb = float("nan")
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         gc.collect()
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -487,15 +490,16 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         memory: dict[str, PeakMemory] = {}
         notes: dict[str, str] = {}
         builders: dict[str, Callable[[], Any]] = {
-            "reference fp32 (nanoGPT-style)": lambda: RefTrainer(s, vocab, train_tokens),
-            "quill fp32": lambda: QuillTrainer(s, vocab, train_tokens, torch.float32),
+            "reference fp32 (nanoGPT-style)": lambda s=s: RefTrainer(s, vocab, train_tokens),
+            "quill fp32": lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.float32),
         }
         if bf16:
-            builders["quill bf16 autocast"] = lambda: QuillTrainer(s, vocab, train_tokens, torch.bfloat16)
+            builders["quill bf16 autocast"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.bfloat16)
         if args.compile:
-            builders["quill fp32 + torch.compile"] = lambda: QuillTrainer(s, vocab, train_tokens, torch.float32, compile=True)
+            builders["quill fp32 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.float32, compile=True)
             if bf16:
-                builders["quill bf16 + torch.compile"] = lambda: QuillTrainer(s, vocab, train_tokens, torch.bfloat16, compile=True)
+                builders["quill bf16 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.bfloat16,
+                                                                                  compile=True)
         for name, build in builders.items():
             with PeakMemory() as mem:
                 trainer = build()
@@ -520,7 +524,7 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         fpt = GPT(model_config(s, vocab)).flops_per_token()
         tokens = s.batch * s.block
         ref_ms = statistics.median(samples["reference fp32 (nanoGPT-style)"]) * 1e3
-        for name, (trainer, dtype) in variants.items():
+        for name, (_, dtype) in variants.items():
             st = Stats.of([tokens / x for x in samples[name]])
             ms = statistics.median(samples[name]) * 1e3
             peak = peaks[dtype].median

@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from quillgpt.config import load_config  # noqa: E402
+from quillgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from quillgpt.inference.generate import generate_text  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.data.tokenizer import CharTokenizer  # noqa: E402
 
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 96))  # 65 characters, like Tiny Shakespeare's
 PROMPT = "FIRST CITIZEN:\nB"  # 16 tokens

@@ -69,7 +69,8 @@ def run(name: str, config: Path, budget: str, args: argparse.Namespace) -> dict:
 
 
 def print_rows(rows: list[dict]) -> None:
-    header = f"{'run':<10} {'budget':>6} {'steps':>6} {'tokens':>11} {'train loss':>10} {'val loss':>8} {'tokens/s':>9} {'loop s':>7} {'wall s':>7}  config"
+    header = (f"{'run':<10} {'budget':>6} {'steps':>6} {'tokens':>11} {'train loss':>10} {'val loss':>8} "
+              f"{'tokens/s':>9} {'loop s':>7} {'wall s':>7}  config")
     print(header)
     print("-" * len(header))
     for r in rows:

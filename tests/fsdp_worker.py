@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.config import load_config
+from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.loop import train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char_cpu.yaml"

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from quillgpt.checkpoint import load_run, save_checkpoint
 from quillgpt.config import config_from_dict
-from quillgpt.model.gpt import GPT
 from quillgpt.data.tokenizer import CharTokenizer
+from quillgpt.model.gpt import GPT
 
 BLOCK = 16
 

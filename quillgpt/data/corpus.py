@@ -19,10 +19,11 @@ import gzip
 import json
 import re
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from quillgpt.errors import QuillError
 from quillgpt.files import os_error, shown

@@ -14,7 +14,6 @@ from tqdm import tqdm
 from quillgpt.config import DataConfig
 from quillgpt.errors import QuillError
 
-
 DOWNLOAD_DIR = Path("data") / "downloads"  # relative to where `quill` runs; git-ignored
 
 

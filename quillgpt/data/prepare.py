@@ -20,18 +20,17 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from quillgpt.config import DataConfig
-from quillgpt.data.download import source_path
 from quillgpt.data.corpus import Piece, Source, count_chars, count_records, find_sources, iter_pieces
-from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, os_error, probe_writable, shown
+from quillgpt.data.download import source_path
 from quillgpt.data.shards import ShardedTokens, encode_tasks, iter_tasks, write_shards
 from quillgpt.data.tokenizer import (
     GPT4_SPLIT_PATTERN,
@@ -42,6 +41,8 @@ from quillgpt.data.tokenizer import (
     dump_json,
     tokenizer_from_spec,
 )
+from quillgpt.errors import QuillError
+from quillgpt.files import atomic_write_bytes, os_error, probe_writable, shown
 
 FORMAT = 2  # meta.json layout: 2 = shards with a manifest (1 = train.bin/val.bin, read still)
 PIECE_CHARS = 1 << 20  # documents are cut into pieces of about this many characters...
@@ -268,7 +269,8 @@ def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok
             if cursor is not None:  # after the last shard, meta.json comes next
                 _save_state(out_dir, state)
 
-        write_shards(results, out_dir, cfg.shard_tokens, state["shards"], start["skip_tokens"], on_shard, lambda t: bar.update(t.read_bytes))
+        write_shards(results, out_dir, cfg.shard_tokens, state["shards"], start["skip_tokens"], on_shard,
+                     lambda t: bar.update(t.read_bytes))
 
 
 def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir: Path, force: bool, progress: bool) -> dict[str, Any]:

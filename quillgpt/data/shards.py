@@ -14,16 +14,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from quillgpt.data.corpus import Piece
-from quillgpt.files import atomic_write
 from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
-
+from quillgpt.files import atomic_write
 
 IN_FLIGHT = 3  # tasks per worker submitted ahead: slack for uneven tasks, ~12 MB of text each
 
@@ -171,7 +171,7 @@ def write_shards(
     while (task := stream.peek()) is not None:
         split, count = task.split, 0
 
-        def write(f: Any) -> None:
+        def write(f: Any, split: str = split) -> None:  # called at once, for this shard
             nonlocal count
             while count < shard_tokens and (head := stream.peek()) is not None and head.split == split:
                 part = stream.take(shard_tokens - count)

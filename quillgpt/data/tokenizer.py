@@ -17,8 +17,9 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import tiktoken
@@ -231,7 +232,7 @@ def find_safe_cut(text: str, index: int, window: int = 10_000) -> int:
     """The cut point (see _SAFE_CUT) nearest to `index` within `window`; else `index` itself."""
     after = _SAFE_CUT.search(text, index, min(len(text), index + window))
     before = None
-    for before in _SAFE_CUT.finditer(text, max(0, index - window), index):
+    for before in _SAFE_CUT.finditer(text, max(0, index - window), index):  # noqa: B007 — keeps the last match
         pass
     options = [m.start() for m in (after, before) if m is not None]
     return min(options, key=lambda i: abs(i - index)) if options else index

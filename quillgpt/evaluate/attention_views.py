@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.figures import IMAGE_FORMATS, matplotlib_figure, save_figure
 from quillgpt.files import write_file
 from quillgpt.inference.text import encode_prompt
-from quillgpt.model.gpt import GPT
-from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.model.gpt import GPT, evaluating
 
 FIRST_TOKEN_SINK = 0.5  # a head putting at least this much weight on token 0 "looks at the first token"
 LOCAL_FRACTION = 0.5  # a head is "local" below this fraction of uniform attention's mean distance
@@ -89,19 +89,14 @@ def _cropped_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> tuple
     return ids[cropped:], cropped
 
 
-@torch.no_grad()
 def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attention:
     """Run the prompt once and collect every layer's and head's attention weights."""
     ids, cropped = _cropped_prompt(tokenizer, prompt, model.config.block_size)
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
-    was_training = model.training
-    model.eval()
-    try:
-        prefix = len(ids) if model.variant.bidirectional_prefix else 0  # the prompt is the prefix
+    prefix = len(ids) if model.variant.bidirectional_prefix else 0  # the prompt is the prefix
+    with evaluating(model):
         maps = model.attention_maps(idx, prefix_len=torch.tensor([prefix], device=device) if prefix else None)
-    finally:
-        model.train(was_training)
     weights = [m[0].float().cpu() for m in maps]
     tokens = [token_label(tokenizer.decode_bytes([i])) for i in ids]
     gates = model.variant.shows(model).get("gates")  # Infini-attention's memory gates
@@ -289,7 +284,8 @@ def plot_attention(
 
     Colours share one 0..1 scale so heads can be compared; the future (upper triangle) is
     left blank, except a prefix-LM's prefix block (square: it attends both ways). With `gates`
-    (Infini-attention) each panel's title gives the head's memory gate sigmoid(β). Token labels are drawn on every panel while they fit, else on the outer ones.
+    (Infini-attention) each panel's title gives the head's memory gate sigmoid(β). Token labels
+    are drawn on every panel while they fit, else on the outer ones.
     """
     out = Path(out)
     fmt = out.suffix.lower().lstrip(".")
@@ -300,7 +296,7 @@ def plot_attention(
         rows, cols, panel = _layout(T, len(layers), len(heads))
         fig = Figure(figsize=attention_figsize(T, len(layers), len(heads)), dpi=dpi, layout="constrained")
         axes = fig.subplots(rows, cols, squeeze=False)
-        panels = [(l, h) for l in layers for h in heads]
+        panels = [(layer, h) for layer in layers for h in heads]
         outer_only = len(layers) > 1  # thumbnails: labels on the left column and bottom row
         fontsize = 9 if rows * cols == 1 else 7 if rows * cols <= 16 else 5
         fit = int(panel * 72 / (fontsize * 1.25))  # labels that fit along a panel side (72 pt/inch)

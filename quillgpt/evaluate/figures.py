@@ -5,12 +5,12 @@ such as the backend changes, PNGs are rendered by Agg and no display is needed."
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from quillgpt.errors import QuillError
 from quillgpt.files import os_error, write_file
-
 
 INSTALL_HINT = 'plotting needs matplotlib, the optional "plot" extra: pip install -e ".[plot]"'
 

@@ -22,13 +22,12 @@ The trainer's fixed windows use a fixed prefix (prefix.eval_prefix_len) and scor
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,11 +37,12 @@ from tqdm import tqdm
 from quillgpt.checkpoint import load_run
 from quillgpt.data.batches import batch_from_starts
 from quillgpt.data.prepare import load_prepared, load_tokens
-from quillgpt.files import read_text
-from quillgpt.errors import QuillError
-from quillgpt.device import resolve_device
-from quillgpt.model.variants.prefix import eval_prefix_len, mask_prefix_targets
 from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.device import resolve_device
+from quillgpt.errors import QuillError
+from quillgpt.files import read_text
+from quillgpt.model.gpt import evaluating
+from quillgpt.model.variants.prefix import eval_prefix_len, mask_prefix_targets
 
 SPLITS = ("val", "train")
 
@@ -125,18 +125,6 @@ def _is_prefix_lm(model: torch.nn.Module) -> bool:
     return model.variant.bidirectional_prefix
 
 
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """model.eval() and inference_mode for the pass, then the model's own mode back."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        model.train(was_training)
-
-
 def evaluate_tokens(
     model: torch.nn.Module,
     tokens: np.ndarray | list[int],
@@ -160,7 +148,7 @@ def evaluate_tokens(
     offsets = np.arange(length)
     total = 0.0
     bar = tqdm(total=len(tokens) - 1, unit="tok", unit_scale=True, disable=not progress, delay=1.0, leave=False)
-    with _eval_mode(model):
+    with evaluating(model):
         for i in range(0, len(starts), batch_size):
             idx = starts[i : i + batch_size, None] + offsets  # (B, L) positions of the inputs
             x = torch.from_numpy(tokens[idx].astype(np.int64))
@@ -207,7 +195,7 @@ def evaluate_windows(
     if _is_prefix_lm(model):  # score what follows a fixed prefix
         P = eval_prefix_len(model.config)
         prefix, scored = torch.tensor([P], device=device), block_size - max(P - 1, 0)
-    with _eval_mode(model):
+    with evaluating(model):
         for i in range(0, len(starts), batch_size):
             x, y = batch_from_starts(tokens, starts[i : i + batch_size], block_size, device)
             if prefix is not None:

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from quillgpt.config import MAX_SEED
 from quillgpt.errors import QuillError
-
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds; keep seed + row in int64
 
 
 class InvalidParam(QuillError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import RowToken, Rows
+from quillgpt.inference.engine import Rows, RowToken
 from quillgpt.inference.sampling import SamplingParams
 
 

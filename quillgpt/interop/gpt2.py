@@ -26,11 +26,11 @@ from torch import Tensor
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, config_from_dict, save_config, shown_value
+from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_bytes, read_text, shown
 from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, make_out_dir, require, resolve_source, write_json
 from quillgpt.model.variants import variant_of
-from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 
 # Weights HF keeps as Conv1D (in, out): transposed to and from nn.Linear's (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -25,7 +25,6 @@ from quillgpt.config import shown_value
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_text, os_error, probe_writable, read_text, shown
 
-
 HF_INSTALL = 'pip install -e ".[hf]"'
 
 

@@ -17,7 +17,9 @@ block_size the two position schemes differ, and generate.py follows this:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,19 @@ from quillgpt.config import ModelConfig
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin
 from quillgpt.model.kv_cache import KVCache
 from quillgpt.model.variants import Variant, variant_of
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and no autograd for a pass, then the model's own mode back: what
+    evaluation and the attention view run under, whether or not the model is training."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():  # not inference_mode: what it returns may meet autograd later
+            yield
+    finally:
+        model.train(was_training)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

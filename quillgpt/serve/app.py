@@ -11,10 +11,11 @@ import asyncio
 import hmac
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -22,14 +23,20 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from quillgpt.errors import QuillError
-from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.inference.sampling import InvalidParam, SamplingParams
+from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.chat import CHAT_STOPS, chat_prompt
 from quillgpt.serve.errors import APIError, install_handlers
 from quillgpt.serve.responses import DONE, Reply, sse
 from quillgpt.serve.schemas import (
-    AttentionRequest, ChatRequest, CompletionRequest, SamplingFields, parse_body, reject_unsupported, stop_strings,
+    AttentionRequest,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_body,
+    reject_unsupported,
+    stop_strings,
 )
 
 if TYPE_CHECKING:

@@ -16,9 +16,10 @@ import collections
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from quillgpt.errors import QuillError
 from quillgpt.inference.text import Piece, TextBatch, TextStream

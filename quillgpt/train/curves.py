@@ -11,7 +11,6 @@ from quillgpt.errors import QuillError
 from quillgpt.evaluate.figures import IMAGE_FORMATS, matplotlib_figure, save_figure
 from quillgpt.train.metrics import read_log
 
-
 X_LABELS = {"step": "step", "tokens": "tokens seen", "time": "wall time"}
 
 

@@ -28,9 +28,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from quillgpt.config import ModelConfig, TrainConfig
+from quillgpt.device import available_bytes, resolve_device
 from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
-from quillgpt.device import available_bytes, resolve_device
 from quillgpt.train.memory import estimate_train_bytes
 
 FITS_FRACTION = 0.7  # auto: ddp when one micro-step's whole training state takes ≤ 70% of free device memory
@@ -184,7 +184,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)  # seed + rank may pass numpy's range
     torch.manual_seed(seed)
 
 

@@ -30,15 +30,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.train.distributed import Dist
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_text, os_error, shown
+from quillgpt.train.distributed import Dist
 
 SHARDED, POINTER, TRAIN_STATE = "sharded", "latest", "train_state.pt"
 TRAIN_STATE_KEYS = tuple(k for k in ckpt.RESUME_KEYS if k != "optimizer")  # the optimizer is in the shards

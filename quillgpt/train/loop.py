@@ -34,23 +34,33 @@ from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, parse_duration
 from quillgpt.data.batches import BatchSampler, fixed_windows
 from quillgpt.data.prepare import PreparedData, load_prepared, load_tokens
-from quillgpt.train import fsdp_checkpoint as sharded
-from quillgpt.train.distributed import (
-    Dist, full_weights, grad_sync, is_sharded, prepare_model, rank_rng_states, resolve_strategy, restore_rank_rng,
-    seed_rank, setup_distributed, teardown_distributed, wrap_model,
-)
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.device import peak_flops, resolve_dtype
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_windows
-from quillgpt.train.metrics import MetricsWriter
 from quillgpt.model.gpt import GPT
 from quillgpt.model.variants import variant_of
+from quillgpt.train import fsdp_checkpoint as sharded
+from quillgpt.train.distributed import (
+    Dist,
+    full_weights,
+    grad_sync,
+    is_sharded,
+    prepare_model,
+    rank_rng_states,
+    resolve_strategy,
+    restore_rank_rng,
+    seed_rank,
+    setup_distributed,
+    teardown_distributed,
+    wrap_model,
+)
+from quillgpt.train.memory import check_train_memory
+from quillgpt.train.metrics import MetricsWriter
 from quillgpt.train.optim import build_optimizer
 from quillgpt.train.prefix_batches import PrefixLengths, PrefixSampler, separator_id
 from quillgpt.train.run_dir import init_from_run, load_resume_state, open_run, start_run
 from quillgpt.train.schedule import follow_budget, lr_at
-from quillgpt.device import peak_flops, resolve_dtype
-from quillgpt.train.memory import check_train_memory
-from quillgpt.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -85,7 +95,7 @@ class StopFlag:
         self.signal: int | None = None
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopFlag":
+    def __enter__(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from quillgpt.config import TrainConfig
+from quillgpt.device import cpu_has_bf16
 from quillgpt.errors import QuillError
 from quillgpt.model.variants.infini import GATE_LR_MULT, is_gate
-from quillgpt.device import cpu_has_bf16
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:

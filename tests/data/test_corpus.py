@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 import quillgpt.data.corpus as corpus
 from quillgpt.data.corpus import DocumentCutter, count_chars, count_records, find_sources, iter_pieces, read_records
-from quillgpt.errors import QuillError
 from quillgpt.data.tokenizer import build_tokenizer
+from quillgpt.errors import QuillError
 
 DOCS = ["First doc.\nIt has two lines.", "", "Second — with ünïcode 🙂 text", "third\n\nwith a blank line\n"]
 

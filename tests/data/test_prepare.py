@@ -15,8 +15,8 @@ from quillgpt.config import load_config
 from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows
 from quillgpt.data.download import download
 from quillgpt.data.prepare import load_prepared, load_tokens, prepare, token_dtype
-from quillgpt.errors import QuillError
 from quillgpt.data.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
+from quillgpt.errors import QuillError
 
 
 def write_config(tmp_path, name="cfg.yaml", **data):
@@ -164,7 +164,7 @@ def test_bad_text_files_are_one_clear_error(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(QuillError, match="is empty"):
         read_text(tmp_path / "empty.txt")
-    (tmp_path / "latin1.txt").write_bytes("héllo".encode("utf-8") + b" caf\xe9")
+    (tmp_path / "latin1.txt").write_bytes("héllo".encode() + b" caf\xe9")
     with pytest.raises(QuillError, match=r"not UTF-8 text: byte 0xe9 at byte offset 10"):
         read_text(tmp_path / "latin1.txt")
     cfg = data_cfg(tmp_path, path=str(tmp_path / "latin1.txt"), out_dir=str(tmp_path / "o"))

@@ -8,7 +8,6 @@ import rustbpe
 import tiktoken.load
 
 from quillgpt.cli import main
-from quillgpt.errors import QuillError
 from quillgpt.data.tokenizer import (
     GPT4_SPLIT_PATTERN,
     TOKENIZER_NAMES,
@@ -20,6 +19,7 @@ from quillgpt.data.tokenizer import (
     text_chunks,
     tokenizer_from_spec,
 )
+from quillgpt.errors import QuillError
 
 MIXED = "Héllo, wörld! 日本語 🙂 naïve\n\tend <|endoftext|>"
 

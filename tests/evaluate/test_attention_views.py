@@ -10,13 +10,13 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from quillgpt.evaluate import attention_views as viz
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import Config, ModelConfig, load_config
-from quillgpt.errors import QuillError
-from quillgpt.model.gpt import GPT
 from quillgpt.data.tokenizer import build_tokenizer
+from quillgpt.errors import QuillError
+from quillgpt.evaluate import attention_views as viz
+from quillgpt.model.gpt import GPT
 
 ROOT = Path(__file__).resolve().parents[2]
 ALPHABET = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind"
@@ -224,7 +224,7 @@ def test_cli_attention_image_and_summary_json(run_dir, tmp_path, capsys):
     )
     record = json.loads((tmp_path / "maps" / "attn.heads.json").read_text())
     assert record["step"] == 7 and record["prompt"] == PROMPT and len(record["tokens"]) == len(PROMPT)
-    assert [(h["layer"], h["head"]) for h in record["heads"]] == [(l, h) for l in range(2) for h in range(4)]
+    assert [(h["layer"], h["head"]) for h in record["heads"]] == [(layer, h) for layer in range(2) for h in range(4)]
     assert len([line for line in printed.splitlines() if line.endswith(("local", "far", "first"))]) == 8
 
     summary = tmp_path / "s.json"

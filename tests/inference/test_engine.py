@@ -7,15 +7,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support import BLOCK, PROMPTS, VARIANTS, V, random_model
 
 from quillgpt.config import ModelConfig
-from quillgpt.inference.engine import Engine
 from quillgpt.errors import QuillError
+from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.model.gpt import GPT
 from quillgpt.inference.sampling import SamplingParams
-from support import BLOCK, V, VARIANTS
-from support import PROMPTS, random_model
+from quillgpt.model.gpt import GPT
 
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 GREEDY = SamplingParams(max_new_tokens=30)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quillgpt.config import ModelConfig
 from quillgpt.model.attention import (
     CausalSelfAttention,
     apply_rope,
@@ -16,7 +17,6 @@ from quillgpt.model.attention import (
     mask_to_bias,
     rope_cos_sin,
 )
-from quillgpt.config import ModelConfig
 from quillgpt.model.kv_cache import EMPTY_POS, KVCache
 
 BLOCK = 16

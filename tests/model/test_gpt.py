@@ -3,10 +3,10 @@ cache memory, parameter/FLOP accounting, and that every variant learns."""
 
 import pytest
 import torch
+from support import BLOCK, VARIANTS, V
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.gpt import GPT
-from support import BLOCK, V, VARIANTS
 
 ROPE = [k for k, v in VARIANTS.items() if v.get("pos") == "rope"]
 variants = pytest.mark.parametrize("variant", list(VARIANTS))

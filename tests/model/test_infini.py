@@ -7,8 +7,8 @@ import torch
 
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
-from quillgpt.model.variants.infini import InfiniAttention, SegmentState, gate_values, infini_attend, retrieve, sigma, write
 from quillgpt.model.gpt import GPT
+from quillgpt.model.variants.infini import InfiniAttention, SegmentState, gate_values, infini_attend, retrieve, sigma, write
 
 V = 23
 
@@ -246,8 +246,8 @@ def test_impossible_combinations_name_both_keys(kw, keys):
 
 
 def test_attention_view_reports_each_heads_gate():
-    from quillgpt.evaluate import attention_views as viz
     from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.evaluate import attention_views as viz
 
     tok = build_tokenizer("char", text="abcdefghij")
     model = GPT(cfg(vocab_size=tok.vocab_size)).eval()

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from quillgpt.model.variants.prefix import mask_prefix_targets, prefix_mask
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
+from quillgpt.model.variants.prefix import mask_prefix_targets, prefix_mask
 from quillgpt.train.prefix_batches import PrefixLengths, separator_id
 
 V = 19
@@ -150,8 +150,8 @@ def test_eval_scores_the_tokens_after_the_prefix():
 
 
 def test_attention_view_shows_the_square_prompt_block():
-    from quillgpt.evaluate import attention_views as viz
     from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.evaluate import attention_views as viz
 
     tok = build_tokenizer("char", text="abcdefghij")
     torch.manual_seed(0)
@@ -217,7 +217,8 @@ def test_generation_must_fit_block_size():
         check_room(GPT(c), prompt_len, max_new_tokens)
 
     check_fits(cfg(), 10, 6)  # 16 = block_size: fine
-    with pytest.raises(QuillError, match=r"prompt \(10 tokens\) \+ max_new_tokens \(7\) exceeds block_size \(16\); lower --max-new-tokens to 6"):
+    too_long = r"prompt \(10 tokens\) \+ max_new_tokens \(7\) exceeds block_size \(16\); lower --max-new-tokens to 6"
+    with pytest.raises(QuillError, match=too_long):
         check_fits(cfg(), 10, 7)
     with pytest.raises(QuillError, match="shorten the prompt"):
         check_fits(cfg(), 17, 1)

@@ -18,18 +18,18 @@ import httpx
 import openai
 import pytest
 import torch
+from serve_support import BLOCK, running_server, tiny_run_dir
 
 from quillgpt.checkpoint import load_run
 from quillgpt.cli import main
+from quillgpt.evaluate.attention_views import attention_weights
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_text
-from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.inference.sampling import SamplingParams
+from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.serve.batcher import Batcher, Event, Job
 from quillgpt.serve.chat import chat_prompt
 from quillgpt.serve.schemas import ChatMessage
-from quillgpt.evaluate.attention_views import attention_weights
-from serve_support import BLOCK, running_server, tiny_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -155,8 +155,8 @@ def utf8_run_dir(tmp_path_factory):
     strong repetition penalty walks down that ranking: E6, 97, A5, "!"."""
     from quillgpt.checkpoint import save_checkpoint
     from quillgpt.config import config_from_dict
-    from quillgpt.model.gpt import GPT
     from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.model.gpt import GPT
 
     tok = build_tokenizer("gpt2")
     byte_id = {tok.decode_bytes([i]): i for i in range(256)}  # GPT-2's first 256 ids are the bytes
@@ -288,7 +288,7 @@ def test_engine_task_survives_a_failing_step(run_dir, caplog):
             events: list[Event] = []
             done = threading.Event()
             job = Job(0, encode_prompt(run.tokenizer, "ROMEO:"), SamplingParams(max_new_tokens=12),
-                      TextStream(run.tokenizer), lambda e: (events.append(e), e.finish and done.set()))
+                      TextStream(run.tokenizer), lambda e, events=events, done=done: (events.append(e), e.finish and done.set()))
             batcher.submit([job])
             assert done.wait(10)
             if expect_error:

@@ -9,7 +9,6 @@ import shutil
 
 import httpx
 import pytest
-
 from serve_support import running_server, tiny_run_dir
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

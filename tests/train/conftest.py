@@ -1,10 +1,10 @@
 """Fixtures of the distributed tests (DDP and FSDP share one prepared corpus per module)."""
 
 import pytest
+from support import CPU_CONFIG, tiny
 
 from quillgpt.config import load_config
 from quillgpt.data.prepare import prepare
-from support import CPU_CONFIG, tiny
 
 
 @pytest.fixture(scope="module")

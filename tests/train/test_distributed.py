@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import CPU_CONFIG as CONFIG
+from support import assert_same_state, losses, tiny, two_ranks
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import load_config
 from quillgpt.train.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
 from quillgpt.train.loop import train
-from support import CPU_CONFIG as CONFIG, assert_same_state, losses, tiny, two_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import poison_loss_at
 
 import quillgpt.checkpoint as ckpt_mod
 import quillgpt.train.metrics as metrics_mod
 from quillgpt.checkpoint import load_checkpoint
-from quillgpt.train.metrics import read_metrics
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.data.prepare import prepare
-from support import poison_loss_at
+from quillgpt.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"

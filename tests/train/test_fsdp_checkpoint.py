@@ -9,20 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import CPU_CONFIG as CONFIG
+from support import assert_same_state, losses, tiny, two_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.checkpoint import load_checkpoint, load_run
 from quillgpt.config import ModelConfig, TrainConfig, load_config
-from quillgpt.train.distributed import FITS_FRACTION, Dist, prepare_model, resolve_strategy
 from quillgpt.errors import QuillError
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.model.gpt import GPT
-from quillgpt.train.memory import estimate_train_bytes
+from quillgpt.train import fsdp_checkpoint as sharded
+from quillgpt.train.distributed import FITS_FRACTION, Dist, prepare_model, resolve_strategy
 from quillgpt.train.loop import train
+from quillgpt.train.memory import estimate_train_bytes
 from quillgpt.train.optim import build_optimizer
-from support import CPU_CONFIG as CONFIG, losses, tiny
-from support import assert_same_state, two_ranks
 
 FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=true", "train.grad_accum=2", "train.max_iters=6")
 

@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import interrupt_after, poison_loss_at
 
 import quillgpt.train.loop as train_mod
 import quillgpt.train.schedule as schedule
 from quillgpt.checkpoint import load_checkpoint
-from quillgpt.train.run_dir import RunLock
-from quillgpt.train.metrics import read_metrics
 from quillgpt.config import TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.train.loop import train
+from quillgpt.train.metrics import read_metrics
+from quillgpt.train.run_dir import RunLock
 from quillgpt.train.schedule import lr_at
-from support import interrupt_after, poison_loss_at
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,18 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from support import interrupt_after
 
-from quillgpt.model.attention import CausalSelfAttention
+import quillgpt.train.schedule as schedule
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig, TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.interop.gpt2 import gpt2_incompatibilities
-from quillgpt.train.metrics import read_metrics
+from quillgpt.model.attention import CausalSelfAttention
 from quillgpt.model.gpt import GPT, MLP, ReLUSquared
-from quillgpt.train.optim import Muon, MuonAdamW, build_optimizer, newton_schulz
-import quillgpt.train.schedule as schedule
 from quillgpt.train.loop import train
-from support import interrupt_after
+from quillgpt.train.metrics import read_metrics
+from quillgpt.train.optim import Muon, MuonAdamW, build_optimizer, newton_schulz
 
 ROOT = Path(__file__).resolve().parents[2]
 V = 37
@@ -261,7 +261,8 @@ def test_a_time_budget_stops_while_one_step_and_the_final_evaluation_still_fit(m
     monkeypatch.setattr(schedule.time, "time", lambda: clock["now"])
     t = SimpleNamespace(
         budget_s=10.0, budget_ended=False, fitted=True, horizon=10_000, step=16, first_step=0, t_start=1000.0,
-        reserve_s=1.0, pace_mark=(1000.0, 0), cfg=SimpleNamespace(train=TrainConfig(max_iters=10_000)), ddp=SimpleNamespace(any=bool, world_size=1),
+        reserve_s=1.0, pace_mark=(1000.0, 0), cfg=SimpleNamespace(train=TrainConfig(max_iters=10_000)),
+        ddp=SimpleNamespace(any=bool, world_size=1),
     )
     t.elapsed = lambda: clock["now"] - t.t_start
     clock["now"] = 1008.0

@@ -83,7 +83,7 @@ class SegmentState:
     v: Tensor
 
     @classmethod
-    def empty(cls, B: int, KV: int, hd: int, like: Tensor) -> "SegmentState":
+    def empty(cls, B: int, KV: int, hd: int, like: Tensor) -> SegmentState:
         zeros = torch.zeros(B, KV, hd, hd, device=like.device, dtype=torch.float32)
         kv = like.new_zeros(B, KV, 0, hd)
         return cls(zeros, zeros[..., 0].clone(), kv, kv)
