@@ -107,7 +107,7 @@ MODEL_SIZE_LIMITS = {
 
 @dataclass
 class ModelConfig:
-    """The Transformer's shape and the attention variant (see attention.py)."""
+    """The Transformer's shape and the attention variant (model/variants/)."""
 
     vocab_size: int | None = None  # filled in from the tokenizer when unset
     block_size: int = 256  # context length in tokens

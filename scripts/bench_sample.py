@@ -14,7 +14,7 @@ the whole block. Greedy text must be identical on both paths; the script checks 
 
 What to expect: recompute pays for the whole context at every step, the cache for one token, so
 the gap grows with the context. Past block_size, learned positions shift every token's position
-at each step, so the cache must be refilled from the window every step (model.py): at block 256
+at each step, so the cache must be refilled from the window every step (quillgpt/model/gpt.py): at block 256
 with 1,000 tokens, most steps cost the same on both paths. (RoPE models keep the cache past
 block_size; `--pos rope` adds those rows, whose recompute path is much slower still.)
 

@@ -9,7 +9,7 @@ Starts `quill serve` on 127.0.0.1 (a free port) for --ckpt, or uses a running se
 
 Requests stay within the model's context (block_size): there every decode step is one batched
 step. Past block_size a learned-position model re-prefills each row at every step (see
-quillgpt/engine.py), which batching does not speed up.
+quillgpt/inference/engine.py), which batching does not speed up.
 
 Every response must be a well-formed stream (status 200, `data:` JSON events with one id,
 finish_reason null until the last chunk, a usage chunk, `data: [DONE]`) and hold as many tokens

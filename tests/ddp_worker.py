@@ -1,4 +1,4 @@
-"""One rank of tests/test_distributed.py's two-process run (started with RANK, WORLD_SIZE,
+"""One rank of tests/train/test_distributed.py's two-process run (started with RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT set, as torchrun would).
 
     python tests/ddp_worker.py OUT_DIR override...

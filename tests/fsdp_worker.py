@@ -1,4 +1,4 @@
-"""One rank of tests/test_fsdp.py's two-process FSDP runs (started with RANK, WORLD_SIZE,
+"""One rank of tests/train/test_fsdp_checkpoint.py's two-process FSDP runs (started with RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT set, as torchrun would).
 
     python tests/fsdp_worker.py train OUT_DIR override...    straight: 6 steps; crashed: killed mid-save at step 4

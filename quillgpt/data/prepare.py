@@ -1,7 +1,7 @@
 """A corpus → token shards, and batches of windows from them.
 
 `prepare` reads `data.path` (a text file, a directory or a glob of .txt/.jsonl/.parquet files,
-compressed or not: see corpus.py) or a URL downloaded once and checked, tokenizes it in parallel
+compressed or not: see data/corpus.py) or a URL downloaded once and checked, tokenizes it in parallel
 processes and writes each split as token shards (flat uint16 or uint32 ids, as in nanoGPT:
 `train.bin`, `train-000001.bin`, ...; one shard for a small corpus) plus `meta.json`, the
 manifest: shards, token counts, tokenizer spec, and the sources with their sizes and mtimes,

@@ -1,1 +1,2 @@
-"""(package docstring: see DESIGN.md)"""
+"""Looking at a model: scores over a text or split (scores: quill eval), attention weights and head
+statistics (attention_views: quill attention), and matplotlib without global state (figures)."""

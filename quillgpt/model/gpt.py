@@ -5,8 +5,8 @@ attn.c_proj / ln_2 / mlp.c_fc / mlp.c_proj / ln_f, lm_head) so GPT-2 weights loa
 Modern variants (RoPE, RMSNorm, SwiGLU, GQA/MQA, sliding window) are config switches.
 
 Positions. `forward(idx, pos=...)` takes absolute positions per row; a negative position marks a
-left-padding token that nothing attends to (see attention.py for the one masking rule). Beyond
-block_size the two position schemes differ, and generate.py follows this:
+left-padding token that nothing attends to (see model/attention.py for the one masking rule).
+Beyond block_size the two position schemes differ, and both inference engines follow this:
 
 * learned positions only exist for 0..block_size-1, so the context is cropped to the last
   block_size tokens and positions restart at 0 (nanoGPT); a KV cache must then be refilled.

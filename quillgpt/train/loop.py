@@ -381,7 +381,7 @@ def _save_on_stop(t: Trainer, loss: torch.Tensor, bar: tqdm) -> None:
 
 def save_latest(t: Trainer, rngs: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
     """ckpt.pt, written by rank 0. FSDP: first every rank writes its shard of the weights and
-    AdamW state (sharded.py: what resume reads), then ckpt.pt gets the gathered weights only, so
+    AdamW state (fsdp_checkpoint.py: what resume reads), then ckpt.pt gets the gathered weights only, so
     sample/eval/export-hf read an FSDP run like any other."""
     if is_sharded(t.raw_model):
         sharded.save_sharded(t.out_dir, t.step, t.raw_model, t.optimizer, run_state(t, rngs) if t.ddp.master else None, t.ddp)
