@@ -101,7 +101,7 @@ def in_dtype(model: GPT, dtype: torch.dtype | None) -> GPT:
 def cache_bytes(model: GPT, rows: int) -> int:
     """Bytes of a static KV cache of `rows` rows for this model (keys + values + positions)."""
     cfg = model.config
-    per_row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * model.lm_head.weight.element_size() + 8
+    per_row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * model.lm_head.weight.element_size() + 8
     return rows * model.span * per_row
 
 

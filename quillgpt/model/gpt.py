@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
-from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin
+from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
 from quillgpt.model.kv_cache import KVCache
 from quillgpt.model.variants import Variant, variant_of
 
@@ -136,8 +136,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
+        self._inv_freq: dict[torch.device, Tensor] = {}  # RoPE frequencies per device, fp32 whatever the weights
         if cfg.pos == "rope":  # table for positions 0..block_size-1; other positions computed on the fly
-            cos, sin = rope_cos_sin(torch.arange(cfg.block_size), cfg.head_dim, cfg.rope_theta)
+            cos, sin = rope_cos_sin(torch.arange(cfg.block_size), self.inv_freq(torch.device("cpu")))
             self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
@@ -254,6 +255,16 @@ class GPT(nn.Module):
             )
         return pos
 
+    def inv_freq(self, device: torch.device) -> Tensor:
+        """The RoPE frequencies (head_size/2,) in float32 on `device`, scaled as model.rope_scaling
+        says; kept out of the buffers so that model.to(bfloat16) cannot round them."""
+        if device not in self._inv_freq:
+            c = self.config
+            self._inv_freq[device] = rope_inv_freq(
+                c.head_size, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
+                c.rope_high_freq_factor, c.rope_original_context, device)
+        return self._inv_freq[device]
+
     def _embed(self, idx: Tensor, pos: Tensor | None) -> Tensor:
         """Token embeddings, plus learned position embeddings (padding positions clamped to 0)."""
         x = self.transformer.wte(idx)
@@ -270,7 +281,7 @@ class GPT(nn.Module):
             return None
         if pos is None:
             return self.rope_cos[:T], self.rope_sin[:T]  # (T, hd)
-        cos, sin = rope_cos_sin(self.variant.embed_positions(cfg, pos), cfg.head_dim, cfg.rope_theta)  # (B, T, hd)
+        cos, sin = rope_cos_sin(self.variant.embed_positions(cfg, pos), self.inv_freq(pos.device))  # (B, T, hd)
         dt = self.rope_cos.dtype
         return cos[:, None].to(dt), sin[:, None].to(dt)  # broadcast over heads
 
@@ -310,4 +321,4 @@ class GPT(nn.Module):
         T is the number of keys a query sees at most, min(window, block_size).
         """
         cfg = self.config
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * self.span
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * self.span
