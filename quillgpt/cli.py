@@ -317,18 +317,18 @@ def plot_cmd(
 
 @app.command("import-hf")
 def import_hf_cmd(
-    src: str = typer.Argument(..., help="Hugging Face GPT-2 directory (config.json + model.safetensors or pytorch_model.bin), or a hub name such as gpt2, gpt2-medium."),
+    src: str = typer.Argument(..., help="Hugging Face model directory (config.json, model.safetensors or pytorch_model.bin, tokenizer files) of GPT-2, Llama, Qwen2, Qwen3 or Mistral, or a hub name such as gpt2."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
-    """Import GPT-2 weights (transformers' GPT2LMHeadModel) as a quill run: sample, eval or fine-tune it."""
-    from quillgpt.interop.gpt2 import import_hf
+    """Import a Hugging Face model (GPT-2 or the Llama family) as a quill run: sample, chat, eval, fine-tune it."""
+    from quillgpt.interop.convert import import_hf
 
     done = import_hf(src, out, force=force)
     m = done.model
     print(
-        f"imported {src} → {done.path}: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, "
-        f"block_size {m.block_size}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
+        f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
+        f"{m.n_embd} wide, block_size {m.block_size:,}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
         f"fine-tune with `quill train ... train.init_from={done.path}`"
     )
 
@@ -336,15 +336,16 @@ def import_hf_cmd(
 @app.command("export-hf")
 def export_hf_cmd(
     run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
-    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files."),
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
 ) -> None:
-    """Export a GPT-2-shaped run for transformers: GPT2LMHeadModel.from_pretrained(OUT) loads it."""
-    from quillgpt.interop.gpt2 import export_hf
+    """Export a run for transformers: GPT-2 (learned positions, LayerNorm, GELU) or the Llama family (RoPE, RMSNorm, SwiGLU)."""
+    from quillgpt.interop.convert import export_hf
 
     done = export_hf(run, out, which=which, force=force)
-    print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
+    print(f"exported {run} ({which}) → {done.path} as {done.architecture}: load with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")
 
 
 def _print_samples(gen: Any, shown: str, num_samples: int, stream: bool, out: TextIO) -> None:

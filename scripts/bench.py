@@ -683,7 +683,7 @@ def hf_model(run: Path, out: Path) -> Any:
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from quillgpt.interop.gpt2 import export_hf
+    from quillgpt.interop.convert import export_hf
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -186,7 +186,7 @@ class Generation:
         if self.params.max_new_tokens == 0:
             return
         batch = TextBatch(self.engine, self.tokenizer)
-        eot = [] if self.tokenizer.eot_id is None else [self.tokenizer.eot_id]
+        eot = self.tokenizer.stop_ids  # end of text (and an imported model's end of turn)
         try:
             t0 = time.perf_counter()
             pieces = [batch.join(r, ids, row_params(self.params, r), eot, self.streams[r])

@@ -280,9 +280,8 @@ class Routes:
         events: asyncio.Queue[Event] = asyncio.Queue()
         relay = self._relay(asyncio.get_running_loop())
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
-        eot = self.run.tokenizer.eot_id
         jobs = [Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit,
-                    stop_ids=() if eot is None else (eot,)) for i in range(len(prompts)) for k in range(n)]
+                    stop_ids=self.run.tokenizer.stop_ids) for i in range(len(prompts)) for k in range(n)]
         try:
             self.batcher.submit(jobs)
         except Busy as e:
