@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
+from quillgpt.device import available_bytes
 from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write, os_error, shown
@@ -75,7 +76,7 @@ def load_checkpoint(
                "in the run (ckpt.pt or best.pt) or retrain")
     _verify_zip(path, damaged)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)  # read as it is used
     except pickle.UnpicklingError as e:
         raise QuillError(
             f"{shown_path} was refused: loading it needs code execution, which is unsafe ({refused_call(e)}); "
@@ -191,9 +192,11 @@ class LoadedRun:
     path: Path
 
 
-def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> tuple[GPT, Config]:
-    """The GPT a checked state describes. Its weights are compared with the config's shapes
-    before the model is built, so a config that disagrees with them allocates nothing."""
+def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> tuple[GPT, Config]:
+    """The GPT a checked state describes, its weights in `dtype` (None: as saved). Its weights are
+    compared with the config's shapes before anything is built, and then become the model's own
+    (built on the meta device, assigned): no second copy of the weights is ever made."""
     try:
         config = config_from_dict(state["config"])
     except QuillError as e:
@@ -205,9 +208,32 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") 
     problems = weight_mismatches(weights, config.model)
     if problems:
         raise QuillError(f"checkpoint weights do not match its own config ({problems}); the file is damaged")
-    model = GPT(config.model)
-    model.load_state_dict(weights)
+    check_fits(weights, dtype, torch.device(device))
+    converted: dict[int, torch.Tensor] = {}  # one conversion per storage: tied weights stay one tensor
+    for name, t in weights.items():
+        if dtype is not None and t.dtype != dtype:
+            weights[name] = converted.setdefault(t.untyped_storage().data_ptr() + t.storage_offset(), t.to(dtype))
+    with torch.device("meta"):
+        model = GPT(config.model)
+    model.load_state_dict(weights, assign=True)
+    model.materialize()
     return model.to(device), config
+
+
+def check_fits(weights: dict[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device) -> None:
+    """Refuse, in one line naming the sizes, weights that cannot fit in the device's free memory."""
+    seen: set[int] = set()
+    nbytes = 0
+    for t in weights.values():
+        key = t.untyped_storage().data_ptr() + t.storage_offset()
+        if key not in seen:
+            seen.add(key)
+            nbytes += t.numel() * (dtype or t.dtype).itemsize
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise QuillError(f"the model's weights need {nbytes / 1e9:.1f} GB in {str(dtype or 'their dtype').replace('torch.', '')} "
+                         f"but {device.type} has {free / 1e9:.1f} GB free; load it in a smaller dtype "
+                         "(--dtype bfloat16) or on another device")
 
 
 def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str:
@@ -232,12 +258,14 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite((t * 0).sum())) if t.numel() else True
 
 
-def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu") -> LoadedRun:
-    """Load model (eval mode), tokenizer and config from a run directory or checkpoint file."""
+def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
+             dtype: torch.dtype | None = torch.float32) -> LoadedRun:
+    """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
+    run directory or checkpoint file."""
     ckpt = resolve_checkpoint(path, which)
     state = load_checkpoint(ckpt, map_location="cpu")
     try:
-        model, config = model_from_state(state, device)
+        model, config = model_from_state(state, device, dtype)
         tokenizer = tokenizer_from_spec(state["tokenizer"])
     except QuillError as e:
         raise QuillError(f"{shown(ckpt)}: {e}") from None

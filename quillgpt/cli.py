@@ -167,7 +167,7 @@ def _open_generation(ckpt: Path, which: str, device: str, dtype: str, text: str,
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
     torch_dtype = parse_dtype(dtype)
     SampleConfig().params(**flags, stop=stops)  # a bad flag fails before the checkpoint loads
-    run = load_run(ckpt, which=which, device=resolve_device(device))
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
     params = run.config.sample.params(**flags, stop=stops)
     gen = Generation(run.model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
                      dtype=torch_dtype, compile=compile)

@@ -138,9 +138,10 @@ class GPT(nn.Module):
             self.transformer.wte.weight = self.lm_head.weight
         self._inv_freq: dict[torch.device, Tensor] = {}  # RoPE frequencies per device, fp32 whatever the weights
         if cfg.pos == "rope":  # table for positions 0..block_size-1; other positions computed on the fly
-            cos, sin = rope_cos_sin(torch.arange(cfg.block_size), self.inv_freq(torch.device("cpu")))
-            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (block_size, hd)
+            self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+            if not self.lm_head.weight.is_meta:  # built on the meta device: materialize() makes it
+                self._rope_table()
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections so the residual stream's variance stays ~constant
         # (model.zero_init_proj: start them at zero instead, so every block starts as the identity)
@@ -149,6 +150,21 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def _rope_table(self) -> None:
+        """cos/sin of positions 0..block_size-1, on the CPU (model.to moves them; explicit device: also
+        under a meta-device context)."""
+        cpu = torch.device("cpu")
+        cos, sin = rope_cos_sin(torch.arange(self.config.block_size, device=cpu), self.inv_freq(cpu))
+        self.rope_cos, self.rope_sin = cos.to(self.lm_head.weight.dtype), sin.to(self.lm_head.weight.dtype)
+
+    def materialize(self) -> None:
+        """After load_state_dict(assign=True) into a model built on the meta device: the buffers no
+        checkpoint holds (the RoPE table), and the tie of the head to the embedding."""
+        if self.config.pos == "rope":
+            self._rope_table()
+        if self.config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -100,7 +100,7 @@ def serve(
     torch_dtype = parse_dtype(dtype)
     if api_key is not None and not api_key.strip():
         raise QuillError("the API key is empty; pass a real key or none")
-    run = load_run(ckpt, which=which, device=resolve_device(device))
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
     app = make_app(run, options, max_batch, torch_dtype)
     sock = listen(host, port)

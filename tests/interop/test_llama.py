@@ -1,0 +1,198 @@
+"""The Llama family against transformers on the same weights and ids: SmolLM2-like (tied, GQA),
+Llama 3 (llama3 rope scaling, BOS), Qwen2 (q/k/v biases), Qwen3 (head_dim, QK-norm), Mistral
+(sliding window). Every model is scaled down and random (tests/hf_support.py); nothing is downloaded."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_support import FAMILIES, CORPUS, make_hf_model, old_form_config  # noqa: E402
+
+from quillgpt.checkpoint import load_checkpoint, load_run  # noqa: E402
+from quillgpt.cli import main  # noqa: E402
+from quillgpt.data.chat import render  # noqa: E402
+from quillgpt.errors import QuillError  # noqa: E402
+from quillgpt.evaluate.scores import evaluate_text  # noqa: E402
+from quillgpt.inference.generate import generate_tokens  # noqa: E402
+from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
+from quillgpt.model.attention import rope_inv_freq  # noqa: E402
+
+families = pytest.mark.parametrize("family", list(FAMILIES))
+TEXT = CORPUS[0] + " " + CORPUS[2]
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """family → (HF directory, transformers model, quill run directory)."""
+    out = {}
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        hf_dir = make_hf_model(root / "hf", family)
+        import_hf(hf_dir, root / "run")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        out[family] = (hf_dir, hf, root / "run")
+    return out
+
+
+def ids_of(hf_dir, text=TEXT):
+    return transformers.AutoTokenizer.from_pretrained(hf_dir)(text)["input_ids"]
+
+
+@families
+def test_logits_equal_transformers(imported, family):
+    hf_dir, hf, run_dir = imported[family]
+    run = load_run(run_dir, which="latest")
+    ids = torch.tensor([ids_of(hf_dir)])
+    assert ids.shape[1] > 20  # past Mistral's window of 8: the window is in play
+    with torch.no_grad():
+        want = hf(ids).logits
+        got, _ = run.model(ids, all_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@families
+def test_greedy_text_equals_transformers_for_100_tokens(imported, family):
+    hf_dir, hf, run_dir = imported[family]
+    run = load_run(run_dir, which="latest")
+    prompt = ids_of(hf_dir, "ROMEO: But, soft!")
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=100, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    got = torch.stack(list(generate_tokens(run.model, [prompt], 100))).T[0].tolist()
+    assert got == want
+
+
+@families
+def test_cached_decoding_equals_recompute_and_rows_alone(imported, family):
+    _, _, run_dir = imported[family]
+    model = load_run(run_dir, which="latest").model
+    prompts = [[5, 9, 11, 30, 7], [40, 41], list(range(60, 90))]
+    cached = torch.stack(list(generate_tokens(model, prompts, 24))).T.tolist()
+    assert cached == torch.stack(list(generate_tokens(model, prompts, 24, use_cache=False))).T.tolist()
+    assert [torch.stack(list(generate_tokens(model, [p], 24))).T[0].tolist() for p in prompts] == cached
+
+
+@families
+def test_tokenizer_ids_and_chat_prompt_equal_autotokenizers(imported, family):
+    hf_dir, _, run_dir = imported[family]
+    tok = load_run(run_dir, which="latest").tokenizer
+    auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    for text in CORPUS + ["", "  leading spaces", "<|im_end|> inside text", "emoji 🎭 and \t tabs\r\n"]:
+        bos = [] if tok.bos_id is None else [tok.bos_id]
+        assert bos + tok.encode(text) == auto(text)["input_ids"], text
+        assert tok.decode_bytes(tok.encode(text)).decode("utf-8") == text  # byte-level tokens are the text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"},
+                {"role": "assistant", "content": "A Montague."}, {"role": "user", "content": "And Juliet?"}]
+    if family == "mistral":  # its template reads user and assistant turns only
+        messages = messages[1:]
+    rendered = render(tok.chat_template, messages, True, tok.bos_token, tok.eos_token)
+    want = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert tok.encode(rendered) == want
+    end = {"llama3": "<|eot_id|>", "mistral": "</s>"}.get(family, "<|im_end|>")
+    assert tok.tk.token_to_id(end) in tok.stop_ids  # a reply ends at the template's end of turn
+
+
+@families
+def test_eval_loss_equals_transformers_loss_on_the_same_ids(imported, family, tmp_path):
+    hf_dir, hf, run_dir = imported[family]
+    run = load_run(run_dir, which="latest")
+    ids = torch.tensor([ids_of(hf_dir)])
+    with torch.no_grad():
+        want = hf(ids, labels=ids).loss.item()  # the mean over tokens 1..N-1 of the ids (BOS included)
+    got = evaluate_text(run.model, run.tokenizer, TEXT)
+    assert got.tokens == ids.shape[1] - 1
+    assert got.loss == pytest.approx(want, rel=1e-5)
+
+
+@families
+def test_import_export_import_is_identical_and_transformers_loads_the_export(imported, family, tmp_path):
+    hf_dir, hf, run_dir = imported[family]
+    done = export_hf(run_dir, tmp_path / "export", which="latest")
+    assert done.architecture == hf.config.architectures[0]
+    again = import_hf(tmp_path / "export", tmp_path / "again")
+    a, b = (load_checkpoint(d / "ckpt.pt")["model"] for d in (run_dir, again.path))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    ids = torch.tensor([ids_of(hf_dir)])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+    assert ids_of(tmp_path / "export") == ids_of(hf_dir)  # its tokenizer files too
+
+
+def test_old_config_form_bf16_and_sharded_weights_import_the_same(imported, tmp_path):
+    """rope_scaling + top-level rope_theta (before transformers 5) and sharded bf16 safetensors."""
+    hf_dir, _, run_dir = imported["llama3"]
+    old = tmp_path / "old"
+    shutil.copytree(hf_dir, old)
+    old_form_config(old)
+    import_hf(old, tmp_path / "old_run")
+    assert load_run(tmp_path / "old_run", which="latest").config.model == load_run(run_dir, which="latest").config.model
+    sharded = make_hf_model(tmp_path / "bf16", "qwen2", dtype=torch.bfloat16, shard="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    import_hf(sharded, tmp_path / "bf16_run")
+    saved = load_checkpoint(tmp_path / "bf16_run" / "ckpt.pt")["model"]
+    assert all(t.dtype == torch.bfloat16 for t in saved.values())  # kept as the model has them
+    assert load_run(tmp_path / "bf16_run", which="latest", dtype=None).model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_llama3_rope_scaling_equals_transformers_frequencies():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500000.0)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    got = rope_inv_freq(64, 500000.0, "llama3", 8.0, 1.0, 4.0, 64)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    linear, _ = ROPE_INIT_FUNCTIONS["linear"](transformers.LlamaConfig(
+        hidden_size=128, num_attention_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}), "cpu")
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, "linear", 4.0), linear, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+])
+def test_what_quill_cannot_compute_exactly_is_refused_by_name(imported, tmp_path, change, message):
+    hf_dir = imported["smollm2"][0]
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(QuillError, match=message):
+        import_hf(src, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_windows_on_some_layers_only_are_refused(imported, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(imported["qwen2"][0], src)
+    config = json.loads((src / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"])
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuillError, match="some layers only"):
+        import_hf(src, tmp_path / "run")
+
+
+def test_cli_import_sample_and_attention_of_an_imported_model(imported, tmp_path, capsys):
+    hf_dir, _, _ = imported["llama3"]
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["import-hf", str(hf_dir), "--out", str(run)])
+    assert e.value.code == 0 and "LlamaForCausalLM" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["sample", "--ckpt", str(run), "-p", "ROMEO:", "-n", "12", "--temperature", "0", "--quiet"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("ROMEO:")
+    with pytest.raises(SystemExit) as e:
+        main(["attention", "--ckpt", str(run), "-p", "Ça va? Très bien", "--layer", "0", "--head", "3"])
+    printed = capsys.readouterr().out
+    # byte-level tokens labelled as text: whole characters as themselves, a cut one as its bytes
+    assert e.value.code == 0 and " Ç " in printed and "Tr\\xc3" in printed and "layer 0 head 3" in printed
