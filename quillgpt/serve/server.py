@@ -35,7 +35,8 @@ def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch
     from quillgpt.serve.app import create_app
     from quillgpt.serve.batcher import Batcher
 
-    engine = Engine(run.model, max_rows=max_batch, dtype=dtype)
+    tokens = options.max_prompt_tokens + options.max_tokens  # the most a request's row can hold
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens)
     return create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
 
 

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_support import FAMILIES, CORPUS, make_hf_model, old_form_config  # noqa: E402
+from hf_support import CORPUS, FAMILIES, make_hf_model, old_form_config  # noqa: E402
 
 from quillgpt.checkpoint import load_checkpoint, load_run  # noqa: E402
 from quillgpt.cli import main  # noqa: E402
@@ -196,3 +196,46 @@ def test_cli_import_sample_and_attention_of_an_imported_model(imported, tmp_path
     printed = capsys.readouterr().out
     # byte-level tokens labelled as text: whole characters as themselves, a cut one as its bytes
     assert e.value.code == 0 and " Ç " in printed and "Tr\\xc3" in printed and "layer 0 head 3" in printed
+
+
+def test_serve_chat_uses_the_template_and_ends_at_the_end_of_turn(imported):
+    from serve_support import running_server
+
+    from quillgpt.inference.chat import ChatSession
+    from quillgpt.inference.sampling import SamplingParams
+
+    openai = pytest.importorskip("openai")
+    _, _, run_dir = imported["qwen2"]
+    run = load_run(run_dir, which="latest")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"}]
+    session = ChatSession(run.model, run.tokenizer, SamplingParams(max_new_tokens=20, temperature=0.0), system="Be brief.")
+    want = "".join(session.reply("Who is Romeo?"))
+    with running_server(run_dir, max_batch=2) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        got = client.chat.completions.create(model=run_dir.name, messages=messages, max_tokens=20, temperature=0)
+    assert got.choices[0].message.content == want
+    from quillgpt.inference.chat import chat_prompt_ids
+
+    assert got.usage.prompt_tokens == len(chat_prompt_ids(run.tokenizer, messages)[0])
+
+
+def test_fine_tuning_an_imported_model_with_its_own_tokenizer(imported, tmp_path):
+    """The run's config.yaml names its tokenizer and itself as init_from: quill train fine-tunes it."""
+    from quillgpt.config import load_config
+    from quillgpt.train.loop import train
+
+    _, _, run_dir = imported["llama3"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 40), encoding="utf-8")
+    cfg = load_config(run_dir / "config.yaml", [
+        f"data.path={corpus}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'tuned'}",
+        "model.block_size=32", "train.batch_size=4", "train.max_iters=6", "train.eval_interval=6", "train.eval_iters=1",
+        "train.warmup_iters=0", "train.learning_rate=3e-3", "train.min_lr=3e-4", "train.device=cpu", "train.dtype=float32"])
+    result = train(cfg, progress=False)
+    assert result.step == 6
+    tuned = load_run(tmp_path / "tuned", which="latest")
+    assert tuned.tokenizer.spec() == load_run(run_dir, which="latest").tokenizer.spec()
+    from quillgpt.data.prepare import load_tokens
+
+    tokens = load_tokens(tmp_path / "data", "train")
+    assert tokens[0] == tuned.tokenizer.bos_id  # each document starts with BOS, as Llama 3 was trained
