@@ -75,11 +75,11 @@ def _model_config(path: Path, hf_config: dict[str, Any]) -> tuple[ModelConfig, s
     return gpt2.hf_to_model_config(hf_config, source), "GPT2LMHeadModel"
 
 
-def _state(path: Path, cfg: ModelConfig, architecture: str) -> dict[str, torch.Tensor]:
+def _state(path: Path, cfg: ModelConfig, architecture: str, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The quill state dict of an HF directory's weights (read one tensor at a time)."""
     if architecture == "GPT2LMHeadModel":
         return gpt2.hf_to_quill_state(load_hf_weights(path), cfg)
-    return llama.llama_to_quill_state(load_hf_weights(path), cfg)
+    return llama.llama_to_quill_state(load_hf_weights(path), cfg, llama.has_o_bias(hf_config))
 
 
 def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Converted:
@@ -96,7 +96,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
             f"{path / 'config.json'} has vocab_size={model_cfg.vocab_size}, fewer than the {tokenizer.vocab_size} "
             f"ids of its tokenizer ({tokenizer.name}); is it the model's own tokenizer?"
         )
-    state = _state(path, model_cfg, architecture)
+    state = _state(path, model_cfg, architecture, hf_config)
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
     make_out_dir(out_dir)
     _write_run(out_dir, model_cfg, tokenizer, state, str(src))
@@ -138,7 +138,8 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     if not as_gpt2:
         tensors, config, architecture = gpt2.quill_to_hf_state(state, cfg), gpt2.model_config_to_hf(cfg, tok.eot_id), "GPT2LMHeadModel"
     else:
-        tensors, config = llama.quill_to_llama_state(state, cfg), llama.model_config_to_llama(cfg, tok.bos_id, tok.eot_id)
+        kind = llama.family_of(cfg, llama.is_qwen_tokenizer(getattr(tok, "_json", None)))
+        tensors, config = llama.quill_to_llama_state(state, cfg, kind), llama.model_config_to_llama(cfg, kind, tok.bos_id, tok.eot_id)
         architecture = config["architectures"][0]
     make_out_dir(out_dir)
     try:

@@ -13,6 +13,7 @@ slot for, windows on some layers only) is refused by name, never loaded approxim
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,8 +84,8 @@ def _refusals(hf: dict[str, Any]) -> list[str]:
         problems.append(f"hidden_act={shown_value(hf['hidden_act'])} (quill's SwiGLU gates with silu)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true (quill's SwiGLU has no biases)")
-    if kind != "qwen2" and hf.get("attention_bias"):
-        problems.append("attention_bias=true (a bias on the output projection, which quill has no slot for)")
+    if kind == "mistral" and hf.get("attention_bias"):
+        problems.append("attention_bias=true (Mistral has none)")
     return problems
 
 
@@ -113,6 +114,12 @@ def llama_to_model_config(hf: dict[str, Any], source: str = "config.json") -> Mo
         raise QuillError(f"cannot import {source} ({ARCHITECTURES[kind]}): {e}") from None
 
 
+def has_o_bias(hf: dict[str, Any]) -> bool:
+    """Llama's and Qwen3's attention_bias puts a bias on o_proj too; quill has no slot for one, so
+    only an all-zero one imports (quill's own exports write zeros there)."""
+    return hf.get("model_type") in ("llama", "qwen3") and bool(hf.get("attention_bias"))
+
+
 def weight_names(cfg: ModelConfig) -> dict[str, list[str]]:
     """quill name → the HF tensors it is made of, concatenated along the output dimension."""
     names = {"transformer.wte.weight": ["model.embed_tokens.weight"], "transformer.ln_f.weight": ["model.norm.weight"]}
@@ -134,11 +141,15 @@ def weight_names(cfg: ModelConfig) -> dict[str, list[str]]:
     return names
 
 
-def llama_to_quill_state(hf_state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+def llama_to_quill_state(hf_state: Mapping[str, Tensor], cfg: ModelConfig, o_bias: bool = False) -> dict[str, Tensor]:
     """HF tensors (read one at a time from a lazy mapping) → quill's state dict, in their own
-    dtype; an extra tensor or a missing one is one clear error."""
+    dtype; an extra tensor or a missing one is one clear error, as is a non-zero o_proj bias."""
     names = weight_names(cfg)
-    expected = {n for parts in names.values() for n in parts}
+    o_biases = [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.n_layer)] if o_bias else []
+    for name in o_biases:
+        if name in hf_state and hf_state[name].any():
+            raise QuillError(f"{name} is not zero: attention_bias=true puts a bias on o_proj, which quill has no slot for")
+    expected = {n for parts in names.values() for n in parts} | set(o_biases)
     extra = [k for k in hf_state if k not in expected and not (cfg.tie_embeddings and k == "lm_head.weight")]
     missing = sorted(n for n in expected if n not in hf_state)
     if extra or missing:
@@ -166,22 +177,29 @@ def llama_incompatibilities(cfg: ModelConfig) -> list[str]:
         problems.append(f"model.attention={cfg.attention}: the Llama family has causal attention only")
     if cfg.logit_softcap is not None:
         problems.append(f"model.logit_softcap={cfg.logit_softcap}: the Llama family's logits are not capped")
-    if cfg.qk_norm and cfg.qkv_bias:
-        problems.append("model.qk_norm with model.qkv_bias: no family has both (Qwen3 norms, Qwen2 has biases)")
     if cfg.window is not None and (cfg.qk_norm or cfg.qkv_bias):
         problems.append("model.window with qk_norm or qkv_bias: only Mistral has a window, and it has neither")
     return problems
 
 
-def family_of(cfg: ModelConfig) -> str:
-    """The model_type an exportable cfg is written as: Qwen3 (QK-norm), Qwen2 (q/k/v biases),
-    Mistral (a sliding window), else Llama."""
-    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.window else "llama"
+def family_of(cfg: ModelConfig, qwen_tokenizer: bool = False) -> str:
+    """The model_type an exportable cfg is written as: Qwen3 (QK-norm), Mistral (a sliding window),
+    Qwen2 for q/k/v biases with a tokenizer transformers' Qwen2Tokenizer keeps as it is (it imposes
+    Qwen's pre-tokenizer on any qwen2 model), else Llama (its attention_bias, o_proj's bias zero)."""
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias and qwen_tokenizer:
+        return "qwen2"
+    return "mistral" if cfg.window else "llama"
 
 
-def model_config_to_llama(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """An exportable ModelConfig → its family's config.json (transformers 5 form: rope_parameters)."""
-    kind = family_of(cfg)
+def zero_o_bias(cfg: ModelConfig, kind: str) -> bool:
+    """Whether the export writes attention_bias=true (q/k/v biases) with o_proj's bias all zero."""
+    return cfg.qkv_bias and kind in ("llama", "qwen3")
+
+
+def model_config_to_llama(cfg: ModelConfig, kind: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """An exportable ModelConfig → the config.json of family `kind` (transformers 5 form: rope_parameters)."""
     rope: dict[str, Any] = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rope["factor"] = cfg.rope_factor
@@ -197,7 +215,7 @@ def model_config_to_llama(cfg: ModelConfig, bos_id: int | None, eos_id: int | No
         "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True,
     }
     if kind in ("llama", "qwen3"):
-        out["attention_bias"] = False
+        out["attention_bias"] = zero_o_bias(cfg, kind)
     if kind == "llama":
         out["mlp_bias"] = False
     if kind in ("qwen2", "qwen3"):
@@ -207,9 +225,10 @@ def model_config_to_llama(cfg: ModelConfig, bos_id: int | None, eos_id: int | No
     return out
 
 
-def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """quill state dict → the family's tensors (contiguous, none sharing memory): c_attn split
-    into q/k/v, c_fc into gate/up; a tied head is left for transformers to tie."""
+def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig, kind: str) -> dict[str, Tensor]:
+    """quill state dict → the tensors of family `kind` (contiguous, none sharing memory): c_attn
+    split into q/k/v, c_fc into gate/up, zero o_proj biases where attention_bias needs them; a tied
+    head is left for transformers to tie."""
     H, KV, hd = cfg.n_head, cfg.kv_heads, cfg.head_size
     sizes = {"attn.c_attn": [H * hd, KV * hd, KV * hd], "mlp.c_fc": [cfg.hidden_dim, cfg.hidden_dim]}
     out = {}
@@ -218,4 +237,22 @@ def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[
         module = ".".join(name.split(".")[-3:-1])  # e.g. attn.c_attn
         pieces = t.split(sizes[module], dim=0) if len(parts) > 1 else [t]
         out.update({p: piece.contiguous().clone() for p, piece in zip(parts, pieces)})
+    if zero_o_bias(cfg, kind):
+        ref = state["transformer.h.0.attn.c_proj.weight"]
+        out.update({f"model.layers.{i}.self_attn.o_proj.bias": ref.new_zeros(cfg.n_embd) for i in range(cfg.n_layer)})
     return out
+
+
+def is_qwen_tokenizer(tokenizer_json: str | None) -> bool:
+    """Whether transformers' Qwen2Tokenizer (which overrides a qwen2 model's normalizer and
+    pre-tokenizer) leaves this tokenizer.json as it is: NFC and Qwen's own split pattern."""
+    if tokenizer_json is None:
+        return False
+    try:
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    except ImportError:
+        return False
+    data = json.loads(tokenizer_json)
+    steps = (data.get("pre_tokenizer") or {}).get("pretokenizers") or []
+    patterns = [s.get("pattern", {}).get("Regex") for s in steps if isinstance(s, dict) and s.get("type") == "Split"]
+    return (data.get("normalizer") or {}).get("type") == "NFC" and patterns == [PRETOKENIZE_REGEX]

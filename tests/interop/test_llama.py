@@ -157,7 +157,7 @@ def test_llama3_rope_scaling_equals_transformers_frequencies():
 @pytest.mark.parametrize("change, message", [
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
-    ({"attention_bias": True}, "attention_bias=true"),
+    ({"attention_bias": True}, "o_proj.bias"),  # SmolLM2 has no biases: missing tensors, named
     ({"mlp_bias": True}, "mlp_bias=true"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
 ])
@@ -239,3 +239,41 @@ def test_fine_tuning_an_imported_model_with_its_own_tokenizer(imported, tmp_path
 
     tokens = load_tokens(tmp_path / "data", "train")
     assert tokens[0] == tuned.tokenizer.bos_id  # each document starts with BOS, as Llama 3 was trained
+
+
+@pytest.mark.parametrize("tokenizer, extra", [
+    ("char", {}), ("gpt2", {"qkv_bias": True}), ("bpe", {"qk_norm": True, "head_dim": 12}), ("char", {"window": 6}),
+])
+def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shakespeare_path, tokenizer, extra):
+    """RoPE + RMSNorm + SwiGLU (+ q/k/v biases → Llama's attention_bias with a zero o_proj bias, since
+    transformers gives any qwen2 model Qwen's pre-tokenizer; QK-norm → Qwen3; a window → Mistral):
+    transformers gives the same logits, and the exported tokenizer.json the same ids as quill's own."""
+    from quillgpt.checkpoint import save_checkpoint
+    from quillgpt.config import Config, ModelConfig
+    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.model.gpt import GPT
+
+    text = shakespeare_path.read_text(encoding="utf-8")[:20000]
+    tok = build_tokenizer(tokenizer, text, 300)
+    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                                   pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False, **extra))
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    (tmp_path / "run").mkdir()
+    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 3},
+                    tmp_path / "run" / "best.pt")
+    done = export_hf(tmp_path / "run", tmp_path / "hf")
+    want_arch = "Qwen3ForCausalLM" if "qk_norm" in extra else "MistralForCausalLM" if "window" in extra else "LlamaForCausalLM"
+    assert done.architecture == want_arch
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    sample = text[1000:1200]
+    ids = torch.tensor([tok.encode(sample)[:64]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.eval()(ids, all_logits=True)[0], atol=1e-4, rtol=1e-4)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for piece in (sample, "ROMEO:\nO, she doth teach the torches to burn bright!", text[5000:5600]):
+        assert auto(piece)["input_ids"] == tok.encode(piece)
+    assert import_hf(tmp_path / "hf", tmp_path / "again").tokenizer == tok.name  # quill_tokenizer.json restores it
