@@ -177,7 +177,8 @@ class ModelConfig:
                 f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
             )
         if self.pos == "rope" and self.head_size % 2 != 0:
-            raise QuillError(f"model.pos=rope needs an even head size, got {self.head_size}")
+            what = "n_embd/n_head" if self.head_dim is None else "model.head_dim"
+            raise QuillError(f"model.pos=rope needs an even head size, got {what} = {self.head_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise QuillError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -346,9 +347,13 @@ def parse_duration(text: str, key: str = "duration") -> float:
 # Dict → dataclass, with type coercion and helpful errors
 
 
-def _suggest(key: str, valid: list[str]) -> str:
+def _suggest(key: str, valid: list[str], most: int = 24) -> str:
+    """The closest valid key, else the valid keys (the first `most`: the message stays one short line)."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(valid)})"
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    more = f" and {len(valid) - most} more" if len(valid) > most else ""
+    return f" (valid keys: {', '.join(valid[:most])}{more})"
 
 
 def _type_name(tp: Any) -> str:
