@@ -5,11 +5,17 @@ to resume exactly), and best.pt, the weights with the lowest validation loss so 
 config, tokenizer, step, val_loss: no optimizer or RNG state). Checkpoints are plain tensors and
 containers loaded with `torch.load(weights_only=True)`, so a crafted file cannot run code; every
 zip member's CRC and the structure are checked before anything is built from them.
+
+A LoRA run (lora.rank > 0) saves its adapters only, with `lora_base`: the base checkpoint's path
+and a checksum of its weights. Loading it for use (`load_state`, `load_run`) loads the base,
+refuses one whose weights changed since, and merges the adapters into it: every command gets a
+plain GPT, as fast as the base. `merge_run` writes that merged model as a run of its own.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pickle
 import re
@@ -20,12 +26,13 @@ from typing import Any
 
 import torch
 
-from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
-from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
+from quillgpt.config import Config, LoraConfig, ModelConfig, config_from_dict, save_config, shown_value
+from quillgpt.data.tokenizer import Tokenizer, save_tokenizer, tokenizer_from_spec
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write, os_error, shown
 from quillgpt.model.gpt import GPT
+from quillgpt.model.lora import adapter_shapes, merge_adapters
 
 FORMAT = "quillgpt-checkpoint-v1"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -117,7 +124,7 @@ def _verify_zip(path: Path, damaged: str) -> None:
 STATE_TYPES: dict[str, tuple[type, ...]] = {
     "model": (dict,), "config": (dict,), "tokenizer": (dict,), "step": (int,), "tokens_seen": (int,),
     "optimizer": (dict,), "scaler": (dict,), "sampler": (dict,), "rng": (dict,),
-    "best_val_loss": (float, int), "val_loss": (float, int), "elapsed_s": (float, int),
+    "best_val_loss": (float, int), "val_loss": (float, int), "elapsed_s": (float, int), "lora_base": (dict,),
 }
 REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
 RESUME_KEYS = ("optimizer", "scaler", "sampler", "rng", "tokens_seen", "best_val_loss", "elapsed_s")
@@ -269,9 +276,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
              dtype: torch.dtype | None = torch.float32) -> LoadedRun:
     """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
-    run directory or checkpoint file."""
-    ckpt = resolve_checkpoint(path, which)
-    state = load_checkpoint(ckpt, map_location="cpu")
+    run directory or checkpoint file (a LoRA run: its base with the adapters merged in)."""
+    state, ckpt = load_state(path, which, dtype)
     try:
         model, config = model_from_state(state, device, dtype)
         tokenizer = tokenizer_from_spec(state["tokenizer"])
@@ -279,6 +285,90 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
         raise QuillError(f"{shown(ckpt)}: {e}") from None
     model.eval()
     return LoadedRun(model, tokenizer, config, state["step"], ckpt)
+
+
+def load_state(path: str | Path, which: str = "best", dtype: torch.dtype | None = None) -> tuple[dict[str, Any], Path]:
+    """(checked state, its file) of a run directory or checkpoint file, with plain weights: a
+    LoRA run's adapters are merged into its base (in `dtype`; None: the base's own)."""
+    ckpt = resolve_checkpoint(path, which)
+    state = load_checkpoint(ckpt, map_location="cpu")
+    return (with_base(state, ckpt, dtype) if "lora_base" in state else state), ckpt
+
+
+def weights_checksum(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 of a state dict's names, dtypes, shapes and bytes: what a LoRA run's base must keep."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def crop_positions(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A base's weights for a fine-tuned copy with a smaller block_size: learned positions cut to it."""
+    if cfg.pos == "learned" and "transformer.wpe.weight" in weights:
+        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][: cfg.block_size]
+    return weights
+
+
+def with_base(state: dict[str, Any], ckpt: Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """A LoRA run's state with its base's weights and the adapters merged in (see the module
+    docstring); a missing or changed base, or adapters that do not fit it, is one QuillError."""
+    base = state["lora_base"]
+    if not isinstance(base.get("path"), str) or not isinstance(base.get("checksum"), str):
+        raise QuillError(f"{shown(ckpt)}: 'lora_base' must hold the base's path and checksum; the file is damaged")
+    if Path(base["path"]).resolve() == ckpt.resolve():
+        raise QuillError(f"{shown(ckpt)} names itself as its LoRA base; the file is damaged")
+    if not os.path.isfile(base["path"]):
+        raise QuillError(f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, which is missing; put the "
+                         "base back there (adapters only work on the weights they were trained on)")
+    base_state, _ = load_state(base["path"])
+    if weights_checksum(base_state["model"]) != base["checksum"]:
+        raise QuillError(f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, whose weights have changed "
+                         f"since (checksum {base['checksum'][:12]}…); adapters only work on the weights they were "
+                         "trained on: restore that base, or fine-tune again")
+    try:
+        config = config_from_dict(state["config"])
+    except QuillError as e:
+        raise QuillError(f"{shown(ckpt)}: its config is not valid for this version of quill ({e})") from None
+    adapters = clean_state_dict(state["model"])
+    expected = adapter_shapes(config.model, config.lora)
+    if {k: tuple(v.shape) for k, v in adapters.items()} != expected:
+        raise QuillError(f"{shown(ckpt)}: its adapters do not match its lora config (lora.rank={config.lora.rank}, "
+                         f"lora.targets={config.lora.targets}); the file is damaged")
+    weights = crop_positions(clean_state_dict(base_state["model"]), config.model)
+    merged = merge_adapters(weights, adapters, config.model, config.lora, dtype)
+    return {**{k: v for k, v in state.items() if k != "lora_base"}, "model": merged}
+
+
+def merge_run(path: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Path:
+    """A LoRA run → a plain quill run in `out_dir` (config.yaml with lora off, tokenizer.json and
+    ckpt.pt holding the merged weights in the base's dtype), usable like any imported model."""
+    ckpt, out_dir = resolve_checkpoint(path, which), Path(out_dir)
+    state = load_checkpoint(ckpt)
+    if "lora_base" not in state:
+        raise QuillError(f"{shown(ckpt)} is not a LoRA run (its lora.rank is 0): its weights are plain already, use it as it is")
+    inputs = {ckpt.parent.resolve(), Path(state["lora_base"].get("path", "")).resolve().parent}
+    if out_dir.resolve() in inputs:
+        raise QuillError(f"--out {shown(out_dir)} is where the LoRA run or its base lives; choose a new directory")
+    taken = [n for n in (LATEST, BEST, "config.yaml", "tokenizer.json", "metrics.jsonl") if (out_dir / n).exists()]
+    if taken and not force:
+        raise QuillError(f"--out {shown(out_dir)} already holds a run ({', '.join(taken)}); choose another or pass --force")
+    state = with_base(state, ckpt)
+    cfg = config_from_dict(state["config"])
+    cfg.lora, cfg.train.init_from, cfg.train.out_dir = LoraConfig(), None, str(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, out_dir, "create", "--out") from None
+    for stale in (BEST, "metrics.jsonl"):  # only with --force: not this model's
+        (out_dir / stale).unlink(missing_ok=True)
+    save_config(cfg, out_dir / "config.yaml")
+    save_tokenizer(tokenizer_from_spec(state["tokenizer"]), out_dir / "tokenizer.json")
+    save_checkpoint({"model": state["model"], "config": cfg.to_dict(), "tokenizer": state["tokenizer"], "step": state["step"],
+                     "tokens_seen": state.get("tokens_seen", 0), "merged_from": str(ckpt)}, out_dir / LATEST)
+    return out_dir / LATEST
 
 
 def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ("dropout",)) -> list[str]:

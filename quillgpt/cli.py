@@ -71,11 +71,18 @@ def prepare_cmd(
         return
     mb = meta["source_bytes"] / 1e6
     shards = sum(len(v) for v in meta["shards"].values())
+    chat = meta.get("chat")
+    made_from = (f"{chat['train']['conversations']:,} + {chat['val']['conversations']:,} conversation(s)" if chat
+                 else f"{meta['documents']:,} document(s)")
     print(
         f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in {shards} "
-        f"shard(s) from {meta['documents']:,} document(s), {meta['tokenizer_name']} vocab {meta['vocab_size']:,} "
+        f"shard(s) from {made_from}, {meta['tokenizer_name']} vocab {meta['vocab_size']:,} "
         f"({meta['dtype']}), {mb:.2f} MB in {result.seconds:.2f}s ({mb / max(result.seconds, 1e-9):.1f} MB/s)"
     )
+    skipped = sum(chat[split]["skipped"] for split in ("train", "val")) if chat else 0
+    if skipped:
+        first = chat["train"]["first_skipped"] or chat["val"]["first_skipped"]
+        print(f"skipped {skipped:,} bad line(s) (data.skip_bad_lines); the first: {first}")
 
 
 @app.command()
@@ -269,6 +276,7 @@ def eval_cmd(
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     split: str = typer.Option("val", "--split", help="Prepared split of the run's data.out_dir to score: val or train."),
     text: list[Path] | None = typer.Option(None, "--text", help="Score this UTF-8 file instead of the split; repeatable."),
+    text_format: str = typer.Option("text", "--format", help="text, or chat: --text files are jsonl conversations, scored on the assistant's tokens as training does."),
     stride: int | None = typer.Option(None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."),
     batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
@@ -278,6 +286,7 @@ def eval_cmd(
     """Score every token of a split or text once: loss, perplexity, bits per token/byte/char.
 
     Bits per byte and per character compare models with different tokenizers on the same text.
+    Chat data (a run trained on it, or --format chat) counts the assistant's tokens only.
     """
     import json
 
@@ -286,7 +295,7 @@ def eval_cmd(
     results = []
     for path in ckpt:
         results += evaluate_checkpoint(
-            path, which=which, split=split, texts=text, stride=stride, batch_size=batch_size,
+            path, which=which, split=split, texts=text, text_format=text_format, stride=stride, batch_size=batch_size,
             device=device, progress=not as_json, skip_unknown=skip_unknown,
         )
     if as_json:
@@ -399,6 +408,21 @@ def export_hf_cmd(
     done = export_hf(run, out, which=which, force=force)
     print(f"exported {run} ({which}) → {done.path} as {done.architecture}: load with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")
+
+
+@app.command("merge")
+def merge_cmd(
+    run: Path = typer.Argument(..., help="A LoRA run directory (lora.rank > 0) or its .pt file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
+) -> None:
+    """Merge a LoRA run's adapters into its base: a plain run that needs neither (every command
+    also takes the LoRA run directly, merging at load)."""
+    from quillgpt.checkpoint import merge_run
+
+    path = merge_run(run, out, which=which, force=force)
+    print(f"merged {run} ({which}) into its base → {path}: use it as any run, or fine-tune it with train.init_from={out}")
 
 
 def _print_samples(gen: Any, shown: str, num_samples: int, stream: bool, out: TextIO) -> None:

@@ -78,9 +78,13 @@ class DataConfig:
     text_field: str = "text"  # the field (jsonl) or column (parquet) that holds each document's text
     shard_tokens: int = 100_000_000  # token ids per shard file
     workers: int | None = None  # tokenizer processes; null = every core (in-process for a small corpus)
+    format: Literal["text", "chat"] = "text"  # chat: jsonl conversations, the loss on the assistant's tokens only
+    skip_bad_lines: bool = False  # chat: skip (and count) lines that are not a valid conversation instead of failing
 
     def validate(self) -> None:
         check_finite(self, "data")
+        if self.skip_bad_lines and self.format != "chat":
+            raise QuillError("data.skip_bad_lines applies to chat data (data.format=chat)")
         if not 0.0 < self.val_fraction < 1.0:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.path is None and self.url is None:
@@ -286,6 +290,28 @@ class TrainConfig:
             parse_duration(self.time_budget, key="train.time_budget")
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "mlp")  # c_attn's q / k / v rows, attn.c_proj, the MLP's two linears
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (model/lora.py) on a frozen base (train.init_from): W x + (alpha/rank)·B(A x)."""
+
+    rank: int = 0  # 0: off (full fine-tuning)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    targets: list[Literal["q", "k", "v", "o", "mlp"]] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def validate(self) -> None:
+        check_finite(self, "lora")
+        if not 0 <= self.rank <= 4096:
+            raise QuillError(f"lora.rank must be between 0 (off) and 4096, got {self.rank}")
+        if self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
+            raise QuillError(f"need lora.alpha > 0 and lora.dropout in [0, 1), got {self.alpha}, {self.dropout}")
+        if self.rank and (not self.targets or len(set(self.targets)) != len(self.targets)):
+            raise QuillError(f"lora.targets must name each linear once, from {', '.join(LORA_TARGETS)}; got {self.targets}")
+
+
 @dataclass
 class SampleConfig:
     """Defaults for `quill sample`: SamplingParams' fields (no stop strings); flags override them."""
@@ -323,13 +349,19 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     def validate(self) -> None:
         self.data.validate()
         self.model.validate()
         self.train.validate()
+        self.lora.validate()
         self.sample.validate()
+        if self.lora.rank and not self.train.init_from:
+            raise QuillError("lora.rank > 0 adapts a trained model: set train.init_from to the base run (or lora.rank=0)")
+        if self.lora.rank and self.train.optimizer != "adamw":
+            raise QuillError("LoRA adapters train with AdamW: set train.optimizer=adamw (or lora.rank=0)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -362,6 +394,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(repr(a) if not isinstance(a, str) else a for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -403,6 +437,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(tp)
+            return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     raise QuillError(f"{key} must be {_type_name(tp)}, got {shown_value(value)}")
 
 
@@ -546,7 +584,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise QuillError(f"{path} must be a YAML mapping with sections data/model/train/sample")
+        raise QuillError(f"{path} must be a YAML mapping with sections data/model/train/sample (and lora: for adapters)")
     return values
 
 

@@ -16,20 +16,39 @@ quill's own models are base models (trained to continue text), so their chat is 
     Assistant:
 
 and the reply ends where the model starts the next turn (TRANSCRIPT_STOPS, never part of it).
+
+Training on conversations (`data.format: chat`) needs to know which of a conversation's tokens are
+the assistant's (`conversation_tokens`): the loss is taken on those only. A template with
+`{% generation %}` tags marks them itself: every token overlapping a tagged span, as
+transformers' apply_chat_template(return_assistant_tokens_mask=True) finds them. Otherwise, for
+each assistant turn, the conversation up to it is rendered with the generation prompt (the
+prompt the model answers at inference) and through it: the turn's tokens are those between the
+two (up to the template's end-of-turn token, which they include), provided both are token for
+token the start of the whole conversation's ids. A template
+that renders a turn differently once more follows (not prefix-stable), or whose tokens merge
+across a turn's edge, is refused: its assistant tokens cannot be found exactly. In the
+transcript, an assistant turn runs through its blank line and the next turn's header ("User:",
+or "System:"): what makes a reply stop at inference is part of what the assistant learns to write.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quillgpt.errors import QuillError
+
+if TYPE_CHECKING:
+    from quillgpt.data.tokenizer import Tokenizer
 
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 TRANSCRIPT_STOPS = ("\nUser:", "\nSystem:")
 Message = dict[str, str]  # {"role": ..., "content": ...}
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def transcript(messages: list[Message], add_generation_prompt: bool = True) -> str:
@@ -47,9 +66,15 @@ def _compiled(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
-        """`{% generation %}…{% endgeneration %}` marks the assistant's text; rendered as is."""
+        """`{% generation %}…{% endgeneration %}` marks the assistant's text; rendered as is. While
+        a render is tracked (render_spans), each block's place in the text is recorded."""
 
         tags = {"generation"}
+
+        def __init__(self, environment: Any) -> None:
+            super().__init__(environment)
+            self.tracked: ContextVar[tuple[list[str], list] | None] = ContextVar("generation_spans", default=None)
+            environment.extend(generation_spans=self.tracked)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -57,7 +82,12 @@ def _compiled(template: str) -> Any:
             return nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
 
         def _render(self, caller: Any) -> str:
-            return caller()
+            text = caller()
+            if (tracked := self.tracked.get()) is not None:
+                blocks, spans = tracked  # the text rendered so far, in blocks
+                start = sum(map(len, blocks))
+                spans.append((start, start + len(text), text))
+            return text
 
     class Namespace(jinja2.utils.Namespace):
         def __setitem__(self, name: str, value: Any) -> None:
@@ -88,13 +118,31 @@ def _compiled(template: str) -> Any:
 def render(template: str, messages: list[Message], add_generation_prompt: bool = True,
            bos_token: str | None = None, eos_token: str | None = None) -> str:
     """The conversation as the model's template writes it (what apply_chat_template(tokenize=False) gives)."""
+    return render_spans(template, messages, add_generation_prompt, bos_token, eos_token)[0]
+
+
+def render_spans(template: str, messages: list[Message], add_generation_prompt: bool = True,
+                 bos_token: str | None = None, eos_token: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered text, the [start, end) characters of each {% generation %} block in it),
+    tracked as transformers tracks them: by the text rendered before each block."""
     import jinja2
 
+    compiled = _compiled(template)
+    blocks: list[str] = []
+    spans: list[tuple[int, int, str]] = []
+    token = compiled.environment.generation_spans.set((blocks, spans))
     try:
-        return _compiled(template).render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                          bos_token=bos_token, eos_token=eos_token, tools=None, documents=None)
+        blocks.extend(compiled.generate(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                        bos_token=bos_token, eos_token=eos_token, tools=None, documents=None))
     except jinja2.TemplateError as e:
         raise QuillError(f"the model's chat template refused the conversation: {str(e)[:200]}") from None
+    finally:
+        compiled.environment.generation_spans.reset(token)
+    text = "".join(blocks)
+    if any(text[start:end] != block for start, end, block in spans):  # rendered inside a buffer (a macro, a set block)
+        raise QuillError("the chat template's {% generation %} blocks are not where their text lands in the rendering; "
+                         "keep them at the template's top level")
+    return text, [(start, end) for start, end, _ in spans]
 
 
 def end_of_turn(template: str, special_tokens: list[str], bos_token: str | None = None,
@@ -109,3 +157,78 @@ def end_of_turn(template: str, special_tokens: list[str], bos_token: str | None 
         return None
     after = text[text.find(probe) + len(probe):] if probe in text else ""
     return next((t for t in sorted(special_tokens, key=len, reverse=True) if after.lstrip(" ").startswith(t)), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# a conversation → the ids a model trains on, and which of them are the assistant's
+
+
+def template_messages(messages: list[Message]) -> list[Message]:
+    """The messages as a template gets them: OpenAI's "developer" is the templates' "system"."""
+    return [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+
+
+def conversation_ids(tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+    """The ids of a conversation as the model reads it: its template's rendering (special tokens
+    read as such, nothing added: templates write their own BOS), or quill's transcript after the
+    tokenizer's BOS, as every prompt starts."""
+    if tokenizer.chat_template is not None:
+        text = render(tokenizer.chat_template, template_messages(messages), add_generation_prompt,
+                      getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+        return tokenizer.encode(text)
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return bos + tokenizer.encode(transcript(messages, add_generation_prompt))
+
+
+def _turn_end(messages: list[Message], i: int) -> str:
+    """What the transcript's assistant turn i learns to write after its blank line: the header of
+    the turn that follows (a user's when none does), which the chat's stop strings catch."""
+    after = messages[i + 1]["role"] if i + 1 < len(messages) else "user"
+    return "" if after == "assistant" else f"{ROLE_NAMES[after]}:"
+
+
+def _transcript_through(tokenizer: Tokenizer, messages: list[Message], i: int) -> list[int]:
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return bos + tokenizer.encode(transcript(messages[: i + 1], False) + _turn_end(messages, i))
+
+
+def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
+    """(ids of the whole conversation, True for each id that is the assistant's): see the module
+    docstring. One QuillError when the assistant's tokens cannot be found exactly."""
+    template = tokenizer.chat_template
+    if template is not None and GENERATION_TAG.search(template):
+        return _tagged_tokens(tokenizer, messages)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if template is None:
+        last = len(messages) - 1
+        ids = _transcript_through(tokenizer, messages, last) if last in turns else conversation_ids(tokenizer, messages, False)
+    else:
+        ids = conversation_ids(tokenizer, messages, False)
+    mask = [False] * len(ids)
+    for n, i in enumerate(turns, 1):
+        before = conversation_ids(tokenizer, messages[:i], True)
+        through = _transcript_through(tokenizer, messages, i) if template is None else conversation_ids(tokenizer, messages[: i + 1], False)
+        if ids[: len(before)] != before or ids[: len(through)] != through or len(through) <= len(before):
+            raise QuillError(
+                f"the chat template does not render assistant turn {n} as the start of the whole conversation, token "
+                "for token (not prefix-stable), so the assistant's tokens cannot be found exactly; a template with "
+                "{% generation %} tags marks them itself")
+        end = _reply_end(through, len(before), tokenizer.stop_ids)
+        mask[len(before) : end] = [True] * (end - len(before))
+    return ids, mask
+
+
+def _reply_end(ids: list[int], start: int, stop_ids: tuple[int, ...]) -> int:
+    """Where an assistant turn ids[start:] ends: right after its last end-of-turn id, where it has
+    one (what a template writes after that token, e.g. ChatML's newline, is never generated)."""
+    ends = [i + 1 for i in range(start, len(ids)) if ids[i] in stop_ids]
+    return ends[-1] if ends else len(ids)
+
+
+def _tagged_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
+    """The {% generation %} spans as tokens: every token overlapping a span (transformers' rule)."""
+    text, spans = render_spans(tokenizer.chat_template, template_messages(messages), False,
+                               getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    ids, offsets = tokenizer.encode_offsets(text)
+    mask = [any(start < hi and end > lo for lo, hi in spans) for start, end in offsets]
+    return ids, mask

@@ -367,6 +367,7 @@ class Piece:
     split: str  # train | val
     cursor: dict[str, int]  # {"source", "record", "piece"}: where to start reading to get it again
     read_bytes: int  # bytes of the corpus on disk read so far
+    where: str = ""  # a whole record's place, "path line N", for messages about it (iter_lines)
 
 
 def iter_pieces(
@@ -400,4 +401,24 @@ def iter_pieces(
                     split = "val" if in_val or in_val_docs else "train"
                     yield Piece(text, number == 0, split, {"source": si, "record": record, "piece": number}, done + read)
                 number += 1
+        done += sources[si].size
+
+
+def iter_lines(sources: list[Source], records: list[int], val_from: int, start: dict[str, int] | None = None) -> Iterator[Piece]:
+    """Every non-blank line of jsonl files, in order, each a whole piece for its reader to parse
+    (a conversation, for chat data; bytes that are not UTF-8 stay surrogate escapes, for it to
+    refuse), val from corpus record `val_from` on. `start` (a Piece.cursor) resumes: earlier
+    files are skipped unread, earlier lines of its file unyielded."""
+    start = start or {"source": 0, "record": 0, "piece": 0}
+    first = [sum(records[:i]) for i in range(len(sources))]  # corpus index of each file's line 0
+    done = sum(s.size for s in sources[: start["source"]])
+    for si in range(start["source"], len(sources)):
+        skip = start["record"] if si == start["source"] else 0
+        with _open(sources[si]) as (stream, counter):
+            for index, line in enumerate(_lines(stream)):
+                if index >= skip and line.strip():
+                    split = "val" if first[si] + index >= val_from else "train"
+                    where = f"{shown(sources[si].path)} line {index + 1}"
+                    yield Piece(line.decode("utf-8", "surrogateescape"), True, split, {"source": si, "record": index, "piece": 0},
+                                done + counter.read_bytes, where)
         done += sources[si].size

@@ -103,6 +103,11 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, each id's [start, end) characters in text): where chat templates' spans land."""
+        encoding = self.tk.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int64) for e in self.tk.encode_batch(texts, add_special_tokens=False)]
 

@@ -9,6 +9,12 @@ so that running it again on the same inputs does nothing and a killed run resume
 finished shard. Documents are separated by the tokenizer's end-of-text id (before each one),
 so a model learns where a document starts. Training reads the shards through memmaps, so a
 corpus larger than memory still trains.
+
+`data.format: chat` reads jsonl conversations instead (data/chat_data.py): each is rendered with
+the tokenizer's chat template (or quill's transcript) and stored whole, no separator, with a
+flags shard beside each token shard that marks the assistant's tokens and each conversation's
+start; val is the last val_fraction of the lines. The tokenizer must be given (the base model's):
+a char or bpe vocabulary learned from the conversations would not be the base's.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import numpy as np
 from tqdm import tqdm
 
 from quillgpt.config import DataConfig
-from quillgpt.data.corpus import Piece, Source, count_chars, count_records, find_sources, iter_pieces
+from quillgpt.data.chat_data import FLAGS_DTYPE, ChatStats
+from quillgpt.data.corpus import Piece, Source, count_chars, count_records, find_sources, iter_lines, iter_pieces
 from quillgpt.data.download import source_path
-from quillgpt.data.shards import ShardedTokens, encode_tasks, iter_tasks, write_shards
+from quillgpt.data.shards import Encoded, Encoding, ShardedTokens, Task, encode_tasks, iter_tasks, write_shards
 from quillgpt.data.tokenizer import (
     GPT4_SPLIT_PATTERN,
     TOKENIZER_NAMES,
@@ -51,7 +58,7 @@ IN_PROCESS_BYTES = 1 << 24  # a corpus smaller than this is tokenized without wo
 BPE_TRAIN_CHARS = 1 << 30  # `tokenizer: bpe` learns its merges from the corpus's first 1 G chars
 LOCK_FILE = ".prepare.lock"
 STATE_FILE = ".prepare-state.json"  # a prepare in progress: plan, tokenizer, finished shards, cursor
-SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?\.bin")
+SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?(?:\.flags)?\.bin")
 TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|\.prepare-state\.json)[^/]*\.tmp")  # atomic_write names temps ".<name>.<random>.tmp"
 
 
@@ -92,7 +99,7 @@ def _tokenizer_request(cfg: DataConfig) -> dict[str, Any]:
 def _want(cfg: DataConfig, sources: list[Source]) -> dict[str, Any]:
     """Everything the shards are made from: same inputs → nothing to do (sizes and mtimes stand
     for the files' content, so a corpus of many gigabytes is not hashed on every run)."""
-    return {
+    want = {
         "format": FORMAT,
         "sources": [s.manifest() for s in sources],
         "text_field": cfg.text_field,
@@ -100,6 +107,9 @@ def _want(cfg: DataConfig, sources: list[Source]) -> dict[str, Any]:
         "val_fraction": cfg.val_fraction,
         "shard_tokens": cfg.shard_tokens,
     }
+    if cfg.format == "chat":  # (text data's manifest stays as it was: no spurious rebuilds)
+        want.update(data_format="chat", skip_bad_lines=cfg.skip_bad_lines)
+    return want
 
 
 def _read_meta(out_dir: Path) -> dict[str, Any]:
@@ -123,9 +133,12 @@ def _shard_list(meta: dict[str, Any], split: str) -> list[dict[str, Any]]:
 
 
 def _shards_complete(out_dir: Path, shards: dict[str, list[dict[str, Any]]], itemsize: int) -> bool:
+    """Every shard (and chat data's flags beside it) holds the ids the manifest says."""
     try:
         return all(
-            (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize for split in shards.values() for s in split
+            (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize
+            and ("flags" not in s or (out_dir / s["flags"]).stat().st_size == s["tokens"] * FLAGS_DTYPE.itemsize)
+            for split in shards.values() for s in split
         )
     except (OSError, KeyError, TypeError):
         return False
@@ -171,9 +184,13 @@ def _plan(cfg: DataConfig, sources: list[Source], progress: bool) -> dict[str, A
     """Where val begins. Several documents: the last val_fraction of them (at least one, and at
     least one left for train). One document (one text file): its last val_fraction of characters,
     moved to the next place where the cut leaves the tokens unchanged."""
+    if cfg.format == "chat":
+        _check_chat_sources(sources)
     with tqdm(sources, desc="count documents", unit="file", disable=not progress, delay=1.0, leave=False) as bar:
         records = [count_records(s) for s in bar]
     total, where = sum(records), sources[0].path if len(sources) == 1 else cfg.path
+    if cfg.format == "chat" and total < 2:
+        raise QuillError(f"{shown(where)} has {total} line(s); chat data needs at least 2 conversations (one for val)")
     if total >= 2:
         n_val = min(total - 1, max(1, round(total * cfg.val_fraction)))
         return {"records": records, "val_from": total - n_val, "split_at": None}
@@ -184,6 +201,22 @@ def _plan(cfg: DataConfig, sources: list[Source], progress: bool) -> dict[str, A
     if chars - val_chars < 1:
         raise QuillError(f"{shown(where)} has only {chars} character(s): too short to split into train and val")
     return {"records": records, "val_from": None, "split_at": chars - val_chars}
+
+
+def _check_chat_sources(sources: list[Source]) -> None:
+    for source in sources:
+        if source.kind != "jsonl":
+            raise QuillError(f"data.format=chat reads .jsonl files, one conversation a line; {shown(source.path)} is "
+                             f"{source.kind} (convert it, or use data.format=text)")
+
+
+def _check_chat_tokenizer(cfg: DataConfig) -> None:
+    """Chat data is rendered with a given tokenizer (the base model's): not one learned from it."""
+    if cfg.format == "chat" and cfg.tokenizer in ("char", "bpe"):
+        raise QuillError(
+            f"data.format=chat needs the model's own tokenizer, not one learned from the conversations "
+            f"(data.tokenizer={cfg.tokenizer}): set data.tokenizer to the base run's tokenizer.json "
+            "(e.g. out/shakespeare_char_3m/tokenizer.json) or a tiktoken name such as gpt2")
 
 
 def _pieces(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], anywhere: bool, start: dict | None = None,
@@ -199,7 +232,7 @@ def _learn_tokenizer(cfg: DataConfig, sources: list[Source], plan: dict[str, Any
     every character of the corpus."""
     if cfg.tokenizer not in ("char", "bpe"):
         tok = build_tokenizer(cfg.tokenizer)
-        if isinstance(tok, CharTokenizer):
+        if isinstance(tok, CharTokenizer) and cfg.format == "text":  # (chat data: each line's own error)
             unknown: collections.Counter[str] = collections.Counter()
             for piece in _pieces(cfg, sources, plan, anywhere=True):
                 unknown.update(tok.unknown_chars(piece.text))
@@ -258,21 +291,30 @@ def _save_state(out_dir: Path, state: dict[str, Any]) -> None:
 def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok: Tokenizer, out_dir: Path, progress: bool) -> None:
     """Write the shards from state["cursor"] on, saving the state after each finished shard."""
     start = state["cursor"]
-    dtype = token_dtype(tok.vocab_size)
+    encoding = Encoding(token_dtype(tok.vocab_size).name, cfg.format == "chat", cfg.skip_bad_lines)
     done = sum(s.size for s in sources[: start["source"]])
-    size = PIECE_CHARS if tok.cuts_pieces else 2**62  # whole documents (cut only where val begins)
-    pieces = _pieces(cfg, sources, state["plan"], isinstance(tok, CharTokenizer), start, size)
-    results = encode_tasks(iter_tasks(pieces, TASK_CHARS, done), tok, dtype, _workers(cfg, sources))
+    if encoding.chat:  # whole conversations, one a line
+        pieces = iter_lines(sources, state["plan"]["records"], state["plan"]["val_from"], start)
+    else:
+        size = PIECE_CHARS if tok.cuts_pieces else 2**62  # whole documents (cut only where val begins)
+        pieces = _pieces(cfg, sources, state["plan"], isinstance(tok, CharTokenizer), start, size)
+    results = encode_tasks(iter_tasks(pieces, TASK_CHARS, done), tok, encoding, _workers(cfg, sources))
     total = sum(s.size for s in sources)
     with tqdm(total=total, initial=done, desc="tokenize", unit="B", unit_scale=True, disable=not progress, delay=0.5) as bar:
+
+        def on_task_done(task: Task, encoded: Encoded) -> None:
+            bar.update(task.read_bytes)
+            if encoded.chat is not None:  # counted once the task is written whole: a resume does not count it twice
+                stats = ChatStats(**state["chat"][task.split])
+                stats.add(encoded.chat)
+                state["chat"][task.split] = vars(stats)
 
         def on_shard(shards: dict[str, list], cursor: dict[str, Any] | None) -> None:
             state["shards"], state["cursor"] = shards, cursor
             if cursor is not None:  # after the last shard, meta.json comes next
                 _save_state(out_dir, state)
 
-        write_shards(results, out_dir, cfg.shard_tokens, state["shards"], start["skip_tokens"], on_shard,
-                     lambda t: bar.update(t.read_bytes))
+        write_shards(results, out_dir, cfg.shard_tokens, state["shards"], start["skip_tokens"], on_shard, on_task_done)
 
 
 def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir: Path, force: bool, progress: bool) -> dict[str, Any]:
@@ -282,7 +324,8 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
         plan = _plan(cfg, sources, progress)
         tok = _learn_tokenizer(cfg, sources, plan, progress)
         cursor = {"source": 0, "record": 0, "piece": 0, "skip_tokens": 0}
-        state = {"want": want, "plan": plan, "tokenizer": tok.spec(), "shards": {}, "cursor": cursor}
+        state = {"want": want, "plan": plan, "tokenizer": tok.spec(), "shards": {}, "cursor": cursor,
+                 "chat": {split: vars(ChatStats()) for split in ("train", "val")}}
         (out_dir / STATE_FILE).unlink(missing_ok=True)  # first saved when the first shard is done
     else:
         tok = tokenizer_from_spec(state["tokenizer"])
@@ -296,9 +339,10 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
     tokens = {split: sum(s["tokens"] for s in shards[split]) for split in shards}
     if not tokens["train"] or not tokens["val"]:
         empty = "train" if not tokens["train"] else "val"
+        more = "more valid conversations" if cfg.format == "chat" else "more text, or more documents with text"
         raise QuillError(
             f"{shown(cfg.path or sources[0].path)} gives an empty {empty} split (data.val_fraction="
-            f"{cfg.val_fraction}): it needs more text, or more documents with text"
+            f"{cfg.val_fraction}): it needs {more}"
         )
     plan = state["plan"]
     meta = {
@@ -317,9 +361,11 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
         "tokenizer_fingerprint": tok.fingerprint(),
         "tokenizer": tok.spec(),
     }
+    if cfg.format == "chat":
+        meta["chat"] = state["chat"]  # per split: conversations kept, lines skipped, the first skipped one
     atomic_write_bytes(out_dir / "meta.json", dump_json(meta).encode("utf-8"))
     (out_dir / STATE_FILE).unlink(missing_ok=True)
-    keep = {s["file"] for split in shards.values() for s in split}
+    keep = {s[key] for split in shards.values() for s in split for key in ("file", "flags") if key in s}
     for path in out_dir.iterdir():  # shards of an earlier, longer prepare
         if SHARD_FILE.fullmatch(path.name) and path.name not in keep:
             path.unlink()
@@ -332,6 +378,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     t0 = time.perf_counter()
     if cfg.tokenizer == "bpe":
         token_dtype(cfg.bpe_vocab_size)  # fail before reading or training anything
+    _check_chat_tokenizer(cfg)
     out_dir = probe_writable(cfg.out_dir, "data.out_dir")
     sources = find_sources(cfg.path if cfg.path is not None else source_path(cfg, progress))
     want = _want(cfg, sources)
@@ -352,24 +399,28 @@ def load_prepared(out_dir: str | Path) -> tuple[dict[str, Any], Tokenizer]:
         raise QuillError(f"{Path(out_dir) / 'meta.json'} has no tokenizer; rebuild it with `quill prepare --force`") from None
 
 
-def load_tokens(out_dir: str | Path, split: str) -> np.memmap | ShardedTokens:
+def load_tokens(out_dir: str | Path, split: str, flags: bool = False) -> np.memmap | ShardedTokens:
     """(N,) token ids of one split, memory-mapped read-only: a memmap for one shard, else a
-    ShardedTokens over all of them (the same indexing)."""
+    ShardedTokens over all of them (the same indexing). flags: chat data's (N,) uint8 flags
+    beside them instead (data/chat_data.py)."""
     if split not in ("train", "val"):
         raise QuillError(f"split must be 'train' or 'val', got {split!r}")
     out_dir = Path(out_dir)
     meta = _read_meta(out_dir)
     rebuild = "rebuild it with `quill prepare --force`"
+    key = "flags" if flags else "file"
     try:
         dtype, vocab_size = np.dtype(meta["dtype"]), int(meta["vocab_size"])
-        shards = [(out_dir / Path(s["file"]).name, int(s["tokens"])) for s in _shard_list(meta, split)]
+        shards = [(out_dir / Path(s[key]).name, int(s["tokens"])) for s in _shard_list(meta, split)]
     except (KeyError, TypeError, ValueError):
-        raise QuillError(f"{out_dir / 'meta.json'} is incomplete; {rebuild}") from None
+        what = "has no chat flags (prepared with data.format=text?)" if flags else "is incomplete"
+        raise QuillError(f"{out_dir / 'meta.json'} {what}; {rebuild}") from None
     if vocab_size > np.iinfo(dtype).max + 1:
         raise QuillError(f"{out_dir / 'meta.json'} says dtype {dtype.name}, too small for vocab_size {vocab_size}; {rebuild}")
+    dtype = FLAGS_DTYPE if flags else dtype
     for path, n in shards:
         if not path.is_file() or path.stat().st_size != n * dtype.itemsize:
-            raise QuillError(f"{path} is missing or not the {n} tokens meta.json expects; {rebuild}")
+            raise QuillError(f"{path} is missing or not the {n} {'flags' if flags else 'tokens'} meta.json expects; {rebuild}")
     if not shards:
         raise QuillError(f"{out_dir / 'meta.json'} lists no {split} shards; {rebuild}")
     parts = [np.memmap(path, dtype=dtype, mode="r") for path, _ in shards]

@@ -3,7 +3,8 @@ in order, and reading a split's shards back as one array.
 
 A split (train or val) is a sequence of shard files of `shard_tokens` ids each (the last one
 shorter): `train.bin`, `train-000001.bin`, `train-000002.bin`, ... so a corpus that fits one
-shard has nanoGPT's layout. Shards are written whole (temp file + rename), one after another;
+shard has nanoGPT's layout. Chat data adds a flags file beside each (`train.flags.bin`: a uint8
+per token, data/chat_data.py). Shards are written whole (temp file + rename), one after another;
 after each, the caller records where the next one starts, which is all a resumed run needs.
 
 This module imports no torch: worker processes start with numpy and tiktoken only.
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from quillgpt.data.chat_data import ChatStats, encode_lines
 from quillgpt.data.corpus import Piece
 from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 from quillgpt.files import atomic_write
@@ -32,6 +34,11 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}.bin" if index == 0 else f"{split}-{index:06d}.bin"
 
 
+def flags_name(shard: str) -> str:
+    """The flags file beside a chat shard: train.bin → train.flags.bin."""
+    return shard.removesuffix(".bin") + ".flags.bin"
+
+
 @dataclass
 class Task:
     """Consecutive pieces of one split, tokenized as a unit by one worker."""
@@ -40,13 +47,38 @@ class Task:
     cursor: dict[str, int]  # where the reader stood when the task began: a resume point
     pieces: list[str] = field(default_factory=list)
     starts: list[bool] = field(default_factory=list)  # the piece begins a document
+    wheres: list[str] = field(default_factory=list)  # each piece's "path line N" (whole records only)
     chars: int = 0
     read_bytes: int = 0  # bytes of the corpus on disk read for this task (progress)
 
-    def add(self, piece: str, start: bool) -> None:
-        self.pieces.append(piece)
-        self.starts.append(start)
-        self.chars += len(piece)
+    def add(self, piece: Piece) -> None:
+        self.pieces.append(piece.text)
+        self.starts.append(piece.starts_document)
+        self.wheres.append(piece.where)
+        self.chars += len(piece.text)
+
+
+@dataclass
+class Encoded:
+    """A task's ids, and for chat data the flags beside them and what the lines held."""
+
+    arrays: tuple[np.ndarray, ...]  # (ids,), or (ids, flags): the same length each
+    chat: ChatStats | None = None
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How tasks become ids: plain text (documents after the document-start id), or chat lines."""
+
+    dtype: str
+    chat: bool = False
+    skip_bad_lines: bool = False
+
+    def __call__(self, tok: Tokenizer, pieces: list[str], starts: list[bool], wheres: list[str], bulk: bool = True) -> Encoded:
+        dtype = np.dtype(self.dtype)
+        if self.chat:
+            return Encoded(*encode_lines(tok, pieces, wheres, dtype, self.skip_bad_lines))
+        return Encoded((encode_task(tok, pieces, starts, dtype, bulk),))
 
 
 def iter_tasks(pieces: Iterator[Piece], task_chars: int, read_before: int = 0) -> Iterator[Task]:
@@ -60,7 +92,7 @@ def iter_tasks(pieces: Iterator[Piece], task_chars: int, read_before: int = 0) -
             task = None
         if task is None:
             task = Task(piece.split, piece.cursor)
-        task.add(piece.text, piece.starts_document)
+        task.add(piece)
         task.read_bytes += piece.read_bytes - read
         read = piece.read_bytes
     if task is not None:
@@ -82,31 +114,31 @@ def encode_task(tok: Tokenizer, pieces: list[str], starts: list[bool], dtype: np
 
 # --- worker processes --------------------------------------------------------------------------
 
-_WORKER: dict[str, Any] = {}  # a worker process's tokenizer and dtype, set once by _init_worker
+_WORKER: dict[str, Any] = {}  # a worker process's tokenizer and encoding, set once by _init_worker
 
 
-def _init_worker(spec: dict[str, Any], dtype: str) -> None:
-    _WORKER["tok"], _WORKER["dtype"] = tokenizer_from_spec(spec), np.dtype(dtype)
+def _init_worker(spec: dict[str, Any], encoding: Encoding) -> None:
+    _WORKER["tok"], _WORKER["encoding"] = tokenizer_from_spec(spec), encoding
 
 
-def _encode_in_worker(pieces: list[str], starts: list[bool]) -> np.ndarray:
-    return encode_task(_WORKER["tok"], pieces, starts, _WORKER["dtype"], bulk=False)
+def _encode_in_worker(pieces: list[str], starts: list[bool], wheres: list[str]) -> Encoded:
+    return _WORKER["encoding"](_WORKER["tok"], pieces, starts, wheres, bulk=False)
 
 
-def encode_tasks(tasks: Iterator[Task], tok: Tokenizer, dtype: np.dtype, workers: int) -> Iterator[tuple[Task, np.ndarray]]:
-    """(task, ids) in task order. With workers > 1, that many processes tokenize while this one
-    reads; at most IN_FLIGHT tasks per worker are in flight, so memory stays bounded."""
+def encode_tasks(tasks: Iterator[Task], tok: Tokenizer, encoding: Encoding, workers: int) -> Iterator[tuple[Task, Encoded]]:
+    """(task, its encoding) in task order. With workers > 1, that many processes tokenize while
+    this one reads; at most IN_FLIGHT tasks per worker are in flight, so memory stays bounded."""
     if workers <= 1:
         for task in tasks:
-            yield task, encode_task(tok, task.pieces, task.starts, dtype)
+            yield task, encoding(tok, task.pieces, task.starts, task.wheres)
         return
     pool = cf.ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(tok.spec(), dtype.name)
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(tok.spec(), encoding)
     )
     window: deque[tuple[Task, cf.Future]] = deque()
     try:
         for task in tasks:
-            window.append((task, pool.submit(_encode_in_worker, task.pieces, task.starts)))
+            window.append((task, pool.submit(_encode_in_worker, task.pieces, task.starts, task.wheres)))
             if len(window) >= IN_FLIGHT * workers:
                 done, future = window.popleft()
                 yield done, future.result()
@@ -121,11 +153,12 @@ def encode_tasks(tasks: Iterator[Task], tok: Tokenizer, dtype: np.dtype, workers
 
 
 class _TokenStream:
-    """The encoded tasks as one stream of ids that shards take from, tracking the resume point."""
+    """The encoded tasks as one stream of ids (and flags) that shards take from, tracking the
+    resume point."""
 
-    def __init__(self, results: Iterator[tuple[Task, np.ndarray]], skip: int, on_task_done: Callable[[Task], None]):
+    def __init__(self, results: Iterator[tuple[Task, Encoded]], skip: int, on_task_done: Callable[[Task, Encoded], None]):
         self.results, self.on_task_done = results, on_task_done
-        self.head: tuple[Task, np.ndarray] | None = None
+        self.head: tuple[Task, Encoded] | None = None
         self.offset = skip  # ids of the head task already written (by an earlier, killed run)
 
     def peek(self) -> Task | None:
@@ -134,20 +167,20 @@ class _TokenStream:
             if item is None:
                 return None
             self.head = item
-            if self.offset >= len(item[1]):  # nothing left of it to write
+            if self.offset >= len(item[1].arrays[0]):  # nothing left of it to write
                 self._finish()
         return self.head[0]
 
-    def take(self, n: int) -> np.ndarray:
-        task, ids = self.head
-        part = ids[self.offset : self.offset + n]
-        self.offset += len(part)
-        if self.offset >= len(ids):
+    def take(self, n: int) -> tuple[np.ndarray, ...]:
+        arrays = self.head[1].arrays
+        parts = tuple(a[self.offset : self.offset + n] for a in arrays)
+        self.offset += len(parts[0])
+        if self.offset >= len(arrays[0]):
             self._finish()
-        return part
+        return parts
 
     def _finish(self) -> None:
-        self.on_task_done(self.head[0])
+        self.on_task_done(*self.head)
         self.head, self.offset = None, 0
 
     def cursor(self) -> dict[str, Any] | None:
@@ -157,30 +190,36 @@ class _TokenStream:
 
 
 def write_shards(
-    results: Iterator[tuple[Task, np.ndarray]],
+    results: Iterator[tuple[Task, Encoded]],
     out_dir: Path,
     shard_tokens: int,
     shards: dict[str, list[dict[str, Any]]],
     skip_tokens: int,
     on_shard: Callable[[dict[str, list[dict[str, Any]]], dict[str, Any] | None], None],
-    on_task_done: Callable[[Task], None],
+    on_task_done: Callable[[Task, Encoded], None],
 ) -> dict[str, list[dict[str, Any]]]:
     """Write the ids of `results` as shards of `shard_tokens` ids (a split's last one shorter),
-    appending to `shards` ({split: [{"file", "tokens"}]}); `on_shard(shards, cursor)` after each."""
+    and chat data's flags beside them, appending to `shards` ({split: [{"file", "tokens"(,
+    "flags")}]}); `on_shard(shards, cursor)` after each."""
     stream = _TokenStream(results, skip_tokens, on_task_done)
     while (task := stream.peek()) is not None:
         split, count = task.split, 0
 
-        def write(f: Any, split: str = split) -> None:  # called at once, for this shard
+        def write(*files: Any, split: str = split) -> None:  # called at once, for this shard
             nonlocal count
             while count < shard_tokens and (head := stream.peek()) is not None and head.split == split:
-                part = stream.take(shard_tokens - count)
-                part.tofile(f)
-                count += len(part)
+                parts = stream.take(shard_tokens - count)
+                for part, f in zip(parts, files):
+                    part.tofile(f)
+                count += len(parts[0])
 
         name = shard_name(split, len(shards.setdefault(split, [])))
-        atomic_write(out_dir / name, write)
-        shards[split].append({"file": name, "tokens": count})
+        flags = flags_name(name) if len(stream.head[1].arrays) > 1 else None  # chat: ids and flags side by side
+        if flags is None:
+            atomic_write(out_dir / name, write)
+        else:
+            atomic_write(out_dir / flags, lambda f, ids_file=out_dir / name: atomic_write(ids_file, lambda ids: write(ids, f)))
+        shards[split].append({"file": name, "tokens": count, **({"flags": flags} if flags else {})})
         on_shard(shards, stream.cursor())
     return shards
 

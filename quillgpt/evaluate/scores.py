@@ -20,6 +20,11 @@ prefix: a window that scores targets from offset `skip` on gets prefix_len = ski
 tokens 0..skip), so exactly the tokens after the prefix are scored, and the same tokens as for a
 causal model (with the default stride = block_size every window but the last has prefix 1, causal).
 The trainer's fixed windows use a fixed prefix (prefix.eval_prefix_len) and score what follows it.
+
+Chat data is scored the way training scores it (data/chat_batches.py): one conversation a
+row, truncated to block_size + 1 tokens, only the assistant's tokens counted; bytes and
+characters are those of the scored tokens. A run trained on chat data scores its prepared
+split so; `--format chat` scores a jsonl file of conversations so.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from tqdm import tqdm
 
 from quillgpt.checkpoint import load_run
 from quillgpt.data.batches import batch_from_starts
-from quillgpt.data.prepare import load_prepared, load_tokens
+from quillgpt.data.chat_batches import ChatRows
+from quillgpt.data.chat_data import encode_lines
+from quillgpt.data.prepare import load_prepared, load_tokens, token_dtype
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import resolve_device
 from quillgpt.errors import QuillError
@@ -209,6 +216,47 @@ def evaluate_windows(
     return EvalResult(total, len(starts) * scored, None, None, time.perf_counter() - t0)
 
 
+def evaluate_rows(
+    model: torch.nn.Module,
+    rows: ChatRows,
+    picks: np.ndarray | None = None,
+    *,
+    batch_size: int = 16,
+    device: str | torch.device | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> EvalResult:
+    """Summed loss over the assistant's tokens of the conversations `picks` (default: all), as
+    training scores them; with `tokenizer`, also the bytes and characters of those tokens."""
+    if batch_size < 1:
+        raise QuillError(f"--batch-size must be at least 1, got {batch_size}")
+    device = torch.device(device) if device is not None else _model_device(model)
+    picks = np.arange(len(rows)) if picks is None else picks
+    t0 = time.perf_counter()
+    total, scored, n_bytes, n_chars = 0.0, 0, 0, 0
+    with evaluating(model):
+        for i in range(0, len(picks), batch_size):
+            x, y = rows.batch(picks[i : i + batch_size], device)
+            total += _batch_nats(model, x, y)
+            targets = y[y != -1]
+            scored += len(targets)
+            if tokenizer is not None:
+                raw = np.frombuffer(tokenizer.decode_bytes(targets.tolist()), dtype=np.uint8)
+                n_bytes, n_chars = n_bytes + len(raw), n_chars + int(np.count_nonzero((raw & 0xC0) != 0x80))
+    sizes = (n_bytes, n_chars) if tokenizer is not None else (None, None)
+    return EvalResult(total, scored, *sizes, time.perf_counter() - t0)
+
+
+def chat_rows(tokenizer: Tokenizer, text: str, block_size: int, name: str) -> ChatRows:
+    """A jsonl text of conversations (one a line) as rows, each line checked as `quill prepare`
+    checks it (a bad line is one error naming it)."""
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise QuillError(f"{name} holds no conversations (one JSON object a line)")
+    dtype = token_dtype(tokenizer.vocab_size)
+    (ids, flags), _ = encode_lines(tokenizer, [line for _, line in lines], [f"{name} line {n}" for n, _ in lines], dtype, False)
+    return ChatRows(ids, flags, block_size, name)
+
+
 # --- texts, splits and checkpoints -------------------------------------------------------------
 
 
@@ -250,8 +298,8 @@ def evaluate_text(
     return result
 
 
-def _split_tokens(run: Any, split: str) -> np.ndarray:
-    """The prepared split named by the checkpoint's data.out_dir, checked against its tokenizer."""
+def _prepared(run: Any, split: str) -> Path:
+    """The checkpoint's data.out_dir, holding `split` prepared with the run's tokenizer."""
     out_dir = Path(run.config.data.out_dir)
     config_yaml = run.path.parent / "config.yaml"
     how = f"run `quill prepare --config {config_yaml if config_yaml.is_file() else 'RUN/config.yaml'}`"
@@ -263,7 +311,24 @@ def _split_tokens(run: Any, split: str) -> np.ndarray:
             f"the data in {out_dir} was prepared with a different tokenizer than {run.path} was trained "
             f"with; {how} --force to rebuild it"
         )
-    return load_tokens(out_dir, split)
+    return out_dir
+
+
+def _score_split(run: Any, split: str, kwargs: dict[str, Any]) -> EvalResult:
+    """The run's prepared split: every token (text), or the assistant's tokens (chat data)."""
+    out_dir = _prepared(run, split)
+    if run.config.data.format == "chat":
+        rows = ChatRows(load_tokens(out_dir, split), load_tokens(out_dir, split, flags=True), run.config.model.block_size, split)
+        return evaluate_rows(run.model, rows, batch_size=kwargs["batch_size"], tokenizer=run.tokenizer)
+    return evaluate_tokens(run.model, load_tokens(out_dir, split), tokenizer=run.tokenizer, **kwargs)
+
+
+def _score_text(run: Any, path: str | Path, chat: bool, skip_unknown: bool, kwargs: dict[str, Any]) -> EvalResult:
+    text = read_text(path, "--text")
+    if chat:
+        rows = chat_rows(run.tokenizer, text, run.config.model.block_size, str(path))
+        return evaluate_rows(run.model, rows, batch_size=kwargs["batch_size"], tokenizer=run.tokenizer)
+    return evaluate_text(run.model, run.tokenizer, text, skip_unknown=skip_unknown, name=str(path), **kwargs)
 
 
 def evaluate_checkpoint(
@@ -272,26 +337,32 @@ def evaluate_checkpoint(
     which: str = "best",
     split: str = "val",
     texts: list[str | Path] | None = None,
+    text_format: str = "text",
     stride: int | None = None,
     batch_size: int = 16,
     device: str = "auto",
     progress: bool = False,
     skip_unknown: bool = False,
 ) -> list[EvalResult]:
-    """Load a run once and score its prepared `split`, or each of `texts` (files) instead."""
+    """Load a run once and score its prepared `split`, or each of `texts` (files) instead: plain
+    text, or with text_format="chat" jsonl conversations (the assistant's tokens)."""
     if split not in SPLITS:
         raise QuillError(f"--split must be val or train, got {split!r}")
+    if text_format not in ("text", "chat"):
+        raise QuillError(f"--format must be text or chat, got {text_format!r}")
+    if text_format == "chat" and not texts:
+        raise QuillError("--format chat scores the conversations of --text FILE.jsonl (a run trained on chat data "
+                         "scores its --split as conversations already)")
+    if text_format == "chat" and stride is not None:
+        raise QuillError("--stride does not apply to --format chat: each conversation is one window")
     run = load_run(path, which=which, device=resolve_device(device))
     kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
     if texts:
-        results = [
-            evaluate_text(run.model, run.tokenizer, read_text(t, "--text"), skip_unknown=skip_unknown, name=str(t), **kwargs)
-            for t in texts
-        ]
+        results = [_score_text(run, t, text_format == "chat", skip_unknown, kwargs) for t in texts]
         for result, t in zip(results, texts):
             result.data = str(t)
     else:
-        results = [evaluate_tokens(run.model, _split_tokens(run, split), tokenizer=run.tokenizer, **kwargs)]
+        results = [_score_split(run, split, kwargs)]
         results[0].data = split
     for result in results:
         result.checkpoint, result.step = str(path), run.step

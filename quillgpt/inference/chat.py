@@ -12,24 +12,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
-from quillgpt.data.chat import TRANSCRIPT_STOPS, Message, render, transcript
+from quillgpt.data.chat import TRANSCRIPT_STOPS, Message, conversation_ids
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.inference.generate import make_engine
 from quillgpt.inference.sampling import SamplingParams
-from quillgpt.inference.text import TextBatch, encode_prompt
+from quillgpt.inference.text import TextBatch
 from quillgpt.model.gpt import GPT
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], tuple[str, ...]]:
     """(prompt ids, stop strings) of a conversation that the assistant answers next: the model's
     template (its special tokens read as such, nothing added: apply_chat_template's ids), or quill's
-    transcript, which ends where the model starts the next turn."""
-    if tokenizer.chat_template is not None:  # OpenAI's "developer" is the templates' "system"
-        messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
-        text = render(tokenizer.chat_template, messages, True, getattr(tokenizer, "bos_token", None),
-                      getattr(tokenizer, "eos_token", None))
-        return tokenizer.encode(text), ()
-    return encode_prompt(tokenizer, transcript(messages)), TRANSCRIPT_STOPS
+    transcript, which ends where the model starts the next turn (data/chat.py: what training on
+    chat data puts before each reply)."""
+    ids = conversation_ids(tokenizer, messages, add_generation_prompt=True)
+    return ids, () if tokenizer.chat_template is not None else TRANSCRIPT_STOPS
 
 
 def fitting(model: GPT, prompt_len: int, max_new_tokens: int) -> int:

@@ -12,11 +12,17 @@ What makes it trustworthy lives in the helpers: every source of randomness is ch
 is bit-identical on CPU, per rank under DDP), checkpoints are atomic, one process owns a run
 directory, an existing run is never replaced without --overwrite, and faults (Ctrl-C, SIGTERM, a
 non-finite loss, OOM, a full disk) end with a clear message and the last good checkpoint intact.
+
+Fine-tuning starts from train.init_from. Chat data (data.format=chat) trains on whole
+conversations, the loss on the assistant's tokens (data/chat_batches.py). LoRA (lora.rank > 0)
+freezes the base and trains adapters only (model/lora.py); its checkpoints hold the adapters
+and the base's path and checksum, and resuming it checks the base is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import threading
@@ -33,12 +39,14 @@ from tqdm import tqdm
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, parse_duration
 from quillgpt.data.batches import BatchSampler, fixed_windows
+from quillgpt.data.chat_batches import ChatRows, ChatSampler
 from quillgpt.data.prepare import PreparedData, load_prepared, load_tokens
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import peak_flops, resolve_dtype
 from quillgpt.errors import QuillError
-from quillgpt.evaluate.scores import evaluate_windows
+from quillgpt.evaluate.scores import evaluate_rows, evaluate_windows
 from quillgpt.model.gpt import GPT
+from quillgpt.model.lora import add_lora, is_adapter
 from quillgpt.model.variants import variant_of
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import (
@@ -114,22 +122,21 @@ class StopFlag:
 # --- evaluation on fixed windows --------------------------------------------------------------
 
 
-def estimate_loss(
-    model: GPT,
-    windows: dict[str, tuple[np.ndarray, np.ndarray]],
-    batch_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> dict[str, float]:
-    """Mean loss per split over the same windows every time, so curves are comparable across steps.
+Windows = dict[str, tuple[np.ndarray | ChatRows, np.ndarray]]  # split → (tokens, window starts) or (rows, picks)
+
+
+def estimate_loss(model: GPT, windows: Windows, batch_size: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Mean loss per split over the same windows (chat data: the same conversations, the
+    assistant's tokens) every time, so curves are comparable across steps.
 
     On CPU this runs in fp32 even when training in bf16: the few eval batches cost little, and the
     logged val loss is then exactly what `quill eval` reports for the saved weights.
     """
     with autocast(device, torch.float32 if device.type == "cpu" else dtype):
         return {
-            split: evaluate_windows(model, tokens, starts, batch_size=batch_size, device=device).loss
-            for split, (tokens, starts) in windows.items()
+            split: (evaluate_rows(model, data, picks, batch_size=batch_size, device=device) if isinstance(data, ChatRows)
+                    else evaluate_windows(model, data, picks, batch_size=batch_size, device=device)).loss
+            for split, (data, picks) in windows.items()
         }
 
 
@@ -149,8 +156,8 @@ class Trainer:
     raw_model: GPT  # what checkpoints save and evaluation runs
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    sampler: BatchSampler
-    windows: dict[str, tuple[np.ndarray, np.ndarray]]
+    sampler: BatchSampler | ChatSampler
+    windows: Windows
     budget_s: float | None
     model: torch.nn.Module | None = None  # what the step calls: raw_model, compiled and/or wrapped
     step: int = 0
@@ -165,6 +172,8 @@ class Trainer:
     t_start: float = 0.0
     first_step: int = 0  # the step this process started from
     log: MetricsWriter | None = None  # rank 0 only
+    lora_base: dict[str, str] | None = None  # LoRA: the base's checkpoint file and weights checksum
+    notes: list[str] = dataclasses.field(default_factory=list)  # printed when the loop starts (rank 0)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.t_start
@@ -202,14 +211,14 @@ def setup(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
             "remove model.vocab_size to use the tokenizer's"
         )
-    init_state = None
+    init_state, lora_base = None, None
     if tc.init_from:
-        cfg, init_state = init_from_run(cfg, tokenizer.spec())
+        cfg, init_state, lora_base = init_from_run(cfg, tokenizer.spec())
     strategy = resolve_strategy(tc, cfg.model, ddp, device)
-    state = load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy) if resuming else None
+    _check_combination(cfg, strategy)
+    state = load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy, lora_base) if resuming else None
     if strategy != "fsdp":  # FSDP holds a 1/world_size share of the state per device
-        check_train_memory(cfg.model, tc, device)  # before anything big is allocated
-    train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
+        check_train_memory(cfg.model, tc, device, frozen=bool(cfg.lora.rank))  # before anything big is allocated
 
     # Each rank its own stream; DDP copies rank 0's initial weights to all. FSDP shards what every
     # rank built alike (from train.seed, on the CPU: only the shards go to the device), then the
@@ -218,27 +227,50 @@ def setup(
     model = GPT(cfg.model).to("cpu" if strategy == "fsdp" else device)
     if init_state is not None:
         model.load_state_dict(init_state)
+    if cfg.lora.rank:  # frozen base, fresh adapters (B = 0: the base's output exactly)
+        add_lora(model, cfg.lora)
     if strategy == "fsdp":
         seed_rank(tc.seed, ddp)
     dtype = resolve_dtype(tc.dtype, device)
     model = prepare_model(model, tc, strategy, ddp, dtype)  # activation checkpointing, FSDP
-    # Every rank draws the same global batch and keeps its own slice, so N ranks with
-    # batch B see exactly the windows one process with batch N·B would see.
-    sampler = BatchSampler(train_tokens, cfg.model.block_size, tc.batch_size * ddp.world_size, tc.seed, device)
-    if variant_of(cfg.model).bidirectional_prefix:  # batches also carry each row's prefix length
-        lengths = PrefixLengths(cfg.model, tc.seed + 1, separator_id(cfg.model, tokenizer.encode))
-        sampler = PrefixSampler(sampler, lengths)
-    n_eval = tc.eval_iters * tc.batch_size * ddp.world_size  # windows depend on the global batch only
-    windows = {
-        "train": (train_tokens, fixed_windows(train_tokens, cfg.model.block_size, n_eval, "train")),
-        "val": (val_tokens, fixed_windows(val_tokens, cfg.model.block_size, n_eval)),
-    }
+    sampler, windows, notes = _batches(cfg, ddp, device, prepared, tokenizer)
     t = Trainer(
         cfg, ddp, device, dtype, Path(tc.out_dir), tokenizer, model, build_optimizer(model, tc, device),
         torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16)), sampler, windows,
         budget_s=parse_duration(tc.time_budget) if tc.time_budget else None, horizon=tc.max_iters,
+        lora_base=lora_base, notes=notes,
     )
     return t, state
+
+
+def _check_combination(cfg: Config, strategy: str) -> None:
+    """What the model (the base's, under init_from) cannot be trained with."""
+    if cfg.lora.rank and strategy == "fsdp":
+        raise QuillError("LoRA trains under DDP or in one process, not FSDP: set train.strategy=ddp")
+    if cfg.data.format == "chat" and variant_of(cfg.model).bidirectional_prefix:
+        raise QuillError("chat data trains a causal model's replies; a prefix-LM (model.attention=prefix) trains on "
+                         "drawn prefixes instead: use data.format=text")
+
+
+def _batches(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData,
+             tokenizer: Tokenizer) -> tuple[BatchSampler | ChatSampler | PrefixSampler, Windows, list[str]]:
+    """The training sampler, the fixed evaluation windows and notes about them. Every rank draws
+    the same global batch and keeps its own slice, so N ranks with batch B see exactly the
+    windows one process with batch N·B would see."""
+    tc, block = cfg.train, cfg.model.block_size
+    batch, n_eval = tc.batch_size * ddp.world_size, tc.eval_iters * tc.batch_size * ddp.world_size
+    if cfg.data.format == "chat":  # one conversation a row, the loss on the assistant's tokens
+        rows = {split: ChatRows(load_tokens(prepared.out_dir, split), load_tokens(prepared.out_dir, split, flags=True),
+                                block, split) for split in ("train", "val")}
+        notes = [note for split, r in rows.items() if (note := r.describe(split))]
+        return ChatSampler(rows["train"], batch, tc.seed, device), {s: (r, r.fixed(n_eval)) for s, r in rows.items()}, notes
+    train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
+    sampler = BatchSampler(train_tokens, block, batch, tc.seed, device)
+    if variant_of(cfg.model).bidirectional_prefix:  # batches also carry each row's prefix length
+        sampler = PrefixSampler(sampler, PrefixLengths(cfg.model, tc.seed + 1, separator_id(cfg.model, tokenizer.encode)))
+    windows = {"train": (train_tokens, fixed_windows(train_tokens, block, n_eval, "train")),
+               "val": (val_tokens, fixed_windows(val_tokens, block, n_eval))}
+    return sampler, windows, []
 
 
 def restore(t: Trainer, state: dict[str, Any]) -> None:
@@ -246,8 +278,11 @@ def restore(t: Trainer, state: dict[str, Any]) -> None:
     counters, and a time budget's fitted horizon (so the schedule continues, not restarts)."""
     if "shards" in state:  # FSDP: every rank reads its own part
         sharded.load_sharded(state["shards"], t.raw_model, t.optimizer)
-    else:
-        t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]))
+    else:  # a LoRA run saved its adapters only: the rest is the base, loaded already
+        missing, unexpected = t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]), strict=t.lora_base is None)
+        if unexpected or any(is_adapter(k) for k in missing):
+            raise QuillError(f"cannot resume: {t.out_dir / ckpt.LATEST} does not hold this run's LoRA adapters; "
+                             "start over with --overwrite")
         t.optimizer.load_state_dict(state["optimizer"])
     t.scaler.load_state_dict(state["scaler"])
     t.sampler.load_state_dict(state["sampler"])
@@ -268,6 +303,8 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
     t.t_start, t.first_step = time.time(), t.step
     meter.start(t.step)
     bar = tqdm(total=t.horizon, initial=t.step, disable=not (progress and ddp.master), unit="step", dynamic_ncols=True)
+    for note in t.notes if ddp.master else ():
+        bar.write(note)
     with StopFlag() as stop:
         t.model.train()
         verified = not tc.compile  # a compiled model proves itself on its first step
@@ -393,7 +430,17 @@ def save_latest(t: Trainer, rngs: dict[str, Any], weights: dict[str, torch.Tenso
 
 def checkpoint_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
     """ckpt.pt: everything needed to continue exactly (`rngs` from rank_rng_states)."""
-    return {"model": t.raw_model.state_dict(), "optimizer": t.optimizer.state_dict(), **run_state(t, rngs)}
+    return {"model": trained(t, t.raw_model.state_dict()), "optimizer": t.optimizer.state_dict(), **run_state(t, rngs)}
+
+
+def trained(t: Trainer, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint keeps: all of them, or a LoRA run's adapters (the base is its own file)."""
+    return {k: v for k, v in weights.items() if is_adapter(k)} if t.lora_base is not None else weights
+
+
+def lora_state(t: Trainer) -> dict[str, Any]:
+    """A LoRA checkpoint's pointer to its base: {"lora_base": {"path", "checksum"}}, else nothing."""
+    return {"lora_base": t.lora_base} if t.lora_base is not None else {}
 
 
 def run_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
@@ -410,13 +457,15 @@ def run_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
         "budget_ended": t.budget_ended,
         "config": t.cfg.to_dict(),
         "tokenizer": t.tokenizer.spec(),
+        **lora_state(t),
     }
 
 
 def weights_state(t: Trainer, weights: dict[str, torch.Tensor], **extra: float) -> dict[str, Any]:
     """best.pt (and an FSDP run's ckpt.pt): the user's model — weights (full_weights), config,
     tokenizer, step and `extra` (val_loss), nothing to resume."""
-    return {"model": weights, "config": t.cfg.to_dict(), "tokenizer": t.tokenizer.spec(), "step": t.step, **extra}
+    return {"model": trained(t, weights), "config": t.cfg.to_dict(), "tokenizer": t.tokenizer.spec(), "step": t.step,
+            **lora_state(t), **extra}
 
 
 def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:

@@ -19,7 +19,7 @@ class TrainMemory:
     """A lower estimate of what one training process allocates, in bytes."""
 
     params: int  # parameter count
-    state_bytes: int  # fp32 weights + gradients + AdamW's two moments: 16 bytes per parameter
+    state_bytes: int  # fp32 weights + gradients + AdamW's two moments: 16 bytes per parameter (frozen: 4)
     activation_bytes: int  # what one micro-batch keeps for backward, logits included
     eval_bytes: int  # the fixed evaluation windows: eval_iters × batch_size starts per split
 
@@ -35,10 +35,12 @@ def count_params(cfg: ModelConfig, vocab_size: int) -> int:
         return GPT(dataclasses.replace(cfg, vocab_size=vocab_size)).num_params(non_embedding=False)
 
 
-def estimate_train_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_size: int | None = None) -> TrainMemory:
-    """Bytes one training process needs at least: weights, gradients and AdamW moments (fp32),
-    plus one micro-batch of activations (2 bytes each, as under autocast) and fp32 logits with
-    their gradient. Meant to refuse what cannot fit, so it errs low."""
+def estimate_train_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_size: int | None = None,
+                         frozen: bool = False) -> TrainMemory:
+    """Bytes one training process needs at least: weights, gradients and AdamW moments (fp32;
+    frozen, as under LoRA: the weights only), plus one micro-batch of activations (2 bytes each,
+    as under autocast) and fp32 logits with their gradient. Meant to refuse what cannot fit, so
+    it errs low."""
     V = vocab_size or model_cfg.vocab_size or 256
     B, T, C, L = train_cfg.batch_size, model_cfg.block_size, model_cfg.n_embd, model_cfg.n_layer
     params = count_params(model_cfg, V)
@@ -47,18 +49,19 @@ def estimate_train_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_s
         per_layer += 2 * B * model_cfg.n_head * T * min(T, model_cfg.window or T)  # scores and softmax
     activations = 2 * L * per_layer + 2 * 4 * B * T * V + 2 * 8 * B * T  # + logits and grad, x and y
     windows = 2 * 16 * train_cfg.eval_iters * B  # train and val: float64 spacing, then int64 starts
-    return TrainMemory(params, 16 * params, activations, windows)
+    return TrainMemory(params, (4 if frozen else 16) * params, activations, windows)
 
 
-def check_train_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device) -> TrainMemory:
+def check_train_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device, frozen: bool = False) -> TrainMemory:
     """Refuse a run that cannot fit on `device`, before anything is allocated."""
-    need = estimate_train_bytes(model_cfg, train_cfg)
+    need = estimate_train_bytes(model_cfg, train_cfg, frozen=frozen)
     free = available_bytes(device)
     if free is not None and need.total > free:
         gb = 1e9
         raise QuillError(
-            f"this run needs at least {need.total / gb:,.1f} GB on {device} ({need.params:,} parameters × 16 bytes "
-            f"for weights, gradients and AdamW = {need.state_bytes / gb:,.1f} GB, plus {need.activation_bytes / gb:,.1f} GB "
+            f"this run needs at least {need.total / gb:,.1f} GB on {device} ({need.params:,} parameters × "
+            f"{'4 bytes for frozen weights' if frozen else '16 bytes for weights, gradients and AdamW'} = "
+            f"{need.state_bytes / gb:,.1f} GB, plus {need.activation_bytes / gb:,.1f} GB "
             f"of activations for train.batch_size={train_cfg.batch_size} × model.block_size={model_cfg.block_size}, "
             f"plus {need.eval_bytes / gb:,.1f} GB of evaluation windows for train.eval_iters={train_cfg.eval_iters}), "
             f"but {free / gb:,.1f} GB is free; lower train.batch_size (raise train.grad_accum to keep the batch), "

@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.config import Config, ModelConfig, TrainConfig, save_config
+from quillgpt.config import Config, LoraConfig, ModelConfig, TrainConfig, save_config
 from quillgpt.data.prepare import PreparedData, prepare
-from quillgpt.data.tokenizer import save_tokenizer
+from quillgpt.data.tokenizer import save_tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
-from quillgpt.files import probe_writable
+from quillgpt.files import probe_writable, shown
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import Dist
 from quillgpt.train.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
@@ -132,30 +132,41 @@ def describe_run(out_dir: Path) -> str:
     return "its checkpoints are unreadable"
 
 
-def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, torch.Tensor]]:
-    """Fine-tuning: take the source run's architecture and weights (dropout/block_size may shrink)."""
-    source = ckpt.load_run(cfg.train.init_from, which="best")
-    if source.tokenizer.spec() != tokenizer_spec:
+def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, torch.Tensor], dict[str, str] | None]:
+    """Fine-tuning: the source run's architecture and weights (dropout/block_size may shrink), and
+    for LoRA (lora.rank > 0) the base a LoRA run records: its checkpoint file and weights checksum."""
+    state, path = ckpt.load_state(cfg.train.init_from, which="best")
+    if path.resolve().parent == Path(cfg.train.out_dir).resolve():
+        raise QuillError(f"train.init_from={cfg.train.init_from} is the run in train.out_dir, which this run would "
+                         "replace; fine-tune into another train.out_dir")
+    base = {"path": str(path.resolve()), "checksum": ckpt.weights_checksum(state["model"])} if cfg.lora.rank else None
+    try:
+        spec = tokenizer_from_spec(state["tokenizer"]).spec()
+        model, source_cfg = ckpt.model_from_state(state, dtype=torch.float32)
+    except QuillError as e:
+        raise QuillError(f"{shown(path)}: {e}") from None
+    if spec != tokenizer_spec:
+        own = path.parent / "tokenizer.json"
+        hint = f"data.tokenizer={own}" if own.is_file() else "data.tokenizer to the base's tokenizer (e.g. data.tokenizer=gpt2)"
         raise QuillError(
-            f"train.init_from={cfg.train.init_from} uses tokenizer {source.tokenizer.name!r} but the data "
-            f"was prepared with {cfg.data.tokenizer!r}; set data.tokenizer to match (e.g. data.tokenizer=gpt2)"
+            f"train.init_from={cfg.train.init_from} uses tokenizer {_describe_tokenizer(spec)} but the data "
+            f"was prepared with {cfg.data.tokenizer!r}; set {hint} and prepare again"
         )
-    model_cfg = source.config.model
+    model_cfg = source_cfg.model
     if cfg.model.block_size > model_cfg.block_size:
         raise QuillError(
             f"model.block_size={cfg.model.block_size} exceeds the source model's {model_cfg.block_size}"
         )
-    state = source.model.state_dict()
-    if model_cfg.pos == "learned":
-        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: cfg.model.block_size]
     model_cfg.block_size, model_cfg.dropout = cfg.model.block_size, cfg.model.dropout
     cfg.model = model_cfg
-    return cfg, state
+    return cfg, ckpt.crop_positions(model.state_dict(), model_cfg), base
 
 
-def load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str) -> dict[str, Any]:
+def load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str,
+                      lora_base: dict[str, str] | None = None) -> dict[str, Any]:
     """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory),
-    checked against the config; a damaged one says what `train` can do instead."""
+    checked against the config (and a LoRA run against its base); a damaged one says what
+    `train` can do instead."""
     latest, shards = out_dir / ckpt.LATEST, sharded.latest_sharded(out_dir)
     if (shards is not None) != (strategy == "fsdp"):
         raise QuillError(_strategy_mismatch(out_dir, shards is not None))
@@ -172,7 +183,7 @@ def load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy
         best = out_dir / ckpt.BEST
         keep = f", or keep {ckpt.BEST}'s weights with train.init_from={best} and a new train.out_dir" if best.is_file() else ""
         raise QuillError(f"cannot resume: {what}; start over with --overwrite{keep}") from None
-    _check_compatible(state, cfg, tokenizer_spec, latest)
+    _check_compatible(state, cfg, tokenizer_spec, latest, lora_base)
     return state
 
 
@@ -216,8 +227,9 @@ def _describe_tokenizer(spec: dict) -> str:
     return str(spec.get("name", spec.get("type")))
 
 
-def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path) -> None:
-    """Refuse to resume a run whose model shape or tokenizer differ from the config's."""
+def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path,
+                      lora_base: dict[str, str] | None = None) -> None:
+    """Refuse to resume a run whose model shape, adapters, tokenizer or LoRA base differ from now."""
     if "optimizer" not in state and "shards" not in state:
         raise QuillError(
             f"cannot resume {path}: it holds weights only (e.g. from quill import-hf); "
@@ -230,8 +242,18 @@ def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, 
         diffs.append(f"train.optimizer: {old_optimizer} → {cfg.train.optimizer}")
     if state["tokenizer"] != tokenizer_spec:
         diffs.append(f"data.tokenizer: {_describe_tokenizer(state['tokenizer'])} → {_describe_tokenizer(tokenizer_spec)}")
+    old_lora = state["config"].get("lora") or {}
+    diffs += [f"lora.{k}: {old_lora.get(k, v)!r} → {getattr(cfg.lora, k)!r}" for k, v in vars(LoraConfig()).items()
+              if k != "dropout" and old_lora.get(k, v) != getattr(cfg.lora, k)]
     if diffs:
         raise QuillError(
             f"cannot resume {path}: the config differs in {'; '.join(diffs)} — "
             "use the run's own config.yaml or a new train.out_dir"
+        )
+    saved_base = state.get("lora_base") or {}
+    if lora_base is not None and saved_base.get("checksum") != lora_base["checksum"]:
+        raise QuillError(
+            f"cannot resume {path}: its LoRA base {saved_base.get('path', '?')} is not the weights now at "
+            f"train.init_from={cfg.train.init_from} (checksums differ: the base changed); restore that base, or "
+            "start over with --overwrite"
         )
