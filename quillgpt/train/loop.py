@@ -469,11 +469,16 @@ def weights_state(t: Trainer, weights: dict[str, torch.Tensor], **extra: float) 
 
 
 def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
-    """One optimizer step over `grad_accum` micro-batches; returns the mean loss (detached)."""
+    """One optimizer step over `grad_accum` micro-batches; returns the mean loss (detached).
+
+    Chat data's rows hold different numbers of the assistant's tokens, so its loss is the mean
+    over all of the step's (every rank counts the global batch it drew alike): the same step
+    whatever the micro-batches and ranks, as for text, where each micro-batch's mean counts 1/grad_accum."""
     tc, ddp = t.cfg.train, t.ddp
     total = torch.zeros((), device=t.device)
-    for micro in range(tc.grad_accum):
-        x, y, *prefix = t.sampler.next()  # a prefix-LM's batches add each row's prefix length
+    batches = [t.sampler.next() for _ in range(tc.grad_accum)]  # the same draws as one at a time
+    scored = sum((y != -1).sum() for _, y, *_ in batches) if t.cfg.data.format == "chat" else None
+    for micro, (x, y, *prefix) in enumerate(batches):  # a prefix-LM's batches add each row's prefix length
         if ddp.enabled:  # this rank's slice of the global batch
             x = x[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
             y = y[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
@@ -483,7 +488,8 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
             try:
                 with autocast(t.device, t.dtype):
                     _, loss = model(x, y, prefix_len=prefix[0]) if prefix else model(x, y)
-                loss = loss / tc.grad_accum
+                # DDP averages the ranks' gradients: × world_size makes chat's share a sum over ranks
+                loss = loss / tc.grad_accum if scored is None else loss * ((y != -1).sum() * ddp.world_size / scored)
                 t.scaler.scale(loss).backward()
             except torch.OutOfMemoryError:
                 raise QuillError(
