@@ -129,7 +129,7 @@ def test_a_base_that_changed_or_went_away_is_refused_in_one_line(base, tmp_path,
     assert e.value.code == 2 and len(err) == 1 and "which is missing; put the base back" in err[0]
 
 
-def test_full_fine_tuning_on_chat_data_scores_as_eval_does(base, tmp_path):
+def test_full_fine_tuning_on_chat_data_scores_as_eval_does(base, tmp_path, capsys):
     result = finetune(base, tmp_path / "full", "train.eval_iters=4")  # 16 ≥ the 12 val conversations
     state = load_checkpoint(tmp_path / "full" / "ckpt.pt")
     assert "lora_base" not in state and not any(is_adapter(k) for k in state["model"])
@@ -142,6 +142,10 @@ def test_full_fine_tuning_on_chat_data_scores_as_eval_does(base, tmp_path):
     assert text.tokens == sum(len(json.loads(v)["messages"][1]["content"]) + len("\n\nUser:") + 1 for v in val_lines)
     with pytest.raises(QuillError, match="--format chat scores the conversations of --text"):
         evaluate_checkpoint(tmp_path / "full", text_format="chat")
+    capsys.readouterr()
+    assert main_code(["eval", "--ckpt", str(tmp_path / "full"), "--which", "latest", "--text", str(tmp_path / "val.jsonl"),
+                      "--format", "chat", "--json", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(text.loss, rel=1e-9)
 
 
 def test_quill_merge_writes_the_run_every_command_loads(base, tmp_path, capsys):
