@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import reprlib
 import types
@@ -50,6 +51,15 @@ def check_finite(section: Any, name: str) -> None:
             raise QuillError(f"{name}.{key} must be a finite number, got {value}")
 
 
+def expand_home(section: Any, keys: tuple[str, ...]) -> None:
+    """A leading ~ in a path key is the home directory, as in a shell (a shell leaves
+    data.path=~/corpus.txt alone: the ~ is not at the start of the word)."""
+    for key in keys:
+        value = getattr(section, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(section, key, os.path.expanduser(value))
+
+
 def _shown_key(key: Any) -> str:
     """A config key as messages print it: as is when it looks like one, else repr'd and cut."""
     return _cut(key) if isinstance(key, str) and key.isidentifier() else shown_value(key)
@@ -81,6 +91,7 @@ class DataConfig:
 
     def validate(self) -> None:
         check_finite(self, "data")
+        expand_home(self, ("path", "out_dir", "tokenizer"))
         if not 0.0 < self.val_fraction < 1.0:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.path is None and self.url is None:
@@ -260,6 +271,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_finite(self, "train")
+        expand_home(self, ("out_dir", "init_from"))
         for key in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
             if getattr(self, key) < 1:
                 raise QuillError(f"train.{key} must be at least 1, got {getattr(self, key)}")
