@@ -81,7 +81,9 @@ class DataConfig:
     path: str | None = None  # a text file, a directory or a glob of .txt/.jsonl/.parquet (.gz/.zst); unset: `url`
     url: str | None = TINY_SHAKESPEARE_URL  # downloaded once, verified against `sha256`
     sha256: str | None = TINY_SHAKESPEARE_SHA256
-    tokenizer: str = "char"  # char | gpt2 | r50k_base | cl100k_base | o200k_base | bpe | path/to/tokenizer.json
+    # char | gpt2 | r50k_base | cl100k_base | o200k_base | bpe | path/to/tokenizer.json; null: char, or with
+    # train.init_from the base run's own (fine-tuning reads text the way the base model was trained to)
+    tokenizer: str | None = None
     bpe_vocab_size: int = 4096  # vocabulary size when `tokenizer: bpe` trains one on the corpus
     out_dir: str = "data/shakespeare_char"  # token shards (train.bin, train-000001.bin, ..., val.bin) and meta.json
     val_fraction: float = 0.1  # val: the last fraction of the documents (of the text, for one document)
@@ -338,6 +340,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     def validate(self) -> None:
+        self.data.tokenizer = self.data.tokenizer or base_tokenizer(self.train.init_from) or "char"
         self.data.validate()
         self.model.validate()
         self.train.validate()
@@ -345,6 +348,18 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def base_tokenizer(init_from: str | None) -> str | None:
+    """The tokenizer file of the run train.init_from names (its directory's tokenizer.json), or None."""
+    if init_from is None:
+        return None
+    run = Path(os.path.expanduser(init_from))
+    path = (run if os.path.isdir(run) else run.parent) / "tokenizer.json"
+    if not os.path.isfile(path):
+        raise QuillError(f"train.init_from={init_from} has no tokenizer.json beside its checkpoint; "
+                         "set data.tokenizer to the tokenizer its model was trained with")
+    return str(path)
 
 
 def parse_duration(text: str, key: str = "duration") -> float:

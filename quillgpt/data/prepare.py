@@ -14,6 +14,7 @@ corpus larger than memory still trains.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import contextlib
 import fcntl
 import json
@@ -330,6 +331,8 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     """Tokenize the configured corpus into token shards under cfg.out_dir, unless meta.json shows
     they are up to date; a killed prepare of the same inputs resumes at its last finished shard."""
     t0 = time.perf_counter()
+    if cfg.tokenizer is None:  # a DataConfig built in code: the default a config file gets
+        cfg = dataclasses.replace(cfg, tokenizer="char")
     if cfg.tokenizer == "bpe":
         token_dtype(cfg.bpe_vocab_size)  # fail before reading or training anything
     out_dir = probe_writable(cfg.out_dir, "data.out_dir")

@@ -361,3 +361,24 @@ def test_budgeted_run_resumes_on_its_saved_horizon(shakespeare_path, data_dir, t
     a, b = (load_checkpoint(tmp_path / r / "ckpt.pt")["model"] for r in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_fine_tuning_prepares_your_text_with_the_base_runs_tokenizer(shakespeare_path, data_dir, tmp_path):
+    """A char model fine-tuned on another text: the data is tokenized with the base run's vocabulary
+    (not a new one learned from the text), unless data.tokenizer says otherwise."""
+    from quillgpt.data.prepare import load_prepared
+
+    base = train(tiny_config(shakespeare_path, data_dir, tmp_path / "base", "train.max_iters=2"), progress=False)
+    own = tmp_path / "mine.txt"
+    own.write_text(shakespeare_path.read_text(encoding="utf-8")[:30000].lower(), encoding="utf-8")  # fewer characters
+    tuned = tiny_config(shakespeare_path, tmp_path / "own_data", tmp_path / "tuned", f"data.path={own}",
+                        f"train.init_from={base.out_dir}", "train.max_iters=2", "data.val_fraction=0.2")
+    assert tuned.data.tokenizer == str(base.out_dir / "tokenizer.json")
+    assert train(tuned, progress=False).step == 2
+    base_spec = load_checkpoint(base.out_dir / "ckpt.pt")["tokenizer"]
+    assert load_prepared(tmp_path / "own_data")[0]["tokenizer"] == base_spec
+    other = tiny_config(shakespeare_path, tmp_path / "char_data", tmp_path / "other", f"data.path={own}",
+                        f"train.init_from={base.out_dir}", "data.tokenizer=char", "data.val_fraction=0.2")
+    with pytest.raises(QuillError, match=r"trained with the tokenizer char \(65 characters\) but data.tokenizer=char "
+                                         r"gives char \(\d+ characters\); leave data.tokenizer unset"):
+        train(other, progress=False)
