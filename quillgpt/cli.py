@@ -107,6 +107,8 @@ def train(
             f"{result.stopped}: step {result.step}, val loss {val} (best {result.best_val_loss:.4f}), "
             f"{result.elapsed_s:.0f}s → {result.out_dir}"
         )
+        if result.reason:
+            print(f"  ({result.reason})")
     if result.stopped == "interrupted":
         raise typer.Exit(130)
 

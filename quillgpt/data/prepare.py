@@ -14,8 +14,8 @@ corpus larger than memory still trains.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os

@@ -382,3 +382,39 @@ def test_fine_tuning_prepares_your_text_with_the_base_runs_tokenizer(shakespeare
     with pytest.raises(QuillError, match=r"trained with the tokenizer char \(65 characters\) but data.tokenizer=char "
                                          r"gives char \(\d+ characters\); leave data.tokenizer unset"):
         train(other, progress=False)
+
+
+# --- what a run says: start-up line, why it stopped, how to go on ---------------------------------
+
+
+def test_train_says_what_it_is_about_to_do_and_how_to_go_on_once_finished(shakespeare_path, data_dir, finished, tmp_path, capsys):
+    run = copy_run(finished, tmp_path)
+    code, out, err = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=2"), "--resume")
+    assert code == 0 and "Traceback" not in err
+    assert "already reached train.max_iters=2; to go on, resume with more steps (--resume train.max_iters=4)" in out
+    code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=4"), "--resume")
+    assert code == 0 and f"resuming {run} from step 2: " in out and " thread(s), 64 tokens/step, 4 steps" in out
+    assert out.splitlines()[-1].startswith("done: step 4")
+    fresh = tmp_path / "fresh"
+    code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, fresh, "train.max_iters=1"))
+    params = load_checkpoint(fresh / "ckpt.pt")
+    assert f"training {fresh}: " in out and "cpu, " in out and "64 tokens/step, 1 step\n" in out and params["step"] == 1
+
+
+def test_a_budgeted_run_says_where_it_ends_and_extends_on_a_larger_budget(shakespeare_path, data_dir, tmp_path, monkeypatch, capsys):
+    """The fitted end is printed; a resume with the same budget says the run had ended; one with a
+    larger budget fits the end again from its own pace and goes on from the step it stopped at."""
+    # the pace is fixed here (the fitted end is a measurement): 6 more steps in 1 hour, 20 in 2
+    monkeypatch.setattr(schedule, "fit_horizon", lambda step, cfg, pace, left, world=1: step + (20 if left > 3600 else 6))
+    run = tmp_path / "timed"
+    args = tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=1000", "train.time_budget=1h")
+    code, out, _ = quill_train(capsys, args)
+    first_end = schedule.FIT_AFTER_STEPS + 6
+    assert code == 0 and f"the schedule ends at step {first_end}" in out
+    assert f"time_budget: step {first_end}" in out and "it reached the schedule's end, fitted at step 10" in out
+    code, out, _ = quill_train(capsys, args, "--resume")
+    assert "already ended at step" in out and "--resume train.time_budget=10m" in out
+    code, out, _ = quill_train(capsys, [*args, "train.time_budget=2h"], "--resume")
+    refit_at = first_end + schedule.FIT_AFTER_STEPS // 2  # after a few steps of the resumed process's own pace
+    assert code == 0 and f"resuming {run} from step {first_end}" in out
+    assert f"the schedule ends at step {refit_at + 20}" in out and f"time_budget: step {refit_at + 20}" in out
