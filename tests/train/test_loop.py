@@ -418,3 +418,16 @@ def test_a_budgeted_run_says_where_it_ends_and_extends_on_a_larger_budget(shakes
     refit_at = first_end + schedule.FIT_AFTER_STEPS // 2  # after a few steps of the resumed process's own pace
     assert code == 0 and f"resuming {run} from step {first_end}" in out
     assert f"the schedule ends at step {refit_at + 20}" in out and f"time_budget: step {refit_at + 20}" in out
+
+
+def test_extending_a_finished_run_by_steps_is_exact_where_the_schedule_allows(shakespeare_path, data_dir, tmp_path):
+    """A constant-lr run of 4 steps resumed with train.max_iters=8 is bit-identical to a straight
+    8-step run (a cosine schedule instead runs over the new total from where it stopped)."""
+    const = ("train.lr_schedule=constant", "train.warmup_iters=0")
+    straight = train(tiny_config(shakespeare_path, data_dir, tmp_path / "a", *const), progress=False)
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *const, "train.max_iters=4"), progress=False)
+    extended = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *const, "train.resume=true"), progress=False)
+    assert straight.step == extended.step == 8 and extended.stopped == "done"
+    a, b = (load_checkpoint(tmp_path / r / "ckpt.pt") for r in "ab")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
