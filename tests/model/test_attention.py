@@ -2,6 +2,7 @@
 masks against brute force, RoPE against complex rotation."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import (
     CausalSelfAttention,
+    HeadNorm,
     apply_rope,
     attend,
     attention_mask,
@@ -181,6 +183,24 @@ def test_bf16_attention_on_cpu_is_the_fp32_computation_rounded_once():
     for got, fast, plain in zip((q, k, v), fp32["sdpa"], fp32["math"]):
         assert torch.equal(got.grad, fast.grad.bfloat16())
         torch.testing.assert_close(fast.grad, plain.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_qk_norm_under_bf16_autocast_keeps_the_fused_kernel_and_the_formula():
+    """bf16 q with the fp32 gain: no mixed-dtype fallback (it warns), and the result is
+    x / rms(x) · gain to bf16 rounding, with the gradient reaching the fp32 gain."""
+    norm = HeadNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
+    x = torch.randn(2, 4, BLOCK, 8).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x)
+    plain = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), plain.detach(), atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
 
 
 def test_rope_equals_complex_rotation_and_is_relative():
