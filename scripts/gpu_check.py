@@ -35,12 +35,23 @@ def summary(line: str) -> None:
     print(f"SUMMARY {line}", flush=True)
 
 
-def run(cmd: list[str]) -> tuple[int, str, float]:
-    """(exit code, output, seconds) of `cmd`, its output printed once it ends."""
+GRACE_S = 10  # after the time limit's signal: how long a command may take to stop (gpu_check.sh kills all at 20)
+
+
+def run(cmd: list[str], stopped: list[float]) -> tuple[int, str, float]:
+    """(exit code, output, seconds) of `cmd`, its output printed once it ends. Once `stopped`
+    holds the time of the time limit's signal (the command got it too), it has GRACE_S to end."""
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    print(f"$ {' '.join(cmd)}\n{proc.stdout}", flush=True)
-    return proc.returncode, proc.stdout, time.perf_counter() - start
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while True:
+        try:
+            output, _ = proc.communicate(timeout=1)
+            break
+        except subprocess.TimeoutExpired:
+            if stopped and time.perf_counter() - stopped[0] > GRACE_S:
+                proc.kill()
+    print(f"$ {' '.join(cmd)}\n{output}", flush=True)
+    return proc.returncode, output, time.perf_counter() - start
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -56,20 +67,21 @@ def train_check(work: Path, text: Path, extra: list[str]) -> bool:
     (a full pass over val with best.pt): wall times, the loop's rate and MFU, val losses.
     `extra`: more overrides (tests/test_gpu_check.py runs a tiny version on CPU).
 
-    At the time limit (a SIGTERM to the process group) train saves a checkpoint and stops; the
-    figures so far are still reported, with the step it reached."""
+    At the time limit (SIGINT or SIGTERM to the process group) train saves a checkpoint and
+    stops; the figures so far are still reported, with the step it reached."""
     from quillgpt.config import load_config
 
     out, data = work / "shakespeare_char", work / "data" / "shakespeare_char"
     overrides = [f"data.path={text}", f"data.out_dir={data}", f"train.out_dir={out}", "train.compile=true", *extra]
     cfg = load_config(CONFIG, overrides).train
-    stopped: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _: stopped.append(signum))  # report, then leave
-    code, _, prep_s = run([*QUILL, "prepare", "--config", str(CONFIG), *overrides])
-    if code != 0:
-        summary(f"quill prepare failed (exit {code})")
+    stopped: list[float] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.append(time.perf_counter()))  # report, then leave
+    code, _, prep_s = run([*QUILL, "prepare", "--config", str(CONFIG), *overrides], stopped)
+    if code != 0 or stopped:
+        summary(f"quill prepare: exit {code}{' (stopped by the time limit)' if stopped else ''}")
         return False
-    code, output, train_s = run([*QUILL, "train", "--config", str(CONFIG), "-q", *overrides])
+    code, output, train_s = run([*QUILL, "train", "--config", str(CONFIG), "-q", *overrides], stopped)
     records = metrics(out)
     steps = records[-1]["step"] if records else 0
     compiled = "FAILED (fell back to eager)" if "torch.compile failed" in output else "on" if cfg.compile else "off"
@@ -86,11 +98,11 @@ def train_check(work: Path, text: Path, extra: list[str]) -> bool:
                     f"(nanoGPT on an A100: {NANOGPT_A100})")
     if code != 0 or steps != cfg.max_iters or compiled.startswith("FAILED") or stopped:
         return False
-    return eval_check(out)
+    return eval_check(out, stopped)
 
 
-def eval_check(out: Path) -> bool:
-    code, output, eval_s = run([*QUILL, "eval", "--ckpt", str(out), "--json"])
+def eval_check(out: Path, stopped: list[float]) -> bool:
+    code, output, eval_s = run([*QUILL, "eval", "--ckpt", str(out), "--json"], stopped)
     try:
         loss = json.loads(output.strip().splitlines()[-1])["loss"] if code == 0 else math.nan
     except (ValueError, KeyError, IndexError):
@@ -140,7 +152,8 @@ def torchrun_check(work: Path, text: Path, device: str, steps: int, tolerance: f
 
 def launch_all(launches: dict[tuple[str, str], list[str]], logs: Path) -> dict[tuple[str, str], tuple[int, float]]:
     """Start every torchrun at once (each its own port and run dir) and wait: {key: (exit code, s)}.
-    A SIGTERM (gpu_check.sh's time limit) ends them first: torchrun's workers sit in their own sessions."""
+    At gpu_check.sh's time limit (SIGINT or SIGTERM) they are ended first: torchrun's workers sit
+    in sessions of their own, out of reach of a signal to this process group."""
     procs, start = {}, time.perf_counter()
     for key, overrides in launches.items():
         log = open(logs / f"{'-'.join(key)}.log", "w")  # noqa: SIM115 — closed below
@@ -149,18 +162,28 @@ def launch_all(launches: dict[tuple[str, str], list[str]], logs: Path) -> dict[t
         log.flush()
         procs[key] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                        env={**os.environ, "NCCL_DEBUG": "INFO"}), log)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
-    out = {}
+    previous = {sig: signal.signal(sig, lambda *_: sys.exit(124)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    out: dict[tuple[str, str], tuple[int, float]] = {}
     try:
-        for key, (proc, log) in procs.items():
-            out[key] = (proc.wait(), time.perf_counter() - start)
-            log.close()
+        while len(out) < len(procs):  # poll: each launch's own time
+            for key, (proc, log) in procs.items():
+                if key not in out and proc.poll() is not None:
+                    out[key] = (proc.returncode, time.perf_counter() - start)
+                    log.close()
+            time.sleep(0.2)
     finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.terminate()  # torchrun passes it on to its worker
-                proc.wait(timeout=30)
-        signal.signal(signal.SIGTERM, previous)
+        alive = [(key, proc) for key, (proc, _) in procs.items() if proc.poll() is None]
+        for key, proc in alive:
+            summary(f"{'-'.join(key)}: still running at the time limit")
+            proc.terminate()  # torchrun passes it on to its worker
+        deadline = time.perf_counter() + GRACE_S
+        for _, proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return out
 
 

@@ -8,7 +8,7 @@
 # Shakespeare config (configs/shakespeare_char.yaml, compiled) to completion + a full-pass eval,
 # 3 scripts/bench.py --suite gpu, 4 torchrun --nproc_per_node 1 with NCCL for DDP and FSDP
 # (start, step, checkpoint, resume). OUTDIR gets summary.txt (each step: pass/fail, time, figures)
-# and one log per step, 7 files in all; runs and data go to a scratch directory beside it.
+# and one log per step, 7 files in all; runs and data go to a scratch directory under $TMPDIR.
 #
 # Offline files (Tiny Shakespeare, tiktoken's GPT-2 cache) come from the first of --shared DIR,
 # $QUILL_SHARED, ./shared, ../shared. The device tool copies ./shared with the checkout (never
@@ -24,7 +24,7 @@ while (($#)); do
   case $1 in
     --dry-run) DRY=1 ;;
     --shared) SHARED=${2:?--shared needs a directory}; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,${/^#/!q;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
     -*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     *) OUT=$1 ;;
   esac
@@ -43,8 +43,9 @@ cd "$ROOT" || exit 2
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} QUILL_SHARED=$SHARED TIKTOKEN_CACHE_DIR=$SHARED/tiktoken_cache PYTHONUNBUFFERED=1
 
 # --- what the steps need: checked first in both modes ---------------------------------------
-TESTS=(tests --ignore=tests/serve --ignore=tests/data --ignore=tests/test_lint.py)  # they need fastapi, rustbpe,
-                                                   # zstandard, ruff: not on the GPU image; none picks a device
+# The tests that run there: serve, data and lint need fastapi, rustbpe, zstandard and ruff, which the GPU
+# image lacks, and pick no device; test_gpu_check.py checks this script on CPU.
+TESTS=(tests --ignore=tests/serve --ignore=tests/data --ignore=tests/test_lint.py --ignore=tests/test_gpu_check.py)
 missing=0
 need() {  # need WHAT COMMAND...: COMMAND must succeed, else WHAT is reported missing
   local what=$1; shift
@@ -93,7 +94,7 @@ step() {
   ((limit > left)) && limit=$left
   if ((limit < 10)); then echo "SKIP  $title: out of time (${TOTAL_S} s in all)" >>"$SUMMARY"; return 1; fi
   local t0=$SECONDS rc
-  timeout -k 20 "$limit" "$@" >"$OUT/$log" 2>&1
+  timeout -s INT -k 20 "$limit" "$@" >"$OUT/$log" 2>&1  # SIGINT: pytest prints its summary, train saves
   rc=$?
   local verdict=PASS
   ((rc == 124 || rc == 137)) && verdict="TIMEOUT (limit ${limit} s)" || { ((rc)) && verdict="FAIL (exit $rc)"; }
@@ -111,9 +112,9 @@ figures() {
   [[ -n $lines ]] && sed 's/^/        /' <<<"$lines" | tee -a "$SUMMARY"
 }
 
-step cuda_tests.log 50 "1a CUDA tests (pytest -m cuda)" -- "$PY" -m pytest -q -p no:cacheprovider -m cuda "${TESTS[@]}"
+step cuda_tests.log 60 "1a CUDA tests (pytest -m cuda)" -- "$PY" -m pytest -v -p no:cacheprovider -m cuda "${TESTS[@]}"
 figures cuda_tests.log
-step core_suite.log 70 "1b core suite, CUDA visible" -- "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m "not cuda" "${TESTS[@]}"
+step core_suite.log 60 "1b core suite, CUDA visible" -- "$PY" -m pytest -v -p no:cacheprovider "${XDIST[@]}" -m "not cuda" "${TESTS[@]}"
 figures core_suite.log
 step train.log 170 "2 shakespeare_char.yaml, compiled, + eval" -- "$PY" scripts/gpu_check.py train "$WORK" --text "$TEXT"
 figures train.log
