@@ -101,7 +101,7 @@ class DataConfig:
 # Generous for any model this toolkit can train; what fits in memory is checked against the machine.
 MODEL_SIZE_LIMITS = {
     "vocab_size": MAX_VOCAB, "block_size": 2**24, "n_layer": 1024, "n_head": 2**12, "n_kv_head": 2**12,
-    "n_embd": 2**17, "mlp_hidden": 2**19, "window": 2**24,
+    "n_embd": 2**17, "mlp_hidden": 2**19, "window": 2**24, "head_dim": 2**14, "rope_original_context": 2**24,
 }
 
 
@@ -115,10 +115,17 @@ class ModelConfig:
     n_head: int = 6
     n_kv_head: int | None = None  # None = n_head (MHA); 1 = multi-query; divisor of n_head = grouped-query
     n_embd: int = 384
+    head_dim: int | None = None  # None = n_embd / n_head; set where a model's heads are not n_embd / n_head wide (Qwen3)
     dropout: float = 0.0
     bias: bool = True  # biases in linear layers and norms (GPT-2 has them)
+    qkv_bias: bool = False  # biases on the q, k, v projections even with bias=false (Qwen2)
     pos: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: Literal["linear", "llama3"] | None = None  # RoPE frequency scaling for long context; null = none
+    rope_factor: float = 1.0  # linear / llama3: how much longer the context is than the one trained with
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_context / this are divided by rope_factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_context / this are kept
+    rope_original_context: int = 8192  # llama3: the context length the frequencies were trained for
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
     mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: relu(x)² (modded-nanogpt, Primer)
@@ -141,8 +148,9 @@ class ModelConfig:
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def head_size(self) -> int:
+        """Each head's width: model.head_dim, or n_embd / n_head."""
+        return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -158,9 +166,9 @@ class ModelConfig:
             value = getattr(self, key)
             if value is not None and not 1 <= value <= most:
                 raise QuillError(f"model.{key} must be between 1 and {most:,}, got {value}")
-        if self.n_embd % self.n_head != 0:
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise QuillError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}), or set model.head_dim"
             )
         if self.n_kv_head is not None and (
             self.n_kv_head < 1 or self.n_head % self.n_kv_head != 0
@@ -168,17 +176,29 @@ class ModelConfig:
             raise QuillError(
                 f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
             )
-        if self.pos == "rope" and self.head_dim % 2 != 0:
-            raise QuillError(
-                f"model.pos=rope needs an even head size, got n_embd/n_head = {self.head_dim}"
-            )
+        if self.pos == "rope" and self.head_size % 2 != 0:
+            raise QuillError(f"model.pos=rope needs an even head size, got {self.head_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise QuillError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise QuillError("model.rope_theta and model.norm_eps must be positive")
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             raise QuillError(f"model.logit_softcap must be positive (e.g. 30) or null, got {self.logit_softcap}")
+        self._validate_rope_scaling()
         self._validate_attention()
+
+    def _validate_rope_scaling(self) -> None:
+        """The scaling keys need model.pos=rope and a scaling that reads them; factors are positive."""
+        defaults = {f.name: f.default for f in fields(self) if f.name.startswith("rope_") and f.name != "rope_theta"}
+        changed = [k for k in defaults if k != "rope_scaling" and getattr(self, k) != defaults[k]]
+        if self.rope_scaling is not None and self.pos != "rope":
+            raise QuillError(f"model.rope_scaling={self.rope_scaling} needs model.pos=rope, got model.pos={self.pos}")
+        llama3_only = [k for k in changed if k != "rope_factor"]
+        if (self.rope_scaling is None and changed) or (self.rope_scaling == "linear" and llama3_only):
+            raise QuillError(f"model.{(llama3_only or changed)[0]} has no effect with model.rope_scaling={self.rope_scaling}")
+        if self.rope_factor <= 0 or self.rope_low_freq_factor <= 0 or self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise QuillError("need model.rope_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+                             f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
 
     def _validate_attention(self) -> None:
         """The attention variant's own keys, and the combinations that cannot work (both keys named)."""

@@ -684,7 +684,7 @@ def hf_model(run: Path, out: Path) -> Any:
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from quillgpt.interop.gpt2 import export_hf
+    from quillgpt.interop.convert import export_hf
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -834,8 +834,8 @@ def decode_bounds(model: GPT, B: int, ctx: float, dtype: torch.dtype, args: argp
     cfg, size = model.config, torch.tensor([], dtype=dtype).element_size()
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     weights = sum(p.numel() for p in model.parameters()) * size
-    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * ctx * size
-    flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * ctx
+    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * size
+    flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_size * ctx
     # without bf16 units torch converts bf16 weights and multiplies in fp32: the fp32 peak bounds it
     bw, peak = l3_read_bandwidth(weights * 4 // size), matmul_peak(dtype if cpu_has_bf16() else torch.float32)
     return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv,

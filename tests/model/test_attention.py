@@ -18,6 +18,7 @@ from quillgpt.model.attention import (
     attention_mask,
     mask_to_bias,
     rope_cos_sin,
+    rope_inv_freq,
 )
 from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import EMPTY_POS, KVCache
@@ -189,7 +190,7 @@ def test_rope_equals_complex_rotation_and_is_relative():
     hd, theta = 8, 10000.0
     x = torch.randn(2, 3, 5, hd)  # (B, H, T, hd)
     pos = torch.tensor([0, 1, 7, 100, 5000])
-    cos, sin = rope_cos_sin(pos, hd, theta)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(hd, theta))
     got = apply_rope(x, cos, sin)
     # reference: the pair (x_i, x_{i+d/2}) is a complex number turned by pos·θ^(-2i/d)
     freqs = theta ** (-torch.arange(0, hd, 2).double() / hd)
@@ -199,8 +200,8 @@ def test_rope_equals_complex_rotation_and_is_relative():
     # q·k depends on the distance only: shifting both positions by 37 changes nothing
     q, k = torch.randn(2, hd)
     def dot(pq, pk):
-        cq, sq = rope_cos_sin(torch.tensor([pq]), hd, theta)
-        ck, sk = rope_cos_sin(torch.tensor([pk]), hd, theta)
+        cq, sq = rope_cos_sin(torch.tensor([pq]), rope_inv_freq(hd, theta))
+        ck, sk = rope_cos_sin(torch.tensor([pk]), rope_inv_freq(hd, theta))
         return (apply_rope(q[None], cq, sq) * apply_rope(k[None], ck, sk)).sum()
     torch.testing.assert_close(dot(10, 3), dot(47, 40), atol=1e-5, rtol=1e-5)
 
