@@ -1064,7 +1064,7 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
                 first[vname] = fn()
             mem[vname] = m.cuda_mb
         samples = interleaved(fns, max(2, args.sample_reps))
-        kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * ctx * 2
+        kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * 2
         bound = B * bandwidth / (weights + kv)
         for vname, xs in samples.items():
             st = Stats.of([B * n / x for x in xs])
