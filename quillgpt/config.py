@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import reprlib
 import types
@@ -50,6 +51,15 @@ def check_finite(section: Any, name: str) -> None:
             raise QuillError(f"{name}.{key} must be a finite number, got {value}")
 
 
+def expand_home(section: Any, keys: tuple[str, ...]) -> None:
+    """A leading ~ in a path key is the home directory, as in a shell (a shell leaves
+    data.path=~/corpus.txt alone: the ~ is not at the start of the word)."""
+    for key in keys:
+        value = getattr(section, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(section, key, os.path.expanduser(value))
+
+
 def _shown_key(key: Any) -> str:
     """A config key as messages print it: as is when it looks like one, else repr'd and cut."""
     return _cut(key) if isinstance(key, str) and key.isidentifier() else shown_value(key)
@@ -81,6 +91,7 @@ class DataConfig:
 
     def validate(self) -> None:
         check_finite(self, "data")
+        expand_home(self, ("path", "out_dir", "tokenizer"))
         if not 0.0 < self.val_fraction < 1.0:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.path is None and self.url is None:
@@ -177,7 +188,8 @@ class ModelConfig:
                 f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
             )
         if self.pos == "rope" and self.head_size % 2 != 0:
-            raise QuillError(f"model.pos=rope needs an even head size, got {self.head_size}")
+            what = "n_embd/n_head" if self.head_dim is None else "model.head_dim"
+            raise QuillError(f"model.pos=rope needs an even head size, got {what} = {self.head_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise QuillError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -259,6 +271,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_finite(self, "train")
+        expand_home(self, ("out_dir", "init_from"))
         for key in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
             if getattr(self, key) < 1:
                 raise QuillError(f"train.{key} must be at least 1, got {getattr(self, key)}")
@@ -346,9 +359,13 @@ def parse_duration(text: str, key: str = "duration") -> float:
 # Dict → dataclass, with type coercion and helpful errors
 
 
-def _suggest(key: str, valid: list[str]) -> str:
+def _suggest(key: str, valid: list[str], most: int = 24) -> str:
+    """The closest valid key, else the valid keys (the first `most`: the message stays one short line)."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(valid)})"
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    more = f" and {len(valid) - most} more" if len(valid) > most else ""
+    return f" (valid keys: {', '.join(valid[:most])}{more})"
 
 
 def _type_name(tp: Any) -> str:
