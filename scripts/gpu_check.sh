@@ -3,6 +3,7 @@
 #
 #   scripts/gpu_check.sh OUTDIR [--shared DIR]             # run it (on the GPU machine)
 #   scripts/gpu_check.sh OUTDIR [--shared DIR] --dry-run   # print the steps, check what they need
+#   scripts/gpu_check.sh OUTDIR --only 1b,4                 # a rerun of some steps (ids as the dry run prints them)
 #
 # Steps: 1a the CUDA tests (pytest -m cuda), 1b the core suite with CUDA visible, 2 the GPU
 # Shakespeare config (configs/shakespeare_char.yaml, compiled) to completion + a full-pass eval,
@@ -19,18 +20,22 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 TOTAL_S=480  # the whole check, checks included; each step gets min(its limit, what is left); limits sum to 460
-OUT="" SHARED="" DRY=""
+OUT="" SHARED="" DRY="" ONLY=""
 while (($#)); do
   case $1 in
     --dry-run) DRY=1 ;;
     --shared) SHARED=${2:?--shared needs a directory}; shift ;;
+    --only) ONLY=",${2:?--only needs step ids, e.g. 1b,4},"; shift ;;
     -h|--help) sed -n '2,${/^#/!q;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
     -*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     *) OUT=$1 ;;
   esac
   shift
 done
-[[ -n $OUT ]] || { echo "usage: scripts/gpu_check.sh OUTDIR [--shared DIR] [--dry-run]" >&2; exit 2; }
+[[ -n $OUT ]] || { echo "usage: scripts/gpu_check.sh OUTDIR [--shared DIR] [--only IDS] [--dry-run]" >&2; exit 2; }
+for id in ${ONLY//,/ }; do
+  [[ " 1a 1b 2 3 4 " == *" $id "* ]] || { echo "--only: no step $id; the steps are 1a 1b 2 3 4" >&2; exit 2; }
+done
 [[ $OUT == /* ]] || OUT=$PWD/$OUT  # paths as the caller meant them: the steps run in the checkout's root
 [[ -z $SHARED || $SHARED == /* ]] || SHARED=$PWD/$SHARED
 if [[ -z $SHARED ]]; then  # --shared is taken as given; else the first that holds the text
@@ -86,10 +91,13 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE', '| bf16:'
 fi
 
 # step LOG LIMIT_S TITLE -- COMMAND...: run COMMAND under min(LIMIT_S, time left), output to
-# OUTDIR/LOG; append its result to summary.txt. --dry-run prints it instead.
+# OUTDIR/LOG; append its result to summary.txt. --dry-run prints it instead. RAN: it ran.
 step() {
   local log=$1 limit=$2 title=$3; shift 4
+  RAN=""
+  [[ -z $ONLY || $ONLY == *",${title%% *},"* ]] || return 0  # not among --only's steps
   if [[ -n $DRY ]]; then printf '%-44s limit %3s s  ' "$title" "$limit"; printf '%q ' "$@"; echo; return 0; fi
+  RAN=1
   local left=$((TOTAL_S - SECONDS))  # SECONDS: since the script started
   ((limit > left)) && limit=$left
   if ((limit < 10)); then echo "SKIP  $title: out of time (${TOTAL_S} s in all)" >>"$SUMMARY"; return 1; fi
@@ -105,7 +113,7 @@ step() {
 }
 # figures LOG: the step's SUMMARY lines (gpu_check.py), else pytest's closing line, into summary.txt
 figures() {
-  [[ -n $DRY ]] && return 0
+  [[ -n $RAN ]] || return 0
   local lines
   lines=$(sed -n 's/^SUMMARY //p' "$OUT/$1")
   [[ -n $lines ]] || lines=$(grep -E '(passed|failed|error|skipped).* in [0-9.]+s' "$OUT/$1" | tail -n 1)
@@ -119,7 +127,7 @@ figures core_suite.log
 step train.log 170 "2 shakespeare_char.yaml, compiled, + eval" -- "$PY" scripts/gpu_check.py train "$WORK" --text "$TEXT"
 figures train.log
 step bench_gpu.log 130 "3 bench.py --suite gpu" -- "$PY" scripts/bench.py --suite gpu --text "$TEXT" --json "$OUT/bench_gpu.json"
-[[ -z $DRY ]] && sed -n -e '/^gpu: skipped/p' -e '/^## gpu/,/^$/p' "$OUT/bench_gpu.log" | sed 's/^/        /' | tee -a "$SUMMARY"
+[[ -n $RAN ]] && sed -n -e '/^gpu: skipped/p' -e '/^## gpu/,/^$/p' "$OUT/bench_gpu.log" | sed 's/^/        /' | tee -a "$SUMMARY"
 step torchrun.log 40 "4 torchrun x1, NCCL: DDP + FSDP resume" -- "$PY" scripts/gpu_check.py torchrun "$WORK" --text "$TEXT"
 figures torchrun.log
 

@@ -38,6 +38,12 @@ def test_missing_offline_files_are_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_only_names_steps_that_exist(tmp_path):
+    done = subprocess.run([str(SCRIPT), str(tmp_path / "out"), "--only", "1b,5", "--dry-run"],
+                          capture_output=True, text=True, env=ENV, timeout=60)
+    assert done.returncode == 2 and done.stderr == "--only: no step 5; the steps are 1a 1b 2 3 4\n"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the suite runs (scripts/gpu_check.sh step 3)")
 def test_bench_gpu_suite_skips_cleanly_without_cuda(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "gpu", "--json", str(tmp_path / "b.json")],
