@@ -165,8 +165,8 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def resolve_checkpoint(path: str | Path, which: str = "best") -> Path:
-    """A run directory or a .pt file → the checkpoint file to load."""
-    path = Path(path)
+    """A run directory or a .pt file (~ expanded) → the checkpoint file to load."""
+    path = Path(path).expanduser()
     if which not in CHECKPOINT_FILES:
         raise QuillError(f"--which must be best or latest, got {shown_value(which)}")
     if os.path.isdir(path):  # os.path: False (not an OSError) for a name too long to exist
@@ -176,7 +176,12 @@ def resolve_checkpoint(path: str | Path, which: str = "best") -> Path:
         other = path / (LATEST if which == "best" else BEST)
         if os.path.isfile(other):
             return other
-        raise QuillError(f"no checkpoint in {shown(path)} (expected {LATEST} or {BEST}); train one with quill train")
+        try:
+            runs = sorted(d.name for d in path.iterdir() if (d / LATEST).is_file() or (d / BEST).is_file())[:8]
+        except OSError:
+            runs = []
+        inside = f"; runs inside it: {', '.join(runs)}" if runs else ""
+        raise QuillError(f"no checkpoint in {shown(path)} (expected {LATEST} or {BEST}){inside}; train one with quill train")
     if os.path.isfile(path):
         return path
     try:

@@ -8,6 +8,7 @@ code 2; `QUILL_DEBUG=1` shows the traceback instead.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import sys
 from pathlib import Path
@@ -110,10 +111,10 @@ def train(
     result = run_training(cfg, progress=not quiet)
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
-        print(
-            f"{result.stopped}: step {result.step}, val loss {val} (best {result.best_val_loss:.4f}), "
-            f"{result.elapsed_s:.0f}s → {result.out_dir}"
-        )
+        best = f"{result.best_val_loss:.4f}" if math.isfinite(result.best_val_loss) else "none yet"
+        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.elapsed_s:.0f}s → {result.out_dir}")
+        if result.reason:
+            print(f"  ({result.reason})")
     if result.stopped == "interrupted":
         raise typer.Exit(130)
 
@@ -518,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # plain `quill`: the help is the answer
             e.show()
             sys.exit(e.exit_code)
-        print(f"error: {_one_line(e.format_message())} (see quill --help)", file=sys.stderr)
+        print(f"error: {_one_line(e.format_message())} (see {_command_of(e)} --help)", file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # a full disk is the user's to fix, wherever the write happened
         if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -527,6 +528,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e.strerror}{where}; free disk space (or write elsewhere) and run again", file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _command_of(error: Exception) -> str:
+    """'quill eval' for a mistake in quill eval's flags (the subcommand's own --help), else 'quill'."""
+    names, ctx = [], getattr(error, "ctx", None)
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["quill", *reversed(names)])
 
 
 def _one_line(message: str, limit: int = 2000) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import reprlib
 import types
@@ -50,6 +51,15 @@ def check_finite(section: Any, name: str) -> None:
             raise QuillError(f"{name}.{key} must be a finite number, got {value}")
 
 
+def expand_home(section: Any, keys: tuple[str, ...]) -> None:
+    """A leading ~ in a path key is the home directory, as in a shell (a shell leaves
+    data.path=~/corpus.txt alone: the ~ is not at the start of the word)."""
+    for key in keys:
+        value = getattr(section, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(section, key, os.path.expanduser(value))
+
+
 def _shown_key(key: Any) -> str:
     """A config key as messages print it: as is when it looks like one, else repr'd and cut."""
     return _cut(key) if isinstance(key, str) and key.isidentifier() else shown_value(key)
@@ -71,7 +81,9 @@ class DataConfig:
     path: str | None = None  # a text file, a directory or a glob of .txt/.jsonl/.parquet (.gz/.zst); unset: `url`
     url: str | None = TINY_SHAKESPEARE_URL  # downloaded once, verified against `sha256`
     sha256: str | None = TINY_SHAKESPEARE_SHA256
-    tokenizer: str = "char"  # char | gpt2 | r50k_base | cl100k_base | o200k_base | bpe | path/to/tokenizer.json
+    # char | gpt2 | r50k_base | cl100k_base | o200k_base | bpe | path/to/tokenizer.json; null: char, or with
+    # train.init_from the base run's own (fine-tuning reads text the way the base model was trained to)
+    tokenizer: str | None = None
     bpe_vocab_size: int = 4096  # vocabulary size when `tokenizer: bpe` trains one on the corpus
     out_dir: str = "data/shakespeare_char"  # token shards (train.bin, train-000001.bin, ..., val.bin) and meta.json
     val_fraction: float = 0.1  # val: the last fraction of the documents (of the text, for one document)
@@ -83,6 +95,7 @@ class DataConfig:
 
     def validate(self) -> None:
         check_finite(self, "data")
+        expand_home(self, ("path", "out_dir", "tokenizer"))
         if self.skip_bad_lines and self.format != "chat":
             raise QuillError("data.skip_bad_lines applies to chat data (data.format=chat)")
         if not 0.0 < self.val_fraction < 1.0:
@@ -264,6 +277,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_finite(self, "train")
+        expand_home(self, ("out_dir", "init_from"))
         for key in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
             if getattr(self, key) < 1:
                 raise QuillError(f"train.{key} must be at least 1, got {getattr(self, key)}")
@@ -353,6 +367,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     def validate(self) -> None:
+        self.data.tokenizer = self.data.tokenizer or base_tokenizer(self.train.init_from) or "char"
         self.data.validate()
         self.model.validate()
         self.train.validate()
@@ -365,6 +380,20 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def base_tokenizer(init_from: str | None) -> str | None:
+    """The tokenizer file of the run train.init_from names (its directory's tokenizer.json), or None."""
+    if init_from is None:
+        return None
+    run = Path(os.path.expanduser(init_from))
+    if not run.exists():
+        raise QuillError(f"train.init_from: checkpoint not found: {init_from} (pass a run directory or a .pt file)")
+    path = (run if os.path.isdir(run) else run.parent) / "tokenizer.json"
+    if not os.path.isfile(path):
+        raise QuillError(f"train.init_from={init_from} has no tokenizer.json beside its checkpoint; "
+                         "set data.tokenizer to the tokenizer its model was trained with")
+    return str(path)
 
 
 def parse_duration(text: str, key: str = "duration") -> float:

@@ -88,3 +88,15 @@ def test_loading_peaks_below_1_3_times_the_weights(tmp_path, saved, loaded):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout) <= 1.3, done.stdout  # measured here: 1.03-1.07 (bf16 → fp32: 1.19)
+
+
+def test_no_checkpoint_in_a_directory_names_the_runs_it_holds(tmp_path):
+    from quillgpt.checkpoint import resolve_checkpoint
+    from quillgpt.errors import QuillError
+
+    for name in ("run_b", "run_a"):
+        (tmp_path / name).mkdir()
+        shutil.copy(OLD / "causal.pt", tmp_path / name / "best.pt")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(QuillError, match=r"no checkpoint in .* runs inside it: run_a, run_b; train one"):
+        resolve_checkpoint(tmp_path)

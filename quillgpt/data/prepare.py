@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -215,8 +216,8 @@ def _check_chat_tokenizer(cfg: DataConfig) -> None:
     if cfg.format == "chat" and cfg.tokenizer in ("char", "bpe"):
         raise QuillError(
             f"data.format=chat needs the model's own tokenizer, not one learned from the conversations "
-            f"(data.tokenizer={cfg.tokenizer}): set data.tokenizer to the base run's tokenizer.json "
-            "(e.g. out/shakespeare_char_3m/tokenizer.json) or a tiktoken name such as gpt2")
+            f"(data.tokenizer={cfg.tokenizer}): set train.init_from to the base run and leave data.tokenizer unset "
+            "(its tokenizer.json is used), or set data.tokenizer to that tokenizer.json or a tiktoken name such as gpt2")
 
 
 def _pieces(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], anywhere: bool, start: dict | None = None,
@@ -376,6 +377,8 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     """Tokenize the configured corpus into token shards under cfg.out_dir, unless meta.json shows
     they are up to date; a killed prepare of the same inputs resumes at its last finished shard."""
     t0 = time.perf_counter()
+    if cfg.tokenizer is None:  # a DataConfig built in code: the default a config file gets
+        cfg = dataclasses.replace(cfg, tokenizer="char")
     if cfg.tokenizer == "bpe":
         token_dtype(cfg.bpe_vocab_size)  # fail before reading or training anything
     _check_chat_tokenizer(cfg)

@@ -146,11 +146,10 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     except QuillError as e:
         raise QuillError(f"{shown(path)}: {e}") from None
     if spec != tokenizer_spec:
-        own = path.parent / "tokenizer.json"
-        hint = f"data.tokenizer={own}" if own.is_file() else "data.tokenizer to the base's tokenizer (e.g. data.tokenizer=gpt2)"
         raise QuillError(
-            f"train.init_from={cfg.train.init_from} uses tokenizer {_describe_tokenizer(spec)} but the data "
-            f"was prepared with {cfg.data.tokenizer!r}; set {hint} and prepare again"
+            f"train.init_from={cfg.train.init_from} was trained with the tokenizer {_describe_tokenizer(spec)} but "
+            f"data.tokenizer={cfg.data.tokenizer} gives {_describe_tokenizer(tokenizer_spec)}; leave data.tokenizer "
+            "unset to use the base run's own"
         )
     model_cfg = source_cfg.model
     if cfg.model.block_size > model_cfg.block_size:
