@@ -232,18 +232,22 @@ def setup(
     model = GPT(cfg.model).to("cpu" if strategy == "fsdp" else device)
     if init_state is not None:
         model.load_state_dict(init_state)
+    notes = []
     if cfg.lora.rank:  # frozen base, fresh adapters (B = 0: the base's output exactly)
         add_lora(model, cfg.lora)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        notes.append(f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {trained:,} trained parameters "
+                     f"({trained / sum(p.numel() for p in model.parameters()):.1%}); the base {lora_base['path']} is frozen")
     if strategy == "fsdp":
         seed_rank(tc.seed, ddp)
     dtype = resolve_dtype(tc.dtype, device)
     model = prepare_model(model, tc, strategy, ddp, dtype)  # activation checkpointing, FSDP
-    sampler, windows, notes = _batches(cfg, ddp, device, prepared, tokenizer)
+    sampler, windows, batch_notes = _batches(cfg, ddp, device, prepared, tokenizer)
     t = Trainer(
         cfg, ddp, device, dtype, Path(tc.out_dir), tokenizer, model, build_optimizer(model, tc, device),
         torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16)), sampler, windows,
         budget_s=parse_duration(tc.time_budget) if tc.time_budget else None, horizon=tc.max_iters,
-        lora_base=lora_base, notes=notes,
+        lora_base=lora_base, notes=notes + batch_notes,
     )
     return t, state
 

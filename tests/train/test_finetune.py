@@ -46,7 +46,7 @@ def base(tmp_path_factory, shakespeare_path):
 
 
 def chat_overrides(root, out, *extra):
-    return [f"data.path={root / 'chat.jsonl'}", "data.format=chat", f"data.tokenizer={root / 'base' / 'tokenizer.json'}",
+    return [f"data.path={root / 'chat.jsonl'}", "data.format=chat",  # data.tokenizer unset: the base's own
             f"data.out_dir={root / 'chatdata'}", f"train.out_dir={out}", f"train.init_from={root / 'base'}",
             "model.block_size=48", "train.batch_size=4", "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=2",
             "train.log_interval=1", "train.warmup_iters=1", "train.learning_rate=1e-2", "train.device=cpu",
@@ -75,11 +75,15 @@ def test_fresh_adapters_compute_the_base_exactly(base, tmp_path):
     assert sum(len(g["params"]) for g in t.optimizer.param_groups) == len(trained)  # only adapters are optimized
 
 
-def test_a_lora_run_trains_adapters_only_and_leaves_its_base_byte_for_byte(base, tmp_path):
+def test_a_lora_run_trains_adapters_only_and_leaves_its_base_byte_for_byte(base, tmp_path, capsys):
     base_file = base / "base" / "best.pt"
     before = file_hash(base_file)
+    capsys.readouterr()
     result = finetune(base, tmp_path / "lora", "lora.rank=4", "lora.targets=[q,v,mlp]")
     assert result.step == 6 and file_hash(base_file) == before
+    shapes = adapter_shapes(load_run(base / "base").config.model, load_run(tmp_path / "lora").config.lora)
+    trained = sum(int(np.prod(s)) for s in shapes.values())
+    assert f"LoRA rank 4 on q, v, mlp: {trained:,} trained parameters" in capsys.readouterr().out
     for name in ("ckpt.pt", "best.pt"):
         state = load_checkpoint(tmp_path / "lora" / name)
         assert {k: tuple(v.shape) for k, v in state["model"].items()} == adapter_shapes(load_run(base / "base").config.model,
@@ -175,7 +179,7 @@ def test_lora_is_refused_where_it_cannot_work(base, tmp_path):
     with pytest.raises(QuillError, match="lora.rank > 0 adapts a trained model: set train.init_from"):
         load_config(CPU_CONFIG, ["lora.rank=4"])
     with pytest.raises(QuillError, match="LoRA adapters train with AdamW"):
-        load_config(CPU_CONFIG, ["lora.rank=4", "train.init_from=x", "train.optimizer=muon"])
+        load_config(CPU_CONFIG, ["lora.rank=4", f"train.init_from={base / 'base'}", "train.optimizer=muon"])
     with pytest.raises(QuillError, match="is the run in train.out_dir, which this run would replace"):
         finetune(base, base / "base", "lora.rank=4", "train.overwrite=true")
 
