@@ -8,6 +8,7 @@ code 2; `QUILL_DEBUG=1` shows the traceback instead.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import sys
 from pathlib import Path
@@ -103,10 +104,8 @@ def train(
     result = run_training(cfg, progress=not quiet)
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
-        print(
-            f"{result.stopped}: step {result.step}, val loss {val} (best {result.best_val_loss:.4f}), "
-            f"{result.elapsed_s:.0f}s → {result.out_dir}"
-        )
+        best = f"{result.best_val_loss:.4f}" if math.isfinite(result.best_val_loss) else "none yet"
+        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.elapsed_s:.0f}s → {result.out_dir}")
         if result.reason:
             print(f"  ({result.reason})")
     if result.stopped == "interrupted":

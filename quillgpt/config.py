@@ -355,6 +355,8 @@ def base_tokenizer(init_from: str | None) -> str | None:
     if init_from is None:
         return None
     run = Path(os.path.expanduser(init_from))
+    if not run.exists():
+        raise QuillError(f"train.init_from: checkpoint not found: {init_from} (pass a run directory or a .pt file)")
     path = (run if os.path.isdir(run) else run.parent) / "tokenizer.json"
     if not os.path.isfile(path):
         raise QuillError(f"train.init_from={init_from} has no tokenizer.json beside its checkpoint; "

@@ -147,6 +147,15 @@ class LayerInputs:
     need_weights: bool = False
 
 
+class HeadNorm(nn.RMSNorm):
+    """model.qk_norm: RMSNorm over each head's q or k (one gain vector shared by the heads). Under
+    autocast q and k come out of c_attn in bf16 while the gain is fp32: the gain is cast to them,
+    so the fused kernel runs (mixed dtypes fall back to a composite path, with a warning)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 class SelfAttention(nn.Module):
     """The projections every variant shares: fused q/k/v (`c_attn`), QK-norm, RoPE, and the output
     projection (`c_proj`). c_attn's output is [q heads | k heads | v heads], each head-major, as in
@@ -161,9 +170,8 @@ class SelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, qkv, bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        # model.qk_norm: RMSNorm over each head's q and k (gains shared by the heads)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = HeadNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = HeadNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def qkv(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, C) → q (B, H, T, hd), k, v (B, KV, T, hd), normed and rotated."""

@@ -175,7 +175,7 @@ class Trainer:
 
 def train(cfg: Config, progress: bool = True) -> TrainResult:
     """Train a GPT as `cfg` says; returns where the run stopped and its losses."""
-    ddp, device = setup_distributed(cfg.train.device)
+    ddp, device = setup_distributed(cfg.train.device, cfg.train.strategy)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

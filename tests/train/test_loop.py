@@ -431,3 +431,23 @@ def test_extending_a_finished_run_by_steps_is_exact_where_the_schedule_allows(sh
     a, b = (load_checkpoint(tmp_path / r / "ckpt.pt") for r in "ab")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_autocast_training_follows_fp32(shakespeare_path, data_dir, tmp_path, dtype):
+    """On CUDA, autocast training from the same weights and batches as fp32 gives fp32's losses
+    to the dtype's rounding; fp16 runs through the GradScaler, which takes every step (no inf
+    found: the scale stays at its start, 2**16, and counts 4 good steps); bf16 needs no scaler."""
+    cuda = ("train.device=cuda", "train.max_iters=4", "train.eval_interval=4")
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "fp32", *cuda, "train.dtype=float32"), progress=False)
+    result = train(tiny_config(shakespeare_path, data_dir, tmp_path / dtype, *cuda, f"train.dtype={dtype}"), progress=False)
+    assert result.step == 4
+    for (s, a, va), (_, b, vb) in zip(losses(tmp_path / dtype), losses(tmp_path / "fp32"), strict=True):
+        assert a == pytest.approx(b, abs=2e-2), s
+        assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, abs=2e-2)), s
+    scaler = load_checkpoint(tmp_path / dtype / "ckpt.pt")["scaler"]
+    if dtype == "float16":
+        assert scaler["scale"] == 2.0**16 and scaler["_growth_tracker"] == 4
+    else:
+        assert scaler == {}
