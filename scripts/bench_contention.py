@@ -79,7 +79,7 @@ def main() -> None:
     base = statistics.median(times.get(("quill", False), times[(args.settings[0], False)]))
     print(f"\n## train beside one busy process: {args.config.name}, {args.steps} steps, "
           f"{os.cpu_count()} CPUs, median of {args.rounds} rounds (ms/step)")
-    print(f"{'setting':<32} {'quiet':>8} {'busy':>8}  {'quiet vs quill':>14}  {'busy, of quill quiet':>20}")
+    print(f"{'setting':<32} {'quiet':>8} {'busy':>8}  {'quiet vs ours':>14}  {'busy, of ours quiet':>20}")
     for name in args.settings:
         quiet, busy = statistics.median(times[(name, False)]), statistics.median(times[(name, True)])
         print(f"{name:<32} {quiet:8.1f} {busy:8.1f}  {base / quiet:13.2f}×  {base / busy:19.0%}")
