@@ -89,9 +89,11 @@ def _cropped_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> tuple
     return ids[cropped:], cropped
 
 
-def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attention:
-    """Run the prompt once and collect every layer's and head's attention weights."""
-    ids, cropped = _cropped_prompt(tokenizer, prompt, model.config.block_size)
+def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str, max_tokens: int | None = None) -> Attention:
+    """Run the prompt once and collect every layer's and head's attention weights: of its last
+    block_size tokens, or its last `max_tokens` where that is fewer (the web page's bound)."""
+    limit = min(model.config.block_size, max_tokens or model.config.block_size)
+    ids, cropped = _cropped_prompt(tokenizer, prompt, limit)
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     prefix = len(ids) if model.variant.bidirectional_prefix else 0  # the prompt is the prefix

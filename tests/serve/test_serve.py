@@ -442,7 +442,8 @@ def test_attention_route_matches_viz(http, run_dir):
     assert torch.allclose(weights.sum(-1), torch.ones(2, 2, 9), atol=1e-3)
     long = http.post("/v1/attention", json={"prompt": "x" * (BLOCK + 5)}).json()
     assert long["cropped"] == 5 and len(long["tokens"]) == BLOCK
-    error_of(http.post("/v1/attention", json={"prompt": "x" * 65}), 400)
+    longer = http.post("/v1/attention", json={"prompt": "ab" * 100}).json()  # past the page's bound: cropped too
+    assert longer["cropped"] == 200 - BLOCK and "".join(longer["tokens"]) == ("ab" * 100)[-BLOCK:]
     error_of(http.post("/v1/attention", json={"prompt": ""}), 400)
 
 
