@@ -26,6 +26,7 @@ from quillgpt.errors import QuillError
 from quillgpt.inference.chat import chat_prompt_ids, fitting
 from quillgpt.inference.sampling import InvalidParam, SamplingParams
 from quillgpt.inference.text import TextStream, encode_prompt
+from quillgpt.serve.access_log import AccessLog
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.errors import APIError, install_handlers
 from quillgpt.serve.responses import DONE, Reply, sse
@@ -77,6 +78,7 @@ def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastA
     if options.cors:
         app.add_middleware(CORSMiddleware, allow_origins=[options.cors], allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(AccessLog)  # added last: outermost, so refusals are logged too
     routes = Routes(run, batcher, options)
     app.get("/", include_in_schema=False)(lambda: FileResponse(STATIC / "index.html"))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -293,6 +295,7 @@ class Routes:
             raise APIError(503, str(e), code="server_busy") from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         reply = Reply(chat, self.options.model_id, sum(map(len, ids)), include_usage)
+        request.state.reply = reply
         if req.stream:
             return StreamingResponse(self._stream(reply, jobs, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -319,6 +322,7 @@ class Routes:
                     m.text, m.finish, m.tokens = m.text + e.text, e.finish, e.tokens
                 yield "".join(sse(reply.chunk(m.index, m.text, m.finish)) for m in merged.values())
                 tokens.update((m.index, m.tokens) for m in merged.values())
+                reply.completion_tokens = sum(tokens.values())
                 left -= sum(m.finish is not None for m in merged.values())
             else:
                 if reply.include_usage:
@@ -346,6 +350,7 @@ class Routes:
                     raise APIError(event.status, event.text, code="generation_failed")
                 texts[event.index].append(event.text)
                 tokens[event.index] = event.tokens
+                reply.completion_tokens = sum(tokens)
                 finishes[event.index] = event.finish
         finally:
             gone.cancel()

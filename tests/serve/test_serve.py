@@ -7,7 +7,9 @@ SIGINT draining a stream."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -425,6 +427,40 @@ def test_api_key_cors_and_queue_limit(run_dir):
                     assert second.status_code == 200
                     error_of(c.post("/v1/completions", json=long, headers=auth), 503)
             assert ok.completions.create(model=MODEL, prompt="a", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_one_log_line_per_request_with_route_status_tokens_and_time(http):
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("uvicorn.error")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)  # the test server logs warnings only
+
+    def logged(start: str) -> str:
+        deadline = time.monotonic() + 5  # the line is written after the last byte is sent
+        while time.monotonic() < deadline:
+            found = [line for line in lines if line.startswith(start)]
+            if found:
+                return found[-1]
+            time.sleep(0.02)
+        raise AssertionError(f"no log line starting {start!r} in {lines}")
+
+    try:
+        complete(http, prompt="ROMEO:", max_tokens=5)
+        assert re.fullmatch(r"POST /v1/completions 200 6\+5 tokens \d+\.\d+s", logged("POST /v1/completions 200"))
+        lines.clear()
+        with http.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 7, "stream": True}) as r:
+            sse_events(r)
+        assert re.fullmatch(r"POST /v1/completions 200 6\+7 tokens \d+\.\d+s", logged("POST /v1/completions 200"))
+        http.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 0})
+        assert re.fullmatch(r"POST /v1/completions 400 \d+\.\d+s", logged("POST /v1/completions 400"))
+        http.get("/health")
+        assert logged("GET /health 200")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 # --- attention and the page --------------------------------------------------------------------
