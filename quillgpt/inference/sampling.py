@@ -146,8 +146,10 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
     if params.greedy:
         return logits.argmax(dim=-1)
     # shift so the best logit is 0 before dividing, and never divide by a temperature that rounds
-    # to 0 in the logits' dtype: a tiny temperature then gives 0 and -inf, never inf - inf or 0/0
-    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    # to 0 or inf in the logits' dtype: a tiny one then gives 0 and -inf, a huge one 0 and small
+    # values (or -inf where the shift overflowed), never inf - inf, 0/0 or -inf/inf
+    finfo = torch.finfo(logits.dtype)
+    temperature = min(max(params.temperature, finfo.tiny), finfo.max)
     logits = apply_temperature(logits - logits.max(dim=-1, keepdim=True).values, temperature)
     logits = apply_min_p(apply_top_p(apply_top_k(logits, params.top_k), params.top_p), params.min_p)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
