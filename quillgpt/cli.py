@@ -192,7 +192,7 @@ def serve_cmd(
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default is this machine only."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="QUILL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
@@ -206,6 +206,8 @@ def serve_cmd(
     """
     from quillgpt.serve.server import serve
 
+    if api_key is None:  # read here, not by typer: click drops an empty variable, which would serve without a key
+        api_key = os.environ.get("QUILL_API_KEY")
     serve(ckpt, which=which, host=host, port=port, api_key=api_key, max_batch=max_batch,
           max_tokens=max_tokens, device=device, dtype=dtype, cors=cors)
 
