@@ -156,6 +156,9 @@ def test_failing_and_hostile_requests_never_touch_the_others(server, requests):
     assert settle(server) == 200
 
 
+STREAM = {"prompt": "ROMEO:", "max_tokens": 30, "temperature": 0, "stream": True}
+
+
 def test_the_issue_request_poisons_nothing(run_dir):
     """top_p=1e-46 once gave a 500 and left its row claimed: every later request failed, a running
     stream ended in an error, /health said ok, and with --max-batch 1 the next request hung."""
@@ -163,8 +166,7 @@ def test_the_issue_request_poisons_nothing(run_dir):
         with running_server(run_dir, max_batch=rows) as (url, _):
             greedy = post(url, {"prompt": "a", "max_tokens": 2, "temperature": 0})
             got: dict = {}
-            body = {"prompt": "ROMEO:", "max_tokens": 30, "temperature": 0, "stream": True}
-            stream = threading.Thread(target=lambda got=got, url=url: got.update(s=post(url, body)))
+            stream = threading.Thread(target=lambda got=got, url=url: got.update(s=post(url, STREAM)))
             stream.start()
             assert post(url, {"prompt": "a", "max_tokens": 2, "top_p": 1e-46}) == greedy  # temperature 1: greedy
             assert post(url, {"prompt": "a", "max_tokens": 2, "temperature": 0}) == greedy
