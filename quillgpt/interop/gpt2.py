@@ -15,7 +15,6 @@ Reading and writing Hugging Face directories is interop/hf_files.py's.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,8 @@ from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, config_from_dict, save_config, shown_value
 from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, read_text, shown
-from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, make_out_dir, require, resolve_source, write_json
+from quillgpt.files import atomic_write_bytes, input_file, read_text, shown
+from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, made_out_dir, require, resolve_source, write_json
 from quillgpt.model.variants import variant_of
 
 # Weights HF keeps as Conv1D (in, out): transposed to and from nn.Linear's (out, in).
@@ -240,27 +239,27 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     state = hf_to_quill_state(load_hf_weights(path), model_cfg)
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
 
-    make_out_dir(out_dir)
     cfg = Config(model=model_cfg)
     tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
     cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")
     cfg.data.out_dir = f"data/shakespeare_{tokenizer.name}"
     # Training with this config.yaml fine-tunes the import into a new directory, never over it.
     cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
-    save_config(cfg, out_dir / "config.yaml")
-    save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-    for stale in (ckpt.BEST, "metrics.jsonl"):  # only with --force (checked above): not this model's
-        (out_dir / stale).unlink(missing_ok=True)
-    ckpt.save_checkpoint(
-        {"model": state, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": 0,
-         "tokens_seen": 0, "imported_from": str(src)},
-        out_dir / ckpt.LATEST,
-    )
+    with made_out_dir(out_dir):
+        save_config(cfg, out_dir / "config.yaml")
+        save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+        for stale in (ckpt.BEST, "metrics.jsonl"):  # only with --force (checked above): not this model's
+            (out_dir / stale).unlink(missing_ok=True)
+        ckpt.save_checkpoint(
+            {"model": state, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": 0,
+             "tokens_seen": 0, "imported_from": str(src)},
+            out_dir / ckpt.LATEST,
+        )
     return Converted(out_dir, model_cfg, tokenizer.name)
 
 
 def _source_tokenizer(path: Path) -> Tokenizer:
-    if os.path.isfile(path / QUILL_TOKENIZER):
+    if input_file(path / QUILL_TOKENIZER, QUILL_TOKENIZER):
         return load_tokenizer(path / QUILL_TOKENIZER)
     return build_tokenizer("gpt2")
 
@@ -282,15 +281,15 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     tensors = quill_to_hf_state(loaded.model.state_dict(), cfg)
     eot = loaded.tokenizer.eot_id
 
-    make_out_dir(out_dir)
-    atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
-    write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
-    generation = out_dir / "generation_config.json"
-    if eot is not None:
-        write_json(generation, {"bos_token_id": eot, "eos_token_id": eot})
-    else:
-        generation.unlink(missing_ok=True)
-    save_tokenizer(loaded.tokenizer, out_dir / QUILL_TOKENIZER)
+    with made_out_dir(out_dir):
+        atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
+        write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
+        generation = out_dir / "generation_config.json"
+        if eot is not None:
+            write_json(generation, {"bos_token_id": eot, "eos_token_id": eot})
+        else:
+            generation.unlink(missing_ok=True)
+        save_tokenizer(loaded.tokenizer, out_dir / QUILL_TOKENIZER)
     return Converted(out_dir, cfg, loaded.tokenizer.name)
 
 

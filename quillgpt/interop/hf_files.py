@@ -8,11 +8,14 @@ functions that need them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import pickle
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,7 +26,7 @@ from torch import Tensor
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_text, os_error, probe_writable, read_text, shown
+from quillgpt.files import atomic_write_text, input_file, os_error, probe_writable, read_text, shown
 
 HF_INSTALL = 'pip install -e ".[hf]"'
 
@@ -46,10 +49,10 @@ def require(module: str) -> ModuleType:
 def load_hf_weights(src: Path) -> dict[str, Tensor]:
     """The tensors of an HF model directory: model.safetensors, else pytorch_model.bin (sharded or not)."""
     for name, loader in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
-        if os.path.isfile(src / name):
+        if input_file(src / name, name):  # a FIFO or device there is refused by name
             return loader(src / name)
         index = src / f"{name}.index.json"
-        if os.path.isfile(index):
+        if input_file(index, index.name):
             tensors: dict[str, Tensor] = {}
             for shard in _shard_names(index):
                 tensors.update(loader(src / shard))
@@ -75,7 +78,7 @@ def _shard_names(index: Path) -> list[str]:
 
 def _load_safetensors(path: Path) -> dict[str, Tensor]:
     st_torch = require("safetensors.torch")
-    if not os.path.isfile(path):
+    if not input_file(path, "shard"):
         raise QuillError(f"{shown(path)} is missing (named in the shard index)")
     try:
         return _checked_tensors(st_torch.load_file(path, device="cpu"), path)
@@ -87,7 +90,7 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
 
 
 def _load_bin(path: Path) -> dict[str, Tensor]:
-    if not os.path.isfile(path):
+    if not input_file(path, "shard"):
         raise QuillError(f"{shown(path)} is missing (named in the shard index)")
     try:
         tensors = torch.load(path, map_location="cpu", weights_only=True)  # never runs code
@@ -157,11 +160,24 @@ def check_out_dir(out_dir: Path, ours: tuple[str, ...], force: bool, what: str) 
     probe_writable(out_dir, "--out", create=False)  # made when the files are written: a failure leaves nothing
 
 
-def make_out_dir(out_dir: Path) -> None:
+@contextlib.contextmanager
+def made_out_dir(out_dir: Path) -> Iterator[Path]:
+    """Create --out for the writes in the `with` body; when they fail (a full disk...), the
+    directories this made are removed again: a failed command leaves no empty --out behind."""
+    top = Path(os.path.abspath(out_dir))
+    while not top.parent.exists():
+        top = top.parent
+    created = None if top.exists() else top  # the highest directory this call makes
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(e, out_dir, "create", "--out") from None
+    try:
+        yield out_dir
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
