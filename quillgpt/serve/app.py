@@ -174,6 +174,10 @@ class Drain:
 
     async def next_event(self, events: asyncio.Queue) -> Event | None:
         """The next event of a reply, or None once the drain has expired."""
+        if self.expired.is_set():
+            return None
+        if not events.empty():  # the common case while generating: no task to make
+            return events.get_nowait()
         getting = asyncio.ensure_future(events.get())
         expiring = asyncio.ensure_future(self.expired.wait())
         try:

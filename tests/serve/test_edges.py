@@ -62,7 +62,7 @@ MEDIA = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None, database=None, derandomize=True)
+@settings(max_examples=25, deadline=None, database=None, derandomize=True)
 @given(media=MEDIA)
 def test_only_json_bodies_reach_the_model(server, media):
     """Browsers send text/plain, forms and multipart cross-origin without a preflight: refused."""

@@ -123,7 +123,7 @@ REQUEST = st.fixed_dictionaries({
 }).flatmap(lambda r: SETTINGS.map(lambda s: {**r, **s}))
 
 
-@settings(max_examples=12, deadline=None, database=None, derandomize=True,
+@settings(max_examples=8, deadline=None, database=None, derandomize=True,
           phases=(Phase.explicit, Phase.generate))  # no shrinking: each example runs a server's worth of requests
 @given(requests=st.lists(REQUEST, min_size=2, max_size=6))
 def test_failing_and_hostile_requests_never_touch_the_others(server, requests):
