@@ -513,7 +513,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     hint = " (pass --config with a YAML file, e.g. configs/shakespeare_char_cpu.yaml)"
     text = read_text(path, "--config", hint=hint, limit=MAX_CONFIG_BYTES)
     try:
-        values = parse_yaml(text, str(path))
+        values = parse_yaml(text, "the YAML")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -57,13 +57,14 @@ class Tally:
     def add(self, surface: str, what: str, example: str = "") -> None:
         with self._lock:
             self.counts[surface][what] += 1
-            if what != "cases" and len(self.examples[surface, what]) < 3:
+            if what != "cases" and not what.startswith("=") and len(self.examples[surface, what]) < 3:
                 self.examples[surface, what].append(example[:600])
 
     def report(self) -> bool:
-        print(f"{'surface':<8} {'cases':>7} " + " ".join(f"{f:>10}" for f in FAILURES))
+        print(f"{'surface':<8} {'cases':>7} " + " ".join(f"{f:>10}" for f in FAILURES) + "   outcomes")
         for surface, c in sorted(self.counts.items()):
-            print(f"{surface:<8} {c['cases']:>7} " + " ".join(f"{c[f]:>10}" for f in FAILURES))
+            outcomes = ", ".join(f"{k[1:]} {n}" for k, n in sorted(c.items()) if k.startswith("="))
+            print(f"{surface:<8} {c['cases']:>7} " + " ".join(f"{c[f]:>10}" for f in FAILURES) + f"   {outcomes}")
         for (surface, what), examples in sorted(self.examples.items()):
             for e in examples:
                 print(f"  {surface} {what}: {e}")
@@ -154,21 +155,26 @@ DEVICES = ["cpu", "auto", "meta", "cuda:7", "", "mps", "cpu\n"]
 
 
 def cli_case(w: dict, r: random.Random) -> list[str]:
-    pick, run = r.choice, str(w["run"])
+    run = str(w["run"])
+
+    def pick(values: list, good: object = None) -> object:  # with `good`: that value half the time
+        return good if good is not None and r.random() < 0.5 else r.choice(values)
+
     kind = pick(["sample", "sample", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve"])
     if kind == "sample":
-        flags = {"-p": pick(PROMPTS), "-n": pick(["1", "3", "8", "0", "-1"]), "--temperature": pick(FLOATS),
-                 "--top-p": pick(FLOATS), "--top-k": pick(INTS), "--min-p": pick(FLOATS), "--seed": pick(INTS),
-                 "--repetition-penalty": pick(FLOATS), "--num-samples": pick(["1", "2", "0"]), "--dtype":
-                 pick(["float32", "bfloat16", "float16", "int8"]), "--stop": pick(["\\n", "", "a", "ROMEO"]),
-                 "--device": pick(DEVICES), "--prompt-file": pick(w["inputs"])}
-        chosen = r.sample(sorted(flags), r.randint(1, 6))
+        flags = {"-p": pick(PROMPTS), "-n": pick(["1", "3", "8", "0", "-1"], "4"), "--temperature": pick(FLOATS, "1"),
+                 "--top-p": pick(FLOATS, "1e-46"), "--top-k": pick(INTS, "3"), "--min-p": pick(FLOATS, "0.1"),
+                 "--seed": pick(INTS, "7"), "--repetition-penalty": pick(FLOATS, "1.2"),
+                 "--num-samples": pick(["1", "2", "0"]), "--dtype": pick(["float32", "bfloat16", "float16", "int8"]),
+                 "--stop": pick(["\\n", "", "a", "ROMEO"]), "--device": pick(DEVICES, "cpu"),
+                 "--prompt-file": pick(w["inputs"])}
+        chosen = ["-n", *r.sample(sorted(set(flags) - {"-n"}), r.randint(1, 4))]  # -n always: the run's default is 500
         if "--prompt-file" in chosen and "-p" in chosen:
             chosen.remove("-p")
         return ["sample", "--ckpt", pick([run, run, *w["inputs"]]), "--json", *[x for k in chosen for x in (k, flags[k])],
                 *(["--no-kv-cache"] if r.random() < 0.3 else [])]
     if kind == "eval":
-        return ["eval", "--ckpt", pick([run, *w["inputs"]]), "--json", "--text", pick(w["inputs"]),
+        return ["eval", "--ckpt", pick(w["inputs"], run), "--json", "--text", pick(w["inputs"], str(w["text"])),
                 *pick([[], ["--stride", pick(INTS)], ["--batch-size", pick(INTS)]])]
     if kind == "attention":
         out = pick([[], ["--out", pick(w["outputs"])], ["--summary-json", pick(w["outputs"])]])
@@ -182,12 +188,12 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
     if kind in ("prepare", "train"):
         out = w["scratch"] / f"{kind}_{r.randrange(3)}"
         extra = [f"data.path={pick(w['inputs'])}"] if r.random() < 0.5 else []
-        extra += [f"data.out_dir={pick([str(out), *[str(Path(p).parent) for p in w['outputs']]])}"]
-        extra += [f"train.out_dir={pick([str(out) + '_run', *[str(Path(p).parent) for p in w['outputs']]])}"]
+        extra += [f"data.out_dir={pick([str(Path(p).parent) for p in w['outputs']], str(out))}"]
+        extra += [f"train.out_dir={pick([str(Path(p).parent) for p in w['outputs']], str(out) + '_run')}"]
         extra += r.sample([f"sample.top_p={pick(FLOATS)}", f"model.n_layer={pick(INTS)}", f"train.init_from={run}",
                            f"data.tokenizer={pick(w['inputs'])}", "train.resume=true", f"train.seed={pick(INTS)}"],
                           r.randint(0, 2))
-        return [kind, "--config", pick([str(CONFIG)] * 4 + w["inputs"]), *(["-q"] if kind == "train" else []),
+        return [kind, "--config", pick(w["inputs"], str(CONFIG)), *(["-q"] if kind == "train" else []),
                 *tiny(w), *extra]
     if kind == "hf":
         which = pick(["import-hf", "export-hf"])
@@ -203,6 +209,7 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     before = snapshot(w)
     code, _, err = quill(argv)
     tally.add("cli", "cases")
+    tally.add("cli", f"={argv[0]} exit {code}")  # what the cases did, to show they reach the work
     shown = "quill " + " ".join(repr(a) if " " in a or not a else a for a in argv)[:300]
     if code == "hang":
         tally.add("cli", "hangs", shown)
@@ -303,6 +310,7 @@ def http_case(url: str, r: random.Random, tally: Tally, slow: list[threading.Thr
 
 
 def check(tally: Tally, r, what: object) -> None:
+    tally.add("http", f"={r.status_code}")
     if r.status_code >= 500:
         tally.add("http", "5xx", f"{r.status_code} for {what!r}: {r.text[:200]}")
     if "text/event-stream" in r.headers.get("content-type", "") and not r.text.endswith("data: [DONE]\n\n"):
