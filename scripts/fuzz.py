@@ -218,11 +218,20 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
         tally.add("cli", "tracebacks", f"{shown} → exit {code}: {err[-300:]}")
     after = snapshot(w)
     changed = [p for p, h in before.items() if after.get(p) != h]
-    rebuilt = argv[0] in ("prepare", "train") and f"data.out_dir={w['data']}" in argv  # a dataset of other inputs
-    if changed and not asked and not (rebuilt and all(p.startswith(str(w["data"])) for p in changed)):
+    if changed and not asked and not all(rebuilt_dataset(argv, Path(p)) for p in changed):
         tally.add("cli", "overwrites", f"{shown} changed {changed[:3]}")
     if changed:  # restore the workspace, so later cases meet the same files
         rebuild(w, changed)
+
+
+def rebuilt_dataset(argv: list[str], path: Path) -> bool:
+    """Whether `path` is a file of the dataset in this prepare's (or train's) data.out_dir: a
+    dataset of other inputs is rebuilt in place, as documented (its meta.json says so)."""
+    from quillgpt.data.prepare import DATASET_WRITES
+
+    out = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("data.out_dir=")), None)
+    return (argv[0] in ("prepare", "train") and out is not None and path.parent == Path(out)
+            and any(re.fullmatch(name, path.name) for name in DATASET_WRITES))
 
 
 def rebuild(w: dict, changed: list[str]) -> None:

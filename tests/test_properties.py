@@ -8,13 +8,11 @@ Counts are bounded (settings below) to keep the suite fast; QUILL_PROPERTY_SCALE
 times as many, with fresh random cases each run (the default run is derandomized for CI).
 """
 
-import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
-import signal
 import zipfile
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support import deadline
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.cli import main
@@ -436,21 +435,6 @@ def test_import_hf_with_any_config_json(w, changes):
 
 
 # --- inputs that never end -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail (instead of hanging the suite) when the body runs longer than `seconds`."""
-    def expired(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: an input that never ends")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def never_ending(w) -> dict[str, str]:

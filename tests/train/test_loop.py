@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import interrupt_after, poison_loss_at
+from support import deadline, interrupt_after, poison_loss_at
 
 import quillgpt.train.loop as train_mod
 import quillgpt.train.schedule as schedule
@@ -387,5 +387,5 @@ def test_a_lock_that_is_no_file_is_one_line(shakespeare_path, data_dir, tmp_path
     out = tmp_path / "locked"
     out.mkdir()
     (out / ".lock").mkdir() if kind == "directory" else os.mkfifo(out / ".lock")
-    with pytest.raises(QuillError, match=r"cannot lock .*\.lock: .*; remove it"):
+    with pytest.raises(QuillError, match=r"cannot lock .*\.lock: .*; remove it"), deadline(60):
         train(tiny_config(shakespeare_path, data_dir, out, "train.resume=auto"), progress=False)
