@@ -227,11 +227,9 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
 def rebuilt_dataset(argv: list[str], path: Path) -> bool:
     """Whether `path` is a file of the dataset in this prepare's (or train's) data.out_dir: a
     dataset of other inputs is rebuilt in place, as documented (its meta.json says so)."""
-    from quillgpt.data.prepare import DATASET_WRITES
-
     out = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("data.out_dir=")), None)
     return (argv[0] in ("prepare", "train") and out is not None and path.parent == Path(out)
-            and any(re.fullmatch(name, path.name) for name in DATASET_WRITES))
+            and re.fullmatch(r"meta\.json|\.prepare-state\.json|(?:train|val)(?:-\d{6})?\.bin", path.name) is not None)
 
 
 def rebuild(w: dict, changed: list[str]) -> None:
@@ -326,10 +324,10 @@ def check(tally: Tally, r, what: object) -> None:
         tally.add("http", "hangs", f"a stream that did not end with [DONE] for {what!r}")
 
 
-def start_server(w: dict) -> tuple[subprocess.Popen, str, list[str]]:
+def start_server(w: dict, tree: Path) -> tuple[subprocess.Popen, str, list[str]]:
     cmd = [sys.executable, "-m", "quillgpt", "serve", "--ckpt", str(w["run"]), "--host", "127.0.0.1", "--port", "0",
            "--max-batch", "4", "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     env.pop("QUILL_API_KEY", None)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     found = re.search(r"(http://127\.0\.0\.1:\d+)/", proc.stderr.readline())
@@ -349,9 +347,11 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to throw cases (after the setup)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="where to build the workspace (default: a temp dir)")
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose quill is fuzzed (default: this one; "
+                        "e.g. an older commit's worktree, for a before/after)")
     args = parser.parse_args()
     os.environ.pop("QUILL_DEBUG", None)
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(args.tree.resolve()))
     root = Path(tempfile.mkdtemp(prefix="quill-fuzz-", dir=args.workdir))
     cwd = os.getcwd()
     os.chdir(root)  # an empty output path writes to the working directory: let that be the workspace
@@ -359,7 +359,7 @@ def main() -> None:
     proc = None
     try:
         w = workspace(root)
-        proc, url, log = start_server(w)
+        proc, url, log = start_server(w, args.tree.resolve())
         deadline, slow = time.monotonic() + 60 * args.minutes, []
         while time.monotonic() < deadline:
             run_cli(w, r, tally)
