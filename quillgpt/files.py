@@ -133,7 +133,7 @@ def read_bytes(path: str | Path, what: str = "file", hint: str = "", limit: int 
     `hint` follows the "does not exist" message (how to get the file); a file longer than
     `limit` bytes is refused after reading limit + 1 bytes; a device or FIFO is refused unread.
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     try:
         check_input(path, what)
         with open(path, "rb") as f:

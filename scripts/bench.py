@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -683,7 +684,7 @@ def hf_model(run: Path, out: Path) -> Any:
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from quillgpt.interop.gpt2 import export_hf
+    from quillgpt.interop.convert import export_hf
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -833,8 +834,8 @@ def decode_bounds(model: GPT, B: int, ctx: float, dtype: torch.dtype, args: argp
     cfg, size = model.config, torch.tensor([], dtype=dtype).element_size()
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     weights = sum(p.numel() for p in model.parameters()) * size
-    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * ctx * size
-    flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * ctx
+    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * size
+    flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_size * ctx
     # without bf16 units torch converts bf16 weights and multiplies in fp32: the fp32 peak bounds it
     bw, peak = l3_read_bandwidth(weights * 4 // size), matmul_peak(dtype if cpu_has_bf16() else torch.float32)
     return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv,
@@ -936,21 +937,59 @@ def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
 # --- gpu suite --------------------------------------------------------------------------------
 
 
+def cuda_timed(fn: Callable[[], Any], n: int = 10) -> float:
+    """Seconds per call of `fn` on the GPU: the mean of `n` between CUDA events, after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def cuda_copy_bandwidth(nbytes: int = 2**31) -> float:
+    """Bytes/s of a device-to-device copy of random data, counting bytes read and written."""
+    x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * nbytes / cuda_timed(lambda: y.copy_(x))
+
+
+def cuda_matmul_peak(n: int = 8192) -> float:
+    """FLOP/s of n×n×n bf16 matmuls on random data (never zeros: they run faster)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / cuda_timed(lambda: a @ b)
+
+
 def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
-    """GPT-2-124M-shaped training (bf16, torch.compile, flash SDPA) and KV-cached sampling."""
+    """GPT-2-124M-shaped training (bf16, torch.compile, flash SDPA) and KV-cached sampling, each
+    against the ceilings measured in this run (and training against the card's datasheet peak)."""
     if not torch.cuda.is_available():
         print("\ngpu: skipped (no CUDA device)")
         report.header["gpu_suite"] = "skipped: no CUDA device"
         return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     name = torch.cuda.get_device_name(device)
-    peak = peak_flops(device, torch.bfloat16)
+    bandwidth, matmul = cuda_copy_bandwidth(), cuda_matmul_peak()
+    group = f"gpu: {name}, ceilings measured in this run"
+    report.add(Row(group, "device-to-device copy, 2 GiB", "GB/s", bandwidth / 1e9, note="bytes read + written"))
+    report.add(Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12,
+                   note=f"datasheet dense bf16 (device.GPU_PEAKS): {peak_flops(device, torch.bfloat16) / 1e12:.0f}"))
+    report.print_group(group)
     cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
-    batch = args.gpu_batch
+    gpu_train_group(report, args, cfg, name, matmul)
+    gpu_sample_group(report, args, cfg, name, bandwidth)
+
+
+def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, name: str, matmul: float) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device, batch = torch.device("cuda"), args.gpu_batch
+    peak = peak_flops(device, torch.bfloat16)
     group = f"gpu: {name}, GPT-2-124M shape (12L/12H/768, block 1,024, vocab 50,304), batch {batch}, bf16"
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000).astype(np.uint16)
     tc = TrainConfig(batch_size=batch, learning_rate=6e-4, device="cuda")
@@ -966,19 +1005,19 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
                 train_step(t.model, t)
 
         with PeakMemory(cuda=True) as mem:
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             for _ in range(3):  # warm-up (and compilation)
                 one()
             torch.cuda.synchronize()
-            warm = time.perf_counter() - t
+            warm = time.perf_counter() - t0
 
         def timed() -> float:
             torch.cuda.synchronize()
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             for _ in range(args.gpu_steps):
                 one()
             torch.cuda.synchronize()
-            return (time.perf_counter() - t) / args.gpu_steps
+            return (time.perf_counter() - t0) / args.gpu_steps
 
         return timed, mem, warm
 
@@ -991,33 +1030,52 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         _, mem, warm = variants[vname]
         report.add(Row(group, vname, "tokens/s", st.median, st.lo, st.hi, extra={
             "ms/step": statistics.median(xs) * 1e3, "MFU": f"{fpt * st.median / peak:.1%}",
-            "CUDA max alloc MB": mem.cuda_mb}, note=f"peak {peak / 1e12:.0f} TFLOP/s bf16; warm-up 3 steps {warm:.0f} s"))
+            "of measured matmul": f"{fpt * st.median / matmul:.1%}", "CUDA max alloc MB": mem.cuda_mb},
+            note=f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s"))
     report.print_group(group)
-    del variants
 
-    group = f"gpu: {name}, KV-cached greedy sampling, GPT-2-124M shape, {args.gpu_sample_tokens} new tokens"
+
+def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, name: str, bandwidth: float) -> None:
+    """Greedy decoding with bf16 weights at batch 1 and 64, eager and compiled (CUDA graphs), as
+    a fraction of the bandwidth bound: each step reads every weight once plus each row's keys and
+    values at the mean context."""
+    n, prompt_len = args.gpu_sample_tokens, 16
     torch.manual_seed(0)
-    model = GPT(cfg).to(device).eval()
-    for dtype in (torch.float32, torch.bfloat16):
-        m = model.to(dtype)
-        for B in (1, 8):
-            prompts = [list(range(1 + i, 17 + i)) for i in range(B)]
+    model = GPT(cfg).to("cuda", torch.bfloat16).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctx = prompt_len + (n - 1) / 2
+    for B in (1, 64):
+        group = f"gpu: {name}, KV-cached greedy sampling, GPT-2-124M shape, bf16 weights, batch {B}, {n} new tokens"
+        prompts = [list(range(1 + i, 1 + i + prompt_len)) for i in range(B)]
+        out: dict[bool, torch.Tensor] = {}
 
-            def run(m: GPT = m, prompts: list[list[int]] = prompts) -> float:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in generate_tokens(m, prompts, args.gpu_sample_tokens):
-                    pass
-                torch.cuda.synchronize()
-                return time.perf_counter() - t
+        def run(compile: bool, prompts: list[list[int]] = prompts, out: dict[bool, torch.Tensor] = out) -> float:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out[compile] = torch.stack(list(generate_tokens(model, prompts, n, compile=compile)), 1)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
 
-            with PeakMemory(cuda=True) as mem:
-                run()
-            xs = interleaved({"x": run}, max(2, args.sample_reps))["x"]
-            st = Stats.of([B * args.gpu_sample_tokens / x for x in xs])
-            report.add(Row(group, f"quill KV cache, {str(dtype).replace('torch.', '')}, batch {B}", "new tokens/s",
-                           st.median, st.lo, st.hi, extra={"CUDA max alloc MB": mem.cuda_mb}))
-    report.print_group(group)
+        fns = {"quill engine, eager decode": functools.partial(run, False),
+               "quill engine, compiled decode (CUDA graphs)": functools.partial(run, True)}
+        mem, first = {}, {}
+        for vname, fn in fns.items():  # one run each first: warm-up and compiling
+            with PeakMemory(cuda=True) as m:
+                first[vname] = fn()
+            mem[vname] = m.cuda_mb
+        samples = interleaved(fns, max(2, args.sample_reps))
+        kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * 2
+        bound = B * bandwidth / (weights + kv)
+        for vname, xs in samples.items():
+            st = Stats.of([B * n / x for x in xs])
+            note = (f"greedy tokens = eager's for {agreement(out[True], out[False])}; first run (compiling) "
+                    f"{first[vname]:.0f} s" if "compiled" in vname else "")
+            report.add(Row(group, vname, "new tokens/s", st.median, st.lo, st.hi, extra={
+                "of bandwidth bound": f"{st.median / bound:.1%}", "CUDA max alloc MB": mem[vname]}, note=note))
+        report.add(Row(group, "bound", "new tokens/s", bound, note=(
+            f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads "
+            f"({(weights + kv) / 1e6:,.0f} MB: bf16 weights + mean-context KV)")))
+        report.print_group(group)
 
 
 # --- main -------------------------------------------------------------------------------------

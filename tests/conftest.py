@@ -1,12 +1,15 @@
-"""Shared fixtures. Tests run offline: data and tiktoken files come from ../shared."""
+"""Shared fixtures. Tests run offline: data and tiktoken files come from ../shared (or from
+$QUILL_SHARED: scripts/gpu_check.sh points it at the copy that travels to a GPU machine).
+Tests marked `cuda` are skipped where torch sees no CUDA device."""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+SHARED = Path(os.environ.get("QUILL_SHARED") or ROOT.parent / "shared")
 
 # tiktoken reads its BPE files from this cache instead of downloading them.
 if (SHARED / "tiktoken_cache").is_dir():
@@ -29,3 +32,12 @@ def checkout_stays_clean():
     yield
     new = sorted(set(os.listdir(ROOT)) - before - {".pytest_cache", ".hypothesis"})
     assert not new, f"tests left files in {ROOT}: {new}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

@@ -27,12 +27,12 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from quillgpt.errors import QuillError
+from quillgpt.inference.chat import chat_prompt_ids, fitting
 from quillgpt.inference.engine import check_room
 from quillgpt.inference.generate import row_params
 from quillgpt.inference.sampling import InvalidParam, SamplingParams
 from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
-from quillgpt.serve.chat import CHAT_STOPS, chat_prompt
 from quillgpt.serve.errors import APIError, install_handlers
 from quillgpt.serve.responses import DONE, Reply, sse
 from quillgpt.serve.schemas import (
@@ -260,15 +260,20 @@ class Routes:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
             raise APIError(400, "prompt is an empty list; give at least one prompt", param="prompt")
-        return await self._generate(request, req, prompts, "prompt", stops=(), default_max=16, chat=False)
+        ids = [self._encode(p, "prompt") for p in prompts]
+        return await self._generate(request, req, ids, stops=(), default_max=16, chat=False)
 
     async def chat(self, request: Request) -> Any:
         req = parse_body(await request.body(), ChatRequest)
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
-        prompt = chat_prompt(req.messages)
-        return await self._generate(request, req, [prompt], "messages", stops=CHAT_STOPS,
-                                    default_max=self.options.max_tokens, chat=True)
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        try:
+            ids, stops = chat_prompt_ids(self.run.tokenizer, messages)  # the model's template, or the transcript
+        except QuillError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
+        return await self._generate(request, req, [self._checked(ids, "messages")], stops=stops,
+                                    default_max=self.options.max_tokens, chat=True)  # _max_tokens fits the room
 
     async def attention(self, request: Request) -> dict[str, Any]:
         from quillgpt.evaluate.attention_views import attention_weights
@@ -301,6 +306,9 @@ class Routes:
             ids = encode_prompt(self.run.tokenizer, text)
         except QuillError as e:
             raise APIError(400, str(e), param=param, code="invalid_prompt") from None
+        return self._checked(ids, param)
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
         if len(ids) > self.options.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids):,} tokens; this server takes at most "
                            f"{self.options.max_prompt_tokens:,}", param=param, code="prompt_too_long")
@@ -324,8 +332,7 @@ class Routes:
         before any reply starts, naming the HTTP field."""
         cap, model = self.options.max_tokens, self.run.model
         if req.max_tokens is None:
-            rooms = [room[0] for room in (model.variant.room(model.config, len(p)) for p in ids) if room is not None]
-            n = max(1, min([default, cap, *rooms]))
+            n = min(fitting(model, len(p), min(default, cap)) for p in ids)
         else:
             n = req.max_tokens
         if not 1 <= n <= cap:
@@ -338,26 +345,24 @@ class Routes:
                 raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         return n
 
-    async def _generate(self, request: Request, req: SamplingFields, prompts: list[str], param: str,
+    async def _generate(self, request: Request, req: SamplingFields, ids: list[list[int]],
                         stops: tuple[str, ...], default_max: int, chat: bool) -> Any:
         """Check the request, queue one job per choice, answer with SSE or the whole reply."""
         self._check_model(req.model)
         reject_unsupported(req)
         n, rows = (1 if req.n is None else req.n), self.batcher.engine.max_rows
-        if n < 1 or n * len(prompts) > rows:
+        if n < 1 or n * len(ids) > rows:
             raise APIError(400, f"n × prompts must be between 1 and {rows} (the server's --max-batch), "
-                           f"got {n} × {len(prompts)}", param="n", code="invalid_value")
+                           f"got {n} × {len(ids)}", param="n", code="invalid_value")
         stops = stops + stop_strings(req.stop)
-        ids = [self._encode(p, param) for p in prompts]
         max_tokens = self._max_tokens(req, default_max, ids)
         first = self._params(req, max_tokens, req.seed, stops)  # checks the seed as the client sent it
         params = [row_params(first, k) for k in range(n)]  # choice k: seed + k (wrapping), as quill sample's rows
         events: asyncio.Queue[Event] = asyncio.Queue()
         relay = self._relay(asyncio.get_running_loop())
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
-        eot = self.run.tokenizer.eot_id
         jobs = [Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit,
-                    stop_ids=() if eot is None else (eot,)) for i in range(len(prompts)) for k in range(n)]
+                    stop_ids=self.run.tokenizer.stop_ids) for i in range(len(ids)) for k in range(n)]
         try:
             self.batcher.submit(jobs)
         except Busy as e:

@@ -35,7 +35,8 @@ def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch
     from quillgpt.serve.app import create_app
     from quillgpt.serve.batcher import Batcher
 
-    engine = Engine(run.model, max_rows=max_batch, dtype=dtype)
+    tokens = options.max_prompt_tokens + options.max_tokens  # the most a request's row can hold
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens)
     return create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
 
 
@@ -107,7 +108,7 @@ def serve(
     torch_dtype = parse_dtype(dtype)
     if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
         raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
-    run = load_run(ckpt, which=which, device=resolve_device(device))
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
     app = make_app(run, options, max_batch, torch_dtype)
     sock = listen(host, port)

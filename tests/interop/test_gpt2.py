@@ -20,7 +20,7 @@ from quillgpt.config import Config, ModelConfig, load_config  # noqa: E402
 from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.interop.gpt2 import export_hf, import_hf  # noqa: E402
+from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.train.loop import train  # noqa: E402
 
@@ -213,7 +213,7 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path, change, message):
     (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=true"),
     (dict(scale_attn_weights=False), "scale_attn_weights=false"),
     (dict(add_cross_attention=True), "add_cross_attention=true"),
-    (dict(model_type="llama"), "model_type is 'llama', not 'gpt2'"),
+    (dict(model_type="falcon"), "model_type is 'falcon', not 'gpt2'"),  # (llama is the Llama family's now)
     (dict(vocab_size=1000), "vocab_size=1000, fewer than the 50257 ids"),
     (dict(n_layer=3), r"missing: transformer\.h\.2\."),  # config.json and weights disagree
     (dict(n_head=5), r"n_embd \(64\) must be divisible by model.n_head \(5\)"),
@@ -340,12 +340,12 @@ def test_export_on_a_full_disk_leaves_no_out_behind(imported, tmp_path, monkeypa
     """The issue: export-hf on a full disk left an empty --out; the directories it made go again."""
     import errno
 
-    import quillgpt.interop.gpt2 as gpt2_mod
+    import quillgpt.interop.convert as convert_mod
 
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(gpt2_mod, "atomic_write_bytes", full)
+    monkeypatch.setattr(convert_mod, "atomic_write_bytes", full)
     with pytest.raises(SystemExit) as e:
         main(["export-hf", str(imported), "--out", str(tmp_path / depth)])
     assert e.value.code == 2 and not (tmp_path / "out").exists()
