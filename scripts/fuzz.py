@@ -4,7 +4,7 @@ Builds a workspace in a temporary directory (a tiny trained run, its prepared da
 of it, FIFOs, device links, symlink loops, foreign files), then until --minutes are up throws
 generated cases at two surfaces, round-robin:
 
-  cli    `quill` commands run in this process (sample, eval, attention, plot, tokenizer train,
+  cli    `quill` commands run in this process (sample, chat, eval, attention, plot, tokenizer train,
          prepare, train, import-hf, export-hf, serve's flags) with hostile flags, overrides,
          input paths (FIFOs, /dev/zero, loops) and output paths (the run's own files...)
   http   `quill serve` in a subprocess on 127.0.0.1: generated bodies, hostile sampling values,
@@ -160,7 +160,7 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
     def pick(values: list, good: object = None) -> object:  # with `good`: that value half the time
         return good if good is not None and r.random() < 0.5 else r.choice(values)
 
-    kind = pick(["sample", "sample", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve"])
+    kind = pick(["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve"])
     if kind == "sample":
         flags = {"-p": pick(PROMPTS), "-n": pick(["1", "3", "8", "0", "-1"], "4"), "--temperature": pick(FLOATS, "1"),
                  "--top-p": pick(FLOATS, "1e-46"), "--top-k": pick(INTS, "3"), "--min-p": pick(FLOATS, "0.1"),
@@ -173,6 +173,13 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
             chosen.remove("-p")
         return ["sample", "--ckpt", pick([run, run, *w["inputs"]]), "--json", *[x for k in chosen for x in (k, flags[k])],
                 *(["--no-kv-cache"] if r.random() < 0.3 else [])]
+    if kind == "chat":  # standard input holds one message, then ends
+        flags = {"--temperature": pick(FLOATS, "1"), "--top-p": pick(FLOATS, "1e-46"), "--top-k": pick(INTS, "3"),
+                 "--min-p": pick(FLOATS), "--seed": pick(INTS, "7"), "--system": pick(PROMPTS),
+                 "--dtype": pick(["float32", "bfloat16", "float16", "int8"])}
+        chosen = r.sample(sorted(flags), r.randint(1, 3))
+        return ["chat", "--ckpt", pick(w["inputs"], run), "-n", pick(["1", "8", "0", "-1"], "6"),
+                *[x for k in chosen for x in (k, flags[k])]]
     if kind == "eval":
         return ["eval", "--ckpt", pick(w["inputs"], run), "--json", "--text", pick(w["inputs"], str(w["text"])),
                 *pick([[], ["--stride", pick(INTS)], ["--batch-size", pick(INTS)]])]

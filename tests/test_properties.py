@@ -439,7 +439,8 @@ def test_import_hf_with_any_config_json(w, changes):
 
 def never_ending(w) -> dict[str, str]:
     """Inputs that never end, or that only end as errors: a FIFO, /dev/zero, a link to it, a
-    directory holding a FIFO, a glob through a symlink loop, HF directories with a FIFO inside."""
+    directory holding a FIFO, a glob through a symlink loop, HF directories with a FIFO inside
+    (config.json, the weights, quill_tokenizer.json)."""
     root = w.root / "never"
     if not root.exists():
         (root / "withfifo").mkdir(parents=True)
@@ -450,13 +451,14 @@ def never_ending(w) -> dict[str, str]:
         shutil.copy(w.small, root / "loop" / "deeper" / "real.txt")
         os.symlink(".", root / "loop" / "self")
         os.symlink("..", root / "loop" / "deeper" / "up")
-        for name in ("config.json", "model.safetensors"):
+        for name in ("config.json", "model.safetensors", "quill_tokenizer.json"):
             shutil.copytree(w.hf, root / f"hf_{name}")
             (root / f"hf_{name}" / name).unlink()
             os.mkfifo(root / f"hf_{name}" / name)
     return {"fifo": str(root / "pipe.txt"), "zero": "/dev/zero", "link": str(root / "zero.txt"),
             "dir": str(root / "withfifo"), "loop": str(root / "loop" / "**" / "*.txt"),
-            "hf_config": str(root / "hf_config.json"), "hf_weights": str(root / "hf_model.safetensors")}
+            "hf_config": str(root / "hf_config.json"), "hf_weights": str(root / "hf_model.safetensors"),
+            "hf_tokenizer": str(root / "hf_quill_tokenizer.json")}
 
 
 def input_commands(w, x: str) -> list[list[str]]:
@@ -471,15 +473,16 @@ def input_commands(w, x: str) -> list[list[str]]:
         ["sample", "--ckpt", str(w.run), "--prompt-file", x, "-n", "2"],
         ["sample", "--ckpt", x, "-n", "2"],
         ["import-hf", x, "--out", str(out)],
+        ["chat", "--ckpt", x, "-n", "2"],
         ["train", "--config", str(CONFIG), "-q", *tiny(w), f"data.tokenizer={x}", f"data.out_dir={out}"],
     ]
 
 
-NEVER = ["fifo", "zero", "link", "dir", "loop", "hf_config", "hf_weights"]
+NEVER = ["fifo", "zero", "link", "dir", "loop", "hf_config", "hf_weights", "hf_tokenizer"]
 
 
 @bounded(40)
-@given(which=st.sampled_from(NEVER), command=st.integers(0, 8))
+@given(which=st.sampled_from(NEVER), command=st.integers(0, 9))
 @example(which="zero", command=0).via("the issue: data.path=/dev/zero")
 @example(which="zero", command=1).via("the issue: quill train prepares first")
 @example(which="fifo", command=0).via("the issue: data.path=<a FIFO>")
