@@ -386,7 +386,7 @@ def test_hostile_bodies_get_openai_errors_and_the_server_keeps_answering(http):
         for _ in range(32):
             yield b"y" * (64 << 10)
 
-    error_of(http.post("/v1/completions", content=chunks()), 413)
+    error_of(http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
     error_of(http.get("/v1/nothing-here"), 404)
     error_of(http.get("/v1/completions"), 405)
     assert complete(http, prompt="still here", max_tokens=3)["choices"][0]["finish_reason"] == "length"
