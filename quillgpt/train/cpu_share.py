@@ -7,8 +7,11 @@ how much CPU the other processes used since its last look (the machine's busy ti
 less this process's own) and keeps torch's threads to the cores they leave: all of them on a
 quiet machine. A thread count the user chose (OMP_NUM_THREADS) is kept as it is.
 
-The thread count changes how work is split, not what is computed: torch's CPU kernels give the
-same bits for these models at 1 and 2 threads (tests/train/test_cpu_share.py checks a run).
+The price: some of torch's CPU kernels split their sums by thread, so a run whose thread count
+changed rounds a little differently from one that kept it (the quickstart's model gives the same
+bits at 1 and 2 threads on an AVX512 CPU; a GPT-2-style one with AdamW does not). Bit-exact
+resume holds at a fixed count: set OMP_NUM_THREADS for a run that must repeat bit for bit on a
+busy machine.
 """
 
 from __future__ import annotations
