@@ -209,8 +209,8 @@ def write_shards(
             nonlocal count
             while count < shard_tokens and (head := stream.peek()) is not None and head.split == split:
                 parts = stream.take(shard_tokens - count)
-                for part, f in zip(parts, files):
-                    part.tofile(f)
+                for part, f in zip(parts, files):  # not tofile: its OSError has no errno (a full disk read as "OSError")
+                    f.write(memoryview(np.ascontiguousarray(part)))
                 count += len(parts[0])
 
         name = shard_name(split, len(shards.setdefault(split, [])))

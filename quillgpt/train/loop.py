@@ -48,6 +48,7 @@ from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import add_lora, is_adapter
 from quillgpt.model.variants import variant_of
 from quillgpt.train import fsdp_checkpoint as sharded
+from quillgpt.train.cpu_share import sharing_cpu
 from quillgpt.train.distributed import (
     Dist,
     full_weights,
@@ -330,7 +331,7 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
     bar = Progress(t, enabled=progress and ddp.master)
     for line in [startup_line(t, tokens_per_step, resumed), *t.notes] if ddp.master else ():
         bar.write(line)
-    with StopFlag() as stop:
+    with StopFlag() as stop, sharing_cpu(t.device, ddp.world_size) as share:
         t.model.train()
         verified = not tc.compile  # a compiled model proves itself on its first step
         while t.step < t.horizon:
@@ -345,6 +346,8 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
                 t.step, stopped = t.first_step, "interrupted"  # the step is not kept: nothing was saved
                 break
             follow_budget(t, bar.write)
+            if share is not None and (change := share.update()):
+                bar.write(change)
             bar.update(t)
             record = _log_record(t, loss, lr, meter, bar, tokens_per_step) if t.step % tc.log_interval == 0 or t.step == t.horizon else {}
             if t.step % tc.eval_interval == 0 or t.step == t.horizon:
