@@ -93,7 +93,7 @@ def in_dtype(model: GPT, dtype: torch.dtype | None) -> GPT:
     """The model with its weights in `dtype` (a converted copy; the model itself if it already is).
     Converted once, not autocast per step: autocast re-casts every weight at every step, which
     made bf16 decoding slower than fp32; bf16 weights halve the bytes a step reads."""
-    if dtype is None or dtype == model.lm_head.weight.dtype:
+    if dtype is None or dtype == model.dtype:
         return model
     return copy.deepcopy(model).to(dtype)
 
@@ -101,14 +101,14 @@ def in_dtype(model: GPT, dtype: torch.dtype | None) -> GPT:
 def cache_bytes(model: GPT, rows: int) -> int:
     """Bytes of a static KV cache of `rows` rows for this model (keys + values + positions)."""
     cfg = model.config
-    per_row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * model.lm_head.weight.element_size() + 8
+    per_row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * model.dtype.itemsize + 8
     return rows * model.span * per_row
 
 
 def check_memory(model: GPT, rows: int, unit: str = "row") -> None:
     """Refuse, in one line, a batch whose KV cache (for Recompute: the same keys and values, made
     every step) is larger than the memory the device has free."""
-    device, nbytes = model.lm_head.weight.device, cache_bytes(model, rows)
+    device, nbytes = model.device, cache_bytes(model, rows)
     free = available_bytes(device)
     if free is not None and nbytes > free:
         raise QuillError(
@@ -129,7 +129,7 @@ class Rows:
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         self.model = model = in_dtype(model, dtype)
-        self.max_rows, self.device, self.dtype = max_rows, model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.max_rows, self.device, self.dtype = max_rows, model.device, model.dtype
         check_memory(model, max_rows, unit)
         self.variant, self.context = model.variant, model.context()
         self.crops = model.variant.crops(model.config)  # learned positions: past block_size the context is cropped

@@ -89,7 +89,7 @@ def generate_tokens(
     _check_prompts(prompts, model.config.vocab_size)
     if params.max_new_tokens == 0:
         return
-    device = model.lm_head.weight.device
+    device = model.device
     batch = TextBatch(make_engine(model, len(prompts), use_cache, dtype, compile))
     last = [batch.join(i, p, row_params(params, i), stop_ids or ()).token for i, p in enumerate(prompts)]
     yield torch.tensor(last, device=device)

@@ -1,0 +1,183 @@
+"""Weight-only int8 (model/quant.py): each kernel equals the dequantized fp32 computation to its
+rounding; weights exactly representable in int8 give the float model's tokens; quantize swaps
+every linear (a tied head keeps its embedding); the plan takes the fastest kernel per input size
+and refuses where none beats the float linears."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import PROMPTS, random_model
+from torch import nn
+
+from quillgpt.errors import QuillError
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.model import quant
+from quillgpt.model.quant import KERNELS, Int8Linear, KernelPlan, plan_of, quantize
+
+kernels = pytest.mark.parametrize("kernel", list(KERNELS))
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def fixed(kernel: str) -> KernelPlan:
+    return KernelPlan((1,), (kernel,))
+
+
+@kernels
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5,), (2, 7)], ids=["2d", "3d"])
+def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel, bias, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=bias)
+    q = Int8Linear.from_linear(lin, fixed(kernel))
+    x = torch.randn(*shape, 64)
+    _, bf16 = KERNELS[kernel]
+    x_in = x.bfloat16().float() if bf16 else x  # what the kernel multiplies: x rounded to its activations
+    want = F.linear(x_in, q.dequantized(), lin.bias)
+    got = q(x)
+    assert got.shape == (*shape, 48) and got.dtype == torch.float32
+    step = 2**-8 if bf16 else 1e-6  # bf16 kernels round their output to 8 bits
+    torch.testing.assert_close(got, want, rtol=step, atol=step * want.abs().max().item())
+
+
+def test_quantization_rounds_each_weight_to_its_nearest_step():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    with torch.no_grad():
+        lin.weight[3] = 0.0  # an all-zero row has scale 0, not NaN
+    q = Int8Linear.from_linear(lin, fixed("dequant/model"))
+    step = q.scale[:, None]
+    assert q.weight.dtype == torch.int8 and int(q.weight.abs().max()) == 127
+    assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + 1e-7).all())
+    assert torch.equal(q.dequantized()[3], torch.zeros(96))
+
+
+def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
+    model = random_model("mha-learned")  # tied head
+    wte = model.transformer.wte.weight.detach().clone()
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert quantize(model, None) is model and plan_of(model) is None
+    quantize(model, "int8", kernel="int8pack_mm/bf16")
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.transformer.wte.weight, nn.Parameter)
+    assert torch.equal(model.transformer.wte.weight, wte) and model.dtype == torch.float32
+    torch.testing.assert_close(model.lm_head.dequantized(), wte, atol=wte.abs().max().item() / 254, rtol=0)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(model, "int8")
+
+
+def exactly_representable(model):
+    """Every linear's weights made q·s: integers up to ±127 times a power of two per row."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                out, inp = m.weight.shape
+                q = torch.randint(-127, 128, (out, inp), generator=g).float()
+                q[:, 0] = 127  # each row's max |q| is 127, so its scale is exactly s
+                m.weight.copy_(q * 2.0 ** -torch.randint(8, 10, (out, 1), generator=g))  # std ~0.3, as random_model
+    return model
+
+
+class Bf16Activations(nn.Module):
+    """A float linear that rounds its input and its product to bf16 as the "/bf16" kernels do:
+    the reference that differs from them only in how the weights are stored."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def forward(self, x):
+        y = F.linear(x.bfloat16().float(), self.weight).bfloat16().float()
+        return y if self.bias is None else y + self.bias
+
+
+def float_reference(model, kernel):
+    ref = copy.deepcopy(model)
+    if KERNELS[kernel][1]:
+        for parent in list(ref.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Bf16Activations(child))
+    return ref
+
+
+@kernels
+@pytest.mark.parametrize("variant", ["mha-learned", "rmsnorm-swiglu"])
+def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, variant):
+    """The float model's greedy tokens (with the kernel's activation rounding), past block_size,
+    from the quantized model's engine."""
+    model = exactly_representable(random_model(variant))
+    weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    want = torch.stack(list(generate_tokens(float_reference(model, kernel), PROMPTS, 30)), 1)
+    quantize(model, "int8", kernel=kernel)
+    for name, m in model.named_modules():
+        if isinstance(m, Int8Linear):
+            assert torch.equal(m.dequantized(), weights[name]), name  # nothing lost
+    got = torch.stack(list(generate_tokens(model, PROMPTS, 30)), 1)
+    assert torch.equal(got, want)
+    assert len(set(want.flatten().tolist())) > 5
+
+
+def test_plan_picks_the_kernel_of_the_smallest_measured_size_at_or_above():
+    plan = KernelPlan((1, 8, 64), ("int8pack_mm/bf16", "dequant/model", "dequant/bf16"), rows=8)
+    assert [plan.pick(m) for m in (1, 2, 8, 9, 64, 5000)] == [
+        "int8pack_mm/bf16", "dequant/model", "dequant/model", "dequant/bf16", "dequant/bf16", "dequant/bf16"]
+
+
+def scripted(table):
+    """A stand-in for quant._timings: {m: {kernel: ms}} (kernels missing at m cannot run)."""
+    calls = []
+
+    def timings(pairs, kernels, m):
+        calls.append((m, len(pairs), list(kernels)))
+        return {"float": table[m]["float"], **{k: v for k, v in table[m].items() if k in kernels}}
+
+    return timings, calls
+
+
+def test_plan_takes_the_fastest_kernel_per_size_and_drops_hopeless_ones(monkeypatch):
+    a, b, c = "int8pack_mm/bf16", "dequant/bf16", "int8pack_mm/model"
+    table = {m: {"float": 1.0, a: 0.2 if m <= 16 else 1.5, b: 2.0 if m <= 16 else 0.5, c: 0.9 if m == 1 else 25.0}
+             for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    timings, calls = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    model = quantize(random_model("mha-learned"), "int8", rows=1)
+    plan = plan_of(model)
+    assert plan.sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert plan.kernels == (a,) * 5 + (b,) * 4
+    every = sum(isinstance(m, Int8Linear) for m in model.modules())
+    assert [n for m, n, _ in calls] == [every] + [4] * 8  # the decode size on every layer, the rest on block 0
+    assert c in calls[1][2] and c not in calls[2][2]  # 25× float at 2 rows: not timed again
+    assert "int8pack_mm/bf16" in plan.describe() and "0.20 ms vs 1.00 ms float" in plan.describe()
+
+
+def test_plan_refuses_where_no_int8_kernel_beats_the_float_linears(monkeypatch):
+    table = {m: {"float": 0.1, **dict.fromkeys(KERNELS, 0.3)} for m in (1, 2, 4, 8)}
+    timings, _ = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    model = random_model("mha-learned")
+    with pytest.raises(QuillError) as refused:
+        quantize(model, "int8", rows=8, kernel=None)
+    message = str(refused.value)
+    assert "no int8 kernel is faster than the float32 linears" in message and "at 8 row(s)" in message
+    assert "float32 0.100 ms" in message and "int8pack_mm/bf16 0.300 ms" in message and "\n" not in message
+    assert plan_of(model) is None and any(isinstance(m, nn.Linear) for m in model.modules())  # untouched
+
+
+def test_the_real_timings_cover_every_kernel_that_runs_here():
+    lin = nn.Linear(64, 96)
+    pair = (lin, Int8Linear.from_linear(lin, fixed("dequant/model")))
+    ms = quant._timings([pair], list(KERNELS), 4)
+    assert set(ms) == {"float", *KERNELS}  # all four run on a CPU
+    assert all(0 < v < 1e4 for v in ms.values())
+
+
+def test_unknown_schemes_and_kernels_are_refused():
+    with pytest.raises(QuillError, match="--quantize must be int8 or none, got 'int4'"):
+        quant.parse_quantize("int4")
+    assert quant.parse_quantize("none") is None and quant.parse_quantize("int8") == "int8"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        quantize(random_model(), "int8", kernel="fast")
