@@ -173,7 +173,7 @@ def test_int8_sample_is_the_int8_models_text(quill, decisive_ckpt, fixed_int8_ke
 
 
 def test_int8_refused_in_one_line_where_no_kernel_beats_the_float_linears(quill, run_dir, monkeypatch):
-    monkeypatch.setattr(quant, "_timings", lambda pairs, kernels, m: {"float": 0.1, **dict.fromkeys(kernels, 0.5)})
+    monkeypatch.setattr(quant, "_timings", lambda pairs, kernels, m, **budget: {"float": 0.1, **dict.fromkeys(kernels, 0.5)})
     code, out, err = quill("sample", "--ckpt", run_dir, "-p", "ROMEO:", "--quantize", "int8")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "no int8 kernel is faster than the float32 linears" in err and "run without --quantize" in err

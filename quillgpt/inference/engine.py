@@ -249,9 +249,14 @@ class Engine(Rows):
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances
         self.compiled = bool(compile) and self.static
         self._decode = self.model.decode
+        self._all_slots = False  # the step attends over the filled slots only (n_keys)
         if self.compiled:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on GPU
-            self._decode = torch.compile(self.model.decode, mode=mode, fullgraph=True, dynamic=False)
+            # CUDA: fixed shapes over every slot, for CUDA graphs. CPU: the filled slots, whose count
+            # becomes a dynamic size at the second step (one recompile), not a graph per count
+            cuda = self.device.type == "cuda"
+            self._all_slots = cuda
+            self._decode = torch.compile(self.model.decode, mode="reduce-overhead" if cuda else None, fullgraph=True,
+                                         dynamic=False if cuda else None)
 
     def release(self, row: int) -> None:
         super().release(row)
@@ -298,10 +303,12 @@ class Engine(Rows):
             return logits
         logits = None
         if any(not row.refill for row in rows):
-            n_keys = None
-            if not self.compiled:  # eager: attend over the filled part only (slot = pos < capacity)
-                n_keys = min(self.cache.capacity, max(row.length for row in rows if not row.refill))
-            logits = self._decode(self._tok, self._pos, self.cache, n_keys).float()
+            lengths = {row.length for row in rows if not row.refill}
+            n_keys = None if self._all_slots else min(self.cache.capacity, max(lengths))  # the filled slots
+            # rows of one length hold the same latest positions, all visible within the span: no mask
+            # (eager only: compiled, the mask is fused and one graph serves every step)
+            masked = self.compiled or len(lengths) > 1 or n_keys is None or n_keys > self.model.span
+            logits = self._decode(self._tok, self._pos, self.cache, n_keys, masked).float()
         refills = [r for r, row in zip(active, rows) if row.refill]
         if refills:
             fresh = torch.stack([self.prefill(r, list(self._rows[r].tokens)) for r in refills])

@@ -7,18 +7,18 @@ own int8 copy for the matmul. The blocks call an Int8Linear exactly as they call
 
 Which kernel multiplies is measured, not assumed: at quantize time each candidate (int8 matmul
 `torch._weight_int8pack_mm`, or dequantize then F.linear; activations in bf16 or the model's
-dtype) is timed on one block's linears for inputs of 1, 2, 4, … rows (and the decode batch
-`rows`), against the F.linear it replaces. An input of m rows then runs the kernel that was
-fastest at the smallest measured size ≥ m: a one-token decode step and a 512-token prompt may
-take different kernels. Where no int8 kernel beats the float linear at the decode batch, quantize
+dtype) is timed against the F.linear it replaces — at the decode batch `rows` on every layer
+(what a decode step streams), and at 1, 2, 4, … 256 rows on the first block's layers. An input
+of m rows then runs the kernel that was fastest at the smallest measured size ≥ m, so a
+one-token decode step and a 512-token prompt may take different kernels (their results agree
+to bf16 rounding). Where no int8 kernel beats the float linears at the decode batch, quantize
 refuses in one line with what it measured rather than run a slower "quantized" model. On CUDA
-the dequantize form is gpt-fast's; there it pays once the decode step is compiled (inductor
+the dequantize form is gpt-fast's; it pays there once the decode step is compiled (inductor
 fuses the dequantization into the matmul), which the engine's compile=True does.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.errors import QuillError
+from quillgpt.model.gpt import GPT
 
 SCHEMES = ("int8",)
 
@@ -62,7 +63,8 @@ KERNELS: dict[str, tuple[Callable[[Tensor, Tensor, Tensor], Tensor], bool]] = {
 @dataclass(frozen=True)
 class KernelPlan:
     """Which kernel runs an input of m rows: kernels[i] up to sizes[i] rows (the last beyond).
-    ms: the measured milliseconds of one block's linears per size, {kernel or "float": ms}."""
+    ms: what was measured at each size, {kernel or "float": ms} (at `rows`: every layer; else
+    the first block's)."""
 
     sizes: tuple[int, ...]
     kernels: tuple[str, ...]
@@ -70,7 +72,10 @@ class KernelPlan:
     ms: tuple[dict[str, float], ...] = ()
 
     def pick(self, m: int) -> str:
-        return self.kernels[min(bisect.bisect_left(self.sizes, m), len(self.sizes) - 1)]
+        for size, kernel in zip(self.sizes, self.kernels):  # a loop torch.compile can trace; small m exit first
+            if m <= size:
+                return kernel
+        return self.kernels[-1]
 
     def describe(self) -> str:
         """A few words for the stats line: the decode step's kernel and what it was measured against."""
@@ -127,9 +132,9 @@ class Int8Linear(nn.Module):
 # --- choosing the kernels and swapping the layers ----------------------------------------------
 
 
-def quantize(model: nn.Module, scheme: str | None, rows: int = 1, kernel: str | None = None) -> nn.Module:
-    """Swap every nn.Linear of `model` (a GPT: the blocks' and the head) for an Int8Linear, in
-    place, and return it; scheme None returns the model unchanged. `rows`: the decode batch (one
+def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None) -> GPT:
+    """Swap every nn.Linear of `model` (the blocks' and the head) for an Int8Linear, in place,
+    and return it; scheme None returns the model unchanged. `rows`: the decode batch (one
     token per row) the kernels must be fastest at (measure_plan); `kernel` (a KERNELS name)
     fixes one kernel for every input instead (tests, reproducing a run)."""
     scheme = parse_quantize(scheme, "scheme")
@@ -153,7 +158,7 @@ def quantize(model: nn.Module, scheme: str | None, rows: int = 1, kernel: str | 
     return model
 
 
-def plan_of(model: nn.Module) -> KernelPlan | None:
+def plan_of(model: GPT) -> KernelPlan | None:
     """The kernel plan of a quantized model (None: float weights)."""
     return next((m.plan for m in model.modules() if isinstance(m, Int8Linear)), None)
 
@@ -169,7 +174,7 @@ def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int =
     sizes = sorted({2**i for i in range(largest.bit_length())} | {rows})
     kernels, chosen, table = _candidates(every[0][1]), [], []
     for m in sizes:
-        ms = _timings(every if m == rows else block, kernels, m)
+        ms = _timings(every, kernels, m, budget_s=0.3) if m == rows else _timings(block, kernels, m)
         kernels = [k for k in kernels if k in ms and ms[k] < 20 * ms["float"]]
         best = min((k for k in ms if k != "float"), key=ms.get, default=None)
         if m == rows and (best is None or ms[best] >= ms["float"]):
@@ -180,9 +185,9 @@ def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int =
 
 
 def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.05) -> dict[str, float]:
-    """{"float" or kernel: ms} of the layers on one random (m, in) input each, the fastest of at
-    least 3 calls taken in turns (a burst of other work on the machine then slows every
-    candidate alike, and only ever adds time); kernels that cannot run here are left out."""
+    """{"float" or kernel: ms} of the layers on one random (m, in) input each: the fastest of at
+    least 3 calls taken in turns, more within budget_s (other work on the machine only ever adds
+    time, and a burst of it slows every candidate alike); kernels that cannot run here are left out."""
     w = pairs[0][0].weight
     xs = [torch.randn(m, lin.in_features, device=w.device, dtype=w.dtype) for lin, _ in pairs]
     fns = {"float": lambda: [F.linear(x, lin.weight, lin.bias) for x, (lin, _) in zip(xs, pairs)]}
@@ -195,7 +200,7 @@ def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.
     fns["float"]()
     best = dict.fromkeys(fns, float("inf"))
     start, calls = time.perf_counter(), 0
-    while calls < 3 or (time.perf_counter() - start < budget_s and calls < 20):
+    while calls < 3 or (time.perf_counter() - start < budget_s and calls < 50):
         for k, fn in fns.items():
             t = time.perf_counter()
             fn()

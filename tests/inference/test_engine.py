@@ -216,3 +216,21 @@ def test_int8_decode_step_gives_the_int8_forward_logits_whichever_kernels_run(va
         for t in range(6, BLOCK):
             got = model.decode(ids[:, t], torch.full((2,), t), cache)  # (2, V): 2 rows, int8pack_mm
             torch.testing.assert_close(got, full[:, t], atol=0.03 * full[:, t].abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["mha-learned", "window", "rope-window-gqa", "rmsnorm-swiglu"])
+def test_decode_without_a_mask_equals_the_masked_step_when_rows_share_a_length(variant):
+    """Rows of one length hold the same latest positions (a ring once past a window), all visible
+    to their new token: the engine then skips the mask (masked=False); the logits are the same."""
+    model = random_model(variant)
+    ids = torch.randint(0, V, (2, BLOCK))
+    with torch.no_grad():
+        caches = [model.make_cache(2), model.make_cache(2)]
+        for cache in caches:
+            model(ids[:, :3], pos=torch.arange(3), cache=cache)
+        for t in range(3, BLOCK):
+            n_keys = min(caches[0].capacity, t + 1)
+            pos = torch.full((2,), t)
+            masked = model.decode(ids[:, t], pos, caches[0], n_keys)
+            unmasked = model.decode(ids[:, t], pos, caches[1], n_keys, masked=False)
+            torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)

@@ -131,7 +131,7 @@ def scripted(table):
     """A stand-in for quant._timings: {m: {kernel: ms}} (kernels missing at m cannot run)."""
     calls = []
 
-    def timings(pairs, kernels, m):
+    def timings(pairs, kernels, m, **budget):
         calls.append((m, len(pairs), list(kernels)))
         return {"float": table[m]["float"], **{k: v for k, v in table[m].items() if k in kernels}}
 
