@@ -289,7 +289,7 @@ def attention_cmd(
         if path is not None:
             check_output_file(path, "--out" if path == out else "--summary-json")
     run = load_run(ckpt, which=which, device=resolve_device(device))
-    quantize(run.model, scheme)  # once, at load
+    quantize(run.model, scheme, faster=False)  # once, at load; shown even where int8 runs no faster
     mcfg = run.config.model
     layers = viz.select_layers(layer, mcfg.n_layer)
     heads = viz.select_heads(head, mcfg.n_head)

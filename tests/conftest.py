@@ -52,5 +52,5 @@ def fixed_int8_kernel(monkeypatch, one_thread):
     from quillgpt.model import quant
 
     kernel = "int8pack_mm/bf16"
-    monkeypatch.setattr(quant, "measure_plan", lambda every, block, rows: quant.KernelPlan((1,), (kernel,), rows))
+    monkeypatch.setattr(quant, "measure_plan", lambda every, block, rows, faster: quant.KernelPlan((1,), (kernel,), rows))
     yield kernel

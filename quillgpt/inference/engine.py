@@ -234,6 +234,12 @@ class Rows:
         pass
 
 
+def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: Any, key_pos: Tensor) -> Tensor:
+    """model.decode over the slots whose positions key_pos (rows, n_keys) views: what the engine
+    compiles, n_keys then a size torch.compile can keep dynamic."""
+    return model.decode(idx, pos, cache, key_pos.shape[1])
+
+
 class Engine(Rows):
     """Rows of generation over one model and one static cache (see the module docstring)."""
 
@@ -248,15 +254,11 @@ class Engine(Rows):
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # ... and its position
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances
         self.compiled = bool(compile) and self.static
-        self._decode = self.model.decode
-        self._all_slots = False  # the step attends over the filled slots only (n_keys)
-        if self.compiled:
-            # CUDA: fixed shapes over every slot, for CUDA graphs. CPU: the filled slots, whose count
-            # becomes a dynamic size at the second step (one recompile), not a graph per count
-            cuda = self.device.type == "cuda"
-            self._all_slots = cuda
-            self._decode = torch.compile(self.model.decode, mode="reduce-overhead" if cuda else None, fullgraph=True,
-                                         dynamic=False if cuda else None)
+        self._all_slots = self.compiled and self.device.type == "cuda"  # else attend over the filled slots
+        self._compiled = None
+        if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: one graph, dynamic in n_keys
+            mode = "reduce-overhead" if self._all_slots else None
+            self._compiled = torch.compile(decode_over, mode=mode, fullgraph=True, dynamic=False)
 
     def release(self, row: int) -> None:
         super().release(row)
@@ -308,7 +310,7 @@ class Engine(Rows):
             # rows of one length hold the same latest positions, all visible within the span: no mask
             # (eager only: compiled, the mask is fused and one graph serves every step)
             masked = self.compiled or len(lengths) > 1 or n_keys is None or n_keys > self.model.span
-            logits = self._decode(self._tok, self._pos, self.cache, n_keys, masked).float()
+            logits = self._decode(n_keys, masked).float()
         refills = [r for r, row in zip(active, rows) if row.refill]
         if refills:
             fresh = torch.stack([self.prefill(r, list(self._rows[r].tokens)) for r in refills])
@@ -316,6 +318,16 @@ class Engine(Rows):
                 logits = torch.zeros(self.max_rows, fresh.shape[1], device=self.device)
             logits = logits.index_copy(0, torch.tensor(refills, device=self.device), fresh)
         return logits
+
+    def _decode(self, n_keys: int | None, masked: bool) -> Tensor:
+        """GPT.decode of every row's newest token, eager or compiled (CPU: over a view of the filled
+        slots' positions whose length is marked dynamic, so one graph serves every n_keys)."""
+        if self._compiled is None:
+            return self.model.decode(self._tok, self._pos, self.cache, n_keys, masked)
+        key_pos = self.cache.pos[:, :n_keys]
+        if n_keys is not None:
+            torch._dynamo.maybe_mark_dynamic(key_pos, 1)  # a view of the whole buffer stays static
+        return self._compiled(self.model, self._tok, self._pos, self.cache, key_pos)
 
     def _after_step(self, nxt: Tensor) -> None:
         self._tok.copy_(nxt)  # next inputs stay on the device; idle rows keep position 0

@@ -132,11 +132,13 @@ class Int8Linear(nn.Module):
 # --- choosing the kernels and swapping the layers ----------------------------------------------
 
 
-def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None) -> GPT:
+def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None, faster: bool = True) -> GPT:
     """Swap every nn.Linear of `model` (the blocks' and the head) for an Int8Linear, in place,
     and return it; scheme None returns the model unchanged. `rows`: the decode batch (one
-    token per row) the kernels must be fastest at (measure_plan); `kernel` (a KERNELS name)
-    fixes one kernel for every input instead (tests, reproducing a run)."""
+    token per row) the kernels are measured at (measure_plan), where int8 must be faster than
+    the float linears (faster=False: scoring or inspecting the int8 model, which runs anyway
+    with the fastest int8 kernels); `kernel` (a KERNELS name) fixes one kernel for every input
+    instead (tests, reproducing a run)."""
     scheme = parse_quantize(scheme, "scheme")
     if scheme is None:
         return model
@@ -150,7 +152,7 @@ def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None =
     if kernel is None:
         first = {id(m) for m in model.transformer.h[0].modules()}
         pairs = [(lin, q) for (_, _, lin), q in zip(places, layers)]
-        plan = measure_plan(pairs, [p for p in pairs if id(p[0]) in first], rows)
+        plan = measure_plan(pairs, [p for p in pairs if id(p[0]) in first], rows, faster)
         for q in layers:
             q.plan = plan
     for (parent, name, _), q in zip(places, layers):
@@ -166,18 +168,19 @@ def plan_of(model: GPT) -> KernelPlan | None:
 Pair = tuple[nn.Linear, Int8Linear]  # a float layer and its int8 copy
 
 
-def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int = 256) -> KernelPlan:
+def measure_plan(every: list[Pair], block: list[Pair], rows: int, faster: bool = True, largest: int = 256) -> KernelPlan:
     """Time the kernels against F.linear: at `rows` on every layer (what a decode step streams:
     in a real model more than the last-level cache holds), at 1, 2, 4, … up to `largest` rows
-    on one block's layers (compute decides there). Refuse (QuillError) where no int8 kernel is
-    faster at `rows`. A kernel 20× slower than F.linear is not timed at larger sizes."""
+    on one block's layers (compute decides there). With `faster`, refuse (QuillError) where no
+    int8 kernel beats F.linear at `rows`. A kernel 20× slower than F.linear is not timed at
+    larger sizes."""
     sizes = sorted({2**i for i in range(largest.bit_length())} | {rows})
     kernels, chosen, table = _candidates(every[0][1]), [], []
     for m in sizes:
         ms = _timings(every, kernels, m, budget_s=0.3) if m == rows else _timings(block, kernels, m)
         kernels = [k for k in kernels if k in ms and ms[k] < 20 * ms["float"]]
         best = min((k for k in ms if k != "float"), key=ms.get, default=None)
-        if m == rows and (best is None or ms[best] >= ms["float"]):
+        if m == rows and (best is None or (faster and ms[best] >= ms["float"])):
             raise QuillError(_refusal(every[0][0].weight, rows, ms))
         chosen.append(best)
         table.append(ms)

@@ -162,9 +162,9 @@ def test_a_huge_max_new_tokens_allocates_nothing_by_count(use_cache):
 
 @pytest.mark.skipif(not os.environ.get("QUILL_TEST_COMPILE"), reason="torch.compile takes ~1 min on CPU: "
                     "set QUILL_TEST_COMPILE=1 (scripts/bench.py --suite sample checks it at the bench shape)")
-@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa"])
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "int8"])
 def test_compiled_decode_equals_eager(variant):
-    model = random_model(variant)
+    model = quantize(random_model(), "int8", kernel="int8pack_mm/bf16") if variant == "int8" else random_model(variant)
     params = replace(GREEDY, max_new_tokens=40)
     eager = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=False)), 1)
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)

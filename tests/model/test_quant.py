@@ -155,7 +155,7 @@ def test_plan_takes_the_fastest_kernel_per_size_and_drops_hopeless_ones(monkeypa
 
 
 def test_plan_refuses_where_no_int8_kernel_beats_the_float_linears(monkeypatch):
-    table = {m: {"float": 0.1, **dict.fromkeys(KERNELS, 0.3)} for m in (1, 2, 4, 8)}
+    table = {2**i: {"float": 0.1, **dict.fromkeys(KERNELS, 0.3)} for i in range(9)}
     timings, _ = scripted(table)
     monkeypatch.setattr(quant, "_timings", timings)
     model = random_model("mha-learned")
@@ -165,6 +165,8 @@ def test_plan_refuses_where_no_int8_kernel_beats_the_float_linears(monkeypatch):
     assert "no int8 kernel is faster than the float32 linears" in message and "at 8 row(s)" in message
     assert "float32 0.100 ms" in message and "int8pack_mm/bf16 0.300 ms" in message and "\n" not in message
     assert plan_of(model) is None and any(isinstance(m, nn.Linear) for m in model.modules())  # untouched
+    quantize(model, "int8", rows=8, faster=False)  # scoring the int8 model: it runs, with the fastest int8 kernel
+    assert plan_of(model).pick(8) == next(iter(KERNELS))
 
 
 def test_the_real_timings_cover_every_kernel_that_runs_here():
