@@ -22,6 +22,7 @@ import torch
 
 from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
 from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
+from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write, os_error, shown
 from quillgpt.model.gpt import GPT
@@ -157,8 +158,8 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def resolve_checkpoint(path: str | Path, which: str = "best") -> Path:
-    """A run directory or a .pt file → the checkpoint file to load."""
-    path = Path(path)
+    """A run directory or a .pt file (~ expanded) → the checkpoint file to load."""
+    path = Path(path).expanduser()
     if which not in CHECKPOINT_FILES:
         raise QuillError(f"--which must be best or latest, got {shown_value(which)}")
     if os.path.isdir(path):  # os.path: False (not an OSError) for a name too long to exist
@@ -168,7 +169,12 @@ def resolve_checkpoint(path: str | Path, which: str = "best") -> Path:
         other = path / (LATEST if which == "best" else BEST)
         if os.path.isfile(other):
             return other
-        raise QuillError(f"no checkpoint in {shown(path)} (expected {LATEST} or {BEST}); train one with quill train")
+        try:
+            runs = sorted(d.name for d in path.iterdir() if (d / LATEST).is_file() or (d / BEST).is_file())[:8]
+        except OSError:
+            runs = []
+        inside = f"; runs inside it: {', '.join(runs)}" if runs else ""
+        raise QuillError(f"no checkpoint in {shown(path)} (expected {LATEST} or {BEST}){inside}; train one with quill train")
     if os.path.isfile(path):
         return path
     try:
@@ -191,9 +197,13 @@ class LoadedRun:
     path: Path
 
 
-def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> tuple[GPT, Config]:
-    """The GPT a checked state describes. Its weights are compared with the config's shapes
-    before the model is built, so a config that disagrees with them allocates nothing."""
+def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> tuple[GPT, Config]:
+    """The GPT a checked state describes, its weights in `dtype` (None: as saved). Its weights are
+    compared with the config's shapes before anything is built, and then become the model's own
+    (built on the meta device, assigned). The weights are taken out of `state` and converted one
+    tensor at a time, each source dropped once converted: loading bf16 weights as fp32 peaks at
+    about the fp32 bytes, not fp32 + bf16."""
     try:
         config = config_from_dict(state["config"])
     except QuillError as e:
@@ -202,12 +212,40 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") 
     if config.model.vocab_size is None:  # a trained or imported model always knows its vocabulary
         raise QuillError("the checkpoint's config has no model.vocab_size; the file is damaged")
     weights = clean_state_dict(state["model"])
+    state["model"] = {}  # the caller's references go, so each converted source can be freed
     problems = weight_mismatches(weights, config.model)
     if problems:
         raise QuillError(f"checkpoint weights do not match its own config ({problems}); the file is damaged")
-    model = GPT(config.model)
-    model.load_state_dict(weights)
+    check_fits(weights, dtype, torch.device(device))
+    converted: dict[int, torch.Tensor] = {}  # one conversion per storage: tied weights stay one tensor
+    for name in list(weights):
+        t = weights.pop(name)
+        key = t.untyped_storage().data_ptr() + t.storage_offset()
+        if dtype is not None and t.dtype != dtype and key not in converted:
+            converted[key] = t.to(dtype)
+        weights[name] = converted.get(key, t)
+        del t
+    with torch.device("meta"):
+        model = GPT(config.model)
+    model.load_state_dict(weights, assign=True)
+    model.materialize()
     return model.to(device), config
+
+
+def check_fits(weights: dict[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device) -> None:
+    """Refuse, in one line naming the sizes, weights that cannot fit in the device's free memory."""
+    seen: set[int] = set()
+    nbytes = 0
+    for t in weights.values():
+        key = t.untyped_storage().data_ptr() + t.storage_offset()
+        if key not in seen:
+            seen.add(key)
+            nbytes += t.numel() * (dtype or t.dtype).itemsize
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise QuillError(f"the model's weights need {nbytes / 1e9:.1f} GB in {str(dtype or 'their dtype').replace('torch.', '')} "
+                         f"but {device.type} has {free / 1e9:.1f} GB free; load it in a smaller dtype "
+                         "(--dtype bfloat16) or on another device")
 
 
 def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str:
@@ -228,16 +266,19 @@ def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str
 
 def _all_finite(t: torch.Tensor) -> bool:
     """True when no entry is NaN or ±inf: x·0 is 0 for every finite x and NaN otherwise, and one
-    sum of that is ~10x faster on CPU than torch.isfinite(t).all() (cannot overflow, unlike t.sum())."""
-    return bool(torch.isfinite((t * 0).sum())) if t.numel() else True
+    sum of that is ~10x faster on CPU than torch.isfinite(t).all() (cannot overflow, unlike t.sum()).
+    In chunks of 4M entries, so that checking a large embedding needs no second copy of it."""
+    return all(bool(torch.isfinite((chunk * 0).sum())) for chunk in t.reshape(-1).split(1 << 22))
 
 
-def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu") -> LoadedRun:
-    """Load model (eval mode), tokenizer and config from a run directory or checkpoint file."""
+def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
+             dtype: torch.dtype | None = torch.float32) -> LoadedRun:
+    """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
+    run directory or checkpoint file."""
     ckpt = resolve_checkpoint(path, which)
     state = load_checkpoint(ckpt, map_location="cpu")
     try:
-        model, config = model_from_state(state, device)
+        model, config = model_from_state(state, device, dtype)
         tokenizer = tokenizer_from_spec(state["tokenizer"])
     except QuillError as e:
         raise QuillError(f"{shown(ckpt)}: {e}") from None

@@ -8,6 +8,7 @@ code 2; `QUILL_DEBUG=1` shows the traceback instead.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import sys
 from pathlib import Path
@@ -36,6 +37,18 @@ CONFIG_OPT = typer.Option(..., "--config", "-c", help="YAML recipe, e.g. configs
 OVERRIDES_ARG = typer.Argument(
     None, help="Config overrides as section.key=value, e.g. train.max_iters=200 model.n_layer=2."
 )
+
+
+# The flags `quill sample` and `quill chat` share (defined once, used by both).
+MAX_NEW_OPT = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample (chat: per reply). This and the sampling flags default to the run's `sample:` config.")
+TEMPERATURE_OPT = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token).")
+TOP_K_OPT = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit.")
+TOP_P_OPT = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1].")
+MIN_P_OPT = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1).")
+REPETITION_OPT = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off.")
+SEED_OPT = typer.Option(None, "--seed", help="Same seed, same text.")
+DTYPE_OPT = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token.")
+QUANT_OPT = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here (refused where none beats the float weights); none: the float weights.")
 
 
 # --- commands (each: parse → one library call → print) ------------------------------------
@@ -92,10 +105,10 @@ def train(
     result = run_training(cfg, progress=not quiet)
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
-        print(
-            f"{result.stopped}: step {result.step}, val loss {val} (best {result.best_val_loss:.4f}), "
-            f"{result.elapsed_s:.0f}s → {result.out_dir}"
-        )
+        best = f"{result.best_val_loss:.4f}" if math.isfinite(result.best_val_loss) else "none yet"
+        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.elapsed_s:.0f}s → {result.out_dir}")
+        if result.reason:
+            print(f"  ({result.reason})")
     if result.stopped == "interrupted":
         raise typer.Exit(130)
 
@@ -106,20 +119,20 @@ def sample_cmd(
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
-    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample. This and the sampling flags default to the run's `sample:` config."),
-    temperature: float | None = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token)."),
-    top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit."),
-    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1]."),
-    min_p: float | None = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1)."),
-    repetition_penalty: float | None = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off."),
-    seed: int | None = typer.Option(None, "--seed", help="Same seed, same text."),
+    max_new_tokens: int | None = MAX_NEW_OPT,
+    temperature: float | None = TEMPERATURE_OPT,
+    top_k: int | None = TOP_K_OPT,
+    top_p: float | None = TOP_P_OPT,
+    min_p: float | None = MIN_P_OPT,
+    repetition_penalty: float | None = REPETITION_OPT,
+    seed: int | None = SEED_OPT,
     num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
     stop: list[str] | None = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
     no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
     compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the decode step (default: eager, which measured no slower on CPU; compiling takes a minute)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache; bfloat16 reads half the bytes per token."),
-    quant: str = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here (refused where none beats the float weights); none: the float weights."),
+    dtype: str = DTYPE_OPT,
+    quant: str = QUANT_OPT,
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
     echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),
@@ -166,7 +179,6 @@ def _open_generation(ckpt: Path, which: str, device: str, dtype: str, quant: str
     from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.engine import in_dtype
     from quillgpt.inference.generate import Generation
     from quillgpt.model.quant import parse_quantize, quantize
 
@@ -174,9 +186,9 @@ def _open_generation(ckpt: Path, which: str, device: str, dtype: str, quant: str
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     SampleConfig().params(**flags, stop=stops)  # a bad flag fails before the checkpoint loads
-    run = load_run(ckpt, which=which, device=resolve_device(device))
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
     params = run.config.sample.params(**flags, stop=stops)
-    model = quantize(in_dtype(run.model, torch_dtype), scheme, rows=num_samples)  # once, at load
+    model = quantize(run.model, scheme, rows=num_samples)  # once, at load
     gen = Generation(model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
                      compile=compile)
     return run, gen, params
@@ -196,6 +208,53 @@ def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quan
                 "quantize": quant, "int8_kernel": None if plan is None else plan.pick(plan.rows)}
     return json.dumps({"checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
                        "settings": settings, "stats": gen.stats.to_dict()}, ensure_ascii=False) + "\n"
+
+
+@app.command("chat")
+def chat_cmd(
+    ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file (an imported chat model, or any quill run)."),
+    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    system: str | None = typer.Option(None, "--system", help="A system message that starts the conversation (and stays after /reset)."),
+    max_new_tokens: int | None = MAX_NEW_OPT,
+    temperature: float | None = TEMPERATURE_OPT,
+    top_k: int | None = TOP_K_OPT,
+    top_p: float | None = TOP_P_OPT,
+    min_p: float | None = MIN_P_OPT,
+    repetition_penalty: float | None = REPETITION_OPT,
+    seed: int | None = SEED_OPT,
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = DTYPE_OPT,
+    quant: str = QUANT_OPT,
+) -> None:
+    """Talk to a model in the terminal: each line is a message, the reply streams as it comes.
+
+    An imported model answers through its own chat template and stops at its end-of-turn token;
+    a quill-trained (base) model continues a User:/Assistant: transcript. /reset clears the
+    conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops one reply.
+    """
+    from quillgpt.checkpoint import load_run
+    from quillgpt.config import SampleConfig
+    from quillgpt.device import parse_dtype, resolve_device
+    from quillgpt.inference.chat import ChatSession, repl
+    from quillgpt.model.quant import parse_quantize, plan_of, quantize
+
+    flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                 repetition_penalty=repetition_penalty, seed=seed)
+    torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
+    SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
+    model = quantize(run.model, scheme)  # once, at load: a reply decodes one row
+    session = ChatSession(model, run.tokenizer, run.config.sample.params(**flags), system)
+    how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
+    plan = plan_of(model)
+    weights = "" if plan is None else f"; {plan.describe()}"
+    print(f"chatting with {run.path} (step {run.step}) through {how}{weights}; /reset, /quit", file=sys.stderr)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    repl(session, input, write)
 
 
 @app.command("serve")
@@ -335,18 +394,18 @@ def plot_cmd(
 
 @app.command("import-hf")
 def import_hf_cmd(
-    src: str = typer.Argument(..., help="Hugging Face GPT-2 directory (config.json + model.safetensors or pytorch_model.bin), or a hub name such as gpt2, gpt2-medium."),
+    src: str = typer.Argument(..., help="Hugging Face model directory (config.json, model.safetensors or pytorch_model.bin, tokenizer files) of GPT-2, Llama, Qwen2, Qwen3 or Mistral, or a hub name such as gpt2."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
-    """Import GPT-2 weights (transformers' GPT2LMHeadModel) as a quill run: sample, eval or fine-tune it."""
-    from quillgpt.interop.gpt2 import import_hf
+    """Import a Hugging Face model (GPT-2 or the Llama family) as a quill run: sample, chat, eval, fine-tune it."""
+    from quillgpt.interop.convert import import_hf
 
     done = import_hf(src, out, force=force)
     m = done.model
     print(
-        f"imported {src} → {done.path}: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, "
-        f"block_size {m.block_size}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
+        f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
+        f"{m.n_embd} wide, block_size {m.block_size:,}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
         f"fine-tune with `quill train ... train.init_from={done.path}`"
     )
 
@@ -354,15 +413,16 @@ def import_hf_cmd(
 @app.command("export-hf")
 def export_hf_cmd(
     run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
-    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files."),
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
 ) -> None:
-    """Export a GPT-2-shaped run for transformers: GPT2LMHeadModel.from_pretrained(OUT) loads it."""
-    from quillgpt.interop.gpt2 import export_hf
+    """Export a run for transformers: GPT-2 (learned positions, LayerNorm, GELU) or the Llama family (RoPE, RMSNorm, SwiGLU)."""
+    from quillgpt.interop.convert import export_hf
 
     done = export_hf(run, out, which=which, force=force)
-    print(f"exported {run} ({which}) → {done.path}: load with transformers.GPT2LMHeadModel.from_pretrained({str(done.path)!r})")
+    print(f"exported {run} ({which}) → {done.path} as {done.architecture}: load with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")
 
 
 def _print_samples(gen: Any, shown: str, num_samples: int, stream: bool, out: TextIO) -> None:
@@ -458,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # plain `quill`: the help is the answer
             e.show()
             sys.exit(e.exit_code)
-        print(f"error: {_one_line(e.format_message())} (see quill --help)", file=sys.stderr)
+        print(f"error: {_one_line(e.format_message())} (see {_command_of(e)} --help)", file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # a full disk is the user's to fix, wherever the write happened
         if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -467,6 +527,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e.strerror}{where}; free disk space (or write elsewhere) and run again", file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _command_of(error: Exception) -> str:
+    """'quill eval' for a mistake in quill eval's flags (the subcommand's own --help), else 'quill'."""
+    names, ctx = [], getattr(error, "ctx", None)
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["quill", *reversed(names)])
 
 
 def _one_line(message: str, limit: int = 2000) -> str:

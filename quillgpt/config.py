@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import reprlib
 import types
@@ -50,6 +51,15 @@ def check_finite(section: Any, name: str) -> None:
             raise QuillError(f"{name}.{key} must be a finite number, got {value}")
 
 
+def expand_home(section: Any, keys: tuple[str, ...]) -> None:
+    """A leading ~ in a path key is the home directory, as in a shell (a shell leaves
+    data.path=~/corpus.txt alone: the ~ is not at the start of the word)."""
+    for key in keys:
+        value = getattr(section, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(section, key, os.path.expanduser(value))
+
+
 def _shown_key(key: Any) -> str:
     """A config key as messages print it: as is when it looks like one, else repr'd and cut."""
     return _cut(key) if isinstance(key, str) and key.isidentifier() else shown_value(key)
@@ -71,7 +81,9 @@ class DataConfig:
     path: str | None = None  # a text file, a directory or a glob of .txt/.jsonl/.parquet (.gz/.zst); unset: `url`
     url: str | None = TINY_SHAKESPEARE_URL  # downloaded once, verified against `sha256`
     sha256: str | None = TINY_SHAKESPEARE_SHA256
-    tokenizer: str = "char"  # char | gpt2 | r50k_base | cl100k_base | o200k_base | bpe | path/to/tokenizer.json
+    # char | gpt2 | r50k_base | cl100k_base | o200k_base | bpe | path/to/tokenizer.json; null: char, or with
+    # train.init_from the base run's own (fine-tuning reads text the way the base model was trained to)
+    tokenizer: str | None = None
     bpe_vocab_size: int = 4096  # vocabulary size when `tokenizer: bpe` trains one on the corpus
     out_dir: str = "data/shakespeare_char"  # token shards (train.bin, train-000001.bin, ..., val.bin) and meta.json
     val_fraction: float = 0.1  # val: the last fraction of the documents (of the text, for one document)
@@ -81,6 +93,7 @@ class DataConfig:
 
     def validate(self) -> None:
         check_finite(self, "data")
+        expand_home(self, ("path", "out_dir", "tokenizer"))
         if not 0.0 < self.val_fraction < 1.0:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.path is None and self.url is None:
@@ -101,7 +114,7 @@ class DataConfig:
 # Generous for any model this toolkit can train; what fits in memory is checked against the machine.
 MODEL_SIZE_LIMITS = {
     "vocab_size": MAX_VOCAB, "block_size": 2**24, "n_layer": 1024, "n_head": 2**12, "n_kv_head": 2**12,
-    "n_embd": 2**17, "mlp_hidden": 2**19, "window": 2**24,
+    "n_embd": 2**17, "mlp_hidden": 2**19, "window": 2**24, "head_dim": 2**14, "rope_original_context": 2**24,
 }
 
 
@@ -115,10 +128,17 @@ class ModelConfig:
     n_head: int = 6
     n_kv_head: int | None = None  # None = n_head (MHA); 1 = multi-query; divisor of n_head = grouped-query
     n_embd: int = 384
+    head_dim: int | None = None  # None = n_embd / n_head; set where a model's heads are not n_embd / n_head wide (Qwen3)
     dropout: float = 0.0
     bias: bool = True  # biases in linear layers and norms (GPT-2 has them)
+    qkv_bias: bool = False  # biases on the q, k, v projections even with bias=false (Qwen2)
     pos: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: Literal["linear", "llama3"] | None = None  # RoPE frequency scaling for long context; null = none
+    rope_factor: float = 1.0  # linear / llama3: how much longer the context is than the one trained with
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_context / this are divided by rope_factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_context / this are kept
+    rope_original_context: int = 8192  # llama3: the context length the frequencies were trained for
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
     mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: relu(x)² (modded-nanogpt, Primer)
@@ -141,8 +161,9 @@ class ModelConfig:
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def head_size(self) -> int:
+        """Each head's width: model.head_dim, or n_embd / n_head."""
+        return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -158,9 +179,9 @@ class ModelConfig:
             value = getattr(self, key)
             if value is not None and not 1 <= value <= most:
                 raise QuillError(f"model.{key} must be between 1 and {most:,}, got {value}")
-        if self.n_embd % self.n_head != 0:
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise QuillError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}), or set model.head_dim"
             )
         if self.n_kv_head is not None and (
             self.n_kv_head < 1 or self.n_head % self.n_kv_head != 0
@@ -168,17 +189,30 @@ class ModelConfig:
             raise QuillError(
                 f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
             )
-        if self.pos == "rope" and self.head_dim % 2 != 0:
-            raise QuillError(
-                f"model.pos=rope needs an even head size, got n_embd/n_head = {self.head_dim}"
-            )
+        if self.pos == "rope" and self.head_size % 2 != 0:
+            what = "n_embd/n_head" if self.head_dim is None else "model.head_dim"
+            raise QuillError(f"model.pos=rope needs an even head size, got {what} = {self.head_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise QuillError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise QuillError("model.rope_theta and model.norm_eps must be positive")
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             raise QuillError(f"model.logit_softcap must be positive (e.g. 30) or null, got {self.logit_softcap}")
+        self._validate_rope_scaling()
         self._validate_attention()
+
+    def _validate_rope_scaling(self) -> None:
+        """The scaling keys need model.pos=rope and a scaling that reads them; factors are positive."""
+        defaults = {f.name: f.default for f in fields(self) if f.name.startswith("rope_") and f.name != "rope_theta"}
+        changed = [k for k in defaults if k != "rope_scaling" and getattr(self, k) != defaults[k]]
+        if self.rope_scaling is not None and self.pos != "rope":
+            raise QuillError(f"model.rope_scaling={self.rope_scaling} needs model.pos=rope, got model.pos={self.pos}")
+        llama3_only = [k for k in changed if k != "rope_factor"]
+        if (self.rope_scaling is None and changed) or (self.rope_scaling == "linear" and llama3_only):
+            raise QuillError(f"model.{(llama3_only or changed)[0]} has no effect with model.rope_scaling={self.rope_scaling}")
+        if self.rope_factor <= 0 or self.rope_low_freq_factor <= 0 or self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise QuillError("need model.rope_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+                             f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
 
     def _validate_attention(self) -> None:
         """The attention variant's own keys, and the combinations that cannot work (both keys named)."""
@@ -239,6 +273,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_finite(self, "train")
+        expand_home(self, ("out_dir", "init_from"))
         for key in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
             if getattr(self, key) < 1:
                 raise QuillError(f"train.{key} must be at least 1, got {getattr(self, key)}")
@@ -305,6 +340,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     def validate(self) -> None:
+        self.data.tokenizer = self.data.tokenizer or base_tokenizer(self.train.init_from) or "char"
         self.data.validate()
         self.model.validate()
         self.train.validate()
@@ -312,6 +348,20 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def base_tokenizer(init_from: str | None) -> str | None:
+    """The tokenizer file of the run train.init_from names (its directory's tokenizer.json), or None."""
+    if init_from is None:
+        return None
+    run = Path(os.path.expanduser(init_from))
+    if not run.exists():
+        raise QuillError(f"train.init_from: checkpoint not found: {init_from} (pass a run directory or a .pt file)")
+    path = (run if os.path.isdir(run) else run.parent) / "tokenizer.json"
+    if not os.path.isfile(path):
+        raise QuillError(f"train.init_from={init_from} has no tokenizer.json beside its checkpoint; "
+                         "set data.tokenizer to the tokenizer its model was trained with")
+    return str(path)
 
 
 def parse_duration(text: str, key: str = "duration") -> float:
@@ -326,9 +376,13 @@ def parse_duration(text: str, key: str = "duration") -> float:
 # Dict → dataclass, with type coercion and helpful errors
 
 
-def _suggest(key: str, valid: list[str]) -> str:
+def _suggest(key: str, valid: list[str], most: int = 24) -> str:
+    """The closest valid key, else the valid keys (the first `most`: the message stays one short line)."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(valid)})"
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    more = f" and {len(valid) - most} more" if len(valid) > most else ""
+    return f" (valid keys: {', '.join(valid[:most])}{more})"
 
 
 def _type_name(tp: Any) -> str:

@@ -82,7 +82,7 @@ def read_bytes(path: str | Path, what: str = "file", hint: str = "", limit: int 
     `hint` follows the "does not exist" message (how to get the file); a file longer than
     `limit` bytes (e.g. /dev/zero given as a config) is refused after reading limit + 1 bytes.
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     try:
         mode = path.stat().st_mode
         if stat.S_ISDIR(mode):

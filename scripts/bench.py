@@ -689,7 +689,7 @@ def hf_model(run: Path, out: Path) -> Any:
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from quillgpt.interop.gpt2 import export_hf
+    from quillgpt.interop.convert import export_hf
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -886,8 +886,8 @@ def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     cfg = model.config
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear)))
     weights = step_weight_bytes(model)
-    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * ctx * model.dtype.itemsize
-    flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * ctx
+    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * model.dtype.itemsize
+    flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_size * ctx
     low = model.dtype == torch.bfloat16 or plan_of(model) is not None  # int8 kernels take bf16 activations
     # without bf16 units torch converts bf16 and multiplies in fp32: the fp32 peak bounds it
     peak = matmul_peak(torch.bfloat16 if low and cpu_has_bf16() else torch.float32)
@@ -993,21 +993,59 @@ def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
 # --- gpu suite --------------------------------------------------------------------------------
 
 
+def cuda_timed(fn: Callable[[], Any], n: int = 10) -> float:
+    """Seconds per call of `fn` on the GPU: the mean of `n` between CUDA events, after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def cuda_copy_bandwidth(nbytes: int = 2**31) -> float:
+    """Bytes/s of a device-to-device copy of random data, counting bytes read and written."""
+    x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * nbytes / cuda_timed(lambda: y.copy_(x))
+
+
+def cuda_matmul_peak(n: int = 8192) -> float:
+    """FLOP/s of n×n×n bf16 matmuls on random data (never zeros: they run faster)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / cuda_timed(lambda: a @ b)
+
+
 def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
-    """GPT-2-124M-shaped training (bf16, torch.compile, flash SDPA) and KV-cached sampling."""
+    """GPT-2-124M-shaped training (bf16, torch.compile, flash SDPA) and KV-cached sampling, each
+    against the ceilings measured in this run (and training against the card's datasheet peak)."""
     if not torch.cuda.is_available():
         print("\ngpu: skipped (no CUDA device)")
         report.header["gpu_suite"] = "skipped: no CUDA device"
         return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     name = torch.cuda.get_device_name(device)
-    peak = peak_flops(device, torch.bfloat16)
+    bandwidth, matmul = cuda_copy_bandwidth(), cuda_matmul_peak()
+    group = f"gpu: {name}, ceilings measured in this run"
+    report.add(Row(group, "device-to-device copy, 2 GiB", "GB/s", bandwidth / 1e9, note="bytes read + written"))
+    report.add(Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12,
+                   note=f"datasheet dense bf16 (device.GPU_PEAKS): {peak_flops(device, torch.bfloat16) / 1e12:.0f}"))
+    report.print_group(group)
     cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
-    batch = args.gpu_batch
+    gpu_train_group(report, args, cfg, name, matmul)
+    gpu_sample_group(report, args, cfg, name, bandwidth)
+
+
+def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, name: str, matmul: float) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device, batch = torch.device("cuda"), args.gpu_batch
+    peak = peak_flops(device, torch.bfloat16)
     group = f"gpu: {name}, GPT-2-124M shape (12L/12H/768, block 1,024, vocab 50,304), batch {batch}, bf16"
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000).astype(np.uint16)
     tc = TrainConfig(batch_size=batch, learning_rate=6e-4, device="cuda")
@@ -1023,19 +1061,19 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
                 train_step(t.model, t)
 
         with PeakMemory(cuda=True) as mem:
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             for _ in range(3):  # warm-up (and compilation)
                 one()
             torch.cuda.synchronize()
-            warm = time.perf_counter() - t
+            warm = time.perf_counter() - t0
 
         def timed() -> float:
             torch.cuda.synchronize()
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             for _ in range(args.gpu_steps):
                 one()
             torch.cuda.synchronize()
-            return (time.perf_counter() - t) / args.gpu_steps
+            return (time.perf_counter() - t0) / args.gpu_steps
 
         return timed, mem, warm
 
@@ -1048,47 +1086,63 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         _, mem, warm = variants[vname]
         report.add(Row(group, vname, "tokens/s", st.median, st.lo, st.hi, extra={
             "ms/step": statistics.median(xs) * 1e3, "MFU": f"{fpt * st.median / peak:.1%}",
-            "CUDA max alloc MB": mem.cuda_mb}, note=f"peak {peak / 1e12:.0f} TFLOP/s bf16; warm-up 3 steps {warm:.0f} s"))
+            "of measured matmul": f"{fpt * st.median / matmul:.1%}", "CUDA max alloc MB": mem.cuda_mb},
+            note=f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s"))
     report.print_group(group)
-    del variants
 
-    group = f"gpu: {name}, KV-cached greedy sampling, GPT-2-124M shape, {args.gpu_sample_tokens} new tokens"
+
+def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, name: str, bandwidth: float) -> None:
+    """Greedy decoding with bf16 weights at batch 1 and 64, eager and compiled (CUDA graphs), as
+    a fraction of the bandwidth bound: each step reads every weight once plus each row's keys and
+    values at the mean context."""
+    n, prompt_len = args.gpu_sample_tokens, 16
     torch.manual_seed(0)
-    model = GPT(cfg).to(device).eval()
+    model = GPT(cfg).to("cuda", torch.bfloat16).eval()
+    ctx = prompt_len + (n - 1) / 2
+    for B in (1, 64):
+        group = f"gpu: {name}, KV-cached greedy sampling, GPT-2-124M shape, batch {B}, {n} new tokens"
+        prompts = [list(range(1 + i, 1 + i + prompt_len)) for i in range(B)]
+        out: dict[str, torch.Tensor] = {}
+        runs = {"bf16": model}
+        try:  # int8 linears against the bf16 ones they replace (gpt-fast's form pays compiled)
+            runs["int8"] = quantize(copy.deepcopy(model), "int8", rows=B)
+        except QuillError as e:
+            report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {e}"))
 
-    def timed_sampling(label: str, m: GPT, B: int, compile: bool = False) -> None:
-        prompts = [list(range(1 + i, 17 + i)) for i in range(B)]
-
-        def run() -> float:
+        def run(key: str, compile: bool, prompts: list[list[int]] = prompts, out: dict = out, runs: dict = runs) -> float:
             torch.cuda.synchronize()
             t = time.perf_counter()
-            for _ in generate_tokens(m, prompts, args.gpu_sample_tokens, compile=compile):
-                pass
+            out[f"{key} {compile}"] = torch.stack(list(generate_tokens(runs[key], prompts, n, compile=compile)), 1)
             torch.cuda.synchronize()
             return time.perf_counter() - t
 
-        with PeakMemory(cuda=True) as mem:
-            warm = run()
-        xs = interleaved({"x": run}, max(2, args.sample_reps))["x"]
-        st = Stats.of([B * args.gpu_sample_tokens / x for x in xs])
-        report.add(Row(group, f"quill KV cache, {label}, batch {B}", "new tokens/s", st.median, st.lo, st.hi,
-                       extra={"CUDA max alloc MB": mem.cuda_mb},
-                       note=f"compiled decode (first run {warm:.0f} s)" if compile else ""))
-
-    for dtype in (torch.float32, torch.bfloat16):
-        m = model.to(dtype)
-        for B in (1, 8):
-            timed_sampling(str(dtype).replace("torch.", ""), m, B)
-    for B in (1, 8):  # int8 linears against the bf16 ones they replace (gpt-fast's form pays compiled)
-        try:
-            int8 = quantize(copy.deepcopy(model), "int8", rows=B)
-        except QuillError as e:
-            report.add(Row(group, f"quill KV cache, int8, batch {B}", "new tokens/s", None, note=f"refused: {e}"))
-            continue
-        kernel = plan_of(int8).pick(B)
-        timed_sampling(f"int8 ({kernel})", int8, B)
-        timed_sampling(f"int8 ({kernel})", int8, B, compile=True)
-    report.print_group(group)
+        fns = {}
+        for key in runs:
+            weights = "bf16 weights" if key == "bf16" else f"int8 weights ({plan_of(runs[key]).pick(B)})"
+            fns[f"quill engine, {weights}, eager decode"] = functools.partial(run, key, False)
+            fns[f"quill engine, {weights}, compiled decode (CUDA graphs)"] = functools.partial(run, key, True)
+        mem, first = {}, {}
+        for vname, fn in fns.items():  # one run each first: warm-up and compiling
+            with PeakMemory(cuda=True) as m:
+                first[vname] = fn()
+            mem[vname] = m.cuda_mb
+        samples = interleaved(fns, max(2, args.sample_reps))
+        kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * 2
+        bounds = {key: B * bandwidth / (step_weight_bytes(m) + kv) for key, m in runs.items()}
+        for vname, xs in samples.items():
+            key = "bf16" if "bf16" in vname else "int8"
+            st = Stats.of([B * n / x for x in xs])
+            note = (f"greedy tokens = eager's for {agreement(out[f'{key} True'], out[f'{key} False'])}; "
+                    f"first run (compiling) {first[vname]:.0f} s" if "compiled" in vname else "")
+            if key == "int8" and "eager" in vname:
+                note = f"greedy tokens = bf16 eager's for {agreement(out['int8 False'], out['bf16 False'])}"
+            report.add(Row(group, vname, "new tokens/s", st.median, st.lo, st.hi, extra={
+                "of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]}, note=note))
+        reads = ", ".join(f"{k} {(step_weight_bytes(m) + kv) / 1e6:,.0f} MB" for k, m in runs.items())
+        report.add(Row(group, f"bound ({' | '.join(runs)})", "new tokens/s",
+                       " | ".join(f"{b:,.0f}" for b in bounds.values()), note=(
+            f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)")))
+        report.print_group(group)
 
 
 # --- main -------------------------------------------------------------------------------------

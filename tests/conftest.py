@@ -1,12 +1,15 @@
-"""Shared fixtures. Tests run offline: data and tiktoken files come from ../shared."""
+"""Shared fixtures. Tests run offline: data and tiktoken files come from ../shared (or from
+$QUILL_SHARED: scripts/gpu_check.sh points it at the copy that travels to a GPU machine).
+Tests marked `cuda` are skipped where torch sees no CUDA device."""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+SHARED = Path(os.environ.get("QUILL_SHARED") or ROOT.parent / "shared")
 
 # tiktoken reads its BPE files from this cache instead of downloading them.
 if (SHARED / "tiktoken_cache").is_dir():
@@ -36,8 +39,6 @@ def one_thread():
     """torch on one thread for the test: the bf16 int8 kernels open a parallel region per call,
     and beside other busy processes each one waits for a second core, which makes a tiny model's
     decoding crawl. What such tests prove holds at any thread count."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -54,3 +55,12 @@ def fixed_int8_kernel(monkeypatch, one_thread):
     kernel = "int8pack_mm/bf16"
     monkeypatch.setattr(quant, "measure_plan", lambda every, block, rows, faster: quant.KernelPlan((1,), (kernel,), rows))
     yield kernel
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

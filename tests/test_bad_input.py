@@ -321,10 +321,10 @@ CASES = {
     "plot_not_a_run": lambda w: (["plot", str(w.f / "empty_dir"), "-o", str(w.f / "curves.png")],
                                  ["has no metrics.jsonl", "pass a run directory written by quill train"]),
     "unknown_command": lambda w: (["smaple", "--ckpt", str(w.run)], ["No such command 'smaple'", "see quill --help"]),
-    "missing_required_flag": lambda w: (["eval"], ["Missing option '--ckpt'", "see quill --help"]),
-    "unknown_flag": lambda w: (["eval", "--ckpt", str(w.run), "--bogus"], ["No such option: --bogus", "see quill --help"]),
+    "missing_required_flag": lambda w: (["eval"], ["Missing option '--ckpt'", "see quill eval --help"]),  # its own help
+    "unknown_flag": lambda w: (["eval", "--ckpt", str(w.run), "--bogus"], ["No such option: --bogus", "see quill eval --help"]),
     "flag_not_a_number": lambda w: (["eval", "--ckpt", str(w.run), "--stride", "many"],
-                                    ["Invalid value for '--stride'", "see quill --help"]),
+                                    ["Invalid value for '--stride'", "see quill eval --help"]),
     # --- quill sample
     "sample_top_p_above_1": lambda w: (sample(w, "--top-p", "1.5"), ["--top-p must be in (0, 1], got 1.5"]),
     "sample_negative_temperature": lambda w: (sample(w, "--temperature", "-1"),

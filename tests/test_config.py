@@ -181,3 +181,12 @@ def test_defaults_validate():
 @pytest.mark.parametrize("text, seconds", [("90s", 90), ("5m", 300), ("1.5h", 5400), ("42", 42)])
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["data.path=~/corpus.txt", "data.out_dir=~/data", "train.out_dir=~/runs/a",
+                             "train.init_from=~/runs/base", "data.tokenizer=~/tok.json"])
+    assert cfg.data.path == f"{tmp_path}/corpus.txt" and cfg.train.init_from == f"{tmp_path}/runs/base"
+    assert cfg.data.out_dir == f"{tmp_path}/data" and cfg.data.tokenizer == f"{tmp_path}/tok.json"
+    assert load_config(None, ["data.path=a~b"]).data.path == "a~b"  # only a leading ~

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -186,9 +187,10 @@ def _plan(cfg: DataConfig, sources: list[Source], progress: bool) -> dict[str, A
     return {"records": records, "val_from": None, "split_at": chars - val_chars}
 
 
-def _pieces(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], anywhere: bool, start: dict | None = None) -> Iterator[Piece]:
+def _pieces(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], anywhere: bool, start: dict | None = None,
+            size: int = PIECE_CHARS) -> Iterator[Piece]:
     return iter_pieces(
-        sources, cfg.text_field, plan["records"], plan["val_from"], plan["split_at"], PIECE_CHARS, anywhere, start
+        sources, cfg.text_field, plan["records"], plan["val_from"], plan["split_at"], size, anywhere, start
     )
 
 
@@ -259,7 +261,8 @@ def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok
     start = state["cursor"]
     dtype = token_dtype(tok.vocab_size)
     done = sum(s.size for s in sources[: start["source"]])
-    pieces = _pieces(cfg, sources, state["plan"], isinstance(tok, CharTokenizer), start)
+    size = PIECE_CHARS if tok.cuts_pieces else 2**62  # whole documents (cut only where val begins)
+    pieces = _pieces(cfg, sources, state["plan"], isinstance(tok, CharTokenizer), start, size)
     results = encode_tasks(iter_tasks(pieces, TASK_CHARS, done), tok, dtype, _workers(cfg, sources))
     total = sum(s.size for s in sources)
     with tqdm(total=total, initial=done, desc="tokenize", unit="B", unit_scale=True, disable=not progress, delay=0.5) as bar:
@@ -328,6 +331,8 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     """Tokenize the configured corpus into token shards under cfg.out_dir, unless meta.json shows
     they are up to date; a killed prepare of the same inputs resumes at its last finished shard."""
     t0 = time.perf_counter()
+    if cfg.tokenizer is None:  # a DataConfig built in code: the default a config file gets
+        cfg = dataclasses.replace(cfg, tokenizer="char")
     if cfg.tokenizer == "bpe":
         token_dtype(cfg.bpe_vocab_size)  # fail before reading or training anything
     out_dir = probe_writable(cfg.out_dir, "data.out_dir")

@@ -68,14 +68,14 @@ def iter_tasks(pieces: Iterator[Piece], task_chars: int, read_before: int = 0) -
 
 
 def encode_task(tok: Tokenizer, pieces: list[str], starts: list[bool], dtype: np.dtype, bulk: bool = True) -> np.ndarray:
-    """(n,) ids of the pieces in order, with the end-of-text id before each piece that starts a
-    document (none for a tokenizer without one, as char). `bulk` uses the tokenizer's batch
+    """(n,) ids of the pieces in order, with the document-start id (BOS, else end-of-text) before
+    each piece that starts a document (none for a tokenizer without either, as char). `bulk` uses the tokenizer's batch
     encoder (tiktoken's threads); a worker process encodes one piece at a time."""
     encoded = tok.encode_arrays(pieces) if bulk else [np.asarray(tok.encode(p), dtype=np.int64) for p in pieces]
     parts = []
     for ids, start in zip(encoded, starts):
-        if start and tok.eot_id is not None:
-            parts.append(np.array([tok.eot_id], dtype=dtype))
+        if start and tok.document_start is not None:
+            parts.append(np.array([tok.document_start], dtype=dtype))
         parts.append(ids.astype(dtype))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 

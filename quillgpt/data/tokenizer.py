@@ -49,11 +49,25 @@ _REPLACEMENT = "\ufffd"
 
 
 class Tokenizer:
-    """The shared interface; see CharTokenizer and TiktokenTokenizer."""
+    """The shared interface; see CharTokenizer, TiktokenTokenizer and hf_tokenizer.HFTokenizer."""
 
     name: str
     vocab_size: int
-    eot_id: int | None
+    eot_id: int | None  # end of text: separates documents, ends generation
+    bos_id: int | None = None  # put before every prompt, scored text and document (Llama 3's <|begin_of_text|>)
+    chat_template: str | None = None  # the model's own (Jinja); None: quill's transcript (data/chat.py)
+    cuts_pieces: bool = True  # a document may be cut into pieces (at safe cuts) and tokenized in parallel
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end a generated text (end of text; an imported model's end of turn)."""
+        return () if self.eot_id is None else (self.eot_id,)
+
+    @property
+    def document_start(self) -> int | None:
+        """The token before each document of a prepared corpus: BOS where the tokenizer has one,
+        else end-of-text (as GPT-2 separates documents)."""
+        return self.bos_id if self.bos_id is not None else self.eot_id
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -295,6 +309,10 @@ def tokenizer_from_spec(spec: dict[str, Any]) -> Tokenizer:
     try:
         if kind == "char":
             return CharTokenizer(str(spec["chars"]))
+        if kind == "hf":
+            from quillgpt.data.hf_tokenizer import hf_tokenizer_from_spec
+
+            return hf_tokenizer_from_spec(spec)
         if kind == "tiktoken":
             if spec["name"] not in TIKTOKEN_NAMES:
                 raise ValueError(f"unknown encoding {shown_value(spec['name'])}, expected one of {', '.join(TIKTOKEN_NAMES)}")
@@ -311,7 +329,7 @@ def tokenizer_from_spec(spec: dict[str, Any]) -> Tokenizer:
             return _bpe_tokenizer(ranks, str(spec["pattern"]), specials)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise QuillError(f"invalid {shown_value(kind)} tokenizer spec: {str(e)[:200]}") from None
-    raise QuillError(f"unknown tokenizer spec type {shown_value(kind)} (expected char, tiktoken or bpe)")
+    raise QuillError(f"unknown tokenizer spec type {shown_value(kind)} (expected char, tiktoken, bpe or hf)")
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path, what: str = "tokenizer file") -> None:
@@ -335,8 +353,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except (json.JSONDecodeError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
         raise QuillError(f"{shown(path)} is not a tokenizer JSON file ({why})") from None
+    if isinstance(data, dict) and "model" in data and "added_tokens" in data:  # a Hugging Face tokenizer.json
+        from quillgpt.data.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(path.parent)
     if not isinstance(data, dict) or data.get("format") != "quillgpt-tokenizer":
-        raise QuillError(f"{shown(path)} is not a QuillGPT tokenizer file (made by `quill tokenizer train`)")
+        raise QuillError(f"{shown(path)} is not a QuillGPT tokenizer file (made by `quill tokenizer train`) "
+                         "or a Hugging Face tokenizer.json")
     try:
         return tokenizer_from_spec(data.get("tokenizer"))
     except QuillError as e:

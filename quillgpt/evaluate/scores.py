@@ -11,7 +11,9 @@ Per-token numbers depend on the tokenizer; per-byte and per-character numbers do
 compare a char model with a BPE model on the same text:
     bits/byte = total nats / (ln 2 · UTF-8 bytes of the scored text)
 where the scored text is the text of tokens 1..N-1 (the first token is context only). A
-character counts where its first byte lies.
+character counts where its first byte lies. A tokenizer with a BOS token (an imported Llama 3)
+gets it before the text, as its model saw texts start: then every token of the text is scored,
+the same predictions transformers' loss(labels=input_ids) averages.
 
 A prefix-LM (model.attention=prefix) reads each window's context-only tokens as its bidirectional
 prefix: a window that scores targets from offset `skip` on gets prefix_len = skip + 1 (its input
@@ -239,7 +241,8 @@ def evaluate_text(
         raise QuillError(f"{_describe_unknown(unknown, name)}; pass --skip-unknown to drop them")
     if unknown:
         text = "".join(c for c in text if c not in unknown)
-    tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]  # as its model saw texts start (Llama 3)
+    tokens = np.asarray(bos + tokenizer.encode(text), dtype=np.int64)
     if len(tokens) < 2:
         raise QuillError(f"{name} is {len(tokens)} token(s) long; scoring needs at least 2 (the first is context only)")
     result = evaluate_tokens(

@@ -98,17 +98,25 @@ def in_dtype(model: GPT, dtype: torch.dtype | None) -> GPT:
     return copy.deepcopy(model).to(dtype)
 
 
-def cache_bytes(model: GPT, rows: int) -> int:
-    """Bytes of a static KV cache of `rows` rows for this model (keys + values + positions)."""
+def cache_bytes(model: GPT, rows: int, capacity: int | None = None) -> int:
+    """Bytes of a static KV cache of `rows` rows of `capacity` tokens (default: the attention
+    span) for this model (keys + values + positions)."""
     cfg = model.config
-    per_row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * model.dtype.itemsize + 8
-    return rows * model.span * per_row
+    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * model.dtype.itemsize + 8
+    return rows * (model.span if capacity is None else capacity) * per_token
 
 
-def check_memory(model: GPT, rows: int, unit: str = "row") -> None:
+def cache_capacity(model: GPT, tokens: int) -> int:
+    """The cache a row of at most `tokens` tokens needs: those, or the attention span if smaller
+    (a ring of span slots holds any length). An imported model's span is its whole context (Llama
+    3.2: 131,072 positions), far more than a reply needs."""
+    return max(1, min(model.span, tokens))
+
+
+def check_memory(model: GPT, rows: int, unit: str = "row", capacity: int | None = None) -> None:
     """Refuse, in one line, a batch whose KV cache (for Recompute: the same keys and values, made
     every step) is larger than the memory the device has free."""
-    device, nbytes = model.device, cache_bytes(model, rows)
+    device, nbytes = model.device, cache_bytes(model, rows, capacity)
     free = available_bytes(device)
     if free is not None and nbytes > free:
         raise QuillError(
@@ -123,14 +131,15 @@ class Rows:
 
     compiled = False
 
-    def __init__(self, model: GPT, max_rows: int, dtype: torch.dtype | None, unit: str) -> None:
+    def __init__(self, model: GPT, max_rows: int, dtype: torch.dtype | None, unit: str, capacity: int | None = None) -> None:
         if model.training:
             raise ValueError("call model.eval() before generating: dropout would make tokens random")
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         self.model = model = in_dtype(model, dtype)
         self.max_rows, self.device, self.dtype = max_rows, model.device, model.dtype
-        check_memory(model, max_rows, unit)
+        self.capacity = model.span if capacity is None else cache_capacity(model, capacity)  # tokens a row may hold
+        check_memory(model, max_rows, unit, self.capacity)
         self.variant, self.context = model.variant, model.context()
         self.crops = model.variant.crops(model.config)  # learned positions: past block_size the context is cropped
         self._rows: list[_Row | None] = [None] * max_rows
@@ -156,6 +165,9 @@ class Rows:
             raise ValueError("max_new_tokens must be at least 1 to add a row")
         check_prompt(prompt_ids, self.model.config.vocab_size)
         check_room(self.model, len(prompt_ids), params.max_new_tokens)
+        if self.capacity < self.model.span and len(prompt_ids) + params.max_new_tokens > self.capacity:
+            raise QuillError(f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"the {self.capacity:,} tokens this engine's KV cache holds per row")
         if self.free_rows() == 0:
             raise ValueError(f"no free row: all {self.max_rows} rows are generating; release one first")
         r = self._rows.index(None)
@@ -245,11 +257,11 @@ class Engine(Rows):
 
     def __init__(
         self, model: GPT, max_rows: int = 1, *, dtype: torch.dtype | None = None, compile: bool = False,
-        unit: str = "row",
+        unit: str = "row", capacity: int | None = None,
     ) -> None:
-        super().__init__(model, max_rows, dtype, unit)
+        super().__init__(model, max_rows, dtype, unit, capacity)
         self.static = self.variant.static_cache
-        self.cache = self.model.make_cache(max_rows) if self.static else None
+        self.cache = self.model.make_cache(max_rows, self.capacity) if self.static else None
         self._tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # each row's newest token
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # ... and its position
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances

@@ -45,11 +45,12 @@ def make_params(params: SamplingParams | None = None, **settings: Any) -> Sampli
 
 
 def make_engine(model: GPT, rows: int, use_cache: bool = True, dtype: torch.dtype | None = None,
-                compile: bool | None = None, unit: str = "row") -> Rows:
-    """The static-cache Engine, or with use_cache=False the Recompute reference."""
+                compile: bool | None = None, unit: str = "row", tokens: int | None = None) -> Rows:
+    """The static-cache Engine, or with use_cache=False the Recompute reference, for rows of at
+    most `tokens` tokens (None: any number; the cache holds the attention span)."""
     if use_cache:
-        return Engine(model, rows, dtype=dtype, compile=bool(compile), unit=unit)
-    return Recompute(model, rows, dtype=dtype, unit=unit)
+        return Engine(model, rows, dtype=dtype, compile=bool(compile), unit=unit, capacity=tokens)
+    return Recompute(model, rows, dtype=dtype, unit=unit, capacity=tokens)
 
 
 def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
@@ -90,7 +91,8 @@ def generate_tokens(
     if params.max_new_tokens == 0:
         return
     device = model.device
-    batch = TextBatch(make_engine(model, len(prompts), use_cache, dtype, compile))
+    tokens = max(map(len, prompts)) + params.max_new_tokens
+    batch = TextBatch(make_engine(model, len(prompts), use_cache, dtype, compile, tokens=tokens))
     last = [batch.join(i, p, row_params(params, i), stop_ids or ()).token for i, p in enumerate(prompts)]
     yield torch.tensor(last, device=device)
     while len(batch):  # a stopped row repeats its stop id
@@ -162,11 +164,12 @@ class Generation:
             raise QuillError(f"--num-samples must be at least 1, got {samples}")
         if not prompts:
             raise QuillError("no prompts given: pass at least one prompt")
-        # the engine first: its memory check refuses --num-samples 10**10 before anything is made per row
-        self.engine = make_engine(model, len(prompts) * samples, use_cache, dtype, compile, unit="sample")
         self.tokenizer = tokenizer
         encoded = [encode_prompt(tokenizer, p) for p in prompts]
         _check_prompts(encoded, model.config.vocab_size)
+        # the engine before anything is made per row: its memory check refuses --num-samples 10**10
+        tokens = max(map(len, encoded)) + self.params.max_new_tokens
+        self.engine = make_engine(model, len(prompts) * samples, use_cache, dtype, compile, unit="sample", tokens=tokens)
         self.prompt_ids = [ids for ids in encoded for _ in range(samples)]
         self.streams = [TextStream(tokenizer, self.params.stop) for _ in self.prompt_ids]
         self.stats = GenerationStats(prompt_tokens=[len(p) for p in self.prompt_ids])
@@ -186,7 +189,7 @@ class Generation:
         if self.params.max_new_tokens == 0:
             return
         batch = TextBatch(self.engine, self.tokenizer)
-        eot = [] if self.tokenizer.eot_id is None else [self.tokenizer.eot_id]
+        eot = self.tokenizer.stop_ids  # end of text (and an imported model's end of turn)
         try:
             t0 = time.perf_counter()
             pieces = [batch.join(r, ids, row_params(self.params, r), eot, self.streams[r])

@@ -22,8 +22,9 @@ from quillgpt.model.gpt import GPT
 class Recompute(Rows):
     """Rows of generation recomputed from their tokens at every step."""
 
-    def __init__(self, model: GPT, max_rows: int = 1, *, dtype: torch.dtype | None = None, unit: str = "row") -> None:
-        super().__init__(model, max_rows, dtype, unit)
+    def __init__(self, model: GPT, max_rows: int = 1, *, dtype: torch.dtype | None = None, unit: str = "row",
+                 capacity: int | None = None) -> None:
+        super().__init__(model, max_rows, dtype, unit, capacity)
 
     def _first_logits(self, r: int, row: _Row, ids: list[int]) -> Tensor:
         return self._logits([r])[0]

@@ -22,11 +22,13 @@ from quillgpt.inference.sampling import SamplingParams
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Prompt text → ids. An empty prompt starts where documents start in training: after the
-    end-of-text token (BPE), or after a newline (char; the first id if there is no newline)."""
+    """Prompt text → ids, after the tokenizer's BOS where it has one (as its model was trained).
+    An empty prompt starts where documents start in training: after BOS or end-of-text, or after
+    a newline (char; the first id if there is no newline)."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     if text == "":
-        if tokenizer.eot_id is not None:
-            return [tokenizer.eot_id]
+        if tokenizer.document_start is not None:
+            return [tokenizer.document_start]
         return tokenizer.encode("\n") if not tokenizer.unknown_chars("\n") else [0]
     unknown = tokenizer.unknown_chars(text)
     if unknown:
@@ -36,7 +38,7 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
             f"the prompt has {sum(unknown.values())} character(s) that are not in the model's "
             f"{tokenizer.name} vocabulary: {shown}{more}; remove or replace them"
         )
-    return tokenizer.encode(text)
+    return bos + tokenizer.encode(text)
 
 
 class StopStrings:

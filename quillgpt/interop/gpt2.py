@@ -14,22 +14,15 @@ Reading and writing Hugging Face directories is interop/hf_files.py's.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.config import Config, ModelConfig, config_from_dict, save_config, shown_value
-from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
+from quillgpt.config import ModelConfig, config_from_dict, shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, read_text, shown
-from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, make_out_dir, require, resolve_source, write_json
 from quillgpt.model.variants import variant_of
 
 # Weights HF keeps as Conv1D (in, out): transposed to and from nn.Linear's (out, in).
@@ -43,20 +36,8 @@ GPT2_DEFAULTS: dict[str, Any] = {
     "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
 }
-QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
 # --force when any one of these is already there (a run and an HF model never share a directory).
-RUN_FILES = (ckpt.LATEST, ckpt.BEST, "config.yaml", "tokenizer.json", "metrics.jsonl")
-HF_FILES = ("config.json", "model.safetensors", "generation_config.json", QUILL_TOKENIZER)
-
-
-@dataclass
-class Converted:
-    """Where a conversion wrote its files, and the architecture it converted."""
-
-    path: Path
-    model: ModelConfig
-    tokenizer: str
 
 
 # --- configs ----------------------------------------------------------------------------------
@@ -67,7 +48,7 @@ def hf_to_model_config(hf: dict[str, Any], source: str = "config.json") -> Model
     if hf.get("model_type", "gpt2") != "gpt2":
         raise QuillError(
             f"{source}: model_type is {shown_value(hf['model_type'])}, not 'gpt2'; import-hf reads GPT-2 "
-            "(GPT2LMHeadModel) checkpoints only"
+            "(GPT2LMHeadModel) and the Llama family (llama, qwen2, qwen3, mistral)"
         )
     c = {**GPT2_DEFAULTS, **{k: v for k, v in hf.items() if k in GPT2_DEFAULTS and (v is not None or k == "n_inner")}}
     problems = []
@@ -212,85 +193,5 @@ def quill_to_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, T
 
 
 # --- the two directions -----------------------------------------------------------------------
-
-
-def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Converted:
-    """A Hugging Face GPT-2 (directory or hub name) → a quill run directory at step 0.
-
-    The run (config.yaml, tokenizer.json, ckpt.pt) works with quill sample/eval and as
-    train.init_from. The tokenizer is tiktoken's gpt2, or the one export-hf saved beside the weights.
-    """
-    out_dir = Path(out_dir)
-    check_out_dir(out_dir, RUN_FILES + HF_FILES, force, "a run's or a model's files")
-    path = resolve_source(src)
-    try:
-        hf_config = json.loads(read_text(path / "config.json", "config.json", limit=1 << 24))
-    except (json.JSONDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
-        raise QuillError(f"{shown(path / 'config.json')} is not valid JSON ({why})") from None
-    if not isinstance(hf_config, dict):
-        raise QuillError(f"{shown(path / 'config.json')} must be a JSON object")
-    model_cfg = hf_to_model_config(hf_config, str(path / "config.json"))
-    tokenizer = _source_tokenizer(path)
-    if model_cfg.vocab_size < tokenizer.vocab_size:
-        raise QuillError(
-            f"{path / 'config.json'} has vocab_size={model_cfg.vocab_size}, fewer than the {tokenizer.vocab_size} "
-            f"ids of its tokenizer ({tokenizer.name}); import-hf needs a model with GPT-2's vocabulary"
-        )
-    state = hf_to_quill_state(load_hf_weights(path), model_cfg)
-    ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
-
-    make_out_dir(out_dir)
-    cfg = Config(model=model_cfg)
-    tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
-    cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")
-    cfg.data.out_dir = f"data/shakespeare_{tokenizer.name}"
-    # Training with this config.yaml fine-tunes the import into a new directory, never over it.
-    cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
-    save_config(cfg, out_dir / "config.yaml")
-    save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-    for stale in (ckpt.BEST, "metrics.jsonl"):  # only with --force (checked above): not this model's
-        (out_dir / stale).unlink(missing_ok=True)
-    ckpt.save_checkpoint(
-        {"model": state, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": 0,
-         "tokens_seen": 0, "imported_from": str(src)},
-        out_dir / ckpt.LATEST,
-    )
-    return Converted(out_dir, model_cfg, tokenizer.name)
-
-
-def _source_tokenizer(path: Path) -> Tokenizer:
-    if os.path.isfile(path / QUILL_TOKENIZER):
-        return load_tokenizer(path / QUILL_TOKENIZER)
-    return build_tokenizer("gpt2")
-
-
-def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Converted:
-    """A quill run (or .pt) whose architecture GPT-2 can express → a transformers GPT-2 directory.
-
-    Writes config.json, model.safetensors, generation_config.json (when the tokenizer has an
-    end-of-text id) and quill_tokenizer.json; `GPT2LMHeadModel.from_pretrained(out_dir)` loads it.
-    """
-    st_torch = require("safetensors.torch")
-    out_dir = Path(out_dir)
-    check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
-    loaded = ckpt.load_run(run, which=which)
-    cfg = loaded.config.model
-    problems = gpt2_incompatibilities(cfg)
-    if problems:
-        raise QuillError(f"cannot export {loaded.path} to GPT-2: " + "; ".join(problems))
-    tensors = quill_to_hf_state(loaded.model.state_dict(), cfg)
-    eot = loaded.tokenizer.eot_id
-
-    make_out_dir(out_dir)
-    atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
-    write_json(out_dir / "config.json", model_config_to_hf(cfg, eot))
-    generation = out_dir / "generation_config.json"
-    if eot is not None:
-        write_json(generation, {"bos_token_id": eot, "eos_token_id": eot})
-    else:
-        generation.unlink(missing_ok=True)
-    save_tokenizer(loaded.tokenizer, out_dir / QUILL_TOKENIZER)
-    return Converted(out_dir, cfg, loaded.tokenizer.name)
 
 

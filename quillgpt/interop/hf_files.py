@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,24 +41,49 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         top = module.split(".")[0]
-        raise QuillError(f"GPT-2 interop needs {top} (the hf extra): {HF_INSTALL}") from None
+        raise QuillError(f"Hugging Face interop needs {top} (the hf extra): {HF_INSTALL}") from None
 
 
-def load_hf_weights(src: Path) -> dict[str, Tensor]:
-    """The tensors of an HF model directory: model.safetensors, else pytorch_model.bin (sharded or not)."""
-    for name, loader in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
-        if os.path.isfile(src / name):
-            return loader(src / name)
-        index = src / f"{name}.index.json"
-        if os.path.isfile(index):
-            tensors: dict[str, Tensor] = {}
-            for shard in _shard_names(index):
-                tensors.update(loader(src / shard))
-            return tensors
-    raise QuillError(
-        f"{src} has no weights: expected model.safetensors or pytorch_model.bin (or their sharded "
-        "*.index.json) next to config.json"
-    )
+class HFWeights(Mapping[str, Tensor]):
+    """The tensors of an HF model directory, read lazily one at a time (a model is never held twice):
+    model.safetensors, else pytorch_model.bin (sharded or not; .bin loads without running code)."""
+
+    def __init__(self, src: Path) -> None:
+        self._where: dict[str, Any] = {}  # tensor name → the open file that holds it
+        for name, opener in (("model.safetensors", _open_safetensors), ("pytorch_model.bin", _open_bin)):
+            index = src / f"{name}.index.json"
+            files = [src / name] if os.path.isfile(src / name) else [src / s for s in _shard_names(index)] if os.path.isfile(index) else []
+            for path in files:
+                handle = opener(path)
+                self._where.update(dict.fromkeys(handle.keys(), (handle, path)))
+            if files:
+                return
+        raise QuillError(
+            f"{src} has no weights: expected model.safetensors or pytorch_model.bin (or their sharded "
+            "*.index.json) next to config.json"
+        )
+
+    def __getitem__(self, name: str) -> Tensor:
+        handle, path = self._where[name]
+        try:
+            t = handle.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 — a truncated file fails here, with the library's own type
+            raise QuillError(f"{shown(path)}: cannot read {name[:100]} ({type(e).__name__}: {str(e)[:100]}); "
+                             "download it again") from None
+        if not isinstance(t, Tensor):
+            raise QuillError(f"{shown(path)}: {name[:100]} is not a tensor; is it a model's weights file?")
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf_weights(src: Path) -> HFWeights:
+    """The tensors of an HF model directory (see HFWeights)."""
+    return HFWeights(src)
 
 
 def _shard_names(index: Path) -> list[str]:
@@ -73,24 +99,46 @@ def _shard_names(index: Path) -> list[str]:
     return shards
 
 
-def _load_safetensors(path: Path) -> dict[str, Tensor]:
-    st_torch = require("safetensors.torch")
+def _open_safetensors(path: Path) -> Any:
+    safetensors = require("safetensors")
     if not os.path.isfile(path):
         raise QuillError(f"{shown(path)} is missing (named in the shard index)")
     try:
-        return _checked_tensors(st_torch.load_file(path, device="cpu"), path)
-    except QuillError:
-        raise
+        return safetensors.safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 — SafetensorError, OSError, and whatever a crafted header raises
         raise QuillError(f"{shown(path)} is not a readable safetensors file ({type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0][:100]}); download it again") from None
 
 
-def _load_bin(path: Path) -> dict[str, Tensor]:
+class _BinFile:
+    """A pytorch_model.bin as safe_open's interface: keys(), get_tensor(name); memory-mapped."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get_tensor(self, name: str) -> Any:
+        return self.tensors[name]
+
+
+def _torch_load(path: Path) -> Any:
+    """torch.load without running code, memory-mapped where the file allows it (the zip format;
+    files from before torch 1.6 load whole)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _open_bin(path: Path) -> _BinFile:
     if not os.path.isfile(path):
         raise QuillError(f"{shown(path)} is missing (named in the shard index)")
     try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)  # never runs code
+        tensors = _torch_load(path)
     except pickle.UnpicklingError as e:
         raise QuillError(
             f"{shown(path)} was refused: loading it needs code execution, which is unsafe "
@@ -99,13 +147,9 @@ def _load_bin(path: Path) -> dict[str, Tensor]:
     except Exception as e:  # noqa: BLE001 — damaged bytes fail in torch.load with many types
         raise QuillError(f"{shown(path)} is not a readable PyTorch weights file "
                          f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]})") from None
-    return _checked_tensors(tensors, path)
-
-
-def _checked_tensors(tensors: Any, path: Path) -> dict[str, Tensor]:
-    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(t, Tensor) for k, t in tensors.items()):
-        raise QuillError(f"{shown(path)} is not a state dict (names → tensors); is it a GPT-2 weights file?")
-    return tensors
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) for k in tensors):
+        raise QuillError(f"{shown(path)} is not a state dict (names → tensors); is it a model's weights file?")
+    return _BinFile(tensors)
 
 
 def resolve_source(src: str | Path) -> Path:

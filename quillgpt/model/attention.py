@@ -32,13 +32,32 @@ from quillgpt.config import ModelConfig
 from quillgpt.model.kv_cache import KVCache, KVWrite
 
 
-def rope_cos_sin(pos: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin of the RoPE angles pos·θ^(-2i/d) for any (…) integer positions → (…, head_dim).
+def rope_inv_freq(head_dim: int, theta: float, scaling: str | None = None, factor: float = 1.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, original_context: int = 8192,
+                  device: torch.device | str | None = None) -> Tensor:
+    """The (head_dim/2,) float32 RoPE frequencies θ^(-2i/d), optionally scaled for a longer context:
+    "linear" divides them all by `factor` (= positions / factor); "llama3" (Llama 3.1) divides only
+    the low frequencies (wavelength > original_context / low_freq_factor), keeps the high ones
+    (wavelength < original_context / high_freq_factor) and blends linearly in between."""
+    inv = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling == "linear":
+        return inv / factor
+    if scaling != "llama3":
+        return inv
+    wavelen = 2 * math.pi / inv
+    low, high = original_context / low_freq_factor, original_context / high_freq_factor
+    scaled = torch.where(wavelen > low, inv / factor, inv)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    return torch.where((wavelen >= high) & (wavelen <= low), blended, scaled)
+
+
+def rope_cos_sin(pos: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin of the RoPE angles pos·inv_freq for any (…) integer positions → (…, head_dim).
 
     One function for the precomputed table and for explicit positions, so both give the same bits.
     """
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
-    angles = pos.to(torch.float32)[..., None] * inv_freq  # (..., hd/2)
+    angles = pos.to(torch.float32)[..., None] * inv_freq.to(pos.device)  # (..., hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., hd): the two halves rotate as pairs
     return angles.cos(), angles.sin()
 
@@ -129,6 +148,15 @@ class LayerInputs:
     need_weights: bool = False
 
 
+class HeadNorm(nn.RMSNorm):
+    """model.qk_norm: RMSNorm over each head's q or k (one gain vector shared by the heads). Under
+    autocast q and k come out of c_attn in bf16 while the gain is fp32: the gain is cast to them,
+    so the fused kernel runs (mixed dtypes fall back to a composite path, with a warning)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 class SelfAttention(nn.Module):
     """The projections every variant shares: fused q/k/v (`c_attn`), QK-norm, RoPE, and the output
     projection (`c_proj`). c_attn's output is [q heads | k heads | v heads], each head-major, as in
@@ -137,14 +165,14 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_size
         self.impl, self.dropout = cfg.attn_impl, cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.kv_heads) * self.head_dim, bias=cfg.bias)
+        qkv = (self.n_head + 2 * self.kv_heads) * self.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, qkv, bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        # model.qk_norm: RMSNorm over each head's q and k (gains shared by the heads)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = HeadNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = HeadNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def qkv(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, C) → q (B, H, T, hd), k, v (B, KV, T, hd), normed and rotated."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
-from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin
+from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
 from quillgpt.model.kv_cache import KVCache
 from quillgpt.model.variants import Variant, variant_of
 
@@ -136,10 +136,12 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
+        self._inv_freq: dict[torch.device, Tensor] = {}  # RoPE frequencies per device, fp32 whatever the weights
         if cfg.pos == "rope":  # table for positions 0..block_size-1; other positions computed on the fly
-            cos, sin = rope_cos_sin(torch.arange(cfg.block_size), cfg.head_dim, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (block_size, hd)
+            self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+            if not self.lm_head.weight.is_meta:  # built on the meta device: materialize() makes it
+                self._rope_table()
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections so the residual stream's variance stays ~constant
         # (model.zero_init_proj: start them at zero instead, so every block starts as the identity)
@@ -148,6 +150,21 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def _rope_table(self) -> None:
+        """cos/sin of positions 0..block_size-1, on the CPU (model.to moves them; explicit device: also
+        under a meta-device context)."""
+        cpu = torch.device("cpu")
+        cos, sin = rope_cos_sin(torch.arange(self.config.block_size, device=cpu), self.inv_freq(cpu))
+        self.rope_cos, self.rope_sin = cos.to(self.lm_head.weight.dtype), sin.to(self.lm_head.weight.dtype)
+
+    def materialize(self) -> None:
+        """After load_state_dict(assign=True) into a model built on the meta device: the buffers no
+        checkpoint holds (the RoPE table), and the tie of the head to the embedding."""
+        if self.config.pos == "rope":
+            self._rope_table()
+        if self.config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -268,6 +285,16 @@ class GPT(nn.Module):
             )
         return pos
 
+    def inv_freq(self, device: torch.device) -> Tensor:
+        """The RoPE frequencies (head_size/2,) in float32 on `device`, scaled as model.rope_scaling
+        says; kept out of the buffers so that model.to(bfloat16) cannot round them."""
+        if device not in self._inv_freq:
+            c = self.config
+            self._inv_freq[device] = rope_inv_freq(
+                c.head_size, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
+                c.rope_high_freq_factor, c.rope_original_context, device)
+        return self._inv_freq[device]
+
     def _embed(self, idx: Tensor, pos: Tensor | None) -> Tensor:
         """Token embeddings, plus learned position embeddings (padding positions clamped to 0)."""
         x = self.transformer.wte(idx)
@@ -284,7 +311,7 @@ class GPT(nn.Module):
             return None
         if pos is None:
             return self.rope_cos[:T], self.rope_sin[:T]  # (T, hd)
-        cos, sin = rope_cos_sin(self.variant.embed_positions(cfg, pos), cfg.head_dim, cfg.rope_theta)  # (B, T, hd)
+        cos, sin = rope_cos_sin(self.variant.embed_positions(cfg, pos), self.inv_freq(pos.device))  # (B, T, hd)
         dt = self.rope_cos.dtype
         return cos[:, None].to(dt), sin[:, None].to(dt)  # broadcast over heads
 
@@ -323,4 +350,4 @@ class GPT(nn.Module):
         T is the number of keys a query sees at most, min(window, block_size).
         """
         cfg = self.config
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * self.span
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * self.span

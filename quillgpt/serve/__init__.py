@@ -2,6 +2,6 @@
 
 Needs the optional "serve" extra (`pip install -e ".[serve]"`: fastapi, uvicorn).
 Modules: `server` (start-up, listen, drain), `app` (routes, SSE, auth, limits), `schemas`
-(strict request bodies), `responses` (OpenAI's objects), `chat` (the chat template),
+(strict request bodies), `responses` (OpenAI's objects),
 `batcher` (the one engine task), `errors` (OpenAI-shaped errors), `static/` (the page).
 """

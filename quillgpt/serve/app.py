@@ -23,10 +23,10 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from quillgpt.errors import QuillError
+from quillgpt.inference.chat import chat_prompt_ids, fitting
 from quillgpt.inference.sampling import InvalidParam, SamplingParams
 from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
-from quillgpt.serve.chat import CHAT_STOPS, chat_prompt
 from quillgpt.serve.errors import APIError, install_handlers
 from quillgpt.serve.responses import DONE, Reply, sse
 from quillgpt.serve.schemas import (
@@ -198,15 +198,21 @@ class Routes:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
             raise APIError(400, "prompt is an empty list; give at least one prompt", param="prompt")
-        return await self._generate(request, req, prompts, "prompt", stops=(), default_max=16, chat=False)
+        ids = [self._encode(p, "prompt") for p in prompts]
+        return await self._generate(request, req, ids, stops=(), default_max=16, chat=False)
 
     async def chat(self, request: Request) -> Any:
         req = parse_body(await request.body(), ChatRequest)
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
-        prompt = chat_prompt(req.messages)
-        return await self._generate(request, req, [prompt], "messages", stops=CHAT_STOPS,
-                                    default_max=self.options.max_tokens, chat=True)
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        try:
+            ids, stops = chat_prompt_ids(self.run.tokenizer, messages)  # the model's template, or the transcript
+        except QuillError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
+        default = fitting(self.run.model, len(ids), self.options.max_tokens)  # a prefix-LM's room
+        return await self._generate(request, req, [self._checked(ids, "messages")], stops=stops, default_max=default,
+                                    chat=True)
 
     async def attention(self, request: Request) -> dict[str, Any]:
         from quillgpt.evaluate.attention_views import attention_weights
@@ -239,6 +245,9 @@ class Routes:
             ids = encode_prompt(self.run.tokenizer, text)
         except QuillError as e:
             raise APIError(400, str(e), param=param, code="invalid_prompt") from None
+        return self._checked(ids, param)
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
         if len(ids) > self.options.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids):,} tokens; this server takes at most "
                            f"{self.options.max_prompt_tokens:,}", param=param, code="prompt_too_long")
@@ -264,25 +273,23 @@ class Routes:
                            param="max_tokens", code="invalid_value")
         return n
 
-    async def _generate(self, request: Request, req: SamplingFields, prompts: list[str], param: str,
+    async def _generate(self, request: Request, req: SamplingFields, ids: list[list[int]],
                         stops: tuple[str, ...], default_max: int, chat: bool) -> Any:
         """Check the request, queue one job per choice, answer with SSE or the whole reply."""
         self._check_model(req.model)
         reject_unsupported(req)
         n, rows = (1 if req.n is None else req.n), self.batcher.engine.max_rows
-        if n < 1 or n * len(prompts) > rows:
+        if n < 1 or n * len(ids) > rows:
             raise APIError(400, f"n × prompts must be between 1 and {rows} (the server's --max-batch), "
-                           f"got {n} × {len(prompts)}", param="n", code="invalid_value")
+                           f"got {n} × {len(ids)}", param="n", code="invalid_value")
         stops = stops + stop_strings(req.stop)
         max_tokens = self._max_tokens(req, default_max)
-        ids = [self._encode(p, param) for p in prompts]
         params = [self._params(req, max_tokens, None if req.seed is None else req.seed + k, stops) for k in range(n)]
         events: asyncio.Queue[Event] = asyncio.Queue()
         relay = self._relay(asyncio.get_running_loop())
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
-        eot = self.run.tokenizer.eot_id
         jobs = [Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit,
-                    stop_ids=() if eot is None else (eot,)) for i in range(len(prompts)) for k in range(n)]
+                    stop_ids=self.run.tokenizer.stop_ids) for i in range(len(ids)) for k in range(n)]
         try:
             self.batcher.submit(jobs)
         except Busy as e:

@@ -66,6 +66,13 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @property
+    def text(self) -> str:
+        """The content as text: a string, or its text parts joined."""
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)

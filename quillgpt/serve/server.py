@@ -36,7 +36,8 @@ def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch
     from quillgpt.serve.app import create_app
     from quillgpt.serve.batcher import Batcher
 
-    engine = Engine(run.model, max_rows=max_batch, dtype=dtype)
+    tokens = options.max_prompt_tokens + options.max_tokens  # the most a request's row can hold
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens)
     return create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
 
 
@@ -88,7 +89,6 @@ def serve(
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
     from quillgpt.checkpoint import load_run
     from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.engine import in_dtype
     from quillgpt.model import quant
 
     require_extra()
@@ -103,8 +103,8 @@ def serve(
     torch_dtype, scheme = parse_dtype(dtype), quant.parse_quantize(quantize)
     if api_key is not None and not api_key.strip():
         raise QuillError("the API key is empty; pass a real key or none")
-    run = load_run(ckpt, which=which, device=resolve_device(device))
-    model = quant.quantize(in_dtype(run.model, torch_dtype), scheme, rows=max_batch)  # once, at load: the engine's decode batch
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
+    model = quant.quantize(run.model, scheme, rows=max_batch)  # once, at load: the engine's decode batch
     run = dataclasses.replace(run, model=model)  # what the engine and the attention view run
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
     app = make_app(run, options, max_batch)

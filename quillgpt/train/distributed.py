@@ -43,10 +43,11 @@ class Dist:
     world_size: int = 1
     device: torch.device = torch.device("cpu")  # NCCL reduces CUDA tensors only
     owns_group: bool = False  # setup_distributed created the process group (so teardown ends it)
+    grouped: bool = False  # in a process group, which one process joins only for train.strategy ddp/fsdp
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        return self.grouped or self.world_size > 1
 
     @property
     def master(self) -> bool:
@@ -88,13 +89,16 @@ class Dist:
             dist.barrier()
 
 
-def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
+def setup_distributed(device_name: str, strategy: str = "auto") -> tuple[Dist, torch.device]:
     """Under torchrun (WORLD_SIZE > 1): NCCL on GPUs, gloo on CPU; one device per rank.
 
+    One process runs alone, unless torchrun started it (RANK is set) and `strategy` names ddp or
+    fsdp: then it is a group of one, so that one GPU runs those paths (NCCL, the DDP wrapper, FSDP
+    shards and their checkpoints) and resumes an FSDP run's sharded checkpoint.
     A process group that already exists (set up by the caller) is used as it is, and left open.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if world == 1 and not (strategy in ("ddp", "fsdp") and "RANK" in os.environ):
         return Dist(), resolve_device(device_name, "train.device")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_name, "train.device")
@@ -104,7 +108,7 @@ def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank, local_rank, world, device, owns), device
+    return Dist(rank, local_rank, world, device, owns, grouped=True), device
 
 
 def teardown_distributed(ddp: Dist) -> None:

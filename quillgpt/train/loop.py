@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, parse_duration
@@ -59,8 +58,9 @@ from quillgpt.train.memory import check_train_memory
 from quillgpt.train.metrics import MetricsWriter
 from quillgpt.train.optim import build_optimizer
 from quillgpt.train.prefix_batches import PrefixLengths, PrefixSampler, separator_id
+from quillgpt.train.progress import Progress, startup_line
 from quillgpt.train.run_dir import init_from_run, load_resume_state, open_run, start_run
-from quillgpt.train.schedule import follow_budget, lr_at
+from quillgpt.train.schedule import FIT_AFTER_STEPS, follow_budget, lr_at
 
 
 @dataclass
@@ -70,7 +70,8 @@ class TrainResult:
     best_val_loss: float
     last_val_loss: float | None
     elapsed_s: float
-    stopped: str  # "done" | "time_budget" | "interrupted"
+    stopped: str  # "done" | "time_budget" | "interrupted" | "finished" (a resume of a run that had ended)
+    reason: str = ""  # why, where it is not obvious (a time budget's end; how to extend a finished run)
 
 
 # --- schedule, optimizer, devices -------------------------------------------------------------
@@ -159,12 +160,14 @@ class Trainer:
     elapsed_before: float = 0.0  # seconds trained before this process (by the runs it resumes)
     horizon: int = 0  # the step the lr schedule ends at: max_iters, or fitted to train.time_budget
     fitted: bool = False  # the horizon was fitted to the budget (once; checkpointed)
+    fit_at: int = FIT_AFTER_STEPS  # the step it is fitted at (later on a resume with a new budget)
     budget_ended: bool = False  # the time budget ended the run
     reserve_s: float = 0.0  # time budget: kept for the final evaluation + checkpoint (the last one's time)
     pace_mark: tuple[float, int] | None = None  # time budget: (time, step) after this process's first step
     t_start: float = 0.0
     first_step: int = 0  # the step this process started from
     log: MetricsWriter | None = None  # rank 0 only
+    stop_reason: str = ""  # time budget: why the run ended where it did
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.t_start
@@ -172,7 +175,7 @@ class Trainer:
 
 def train(cfg: Config, progress: bool = True) -> TrainResult:
     """Train a GPT as `cfg` says; returns where the run stopped and its losses."""
-    ddp, device = setup_distributed(cfg.train.device)
+    ddp, device = setup_distributed(cfg.train.device, cfg.train.strategy)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -183,6 +186,8 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
             if state is not None:
                 restore(t, state)
             stack.callback(lambda: t.log.close() if t.log is not None else None)
+            if state is not None and t.step >= t.horizon:  # nothing left to do: say how to go on
+                return TrainResult(t.out_dir, t.step, t.best_val, None, t.elapsed(), "finished", extend_hint(t))
             t.model = wrap_model(torch.compile(t.raw_model) if cfg.train.compile else t.raw_model, ddp, device)
             return loop(t, progress, resumed=state is not None)
     finally:
@@ -254,9 +259,25 @@ def restore(t: Trainer, state: dict[str, Any]) -> None:
     restore_rank_rng(state, t.cfg.train.seed, t.ddp, t.device)
     t.step, t.tokens_seen = state["step"], state["tokens_seen"]
     t.best_val, t.elapsed_before = state["best_val_loss"], state["elapsed_s"]
-    if t.budget_s is not None and state.get("horizon") is not None:
+    saved = state["config"].get("train", {}).get("time_budget")
+    same_budget = t.budget_s == (parse_duration(saved) if saved else None)
+    if t.budget_s is not None and same_budget and state.get("horizon") is not None:
         t.horizon, t.fitted = min(state["horizon"], t.cfg.train.max_iters), True
         t.budget_ended = bool(state.get("budget_ended", False))
+    elif t.budget_s is not None:  # a new budget on resume (an extension): fitted again, from this
+        t.fit_at = max(t.fit_at, t.step + FIT_AFTER_STEPS // 2)  # process's own pace after a few steps
+
+
+def extend_hint(t: Trainer) -> str:
+    """What `--resume` of a run that has already ended says: where it ended and how to go on."""
+    tc = t.cfg.train
+    if t.budget_s is not None:
+        return (f"{t.out_dir} already ended at step {t.step:,} after {t.elapsed_before:.0f}s of its "
+                f"train.time_budget={tc.time_budget}; to go on, resume with a larger budget (the total, counted "
+                "from the run's start: --resume train.time_budget=10m) or by steps (train.time_budget=null "
+                f"train.max_iters={2 * t.step})")
+    return (f"{t.out_dir} already reached train.max_iters={tc.max_iters:,}; to go on, resume with more steps "
+            f"(--resume train.max_iters={2 * tc.max_iters}); its lr schedule then runs over the new total")
 
 
 def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
@@ -267,7 +288,9 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
     last_val, stopped = None, None
     t.t_start, t.first_step = time.time(), t.step
     meter.start(t.step)
-    bar = tqdm(total=t.horizon, initial=t.step, disable=not (progress and ddp.master), unit="step", dynamic_ncols=True)
+    bar = Progress(t, enabled=progress and ddp.master)
+    if ddp.master:
+        bar.write(startup_line(t, tokens_per_step, resumed))
     with StopFlag() as stop:
         t.model.train()
         verified = not tc.compile  # a compiled model proves itself on its first step
@@ -279,11 +302,11 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
             verified = True
             t.step += 1
             t.tokens_seen += tokens_per_step
-            bar.update(1)
             if t.step == t.first_step + 1 and not _started(t, loss, stop, resumed, bar):
                 t.step, stopped = t.first_step, "interrupted"  # the step is not kept: nothing was saved
                 break
-            follow_budget(t, bar)
+            follow_budget(t, bar.write)
+            bar.update(t)
             record = _log_record(t, loss, lr, meter, bar, tokens_per_step) if t.step % tc.log_interval == 0 or t.step == t.horizon else {}
             if t.step % tc.eval_interval == 0 or t.step == t.horizon:
                 eval_started = time.time()
@@ -298,7 +321,8 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
                 break
     bar.close()
     stopped = stopped or ("time_budget" if t.budget_ended else "done")
-    return TrainResult(t.out_dir, t.step, t.best_val, last_val, t.elapsed(), stopped)
+    return TrainResult(t.out_dir, t.step, t.best_val, last_val, t.elapsed(), stopped,
+                       t.stop_reason if stopped == "time_budget" else "")
 
 
 @dataclass
@@ -317,7 +341,7 @@ class Meter:
         self.t_log += seconds
 
 
-def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar: tqdm) -> bool:
+def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar: Progress) -> bool:
     """After this process's first step: start the run's files, unless the loss is not finite (an
     error) or a stop was asked for already (then nothing was written, and False)."""
     _checked_loss(loss, t.step, t.ddp)
@@ -328,7 +352,7 @@ def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar:
     return True
 
 
-def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: tqdm, tokens_per_step: int) -> dict[str, Any]:
+def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: Progress, tokens_per_step: int) -> dict[str, Any]:
     """A metrics line for this step (reading the loss waits for the device: only at log steps)."""
     now = time.time()
     train_loss = _checked_loss(loss, t.step, t.ddp)
@@ -340,7 +364,7 @@ def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: tq
             "mfu": mfu, "elapsed_s": t.elapsed_before + now - t.t_start}
 
 
-def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[str, Any], bar: tqdm) -> float:
+def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[str, Any], bar: Progress) -> float:
     """Val loss on the fixed windows, then metrics line, best.pt (if better) and ckpt.pt."""
     train_loss = _checked_loss(loss, t.step, t.ddp)  # before anything is saved
     eval_started = time.time()
@@ -372,7 +396,7 @@ def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[st
     return val
 
 
-def _save_on_stop(t: Trainer, loss: torch.Tensor, bar: tqdm) -> None:
+def _save_on_stop(t: Trainer, loss: torch.Tensor, bar: Progress) -> None:
     _checked_loss(loss, t.step, t.ddp)
     save_latest(t, rank_rng_states(t.ddp, t.device), full_weights(t.raw_model))
     if t.ddp.master:

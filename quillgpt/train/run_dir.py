@@ -136,9 +136,11 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     """Fine-tuning: take the source run's architecture and weights (dropout/block_size may shrink)."""
     source = ckpt.load_run(cfg.train.init_from, which="best")
     if source.tokenizer.spec() != tokenizer_spec:
+        base = _describe_tokenizer(source.tokenizer.spec())
         raise QuillError(
-            f"train.init_from={cfg.train.init_from} uses tokenizer {source.tokenizer.name!r} but the data "
-            f"was prepared with {cfg.data.tokenizer!r}; set data.tokenizer to match (e.g. data.tokenizer=gpt2)"
+            f"train.init_from={cfg.train.init_from} was trained with the tokenizer {base} but data.tokenizer="
+            f"{cfg.data.tokenizer} gives {_describe_tokenizer(tokenizer_spec)}; leave data.tokenizer unset to "
+            "use the base run's own"
         )
     model_cfg = source.config.model
     if cfg.model.block_size > model_cfg.block_size:

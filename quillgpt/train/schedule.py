@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-from tqdm import tqdm
 
 from quillgpt.config import TrainConfig
 
@@ -52,12 +51,13 @@ def eval_step_times(cfg: TrainConfig, world_size: int = 1) -> float:
     return 2 * cfg.eval_iters * world_size / (3 * cfg.grad_accum)
 
 
-def follow_budget(t: Trainer, bar: tqdm) -> None:
+def follow_budget(t: Trainer, say: Callable[[str], None]) -> None:
     """train.time_budget: fit the horizon once, at a fixed step (FIT_AFTER_STEPS or warmup's end,
     whichever is later), so the steps before it follow max_iters' schedule identically in a
     straight and a resumed run; stop once the time left only holds one more step and the final
     evaluation and checkpoint (reserve_s: the last one's time; estimated from the pace before the
-    first), so they too end inside the budget."""
+    first), so they too end inside the budget. `say` prints the fitted end once; t.stop_reason
+    keeps why the run ends where it does."""
     if t.budget_s is None or t.budget_ended:
         return
     # seconds per step, after the first one: its one-time costs (lazy kernels, allocations) took
@@ -65,12 +65,21 @@ def follow_budget(t: Trainer, bar: tqdm) -> None:
     t.pace_mark = t.pace_mark or (time.time(), t.step)
     since, step = t.pace_mark
     pace = (time.time() - since) / (t.step - step) if t.step > step else time.time() - t.t_start
+    fit_at = max(t.fit_at, t.cfg.train.warmup_iters)
     reserve = t.reserve_s or pace * eval_step_times(t.cfg.train, t.ddp.world_size)
     if t.ddp.any(t.elapsed() + pace + reserve >= t.budget_s):
+        t.stop_reason = (f"the time ran out at {t.elapsed():.0f}s of {t.budget_s:.0f}s: one more step ({pace:.2f}s) "
+                         f"and the final evaluation and checkpoint (~{reserve:.0f}s, train.eval_iters={t.cfg.train.eval_iters}) "
+                         "would not fit; " + (f"the steps were slower than when the end (step {t.horizon:,}) was fitted"
+                                              if t.fitted else f"the end was to be fitted at step {fit_at}"))
         t.horizon, t.budget_ended = t.step, True  # finish as if this were the last step
-    elif not t.fitted and t.step >= max(FIT_AFTER_STEPS, t.cfg.train.warmup_iters):
-        horizon = fit_horizon(t.step, t.cfg.train, pace, t.budget_s - t.elapsed() - reserve, t.ddp.world_size)
+    elif not t.fitted and t.step >= fit_at:
+        left = t.budget_s - t.elapsed() - reserve
+        horizon = fit_horizon(t.step, t.cfg.train, pace, left, t.ddp.world_size)
         t.horizon, t.fitted = t.ddp.broadcast_int(horizon), True
-        bar.total = t.horizon
+        say(f"time_budget: {pace:.3f}s a step fits {t.horizon - t.step:,} more steps in the {left:.0f}s left: "
+            f"the schedule ends at step {t.horizon:,}")
+        t.stop_reason = (f"it reached the schedule's end, fitted at step {t.step:,} from {pace:.3f}s a step "
+                         "(a machine that speeds up after that ends early: the pace is measured once)")
     if t.step >= t.horizon and t.horizon < t.cfg.train.max_iters:
         t.budget_ended = True  # the fitted end: the budget, not max_iters, ended the run

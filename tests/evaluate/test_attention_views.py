@@ -73,7 +73,7 @@ def test_weights_equal_softmax_recomputed_by_hand(tok, overrides):
     for h in hooks:
         h.remove()
 
-    T, H, KV, hd = len(PROMPT), cfg.n_head, cfg.kv_heads, cfg.head_dim
+    T, H, KV, hd = len(PROMPT), cfg.n_head, cfg.kv_heads, cfg.head_size
     assert attn.ids == tok.encode(PROMPT) and attn.cropped == 0 and len(attn.weights) == cfg.n_layer
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     allowed = (j <= i) & (i - j < (cfg.window or T))  # (T, T)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from support import BLOCK, PROMPTS, VARIANTS, V, random_model
+from support import BLOCK, PROMPTS, VARIANTS, V, random_model, rel_err
 
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
@@ -234,3 +234,43 @@ def test_decode_without_a_mask_equals_the_masked_step_when_rows_share_a_length(v
             masked = model.decode(ids[:, t], pos, caches[0], n_keys)
             unmasked = model.decode(ids[:, t], pos, caches[1], n_keys, masked=False)
             torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
+
+
+# --- on CUDA (pytest -m cuda; skipped without a GPU) ------------------------------------------
+
+
+@pytest.fixture
+def no_tf32(monkeypatch):
+    """fp32 matmuls in full fp32 (train() switches TF32 on for the whole process)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "rmsnorm-swiglu"])
+def test_cuda_cached_logits_equal_recompute(variant, dtype, no_tf32):
+    """On CUDA, a prompt's prefill and then one-token decode steps over the static cache give the
+    logits the full forward (what recompute runs) gives at every position, past a window's ring:
+    to rounding in fp32, to bf16's rounding (‖Δ‖/‖ref‖ < 1e-2) with bf16 weights and cache."""
+    model = random_model(variant).to("cuda", dtype)
+    ids = torch.randint(0, V, (2, BLOCK), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        full, _ = model(ids, all_logits=True)  # (2, BLOCK, V)
+        cache = model.make_cache(2)
+        prefill, _ = model(ids[:, :6], pos=torch.arange(6, device="cuda"), cache=cache, all_logits=True)
+        steps = [model.decode(ids[:, t], torch.full((2,), t, device="cuda"), cache) for t in range(6, BLOCK)]
+    cached = torch.cat([prefill, torch.stack(steps, 1)], 1)
+    assert rel_err(cached, full) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa"])
+def test_cuda_compiled_decode_equals_eager(variant, no_tf32):
+    """The compiled decode step on CUDA (torch.compile mode reduce-overhead: CUDA graphs) gives
+    the eager engine's greedy tokens, past block_size."""
+    model = random_model(variant).cuda()
+    params = replace(GREEDY, max_new_tokens=40)
+    eager = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=False)), 1)
+    compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
+    assert compiled.device.type == "cuda"
+    assert torch.equal(compiled, eager)

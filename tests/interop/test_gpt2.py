@@ -20,7 +20,7 @@ from quillgpt.config import Config, ModelConfig, load_config  # noqa: E402
 from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.interop.gpt2 import export_hf, import_hf  # noqa: E402
+from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.train.loop import train  # noqa: E402
 
@@ -213,7 +213,7 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path, change, message):
     (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=true"),
     (dict(scale_attn_weights=False), "scale_attn_weights=false"),
     (dict(add_cross_attention=True), "add_cross_attention=true"),
-    (dict(model_type="llama"), "model_type is 'llama', not 'gpt2'"),
+    (dict(model_type="falcon"), "model_type is 'falcon', not 'gpt2'"),  # (llama is the Llama family's now)
     (dict(vocab_size=1000), "vocab_size=1000, fewer than the 50257 ids"),
     (dict(n_layer=3), r"missing: transformer\.h\.2\."),  # config.json and weights disagree
     (dict(n_head=5), r"n_embd \(64\) must be divisible by model.n_head \(5\)"),

@@ -1,22 +1,28 @@
 """Fused attention against the textbook per-head form, GQA/MQA against repeated-K/V MHA,
 masks against brute force, RoPE against complex rotation."""
 
+import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support import VARIANTS, V, random_model, rel_err
 from torch import nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import (
     CausalSelfAttention,
+    HeadNorm,
     apply_rope,
     attend,
     attention_mask,
     mask_to_bias,
     rope_cos_sin,
+    rope_inv_freq,
 )
+from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import EMPTY_POS, KVCache
 
 BLOCK = 16
@@ -182,11 +188,29 @@ def test_bf16_attention_on_cpu_is_the_fp32_computation_rounded_once():
         torch.testing.assert_close(fast.grad, plain.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_qk_norm_under_bf16_autocast_keeps_the_fused_kernel_and_the_formula():
+    """bf16 q with the fp32 gain: no mixed-dtype fallback (it warns), and the result is
+    x / rms(x) · gain to bf16 rounding, with the gradient reaching the fp32 gain."""
+    norm = HeadNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
+    x = torch.randn(2, 4, BLOCK, 8).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x)
+    plain = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), plain.detach(), atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
+
+
 def test_rope_equals_complex_rotation_and_is_relative():
     hd, theta = 8, 10000.0
     x = torch.randn(2, 3, 5, hd)  # (B, H, T, hd)
     pos = torch.tensor([0, 1, 7, 100, 5000])
-    cos, sin = rope_cos_sin(pos, hd, theta)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(hd, theta))
     got = apply_rope(x, cos, sin)
     # reference: the pair (x_i, x_{i+d/2}) is a complex number turned by pos·θ^(-2i/d)
     freqs = theta ** (-torch.arange(0, hd, 2).double() / hd)
@@ -196,8 +220,8 @@ def test_rope_equals_complex_rotation_and_is_relative():
     # q·k depends on the distance only: shifting both positions by 37 changes nothing
     q, k = torch.randn(2, hd)
     def dot(pq, pk):
-        cq, sq = rope_cos_sin(torch.tensor([pq]), hd, theta)
-        ck, sk = rope_cos_sin(torch.tensor([pk]), hd, theta)
+        cq, sq = rope_cos_sin(torch.tensor([pq]), rope_inv_freq(hd, theta))
+        ck, sk = rope_cos_sin(torch.tensor([pk]), rope_inv_freq(hd, theta))
         return (apply_rope(q[None], cq, sq) * apply_rope(k[None], ck, sk)).sum()
     torch.testing.assert_close(dot(10, 3), dot(47, 40), atol=1e-5, rtol=1e-5)
 
@@ -209,3 +233,46 @@ def test_cache_smaller_than_span_refuses_to_drop_visible_keys():
         cache.plan(torch.tensor([[3]]))
     cache.reset()
     assert (cache.pos == EMPTY_POS).all()  # a refused write left nothing behind, and reset forgets all
+
+
+# --- on CUDA (pytest -m cuda; skipped without a GPU) ------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_sdpa_equals_math_attention_on_cuda(dtype):
+    """The flash kernel, forced (it raises rather than fall back), against the math path in
+    float64 on the same inputs, forward and backward, at a shape it runs: head dim 64, 256 keys."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v, dy = (torch.randn(2, 6, 256, 64, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        y, _ = attend(*leaves, None)
+        grads = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attend(*ref_leaves, None, impl="math")
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert rel_err(y, ref) < tol
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sdpa_model_equals_math_model_on_cuda_in_bf16(variant):
+    """The whole model under bf16 autocast on CUDA, attn_impl sdpa (whichever kernel CUDA picks:
+    GQA, windows and RoPE included) against the math model with the same weights in float64: no
+    further from it than the math model under the same autocast (the bf16 rounding of 2 layers)."""
+    sdpa = random_model(variant).cuda()
+    plain = GPT(dataclasses.replace(sdpa.config, attn_impl="math")).cuda().eval()
+    plain.load_state_dict(sdpa.state_dict())
+    ids = torch.randint(0, V, (3, BLOCK), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got, _ = sdpa(ids, all_logits=True)
+            rounded, _ = plain(ids, all_logits=True)
+        want, _ = plain.double()(ids, all_logits=True)
+    assert rel_err(got, want) < max(2 * rel_err(rounded, want), 1e-3)

@@ -170,10 +170,10 @@ def test_kv_cache_memory(variant):
     model = random_model(variant)
     cfg = model.config
     capacity = min(cfg.window or BLOCK, BLOCK)
-    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim  # keys + values, every layer
+    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size  # keys + values, every layer
     assert model.make_cache(3).nbytes == 3 * capacity * per_token * 4
     assert model.make_cache(3, dtype=torch.bfloat16).nbytes == 3 * capacity * per_token * 2
-    assert [k.shape for k in model.make_cache(1, capacity=100).k] == [(1, cfg.kv_heads, 100, cfg.head_dim)] * cfg.n_layer
+    assert [k.shape for k in model.make_cache(1, capacity=100).k] == [(1, cfg.kv_heads, 100, cfg.head_size)] * cfg.n_layer
     mha = random_model(variant, n_kv_head=None)
     assert mha.make_cache(3).nbytes == model.make_cache(3).nbytes * cfg.n_head // cfg.kv_heads
 

@@ -22,13 +22,13 @@ from serve_support import BLOCK, running_server, tiny_run_dir
 
 from quillgpt.checkpoint import load_run
 from quillgpt.cli import main
+from quillgpt.data.chat import transcript
 from quillgpt.evaluate.attention_views import attention_weights
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_text
 from quillgpt.inference.sampling import SamplingParams
 from quillgpt.inference.text import TextStream, encode_prompt
 from quillgpt.serve.batcher import Batcher, Event, Job
-from quillgpt.serve.chat import chat_prompt
 from quillgpt.serve.schemas import ChatMessage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_openai_client_chat_stream_and_not(client, run_dir):
     assert got.object == "chat.completion" and got.choices[0].message.role == "assistant"
     text = got.choices[0].message.content
     run = load_run(run_dir)
-    prompt = chat_prompt([ChatMessage.model_validate(m) for m in messages])
+    prompt = transcript([{"role": m.role, "content": m.text} for m in map(ChatMessage.model_validate, messages)])
     assert prompt == "System: Be brief.\n\nUser: Speak, friend.\n\nAssistant:"
     assert got.usage.prompt_tokens == len(encode_prompt(run.tokenizer, prompt))
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=25, temperature=0.8, seed=7,

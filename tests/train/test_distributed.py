@@ -9,12 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from support import CPU_CONFIG as CONFIG
-from support import assert_same_state, losses, tiny, two_ranks
+from support import assert_same_state, free_port, losses, tiny, two_ranks
 
 from quillgpt.checkpoint import load_checkpoint
-from quillgpt.config import load_config
-from quillgpt.train.distributed import Dist, rank_rng_states, restore_rank_rng, seed_rank
+from quillgpt.config import ModelConfig, TrainConfig, load_config
+from quillgpt.train.distributed import (
+    Dist,
+    rank_rng_states,
+    resolve_strategy,
+    restore_rank_rng,
+    seed_rank,
+    setup_distributed,
+    teardown_distributed,
+)
 from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,3 +83,21 @@ def test_rank_streams_round_trip_in_one_process():
     fresh = torch.rand(3)
     torch.manual_seed(8)
     assert torch.equal(fresh, torch.rand(3))
+
+
+def test_one_process_under_torchrun_joins_a_group_only_for_a_named_strategy(monkeypatch):
+    """WORLD_SIZE=1 with torchrun's variables: train.strategy auto runs alone (no group); ddp or
+    fsdp make a group of one (gloo here, NCCL on a GPU), so those paths run on a single device."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    alone, _ = setup_distributed("cpu", "auto")
+    assert not alone.enabled and not dist.is_initialized()
+    for strategy in ("ddp", "fsdp"):
+        group, device = setup_distributed("cpu", strategy)
+        try:
+            assert group.enabled and group.owns_group and group.world_size == 1 and dist.get_backend() == "gloo"
+            assert resolve_strategy(TrainConfig(strategy=strategy), ModelConfig(vocab_size=8), group, device) == strategy
+        finally:
+            teardown_distributed(group)
+        assert not dist.is_initialized()

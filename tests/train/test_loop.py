@@ -361,3 +361,93 @@ def test_budgeted_run_resumes_on_its_saved_horizon(shakespeare_path, data_dir, t
     a, b = (load_checkpoint(tmp_path / r / "ckpt.pt")["model"] for r in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_fine_tuning_prepares_your_text_with_the_base_runs_tokenizer(shakespeare_path, data_dir, tmp_path):
+    """A char model fine-tuned on another text: the data is tokenized with the base run's vocabulary
+    (not a new one learned from the text), unless data.tokenizer says otherwise."""
+    from quillgpt.data.prepare import load_prepared
+
+    base = train(tiny_config(shakespeare_path, data_dir, tmp_path / "base", "train.max_iters=2"), progress=False)
+    own = tmp_path / "mine.txt"
+    own.write_text(shakespeare_path.read_text(encoding="utf-8")[:30000].lower(), encoding="utf-8")  # fewer characters
+    tuned = tiny_config(shakespeare_path, tmp_path / "own_data", tmp_path / "tuned", f"data.path={own}",
+                        f"train.init_from={base.out_dir}", "train.max_iters=2", "data.val_fraction=0.2")
+    assert tuned.data.tokenizer == str(base.out_dir / "tokenizer.json")
+    assert train(tuned, progress=False).step == 2
+    base_spec = load_checkpoint(base.out_dir / "ckpt.pt")["tokenizer"]
+    assert load_prepared(tmp_path / "own_data")[0]["tokenizer"] == base_spec
+    other = tiny_config(shakespeare_path, tmp_path / "char_data", tmp_path / "other", f"data.path={own}",
+                        f"train.init_from={base.out_dir}", "data.tokenizer=char", "data.val_fraction=0.2")
+    with pytest.raises(QuillError, match=r"trained with the tokenizer char \(65 characters\) but data.tokenizer=char "
+                                         r"gives char \(\d+ characters\); leave data.tokenizer unset"):
+        train(other, progress=False)
+
+
+# --- what a run says: start-up line, why it stopped, how to go on ---------------------------------
+
+
+def test_train_says_what_it_is_about_to_do_and_how_to_go_on_once_finished(shakespeare_path, data_dir, finished, tmp_path, capsys):
+    run = copy_run(finished, tmp_path)
+    code, out, err = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=2"), "--resume")
+    assert code == 0 and "Traceback" not in err
+    assert "already reached train.max_iters=2; to go on, resume with more steps (--resume train.max_iters=4)" in out
+    code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=4"), "--resume")
+    assert code == 0 and f"resuming {run} from step 2: " in out and " thread(s), 64 tokens/step, 4 steps" in out
+    assert out.splitlines()[-1].startswith("done: step 4")
+    fresh = tmp_path / "fresh"
+    code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, fresh, "train.max_iters=1"))
+    params = load_checkpoint(fresh / "ckpt.pt")
+    assert f"training {fresh}: " in out and "cpu, " in out and "64 tokens/step, 1 step\n" in out and params["step"] == 1
+
+
+def test_a_budgeted_run_says_where_it_ends_and_extends_on_a_larger_budget(shakespeare_path, data_dir, tmp_path, monkeypatch, capsys):
+    """The fitted end is printed; a resume with the same budget says the run had ended; one with a
+    larger budget fits the end again from its own pace and goes on from the step it stopped at."""
+    # the pace is fixed here (the fitted end is a measurement): 6 more steps in 1 hour, 20 in 2
+    monkeypatch.setattr(schedule, "fit_horizon", lambda step, cfg, pace, left, world=1: step + (20 if left > 3600 else 6))
+    run = tmp_path / "timed"
+    args = tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=1000", "train.time_budget=1h")
+    code, out, _ = quill_train(capsys, args)
+    first_end = schedule.FIT_AFTER_STEPS + 6
+    assert code == 0 and f"the schedule ends at step {first_end}" in out
+    assert f"time_budget: step {first_end}" in out and "it reached the schedule's end, fitted at step 10" in out
+    code, out, _ = quill_train(capsys, args, "--resume")
+    assert "already ended at step" in out and "--resume train.time_budget=10m" in out
+    code, out, _ = quill_train(capsys, [*args, "train.time_budget=2h"], "--resume")
+    refit_at = first_end + schedule.FIT_AFTER_STEPS // 2  # after a few steps of the resumed process's own pace
+    assert code == 0 and f"resuming {run} from step {first_end}" in out
+    assert f"the schedule ends at step {refit_at + 20}" in out and f"time_budget: step {refit_at + 20}" in out
+
+
+def test_extending_a_finished_run_by_steps_is_exact_where_the_schedule_allows(shakespeare_path, data_dir, tmp_path):
+    """A constant-lr run of 4 steps resumed with train.max_iters=8 is bit-identical to a straight
+    8-step run (a cosine schedule instead runs over the new total from where it stopped)."""
+    const = ("train.lr_schedule=constant", "train.warmup_iters=0")
+    straight = train(tiny_config(shakespeare_path, data_dir, tmp_path / "a", *const), progress=False)
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *const, "train.max_iters=4"), progress=False)
+    extended = train(tiny_config(shakespeare_path, data_dir, tmp_path / "b", *const, "train.resume=true"), progress=False)
+    assert straight.step == extended.step == 8 and extended.stopped == "done"
+    a, b = (load_checkpoint(tmp_path / r / "ckpt.pt") for r in "ab")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_autocast_training_follows_fp32(shakespeare_path, data_dir, tmp_path, dtype):
+    """On CUDA, autocast training from the same weights and batches as fp32 gives fp32's losses
+    to the dtype's rounding; fp16 runs through the GradScaler, which takes every step (no inf
+    found: the scale stays at its start, 2**16, and counts 4 good steps); bf16 needs no scaler."""
+    cuda = ("train.device=cuda", "train.max_iters=4", "train.eval_interval=4")
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "fp32", *cuda, "train.dtype=float32"), progress=False)
+    result = train(tiny_config(shakespeare_path, data_dir, tmp_path / dtype, *cuda, f"train.dtype={dtype}"), progress=False)
+    assert result.step == 4
+    for (s, a, va), (_, b, vb) in zip(losses(tmp_path / dtype), losses(tmp_path / "fp32"), strict=True):
+        assert a == pytest.approx(b, abs=2e-2), s
+        assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, abs=2e-2)), s
+    scaler = load_checkpoint(tmp_path / dtype / "ckpt.pt")["scaler"]
+    if dtype == "float16":
+        assert scaler["scale"] == 2.0**16 and scaler["_growth_tracker"] == 4
+    else:
+        assert scaler == {}

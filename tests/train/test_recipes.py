@@ -260,16 +260,16 @@ def test_a_time_budget_stops_while_one_step_and_the_final_evaluation_still_fit(m
     clock = {"now": 1000.0}
     monkeypatch.setattr(schedule.time, "time", lambda: clock["now"])
     t = SimpleNamespace(
-        budget_s=10.0, budget_ended=False, fitted=True, horizon=10_000, step=16, first_step=0, t_start=1000.0,
+        budget_s=10.0, budget_ended=False, fitted=True, fit_at=10, horizon=10_000, step=16, first_step=0, t_start=1000.0,
         reserve_s=1.0, pace_mark=(1000.0, 0), cfg=SimpleNamespace(train=TrainConfig(max_iters=10_000)),
         ddp=SimpleNamespace(any=bool, world_size=1),
     )
     t.elapsed = lambda: clock["now"] - t.t_start
     clock["now"] = 1008.0
-    schedule.follow_budget(t, SimpleNamespace())
+    schedule.follow_budget(t, lambda line: None)
     assert not t.budget_ended and t.horizon == 10_000
     clock["now"] = 1008.6
-    schedule.follow_budget(t, SimpleNamespace())
+    schedule.follow_budget(t, lambda line: None)
     assert t.budget_ended and t.horizon == 16
 
 
@@ -279,14 +279,14 @@ def test_the_pace_leaves_out_the_first_steps_one_time_costs(monkeypatch):
     monkeypatch.setattr(schedule.time, "time", lambda: clock["now"])
     tc = TrainConfig(max_iters=10_000, warmup_iters=0, eval_interval=10_000, eval_iters=1)
     t = SimpleNamespace(
-        budget_s=120.0, budget_ended=False, fitted=False, horizon=10_000, step=0, first_step=0, t_start=1000.0,
+        budget_s=120.0, budget_ended=False, fitted=False, fit_at=10, horizon=10_000, step=0, first_step=0, t_start=1000.0,
         reserve_s=0.0, pace_mark=None, cfg=SimpleNamespace(train=tc), ddp=SimpleNamespace(any=bool, broadcast_int=int, world_size=1),
     )
     t.elapsed = lambda: clock["now"] - t.t_start
     for step in range(1, 11):
         clock["now"] += 20.0 if step == 1 else 0.5
         t.step = step
-        schedule.follow_budget(t, SimpleNamespace())
+        schedule.follow_budget(t, lambda line: None)
     # at 24.5 s: (120 - 24.5 - one evaluation of 2/3 step) / (0.5 s · (1 + 2/3 / 10,000)) more steps
     assert t.fitted and t.horizon == 10 + int((120 - 24.5 - 0.5 * 2 / 3) / (0.5 * (1 + 2 / 3 / 10_000)))
     assert t.horizon > 190  # with the first step's 20 s in the pace (2.45 s/step): about 50

@@ -75,7 +75,7 @@ class Variant:
     def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int,
                    device: torch.device | str, dtype: torch.dtype) -> Any:
         """An empty generation cache for `rows` rows."""
-        return KVCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_dim, capacity, span, device, dtype)
+        return KVCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_size, capacity, span, device, dtype)
 
     def shows(self, model: nn.Module) -> dict[str, Any]:
         """What `quill attention` can show beyond the weights (e.g. Infini-attention's gates)."""

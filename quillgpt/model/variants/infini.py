@@ -274,7 +274,7 @@ class Infini(Variant):
 
     def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int,
                    device: torch.device | str, dtype: torch.dtype) -> InfiniCache:
-        return InfiniCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_dim, cfg.segment_size, device, dtype)
+        return InfiniCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_size, cfg.segment_size, device, dtype)
 
     def shows(self, model: nn.Module) -> dict[str, Any]:
         return {"gates": gate_values(model)}

@@ -1,0 +1,258 @@
+"""The Llama family ⇄ quill: LlamaForCausalLM (Llama 3.x, SmolLM2, TinyLlama), Qwen2ForCausalLM
+(Qwen2.5), Qwen3ForCausalLM and MistralForCausalLM.
+
+All four are one decoder that quill's GPT already is with model.pos=rope, norm=rmsnorm,
+mlp=swiglu, bias=false: grouped-query attention, RoPE on (i, i + d/2) pairs within each head
+(as quill rotates), an untied or tied head. What differs is a config key each: Qwen2's biases on
+q/k/v (qkv_bias), Qwen3's QK-norm and head_dim, Llama 3's rope scaling, Mistral's sliding window.
+Renaming is all the conversion does, plus two concatenations: q, k, v → c_attn ([q | k | v] rows,
+head-major, exactly quill's layout) and gate, up → c_fc ([gate | up], quill's SwiGLU order).
+What quill cannot compute exactly (a rope type it lacks, another activation, biases it has no
+slot for, windows on some layers only) is refused by name, never loaded approximately.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from quillgpt.config import ModelConfig, config_from_dict, shown_value
+from quillgpt.errors import QuillError
+from quillgpt.model.variants import variant_of
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+# transformers' defaults for the keys a config.json may leave out, per model_type
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
+    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
+    "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0,
+                "sliding_window": 4096},
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def is_llama_family(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") in ARCHITECTURES
+
+
+def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """quill's rope keys from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise QuillError(f"rope_parameters must be an object, got {shown_value(params)}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise QuillError(f"rope_type={shown_value(kind)} (quill computes {', '.join(ROPE_TYPES)} RoPE only)")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise QuillError("partial_rotary_factor != 1 (quill rotates every dimension of a head)")
+    theta = params.get("rope_theta", hf.get("rope_theta", DEFAULTS[hf["model_type"]]["rope_theta"]))
+    keys: dict[str, Any] = {"rope_theta": theta}
+    if kind != "default":
+        keys.update(rope_scaling=kind, rope_factor=params.get("factor", 1.0))
+    if kind == "llama3":
+        keys.update(rope_low_freq_factor=params.get("low_freq_factor", 1.0),
+                    rope_high_freq_factor=params.get("high_freq_factor", 4.0),
+                    rope_original_context=params.get("original_max_position_embeddings", 8192))
+    return keys
+
+
+def _window(hf: dict[str, Any]) -> int | None:
+    """The sliding window every layer shares, or None; a window on some layers only is refused."""
+    kind = hf["model_type"]
+    window = hf.get("sliding_window", DEFAULTS[kind].get("sliding_window"))
+    if kind in ("qwen2", "qwen3"):
+        layers = hf.get("layer_types") or (
+            ["sliding_attention" if hf.get("use_sliding_window") and i >= hf.get("max_window_layers", 28) else "full_attention"
+             for i in range(hf["num_hidden_layers"])])
+        if len(set(layers)) > 1:
+            raise QuillError("sliding-window attention on some layers only (quill's window is every layer's)")
+        return window if layers and layers[0] == "sliding_attention" else None
+    if set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}:
+        raise QuillError(f"layer_types {shown_value(hf['layer_types'])} (quill has full and sliding attention)")
+    return window
+
+
+def _refusals(hf: dict[str, Any]) -> list[str]:
+    kind, problems = hf["model_type"], []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={shown_value(hf['hidden_act'])} (quill's SwiGLU gates with silu)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true (quill's SwiGLU has no biases)")
+    if kind == "mistral" and hf.get("attention_bias"):
+        problems.append("attention_bias=true (Mistral has none)")
+    return problems
+
+
+def llama_to_model_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """A Llama-family config.json → quill ModelConfig; anything quill cannot run exactly is refused."""
+    kind = hf.get("model_type")
+    try:
+        problems = _refusals(hf)
+        if problems:
+            raise QuillError("; ".join(problems))
+        n_head, n_embd = hf["num_attention_heads"], hf["hidden_size"]
+        head_dim = hf.get("head_dim")
+        model = {
+            "vocab_size": hf["vocab_size"], "block_size": hf.get("max_position_embeddings", DEFAULTS[kind]["max_position_embeddings"]),
+            "n_layer": hf["num_hidden_layers"], "n_head": n_head, "n_kv_head": hf.get("num_key_value_heads", n_head),
+            "n_embd": n_embd, "head_dim": None if head_dim in (None, n_embd // n_head) else head_dim,
+            "bias": False, "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias")), "pos": "rope", **_rope(hf),
+            "norm": "rmsnorm", "norm_eps": hf.get("rms_norm_eps", DEFAULTS[kind]["rms_norm_eps"]), "mlp": "swiglu",
+            "mlp_hidden": hf["intermediate_size"], "qk_norm": kind == "qwen3", "window": _window(hf),
+            "tie_embeddings": hf.get("tie_word_embeddings", DEFAULTS[kind]["tie_word_embeddings"]), "dropout": 0.0,
+        }
+        return config_from_dict({"model": model}).model
+    except KeyError as e:
+        raise QuillError(f"cannot import {source}: it has no {e.args[0]!r}, which a {kind} config needs") from None
+    except QuillError as e:
+        raise QuillError(f"cannot import {source} ({ARCHITECTURES[kind]}): {e}") from None
+
+
+def has_o_bias(hf: dict[str, Any]) -> bool:
+    """Llama's and Qwen3's attention_bias puts a bias on o_proj too; quill has no slot for one, so
+    only an all-zero one imports (quill's own exports write zeros there)."""
+    return hf.get("model_type") in ("llama", "qwen3") and bool(hf.get("attention_bias"))
+
+
+def weight_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """quill name → the HF tensors it is made of, concatenated along the output dimension."""
+    names = {"transformer.wte.weight": ["model.embed_tokens.weight"], "transformer.ln_f.weight": ["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(cfg.n_layer):
+        q, h = f"transformer.h.{i}.", f"model.layers.{i}."
+        names[q + "ln_1.weight"] = [h + "input_layernorm.weight"]
+        names[q + "attn.c_attn.weight"] = [h + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        if cfg.qkv_bias:
+            names[q + "attn.c_attn.bias"] = [h + f"self_attn.{p}_proj.bias" for p in "qkv"]
+        names[q + "attn.c_proj.weight"] = [h + "self_attn.o_proj.weight"]
+        if cfg.qk_norm:
+            names[q + "attn.q_norm.weight"] = [h + "self_attn.q_norm.weight"]
+            names[q + "attn.k_norm.weight"] = [h + "self_attn.k_norm.weight"]
+        names[q + "ln_2.weight"] = [h + "post_attention_layernorm.weight"]
+        names[q + "mlp.c_fc.weight"] = [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"]
+        names[q + "mlp.c_proj.weight"] = [h + "mlp.down_proj.weight"]
+    return names
+
+
+def llama_to_quill_state(hf_state: Mapping[str, Tensor], cfg: ModelConfig, o_bias: bool = False) -> dict[str, Tensor]:
+    """HF tensors (read one at a time from a lazy mapping) → quill's state dict, in their own
+    dtype; an extra tensor or a missing one is one clear error, as is a non-zero o_proj bias."""
+    names = weight_names(cfg)
+    o_biases = [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.n_layer)] if o_bias else []
+    for name in o_biases:
+        if name in hf_state and hf_state[name].any():
+            raise QuillError(f"{name} is not zero: attention_bias=true puts a bias on o_proj, which quill has no slot for")
+    expected = {n for parts in names.values() for n in parts} | set(o_biases)
+    extra = [k for k in hf_state if k not in expected and not (cfg.tie_embeddings and k == "lm_head.weight")]
+    missing = sorted(n for n in expected if n not in hf_state)
+    if extra or missing:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
+        raise QuillError(f"the weights do not match a {cfg.n_layer}-layer model of this config.json ({what}); "
+                         "is it the model's own config.json?")
+    state = {}
+    for name, parts in names.items():
+        tensors = [hf_state[p] for p in parts]
+        if any(not t.is_floating_point() for t in tensors):
+            raise QuillError(f"weight {parts[0]} is a {tensors[0].dtype} tensor; model weights are floating point")
+        state[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["transformer.wte.weight"]  # one tensor under both names, as in the model
+    return state
+
+
+def llama_incompatibilities(cfg: ModelConfig) -> list[str]:
+    """What a Llama-family model cannot express of `cfg`, each with the reason (empty: exportable)."""
+    wants = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu"}
+    problems = [f"model.{k}={getattr(cfg, k)}: the Llama family has {v} only" for k, v in wants.items() if getattr(cfg, k) != v]
+    if cfg.bias:
+        problems.append("model.bias=true: the Llama family has no biases but q/k/v's (use model.qkv_bias)")
+    if not variant_of(cfg).hf_exportable:
+        problems.append(f"model.attention={cfg.attention}: the Llama family has causal attention only")
+    if cfg.logit_softcap is not None:
+        problems.append(f"model.logit_softcap={cfg.logit_softcap}: the Llama family's logits are not capped")
+    if cfg.window is not None and (cfg.qk_norm or cfg.qkv_bias):
+        problems.append("model.window with qk_norm or qkv_bias: only Mistral has a window, and it has neither")
+    return problems
+
+
+def family_of(cfg: ModelConfig, qwen_tokenizer: bool = False) -> str:
+    """The model_type an exportable cfg is written as: Qwen3 (QK-norm), Mistral (a sliding window),
+    Qwen2 for q/k/v biases with a tokenizer transformers' Qwen2Tokenizer keeps as it is (it imposes
+    Qwen's pre-tokenizer on any qwen2 model), else Llama (its attention_bias, o_proj's bias zero)."""
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias and qwen_tokenizer:
+        return "qwen2"
+    return "mistral" if cfg.window else "llama"
+
+
+def zero_o_bias(cfg: ModelConfig, kind: str) -> bool:
+    """Whether the export writes attention_bias=true (q/k/v biases) with o_proj's bias all zero."""
+    return cfg.qkv_bias and kind in ("llama", "qwen3")
+
+
+def model_config_to_llama(cfg: ModelConfig, kind: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """An exportable ModelConfig → the config.json of family `kind` (transformers 5 form: rope_parameters)."""
+    rope: dict[str, Any] = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_context)
+    out = {
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd, "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
+        "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": rope, "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True,
+    }
+    if kind in ("llama", "qwen3"):
+        out["attention_bias"] = zero_o_bias(cfg, kind)
+    if kind == "llama":
+        out["mlp_bias"] = False
+    if kind in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+    if kind == "mistral":
+        out["sliding_window"] = cfg.window
+    return out
+
+
+def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig, kind: str) -> dict[str, Tensor]:
+    """quill state dict → the tensors of family `kind` (contiguous, none sharing memory): c_attn
+    split into q/k/v, c_fc into gate/up, zero o_proj biases where attention_bias needs them; a tied
+    head is left for transformers to tie."""
+    H, KV, hd = cfg.n_head, cfg.kv_heads, cfg.head_size
+    sizes = {"attn.c_attn": [H * hd, KV * hd, KV * hd], "mlp.c_fc": [cfg.hidden_dim, cfg.hidden_dim]}
+    out = {}
+    for name, parts in weight_names(cfg).items():
+        t = state[name]
+        module = ".".join(name.split(".")[-3:-1])  # e.g. attn.c_attn
+        pieces = t.split(sizes[module], dim=0) if len(parts) > 1 else [t]
+        out.update({p: piece.contiguous().clone() for p, piece in zip(parts, pieces)})
+    if zero_o_bias(cfg, kind):
+        ref = state["transformer.h.0.attn.c_proj.weight"]
+        out.update({f"model.layers.{i}.self_attn.o_proj.bias": ref.new_zeros(cfg.n_embd) for i in range(cfg.n_layer)})
+    return out
+
+
+def is_qwen_tokenizer(tokenizer_json: str | None) -> bool:
+    """Whether transformers' Qwen2Tokenizer (which overrides a qwen2 model's normalizer and
+    pre-tokenizer) leaves this tokenizer.json as it is: NFC and Qwen's own split pattern."""
+    if tokenizer_json is None:
+        return False
+    try:
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    except ImportError:
+        return False
+    data = json.loads(tokenizer_json)
+    steps = (data.get("pre_tokenizer") or {}).get("pretokenizers") or []
+    patterns = [s.get("pattern", {}).get("Regex") for s in steps if isinstance(s, dict) and s.get("type") == "Split"]
+    return (data.get("normalizer") or {}).get("type") == "NFC" and patterns == [PRETOKENIZE_REGEX]

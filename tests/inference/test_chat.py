@@ -1,0 +1,108 @@
+"""quill chat: replies through the model's template (imported) or the transcript (quill's own),
+multi-turn history, /reset, /quit, Ctrl-C stopping one reply, and the command itself."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from serve_support import tiny_run_dir
+from support import ROOT
+
+from quillgpt.checkpoint import load_run
+from quillgpt.config import ModelConfig
+from quillgpt.data.chat import TRANSCRIPT_STOPS, transcript
+from quillgpt.inference.chat import ChatSession, chat_prompt_ids, fitting, repl
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.inference.sampling import SamplingParams
+from quillgpt.inference.text import encode_prompt
+from quillgpt.interop.convert import import_hf
+from quillgpt.model.gpt import GPT
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def quill_run(tmp_path_factory, shakespeare_path):
+    return load_run(tiny_run_dir(tmp_path_factory.mktemp("chat") / "tiny", shakespeare_path))
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_support import make_hf_model
+
+    root = tmp_path_factory.mktemp("smollm2")
+    import_hf(make_hf_model(root / "hf", "smollm2"), root / "run")
+    return load_run(root / "run", which="latest")
+
+
+def test_a_reply_is_the_engine_continuing_the_rendered_conversation(imported):
+    session = ChatSession(imported.model, imported.tokenizer, GREEDY, system="Be brief.")
+    reply = "".join(session.reply("Who is Romeo?"))
+    ids, stops = chat_prompt_ids(imported.tokenizer, session.messages[:-1])
+    prompt_end = imported.tokenizer.encode("<|im_start|>assistant\n")
+    assert stops == () and ids[-len(prompt_end):] == prompt_end  # the template's own generation prompt
+    tokens = [t for t in torch.stack(list(generate_tokens(imported.model, [ids], 12, stop_ids=imported.tokenizer.stop_ids))).T[0].tolist()]
+    stop = next((i for i, t in enumerate(tokens) if t in imported.tokenizer.stop_ids), len(tokens))
+    assert reply == imported.tokenizer.decode_bytes(tokens[:stop]).decode("utf-8", errors="replace")
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant"] and session.messages[-1]["content"] == reply
+    second = "".join(session.reply("And Juliet?"))  # the whole conversation, rendered again
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert session.messages[-1]["content"] == second
+    session.reset()
+    assert session.messages == [{"role": "system", "content": "Be brief."}]
+
+
+def test_a_base_model_chats_through_the_transcript_and_stops_at_the_next_turn(quill_run):
+    session = ChatSession(quill_run.model, quill_run.tokenizer, SamplingParams(max_new_tokens=40, temperature=0.0))
+    reply = "".join(session.reply("Speak, friend."))
+    ids, stops = chat_prompt_ids(quill_run.tokenizer, [{"role": "user", "content": "Speak, friend."}])
+    assert stops == TRANSCRIPT_STOPS and ids == encode_prompt(quill_run.tokenizer, transcript(session.messages[:1]))
+    assert not any(s in reply for s in TRANSCRIPT_STOPS)
+
+
+def test_a_prefix_lm_reply_fits_its_block():
+    model = GPT(ModelConfig(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8, attention="prefix")).eval()
+    assert fitting(model, 10, 500) == 6 and fitting(model, 16, 500) == 1
+    causal = GPT(ModelConfig(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8)).eval()
+    assert fitting(causal, 10, 500) == 500
+
+
+def test_repl_commands_and_ctrl_c_stops_one_reply_not_the_session(quill_run):
+    session = ChatSession(quill_run.model, quill_run.tokenizer, SamplingParams(max_new_tokens=30, temperature=0.0))
+    lines = iter(["Speak.", "", KeyboardInterrupt, "/reset", "Speak again.", "Once more.", "/quit", "never read"])
+
+    def read(prompt):
+        line = next(lines)
+        if line is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return line
+
+    out, pieces = [], {"n": 0}
+
+    def write(text):
+        out.append(text)
+        if text and len(session.messages) >= 1 and session.messages[-1]["content"] == "Once more.":
+            pieces["n"] += 1
+            if pieces["n"] == 3:  # Ctrl-C during the third reply
+                raise KeyboardInterrupt
+
+    assert repl(session, read, write) == 3 and next(lines) == "never read"
+    printed = "".join(out)
+    assert "(conversation cleared)" in printed and "[stopped]" in printed and "(/quit or Ctrl-D" in printed
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]  # after /reset
+    assert session.messages[-1]["content"] and len(session.messages[-1]["content"]) < 30  # the cut reply stays
+
+
+def test_the_chat_command_over_standard_input(quill_run):
+    run_dir = quill_run.path.parent
+    done = subprocess.run([sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "-n", "20", "--temperature", "0",
+                           "--system", "Be kind."], input="Speak, friend.\n/reset\nHello?\n", capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "User:/Assistant: transcript" in done.stderr and "(conversation cleared)" in done.stdout
+    assert done.stdout.count("> ") == 4  # three lines, then end of input
+    bad = subprocess.run([sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "--top-p", "2"],
+                         input="", capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--top-p must be in (0, 1]" in bad.stderr
