@@ -717,7 +717,7 @@ def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
 
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
-    for block in (1024, 256):
+    for block in args.sample_blocks:
         run = make_run(work, block, text)
         loaded = ckpt.load_run(run, which="latest")
         hf = hf_model(run, work / f"hf{block}")
@@ -1165,6 +1165,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-tokens", type=int, default=1000)
     p.add_argument("--recompute-tokens", type=int, default=100)
     p.add_argument("--sample-reps", type=int, default=3)
+    p.add_argument("--sample-blocks", type=int, nargs="+", default=[1024, 256],
+                   help="sample suite: the block sizes of the model (default 1024 256)")
     p.add_argument("--sample-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)")
     p.add_argument("--gpu-batch", type=int, default=16)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from support import PROMPTS, random_model
+from support import BLOCK, PROMPTS, V, random_model, rel_err
 from torch import nn
 
 from quillgpt.errors import QuillError
@@ -183,3 +183,32 @@ def test_unknown_schemes_and_kernels_are_refused():
     assert quant.parse_quantize("none") is None and quant.parse_quantize("int8") == "int8"
     with pytest.raises(ValueError, match="kernel must be one of"):
         quantize(random_model(), "int8", kernel="fast")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_int8_equals_its_dequantized_model_and_the_engine_equals_recompute(dtype):
+    """On CUDA (gpt-fast's dequantize form): the measured plan runs, the int8 model's logits are
+    the float model's on the dequantized weights, and (fp32) its cached tokens are its recompute tokens."""
+    model = random_model("rope-window-gqa").to("cuda", dtype)
+    quantize(model, "int8", faster=False)  # the fastest int8 kernels here, whether or not they beat the float ones
+    assert plan_of(model).pick(1) in KERNELS
+    ref = copy.deepcopy(model)
+    for parent in list(ref.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None).to("cuda", dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(parent, name, lin)
+    ids = torch.randint(0, V, (2, BLOCK), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids, all_logits=True)[0], ref(ids, all_logits=True)[0]
+    assert rel_err(got, want) < (1e-3 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.bfloat16:  # bf16 tokens may part at a near-tie (the logits are proven above)
+        return
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    cached = torch.stack(list(generate_tokens(model, prompts, 40)), 1)
+    assert torch.equal(cached, torch.stack(list(generate_tokens(model, prompts, 40, use_cache=False)), 1))
