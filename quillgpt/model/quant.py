@@ -173,18 +173,20 @@ def measure_plan(every: list[Pair], block: list[Pair], rows: int, faster: bool =
     in a real model more than the last-level cache holds), at 1, 2, 4, … up to `largest` rows
     on one block's layers (compute decides there). With `faster`, refuse (QuillError) where no
     int8 kernel beats F.linear at `rows`. A kernel 20× slower than F.linear is not timed at
-    larger sizes."""
+    larger sizes, but the fastest always is (a burst of load may slow them all), and a size
+    where none runs takes the kernel chosen at `rows`."""
     sizes = sorted({2**i for i in range(largest.bit_length())} | {rows})
     kernels, chosen, table = _candidates(every[0][1]), [], []
     for m in sizes:
         ms = _timings(every, kernels, m, budget_s=0.3) if m == rows else _timings(block, kernels, m)
-        kernels = [k for k in kernels if k in ms and ms[k] < 20 * ms["float"]]
         best = min((k for k in ms if k != "float"), key=ms.get, default=None)
         if m == rows and (best is None or (faster and ms[best] >= ms["float"])):
             raise QuillError(_refusal(every[0][0].weight, rows, ms))
+        kernels = [k for k in kernels if k in ms and ms[k] < 20 * ms["float"]] or ([best] if best else kernels)
         chosen.append(best)
         table.append(ms)
-    return KernelPlan(tuple(sizes), tuple(chosen), rows, tuple(table))
+    at_rows = chosen[sizes.index(rows)]
+    return KernelPlan(tuple(sizes), tuple(k or at_rows for k in chosen), rows, tuple(table))
 
 
 def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.05) -> dict[str, float]:

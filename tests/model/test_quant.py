@@ -154,6 +154,20 @@ def test_plan_takes_the_fastest_kernel_per_size_and_drops_hopeless_ones(monkeypa
     assert "int8pack_mm/bf16" in plan.describe() and "0.20 ms vs 1.00 ms float" in plan.describe()
 
 
+def test_a_burst_of_load_at_one_size_leaves_the_plan_a_kernel_for_every_size(monkeypatch):
+    """Every kernel 20x slower than F.linear at 4 rows (another process's burst): the fastest is
+    still chosen and timed on; a size where no kernel runs takes the decode size's kernel."""
+    a, b = "int8pack_mm/bf16", "dequant/bf16"
+    table = {2**i: {"float": 1.0, a: 0.5, b: 0.8} for i in range(9)}
+    table[4] = {"float": 0.01, a: 0.5, b: 0.8}
+    table[64] = {"float": 1.0}  # nothing runs at 64 rows
+    timings, calls = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=1))
+    assert None not in plan.kernels and plan.pick(4) == a and plan.pick(64) == a and plan.pick(256) == a
+    assert calls[3][2] == [a]  # at 8 rows: only the fastest of 4 rows is timed again
+
+
 def test_plan_refuses_where_no_int8_kernel_beats_the_float_linears(monkeypatch):
     table = {2**i: {"float": 0.1, **dict.fromkeys(KERNELS, 0.3)} for i in range(9)}
     timings, _ = scripted(table)
