@@ -12,8 +12,9 @@ agreement of the two models on the val text itself, teacher-forced over --tokens
 (every position counts, whatever came before). Prints one markdown table.
 
 The runs: `quill train --config configs/shakespeare_char_3m.yaml` (3 minutes) and a GPT-2-shaped
-BPE model, e.g. `quill train --config configs/shakespeare_gpt2.yaml train.time_budget=8m
-train.batch_size=8 train.grad_accum=1` (each after its `quill prepare`).
+BPE model, e.g. `quill train --config configs/shakespeare_gpt2.yaml model.n_layer=4 model.n_head=4
+model.n_embd=256 model.block_size=128 train.batch_size=16 train.grad_accum=1
+train.learning_rate=2e-3 train.time_budget=10m` (each after its `quill prepare`).
 """
 
 from __future__ import annotations
