@@ -24,7 +24,7 @@ from quillgpt.config import Config, ModelConfig, config_from_dict, shown_value
 from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write, os_error, shown
+from quillgpt.files import atomic_write, input_file, os_error, shown
 from quillgpt.model.gpt import GPT
 
 FORMAT = "quillgpt-checkpoint-v1"
@@ -61,7 +61,7 @@ def load_checkpoint(
     path = Path(path)
     shown_path = shown(path)
     try:
-        if not os.path.isfile(path):
+        if not input_file(path, "checkpoint"):
             raise QuillError(f"checkpoint not found: {shown_path}")
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -175,7 +175,7 @@ def resolve_checkpoint(path: str | Path, which: str = "best") -> Path:
             runs = []
         inside = f"; runs inside it: {', '.join(runs)}" if runs else ""
         raise QuillError(f"no checkpoint in {shown(path)} (expected {LATEST} or {BEST}){inside}; train one with quill train")
-    if os.path.isfile(path):
+    if os.path.isfile(path) or (os.path.exists(path) and input_file(path, "checkpoint")):  # a FIFO: by name
         return path
     try:
         path.stat()

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import typer
 
 from quillgpt.errors import QuillError
-from quillgpt.files import check_output_file
+from quillgpt.files import check_input, check_output_file
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
 # from typer's own copy of click (typer._click, no click dependency) in newer typer.
@@ -263,7 +263,7 @@ def serve_cmd(
     which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default is this machine only."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="QUILL_API_KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
@@ -278,6 +278,8 @@ def serve_cmd(
     """
     from quillgpt.serve.server import serve
 
+    if api_key is None:  # read here, not by typer: click drops an empty variable, which would serve without a key
+        api_key = os.environ.get("QUILL_API_KEY")
     serve(ckpt, which=which, host=host, port=port, api_key=api_key, max_batch=max_batch,
           max_tokens=max_tokens, device=device, dtype=dtype, quantize=quant, cors=cors)
 
@@ -329,6 +331,7 @@ def attention_cmd(
     summary_json: Path | None = typer.Option(None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."),
     device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     quant: str = typer.Option("none", "--quantize", help="int8: the attention of the model with weight-only int8 linears (as quill sample --quantize int8 runs it); none: the float weights."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing file at --out / --summary-json that is not an earlier image / summary (e.g. a run's file)."),
 ) -> None:
     """Show where each head looks: heatmaps (or a text view) plus a per-head summary.
 
@@ -344,9 +347,13 @@ def attention_cmd(
     view = viz.output_format(out, fmt)
     if view != "text" and out is None:
         out = Path(f"attention.{view}")
-    for path in (out if view != "text" else None, summary_json):
-        if path is not None:
-            check_output_file(path, "--out" if path == out else "--summary-json")
+    if summary_json is None and out is not None:
+        summary_json = out.with_name(f"{out.stem}.heads.json")
+    inputs = _checkpoint_inputs(ckpt, which)
+    if out is not None:
+        check_output_file(out, "--out", kind=view, force=force, inputs=inputs)
+    if summary_json is not None:
+        check_output_file(summary_json, "--summary-json", kind="heads-json", force=force, inputs=inputs)
     run = load_run(ckpt, which=which, device=resolve_device(device))
     quantize(run.model, scheme, faster=False)  # once, at load; shown even where int8 runs no faster
     mcfg = run.config.model
@@ -361,15 +368,15 @@ def attention_cmd(
         print(viz.render_text(attn.tokens, attn.weights, layers, heads, top_k, prefix=attn.prefix))
     else:
         title = f"{run.path} (step {run.step}): {''.join(attn.tokens)}"
-        viz.plot_attention(attn.tokens, attn.weights, out, layers, heads, title=title[:120], prefix=attn.prefix, gates=attn.gates)
+        viz.plot_attention(attn.tokens, attn.weights, out, layers, heads, title=title[:120], prefix=attn.prefix,
+                           gates=attn.gates, force=force)
     print()
     print(viz.format_head_table([r for r in summary if r["layer"] in layers and r["head"] in heads]))
     if attn.gates is not None:
         print(viz.format_gates(attn.gates))
-    if summary_json is None and out is not None:
-        summary_json = out.with_name(f"{out.stem}.heads.json")
     if summary_json is not None:
-        viz.write_summary_json(summary_json, attn, summary, checkpoint=str(run.path), step=run.step, prompt=prompt)
+        viz.write_summary_json(summary_json, attn, summary, force=force, checkpoint=str(run.path), step=run.step,
+                               prompt=prompt)
         print(f"saved head summary (all layers) → {summary_json}")
     if out is not None and view != "text":
         print(f"saved {view} → {out}")
@@ -381,12 +388,15 @@ def plot_cmd(
     out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="Image to write, .png or .svg."),
     x: str = typer.Option("step", "--x", help="x axis: step, tokens (step × batch_size·grad_accum·block_size) or time (elapsed_s)."),
     log: bool = typer.Option(False, "--log", help="Log-scale loss axis."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out that is not an earlier plot image (e.g. a run's file)."),
 ) -> None:
     """Train and val loss of one or more runs on one plot (works while a run is training)."""
     from quillgpt.train.curves import plot_runs
 
-    check_output_file(out, "--out")
-    for c in plot_runs(run_dirs, out, x=x, log=log):
+    kind = out.suffix.lower().lstrip(".")
+    check_output_file(out, "--out", kind=kind if kind in ("png", "svg") else None, force=force,
+                      inputs=tuple(Path(d) / "metrics.jsonl" for d in run_dirs))
+    for c in plot_runs(run_dirs, out, x=x, log=log, force=force):
         best = f"best val {min(c.val[1]):.4f}" if c.val[1] else "no val points yet"
         print(f"{c.name}: step {c.last_step}, last train {c.train[1][-1]:.4f}, {best}")
     print(f"saved → {out}")
@@ -452,6 +462,8 @@ def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         return prompt or ""
     where = "standard input" if prompt_file is None else f"--prompt-file {prompt_file}"
     try:
+        if prompt_file is not None:
+            check_input(prompt_file, "--prompt-file")  # a FIFO or device is refused by name, unread
         data = sys.stdin.buffer.read() if prompt_file is None else prompt_file.read_bytes()
     except OSError as e:
         raise QuillError(f"cannot read {where}: {e.strerror}") from None
@@ -459,6 +471,17 @@ def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise QuillError(f"{where} is not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def _checkpoint_inputs(ckpt: Path, which: str) -> tuple[Path, ...]:
+    """The checkpoint file a command reads (an output must never replace it); () when it cannot
+    be resolved (loading it then says why)."""
+    from quillgpt.checkpoint import resolve_checkpoint
+
+    try:
+        return (resolve_checkpoint(ckpt, which),)
+    except QuillError:
+        return ()
 
 
 def _unescape(text: str) -> str:
@@ -485,7 +508,7 @@ def tokenizer_train_cmd(
     from quillgpt.data.tokenizer import build_tokenizer, save_tokenizer, text_chunks
     from quillgpt.files import read_text
 
-    check_output_file(out, "--out", force=force, inputs=(input_path,))
+    check_output_file(out, "--out", kind="tokenizer", force=force, inputs=(input_path,), fresh=True)
     text = read_text(input_path, "--input")
     t0 = time.perf_counter()
     tok = build_tokenizer("bpe", text, vocab_size)

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -338,6 +338,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    # The keys the command line set ("model.n_layer", ...; load_config), not a config key and
+    # not saved: train.init_from refuses the model keys it cannot apply instead of ignoring them.
+    overridden: ClassVar[frozenset[str]] = frozenset()
 
     def validate(self) -> None:
         self.data.tokenizer = self.data.tokenizer or base_tokenizer(self.train.init_from) or "char"
@@ -564,7 +567,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     hint = " (pass --config with a YAML file, e.g. configs/shakespeare_char_cpu.yaml)"
     text = read_text(path, "--config", hint=hint, limit=MAX_CONFIG_BYTES)
     try:
-        values = parse_yaml(text, str(path))
+        values = parse_yaml(text, "the YAML")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -582,7 +585,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or start from defaults when `path` is None), apply overrides, validate."""
     values = read_yaml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(values, list(overrides or [])))
+    cfg = config_from_dict(apply_overrides(values, list(overrides or [])))
+    cfg.overridden = frozenset(item.split("=", 1)[0].strip() for item in overrides or [])
+    return cfg
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Callable
@@ -71,24 +73,69 @@ def shown(path: str | Path) -> str:
 
 
 def os_error(e: OSError, path: str | Path, action: str, what: str) -> QuillError:
-    """One line for an OSError on a user's path: 'cannot read data.path /x: Permission denied'."""
-    reason = e.strerror or type(e).__name__
+    """One line for an OSError on a user's path: 'cannot read data.path /x: Permission denied';
+    a full disk names the file system: 'no space left on /data (...)'."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return QuillError(f"cannot {action} {what} {shown(path)}: no space left on {mount_point(path)} (the file "
+                          "system it is on); free disk space or write elsewhere, then run again")
+    reason = e.strerror or str(e) or type(e).__name__
     return QuillError(f"cannot {action} {what} {shown(path)}: {reason}")
+
+
+def mount_point(path: str | Path) -> str:
+    """The mount point of the file system `path` is (or would be) on, e.g. /data."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        dev = p.stat().st_dev
+        while p != p.parent and p.parent.stat().st_dev == dev:
+            p = p.parent
+    except OSError:
+        pass
+    return shown(p)
+
+
+SPECIAL_FILES = {stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO (named pipe)",
+                 stat.S_IFSOCK: "a socket"}
+
+
+def check_input(path: str | Path, what: str, directory: bool = False) -> os.stat_result:
+    """The one check where a path the user names as an input enters: a regular file (or, with
+    `directory`, a directory). A device, FIFO or socket is refused by name: /dev/zero never ends
+    and a FIFO waits for a writer, so reading either would hang. Raises FileNotFoundError for a
+    missing path (the caller words it) and other OSErrors as they come."""
+    path = Path(path)
+    st = path.stat()  # follows symlinks: a link to /dev/zero is /dev/zero
+    kind = SPECIAL_FILES.get(stat.S_IFMT(st.st_mode))
+    if kind is not None:
+        raise QuillError(f"{what} {shown(path)} is {kind}, not a file; pass a file")
+    if stat.S_ISDIR(st.st_mode) and not directory:
+        raise QuillError(f"{what} {shown(path)} is a directory; pass a file")
+    return st
+
+
+def input_file(path: str | Path, what: str) -> bool:
+    """Whether an input file is there (False: nothing at `path`); a device, FIFO, socket or
+    directory there is refused by name, an unreadable path is one QuillError."""
+    try:
+        check_input(path, what)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise os_error(e, path, "read", what) from None
+    return True
 
 
 def read_bytes(path: str | Path, what: str = "file", hint: str = "", limit: int | None = None) -> bytes:
     """The whole file, or a QuillError naming `what` (e.g. '--config'), the path and the reason.
 
     `hint` follows the "does not exist" message (how to get the file); a file longer than
-    `limit` bytes (e.g. /dev/zero given as a config) is refused after reading limit + 1 bytes.
+    `limit` bytes is refused after reading limit + 1 bytes; a device or FIFO is refused unread.
     """
     path = Path(path).expanduser()
     try:
-        mode = path.stat().st_mode
-        if stat.S_ISDIR(mode):
-            raise QuillError(f"{what} {shown(path)} is a directory; pass a file")
-        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero would never end, a disk is no text
-            raise QuillError(f"{what} {shown(path)} is a device, not a file; pass a file")
+        check_input(path, what)
         with open(path, "rb") as f:
             data = f.read() if limit is None else f.read(limit + 1)
     except OSError as e:
@@ -144,10 +191,65 @@ def _existing_parent(directory: Path) -> Path:
     return directory
 
 
-def check_output_file(path: str | Path, what: str, force: bool = True, inputs: tuple[str | Path, ...] = ()) -> Path:
-    """Refuse, before long work starts, an output file that cannot or must not be written:
-    a directory, one of the command's `inputs`, an existing file without `force`, a name the
-    file system refuses, or a directory that cannot be written. Creates the directory."""
+# --- outputs: a path quill writes never replaces what it must not -----------------------------
+# Every output names its kind; an existing file at its path is replaced only when it is of that
+# kind (an earlier output of the same command), not a file of a run, a dataset or an HF model,
+# and not the command's own input, unless the user passes --force.
+
+HEAD_BYTES = 1 << 20  # how much of an existing file its kind is told from
+
+
+def _json_head(head: bytes, marker: bytes) -> bool:
+    return head.lstrip().startswith(b"{") and marker in head
+
+
+OUTPUT_KINDS: dict[str, tuple[str, Callable[[bytes], bool]]] = {  # kind → (what it is, does a file's head look like it)
+    "png": ("a PNG image", lambda head: head.startswith(b"\x89PNG\r\n\x1a\n")),
+    "svg": ("an SVG image", lambda head: b"<svg" in head[:4096]),
+    "heads-json": ("a head summary of quill attention", lambda head: _json_head(head, b'"heads": [')),
+    "tokenizer": ("a quill tokenizer file", lambda head: _json_head(head[:512], b'"format": "quillgpt-tokenizer"')),
+    "config": ("a quill config", lambda head: re.search(rb"^(?:data|model|train|sample):", head, re.M) is not None),
+    "metrics": ("a metrics log", lambda head: head.lstrip().startswith(b"{")),
+    "checkpoint": ("a checkpoint", lambda head: head.startswith(b"PK\x03\x04")),
+    "manifest": ("a prepared dataset's meta.json", lambda head: _json_head(head, b'"shards"') or _json_head(head, b'"train_tokens"')),
+}
+
+# Directories whose files are someone's work: (files that mark one, the names it owns).
+OWNERS: dict[str, tuple[tuple[str, ...], re.Pattern[str]]] = {
+    "run": (("ckpt.pt", "best.pt", "metrics.jsonl"), re.compile(
+        r"ckpt\.pt|best\.pt|config\.yaml|tokenizer\.json|metrics\.jsonl|\.lock|events\.out\.tfevents\..*")),
+    "dataset": (("meta.json", ".prepare-state.json"), re.compile(
+        r"meta\.json|\.prepare-state\.json|\.prepare\.lock|(?:train|val)(?:-\d{6})?\.bin")),
+    "HF model": (("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"), re.compile(
+        r"config\.json|generation_config\.json|.*\.safetensors|pytorch_model.*\.bin|.*\.index\.json|"
+        r"tokenizer(?:_config)?\.json|vocab\.json|merges\.txt|special_tokens_map\.json|quill_tokenizer\.json")),
+}
+
+
+def owner(path: str | Path) -> str | None:
+    """'run', 'dataset' or 'HF model' when `path` is one of the files such a directory owns;
+    None for any other path."""
+    path = Path(path)
+    for name, (marks, owned) in OWNERS.items():
+        if owned.fullmatch(path.name) and any(os.path.isfile(path.parent / m) for m in marks):
+            return name
+    return None
+
+
+def of_kind(path: str | Path, kind: str) -> bool:
+    """Whether the existing file at `path` is of output kind `kind` (an empty file is of any)."""
+    with open(path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+    return head == b"" or OUTPUT_KINDS[kind][1](head)
+
+
+def check_output_file(path: str | Path, what: str, kind: str | None = None, force: bool = False,
+                      inputs: tuple[str | Path, ...] = (), fresh: bool = False) -> Path:
+    """Refuse, before long work starts, an output file that cannot or must not be written: a
+    directory, a device or pipe, one of the command's `inputs`, a name the file system refuses, a
+    directory that cannot be written; and without `force`, an existing file of a run, a dataset
+    or an HF model, one that is not of the output's `kind` (None: any existing file), or with
+    `fresh` any existing file. Creates the directory."""
     path = Path(path)
     try:
         exists = path.exists() or path.is_symlink()
@@ -157,14 +259,50 @@ def check_output_file(path: str | Path, what: str, force: bool = True, inputs: t
             raise QuillError(f"{what} {shown(path)} is not a regular file (a device, pipe or socket); pass a file name")
         if exists and any(_same_file(path, Path(i)) for i in inputs):
             raise QuillError(f"{what} {shown(path)} is also the input; write the output to another file")
+        if exists and not force:
+            _check_replaceable(path, what, kind, fresh)
     except OSError as e:  # e.g. a name longer than the file system allows
         raise os_error(e, path, "write", what) from None
-    if exists and not force:
-        raise QuillError(f"{what} {shown(path)} already exists; choose another name or pass --force to overwrite it")
     if len(path.name.encode()) > 255 - 16:  # room for atomic_write's temp name beside it
         raise QuillError(f"cannot write {what} {shown(path)}: File name too long")
     probe_writable(path.parent, f"the directory of {what}")
     return path
+
+
+def check_output_dir(directory: str | Path, what: str, own: str, writes: dict[str, str | None], force: bool,
+                     how: str = "pass --force") -> None:
+    """Refuse, before long work starts, a directory output (a run, a dataset: `own`) holding
+    files it would replace that are not its own: a file another kind of directory owns (an HF
+    model's tokenizer.json given as a run's), or, in a directory not yet marked as `own`, a file
+    that is not of its kind. `writes`: the names the command writes (regular expressions) →
+    their output kind (None: told by the directory only). `how`: the user's way to force it."""
+    directory = Path(directory)
+    if force or not os.path.isdir(directory):
+        return
+    marks = OWNERS[own][0]
+    ours = any(os.path.isfile(directory / m) for m in marks)
+    for entry in sorted(os.listdir(directory)):
+        kind = next((k for name, k in writes.items() if re.fullmatch(name, entry)), "-")
+        path = directory / entry
+        if kind == "-" or not os.path.isfile(path):
+            continue
+        held = owner(path)
+        if held not in (None, own) or (not ours and (kind is None or not of_kind(path, kind))):
+            whose = f"a file of the {held} there" if held not in (None, own) else f"not a {own}'s file"
+            raise QuillError(f"{what} {shown(directory)} holds {entry}, {whose}; choose another {what}, or {how} "
+                             "to replace it")
+
+
+def _check_replaceable(path: Path, what: str, kind: str | None, fresh: bool) -> None:
+    held = owner(path)
+    if held is not None:
+        raise QuillError(f"{what} {shown(path)} is a file of the {held} in {shown(path.parent)}; write elsewhere, "
+                         "or pass --force to replace it")
+    if fresh:
+        raise QuillError(f"{what} {shown(path)} already exists; choose another name or pass --force to overwrite it")
+    if kind is None or not of_kind(path, kind):
+        shape = f"not {OUTPUT_KINDS[kind][0]}" if kind is not None else "not an output of this command"
+        raise QuillError(f"{what} {shown(path)} exists and is {shape}; choose another name, or pass --force to replace it")
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -19,7 +19,7 @@ similar load averages (printed at the start and end).
 OpenMP is left as users run it. Beside another busy job its spinning threads can make steps of
 small ops 10-20× slower (a baby training step: 29 ms quiet, 300-500 ms next to a test run);
 OMP_WAIT_POLICY=PASSIVE caps that (38 ms quiet, ~60 ms loaded) but costs a wake-up per parallel
-region, which slows latency-bound work such as one-token decoding (see README "Performance").
+region, which slows latency-bound work such as one-token decoding (see docs/performance.md).
 The header prints OMP_* variables that are set.
 
 Peak memory is the rise of the process's peak RSS over the RSS before the variant was built

@@ -11,6 +11,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("QUILL_SHARED") or ROOT.parent / "shared")
 
+# A fixed thread count: training would otherwise give way to other processes on a busy machine
+# (quillgpt/train/cpu_share.py), and sums split over another count round differently, which the
+# bit-exact tests would see. tests/train/test_cpu_share.py unsets it where it tests giving way.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
 # tiktoken reads its BPE files from this cache instead of downloading them.
 if (SHARED / "tiktoken_cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))

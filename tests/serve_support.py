@@ -19,12 +19,13 @@ from quillgpt.model.gpt import GPT
 BLOCK = 16
 
 
-def tiny_run_dir(out: Path, shakespeare_path: Path, seed: int = 0) -> Path:
+def tiny_run_dir(out: Path, shakespeare_path: Path, seed: int = 0, **model: object) -> Path:
     """A run directory with best.pt: Tiny Shakespeare's characters, 2 layers × 2 heads, 32 wide,
-    block 16, larger-than-init random weights (varied greedy text, no training needed)."""
+    block 16, larger-than-init random weights (varied greedy text, no training needed); `model`:
+    other model settings (e.g. attention="prefix")."""
     tok = CharTokenizer.from_text(shakespeare_path.read_text(encoding="utf-8"))
     cfg = config_from_dict({"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": BLOCK,
-                                      "vocab_size": tok.vocab_size, "bias": False}})
+                                      "vocab_size": tok.vocab_size, "bias": False, **model}})
     torch.manual_seed(seed)
     model = GPT(cfg.model)
     with torch.no_grad():
@@ -38,15 +39,23 @@ def tiny_run_dir(out: Path, shakespeare_path: Path, seed: int = 0) -> Path:
 
 
 @contextmanager
-def running_server(run_dir: Path, max_batch: int = 4, **options) -> Iterator[tuple[str, object]]:
-    """Serve run_dir on 127.0.0.1:<free port> in a thread; yields (base URL, app); always stops."""
-    from quillgpt.serve.app import ServeOptions
-    from quillgpt.serve.server import listen, make_app, model_id, uvicorn_server
+def running_server(run_dir: Path, max_batch: int = 4, engine=None, drain_s: float = 2.0, head_timeout_s: float = 10.0,
+                   **options) -> Iterator[tuple[str, object]]:
+    """Serve run_dir on 127.0.0.1:<free port> in a thread; yields (base URL, app); always stops.
+    `engine`: a function of the model that makes the engine (default: an Engine of max_batch
+    rows); app.state.server is the uvicorn server (set should_exit to start its shutdown)."""
+    from quillgpt.inference.engine import Engine
+    from quillgpt.serve.app import ServeOptions, create_app
+    from quillgpt.serve.batcher import Batcher
+    from quillgpt.serve.server import listen, model_id, uvicorn_server
 
     run = load_run(run_dir)
-    app = make_app(run, replace(ServeOptions(model_id=model_id(run_dir)), **options), max_batch)
+    opts = replace(ServeOptions(model_id=model_id(run_dir)), **options)
+    made = engine(run.model) if engine is not None else Engine(run.model, max_rows=max_batch)
+    app = create_app(run, Batcher(made, max_waiting=opts.max_waiting), opts)
     sock = listen("127.0.0.1", 0)
-    server = uvicorn_server(app, drain_s=2.0, log_level="warning")
+    server = uvicorn_server(app, drain_s=drain_s, log_level="warning", head_timeout_s=head_timeout_s)
+    app.state.server = server
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

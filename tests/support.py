@@ -1,5 +1,6 @@
 """Helpers shared by several test files (not collected: no test_ prefix)."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -40,6 +41,22 @@ def random_model(variant: str = "mha-learned", seed: int = 0):
             is_gain = ".ln_" in name and name.endswith("weight")
             p.normal_(1.0 if is_gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
     return model.eval()
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail (instead of hanging the suite) when the body runs longer than `seconds`: SIGALRM
+    interrupts even a blocking open() of a FIFO. Main thread only."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: an input that never ends?")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def rel_err(got, ref) -> float:

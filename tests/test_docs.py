@@ -40,7 +40,8 @@ def commands() -> dict[str, set[str]]:
 
 def schema() -> dict[str, set[str]]:
     """Each config section and its keys."""
-    return {name: {f.name for f in dataclasses.fields(kind)} for name, kind in typing.get_type_hints(Config).items()}
+    hints = typing.get_type_hints(Config)
+    return {f.name: {g.name for g in dataclasses.fields(hints[f.name])} for f in dataclasses.fields(Config)}
 
 
 def invocations(code: str) -> list[tuple[str, list[str]]]:

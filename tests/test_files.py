@@ -23,6 +23,7 @@ LONG = "n" * 300
     ("missing", "--x {p} does not exist (make one)"),
     ("directory", "--x {p} is a directory; pass a file"),
     ("device", "--x /dev/zero is a device, not a file; pass a file"),
+    ("fifo", "--x {p} is a FIFO (named pipe), not a file; pass a file"),
     ("eio", "cannot read --x /proc/self/mem: Input/output error"),
     ("too_long", "cannot read --x {p}: File name too long"),
     ("too_big", "--x {p} is larger than 10 bytes; is it the right file?"),
@@ -30,8 +31,9 @@ LONG = "n" * 300
 def test_read_bytes_refusals_name_the_path_and_the_reason(tmp_path, name, message):
     path = {
         "missing": tmp_path / "nope", "directory": tmp_path, "device": "/dev/zero", "eio": "/proc/self/mem",
-        "too_long": tmp_path / LONG, "too_big": tmp_path / "big",
+        "too_long": tmp_path / LONG, "too_big": tmp_path / "big", "fifo": tmp_path / "fifo",
     }[name]
+    os.mkfifo(tmp_path / "fifo")
     (tmp_path / "big").write_bytes(b"x" * 11)
     with pytest.raises(QuillError) as e:
         read_bytes(path, "--x", hint=" (make one)", limit=10)
@@ -54,7 +56,7 @@ def test_check_output_file(tmp_path):
     cases = [
         (dict(path=src, inputs=(src,)), "is also the input"),
         (dict(path=tmp_path / "." / "in.txt", inputs=(src,)), "is also the input"),  # the same file by another name
-        (dict(path=src, force=False), "already exists; choose another name or pass --force"),
+        (dict(path=src, fresh=True), "already exists; choose another name or pass --force"),
         (dict(path=tmp_path), "is a directory; pass a file name"),
         (dict(path=tmp_path / "fifo"), "is not a regular file"),
         (dict(path=tmp_path / (LONG + ".json")), "File name too long"),

@@ -21,8 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support import deadline
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.cli import main
@@ -241,8 +242,8 @@ DEVICES = st.one_of(st.sampled_from(["cpu", "auto", "meta", "xpu", "hpu", "cuda:
 
 
 def paths(w, outputs: bool = False) -> st.SearchStrategy:
-    """Paths a careless or hostile user might give. Outputs leave out the protected files (a
-    user who names one as an output asks for it to be written)."""
+    """Paths a careless or hostile user might give, the protected files among them (refused as
+    outputs unless --force, which asks for them to be written: see the test)."""
     common = [
         str(w.root), str(w.scratch / "new.txt"), "/proc/self/mem", "/proc/x/y.png", "/proc/self",
         str(w.scratch / ("n" * 300)), str(w.scratch / ("n" * 300) / "a.png"),
@@ -250,8 +251,10 @@ def paths(w, outputs: bool = False) -> st.SearchStrategy:
     ]
     # Devices only as inputs: an output path that renamed over /dev/zero once replaced it (as root).
     inputs = [str(w.small), str(w.run / "ckpt.pt"), str(w.run / "config.yaml"), str(w.hf), "/dev/zero", "/dev/null"]
-    # A FIFO only as an output: reading one waits for a writer, as `cat fifo` does.
-    return st.sampled_from(common + [str(w.fifo)] if outputs else common + inputs)
+    protected = [str(w.run / "best.pt"), str(w.run / "config.yaml"), str(w.run / "tokenizer.json"),
+                 str(w.data / "meta.json"), str(w.hf / "config.json"), str(w.small)]
+    # A FIFO as an output, and as an input (refused by name: reading one would wait for a writer).
+    return st.sampled_from(common + [str(w.fifo)] + (protected if outputs else inputs))
 
 
 def flag_sets(w) -> st.SearchStrategy:
@@ -289,8 +292,9 @@ def flag_sets(w) -> st.SearchStrategy:
 @given(data=st.data())
 def test_generated_flags_exit_0_or_2_and_change_nothing(w, data):
     argv = data.draw(flag_sets(w))
-    if "--force" in argv and str(w.run) in argv[2:]:  # import-hf --out RUN --force: replacing it was asked for
-        argv = [str(w.scratch / "forced") if a == str(w.run) else a for a in argv]
+    if "--force" in argv:  # e.g. import-hf --out RUN --force: replacing it was asked for
+        protected = {str(p) for p in w.protected} | {str(p) for d in w.protected if d.is_dir() for p in d.iterdir()}
+        argv = argv[:3] + [str(w.scratch / "forced") if a in protected else a for a in argv[3:]]
     check_command(w, argv)
 
 
@@ -428,6 +432,146 @@ def test_import_hf_with_any_config_json(w, changes):
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, **changes}))
     check_command(w, ["import-hf", str(src), "--out", str(scratch(w, "imported"))])
+
+
+# --- inputs that never end -------------------------------------------------------------------
+
+
+def never_ending(w) -> dict[str, str]:
+    """Inputs that never end, or that only end as errors: a FIFO, /dev/zero, a link to it, a
+    directory holding a FIFO, a glob through a symlink loop, HF directories with a FIFO inside
+    (config.json, the weights, quill_tokenizer.json)."""
+    root = w.root / "never"
+    if not root.exists():
+        (root / "withfifo").mkdir(parents=True)
+        os.mkfifo(root / "pipe.txt")
+        os.mkfifo(root / "withfifo" / "a.txt")
+        os.symlink("/dev/zero", root / "zero.txt")
+        (root / "loop" / "deeper").mkdir(parents=True)
+        shutil.copy(w.small, root / "loop" / "deeper" / "real.txt")
+        os.symlink(".", root / "loop" / "self")
+        os.symlink("..", root / "loop" / "deeper" / "up")
+        for name in ("config.json", "model.safetensors", "quill_tokenizer.json"):
+            shutil.copytree(w.hf, root / f"hf_{name}")
+            (root / f"hf_{name}" / name).unlink()
+            os.mkfifo(root / f"hf_{name}" / name)
+    return {"fifo": str(root / "pipe.txt"), "zero": "/dev/zero", "link": str(root / "zero.txt"),
+            "dir": str(root / "withfifo"), "loop": str(root / "loop" / "**" / "*.txt"),
+            "hf_config": str(root / "hf_config.json"), "hf_weights": str(root / "hf_model.safetensors"),
+            "hf_tokenizer": str(root / "hf_quill_tokenizer.json")}
+
+
+def input_commands(w, x: str) -> list[list[str]]:
+    out = scratch(w, "never_out")
+    return [
+        ["prepare", "--config", str(CONFIG), *tiny(w), f"data.path={x}", f"data.out_dir={out}"],
+        ["train", "--config", str(CONFIG), "-q", *tiny(w), f"data.path={x}", f"data.out_dir={out}",
+         f"train.out_dir={out}_run", "train.max_iters=1"],
+        ["eval", "--ckpt", str(w.run), "--text", x, "--json"],
+        ["tokenizer", "train", "-i", x, "--vocab-size", "260", "-o", str(out) + ".json"],
+        ["prepare", "--config", x],
+        ["sample", "--ckpt", str(w.run), "--prompt-file", x, "-n", "2"],
+        ["sample", "--ckpt", x, "-n", "2"],
+        ["import-hf", x, "--out", str(out)],
+        ["chat", "--ckpt", x, "-n", "2"],
+        ["train", "--config", str(CONFIG), "-q", *tiny(w), f"data.tokenizer={x}", f"data.out_dir={out}"],
+    ]
+
+
+NEVER = ["fifo", "zero", "link", "dir", "loop", "hf_config", "hf_weights", "hf_tokenizer"]
+
+
+@bounded(40)
+@given(which=st.sampled_from(NEVER), command=st.integers(0, 9))
+@example(which="zero", command=0).via("the issue: data.path=/dev/zero")
+@example(which="zero", command=1).via("the issue: quill train prepares first")
+@example(which="fifo", command=0).via("the issue: data.path=<a FIFO>")
+@example(which="fifo", command=2).via("the issue: quill eval --text <fifo>")
+@example(which="fifo", command=3).via("the issue: quill tokenizer train -i <fifo>")
+@example(which="loop", command=0).via("the issue: a glob through a symlink loop")
+def test_inputs_that_never_end_are_refused_by_name_and_never_hang(w, which, command):
+    """The issue: data.path=/dev/zero ran forever at 100 % CPU, a FIFO as data.path, eval --text or
+    tokenizer train -i waited forever, and a glob through a symlink loop never ended."""
+    argv = input_commands(w, never_ending(w)[which])[command]
+    with deadline(60):
+        code, _, err = check_command(w, argv)
+    if which == "loop" and argv[0] == "prepare" and "data.path" in argv[-2]:
+        assert code == 0, err  # the loop ends, and the real file under it is the corpus
+    elif which != "loop":
+        assert code == 2, f"quill {argv} exit {code}"
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+def output_commands(w, target: str) -> list[list[str]]:
+    """Every command that writes a user-named path, writing `target` (or into its directory)."""
+    summary = str(w.scratch / "side.heads.json")
+    return [
+        ["attention", "--ckpt", str(w.run), "-p", "To be", "--summary-json", target],
+        ["attention", "--ckpt", str(w.run), "-p", "To be", "--out", target, "--summary-json", summary],
+        ["attention", "--ckpt", str(w.run), "-p", "To be", "--out", str(Path(target).with_suffix(".png"))],  # derived summary
+        ["plot", str(w.run), "-o", target],
+        ["tokenizer", "train", "-i", str(w.small), "--vocab-size", "260", "-o", target],
+        ["train", "--config", str(CONFIG), "-q", *tiny(w), f"train.out_dir={Path(target).parent}"],
+        ["prepare", "--config", str(CONFIG), *tiny(w), f"data.out_dir={Path(target).parent}"],
+    ]
+
+
+def foreign_files(root: Path) -> list[Path]:
+    """Files quill did not write: an HF hub download (its tokenizer.json), a nanoGPT dataset
+    (train.bin), notes that are no image, a JSON that is no head summary."""
+    files = {"hub/config.json": "{}", "hub/model.safetensors": "x", "hub/tokenizer.json": '{"version": "1.0"}',
+             "nanogpt/train.bin": "\x01\x00" * 64, "nanogpt/val.bin": "\x01\x00" * 8, "nanogpt/meta.pkl": "x",
+             "notes.png": "my notes, not an image", "art.heads.json": '{"mine": 1}'}
+    for name, text in files.items():
+        path = root / name
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return [root / name for name in files]
+
+
+@bounded(45)
+@given(data=st.data())
+def test_no_output_replaces_a_file_of_a_run_a_dataset_an_hf_model_or_another_kind(w, data):
+    """The issue's `quill attention --summary-json RUN/best.pt` (exit 0, best.pt gone) among every
+    file of the run, its prepared data, an HF model and foreign files, through every command that
+    writes a user-named path: refused in one line, every existing file unchanged (new files may
+    appear beside them), unless --force."""
+    names = {w.run: RUN_FILES, w.data: ("meta.json", "train.bin", "val.bin"),
+             w.hf: ("config.json", "model.safetensors", "quill_tokenizer.json")}
+    targets = [d / n for d, ns in names.items() for n in ns] + [w.small, *foreign_files(w.root / "foreign")]
+    target = data.draw(st.sampled_from(targets))
+    argv = data.draw(st.sampled_from(output_commands(w, str(target))))
+    before = snapshot([*w.protected, w.root / "foreign"])
+    code, _, err = run(argv)
+    after = snapshot([*w.protected, w.root / "foreign"])
+    assert {f: after.get(f) for f in before} == before, f"an existing file changed: quill {argv}\n{err}"
+    assert "Traceback" not in err and code in (0, 2), f"quill {argv}\n{err}"
+    if code == 2:
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+    if argv[0] in ("attention", "plot", "tokenizer") and "--summary-json" in argv[-2:]:
+        assert code == 2, f"quill {argv} replaced {target}"
+
+
+def test_an_output_of_its_own_kind_is_replaced_and_force_replaces_the_rest(w):
+    png, summary = w.scratch / "again.png", w.scratch / "again.heads.json"
+    for _ in range(2):  # an earlier image and summary are this command's own: replaced
+        assert run(["attention", "--ckpt", str(w.run), "-p", "To be", "--out", str(png)])[0] == 0
+    assert png.read_bytes().startswith(b"\x89PNG") and json.loads(summary.read_text())["heads"]
+    other = scratch(w, "other.png")
+    other.write_text("someone's notes")
+    code, _, err = run(["plot", str(w.run), "-o", str(other)])
+    assert code == 2 and "exists and is not a PNG image" in err and "--force" in err
+    assert run(["plot", str(w.run), "-o", str(other), "--force"])[0] == 0 and other.read_bytes().startswith(b"\x89PNG")
+    copy = scratch(w, "run_copy")
+    shutil.copytree(w.run, copy)
+    code, _, err = run(["attention", "--ckpt", str(copy), "-p", "To be", "--summary-json", str(copy / "config.yaml")])
+    assert code == 2 and "is a file of the run in" in err and "--force" in err
+    code, _, err = run(["attention", "--ckpt", str(copy), "-p", "To be", "--summary-json", str(copy / "best.pt"),
+                        "--force"])
+    assert code == 2 and "is also the input" in err  # --force never replaces what the command reads
 
 
 def test_a_zip_member_with_a_wrong_crc_is_named():

@@ -179,6 +179,24 @@ def test_int8_refused_in_one_line_where_no_kernel_beats_the_float_linears(quill,
     assert "no int8 kernel is faster than the float32 linears" in err and "run without --quantize" in err
 
 
+@pytest.mark.parametrize("top_p", ["5e-324", "1e-46"])
+@pytest.mark.parametrize("extra", [[], ["--no-kv-cache"], ["--num-samples", "2"], ["--dtype", "bfloat16"]],
+                         ids=["cache", "no-cache", "two-samples", "bf16"])
+def test_a_top_p_below_float32s_smallest_value_samples_the_greedy_text(quill, decisive_ckpt, top_p, extra):
+    """The issue's cases: top_p rounds to 0 in float32, and the nucleus still holds the top token."""
+    args = ("-p", "ROMEO:", "-n", 20, *extra)
+    nucleus = sample_json(quill, decisive_ckpt, *args, "--temperature", 1.0, "--top-p", top_p, "--seed", 3)
+    assert nucleus["samples"] == sample_json(quill, decisive_ckpt, *args, "--temperature", 0)["samples"]
+
+
+def test_a_run_trained_with_a_tiny_top_p_samples(quill, run_dir, tmp_path):
+    state = load_checkpoint(run_dir / "best.pt")
+    state["config"]["sample"]["top_p"] = 1e-46  # what `quill train ... sample.top_p=1e-46` stores
+    save_checkpoint(state, tmp_path / "tiny_top_p.pt")
+    got = sample_json(quill, tmp_path / "tiny_top_p.pt", "-p", "A")
+    assert got["settings"]["top_p"] == 1e-46 and got["stats"]["new_tokens"] == [7]
+
+
 @pytest.fixture(scope="module")
 def corrupt_ckpts(run_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("corrupt")

@@ -14,9 +14,11 @@ so tokenizing the pieces (in parallel) gives the ids of each whole document.
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import glob
 import gzip
 import json
+import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from quillgpt.errors import QuillError
-from quillgpt.files import os_error, shown
+from quillgpt.files import check_input, os_error, shown
 
 KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
@@ -66,19 +68,16 @@ def _kind(path: Path) -> tuple[str | None, str | None]:
 
 
 def _source(path: Path, loose: bool) -> Source | None:
-    """A Source for `path`; None for a file a directory listing should skip (unknown suffix)."""
+    """A Source for `path`; None for a file a directory listing should skip (unknown suffix). A
+    device or FIFO is refused by name (reading it would never end)."""
     kind, compression = _kind(path)
     if kind is None and not loose:
         return None
     try:
-        st = path.stat()
+        st = check_input(path, WHAT)
     except OSError as e:
         raise os_error(e, path, "read", WHAT) from None
     return Source(path, kind or "txt", compression, st.st_size, st.st_mtime_ns)
-
-
-def _hidden(relative: Path) -> bool:
-    return any(part.startswith(".") for part in relative.parts)
 
 
 def find_sources(spec: str | Path) -> list[Source]:
@@ -89,20 +88,52 @@ def find_sources(spec: str | Path) -> list[Source]:
     except OSError as e:  # ENAMETOOLONG and friends
         raise os_error(e, path, "read", WHAT) from None
     if is_dir:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
-        sources = [s for p in files if (s := _source(p, loose=False)) is not None]
+        sources = [s for p in sorted(_files(path, ["**"])) if (s := _source(p, loose=False)) is not None]
         if not sources:
             raise QuillError(f"{WHAT} {shown(path)} holds no .txt, .jsonl or .parquet files; {HOW}")
         return sources
     if exists:
         return [_source(path, loose=True)]
     if glob.has_magic(str(spec)):
-        matches = sorted(Path(p) for p in glob.glob(str(spec), recursive=True))
-        sources = [_source(p, loose=True) for p in matches if p.is_file()]
+        parts = path.parts
+        literal = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+        root = Path(*parts[:literal]) if literal else Path(".")
+        matches = [p for p in sorted(_files(root, list(parts[literal:]))) if os.path.exists(p)]  # not a broken link
+        sources = [_source(p, loose=True) for p in matches]
         if not sources:
             raise QuillError(f"{WHAT} {shown(spec)} matches no files; {HOW}")
         return sources
     raise QuillError(f"data file not found: {shown(path)} ({HOW})")
+
+
+def _files(directory: Path, pattern: list[str], seen: set | None = None) -> Iterator[Path]:
+    """The non-directories under `directory` whose path below it matches `pattern`, glob's
+    components (`**`: any depth; names starting with "." only when the pattern's do). Symlinks
+    are followed, but a directory is entered once per pattern position, so a link to `.` or `..`
+    ends instead of looping forever."""
+    seen = set() if seen is None else seen
+    try:
+        st = os.stat(directory)
+        key = (st.st_dev, st.st_ino, len(pattern))
+        if key in seen or not pattern:
+            return
+        seen.add(key)
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):  # a glob's literal part that is not there matches nothing
+        return
+    except OSError as e:
+        raise os_error(e, directory, "read", WHAT) from None
+    head, rest = pattern[0], pattern[1:]
+    if head == "**" and rest:
+        yield from _files(directory, rest, seen)
+    for entry in entries:
+        if entry.name.startswith(".") and not head.startswith("."):
+            continue
+        path, is_dir = directory / entry.name, entry.is_dir()  # is_dir follows a symlink
+        if head == "**":
+            yield from _files(path, pattern, seen) if is_dir else ([] if rest else [path])
+        elif fnmatch.fnmatchcase(entry.name, head):
+            yield from (_files(path, rest, seen) if is_dir else []) if rest else ([] if is_dir else [path])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,14 +168,50 @@ def _open(source: Source) -> Iterator[tuple[Any, _Counting]]:
     try:
         with open(source.path, "rb") as raw:
             counter = _Counting(raw)
-            if source.compression == "gz":
+            if source.compression == "gz":  # gzip raises EOFError itself at a stream cut short
                 yield gzip.GzipFile(fileobj=counter, mode="rb"), counter
             elif zstd is not None:
-                yield zstd.ZstdDecompressor().stream_reader(counter), counter
+                _check_zstd_frames(raw.fileno())  # zstd's reader would end quietly at a cut
+                yield zstd.ZstdDecompressor().stream_reader(counter, read_across_frames=True), counter
             else:
                 yield counter, counter
     except failures as e:  # unreadable, or not valid gzip/zstd (truncated, corrupt)
         raise _read_error(e, source) from None
+
+
+ZSTD_MAGIC, SKIPPABLE = 0xFD2FB528, 0x184D2A50  # a frame's first 4 bytes (skippable: the top 28 bits)
+
+
+def _check_zstd_frames(fd: int) -> None:
+    """Raise EOFError unless the file is whole zstd frames: frame headers and block headers are
+    walked (a few bytes each, nothing decompressed) up to the file's end, which must be a
+    frame's end (the format: RFC 8878)."""
+    size, pos = os.fstat(fd).st_size, 0
+    while pos < size:
+        magic = int.from_bytes(_exactly(fd, pos, 4), "little")
+        if magic & 0xFFFFFFF0 == SKIPPABLE:
+            pos += 8 + int.from_bytes(_exactly(fd, pos + 4, 4), "little")
+            continue
+        if magic != ZSTD_MAGIC:
+            raise EOFError(f"no zstd frame at byte {pos}")
+        fhd = _exactly(fd, pos + 4, 1)[0]  # the frame header descriptor
+        single, checksum = fhd >> 5 & 1, fhd >> 2 & 1
+        pos += 5 + (1 - single) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
+        last = 0
+        while not last:  # block header: last-block bit, type (1 = RLE: one byte), size
+            header = int.from_bytes(_exactly(fd, pos, 3), "little")
+            last, kind, length = header & 1, header >> 1 & 3, header >> 3
+            pos += 3 + (1 if kind == 1 else length)
+        pos += 4 * checksum
+    if pos > size:
+        raise EOFError("the file ends inside a zstd frame (truncated)")
+
+
+def _exactly(fd: int, pos: int, n: int) -> bytes:
+    data = os.pread(fd, n, pos)
+    if len(data) < n:
+        raise EOFError("the file ends inside a zstd frame (truncated)")
+    return data
 
 
 def _read_error(e: BaseException, source: Source) -> QuillError:
@@ -246,6 +313,8 @@ def _json_text(line: bytes, number: int, source: Source, field: str) -> str | No
         record = json.loads(line)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise QuillError(f"{shown(source.path)} line {number + 1} is not a JSON object ({e})") from None
+    except RecursionError:  # [[[[... 100,000 deep: more than the parser's stack
+        raise QuillError(f"{shown(source.path)} line {number + 1} is nested too deeply to be a JSON record") from None
     if not isinstance(record, dict) or field not in record:
         raise QuillError(
             f"{shown(source.path)} line {number + 1} has no {field!r} field; set data.text_field to the field that holds the text"

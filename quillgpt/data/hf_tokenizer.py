@@ -154,9 +154,9 @@ def _token_text(value: Any) -> str | None:
 
 
 def _json_file(path: Any, what: str) -> dict[str, Any]:
-    from quillgpt.files import read_text
+    from quillgpt.files import input_file, read_text
 
-    if not path.is_file():
+    if not input_file(path, what):  # a FIFO or device there is refused by name
         return {}
     try:
         data = json.loads(read_text(path, what, limit=1 << 28))
@@ -168,10 +168,10 @@ def _json_file(path: Any, what: str) -> dict[str, Any]:
 def chat_template_of(directory: Any, config: dict[str, Any]) -> str | None:
     """The model's chat template: chat_template.jinja, else tokenizer_config.json's chat_template
     (a string, or a list of named templates: the "default" one)."""
-    from quillgpt.files import read_text
+    from quillgpt.files import input_file, read_text
 
     jinja = directory / "chat_template.jinja"
-    if jinja.is_file():
+    if input_file(jinja, "chat_template.jinja"):
         return read_text(jinja, "chat_template.jinja", limit=1 << 24)
     template = config.get("chat_template")
     if isinstance(template, list):
@@ -185,11 +185,11 @@ def load_hf_tokenizer(directory: Any, name: str = "hf") -> HFTokenizer:
     special tokens and chat template, and generation_config.json's end-of-sequence ids as stops."""
     from pathlib import Path
 
-    from quillgpt.files import read_text
+    from quillgpt.files import input_file, read_text
 
     directory = Path(directory)
     path = directory / "tokenizer.json"
-    if not path.is_file():
+    if not input_file(path, "tokenizer.json"):
         raise QuillError(f"{directory} has no tokenizer.json: quill reads Hugging Face tokenizers in that format "
                          "(download it with the model: hf download REPO --local-dir DIR)")
     text = read_text(path, "tokenizer.json", limit=1 << 28)

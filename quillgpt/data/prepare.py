@@ -43,7 +43,7 @@ from quillgpt.data.tokenizer import (
     tokenizer_from_spec,
 )
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, os_error, probe_writable, shown
+from quillgpt.files import atomic_write_bytes, check_output_dir, os_error, probe_writable, shown
 
 FORMAT = 2  # meta.json layout: 2 = shards with a manifest (1 = train.bin/val.bin, read still)
 PIECE_CHARS = 1 << 20  # documents are cut into pieces of about this many characters...
@@ -53,6 +53,7 @@ BPE_TRAIN_CHARS = 1 << 30  # `tokenizer: bpe` learns its merges from the corpus'
 LOCK_FILE = ".prepare.lock"
 STATE_FILE = ".prepare-state.json"  # a prepare in progress: plan, tokenizer, finished shards, cursor
 SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?\.bin")
+DATASET_WRITES = {SHARD_FILE.pattern: None, r"meta\.json": "manifest", re.escape(STATE_FILE): None}  # a foreign one is not replaced
 TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|\.prepare-state\.json)[^/]*\.tmp")  # atomic_write names temps ".<name>.<random>.tmp"
 
 
@@ -109,7 +110,7 @@ def _read_meta(out_dir: Path) -> dict[str, Any]:
         raise QuillError(f"no prepared data in {out_dir}: meta.json is missing (run `quill prepare --config ...`)")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise QuillError(f"{path} is corrupt; rebuild it with `quill prepare --force`") from None
     if not isinstance(meta, dict):
         raise QuillError(f"{path} is corrupt; rebuild it with `quill prepare --force`")
@@ -247,7 +248,7 @@ def _resumable(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
         itemsize = token_dtype(tokenizer_from_spec(state["tokenizer"]).vocab_size).itemsize
         if state["want"] == want and _shards_complete(out_dir, state["shards"], itemsize):
             return state
-    except (OSError, ValueError, KeyError, TypeError, QuillError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, QuillError):
         pass
     return None
 
@@ -336,6 +337,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     if cfg.tokenizer == "bpe":
         token_dtype(cfg.bpe_vocab_size)  # fail before reading or training anything
     out_dir = probe_writable(cfg.out_dir, "data.out_dir")
+    check_output_dir(out_dir, "data.out_dir", "dataset", DATASET_WRITES, force, how="run `quill prepare --force`")
     sources = find_sources(cfg.path if cfg.path is not None else source_path(cfg, progress))
     want = _want(cfg, sources)
     with _prepare_lock(out_dir):

@@ -175,7 +175,7 @@ def write_shards(
             nonlocal count
             while count < shard_tokens and (head := stream.peek()) is not None and head.split == split:
                 part = stream.take(shard_tokens - count)
-                part.tofile(f)
+                f.write(memoryview(np.ascontiguousarray(part)))  # not tofile: its OSError has no errno (a full disk read as "OSError")
                 count += len(part)
 
         name = shard_name(split, len(shards.setdefault(split, [])))

@@ -25,7 +25,7 @@ from torch import Tensor
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.figures import IMAGE_FORMATS, matplotlib_figure, save_figure
-from quillgpt.files import write_file
+from quillgpt.files import check_output_file, write_file
 from quillgpt.inference.text import encode_prompt
 from quillgpt.model.gpt import GPT, evaluating
 
@@ -89,9 +89,11 @@ def _cropped_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> tuple
     return ids[cropped:], cropped
 
 
-def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str) -> Attention:
-    """Run the prompt once and collect every layer's and head's attention weights."""
-    ids, cropped = _cropped_prompt(tokenizer, prompt, model.config.block_size)
+def attention_weights(model: GPT, tokenizer: Tokenizer, prompt: str, max_tokens: int | None = None) -> Attention:
+    """Run the prompt once and collect every layer's and head's attention weights: of its last
+    block_size tokens, or its last `max_tokens` where that is fewer (the web page's bound)."""
+    limit = min(model.config.block_size, max_tokens or model.config.block_size)
+    ids, cropped = _cropped_prompt(tokenizer, prompt, limit)
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     prefix = len(ids) if model.variant.bidirectional_prefix else 0  # the prompt is the prefix
@@ -163,9 +165,11 @@ def format_gates(gates: list[Tensor]) -> str:
     return "\n".join(lines)
 
 
-def write_summary_json(path: str | Path, attention: Attention, summary: list[dict[str, Any]], **info: Any) -> Path:
-    """Save the head summary with the tokens it was measured on (and `info`, e.g. the run)."""
-    path = Path(path)
+def write_summary_json(path: str | Path, attention: Attention, summary: list[dict[str, Any]], force: bool = False,
+                       **info: Any) -> Path:
+    """Save the head summary with the tokens it was measured on (and `info`, e.g. the run); an
+    existing file there that is not a head summary is replaced only with `force`."""
+    path = check_output_file(path, "--summary-json", kind="heads-json", force=force)
     record = {**info, "tokens": attention.tokens, "ids": attention.ids, "cropped": attention.cropped, "heads": summary}
     if attention.prefix:
         record["prefix"] = attention.prefix
@@ -279,8 +283,10 @@ def plot_attention(
     dpi: int = 100,
     prefix: int = 0,
     gates: list[Tensor] | None = None,
+    force: bool = False,
 ) -> Path:
-    """Heatmaps of the chosen layers × heads (query down, key across), saved as PNG or SVG.
+    """Heatmaps of the chosen layers × heads (query down, key across), saved as PNG or SVG (an
+    existing file there that is not such an image is replaced only with `force`).
 
     Colours share one 0..1 scale so heads can be compared; the future (upper triangle) is
     left blank, except a prefix-LM's prefix block (square: it attends both ways). With `gates`
@@ -324,7 +330,7 @@ def plot_attention(
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
         if title:
             fig.suptitle(title, fontsize=10)
-        save_figure(fig, out, fmt, dpi)
+        save_figure(fig, out, fmt, dpi, force)
     return out
 
 

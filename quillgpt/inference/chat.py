@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 
 from quillgpt.data.chat import TRANSCRIPT_STOPS, Message, render, transcript
 from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.errors import QuillError
+from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
 from quillgpt.inference.sampling import SamplingParams
 from quillgpt.inference.text import TextBatch, encode_prompt
@@ -69,10 +71,16 @@ class ChatSession:
 
 
 def _pieces(batch: TextBatch, ids: list[int], params: SamplingParams) -> Iterator[str]:
-    first = batch.join(0, ids, params, batch.tokenizer.stop_ids)
+    """The reply's text as it comes; a failed row (engine.RowFailed) is one QuillError, its cause chained."""
+    try:
+        first = batch.join(0, ids, params, batch.tokenizer.stop_ids)
+    except RowFailed as e:
+        raise QuillError(f"the reply failed: {e}") from e
     yield first.text
     while len(batch):
         for piece in batch.step():
+            if piece.error is not None:
+                raise QuillError(f"the reply failed: {piece.error}") from piece.error
             yield piece.text
 
 

@@ -7,7 +7,10 @@ Both hold up to `max_rows` rows. `add` puts a prompt into a free row and samples
 token; `step` advances every active row by one token, sampled with the row's own SamplingParams
 and random generator, so a row's tokens are the ones it gets alone, whoever shares the batch. A
 row finishes ("length": max_new_tokens reached; "eot": one of its stop ids was produced, and is
-included) and is released; its slot goes to the next `add`.
+included) and is released; its slot goes to the next `add`. A failure is the failing row's
+alone: an `add` that fails (a forward that raises, logits that are not finite) releases its row
+and raises `RowFailed`; a row whose logits are not finite at a `step` ends with finish "error",
+and a shared decode step that raises ends every row in it that way; the engine stays usable.
 
 The static cache holds `max_rows` rows of (kv_heads, capacity, head_dim) per layer, allocated
 once; `step` runs one fixed-shape decode for every row, active or not, each writing one token at
@@ -38,17 +41,33 @@ from quillgpt.errors import QuillError
 from quillgpt.inference.sampling import SamplingParams, row_generator, sample_rows
 from quillgpt.model.gpt import GPT
 
-FINISH_REASONS = ("length", "stop", "eot")  # max_new_tokens reached; a stop string; a stop token (end of text / turn)
+# max_new_tokens reached; a stop string; a stop token (end of text / turn); the row failed (RowFailed)
+FINISH_REASONS = ("length", "stop", "eot", "error")
+NOT_FINITE = ("the model's next-token logits are not finite (NaN or inf): the weights are damaged or the "
+              "activations overflowed their dtype (float16 does easily); try --dtype bfloat16 or float32")
+
+
+class RowFailed(Exception):
+    """A row could not go on (its forward raised, or its logits were not finite); the row was
+    released. Not a user mistake: the message says what failed, __cause__ holds the error."""
+
+    @classmethod
+    def of(cls, what: str, e: Exception) -> RowFailed:
+        error = cls(f"{what} failed ({type(e).__name__}: {str(e)[:300]})")
+        error.__cause__ = e
+        return error
 
 
 @dataclass
 class RowToken:
     """One new token of one row. finish: None while the row goes on; "length" (max_new_tokens
-    reached) or "eot" (one of the row's stop ids was produced; that token is included)."""
+    reached) or "eot" (one of the row's stop ids was produced; that token is included); "error"
+    (the row failed: `error` says why, `token` is -1)."""
 
     row: int
     token: int
     finish: str | None = None
+    error: RowFailed | None = None
 
 
 @dataclass
@@ -174,26 +193,47 @@ class Rows:
         ids = list(prompt_ids[-self.context :] if self.context else prompt_ids)  # the tokens that decide the logits
         self._rows[r] = row = _Row(params, row_generator(params, self.device), frozenset(stop_ids),
                                    deque(ids, maxlen=self._keep()), len(prompt_ids))
-        if params.repetition_penalty != 1.0:
-            seen = self._seen_rows()
-            seen[r].zero_()
-            seen[r, torch.tensor(prompt_ids, device=self.device)] = True
-        logits = self._first_logits(r, row, ids)  # (V,)
-        tok = int(self._sample(logits[None], [r])[0])
-        self._started(r, row, tok)
-        return self._advance(r, tok)
+        try:  # from here on the row is claimed: whatever fails, it is released
+            if params.repetition_penalty != 1.0:
+                seen = self._seen_rows()
+                seen[r].zero_()
+                seen[r, torch.tensor(prompt_ids, device=self.device)] = True
+            try:
+                logits = self._first_logits(r, row, ids)  # (V,)
+                _, toks, bad = self._draw(logits[None], [r])
+            except QuillError:
+                raise
+            except Exception as e:
+                raise RowFailed.of("the prefill", e) from e
+            if bad[0]:
+                raise RowFailed(NOT_FINITE)
+            tok = toks[0]
+            self._started(r, row, tok)
+            return self._advance(r, tok)
+        except BaseException:
+            self.release(r)
+            raise
 
     @torch.inference_mode()
     def step(self) -> list[RowToken]:
-        """One new token for every active row (finished rows are released)."""
+        """One new token for every active row (finished and failed rows are released)."""
         active = self.active_rows()
         if not active:
             return []
-        logits = self._step_logits(active)  # (max_rows, V); idle rows' logits unused
-        nxt = self._sample(logits, [r if self._rows[r] is not None else None for r in range(self.max_rows)])
-        ids = nxt.tolist()  # the step's one wait for the device
+        try:
+            logits = self._step_logits(active)  # (max_rows, V); idle rows' logits unused
+            nxt, ids, bad = self._draw(logits, [r if self._rows[r] is not None else None for r in range(self.max_rows)])
+        except Exception as e:  # the shared step failed: it fails the rows in it, the engine goes on
+            error = RowFailed.of("the decode step", e)
+            for r in active:
+                self.release(r)
+            return [RowToken(r, -1, "error", error) for r in active]
         self._after_step(nxt)
-        return [self._advance(r, ids[r]) for r in active]
+        return [self._fail(r, RowFailed(NOT_FINITE)) if bad[r] else self._advance(r, ids[r]) for r in active]
+
+    def _fail(self, r: int, error: RowFailed) -> RowToken:
+        self.release(r)
+        return RowToken(r, -1, "error", error)
 
     # --- the parts each engine fills in ---------------------------------------------------------
 
@@ -220,6 +260,14 @@ class Rows:
             V = self.model.config.vocab_size
             self._seen = torch.zeros(self.max_rows, V, dtype=torch.bool, device=self.device)
         return self._seen
+
+    def _draw(self, logits: Tensor, rows: list[int | None]) -> tuple[Tensor, list[int], list[bool]]:
+        """(n, V) logits → (n,) device tokens, the same as ints, and which rows' logits were not
+        finite (their token is meaningless): the step's one wait for the device."""
+        bad = ~torch.isfinite(logits).all(dim=-1)  # (n,)
+        nxt = self._sample(logits.masked_fill(bad[:, None], 0.0), rows)  # a bad row draws harmlessly
+        ids, flags = torch.stack([nxt, bad.long()]).tolist()
+        return nxt, ids, [bool(b) for b in flags]
 
     def _sample(self, logits: Tensor, rows: list[int | None]) -> Tensor:
         """(n, V) logits, row i belonging to row rows[i] (None: idle) → (n,) device tokens."""

@@ -24,9 +24,9 @@ from torch import Tensor
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import Engine, Rows, check_prompt
+from quillgpt.inference.engine import Engine, RowFailed, Rows, check_prompt
 from quillgpt.inference.recompute import Recompute
-from quillgpt.inference.sampling import SamplingParams
+from quillgpt.inference.sampling import SamplingParams, offset_seed
 from quillgpt.inference.text import Piece, TextBatch, TextStream, encode_prompt
 from quillgpt.model.gpt import GPT
 
@@ -35,7 +35,7 @@ def row_params(params: SamplingParams, row: int) -> SamplingParams:
     """Row i of a batch samples with seed + i: distinct samples, each repeatable alone."""
     if params.seed is None or row == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + row)
+    return dataclasses.replace(params, seed=offset_seed(params.seed, row))
 
 
 def make_params(params: SamplingParams | None = None, **settings: Any) -> SamplingParams:
@@ -97,6 +97,8 @@ def generate_tokens(
     yield torch.tensor(last, device=device)
     while len(batch):  # a stopped row repeats its stop id
         for piece in batch.step():
+            if piece.error is not None:
+                raise piece.error
             last[piece.key] = piece.token
         yield torch.tensor(last, device=device)
 
@@ -192,8 +194,7 @@ class Generation:
         eot = self.tokenizer.stop_ids  # end of text (and an imported model's end of turn)
         try:
             t0 = time.perf_counter()
-            pieces = [batch.join(r, ids, row_params(self.params, r), eot, self.streams[r])
-                      for r, ids in enumerate(self.prompt_ids)]
+            pieces = [self._join(batch, r, ids, eot) for r, ids in enumerate(self.prompt_ids)]
             while True:
                 stats.total_s += time.perf_counter() - t0
                 if stats.steps == 0:
@@ -208,10 +209,18 @@ class Generation:
             for r in range(n):
                 batch.leave(r)
 
+    def _join(self, batch: TextBatch, r: int, ids: list[int], eot: list[int]) -> Piece:
+        try:
+            return batch.join(r, ids, row_params(self.params, r), eot, self.streams[r])
+        except RowFailed as e:
+            raise QuillError(f"sample {r + 1} failed: {e}") from e
+
     def _record(self, pieces: list[Piece]) -> list[str]:
         """One step's pieces → each row's new text; counts and finish reasons into stats."""
         out = [""] * len(self.prompt_ids)
         for p in pieces:
+            if p.error is not None:  # one line for the user; the cause is chained (QUILL_DEBUG=1 shows it)
+                raise QuillError(f"sample {p.key + 1} failed: {p.error}") from p.error
             out[p.key] = p.text
             self.stats.new_tokens[p.key] = p.tokens
             if p.finish is not None:

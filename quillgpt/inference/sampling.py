@@ -86,6 +86,15 @@ class SamplingParams:
 
 
 # --- logit filters: (B, V) float logits in, same shape out -------------------------------------
+# Each filter drops tokens but never a row's most likely one, whatever the setting rounds to in
+# the logits' dtype (a top_p of 1e-46 is 0 in float32): the nucleus of any p > 0 holds the top
+# token, so a draw always has a token to draw.
+
+
+def _drop(logits: Tensor, drop: Tensor) -> Tensor:
+    """logits with the `drop` (B, V) bool positions at -inf, except each row's most likely token."""
+    top = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    return logits.masked_fill(drop.scatter(-1, top, False), float("-inf"))
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -109,7 +118,7 @@ def apply_top_k(logits: Tensor, k: int | None) -> Tensor:
     if k is None or k >= logits.size(-1):
         return logits
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
+    return _drop(logits, logits < kth)
 
 
 def apply_top_p(logits: Tensor, p: float) -> Tensor:
@@ -120,8 +129,7 @@ def apply_top_p(logits: Tensor, p: float) -> Tensor:
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
     drop_sorted = mass_before >= p
-    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
+    return _drop(logits, drop_sorted.scatter(-1, order, drop_sorted))  # back to vocabulary order
 
 
 def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
@@ -129,7 +137,7 @@ def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
     if min_p <= 0.0:
         return logits
     probs = logits.softmax(dim=-1)
-    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return _drop(logits, probs < min_p * probs.max(dim=-1, keepdim=True).values)
 
 
 def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
@@ -138,11 +146,19 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
     if params.greedy:
         return logits.argmax(dim=-1)
     # shift so the best logit is 0 before dividing, and never divide by a temperature that rounds
-    # to 0 in the logits' dtype: a tiny temperature then gives 0 and -inf, never inf - inf or 0/0
-    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    # to 0 or inf in the logits' dtype: a tiny one then gives 0 and -inf, a huge one 0 and small
+    # values (or -inf where the shift overflowed), never inf - inf, 0/0 or -inf/inf
+    finfo = torch.finfo(logits.dtype)
+    temperature = min(max(params.temperature, finfo.tiny), finfo.max)
     logits = apply_temperature(logits - logits.max(dim=-1, keepdim=True).values, temperature)
     logits = apply_min_p(apply_top_p(apply_top_k(logits, params.top_k), params.top_p), params.min_p)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def offset_seed(seed: int, k: int) -> int:
+    """The seed of the k-th of several rows seeded `seed` (seed + k, wrapping past MAX_SEED, so
+    any valid seed gives valid row seeds)."""
+    return (seed + k) % (MAX_SEED + 1)
 
 
 def row_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:

@@ -6,7 +6,9 @@ decoded text, so a stop string may span tokens). `TextBatch` is the one place ro
 join an engine, step, finish and leave: `quill sample` (through Generation), generate_tokens and
 the server's batcher all drive their engine through it. A row finishes at max_new_tokens
 ("length"), at a stop token such as end-of-text ("eot": not part of the text) or at its first
-stop string ("stop": the text before it); the vocabulary is engine.FINISH_REASONS.
+stop string ("stop": the text before it); the vocabulary is engine.FINISH_REASONS. A row that
+fails (engine.RowFailed: in the engine, or while its tokens become text) ends with finish
+"error" and leaves; the other rows go on.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import Rows, RowToken
+from quillgpt.inference.engine import RowFailed, Rows, RowToken
 from quillgpt.inference.sampling import SamplingParams
 
 
@@ -131,13 +133,15 @@ class TextStream:
 @dataclass
 class Piece:
     """What one row produced in one step: its token, the text that can be printed now ("" while
-    text is held back), why it finished (None: it goes on) and its tokens so far."""
+    text is held back), why it finished (None: it goes on), its tokens so far, and with finish
+    "error" why it failed."""
 
     key: Hashable
     token: int
     text: str
     finish: str | None
     tokens: int
+    error: RowFailed | None = None
 
 
 @dataclass
@@ -187,21 +191,32 @@ class TextBatch:
             self.engine.release(row)
 
     def _piece(self, rt: RowToken) -> Piece:
-        """A row's new token → its text; at a stop string the row leaves the engine."""
+        """A row's new token → its text; at a stop string (or a failure) the row leaves the engine."""
         text_row = self._rows[rt.row]
-        text_row.tokens += 1
-        stream, text, finish = text_row.stream, "", rt.finish
-        if stream is not None:
-            if finish == "eot":  # a stop token: not part of the text
-                text = stream.finish()
-            else:
-                text = stream.push(rt.token)
-                if stream.stopped:
-                    finish = "stop"
-                    self.engine.release(rt.row)  # idempotent if the row also hit its length
-                elif finish == "length":
-                    text += stream.finish()
+        stream, text, finish, error = text_row.stream, "", rt.finish, rt.error
+        if finish != "error":
+            text_row.tokens += 1
+            try:
+                text, finish = self._text(stream, rt.token, finish)
+            except Exception as e:  # e.g. a tokenizer that cannot decode the id: this row's failure
+                text, finish, error = "", "error", RowFailed.of("turning the token into text", e)
+            if finish in ("stop", "error"):
+                self.engine.release(rt.row)  # idempotent if the row also hit its length
         if finish is not None:
             del self._rows[rt.row]
             del self._where[text_row.key]
-        return Piece(text_row.key, rt.token, text, finish, text_row.tokens)
+        return Piece(text_row.key, rt.token, text, finish, text_row.tokens, error)
+
+    @staticmethod
+    def _text(stream: TextStream | None, token: int, finish: str | None) -> tuple[str, str | None]:
+        """The text a row's new token adds, and its finish: "stop" at a stop string."""
+        if stream is None:
+            return "", finish
+        if finish == "eot":  # a stop token: not part of the text
+            return stream.finish(), finish
+        text = stream.push(token)
+        if stream.stopped:
+            return text, "stop"
+        if finish == "length":
+            text += stream.finish()
+        return text, finish

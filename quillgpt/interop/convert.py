@@ -12,7 +12,6 @@ transformers reads, and quill_tokenizer.json so that a re-import restores quill'
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,9 @@ from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, ModelConfig, save_config
 from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, atomic_write_text, read_text, shown
+from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, os_error, read_text, shown
 from quillgpt.interop import gpt2, llama
-from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, make_out_dir, require, resolve_source, write_json
+from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, made_out_dir, require, resolve_source, write_json
 
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
@@ -58,7 +57,7 @@ def read_hf_config(path: Path) -> dict[str, Any]:
 
 
 def _source_tokenizer(path: Path, llama_family: bool) -> Tokenizer:
-    if os.path.isfile(path / QUILL_TOKENIZER):
+    if input_file(path / QUILL_TOKENIZER, QUILL_TOKENIZER):
         return load_tokenizer(path / QUILL_TOKENIZER)
     if llama_family:
         from quillgpt.data.hf_tokenizer import load_hf_tokenizer
@@ -98,8 +97,8 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
         )
     state = _state(path, model_cfg, architecture, hf_config)
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
-    make_out_dir(out_dir)
-    _write_run(out_dir, model_cfg, tokenizer, state, str(src))
+    with made_out_dir(out_dir):  # a failed write leaves no --out it made
+        _write_run(out_dir, model_cfg, tokenizer, state, str(src))
     return Converted(out_dir, model_cfg, tokenizer.name, architecture)
 
 
@@ -141,13 +140,13 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
         kind = llama.family_of(cfg, llama.is_qwen_tokenizer(getattr(tok, "_json", None)))
         tensors, config = llama.quill_to_llama_state(state, cfg, kind), llama.model_config_to_llama(cfg, kind, tok.bos_id, tok.eot_id)
         architecture = config["architectures"][0]
-    make_out_dir(out_dir)
-    try:
-        atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
-        write_json(out_dir / "config.json", config)
-        _write_tokenizer_files(out_dir, tok, llama_family=bool(as_gpt2))
-    except OSError as e:
-        raise QuillError(f"cannot write --out {shown(out_dir)}: {e.strerror or e}") from None
+    with made_out_dir(out_dir):  # a failed write (a full disk...) leaves no --out it made
+        try:
+            atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
+            write_json(out_dir / "config.json", config)
+            _write_tokenizer_files(out_dir, tok, llama_family=bool(as_gpt2))
+        except OSError as e:
+            raise os_error(e, out_dir, "write", "--out") from None
     return Converted(out_dir, cfg, tok.name, architecture)
 
 

@@ -8,11 +8,13 @@ functions that need them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import pickle
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +26,7 @@ from torch import Tensor
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_text, os_error, probe_writable, read_text, shown
+from quillgpt.files import atomic_write_text, input_file, os_error, probe_writable, read_text, shown
 
 HF_INSTALL = 'pip install -e ".[hf]"'
 
@@ -52,7 +54,9 @@ class HFWeights(Mapping[str, Tensor]):
         self._where: dict[str, Any] = {}  # tensor name → the open file that holds it
         for name, opener in (("model.safetensors", _open_safetensors), ("pytorch_model.bin", _open_bin)):
             index = src / f"{name}.index.json"
-            files = [src / name] if os.path.isfile(src / name) else [src / s for s in _shard_names(index)] if os.path.isfile(index) else []
+            files = [src / name] if input_file(src / name, name) else []  # a FIFO or device: refused by name
+            if not files and input_file(index, index.name):
+                files = [src / s for s in _shard_names(index)]
             for path in files:
                 handle = opener(path)
                 self._where.update(dict.fromkeys(handle.keys(), (handle, path)))
@@ -101,7 +105,7 @@ def _shard_names(index: Path) -> list[str]:
 
 def _open_safetensors(path: Path) -> Any:
     safetensors = require("safetensors")
-    if not os.path.isfile(path):
+    if not input_file(path, "shard"):
         raise QuillError(f"{shown(path)} is missing (named in the shard index)")
     try:
         return safetensors.safe_open(str(path), framework="pt", device="cpu")
@@ -135,7 +139,7 @@ def _torch_load(path: Path) -> Any:
 
 
 def _open_bin(path: Path) -> _BinFile:
-    if not os.path.isfile(path):
+    if not input_file(path, "shard"):
         raise QuillError(f"{shown(path)} is missing (named in the shard index)")
     try:
         tensors = _torch_load(path)
@@ -201,11 +205,24 @@ def check_out_dir(out_dir: Path, ours: tuple[str, ...], force: bool, what: str) 
     probe_writable(out_dir, "--out", create=False)  # made when the files are written: a failure leaves nothing
 
 
-def make_out_dir(out_dir: Path) -> None:
+@contextlib.contextmanager
+def made_out_dir(out_dir: Path) -> Iterator[Path]:
+    """Create --out for the writes in the `with` body; when they fail (a full disk...), the
+    directories this made are removed again: a failed command leaves no empty --out behind."""
+    top = Path(os.path.abspath(out_dir))
+    while not top.parent.exists():
+        top = top.parent
+    created = None if top.exists() else top  # the highest directory this call makes
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(e, out_dir, "create", "--out") from None
+    try:
+        yield out_dir
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -2,13 +2,17 @@
 
 `create_app` builds a FastAPI app around a loaded run and a running `Batcher`; nothing here
 touches the model directly. Every route turns its body into `Job`s (one per choice), hands them
-to the batcher and turns the `Event`s that come back into OpenAI's JSON or SSE chunks.
+to the batcher and turns the `Event`s that come back into OpenAI's JSON or SSE chunks. A request
+is checked whole before its reply starts (a streamed one too), bodies are JSON only (a web
+page's form or text/plain "simple request" cannot reach the model), and on shutdown the `Drain`
+ends each reply that cannot finish in time: a stream with an error event and [DONE].
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -24,8 +28,11 @@ from fastapi.staticfiles import StaticFiles
 
 from quillgpt.errors import QuillError
 from quillgpt.inference.chat import chat_prompt_ids, fitting
+from quillgpt.inference.engine import check_room
+from quillgpt.inference.generate import row_params
 from quillgpt.inference.sampling import InvalidParam, SamplingParams
 from quillgpt.inference.text import TextStream, encode_prompt
+from quillgpt.serve.access_log import AccessLog
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.errors import APIError, install_handlers
 from quillgpt.serve.responses import DONE, Reply, sse
@@ -44,6 +51,8 @@ if TYPE_CHECKING:
 
 STATIC = Path(__file__).resolve().parent / "static"
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams field → request field
+JSON_TYPES = (b"application/json",)  # the media types a POST body may have
+log = logging.getLogger("quillgpt.serve")
 
 
 @dataclass(frozen=True)
@@ -56,8 +65,9 @@ class ServeOptions:
     max_prompt_tokens: int = 4096
     max_body_bytes: int = 1 << 20
     max_waiting: int = 256  # choices queued beyond the running batch before answering 503
-    attention_max_tokens: int = 64  # the attention view: T×T weights per head get large fast
+    attention_max_tokens: int = 128  # the attention view keeps the last tokens: T×T weights per head get large fast
     cors: str | None = None
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this (a stalled upload is 408)
 
 
 def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastAPI:
@@ -72,12 +82,15 @@ def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastA
             batcher.stop()
 
     app = FastAPI(title="quill serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.drain = drain = Drain()
     install_handlers(app)
-    app.add_middleware(Guard, api_key=options.api_key, max_body=options.max_body_bytes)
+    app.add_middleware(Guard, api_key=options.api_key, max_body=options.max_body_bytes,
+                       body_timeout_s=options.body_timeout_s)
     if options.cors:
         app.add_middleware(CORSMiddleware, allow_origins=[options.cors], allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    routes = Routes(run, batcher, options)
+    app.add_middleware(AccessLog)  # added last: outermost, so refusals are logged too
+    routes = Routes(run, batcher, options, drain)
     app.get("/", include_in_schema=False)(lambda: FileResponse(STATIC / "index.html"))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.get("/health")(routes.health)
@@ -90,11 +103,11 @@ def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastA
 
 
 class Guard:
-    """ASGI middleware: the API key (every path but the page, its files and /health) and the
-    body-size cap, checked before any route runs."""
+    """ASGI middleware: the API key (every path but the page, its files and /health), the body's
+    size cap, media type (JSON) and deadline, checked before any route runs."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
-        self.app, self.max_body = app, max_body
+    def __init__(self, app: Any, api_key: str | None, max_body: int, body_timeout_s: float) -> None:
+        self.app, self.max_body, self.body_timeout_s = app, max_body, body_timeout_s
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -105,12 +118,20 @@ class Guard:
         if refusal is not None:
             extra = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None
             return await refusal.response(extra)(scope, receive, send)
-        seen = 0
+        seen, whole, loop = 0, False, asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
 
         async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:  # the body is in: what follows is waiting for a disconnect, unbounded
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                               code="body_timeout") from None
             seen += len(message.get("body", b""))
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             if seen > self.max_body:
                 raise APIError(413, f"the request body is over {self.max_body:,} bytes", code="body_too_large")
             return message
@@ -128,7 +149,46 @@ class Guard:
             return APIError(400, "the Content-Length header is not a number", code="invalid_body")
         if length is not None and int(length) > self.max_body:
             return APIError(413, f"the request body is over {self.max_body:,} bytes", code="body_too_large")
+        media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if scope["method"] == "POST" and media not in JSON_TYPES:
+            got = repr(media.decode("latin-1")[:60]) if media else "none"
+            return APIError(415, f"the request body must be JSON: send the header Content-Type: application/json "
+                            f"(got {got})", code="unsupported_media_type")
         return None
+
+
+class Drain:
+    """Shutdown's deadline for the replies still running: `start` gives them `seconds`, then
+    every reply waiting in `next_event` ends itself (logged once, in one line)."""
+
+    def __init__(self) -> None:
+        self.expired = asyncio.Event()
+        self.running = 0  # replies waiting on the engine now
+
+    def start(self, seconds: float) -> None:
+        asyncio.get_running_loop().call_later(seconds, self._expire, seconds)
+
+    def _expire(self, seconds: float) -> None:
+        if self.running:
+            log.warning("shutting down: %d reply(ies) still generating after the %g s drain end with an error",
+                        self.running, seconds)
+        self.expired.set()
+
+    async def next_event(self, events: asyncio.Queue) -> Event | None:
+        """The next event of a reply, or None once the drain has expired."""
+        if self.expired.is_set():
+            return None
+        if not events.empty():  # the common case while generating: no task to make
+            return events.get_nowait()
+        getting = asyncio.ensure_future(events.get())
+        expiring = asyncio.ensure_future(self.expired.wait())
+        try:
+            await asyncio.wait({getting, expiring}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            expiring.cancel()
+            if not getting.done():
+                getting.cancel()
+        return getting.result() if getting.done() and not getting.cancelled() else None
 
 
 class Relay:
@@ -160,8 +220,8 @@ class Relay:
 class Routes:
     """The route handlers, sharing the run, the batcher and the options."""
 
-    def __init__(self, run: LoadedRun, batcher: Batcher, options: ServeOptions) -> None:
-        self.run, self.batcher, self.options = run, batcher, options
+    def __init__(self, run: LoadedRun, batcher: Batcher, options: ServeOptions, drain: Drain) -> None:
+        self.run, self.batcher, self.options, self.drain = run, batcher, options, drain
         self.created = int(time.time())
         self._relays: dict[asyncio.AbstractEventLoop, Relay] = {}
 
@@ -170,7 +230,11 @@ class Routes:
             self._relays[loop] = Relay(loop)
         return self._relays[loop]
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> Any:
+        """ok, or 503 with the reason when the engine cannot serve (its last step failed)."""
+        problem = self.batcher.problem()
+        if problem is not None:
+            return JSONResponse({"status": "error", "reason": problem, **self.batcher.load()}, status_code=503)
         return {"status": "ok", **self.batcher.load()}
 
     async def models(self) -> dict[str, Any]:
@@ -210,9 +274,8 @@ class Routes:
             ids, stops = chat_prompt_ids(self.run.tokenizer, messages)  # the model's template, or the transcript
         except QuillError as e:
             raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
-        default = fitting(self.run.model, len(ids), self.options.max_tokens)  # a prefix-LM's room
-        return await self._generate(request, req, [self._checked(ids, "messages")], stops=stops, default_max=default,
-                                    chat=True)
+        return await self._generate(request, req, [self._checked(ids, "messages")], stops=stops,
+                                    default_max=self.options.max_tokens, chat=True)  # _max_tokens fits the room
 
     async def attention(self, request: Request) -> dict[str, Any]:
         from quillgpt.evaluate.attention_views import attention_weights
@@ -221,12 +284,9 @@ class Routes:
         self._check_model(req.model)
         if not req.prompt:
             raise APIError(400, "prompt is empty; give some text to look at", param="prompt")
-        n = len(self._encode(req.prompt, "prompt"))
-        limit = self.options.attention_max_tokens
-        if n > limit:
-            raise APIError(400, f"the prompt has {n} tokens; the attention view takes at most {limit}",
-                           param="prompt", code="prompt_too_long")
-        attn = await self._on_engine(lambda: attention_weights(self.run.model, self.run.tokenizer, req.prompt))
+        self._encode(req.prompt, "prompt")  # unknown characters and the prompt limit: a 400 here
+        limit = self.options.attention_max_tokens  # a longer text keeps its last tokens, as the CLI crops
+        attn = await self._on_engine(lambda: attention_weights(self.run.model, self.run.tokenizer, req.prompt, limit))
         return {
             "object": "attention", "model": self.options.model_id, "tokens": attn.tokens, "token_ids": attn.ids,
             "cropped": attn.cropped, "n_layer": len(attn.weights), "n_head": attn.weights[0].shape[0],
@@ -265,12 +325,23 @@ class Routes:
             param = OPENAI_NAMES.get(e.param, e.param)
             raise APIError(400, e.message(param), param=param, code="invalid_value") from None
 
-    def _max_tokens(self, req: SamplingFields, default: int) -> int:
-        cap = self.options.max_tokens
-        n = min(default, cap) if req.max_tokens is None else req.max_tokens
+    def _max_tokens(self, req: SamplingFields, default: int, ids: list[list[int]]) -> int:
+        """The request's max_tokens, or a default that fits every prompt's room (a prefix-LM's
+        prompt + reply must fit block_size); a prompt it cannot continue is refused here,
+        before any reply starts, naming the HTTP field."""
+        cap, model = self.options.max_tokens, self.run.model
+        if req.max_tokens is None:
+            n = min(fitting(model, len(p), min(default, cap)) for p in ids)
+        else:
+            n = req.max_tokens
         if not 1 <= n <= cap:
             raise APIError(400, f"max_tokens must be between 1 and {cap:,} (the server's --max-tokens), got {n}",
                            param="max_tokens", code="invalid_value")
+        for p in ids:
+            try:
+                check_room(model, len(p), n, name="max_tokens", flag="max_tokens")
+            except QuillError as e:
+                raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         return n
 
     async def _generate(self, request: Request, req: SamplingFields, ids: list[list[int]],
@@ -283,8 +354,9 @@ class Routes:
             raise APIError(400, f"n × prompts must be between 1 and {rows} (the server's --max-batch), "
                            f"got {n} × {len(ids)}", param="n", code="invalid_value")
         stops = stops + stop_strings(req.stop)
-        max_tokens = self._max_tokens(req, default_max)
-        params = [self._params(req, max_tokens, None if req.seed is None else req.seed + k, stops) for k in range(n)]
+        max_tokens = self._max_tokens(req, default_max, ids)
+        first = self._params(req, max_tokens, req.seed, stops)  # checks the seed as the client sent it
+        params = [row_params(first, k) for k in range(n)]  # choice k: seed + k (wrapping), as quill sample's rows
         events: asyncio.Queue[Event] = asyncio.Queue()
         relay = self._relay(asyncio.get_running_loop())
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
@@ -296,21 +368,25 @@ class Routes:
             raise APIError(503, str(e), code="server_busy") from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         reply = Reply(chat, self.options.model_id, sum(map(len, ids)), include_usage)
+        request.state.reply = reply
         if req.stream:
             return StreamingResponse(self._stream(reply, jobs, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._collect(request, reply, jobs, events)
 
     async def _stream(self, reply: Reply, jobs: list[Job], events: asyncio.Queue) -> AsyncIterator[str]:
-        """SSE chunks as the engine produces text; a client that leaves cancels its jobs."""
+        """SSE chunks as the engine produces text; a client that leaves cancels its jobs; a
+        stream the shutdown drain cuts ends with an error event and [DONE]."""
+        self.drain.running += 1
         try:
             if reply.chat:
                 for job in jobs:
                     yield sse(reply.chunk(job.index, role=True))
             left, tokens = len(jobs), {}
             while left:
-                batch = [await events.get()]
-                while not events.empty():  # behind (slow client, busy loop): one chunk per choice
+                first = await self.drain.next_event(events)
+                batch = [first or _shutdown_event()]
+                while first is not None and not events.empty():  # behind (slow client, busy loop): one chunk per choice
                     batch.append(events.get_nowait())
                 error = next((e for e in batch if e.finish == "error"), None)
                 if error is not None:
@@ -322,12 +398,14 @@ class Routes:
                     m.text, m.finish, m.tokens = m.text + e.text, e.finish, e.tokens
                 yield "".join(sse(reply.chunk(m.index, m.text, m.finish)) for m in merged.values())
                 tokens.update((m.index, m.tokens) for m in merged.values())
+                reply.completion_tokens = sum(tokens.values())
                 left -= sum(m.finish is not None for m in merged.values())
             else:
                 if reply.include_usage:
                     yield sse(reply.usage_chunk(sum(tokens.values())))
             yield DONE
         finally:
+            self.drain.running -= 1
             for job in jobs:
                 self.batcher.cancel(job)
 
@@ -337,24 +415,31 @@ class Routes:
         finishes: list[str | None] = [None] * len(jobs)
         tokens = [0] * len(jobs)
         gone = asyncio.ensure_future(_disconnected(request))
+        self.drain.running += 1
         try:
             while None in finishes:
-                getting = asyncio.ensure_future(events.get())
+                getting = asyncio.ensure_future(self.drain.next_event(events))
                 await asyncio.wait({getting, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not getting.done():
                     getting.cancel()
                     return JSONResponse({}, status_code=499)  # the client left: nobody will read it
-                event = getting.result()
+                event = getting.result() or _shutdown_event()
                 if event.finish == "error":
                     raise APIError(event.status, event.text, code="generation_failed")
                 texts[event.index].append(event.text)
                 tokens[event.index] = event.tokens
+                reply.completion_tokens = sum(tokens)
                 finishes[event.index] = event.finish
         finally:
+            self.drain.running -= 1
             gone.cancel()
             for job in jobs:
                 self.batcher.cancel(job)
         return reply.full(["".join(t) for t in texts], finishes, sum(tokens))
+
+
+def _shutdown_event() -> Event:
+    return Event(0, "the server is shutting down: this reply was cut before it finished", "error", status=503)
 
 
 async def _disconnected(request: Request) -> None:

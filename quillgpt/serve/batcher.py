@@ -7,7 +7,8 @@ tokens are the ones it gets alone. Rows join, step, finish and leave through the
 inference.text.TextBatch, which turns each job's tokens into text with its own `TextStream`
 (UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side through the
 job's `emit` callback. Work that must not run beside a decode step (the attention view) is
-queued as a plain call and runs between steps.
+queued as a plain call and runs between steps. A row that fails (engine.RowFailed) fails its
+job alone; when the engine's last step failed for every row in it, `problem` says so (/health).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from quillgpt.errors import QuillError
+from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.text import Piece, TextBatch, TextStream
 
 if TYPE_CHECKING:
@@ -74,6 +76,7 @@ class Batcher:
         self._queued = 0  # jobs submitted and not yet prefilled (inbox + waiting)
         self._lock = threading.Lock()
         self._stopping = False
+        self._failure: str | None = None  # why the engine's last step failed for every row in it
         self._thread = threading.Thread(target=self._run, name="quill-engine", daemon=True)
 
     # --- called from the HTTP side ---------------------------------------------------------
@@ -109,6 +112,13 @@ class Batcher:
             self._inbox.put((fn, future))
         return future
 
+    def problem(self) -> str | None:
+        """Why the engine cannot serve now (None: it can): its thread is gone, or its last step
+        failed for every row in it (cleared by the next step or prefill that works)."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return "the engine thread has stopped"
+        return None if self._failure is None else f"the engine's last step failed: {self._failure}"
+
     def load(self) -> dict[str, int]:
         return {"active": len(self._rows), "waiting": self._queued, "max_batch": self.engine.max_rows}
 
@@ -129,10 +139,14 @@ class Batcher:
                 self._drop_cancelled()
                 self._admit()
                 if self._rows:
-                    for piece in self._batch.step():
+                    pieces = self._batch.step()
+                    failed = [p for p in pieces if p.finish == "error"]
+                    self._failure = str(failed[0].error) if failed and len(failed) == len(pieces) else None
+                    for piece in pieces:
                         self._deliver(piece)
-            except Exception:  # a bug or out of memory: the running jobs fail, the server goes on
+            except Exception as e:  # a bug here, not in a row (the engine fails rows itself): the jobs fail, the server goes on
                 log.exception("engine task error")
+                self._failure = f"{type(e).__name__}: {e}"
                 for key, job in self._rows.items():
                     self._batch.leave(key)
                     job.emit(Event(job.index, "internal error while generating (logged on the server)", "error",
@@ -196,10 +210,16 @@ class Batcher:
             except (QuillError, ValueError) as e:
                 job.emit(Event(job.index, str(e), "error", status=400))
                 continue
-            except Exception:  # a bug or out of memory: this job fails, the others go on
+            except RowFailed as e:  # the engine released the row: this job fails, the others go on
+                self._failure = str(e)
+                log.error("a request failed in its prefill: %s", e)
+                job.emit(Event(job.index, f"generation failed: {e}", "error"))
+                continue
+            except Exception:  # a bug: this job fails, the others go on
                 log.exception("prefill failed")
                 job.emit(Event(job.index, "internal error during prefill (logged on the server)", "error"))
                 continue
+            self._failure = None
             self._rows[id(job)] = job
             self._deliver(first)
 
@@ -207,6 +227,11 @@ class Batcher:
         """A row's new text → its job; at the row's end, the finish reason in OpenAI's words."""
         job = self._rows[piece.key]
         job.tokens = piece.tokens
+        if piece.error is not None:  # the row is released; the job ends in an error event
+            del self._rows[piece.key]
+            log.error("a request failed after %d token(s): %s", job.tokens, piece.error)
+            job.emit(Event(job.index, f"generation failed: {piece.error}", "error", job.tokens))
+            return
         finish = None if piece.finish is None else "length" if piece.finish == "length" else "stop"
         if finish is not None:
             del self._rows[piece.key]

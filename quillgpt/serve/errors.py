@@ -1,7 +1,9 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
-Every failure a client can cause becomes an `APIError` with an HTTP status; anything else is a
-bug, logged on the server with its traceback and answered with a bare 500 (no trace leaks).
+Every failure a client can cause becomes an `APIError` with an HTTP status; a client that
+closes the connection before its body is read is no error (nobody is left to answer); anything
+else is a bug, logged on the server with its traceback and answered with a bare 500 (no trace
+leaks).
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("quillgpt.serve")
 
@@ -21,7 +24,9 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     500: "server_error",
     503: "server_unavailable",
@@ -59,6 +64,12 @@ def install_handlers(app: FastAPI) -> None:
             return APIError(405, f"{request.method} is not allowed on {request.url.path}",
                             code="method_not_allowed").response()
         return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+        log.info("%s %s: the client closed the connection before sending its whole body", request.method,
+                 request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:

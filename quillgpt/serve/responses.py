@@ -32,6 +32,7 @@ class Reply:
     model: str
     prompt_tokens: int
     include_usage: bool = False
+    completion_tokens: int = 0  # so far: the access log's count (serve/access_log.py)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 

@@ -105,6 +105,11 @@ def parse_body(raw: bytes, schema: type[Body]) -> Body:
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_body")
+    try:  # a \ud800 escape decodes to a lone surrogate, which no text (and no tokenizer) can hold
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the request body has a lone UTF-16 surrogate ({e.object[e.start]!a}) in a string or "
+                       "field name; send valid Unicode", code="invalid_body") from None
     try:
         return schema.model_validate(data)
     except ValidationError as e:
@@ -121,6 +126,8 @@ def _field_error(e: ValidationError) -> APIError:
     located = [(".".join(str(p) for p in err["loc"] if not _is_type_tag(p)), err) for err in e.errors(include_url=False)]
     param, err = max(located, key=lambda pe: pe[0].count(".") + bool(pe[0]))
     param = param or None
+    if param is None:  # the body as a whole (pydantic names no field)
+        return APIError(422, f"the request body: {err['msg']}", code="invalid_body")
     if err["type"] == "extra_forbidden":
         return APIError(422, f"unknown field {param!r}; quill accepts OpenAI's fields and top_k, min_p, "
                         "repetition_penalty", param=param, code="unknown_field")
@@ -143,7 +150,7 @@ def reject_unsupported(req: SamplingFields) -> None:
             raise APIError(400, f"{name} is not supported by quill (use repetition_penalty)", param=name,
                            code="unsupported")
     checks = {
-        "logit_bias": bool(req.logit_bias),
+        "logit_bias": any(bias != 0 for bias in (req.logit_bias or {}).values()),  # {"1": 0} changes nothing
         "logprobs": bool(getattr(req, "logprobs", None)),
         "top_logprobs": bool(getattr(req, "top_logprobs", None)),
         "echo": bool(getattr(req, "echo", None)),

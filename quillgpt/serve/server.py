@@ -3,7 +3,7 @@
 `serve` is what `quill serve` calls. Tests and scripts use its parts: `make_app` (a run → an app
 with its engine), `listen` (a bound socket, so port 0 picks a free port and a busy port is a
 one-line error) and `uvicorn_server` (SIGINT/SIGTERM stop accepting, give in-flight streams
-`drain_s` seconds to finish, then stop the engine thread).
+`drain_s` seconds to finish, then end them with an error event and stop the engine thread).
 """
 
 from __future__ import annotations
@@ -55,12 +55,19 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info") -> uvicorn.Server:
+def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info",
+                   head_timeout_s: float = 10.0) -> uvicorn.Server:
+    """uvicorn serving `app` (from create_app): request heads bounded by head_timeout_s, and on
+    shutdown running replies get drain_s seconds, then end themselves (serve/http.py)."""
+    import functools
+
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_s, access_log=False,
-                            server_header=False)
-    return uvicorn.Server(config)
+    from quillgpt.serve.http import GRACE_S, BoundedH11, DrainingServer
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_s + GRACE_S, access_log=False,
+                            server_header=False, http=functools.partial(BoundedH11, head_timeout_s=head_timeout_s))
+    return DrainingServer(config, app.state.drain, drain_s)
 
 
 def require_extra() -> None:
@@ -101,8 +108,8 @@ def serve(
     if not 0 <= port <= 65535:
         raise QuillError(f"--port must be between 0 and 65535, got {port}")
     torch_dtype, scheme = parse_dtype(dtype), quant.parse_quantize(quantize)
-    if api_key is not None and not api_key.strip():
-        raise QuillError("the API key is empty; pass a real key or none")
+    if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
+        raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
     model = quant.quantize(run.model, scheme, rows=max_batch)  # once, at load: the engine's decode batch
     run = dataclasses.replace(run, model=model)  # what the engine and the attention view run

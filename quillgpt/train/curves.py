@@ -61,8 +61,10 @@ def plot_runs(
     x: Literal["step", "tokens", "time"] = "step",
     log: bool = False,
     dpi: int = 100,
+    force: bool = False,
 ) -> list[Curves]:
-    """Train (solid) and val (dashed, dots) loss of several runs on one plot, one colour each."""
+    """Train (solid) and val (dashed, dots) loss of several runs on one plot, one colour each;
+    an existing `out` that is not an image of its format is replaced only with `force`."""
     if not run_dirs:
         raise QuillError("pass at least one run directory")
     out = Path(out)
@@ -93,5 +95,5 @@ def plot_runs(
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=8)
-        save_figure(fig, out, fmt, dpi)
+        save_figure(fig, out, fmt, dpi, force)
     return curves

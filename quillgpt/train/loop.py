@@ -40,6 +40,7 @@ from quillgpt.evaluate.scores import evaluate_windows
 from quillgpt.model.gpt import GPT
 from quillgpt.model.variants import variant_of
 from quillgpt.train import fsdp_checkpoint as sharded
+from quillgpt.train.cpu_share import sharing_cpu
 from quillgpt.train.distributed import (
     Dist,
     full_weights,
@@ -291,7 +292,7 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
     bar = Progress(t, enabled=progress and ddp.master)
     if ddp.master:
         bar.write(startup_line(t, tokens_per_step, resumed))
-    with StopFlag() as stop:
+    with StopFlag() as stop, sharing_cpu(t.device, ddp.world_size) as share:
         t.model.train()
         verified = not tc.compile  # a compiled model proves itself on its first step
         while t.step < t.horizon:
@@ -306,6 +307,8 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
                 t.step, stopped = t.first_step, "interrupted"  # the step is not kept: nothing was saved
                 break
             follow_budget(t, bar.write)
+            if share is not None and (change := share.update()):
+                bar.write(change)
             bar.update(t)
             record = _log_record(t, loss, lr, meter, bar, tokens_per_step) if t.step % tc.log_interval == 0 or t.step == t.horizon else {}
             if t.step % tc.eval_interval == 0 or t.step == t.horizon:

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import math
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,13 +29,19 @@ from quillgpt.config import Config, ModelConfig, TrainConfig, save_config
 from quillgpt.data.prepare import PreparedData, prepare
 from quillgpt.data.tokenizer import save_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import probe_writable
+from quillgpt.files import check_output_dir, probe_writable
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import Dist
 from quillgpt.train.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
 
 if TYPE_CHECKING:
     from quillgpt.train.loop import Trainer
+
+
+# What a run writes into train.out_dir (name → output kind): an existing file of these that is
+# not a run's (an HF model's tokenizer.json, someone's config.yaml) is never replaced silently.
+RUN_WRITES = {r"config\.yaml": "config", r"tokenizer\.json": "tokenizer", r"metrics\.jsonl": "metrics",
+              r"ckpt\.pt": "checkpoint", r"best\.pt": "checkpoint"}
 
 
 def remove_stale_temps(out_dir: str | Path) -> None:
@@ -52,7 +59,15 @@ class RunLock:
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)  # a FIFO: no wait
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                os.close(self._fd)
+                raise IsADirectoryError(21, "not a regular file")
+        except OSError as e:  # a directory or FIFO named .lock, a read-only file...
+            self._fd = None
+            raise QuillError(f"cannot lock {self.path}: {e.strerror}; remove it (it is no lock quill made) "
+                             "or pass a different train.out_dir") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,6 +97,8 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
     if ddp.master:
         try:
             probe_writable(out_dir, "train.out_dir")
+            check_output_dir(out_dir, "train.out_dir", "run", RUN_WRITES, force=bool(cfg.train.overwrite),
+                             how="pass --overwrite")
             stack.enter_context(RunLock(out_dir))
             remove_stale_temps(out_dir)
             sharded.remove_stale(out_dir)
@@ -132,8 +149,13 @@ def describe_run(out_dir: Path) -> str:
     return "its checkpoints are unreadable"
 
 
+INIT_APPLIED = ("block_size", "dropout", "attn_impl")  # what fine-tuning may change (block_size: shrink only)
+
+
 def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, torch.Tensor]]:
-    """Fine-tuning: take the source run's architecture and weights (dropout/block_size may shrink)."""
+    """Fine-tuning: take the source run's architecture and weights. Of the config's model keys
+    only INIT_APPLIED apply; one given on the command line that would change the architecture is
+    refused (the weights fix it), never silently ignored."""
     source = ckpt.load_run(cfg.train.init_from, which="best")
     if source.tokenizer.spec() != tokenizer_spec:
         base = _describe_tokenizer(source.tokenizer.spec())
@@ -143,6 +165,14 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
             "use the base run's own"
         )
     model_cfg = source.config.model
+    given = sorted(k.split(".", 1)[1] for k in cfg.overridden if k.startswith("model."))
+    refused = [k for k in given if k not in INIT_APPLIED and k != "vocab_size" and hasattr(model_cfg, k)
+               and getattr(cfg.model, k) != getattr(model_cfg, k)]
+    if refused:
+        shown_keys = ", ".join(f"model.{k}={getattr(cfg.model, k)} (it has {getattr(model_cfg, k)})" for k in refused)
+        raise QuillError(f"train.init_from={cfg.train.init_from} takes its architecture from that run, so {shown_keys} "
+                         f"cannot apply; drop {'it' if len(refused) == 1 else 'them'} (fine-tuning may change "
+                         f"model.{', model.'.join(INIT_APPLIED)})")
     if cfg.model.block_size > model_cfg.block_size:
         raise QuillError(
             f"model.block_size={cfg.model.block_size} exceeds the source model's {model_cfg.block_size}"
@@ -151,6 +181,8 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     if model_cfg.pos == "learned":
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: cfg.model.block_size]
     model_cfg.block_size, model_cfg.dropout = cfg.model.block_size, cfg.model.dropout
+    if "model.attn_impl" in cfg.overridden:
+        model_cfg.attn_impl = cfg.model.attn_impl
     cfg.model = model_cfg
     return cfg, state
 

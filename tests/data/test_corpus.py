@@ -4,6 +4,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import deadline
 
 import quillgpt.data.corpus as corpus
 from quillgpt.data.corpus import DocumentCutter, count_chars, count_records, find_sources, iter_pieces, read_records
@@ -171,3 +172,136 @@ def test_corrupt_zstd_is_one_line(tmp_path):
     (tmp_path / "x.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"not a zstd frame at all" * 3)
     with pytest.raises(QuillError, match="cannot read data.path .*x.jsonl.zst: not valid zst"):
         texts(find_sources(tmp_path / "x.jsonl.zst")[0])
+
+
+# --- compressed readers end at a frame end --------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True)
+@given(docs=st.lists(st.text(max_size=3000), min_size=1, max_size=4), compression=st.sampled_from(["zst", "gz"]),
+       checksum=st.booleans(), frames=st.integers(1, 3), cut=st.floats(0, 1), kind=st.sampled_from(["txt", "jsonl"]))
+def test_a_compressed_file_cut_short_is_refused_naming_it(tmp_path_factory, docs, compression, checksum, frames, cut,
+                                                          kind):
+    """The issue: 80 % of a .zst read as less text with exit 0, and a cut small frame as an empty
+    document. Cut anywhere, a compressed file reads whole (the cut fell at a frame's end: then
+    the text is that of the whole frames before it) or is refused naming the file."""
+    import zstandard
+
+    tmp = tmp_path_factory.mktemp("cut")
+    raw = (json.dumps({"text": "".join(docs)}) + "\n" if kind == "jsonl" else "".join(docs)).encode()
+    bounds = [len(raw) * i // frames for i in range(frames + 1)]
+    parts = [raw[a:b] for a, b in zip(bounds, bounds[1:])]  # several frames / gzip members, concatenated
+    if compression == "zst":
+        packed = [zstandard.ZstdCompressor(write_checksum=checksum).compress(p) for p in parts]
+    else:
+        packed = [gzip.compress(p, mtime=0) for p in parts]
+    blob = b"".join(packed)
+    at = int(cut * len(blob))
+    path = tmp / f"doc.{kind}.{compression}"
+    path.write_bytes(blob[:at])
+    ends = {sum(len(p) for p in packed[:i]): b"".join(parts[:i]) for i in range(frames + 1)}  # frame ends → text
+    source = find_sources(path)[0]
+    try:
+        got = "".join(texts(source).values()) if kind == "txt" else texts(source)
+    except QuillError as e:
+        assert at not in ends and str(path) in str(e) and "not valid" in str(e), str(e)
+        return
+    assert at in ends, f"{at} of {len(blob)} bytes read quietly"
+    if kind == "txt":
+        assert got == ends[at].decode("utf-8")
+
+
+def test_the_issue_cases_of_a_truncated_zst(tmp_path, shakespeare_path):
+    import zstandard
+
+    text = shakespeare_path.read_bytes()
+    whole = zstandard.ZstdCompressor().compress(text)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "shakespeare.txt.zst").write_bytes(whole[: len(whole) * 8 // 10])  # 80 %
+    small = zstandard.ZstdCompressor().compress(b'{"text": "a small document"}\n')
+    (tmp_path / "small.jsonl.zst").write_bytes(small[:-3])
+    for spec in (tmp_path / "corpus", tmp_path / "small.jsonl.zst"):
+        source = find_sources(spec)[0]
+        with pytest.raises(QuillError, match=r"cannot read data.path .*\.zst: not valid zst \(.*truncated"):
+            texts(source)
+    (tmp_path / "two.txt.zst").write_bytes(whole + zstandard.ZstdCompressor().compress(b"THE END"))
+    assert "".join(texts(find_sources(tmp_path / "two.txt.zst")[0]).values()) == text.decode() + "THE END"  # every frame
+
+
+# --- inputs that never end -----------------------------------------------------------------------
+
+
+def tree(root, spec: dict) -> None:
+    for name, value in spec.items():
+        if isinstance(value, dict):
+            (root / name).mkdir()
+            tree(root / name, value)
+        else:
+            (root / name).write_text(value)
+
+
+NAMES = st.sampled_from(["a.txt", "b.jsonl", ".h.txt", "c.md", "d", "e.txt.gz", "sub", ".hid"])
+TREES = st.recursive(st.just("x"), lambda kids: st.dictionaries(NAMES, kids, max_size=4), max_leaves=10).filter(
+    lambda t: isinstance(t, dict))
+PATTERNS = st.lists(st.sampled_from(["*", "**", "*.txt", "sub", "d", "?.jsonl", ".h*", "[ab].*", "*.t?t"]),
+                    min_size=1, max_size=4)
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True)
+@given(spec=TREES, pattern=PATTERNS, loop=st.sampled_from([None, ".", "..", "sub"]))
+def test_globs_match_what_glob_does_and_symlink_loops_end(tmp_path_factory, spec, pattern, loop):
+    """data.path globs against Python's glob on trees without links; with a link to `.` or `..`
+    (which glob's `**` follows forever) the walk ends and finds the same files."""
+    import glob
+    import os
+
+    root = tmp_path_factory.mktemp("tree")
+    tree(root, spec)
+    joined = str(root / os.path.join(*pattern))
+    want = sorted({p for p in glob.glob(joined, recursive=True) if os.path.isfile(p)})  # (glob repeats some)
+    if loop == "..":  # deep/up → deep's parent, the root (never outside it: other tests' files are there)
+        (root / "deep").mkdir(exist_ok=True)
+        os.symlink("..", root / "deep" / "up")
+    elif loop is not None:
+        os.symlink(loop, root / "link")  # root/link → root, or root/sub (maybe not there: a broken link)
+    try:
+        got = [str(s.path) for s in find_sources(joined)]
+    except QuillError as e:
+        assert "matches no files" in str(e) or "data file not found" in str(e), str(e)
+        got = []
+    real = sorted(os.path.realpath(p) for p in got)
+    if loop is None:
+        assert got == want
+    else:
+        assert set(os.path.realpath(p) for p in want) <= set(real) and len(got) < 10_000
+
+
+@pytest.mark.parametrize("where", ["file", "directory", "glob", "link"])
+def test_devices_and_fifos_in_data_path_are_refused_by_name(tmp_path, where):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.txt")
+    (tmp_path / "ok.txt").write_text("fine")
+    spec = {"file": tmp_path / "pipe.txt", "directory": tmp_path, "glob": tmp_path / "*.txt", "link": tmp_path / "z.txt"}
+    if where == "link":
+        os.symlink("/dev/zero", tmp_path / "z.txt")
+    with deadline(30):
+        with pytest.raises(QuillError, match=r"data.path .*(pipe|z)\.txt is (a FIFO \(named pipe\)|a device), not a file"):
+            texts(find_sources(spec[where])[0])
+        with pytest.raises(QuillError, match="is a device, not a file"):
+            find_sources("/dev/zero")
+
+
+@settings(max_examples=20, deadline=None, database=None, derandomize=True)
+@given(depth=st.one_of(st.integers(1, 50), st.sampled_from([999, 5000, 100_000])), line=st.integers(0, 3),
+       opener=st.sampled_from(["[", '{"a": ']))
+def test_a_jsonl_line_nested_any_depth_is_one_error_naming_file_and_line(tmp_path_factory, depth, line, opener):
+    """The issue: a line nested 100,000 deep was a RecursionError traceback in prepare."""
+    path = tmp_path_factory.mktemp("deep") / "deep.jsonl"
+    closer = "]" if opener == "[" else "}"
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(4)]
+    lines[line] = opener * depth + "1" + closer * depth
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(QuillError) as e:
+        texts(find_sources(path)[0])
+    assert f"deep.jsonl line {line + 1} " in str(e.value) and "\n" not in str(e.value)

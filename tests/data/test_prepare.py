@@ -480,3 +480,38 @@ def test_kill_9_mid_prepare_then_resume_gives_the_same_shards(tmp_path, shakespe
     ids = np.concatenate([np.asarray(load_tokens(out, "train")), np.asarray(load_tokens(out, "val"))])
     assert ids.tolist() == [50256] + build_tokenizer("gpt2").encode(text)
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("room", [0, 1000], ids=["first_write", "mid_shard"])
+def test_a_full_disk_during_prepare_names_the_file_system(tmp_path, small_text, monkeypatch, capsys, room):
+    """The issue: a full disk said only `OSError` (numpy's tofile raises one without an errno)."""
+    import errno
+
+    import quillgpt.data.shards as shards_mod
+
+    real = shards_mod.atomic_write
+
+    class Full(io.RawIOBase):
+        def __init__(self, f):
+            self.f, self.room = f, room
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            if len(memoryview(b).cast("B")) > self.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= len(memoryview(b).cast("B"))
+            return self.f.write(b)
+
+        def fileno(self):
+            return self.f.fileno()
+
+    monkeypatch.setattr(shards_mod, "atomic_write", lambda path, write: real(path, lambda f: write(Full(f))))
+    cfg = write_config(tmp_path, path=str(small_text), out_dir=str(tmp_path / "out"))
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "OSError" not in err
+    assert f"cannot write token shards to data.out_dir {tmp_path / 'out'}: no space left on /" in err
+    assert not (tmp_path / "out" / "meta.json").exists()

@@ -101,6 +101,9 @@ def test_long_prompt_keeps_its_last_block_size_tokens(tok):
     assert attn.cropped == len(text) - 24
     assert attn.ids == tok.encode(text)[-24:]
     assert attn.weights[0].shape == (4, 24, 24)
+    bounded = viz.attention_weights(model, tok, text, max_tokens=10)  # the web page's bound: fewer still
+    assert bounded.cropped == len(text) - 10 and bounded.ids == tok.encode(text)[-10:]
+    assert viz.attention_weights(model, tok, text, max_tokens=100).ids == attn.ids  # never past block_size
 
 
 def test_prompt_mistakes_are_quill_errors(tok):

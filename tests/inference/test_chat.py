@@ -128,3 +128,28 @@ def test_chat_quantize_int8_replies_with_the_int8_model(imported, fixed_int8_ker
     with pytest.raises(SystemExit) as e:
         main(["chat", "--ckpt", str(imported.path), "--quantize", "int4"])
     assert e.value.code == 2 and "--quantize must be int8 or none, got 'int4'" in capsys.readouterr().err
+
+
+def test_a_failed_reply_is_one_error_and_a_hostile_top_p_replies_greedily(quill_run, monkeypatch):
+    """The engine's row failures reach the chat as one QuillError (not a traceback), whether the
+    prefill's logits are not finite or a later step's are; a top_p below float32's smallest value
+    keeps the most likely token, so the reply is the greedy one."""
+    import copy
+
+    from quillgpt.errors import QuillError
+    from quillgpt.inference import engine as engine_mod
+
+    greedy = "".join(ChatSession(quill_run.model, quill_run.tokenizer, GREEDY).reply("Speak."))
+    hostile = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=1e-46, seed=3)
+    assert "".join(ChatSession(quill_run.model, quill_run.tokenizer, hostile).reply("Speak.")) == greedy
+    broken = copy.deepcopy(quill_run.model)
+    with torch.no_grad():
+        broken.transformer.ln_f.weight.fill_(float("nan"))
+    with pytest.raises(QuillError, match=r"the reply failed: .*not finite"):
+        "".join(ChatSession(broken, quill_run.tokenizer, GREEDY).reply("Speak."))
+    step = engine_mod.Engine._step_logits
+    monkeypatch.setattr(engine_mod.Engine, "_step_logits", lambda self, active: step(self, active) * float("nan"))
+    session = ChatSession(quill_run.model, quill_run.tokenizer, GREEDY)
+    with pytest.raises(QuillError, match=r"the reply failed: .*not finite"):
+        "".join(session.reply("Speak."))
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]  # what was said before stays

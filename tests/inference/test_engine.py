@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import BLOCK, PROMPTS, VARIANTS, V, random_model, rel_err
 
 from quillgpt.config import ModelConfig
@@ -234,6 +236,119 @@ def test_decode_without_a_mask_equals_the_masked_step_when_rows_share_a_length(v
             masked = model.decode(ids[:, t], pos, caches[0], n_keys)
             unmasked = model.decode(ids[:, t], pos, caches[1], n_keys, masked=False)
             torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
+
+
+# --- a failing row is that row's failure -------------------------------------------------------
+
+HOSTILE = [GREEDY, SEEDED, SamplingParams(max_new_tokens=30, temperature=1.0, top_p=1e-46, seed=3),
+           SamplingParams(max_new_tokens=30, temperature=1e-300, top_p=5e-324, min_p=1 - 1e-16, top_k=1, seed=4)]
+
+
+class Faults:
+    """Wraps an engine's forwards: the next prefill or step raises, or gives one row NaN logits."""
+
+    def __init__(self, engine):
+        self.prefill, self.step = None, None  # "raise", or ("nan", row) / "nan" (the prefill's row)
+        first, shared = engine._first_logits, engine._step_logits
+
+        def first_logits(r, row, ids):
+            fault, self.prefill = self.prefill, None
+            if fault == "raise":
+                raise RuntimeError("injected prefill failure")
+            logits = first(r, row, ids)
+            return logits * float("nan") if fault == "nan" else logits
+
+        def step_logits(active):
+            fault, self.step = self.step, None
+            if fault == "raise":
+                raise RuntimeError("injected decode failure")
+            logits = shared(active)
+            if fault is not None:
+                logits = logits.clone()
+                logits[fault[1]] = float("inf") if fault[1] % 2 else float("nan")
+            return logits
+
+        engine._first_logits, engine._step_logits = first_logits, step_logits
+
+
+JOB = st.tuples(st.integers(0, len(PROMPTS) - 1), st.integers(0, len(HOSTILE) - 1), st.integers(1, 8),
+                st.integers(0, 6), st.sampled_from([None, None, "raise", "nan"]))
+STEP_FAULT = st.tuples(st.integers(0, 12), st.sampled_from(["raise", "nan"]), st.integers(0, 4))
+
+
+@settings(max_examples=25, deadline=None, database=None, derandomize=True)
+@given(jobs=st.lists(JOB, min_size=1, max_size=5), step_faults=st.lists(STEP_FAULT, max_size=3),
+       use_cache=st.booleans(), variant=st.sampled_from(["mha-learned", "rope", "infini"]), rows=st.integers(1, 3))
+def test_a_failing_row_never_touches_the_others_or_later_rows(jobs, step_faults, use_cache, variant, rows):
+    """Rows join a running batch with hostile settings (top_p below float32's smallest value...);
+    prefills raise or give NaN, steps raise or give one row NaN/inf logits. A failed row ends
+    (RowFailed, or finish "error") and is released; every other row gets its tokens alone, and
+    the engine serves a new row afterwards as if nothing had happened."""
+    from quillgpt.inference.engine import RowFailed
+    from quillgpt.inference.generate import make_engine
+
+    model = infini_model() if variant == "infini" else random_model(variant)
+    solo = lambda p, sp: alone_in(make_engine(model, 1, use_cache), p, sp)  # noqa: E731
+    engine = make_engine(model, rows, use_cache)
+    faults = Faults(engine)
+    plan = [(PROMPTS[p], replace(HOSTILE[h], max_new_tokens=n), at, fault) for p, h, n, at, fault in jobs]
+    got, failed, slot_of, waiting = {}, set(), {}, list(range(len(plan)))
+    for step in range(40):
+        for j in [j for j in waiting if plan[j][2] <= step]:
+            if not engine.free_rows():
+                break
+            waiting.remove(j)
+            faults.prefill = plan[j][3]
+            if plan[j][3] is not None:
+                with pytest.raises(RowFailed):
+                    engine.add(plan[j][0], plan[j][1])
+                failed.add(j)
+                continue
+            t = engine.add(plan[j][0], plan[j][1])
+            got[j] = [t.token]
+            if t.finish is None:
+                slot_of[t.row] = j
+        for at, kind, which in step_faults:
+            if at == step and slot_of:
+                faults.step = "raise" if kind == "raise" else ("nan", sorted(slot_of)[which % len(slot_of)])
+        expect_failed = set(slot_of.values()) if faults.step == "raise" else (
+            {slot_of[faults.step[1]]} if faults.step else set())
+        for t in engine.step():
+            j = slot_of[t.row]
+            if t.finish == "error":
+                assert j in expect_failed and isinstance(t.error, RowFailed) and t.token == -1
+                failed.add(j)
+                del got[j]
+            else:
+                assert j not in expect_failed
+                got[j].append(t.token)
+            if t.finish is not None:
+                del slot_of[t.row]
+        assert sorted(slot_of) == engine.active_rows() and engine.free_rows() == rows - len(slot_of)
+        if not waiting and not slot_of:
+            break
+    assert not waiting and engine.free_rows() == rows
+    for j, tokens in got.items():
+        assert j not in failed and tokens == solo(plan[j][0], plan[j][1]), j
+    after = engine.add(PROMPTS[2], SEEDED)  # the engine goes on: a new row gets its tokens alone
+    out = [after.token]
+    while engine.active_rows():
+        out += [t.token for t in engine.step()]
+    assert out == solo(PROMPTS[2], SEEDED)
+
+
+def infini_model():
+    """Infini-attention (no static cache: the engine steps its rows one by one)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32, attention="infini", segment_size=4)
+    return GPT(cfg).eval()
+
+
+def alone_in(engine, prompt, params) -> list[int]:
+    out = [engine.add(prompt, params)]
+    while engine.active_rows():
+        out += engine.step()
+    return [t.token for t in out]
 
 
 # --- on CUDA (pytest -m cuda; skipped without a GPU) ------------------------------------------

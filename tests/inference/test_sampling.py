@@ -157,3 +157,42 @@ def test_the_config_section_is_sampling_params_and_names_its_key():
     for override in ("sample.temperature=.nan", "sample.repetition_penalty=.inf", "sample.top_p=0"):
         with pytest.raises(QuillError, match="sample." + override.split("=")[0].split(".")[1]):
             load_config(None, [override])
+
+
+# --- every filter keeps the most likely token, in any dtype ---------------------------------------
+
+TINY = [5e-324, 1e-320, 1e-300, 1e-46, 1e-45, 1.2e-38, 1e-30, 1e-8]
+NEAR_ONE = [1 - 1e-16, 1 - 1e-9, 1 - 1e-7, 0.99999]
+LOGIT = st.one_of(st.floats(-30, 30), st.sampled_from([0.0, 1e4, -1e4, 3e38, -3e38, 65000.0, -65000.0]))
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@given(values=st.lists(LOGIT, min_size=1, max_size=12), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       top_p=st.one_of(st.sampled_from(TINY + NEAR_ONE + [1.0]), st.floats(5e-324, 1.0)),
+       min_p=st.one_of(st.sampled_from([0.0] + TINY + NEAR_ONE), st.floats(0.0, 1.0, exclude_max=True)),
+       top_k=st.one_of(st.none(), st.integers(1, 14)),
+       temperature=st.one_of(st.sampled_from([1e-300, 1e-46, 1e-8, 1.0, 1e30, 1e300]), st.floats(1e-300, 1e300)),
+       seed=st.integers(0, 2**32 - 1))
+def test_every_filter_keeps_the_most_likely_token_and_a_draw_always_has_one(
+        values, dtype, top_p, min_p, top_k, temperature, seed):
+    """The nucleus of any p > 0 holds the top token, whatever p rounds to in the logits' dtype
+    (1e-46 and 5e-324 are 0 in float32): every filter keeps it, and sample_next always draws a
+    token the filters kept, never raising."""
+    logits = torch.tensor([values], dtype=torch.float32).clamp(-3e38, 3e38).to(dtype)
+    top = int(logits.argmax())
+    for kept in (apply_top_p(logits, top_p), apply_min_p(logits, min_p), apply_top_k(logits, top_k)):
+        assert kept[0, top] == logits[0, top]
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    tok = int(sample_next(logits, params, torch.Generator().manual_seed(seed))[0])
+    assert 0 <= tok < len(values)
+    if top_p < 1e-45 or top_k == 1:  # a nucleus of one token: the most likely one after the temperature
+        scaled = apply_temperature(logits - logits.max(), min(max(temperature, torch.finfo(dtype).tiny), torch.finfo(dtype).max))
+        assert scaled[0, tok] == scaled.max()  # (a huge temperature may tie every token)
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])
+def test_the_issue_top_p_values_give_the_greedy_token(top_p):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, top_p=top_p, seed=0)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    assert torch.equal(sample_rows(logits, [params] * 4, gens), logits.argmax(-1))

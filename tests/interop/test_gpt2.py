@@ -333,3 +333,19 @@ def test_out_dir_that_cannot_be_written_is_refused_before_any_work(hf_dir, tmp_p
         main(["import-hf", str(hf_dir[1]), "--out", out.format(tmp=tmp_path)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("depth", ["out", "out/a/b"])
+def test_export_on_a_full_disk_leaves_no_out_behind(imported, tmp_path, monkeypatch, depth):
+    """The issue: export-hf on a full disk left an empty --out; the directories it made go again."""
+    import errno
+
+    import quillgpt.interop.convert as convert_mod
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(convert_mod, "atomic_write_bytes", full)
+    with pytest.raises(SystemExit) as e:
+        main(["export-hf", str(imported), "--out", str(tmp_path / depth)])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()

@@ -323,3 +323,23 @@ def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shak
     for piece in (sample, "ROMEO:\nO, she doth teach the torches to burn bright!", text[5000:5600]):
         assert auto(piece)["input_ids"] == tok.encode(piece)
     assert import_hf(tmp_path / "hf", tmp_path / "again").tokenizer == tok.name  # quill_tokenizer.json restores it
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                  "generation_config.json", "model.safetensors"])
+def test_a_fifo_among_an_hf_models_files_is_refused_by_name(imported, tmp_path, capsys, name):
+    """Every file import-hf reads from a Llama-family directory goes through the one input check:
+    a FIFO there (which would wait for a writer forever) is one line naming it, never read."""
+    import os
+
+    from support import deadline
+
+    src = tmp_path / "hf"
+    shutil.copytree(imported["smollm2"][0], src)
+    (src / name).unlink(missing_ok=True)
+    os.mkfifo(src / name)
+    with pytest.raises(SystemExit) as e, deadline(60):
+        main(["import-hf", str(src), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"{name} {src / name} is a FIFO" in err, err
+    assert not (tmp_path / "run").exists()

@@ -7,7 +7,9 @@ SIGINT draining a stream."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -384,7 +386,7 @@ def test_hostile_bodies_get_openai_errors_and_the_server_keeps_answering(http):
         for _ in range(32):
             yield b"y" * (64 << 10)
 
-    error_of(http.post("/v1/completions", content=chunks()), 413)
+    error_of(http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
     error_of(http.get("/v1/nothing-here"), 404)
     error_of(http.get("/v1/completions"), 405)
     assert complete(http, prompt="still here", max_tokens=3)["choices"][0]["finish_reason"] == "length"
@@ -427,6 +429,40 @@ def test_api_key_cors_and_queue_limit(run_dir):
             assert ok.completions.create(model=MODEL, prompt="a", max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_one_log_line_per_request_with_route_status_tokens_and_time(http):
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("uvicorn.error")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)  # the test server logs warnings only
+
+    def logged(start: str) -> str:
+        deadline = time.monotonic() + 5  # the line is written after the last byte is sent
+        while time.monotonic() < deadline:
+            found = [line for line in lines if line.startswith(start)]
+            if found:
+                return found[-1]
+            time.sleep(0.02)
+        raise AssertionError(f"no log line starting {start!r} in {lines}")
+
+    try:
+        complete(http, prompt="ROMEO:", max_tokens=5)
+        assert re.fullmatch(r"POST /v1/completions 200 6\+5 tokens \d+\.\d+s", logged("POST /v1/completions 200"))
+        lines.clear()
+        with http.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 7, "stream": True}) as r:
+            sse_events(r)
+        assert re.fullmatch(r"POST /v1/completions 200 6\+7 tokens \d+\.\d+s", logged("POST /v1/completions 200"))
+        http.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 0})
+        assert re.fullmatch(r"POST /v1/completions 400 \d+\.\d+s", logged("POST /v1/completions 400"))
+        http.get("/health")
+        assert logged("GET /health 200")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 # --- attention and the page --------------------------------------------------------------------
 
 
@@ -442,7 +478,8 @@ def test_attention_route_matches_viz(http, run_dir):
     assert torch.allclose(weights.sum(-1), torch.ones(2, 2, 9), atol=1e-3)
     long = http.post("/v1/attention", json={"prompt": "x" * (BLOCK + 5)}).json()
     assert long["cropped"] == 5 and len(long["tokens"]) == BLOCK
-    error_of(http.post("/v1/attention", json={"prompt": "x" * 65}), 400)
+    longer = http.post("/v1/attention", json={"prompt": "ab" * 100}).json()  # past the page's bound: cropped too
+    assert longer["cropped"] == 200 - BLOCK and "".join(longer["tokens"]) == ("ab" * 100)[-BLOCK:]
     error_of(http.post("/v1/attention", json={"prompt": ""}), 400)
 
 

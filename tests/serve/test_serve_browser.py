@@ -112,6 +112,18 @@ def test_write_stream_stop_attention_and_screenshot(server, browser, tmp_path):
     wait.until(lambda d: find("tip").is_displayed())
     assert "layer 0 head 0" in find("tip").text and "→" in find("tip").text and "weight" in find("tip").text
 
+    area, drawn, colours = browser.execute_script(PIXELS_JS, "attn-scale")  # the colour scale beside them
+    assert drawn > area // 4 and colours > 20, (area, drawn, colours)
+
+    # attention over the generated text: the prompt the text came from and its continuation, cropped
+    assert find("attn-run-all").is_enabled()
+    find("attn-run-all").click()
+    wait.until(lambda d: "of the prompt and its continuation" in find("attn-status").text)
+    n = len(browser.execute_script("return document.getElementById('out-prompt').textContent"
+                                   " + document.getElementById('out-gen').textContent"))  # char tokenizer: a token a char
+    assert f"{min(n, 16)} tokens" in find("attn-status").text
+    assert (f"the first {n - 16} tokens were cropped" in find("attn-status").text) == (n > 16)
+
     shot = tmp_path / "serve.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     logs = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]

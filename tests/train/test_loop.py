@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import interrupt_after, poison_loss_at
+from support import deadline, interrupt_after, poison_loss_at
 
 import quillgpt.train.loop as train_mod
 import quillgpt.train.schedule as schedule
@@ -361,6 +361,34 @@ def test_budgeted_run_resumes_on_its_saved_horizon(shakespeare_path, data_dir, t
     a, b = (load_checkpoint(tmp_path / r / "ckpt.pt")["model"] for r in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_init_from_applies_what_it_can_and_refuses_an_architecture_override(shakespeare_path, data_dir, tmp_path):
+    """train.init_from takes the source's architecture: a model.* override that would change it
+    is refused naming the key (it was silently ignored); block_size, dropout and attn_impl apply."""
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "src", "train.max_iters=2"), progress=False)
+    init = f"train.init_from={tmp_path / 'src'}"
+    for override, source_value in (("model.n_layer=3", 2), ("model.n_embd=16", 32), ("model.pos=rope", "learned")):
+        with pytest.raises(QuillError) as e:
+            train(tiny_config(shakespeare_path, data_dir, tmp_path / "ft", init, override), progress=False)
+        assert f"{override} (it has {source_value}) cannot apply" in str(e.value) and "drop it" in str(e.value)
+        assert not (tmp_path / "ft" / "ckpt.pt").exists()
+    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "ft", init, "train.max_iters=2", "model.block_size=8",
+                      "model.dropout=0.1", "model.attn_impl=math")
+    train(cfg, progress=False)
+    saved = load_config(tmp_path / "ft" / "config.yaml").model
+    assert (saved.block_size, saved.dropout, saved.attn_impl, saved.n_layer) == (8, 0.1, "math", 2)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_lock_that_is_no_file_is_one_line(shakespeare_path, data_dir, tmp_path, kind):
+    import os
+
+    out = tmp_path / "locked"
+    out.mkdir()
+    (out / ".lock").mkdir() if kind == "directory" else os.mkfifo(out / ".lock")
+    with pytest.raises(QuillError, match=r"cannot lock .*\.lock: .*; remove it"), deadline(60):
+        train(tiny_config(shakespeare_path, data_dir, out, "train.resume=auto"), progress=False)
 
 
 def test_fine_tuning_prepares_your_text_with_the_base_runs_tokenizer(shakespeare_path, data_dir, tmp_path):

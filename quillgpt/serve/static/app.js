@@ -112,6 +112,7 @@ async function generate() {
   } finally {
     setRunning(false);
     state.controller = null;
+    $("attn-run-all").disabled = !$("out-gen").textContent;
   }
 }
 
@@ -126,6 +127,24 @@ function colour(w) {
 }
 
 const GRID = { pad: 26, gap: 8 };
+
+// The colour scale: weight 0 at the bottom to 1 at the top, ticks where the sqrt puts them.
+function drawScale() {
+  const canvas = $("attn-scale"), ctx = canvas.getContext("2d"), x0 = 6, w = 16, y0 = 10, h = canvas.height - 20;
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  for (let y = 0; y < h; y++) {
+    ctx.fillStyle = colour(((h - 1 - y) / (h - 1)) ** 2);  // colour() takes sqrt: this row's position is linear in it
+    ctx.fillRect(x0, y0 + y, w, 1);
+  }
+  ctx.fillStyle = "#1d2330";
+  ctx.font = "11px system-ui, sans-serif";
+  for (const t of [0, 0.05, 0.25, 0.5, 1]) {
+    const y = y0 + (h - 1) * (1 - Math.sqrt(t));
+    ctx.fillRect(x0 + w, y, 4, 1);
+    ctx.fillText(String(t), x0 + w + 7, y + 4);
+  }
+}
 
 function drawMap(ctx, weights, x0, y0, cell) {
   const T = weights.length;
@@ -215,12 +234,14 @@ function canvasXY(event) {
   return [(event.clientX - r.left) * event.target.width / r.width, (event.clientY - r.top) * event.target.height / r.height];
 }
 
-async function showAttention() {
+// The prompt of the Write tab, or (withContinuation) the prompt it generated from and the text it generated.
+async function showAttention(withContinuation) {
   const status = $("attn-status");
-  setStatus(status, "running the prompt…");
-  $("attn-run").disabled = true;
+  const text = withContinuation ? $("out-prompt").textContent + $("out-gen").textContent : $("prompt").value;
+  setStatus(status, withContinuation ? "running the prompt and its continuation…" : "running the prompt…");
+  $("attn-run").disabled = $("attn-run-all").disabled = true;
   try {
-    const body = { prompt: $("prompt").value };
+    const body = { prompt: text };
     if (state.model) body.model = state.model.id;
     const response = await fetch("/v1/attention", { method: "POST", headers: headers(), body: JSON.stringify(body) });
     if (!response.ok) { setStatus(status, await errorText(response), true); return; }
@@ -229,12 +250,13 @@ async function showAttention() {
     drawGrid();
     drawFocus();
     const a = state.attn;
-    setStatus(status, `${a.tokens.length} tokens, ${a.n_layer} layers × ${a.n_head} heads` +
-      (a.cropped ? ` (the first ${a.cropped} tokens were cropped to the context)` : ""));
+    setStatus(status, `${a.tokens.length} tokens${withContinuation ? " of the prompt and its continuation" : ""}, ` +
+      `${a.n_layer} layers × ${a.n_head} heads` + (a.cropped ? ` (the first ${a.cropped} tokens were cropped)` : ""));
   } catch (e) {
     setStatus(status, String(e), true);
   } finally {
     $("attn-run").disabled = false;
+    $("attn-run-all").disabled = !$("out-gen").textContent;
   }
 }
 
@@ -244,7 +266,7 @@ function openTab(name) {
   for (const tab of document.querySelectorAll(".tab")) tab.classList.toggle("active", tab.dataset.tab === name);
   $("panel-write").hidden = name !== "write";
   $("panel-attention").hidden = name !== "attention";
-  if (name === "attention" && !state.attn) showAttention();
+  if (name === "attention" && !state.attn) showAttention(false);
 }
 
 for (const id of ["temperature", "top-p", "max-tokens"]) $(id).addEventListener("input", () => showValue(id));
@@ -252,7 +274,8 @@ for (const tab of document.querySelectorAll(".tab")) tab.addEventListener("click
 $("generate").addEventListener("click", generate);
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) generate(); });
-$("attn-run").addEventListener("click", showAttention);
+$("attn-run").addEventListener("click", () => showAttention(false));
+$("attn-run-all").addEventListener("click", () => showAttention(true));
 $("prompt").addEventListener("input", () => { state.attn = null; });  // the Attention tab redraws for the new prompt
 $("attn-grid").addEventListener("mousemove", (e) => state.attn && showTip(e, gridCell(...canvasXY(e))));
 $("attn-grid").addEventListener("mouseleave", () => { $("tip").hidden = true; });
@@ -266,6 +289,8 @@ $("key-form").addEventListener("submit", (e) => {
   e.preventDefault();
   state.key = $("key").value.trim();
   sessionStorage.setItem("quill-key", state.key);
-  connect();
+  drawScale();
+connect();
 });
+drawScale();
 connect();

@@ -1,0 +1,75 @@
+"""uvicorn, bounded: a deadline on every request head, and a shutdown that lets replies end.
+
+`BoundedH11` is uvicorn's h11 protocol with a deadline on the request head: a client that
+connects and sends nothing, or trickles half its headers a byte at a time (uvicorn's own
+keep-alive timer restarts at every byte), is closed after `head_timeout_s`. The body has its
+own deadline, in the app (serve/app.py `Guard`). `DrainingServer` starts the app's `Drain`
+when shutdown begins (SIGINT/SIGTERM): running replies get `drain_s` seconds, then end
+themselves, a stream with an error event and [DONE], before uvicorn would cancel them.
+Imported only when serving (uvicorn is the optional "serve" extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from quillgpt.serve.app import Drain
+
+GRACE_S = 1.0  # uvicorn waits this much past the drain before it cancels what is still running
+
+
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol; a request head must arrive whole within head_timeout_s."""
+
+    def __init__(self, *args: Any, head_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE and self._head_timer is not None:  # the head is in
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:  # waiting for the next request's head
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()  # nothing to answer: the request never arrived
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown first starts the app's Drain."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_s: float) -> None:
+        super().__init__(config)
+        self.drain, self.drain_s = drain, drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.drain.start(self.drain_s)
+        await super().shutdown(sockets)

@@ -1,0 +1,96 @@
+"""Threads that give way: training on a CPU that another process is also using.
+
+OpenMP's worker threads spin while they wait for work. Beside one busy process on two cores, two
+training threads fight it for both cores and a step of the quickstart takes 3.5× its quiet time;
+one thread takes 1.6× (scripts/bench_contention.py). So about once a second the trainer looks at
+how much CPU the other processes used since its last look (the machine's busy time in /proc/stat
+less this process's own) and keeps torch's threads to the cores they leave: all of them on a
+quiet machine. A thread count the user chose (OMP_NUM_THREADS) is kept as it is.
+
+The price: some of torch's CPU kernels split their sums by thread, so a run whose thread count
+changed rounds a little differently from one that kept it (the quickstart's model gives the same
+bits at 1 and 2 threads on an AVX512 CPU; a GPT-2-style one with AdamW does not). Bit-exact
+resume holds at a fixed count: set OMP_NUM_THREADS for a run that must repeat bit for bit on a
+busy machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+Sample = tuple[float, float, float]  # (wall seconds, CPU seconds of every process, CPU seconds of this one)
+
+
+def read_proc() -> Sample:
+    """The machine's busy CPU time and this process's, from /proc (Linux), in seconds."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        cpu = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal: steal is time another guest took from us
+    busy = sum(cpu[:3]) + sum(cpu[5:8])
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ours = int(fields[11]) + int(fields[12])  # utime, stime (all threads)
+    return time.monotonic(), busy / tick, ours / tick
+
+
+@dataclass
+class CpuShare:
+    """Keeps torch's intra-op threads to the cores other processes leave free."""
+
+    max_threads: int
+    cores: int
+    sample: Callable[[], Sample]
+    interval_s: float = 1.0
+    last: Sample = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last = self.sample()
+
+    @classmethod
+    def for_run(cls, device: torch.device, world_size: int) -> CpuShare | None:
+        """None where threads stay as they are: a GPU run, several processes sharing the CPU on
+        purpose (DDP), a thread count set by the user, or no /proc to read."""
+        if device.type != "cpu" or world_size > 1 or "OMP_NUM_THREADS" in os.environ:
+            return None
+        if not (os.path.exists("/proc/stat") and os.path.exists("/proc/self/stat")):
+            return None
+        return cls(torch.get_num_threads(), os.cpu_count() or 1, read_proc)
+
+    def others(self, now: Sample) -> float:
+        """Cores the other processes used on average since the last look."""
+        wall, busy, ours = (a - b for a, b in zip(now, self.last))
+        return max(0.0, (busy - ours) / wall) if wall > 0 else 0.0
+
+    def update(self) -> str | None:
+        """Between steps: resize the thread pool if the free cores changed; says so in one line."""
+        now = self.sample()
+        if now[0] - self.last[0] < self.interval_s:
+            return None
+        others = self.others(now)
+        self.last = now
+        want = max(1, min(self.max_threads, round(self.cores - others)))
+        if want == torch.get_num_threads():
+            return None
+        torch.set_num_threads(want)
+        return (f"threads: {want} of {self.max_threads} (other processes are using {others:.1f} of "
+                f"{self.cores} cores; set OMP_NUM_THREADS to fix the count)")
+
+
+
+@contextlib.contextmanager
+def sharing_cpu(device: torch.device, world_size: int) -> Iterator[CpuShare | None]:
+    """A run's CpuShare (or None), and its starting thread count back afterwards: train() may run
+    inside a longer process."""
+    share = CpuShare.for_run(device, world_size)
+    try:
+        yield share
+    finally:
+        if share is not None:
+            torch.set_num_threads(share.max_threads)

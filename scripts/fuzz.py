@@ -1,0 +1,395 @@
+"""A hostile user's fuzz of quill: the CLI on a tiny run, and the HTTP API of a tiny server.
+
+Builds a workspace in a temporary directory (a tiny trained run, its prepared data, an HF export
+of it, FIFOs, device links, symlink loops, foreign files), then until --minutes are up throws
+generated cases at two surfaces, round-robin:
+
+  cli    `quill` commands run in this process (sample, chat, eval, attention, plot, tokenizer train,
+         prepare, train, import-hf, export-hf, serve's flags) with hostile flags, overrides,
+         input paths (FIFOs, /dev/zero, loops) and output paths (the run's own files...)
+  http   `quill serve` in a subprocess on 127.0.0.1: generated bodies, hostile sampling values,
+         content types, auth headers, streams dropped mid-way, half-sent heads, stalled bodies,
+         concurrent requests, and /health between them
+
+and counts, per surface: cases tried, tracebacks (a CLI case that raised or printed one; the
+server's log), hangs (a case past its time limit), 5xx answers, and overwrites (a file of the
+run, its data or the HF export that changed). It prints the counts with a few examples of each
+failure and exits 1 if any count but "cases" is non-zero.
+
+    python scripts/fuzz.py --minutes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
+TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+FAILURES = ("tracebacks", "hangs", "5xx", "overwrites")
+
+
+class Tally:
+    """Counts per surface, and the first few examples of each failure."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.examples: dict[tuple[str, str], list[str]] = defaultdict(list)
+        self._lock = threading.Lock()  # HTTP cases also run on threads
+
+    def add(self, surface: str, what: str, example: str = "") -> None:
+        with self._lock:
+            self.counts[surface][what] += 1
+            if what != "cases" and not what.startswith("=") and len(self.examples[surface, what]) < 3:
+                self.examples[surface, what].append(example[:600])
+
+    def report(self) -> bool:
+        print(f"{'surface':<8} {'cases':>7} " + " ".join(f"{f:>10}" for f in FAILURES) + "   outcomes")
+        for surface, c in sorted(self.counts.items()):
+            outcomes = ", ".join(f"{k[1:]} {n}" for k, n in sorted(c.items()) if k.startswith("="))
+            print(f"{surface:<8} {c['cases']:>7} " + " ".join(f"{c[f]:>10}" for f in FAILURES) + f"   {outcomes}")
+        for (surface, what), examples in sorted(self.examples.items()):
+            for e in examples:
+                print(f"  {surface} {what}: {e}")
+        return any(c[f] for c in self.counts.values() for f in FAILURES)
+
+
+# --- the workspace --------------------------------------------------------------------------
+
+
+def quill(argv: list[str], limit: float = 60.0) -> tuple[int | str, str, str]:
+    """`quill ARGV` in this process: (exit code, or "hang" / "raised", stdout, stderr)."""
+    from quillgpt.cli import main
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError
+
+    out, err = io.StringIO(), io.StringIO()
+    stdin, sys.stdin = sys.stdin, io.TextIOWrapper(io.BytesIO(b"ROMEO:"))  # for `-p -`
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(argv)
+        code: int | str = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code
+    except TimeoutError:
+        code = "hang"
+    except BaseException as e:  # noqa: BLE001 — anything but SystemExit is a traceback for the user
+        code = "raised"
+        err.write(f"Traceback: {type(e).__name__}: {e}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        sys.stdin = stdin
+    return code, out.getvalue(), err.getvalue()
+
+
+def tiny(w: dict, *extra: str) -> list[str]:
+    return [f"data.path={w['text']}", f"data.out_dir={w['data']}", f"train.out_dir={w['run']}", "model.n_layer=2",
+            "model.n_head=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=4", "train.max_iters=2",
+            "train.eval_interval=2", "train.eval_iters=2", "train.device=cpu", *extra]
+
+
+def workspace(root: Path) -> dict:
+    w = {"root": root, "text": root / "small.txt", "data": root / "data", "run": root / "run", "hf": root / "hf",
+         "scratch": root / "scratch"}
+    w["text"].write_text(TEXT.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    for argv in (["train", "--config", str(CONFIG), "-q", *tiny(w)], ["export-hf", str(w["run"]), "--out", str(w["hf"])]):
+        code, _, err = quill(argv, limit=600)
+        if code != 0:
+            sys.exit(f"could not build the workspace: quill {' '.join(argv)}: {err}")
+    w["scratch"].mkdir()
+    special = root / "special"
+    (special / "loop" / "deep").mkdir(parents=True)
+    (special / "withfifo").mkdir()
+    os.mkfifo(special / "pipe.txt")
+    os.mkfifo(special / "withfifo" / "a.txt")
+    os.symlink("/dev/zero", special / "zero.txt")
+    os.symlink(".", special / "loop" / "self")
+    os.symlink("..", special / "loop" / "deep" / "up")
+    shutil.copy(w["text"], special / "loop" / "deep" / "real.txt")
+    (special / "notes.png").write_text("not an image")
+    (special / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    w["inputs"] = [str(p) for p in (special / "pipe.txt", special / "zero.txt", special / "withfifo", w["text"],
+                                    special / "deep.jsonl", special / "notes.png")] + [
+        "/dev/zero", "/dev/null", str(special / "loop" / "**" / "*.txt"), str(w["run"] / "best.pt"), "", "/proc/self/mem",
+        str(w["run"]), str(w["hf"]), str(w["run"] / "config.yaml"), "x" * 300]
+    w["outputs"] = [str(w["run"] / n) for n in ("best.pt", "ckpt.pt", "config.yaml", "tokenizer.json", "metrics.jsonl")] + [
+        str(w["data"] / "meta.json"), str(w["data"] / "train.bin"), str(w["hf"] / "config.json"), str(special / "pipe.txt"),
+        str(special / "notes.png"), str(w["text"]), "/dev/null", str(w["scratch"] / "new.png"), str(w["scratch"] / "n.json"),
+        str(w["scratch"] / "a" / "b.svg"), str(w["scratch"] / ("n" * 300)), "/proc/x.png", str(w["root"])]
+    return w
+
+
+def snapshot(w: dict) -> dict[str, str]:
+    files = [p for d in (w["run"], w["data"], w["hf"]) for p in sorted(Path(d).rglob("*")) if p.is_file()
+             and p.name != ".lock"] + [w["text"]]
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+# --- CLI cases ------------------------------------------------------------------------------
+
+FLOATS = ["0", "1", "-1", "nan", "inf", "-inf", "1e-46", "5e-324", "1e-300", "1e300", "0.5", "1e999", "x", "", "2"]
+INTS = ["0", "1", "-1", "3", "17", "2147483648", str(2**64), "x", "", "1e3"]
+PROMPTS = ["ROMEO:", "", "\n", "日本語", "a" * 200, "\x00", "To be", "-"]
+DEVICES = ["cpu", "auto", "meta", "cuda:7", "", "mps", "cpu\n"]
+
+
+def cli_case(w: dict, r: random.Random) -> list[str]:
+    run = str(w["run"])
+
+    def pick(values: list, good: object = None) -> object:  # with `good`: that value half the time
+        return good if good is not None and r.random() < 0.5 else r.choice(values)
+
+    kind = pick(["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve"])
+    if kind == "sample":
+        flags = {"-p": pick(PROMPTS), "-n": pick(["1", "3", "8", "0", "-1"], "4"), "--temperature": pick(FLOATS, "1"),
+                 "--top-p": pick(FLOATS, "1e-46"), "--top-k": pick(INTS, "3"), "--min-p": pick(FLOATS, "0.1"),
+                 "--seed": pick(INTS, "7"), "--repetition-penalty": pick(FLOATS, "1.2"),
+                 "--num-samples": pick(["1", "2", "0"]), "--dtype": pick(["float32", "bfloat16", "float16", "int8"]),
+                 "--stop": pick(["\\n", "", "a", "ROMEO"]), "--device": pick(DEVICES, "cpu"),
+                 "--prompt-file": pick(w["inputs"])}
+        chosen = ["-n", *r.sample(sorted(set(flags) - {"-n"}), r.randint(1, 4))]  # -n always: the run's default is 500
+        if "--prompt-file" in chosen and "-p" in chosen:
+            chosen.remove("-p")
+        return ["sample", "--ckpt", pick([run, run, *w["inputs"]]), "--json", *[x for k in chosen for x in (k, flags[k])],
+                *(["--no-kv-cache"] if r.random() < 0.3 else [])]
+    if kind == "chat":  # standard input holds one message, then ends
+        flags = {"--temperature": pick(FLOATS, "1"), "--top-p": pick(FLOATS, "1e-46"), "--top-k": pick(INTS, "3"),
+                 "--min-p": pick(FLOATS), "--seed": pick(INTS, "7"), "--system": pick(PROMPTS),
+                 "--dtype": pick(["float32", "bfloat16", "float16", "int8"])}
+        chosen = r.sample(sorted(flags), r.randint(1, 3))
+        return ["chat", "--ckpt", pick(w["inputs"], run), "-n", pick(["1", "8", "0", "-1"], "6"),
+                *[x for k in chosen for x in (k, flags[k])]]
+    if kind == "eval":
+        return ["eval", "--ckpt", pick(w["inputs"], run), "--json", "--text", pick(w["inputs"], str(w["text"])),
+                *pick([[], ["--stride", pick(INTS)], ["--batch-size", pick(INTS)]])]
+    if kind == "attention":
+        out = pick([[], ["--out", pick(w["outputs"])], ["--summary-json", pick(w["outputs"])]])
+        return ["attention", "--ckpt", run, "-p", pick(PROMPTS), *out, *pick([[], ["--layer", pick(["all", "-9", "x"])],
+                                                                               ["--head", pick(INTS)], ["--force"]])]
+    if kind == "plot":
+        return ["plot", pick([run, *w["inputs"]]), "-o", pick(w["outputs"]), *pick([[], ["--x", pick(["time", "x"])]])]
+    if kind == "tokenizer":
+        return ["tokenizer", "train", "-i", pick(w["inputs"]), "-o", pick(w["outputs"]), "--vocab-size",
+                pick(["257", "260", "300", "0", "70000"]), *pick([[], ["--force"]])]
+    if kind in ("prepare", "train"):
+        out = w["scratch"] / f"{kind}_{r.randrange(3)}"
+        extra = [f"data.path={pick(w['inputs'])}"] if r.random() < 0.5 else []
+        extra += [f"data.out_dir={pick([str(Path(p).parent) for p in w['outputs']], str(out))}"]
+        extra += [f"train.out_dir={pick([str(Path(p).parent) for p in w['outputs']], str(out) + '_run')}"]
+        extra += r.sample([f"sample.top_p={pick(FLOATS)}", f"model.n_layer={pick(INTS)}", f"train.init_from={run}",
+                           f"data.tokenizer={pick(w['inputs'])}", "train.resume=true", f"train.seed={pick(INTS)}"],
+                          r.randint(0, 2))
+        return [kind, "--config", pick(w["inputs"], str(CONFIG)), *(["-q"] if kind == "train" else []),
+                *tiny(w), *extra]
+    if kind == "hf":
+        which = pick(["import-hf", "export-hf"])
+        return [which, str(w["hf"] if which == "import-hf" else w["run"]) if r.random() < 0.7 else pick(w["inputs"]),
+                "--out", pick([str(w["scratch"] / f"hf_{r.randrange(3)}"), *w["outputs"]])]
+    return ["serve", "--ckpt", run, *pick([["--api-key", ""], ["--max-batch", "0"], ["--port", "70000"],
+                                           ["--dtype", "int8"], ["--max-tokens", "0"], ["--api-key", " "]])]
+
+
+def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
+    argv = cli_case(w, r)
+    asked = "--force" in argv or "train.resume=true" in argv  # replacing or continuing was asked for
+    before = snapshot(w)
+    code, _, err = quill(argv)
+    tally.add("cli", "cases")
+    tally.add("cli", f"={argv[0]} exit {code}")  # what the cases did, to show they reach the work
+    shown = "quill " + " ".join(repr(a) if " " in a or not a else a for a in argv)[:300]
+    if code == "hang":
+        tally.add("cli", "hangs", shown)
+    elif code == "raised" or "Traceback" in err or code not in (0, 2) or (
+            code == 2 and not (err.count("\n") == 1 and err.startswith("error: "))):
+        tally.add("cli", "tracebacks", f"{shown} → exit {code}: {err[-300:]}")
+    after = snapshot(w)
+    changed = [p for p, h in before.items() if after.get(p) != h]
+    if changed and not asked and not all(rebuilt_dataset(argv, Path(p)) for p in changed):
+        tally.add("cli", "overwrites", f"{shown} changed {changed[:3]}")
+    if changed:  # restore the workspace, so later cases meet the same files
+        rebuild(w, changed)
+
+
+def rebuilt_dataset(argv: list[str], path: Path) -> bool:
+    """Whether `path` is a file of the dataset in this prepare's (or train's) data.out_dir: a
+    dataset of other inputs is rebuilt in place, as documented (its meta.json says so)."""
+    out = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("data.out_dir=")), None)
+    return (argv[0] in ("prepare", "train") and out is not None and path.parent == Path(out)
+            and re.fullmatch(r"meta\.json|\.prepare-state\.json|(?:train|val)(?:-\d{6})?\.bin", path.name) is not None)
+
+
+def rebuild(w: dict, changed: list[str]) -> None:
+    for d in (w["run"], w["data"], w["hf"]):
+        shutil.rmtree(d, ignore_errors=True)
+    for argv in (["train", "--config", str(CONFIG), "-q", *tiny(w)], ["export-hf", str(w["run"]), "--out", str(w["hf"])]):
+        quill(argv, limit=600)
+
+
+# --- HTTP cases -----------------------------------------------------------------------------
+
+VALUES = [None, 0, 1, -1, 0.5, 1e-46, 5e-324, 1e300, -1e300, 2**31, 2**64, 10**40, "", "a", True, [], {}, [1], {"1": 0},
+          {"1": 5}, "\ud800", "x" * 5000, 4294967295, 4294967296]
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
+          "seed", "n", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
+          "echo", "logprobs", "suffix", "best_of", "messages", "max_completion_tokens", "\ud800", "unknown"]
+
+
+def body(r: random.Random) -> dict:
+    base = {"prompt": r.choice(PROMPTS[:-1] + [["a", "b"]]), "max_tokens": r.choice([1, 4, 16, 40])}
+    for _ in range(r.randint(0, 5)):
+        base[r.choice(FIELDS)] = r.choice(VALUES)
+    if r.random() < 0.3:
+        base["stream"] = True
+    return base
+
+
+def http_case(url: str, r: random.Random, tally: Tally, slow: list[threading.Thread], nested: bool = False) -> None:
+    """One HTTP case; slow ones (a half-sent head, a stalled body: the server's timeouts end
+    them) run on a thread of `slow`."""
+    import httpx
+
+    kinds = ["json", "json", "json", "chat", "raw", "type", "auth", "drop", "health"] + ([] if nested else ["burst"])
+    kind = r.choice(kinds + (["head", "stall"] if r.random() < 0.2 else []))
+    if kind in ("head", "stall") and not nested:
+        slow.append(threading.Thread(target=http_case, args=(url, random.Random(r.random()), tally, slow, True),
+                                     daemon=True))
+        slow[-1].start()
+        return
+    route = "/v1/chat/completions" if kind == "chat" else r.choice(["/v1/completions", "/v1/completions", "/v1/attention"])
+    host, port = url.rsplit(":", 1)[0].split("//")[1], int(url.rsplit(":", 1)[1])
+    tally.add("http", "cases")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            if kind in ("json", "chat"):
+                data = body(r)
+                if kind == "chat":
+                    data["messages"] = r.choice([[{"role": "user", "content": "hi"}], [], "x", [{"role": "x"}]])
+                    data.pop("prompt")
+                raw = json.dumps(data, ensure_ascii=r.random() < 0.5).encode("utf-8", "surrogatepass")
+                check(tally, c.post(route, content=raw, headers={"Content-Type": "application/json"}), raw[:200])
+            elif kind == "raw":
+                raw = r.choice([b"", b"{", b"[" * 50_000, b"\xff\xfe", b'{"prompt": NaN}', os.urandom(64)])
+                check(tally, c.post(route, content=raw, headers={"Content-Type": "application/json"}), raw[:80])
+            elif kind == "type":
+                kind_header = r.choice(["text/plain", "application/x-www-form-urlencoded", "", "multipart/form-data"])
+                check(tally, c.post(route, content=b'{"prompt": "a"}', headers={"Content-Type": kind_header}), kind_header)
+            elif kind == "auth":
+                check(tally, c.get(r.choice(["/v1/models", "/health", "/", "/static/../x", "/v2"]),
+                                   headers={"Authorization": r.choice(["", "Bearer", "Bearer x" * 100])}), "auth")
+            elif kind == "drop":  # a stream read a little, then abandoned
+                with c.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 500, "stream": True}) as s:
+                    for _ in zip(range(r.randint(0, 5)), s.iter_lines()):
+                        pass
+            elif kind in ("head", "stall"):  # the server must close it: 10 s for a head, 30 s for a body
+                with socket.create_connection((host, port), timeout=45) as s:
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              + (b"Content-Length: 100\r\n\r\n{" if kind == "stall" else b"Content-Le"))
+                    while s.recv(4096):
+                        pass
+            elif kind == "burst":
+                threads = [threading.Thread(target=http_case, args=(url, random.Random(r.random()), tally, slow, True))
+                           for _ in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+            else:
+                check(tally, c.get("/health"), "health")
+    except (httpx.TimeoutException, TimeoutError):
+        tally.add("http", "hangs", f"{kind} {route}")
+    except (httpx.TransportError, OSError) as e:  # a closed connection is an answer for a half-sent request
+        if kind not in ("head", "stall", "drop"):
+            tally.add("http", "hangs" if "timed out" in str(e) else "5xx", f"{kind} {route}: {type(e).__name__}: {e}")
+
+
+def check(tally: Tally, r, what: object) -> None:
+    tally.add("http", f"={r.status_code}")
+    if r.status_code >= 500:
+        tally.add("http", "5xx", f"{r.status_code} for {what!r}: {r.text[:200]}")
+    if "text/event-stream" in r.headers.get("content-type", "") and not r.text.endswith("data: [DONE]\n\n"):
+        tally.add("http", "hangs", f"a stream that did not end with [DONE] for {what!r}")
+
+
+def start_server(w: dict, tree: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    cmd = [sys.executable, "-m", "quillgpt", "serve", "--ckpt", str(w["run"]), "--host", "127.0.0.1", "--port", "0",
+           "--max-batch", "4", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    env.pop("QUILL_API_KEY", None)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    found = re.search(r"(http://127\.0\.0\.1:\d+)/", proc.stderr.readline())
+    if not found:
+        proc.kill()
+        sys.exit(f"quill serve did not start: {proc.stderr.read()[-2000:]}")
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()  # the server's log, kept
+    return proc, found.group(1), log
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long to throw cases (after the setup)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=None, help="where to build the workspace (default: a temp dir)")
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose quill is fuzzed (default: this one; "
+                        "e.g. an older commit's worktree, for a before/after)")
+    args = parser.parse_args()
+    os.environ.pop("QUILL_DEBUG", None)
+    sys.path.insert(0, str(args.tree.resolve()))
+    root = Path(tempfile.mkdtemp(prefix="quill-fuzz-", dir=args.workdir))
+    cwd = os.getcwd()
+    os.chdir(root)  # an empty output path writes to the working directory: let that be the workspace
+    tally, r = Tally(), random.Random(args.seed)
+    proc = None
+    try:
+        w = workspace(root)
+        proc, url, log = start_server(w, args.tree.resolve())
+        deadline, slow = time.monotonic() + 60 * args.minutes, []
+        while time.monotonic() < deadline:
+            run_cli(w, r, tally)
+            for _ in range(4):
+                http_case(url, r, tally, slow)
+        for t in slow:
+            t.join(60)
+            if t.is_alive():
+                tally.add("http", "hangs", "a half-sent request the server never closed")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        time.sleep(0.5)
+        for line in log:
+            if "Traceback" in line or "internal error" in line:
+                tally.add("http", "tracebacks", line.strip())
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        os.chdir(cwd)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"fuzz: {args.minutes:g} min, seed {args.seed}")
+    sys.exit(1 if tally.report() else 0)
+
+
+if __name__ == "__main__":
+    main()

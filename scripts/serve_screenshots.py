@@ -1,0 +1,92 @@
+"""The docs' pictures of the web page: `quill serve` on a run, driven in headless Chromium.
+
+    python scripts/serve_screenshots.py --ckpt out/quickstart     # → docs/serve.png, docs/serve_attention.png
+
+Starts the real command on 127.0.0.1 (a free port), writes from "ROMEO:" with a fixed seed in the
+Write tab (docs/serve.png), then shows the attention of the prompt and its continuation
+(docs/serve_attention.png), and stops the server. Needs the `serve` extra, selenium and Debian's
+chromium + chromium-driver (what tests/serve/test_serve_browser.py uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(ckpt: str, port: int) -> subprocess.Popen:
+    """`quill serve` in a subprocess, once /health answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "quillgpt", "serve", "--ckpt", ckpt, "--port", str(port)], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("quill serve did not start")
+
+
+def browser() -> webdriver.Chrome:
+    options = Options()
+    options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or "chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", default="out/quickstart")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "docs")
+    ap.add_argument("--max-tokens", type=int, default=50)  # + "ROMEO:" fits the quickstart's 64
+    args = ap.parse_args()
+    port = free_port()
+    proc, driver = serve(args.ckpt, port), browser()
+    try:
+        wait, find = WebDriverWait(driver, 60), lambda id_: driver.find_element(By.ID, id_)
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait.until(lambda d: "layers" in find("model-info").text)
+        find("prompt").clear()
+        find("prompt").send_keys("ROMEO:")
+        find("seed").send_keys("1")
+        driver.execute_script(f"const m = document.getElementById('max-tokens'); m.value = {args.max_tokens};"
+                              "m.dispatchEvent(new Event('input'));")
+        find("generate").click()
+        wait.until(lambda d: "finished" in find("stats").text)
+        driver.save_screenshot(str(args.out_dir / "serve.png"))
+        find("tab-attention").click()
+        wait.until(lambda d: "tokens" in find("attn-status").text)
+        find("attn-run-all").click()
+        wait.until(lambda d: "continuation" in find("attn-status").text)
+        driver.save_screenshot(str(args.out_dir / "serve_attention.png"))
+        print(f"saved {args.out_dir / 'serve.png'} and {args.out_dir / 'serve_attention.png'}")
+    finally:
+        driver.quit()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Threads that give way to other processes (quillgpt/train/cpu_share.py): the decision from
+/proc's readings, who is left alone, the count restored after a run, and a run whose threads
+change mid-way training as one at a fixed count."""
+
+import os
+import time
+
+import pytest
+import torch
+from support import ROOT, losses, tiny
+
+from quillgpt.config import load_config
+from quillgpt.train import cpu_share
+from quillgpt.train.cpu_share import CpuShare, read_proc, sharing_cpu
+from quillgpt.train.loop import train
+
+
+class FakeProc:
+    """Readings of /proc as a test wants them: `others` cores busy besides this process's `ours`."""
+
+    def __init__(self) -> None:
+        self.wall = self.busy = self.ours = 0.0
+
+    def advance(self, seconds: float, others: float, ours: float = 1.0) -> None:
+        self.wall += seconds
+        self.busy += seconds * (others + ours)
+        self.ours += seconds * ours
+
+    def __call__(self):
+        return self.wall, self.busy, self.ours
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_follow_the_cores_other_processes_leave(threads):
+    torch.set_num_threads(4)
+    proc = FakeProc()
+    share = CpuShare(max_threads=4, cores=4, sample=proc)
+    proc.advance(0.5, others=3.0)
+    assert share.update() is None and torch.get_num_threads() == 4  # under a second: no look yet
+    proc.advance(0.6, others=3.0)
+    line = share.update()
+    assert torch.get_num_threads() == 1 and "threads: 1 of 4" in line and "OMP_NUM_THREADS" in line
+    proc.advance(1.0, others=1.6)
+    share.update()
+    assert torch.get_num_threads() == 2
+    proc.advance(1.0, others=0.3)  # a light background process: every core is still ours
+    assert "threads: 4 of 4" in share.update() and torch.get_num_threads() == 4
+    proc.advance(1.0, others=0.3)
+    assert share.update() is None  # no change, no line
+    proc.advance(1.0, others=9.0)
+    share.update()
+    assert torch.get_num_threads() == 1  # never fewer than one
+
+
+def test_a_users_thread_count_cuda_and_ddp_are_left_alone(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert CpuShare.for_run(torch.device("cpu"), 1) is not None
+    assert CpuShare.for_run(torch.device("cuda"), 1) is None
+    assert CpuShare.for_run(torch.device("cpu"), 2) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert CpuShare.for_run(torch.device("cpu"), 1) is None
+
+
+def test_proc_readings_count_this_process(threads):
+    wall0, busy0, ours0 = read_proc()
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    wall1, busy1, ours1 = read_proc()
+    assert wall1 - wall0 >= 0.3 and ours1 - ours0 >= 0.1 and busy1 - busy0 >= ours1 - ours0 - 0.05
+
+
+def test_the_thread_count_is_restored_after_a_run(threads, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    with sharing_cpu(torch.device("cpu"), 1) as share:
+        torch.set_num_threads(1)
+        assert share.max_threads == 2
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_whose_threads_change_mid_way_trains_as_one_that_kept_them(shakespeare_path, tmp_path, monkeypatch, threads,
+                                                                          dtype):
+    """The quickstart's kind of model (RoPE, SwiGLU, QK-norm, Muon): at a fixed 2 threads, and with
+    'another process' taking a core from the second look on (1 thread), the same losses to
+    rounding (bit for bit where the kernels split no sum by thread: cpu_share's docstring)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    overrides = [*tiny(shakespeare_path, tmp_path / "data", tmp_path / "x"), "model.n_embd=64",
+                 "train.max_iters=12", "train.batch_size=8", f"train.dtype={dtype}"]
+    runs, real = {}, torch.set_num_threads
+    for name, others in (("fixed", 0.0), ("gave_way", 1.0)):
+        proc = FakeProc()
+
+        def sample(proc=proc, others=others):
+            proc.advance(2.0, others * (os.cpu_count() - 1) if proc.wall >= 2 else 0.0)
+            return proc()
+
+        monkeypatch.setattr(cpu_share, "read_proc", sample)
+        real(2)
+        seen = []
+        monkeypatch.setattr(torch, "set_num_threads", lambda n, seen=seen: (seen.append(n), real(n)))
+        cfg = load_config(ROOT / "configs" / "quickstart.yaml", [*overrides, f"train.out_dir={tmp_path / name}"])
+        train(cfg, progress=False)
+        runs[name] = losses(tmp_path / name)
+        assert (1 in seen) == (name == "gave_way"), seen
+    fixed, gave_way = runs["fixed"], runs["gave_way"]
+    assert [r[0] for r in fixed] == [r[0] for r in gave_way]
+    assert torch.allclose(torch.tensor([r[1] for r in fixed]), torch.tensor([r[1] for r in gave_way]), rtol=1e-3)
