@@ -48,7 +48,7 @@ MIN_P_OPT = typer.Option(None, "--min-p", help="Drop tokens less likely than min
 REPETITION_OPT = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off.")
 SEED_OPT = typer.Option(None, "--seed", help="Same seed, same text.")
 DTYPE_OPT = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token.")
-QUANT_OPT = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here (refused where none beats the float weights); none: the float weights.")
+QUANT_OPT = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.")
 
 
 # --- commands (each: parse → one library call → print) ------------------------------------
@@ -268,7 +268,7 @@ def serve_cmd(
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
-    quant: str = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows (refused where none beats the float weights); none: the float weights."),
+    quant: str = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; none: the float weights."),
     cors: str | None = typer.Option(None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."),
 ) -> None:
     """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
@@ -355,7 +355,7 @@ def attention_cmd(
     if summary_json is not None:
         check_output_file(summary_json, "--summary-json", kind="heads-json", force=force, inputs=inputs)
     run = load_run(ckpt, which=which, device=resolve_device(device))
-    quantize(run.model, scheme, faster=False)  # once, at load; shown even where int8 runs no faster
+    quantize(run.model, scheme)  # once, at load; shown even where int8 runs no faster
     mcfg = run.config.model
     layers = viz.select_layers(layer, mcfg.n_layer)
     heads = viz.select_heads(head, mcfg.n_head)

@@ -97,7 +97,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = model_of(args.block)
     kinds = {"float32": model, "bf16 weights": in_dtype(model, torch.bfloat16),
-             "int8 weights": quantize(copy.deepcopy(model), "int8", rows=args.batch, faster=False)}  # shown even if slower
+             "int8 weights": quantize(copy.deepcopy(model), "int8", rows=args.batch)}  # shown even if slower
     print(f"decode steps of 6L/6H/384 (block {args.block:,}), batch {args.batch}, ~{args.context} keys a layer; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {plan_of(kinds['int8 weights']).describe()}")

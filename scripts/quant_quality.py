@@ -65,7 +65,7 @@ def compare(path: Path, n: int) -> dict[str, object]:
     fp32_eval: EvalResult = evaluate_checkpoint(path, device="cpu")[0]
     int8_eval: EvalResult = evaluate_checkpoint(path, device="cpu", quantize="int8")[0]
     run = load_run(path, device="cpu")
-    int8 = quantize(copy.deepcopy(run.model), "int8", faster=False)  # as quill eval --quantize int8 runs it
+    int8 = quantize(copy.deepcopy(run.model), "int8")  # as quill eval --quantize int8 runs it
     plan = plan_of(int8)
     val = torch.from_numpy(load_tokens(run.config.data.out_dir, "val")[: n + run.config.model.block_size].astype("int64"))
     prompt = val[:16].tolist()

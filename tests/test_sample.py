@@ -172,11 +172,11 @@ def test_int8_sample_is_the_int8_models_text(quill, decisive_ckpt, fixed_int8_ke
     assert code == 0 and f"int8 weights, {fixed_int8_kernel}" in err and "bfloat16" in err
 
 
-def test_int8_refused_in_one_line_where_no_kernel_beats_the_float_linears(quill, run_dir, monkeypatch):
+def test_int8_runs_where_no_kernel_beats_the_float_linears_and_says_so(quill, run_dir, monkeypatch):
+    """A tiny model, or a busy machine while the kernels were timed: int8 was asked for, so it runs."""
     monkeypatch.setattr(quant, "_timings", lambda pairs, kernels, m, **budget: {"float": 0.1, **dict.fromkeys(kernels, 0.5)})
-    code, out, err = quill("sample", "--ckpt", run_dir, "-p", "ROMEO:", "--quantize", "int8")
-    assert code == 2 and out == "" and err.count("\n") == 1
-    assert "no int8 kernel is faster than the float32 linears" in err and "run without --quantize" in err
+    code, out, err = quill("sample", "--ckpt", run_dir, "-p", "ROMEO:", "-n", "8", "--quantize", "int8")
+    assert code == 0 and out.startswith("ROMEO:") and "a step's linears 0.50 ms vs 0.10 ms float (slower here" in err
 
 
 @pytest.mark.parametrize("top_p", ["5e-324", "1e-46"])

@@ -287,7 +287,7 @@ def evaluate_checkpoint(
         raise QuillError(f"--split must be val or train, got {split!r}")
     scheme = quant.parse_quantize(quantize)
     run = load_run(path, which=which, device=resolve_device(device))
-    quant.quantize(run.model, scheme, faster=False)  # the int8 model's loss, wherever it runs fastest
+    quant.quantize(run.model, scheme)  # the int8 model's loss, wherever it runs fastest
     kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
     if texts:
         results = [

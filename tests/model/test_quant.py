@@ -1,7 +1,7 @@
 """Weight-only int8 (model/quant.py): each kernel equals the dequantized fp32 computation to its
 rounding; weights exactly representable in int8 give the float model's tokens; quantize swaps
 every linear (a tied head keeps its embedding); the plan takes the fastest kernel per input size
-and refuses where none beats the float linears."""
+and says so where even that is slower than the float linears."""
 
 import copy
 
@@ -168,19 +168,17 @@ def test_a_burst_of_load_at_one_size_leaves_the_plan_a_kernel_for_every_size(mon
     assert calls[3][2] == [a]  # at 8 rows: only the fastest of 4 rows is timed again
 
 
-def test_plan_refuses_where_no_int8_kernel_beats_the_float_linears(monkeypatch):
+def test_where_no_int8_kernel_beats_the_float_linears_the_fastest_runs_and_says_so(monkeypatch):
     table = {2**i: {"float": 0.1, **dict.fromkeys(KERNELS, 0.3)} for i in range(9)}
+    table[8]["dequant/model"] = 0.2
     timings, _ = scripted(table)
     monkeypatch.setattr(quant, "_timings", timings)
-    model = random_model("mha-learned")
-    with pytest.raises(QuillError) as refused:
-        quantize(model, "int8", rows=8, kernel=None)
-    message = str(refused.value)
-    assert "no int8 kernel is faster than the float32 linears" in message and "at 8 row(s)" in message
-    assert "float32 0.100 ms" in message and "int8pack_mm/bf16 0.300 ms" in message and "\n" not in message
-    assert plan_of(model) is None and any(isinstance(m, nn.Linear) for m in model.modules())  # untouched
-    quantize(model, "int8", rows=8, faster=False)  # scoring the int8 model: it runs, with the fastest int8 kernel
-    assert plan_of(model).pick(8) == next(iter(KERNELS))
+    plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=8))
+    assert plan.pick(8) == "dequant/model"  # asked for int8: it runs, with the fastest int8 kernel
+    assert plan.describe() == ("int8 weights, dequant/model: a step's linears 0.20 ms vs 0.10 ms float (slower here: "
+                               "a model this small, or a busy machine while it was measured)")
+    table[8]["dequant/model"] = 0.05
+    assert "slower" not in plan_of(quantize(random_model("mha-learned"), "int8", rows=8)).describe()
 
 
 def test_the_real_timings_cover_every_kernel_that_runs_here():
@@ -205,7 +203,7 @@ def test_cuda_int8_equals_its_dequantized_model_and_the_engine_equals_recompute(
     """On CUDA (gpt-fast's dequantize form): the measured plan runs, the int8 model's logits are
     the float model's on the dequantized weights, and (fp32) its cached tokens are its recompute tokens."""
     model = random_model("rope-window-gqa").to("cuda", dtype)
-    quantize(model, "int8", faster=False)  # the fastest int8 kernels here, whether or not they beat the float ones
+    quantize(model, "int8")  # the fastest int8 kernels here, whether or not they beat the float ones
     assert plan_of(model).pick(1) in KERNELS
     ref = copy.deepcopy(model)
     for parent in list(ref.modules()):
