@@ -48,6 +48,7 @@ MIN_P_OPT = typer.Option(None, "--min-p", help="Drop tokens less likely than min
 REPETITION_OPT = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off.")
 SEED_OPT = typer.Option(None, "--seed", help="Same seed, same text.")
 DTYPE_OPT = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token.")
+QUANT_OPT = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.")
 
 
 # --- commands (each: parse → one library call → print) ------------------------------------
@@ -138,6 +139,7 @@ def sample_cmd(
     compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the decode step (default: eager, which measured no slower on CPU; compiling takes a minute)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = DTYPE_OPT,
+    quant: str = QUANT_OPT,
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
     echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),
@@ -152,14 +154,14 @@ def sample_cmd(
     flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed)
     stops = tuple(_unescape(s) for s in stop or [])
-    run, gen, params = _open_generation(ckpt, which, device, dtype, text, num_samples, flags, stops,
+    run, gen, params = _open_generation(ckpt, which, device, dtype, quant, text, num_samples, flags, stops,
                                         use_cache=not no_kv_cache, compile=compile)
     settings = {k: getattr(params, k) for k in flags}
     out = sys.stdout
     try:
         if as_json:
             settings.update(stop=list(stops), kv_cache=not no_kv_cache)
-            out.write(_sample_json(gen, run, text, settings, dtype))
+            out.write(_sample_json(gen, run, text, settings, dtype, quant))
         else:
             _print_samples(gen, text if echo else "", num_samples, stream, out)
         out.flush()
@@ -168,39 +170,49 @@ def sample_cmd(
         return
     if not quiet:
         how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
-        how = f"{how}, {run.model.lm_head.weight.device.type}, {dtype}"
+        from quillgpt.model.quant import plan_of
+
+        how = f"{how}, {run.model.device.type}, {dtype}"
+        plan = plan_of(gen.engine.model)
+        how = how if plan is None else f"{how}, {plan.describe()}"
         print(f"{gen.stats.line()} ({how})", file=sys.stderr)
 
 
-def _open_generation(ckpt: Path, which: str, device: str, dtype: str, text: str, num_samples: int, flags: dict,
-                     stops: tuple[str, ...], use_cache: bool, compile: bool) -> tuple[Any, Any, Any]:
-    """Check the flags (before the checkpoint loads), load the run and set up the generation
-    (whose engine checks the KV cache fits before anything is made per sample):
-    (run, Generation, SamplingParams)."""
+def _open_generation(ckpt: Path, which: str, device: str, dtype: str, quant: str, text: str, num_samples: int,
+                     flags: dict, stops: tuple[str, ...], use_cache: bool, compile: bool) -> tuple[Any, Any, Any]:
+    """Check the flags (before the checkpoint loads), load the run, convert and quantize its
+    model, and set up the generation (whose engine checks the KV cache fits before anything is
+    made per sample): (run, Generation, SamplingParams)."""
     from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.generate import Generation
+    from quillgpt.model.quant import parse_quantize, quantize
 
     if num_samples < 1:
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     SampleConfig().params(**flags, stop=stops)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
     params = run.config.sample.params(**flags, stop=stops)
-    gen = Generation(run.model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
-                     dtype=torch_dtype, compile=compile)
+    model = quantize(run.model, scheme, rows=num_samples)  # once, at load
+    gen = Generation(model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
+                     compile=compile)
     return run, gen, params
 
 
-def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str) -> str:
+def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quant: str) -> str:
     """--json: generate everything, then one object with the prompt, the continuations, the
     settings and the stats."""
     import json
 
+    from quillgpt.model.quant import plan_of
+
     for _ in gen:
         pass
-    settings = {**settings, "compiled": gen.compiled, "device": str(run.model.lm_head.weight.device), "dtype": dtype}
+    plan = plan_of(gen.engine.model)
+    settings = {**settings, "compiled": gen.compiled, "device": str(run.model.device), "dtype": dtype,
+                "quantize": quant, "int8_kernel": None if plan is None else plan.pick(plan.rows)}
     return json.dumps({"checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
                        "settings": settings, "stats": gen.stats.to_dict()}, ensure_ascii=False) + "\n"
 
@@ -219,6 +231,7 @@ def chat_cmd(
     seed: int | None = SEED_OPT,
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = DTYPE_OPT,
+    quant: str = QUANT_OPT,
 ) -> None:
     """Talk to a model in the terminal: each line is a message, the reply streams as it comes.
 
@@ -230,15 +243,19 @@ def chat_cmd(
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.chat import ChatSession, repl
+    from quillgpt.model.quant import parse_quantize, plan_of, quantize
 
     flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed)
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
-    session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
+    model = quantize(run.model, scheme)  # once, at load: a reply decodes one row
+    session = ChatSession(model, run.tokenizer, run.config.sample.params(**flags), system)
     how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
-    print(f"chatting with {run.path} (step {run.step}) through {how}; /reset, /quit", file=sys.stderr)
+    plan = plan_of(model)
+    weights = "" if plan is None else f"; {plan.describe()}"
+    print(f"chatting with {run.path} (step {run.step}) through {how}{weights}; /reset, /quit", file=sys.stderr)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -258,6 +275,7 @@ def serve_cmd(
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
+    quant: str = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; none: the float weights."),
     cors: str | None = typer.Option(None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."),
 ) -> None:
     """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
@@ -270,7 +288,7 @@ def serve_cmd(
     if api_key is None:  # read here, not by typer: click drops an empty variable, which would serve without a key
         api_key = os.environ.get("QUILL_API_KEY")
     serve(ckpt, which=which, host=host, port=port, api_key=api_key, max_batch=max_batch,
-          max_tokens=max_tokens, device=device, dtype=dtype, cors=cors)
+          max_tokens=max_tokens, device=device, dtype=dtype, quantize=quant, cors=cors)
 
 
 @app.command("eval")
@@ -283,6 +301,7 @@ def eval_cmd(
     stride: int | None = typer.Option(None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."),
     batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    quant: str = typer.Option("none", "--quantize", help="int8: score the model with weight-only int8 linears, as quill sample --quantize int8 runs it, to see what int8 costs in loss; none: the float weights."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
 ) -> None:
@@ -299,7 +318,7 @@ def eval_cmd(
     for path in ckpt:
         results += evaluate_checkpoint(
             path, which=which, split=split, texts=text, text_format=text_format, stride=stride, batch_size=batch_size,
-            device=device, progress=not as_json, skip_unknown=skip_unknown,
+            device=device, progress=not as_json, skip_unknown=skip_unknown, quantize=quant,
         )
     if as_json:
         rows = [r.to_dict() for r in results]
@@ -320,6 +339,7 @@ def attention_cmd(
     top_k: int = typer.Option(3, "--top-k", help="Text view: attended tokens listed per query token."),
     summary_json: Path | None = typer.Option(None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."),
     device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    quant: str = typer.Option("none", "--quantize", help="int8: the attention of the model with weight-only int8 linears (as quill sample --quantize int8 runs it); none: the float weights."),
     force: bool = typer.Option(False, "--force", help="Replace an existing file at --out / --summary-json that is not an earlier image / summary (e.g. a run's file)."),
 ) -> None:
     """Show where each head looks: heatmaps (or a text view) plus a per-head summary.
@@ -330,7 +350,9 @@ def attention_cmd(
     from quillgpt.checkpoint import load_run
     from quillgpt.device import resolve_device
     from quillgpt.evaluate import attention_views as viz
+    from quillgpt.model.quant import parse_quantize, quantize
 
+    scheme = parse_quantize(quant)
     view = viz.output_format(out, fmt)
     if view != "text" and out is None:
         out = Path(f"attention.{view}")
@@ -342,6 +364,7 @@ def attention_cmd(
     if summary_json is not None:
         check_output_file(summary_json, "--summary-json", kind="heads-json", force=force, inputs=inputs)
     run = load_run(ckpt, which=which, device=resolve_device(device))
+    quantize(run.model, scheme)  # once, at load; shown even where int8 runs no faster
     mcfg = run.config.model
     layers = viz.select_layers(layer, mcfg.n_layer)
     heads = viz.select_heads(head, mcfg.n_head)

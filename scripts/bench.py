@@ -7,7 +7,8 @@
 Suites: train (quill's real training step vs a plain nanoGPT-style step, fp32 and bf16, MFU
 against the matmul peak measured in this run, the time-to-quality recipe's step with batched vs
 per-matrix Muon, loss per step), sample (KV cache vs recompute vs
-transformers' GPT2LMHeadModel.generate on the same weights), prepare (MB/s), gpu (CUDA only).
+transformers' GPT2LMHeadModel.generate on the same weights; fp32, bf16 and int8 weights),
+prepare (MB/s), gpu (CUDA only).
 
 Why the method: this machine is shared and noisy, so absolute numbers drift from run to run.
 The variants of one group are therefore *interleaved* — rep 1 of A, B, C, then rep 2 of A, B,
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -67,8 +69,11 @@ from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows
 from quillgpt.data.prepare import load_tokens, prepare  # noqa: E402
 from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
 from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
+from quillgpt.errors import QuillError  # noqa: E402
+from quillgpt.inference.engine import in_dtype  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
+from quillgpt.model.quant import Int8Linear, plan_of, quantize  # noqa: E402
 from quillgpt.train.distributed import Dist  # noqa: E402
 from quillgpt.train.loop import Trainer, lr_at, train_step  # noqa: E402
 from quillgpt.train.optim import (  # noqa: E402
@@ -712,7 +717,7 @@ def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
 
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
-    for block in (1024, 256):
+    for block in args.sample_blocks:
         run = make_run(work, block, text)
         loaded = ckpt.load_run(run, which="latest")
         hf = hf_model(run, work / f"hf{block}")
@@ -723,8 +728,9 @@ def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
 
 def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str,
                  block: int, B: int) -> None:
-    """New tokens/s: quill's engine (eager, compiled decode, bf16 weights) vs recompute vs
-    transformers, each as a fraction of this machine's L3-bandwidth and compute bounds."""
+    """New tokens/s: quill's engine (eager, bf16 weights, int8 weights, compiled decode) vs
+    recompute vs transformers, each as a fraction of this machine's weight-streaming and compute
+    bounds for the bytes that variant reads."""
     n_new, prompt_len = args.sample_tokens, 16
     past_window = prompt_len + n_new > block
     if past_window and B > 1:  # every token past the window costs a B×block prefill: keep it short
@@ -733,8 +739,18 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     prompts = [tok.encode(text[1000 * i : 1000 * i + prompt_len]) for i in range(B)]
     reps = 1 if past_window else args.sample_reps
     tokens: dict[str, torch.Tensor] = {}
+    runs = {"quill": model}  # the weights each row runs, for its bounds
+    refused = None
+    if not past_window:
+        runs["bf16"] = in_dtype(model, torch.bfloat16)
+        t = time.perf_counter()
+        try:
+            runs["int8"] = quantize(copy.deepcopy(model), "int8", rows=B)  # as `quill sample --quantize int8` loads it
+        except QuillError as e:  # no int8 kernel beats fp32 here: the row says so
+            refused = str(e)
+        quantize_s = time.perf_counter() - t
 
-    def quill(key: str, **kw: Any) -> Callable[[], float]:
+    def quill(key: str, model: GPT, **kw: Any) -> Callable[[], float]:
         def run() -> float:
             t = time.perf_counter()
             tokens[key], _ = quill_generate(model, prompts, n_new, use_cache=True, **kw)
@@ -746,11 +762,15 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
         tokens["hf"] = hf_generate(hf, prompts, n_new)
         return time.perf_counter() - t
 
-    fns = {"quill engine (eager decode)": quill("quill", compile=False)}
+    fns = {"quill engine (eager decode)": quill("quill", model)}
     if not past_window:
-        fns["quill engine, bf16 weights"] = quill("bf16", compile=False, dtype=torch.bfloat16)
+        fns["quill engine, bf16 weights"] = quill("bf16", model, dtype=torch.bfloat16)  # converted per run, as before
+        if "int8" in runs:
+            fns["quill engine, int8 weights"] = quill("int8", runs["int8"])  # quantized once, outside the timing
         if args.sample_compile:
-            fns["quill engine, compiled decode"] = quill("compiled", compile=True)
+            fns["quill engine, compiled decode"] = quill("quill compiled", model, compile=True)
+            if "int8" in runs:
+                fns["quill engine, int8, compiled decode"] = quill("int8 compiled", runs["int8"], compile=True)
     hf_ok = prompt_len + n_new <= hf.config.n_positions
     if hf_ok:
         fns["transformers generate (use_cache)"] = transformers
@@ -773,27 +793,38 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     mem["quill recompute (no cache)"] = m.rss_mb
     rec = Stats.of([B / x for x in np.diff(times)])  # per-token times (the first also builds the batch)
 
-    bounds = {dt: decode_bounds(model, B, mean_ctx, dt, args) for dt in (torch.float32, torch.bfloat16)}
+    bounds = {key: decode_bounds(m, B, mean_ctx) for key, m in runs.items()}
     hf_tps = B * n_new / statistics.median(samples["transformers generate (use_cache)"]) if hf_ok else None
     for name, xs in samples.items():
         st = Stats.of([B * n_new / x for x in xs])
         extra = sample_extra(st.median, rec.median, hf_tps, mem[name])
-        extra.update(bound_fractions(st.median, bounds[torch.bfloat16 if "bf16" in name else torch.float32]))
-        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra,
-                       note=sample_note(name, tokens, past_window, block, hf_ok, warm[name] - xs[0])))
+        extra.update(bound_fractions(st.median, bounds["bf16" if "bf16" in name else "int8" if "int8" in name else "quill"]))
+        note = sample_note(name, tokens, past_window, block, hf_ok, warm[name] - xs[0])
+        if name == "quill engine, int8 weights":
+            note += f"; quantize at load {quantize_s:.1f} s, decode kernel {plan_of(runs['int8']).pick(B)}"
+        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra, note=note))
+    if refused:
+        report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {refused}"))
     if not hf_ok:
         report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=(
             f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past")))
     report.add(Row(group, "quill recompute (no cache)", "new tokens/s", rec.median, rec.lo, rec.hi,
                    extra=sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"]),
                    note=f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"))
-    fp32, bf16 = bounds[torch.float32], bounds[torch.bfloat16]
-    report.add(Row(group, "bounds (fp32 | bf16 weights)", "new tokens/s",
-                   f"{fp32['bandwidth']:,.0f} | {bf16['bandwidth']:,.0f} L3, {fp32['compute']:,.0f} | {bf16['compute']:,.0f} compute",
-                   note=(f"B x L3 read bandwidth {fp32['bw'] / 1e9:.0f} GB/s / bytes a step reads ({fp32['bytes'] / 1e6:.0f} MB fp32: "
-                         f"weights + mean-context KV); peak matmul {fp32['peak'] / 1e9:.0f} | {bf16['peak'] / 1e9:.0f} "
-                         f"GFLOP/s / {fp32['flops'] / 1e6:.1f} MFLOP a token")))
+    report.add(bounds_row(group, bounds))
     report.print_group(group)
+
+
+def bounds_row(group: str, bounds: dict[str, dict[str, float]]) -> Row:
+    """One row of every variant's bandwidth and compute bounds (quill = fp32 weights)."""
+    bw = " | ".join(f"{b['bandwidth']:,.0f}" for b in bounds.values())
+    compute = " | ".join(f"{b['compute']:,.0f}" for b in bounds.values())
+    reads = ", ".join(f"{k} {b['bytes'] / 1e6:.0f} MB at {b['bw'] / 1e9:.0f} GB/s" for k, b in bounds.items())
+    peaks = ", ".join(f"{k} {b['peak'] / 1e9:.0f}" for k, b in bounds.items())
+    flops = next(iter(bounds.values()))["flops"]
+    return Row(group, f"bounds ({' | '.join(bounds)})", "new tokens/s", f"{bw} bw, {compute} compute",
+               note=(f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); "
+                     f"peak matmul GFLOP/s ({peaks}) / {flops / 1e6:.1f} MFLOP a token"))
 
 
 def sample_note(name: str, tokens: dict[str, torch.Tensor], past_window: bool, block: int, hf_ok: bool,
@@ -805,39 +836,62 @@ def sample_note(name: str, tokens: dict[str, torch.Tensor], past_window: bool, b
     if name.startswith("quill engine (eager") and hf_ok:
         return f"greedy tokens = transformers' for {agreement(tokens['quill'], tokens['hf'])}"
     if name == "quill engine, compiled decode":
-        return f"greedy tokens = eager's for {agreement(tokens['compiled'], tokens['quill'])}; compiling took {compile_s:.0f} s"
-    if name == "quill engine, bf16 weights":
-        return f"greedy tokens = fp32 quill's for {agreement(tokens['bf16'], tokens['quill'])}"
+        return f"greedy tokens = eager's for {agreement(tokens['quill compiled'], tokens['quill'])}; compiling took {compile_s:.0f} s"
+    if name == "quill engine, int8, compiled decode":
+        return (f"greedy tokens = eager int8's for {agreement(tokens['int8 compiled'], tokens['int8'])}; "
+                f"compiling took {compile_s:.0f} s")
+    if name in ("quill engine, bf16 weights", "quill engine, int8 weights"):
+        key = name.split(", ")[1].split()[0]
+        return f"greedy tokens = fp32 quill's for {agreement(tokens[key], tokens['quill'])}"
     return ""
 
 
-_L3: dict[str, float] = {}
+_BW: dict[int, float] = {}
 
 
-def l3_read_bandwidth(nbytes: int) -> float:
-    """Bytes/s of summing an `nbytes` fp32 buffer that stays in the last-level cache once read
-    (the weights of the bench model fit in this CPU's L3); measured once per run."""
-    if "bw" not in _L3:
-        x = torch.ones(nbytes // 4)
+def read_bandwidth(nbytes: int) -> float:
+    """Bytes/s of summing an `nbytes` buffer over and over, as a decode step re-reads its weights
+    (from the last-level cache when they fit there, else from memory); measured once per size."""
+    if nbytes not in _BW:
+        x = torch.ones(max(nbytes // 4, 1))
         x.sum()
         reps, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < 0.5:
             x.sum()
             reps += 1
-        _L3["bw"] = reps * x.nbytes / elapsed
-    return _L3["bw"]
+        _BW[nbytes] = reps * x.nbytes / elapsed
+    return _BW[nbytes]
 
 
-def decode_bounds(model: GPT, B: int, ctx: float, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, float]:
-    """Upper bounds on decode tokens/s: every step reads all weights (once for the B rows) and
-    each row's keys/values; every token costs 2 FLOPs per matmul weight + 4·L·C·ctx in attention."""
-    cfg, size = model.config, torch.tensor([], dtype=dtype).element_size()
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    weights = sum(p.numel() for p in model.parameters()) * size
-    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * size
+def step_weight_bytes(model: GPT) -> int:
+    """Bytes of the weights one decode step reads: every linear's weight (int8: + its scales) and
+    bias, the norms' gains, and one row of each embedding (a lookup, not a matmul; a tied head's
+    matmul is the lm_head linear)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            total += m.weight[0].nbytes
+        elif isinstance(m, (nn.Linear, Int8Linear)):
+            total += m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
+            total += m.scale.nbytes if isinstance(m, Int8Linear) else 0
+        else:
+            total += sum(p.nbytes for p in m.parameters(recurse=False))
+    return total
+
+
+def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
+    """Upper bounds on decode tokens/s for the weights as this model stores them: every step
+    reads them once (for the B rows) and each row's keys/values; every token costs 2 FLOPs per
+    matmul weight + 4·L·C·ctx in attention, at the matmul peak of its activations' dtype."""
+    cfg = model.config
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear)))
+    weights = step_weight_bytes(model)
+    kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * model.dtype.itemsize
     flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_size * ctx
-    # without bf16 units torch converts bf16 weights and multiplies in fp32: the fp32 peak bounds it
-    bw, peak = l3_read_bandwidth(weights * 4 // size), matmul_peak(dtype if cpu_has_bf16() else torch.float32)
+    low = model.dtype == torch.bfloat16 or plan_of(model) is not None  # int8 kernels take bf16 activations
+    # without bf16 units torch converts bf16 and multiplies in fp32: the fp32 peak bounds it
+    peak = matmul_peak(torch.bfloat16 if low and cpu_has_bf16() else torch.float32)
+    bw = read_bandwidth(int(weights))
     return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv,
             "peak": peak, "flops": flops}
 
@@ -852,7 +906,7 @@ def matmul_peak(dtype: torch.dtype) -> float:
 
 
 def bound_fractions(tps: float, bounds: dict[str, float]) -> dict[str, str]:
-    return {"of L3-bw bound": f"{tps / bounds['bandwidth']:.0%}", "of compute bound": f"{tps / bounds['compute']:.1%}"}
+    return {"of bw bound": f"{tps / bounds['bandwidth']:.0%}", "of compute bound": f"{tps / bounds['compute']:.1%}"}
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -874,12 +928,13 @@ def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any,
     p_len = min(512, block - 1)
     group = f"sample: prefill latency (time to first token), 6L/6H/384, block {block:,}, {p_len}-token prompt"
     fns: dict[str, Callable[[], float]] = {}
+    int8 = quantize(copy.deepcopy(model), "int8")
     for B in (1, 8):
         prompts = [tok.encode(text[1000 * i : 1000 * i + p_len]) for i in range(B)]
 
-        def q_first(prompts: list[list[int]] = prompts) -> float:
+        def q_first(prompts: list[list[int]] = prompts, m: GPT = model) -> float:
             t = time.perf_counter()
-            next(iter(generate_tokens(model, prompts, 1)))
+            next(iter(generate_tokens(m, prompts, 1)))
             return time.perf_counter() - t
 
         def hf_first(prompts: list[list[int]] = prompts) -> float:
@@ -888,6 +943,7 @@ def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any,
             return time.perf_counter() - t
 
         fns[f"quill, batch {B}"] = q_first
+        fns[f"quill int8, batch {B}"] = functools.partial(q_first, prompts, int8)
         fns[f"transformers, batch {B}"] = hf_first
     for fn in fns.values():
         fn()
@@ -1042,22 +1098,29 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
     n, prompt_len = args.gpu_sample_tokens, 16
     torch.manual_seed(0)
     model = GPT(cfg).to("cuda", torch.bfloat16).eval()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     ctx = prompt_len + (n - 1) / 2
     for B in (1, 64):
-        group = f"gpu: {name}, KV-cached greedy sampling, GPT-2-124M shape, bf16 weights, batch {B}, {n} new tokens"
+        group = f"gpu: {name}, KV-cached greedy sampling, GPT-2-124M shape, batch {B}, {n} new tokens"
         prompts = [list(range(1 + i, 1 + i + prompt_len)) for i in range(B)]
-        out: dict[bool, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        runs = {"bf16": model}
+        try:  # int8 linears against the bf16 ones they replace (gpt-fast's form pays compiled)
+            runs["int8"] = quantize(copy.deepcopy(model), "int8", rows=B)
+        except QuillError as e:
+            report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {e}"))
 
-        def run(compile: bool, prompts: list[list[int]] = prompts, out: dict[bool, torch.Tensor] = out) -> float:
+        def run(key: str, compile: bool, prompts: list[list[int]] = prompts, out: dict = out, runs: dict = runs) -> float:
             torch.cuda.synchronize()
             t = time.perf_counter()
-            out[compile] = torch.stack(list(generate_tokens(model, prompts, n, compile=compile)), 1)
+            out[f"{key} {compile}"] = torch.stack(list(generate_tokens(runs[key], prompts, n, compile=compile)), 1)
             torch.cuda.synchronize()
             return time.perf_counter() - t
 
-        fns = {"quill engine, eager decode": functools.partial(run, False),
-               "quill engine, compiled decode (CUDA graphs)": functools.partial(run, True)}
+        fns = {}
+        for key in runs:
+            weights = "bf16 weights" if key == "bf16" else f"int8 weights ({plan_of(runs[key]).pick(B)})"
+            fns[f"quill engine, {weights}, eager decode"] = functools.partial(run, key, False)
+            fns[f"quill engine, {weights}, compiled decode (CUDA graphs)"] = functools.partial(run, key, True)
         mem, first = {}, {}
         for vname, fn in fns.items():  # one run each first: warm-up and compiling
             with PeakMemory(cuda=True) as m:
@@ -1065,16 +1128,20 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
             mem[vname] = m.cuda_mb
         samples = interleaved(fns, max(2, args.sample_reps))
         kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * 2
-        bound = B * bandwidth / (weights + kv)
+        bounds = {key: B * bandwidth / (step_weight_bytes(m) + kv) for key, m in runs.items()}
         for vname, xs in samples.items():
+            key = "bf16" if "bf16" in vname else "int8"
             st = Stats.of([B * n / x for x in xs])
-            note = (f"greedy tokens = eager's for {agreement(out[True], out[False])}; first run (compiling) "
-                    f"{first[vname]:.0f} s" if "compiled" in vname else "")
+            note = (f"greedy tokens = eager's for {agreement(out[f'{key} True'], out[f'{key} False'])}; "
+                    f"first run (compiling) {first[vname]:.0f} s" if "compiled" in vname else "")
+            if key == "int8" and "eager" in vname:
+                note = f"greedy tokens = bf16 eager's for {agreement(out['int8 False'], out['bf16 False'])}"
             report.add(Row(group, vname, "new tokens/s", st.median, st.lo, st.hi, extra={
-                "of bandwidth bound": f"{st.median / bound:.1%}", "CUDA max alloc MB": mem[vname]}, note=note))
-        report.add(Row(group, "bound", "new tokens/s", bound, note=(
-            f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads "
-            f"({(weights + kv) / 1e6:,.0f} MB: bf16 weights + mean-context KV)")))
+                "of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]}, note=note))
+        reads = ", ".join(f"{k} {(step_weight_bytes(m) + kv) / 1e6:,.0f} MB" for k, m in runs.items())
+        report.add(Row(group, f"bound ({' | '.join(runs)})", "new tokens/s",
+                       " | ".join(f"{b:,.0f}" for b in bounds.values()), note=(
+            f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)")))
         report.print_group(group)
 
 
@@ -1098,6 +1165,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-tokens", type=int, default=1000)
     p.add_argument("--recompute-tokens", type=int, default=100)
     p.add_argument("--sample-reps", type=int, default=3)
+    p.add_argument("--sample-blocks", type=int, nargs="+", default=[1024, 256],
+                   help="sample suite: the block sizes of the model (default 1024 256)")
     p.add_argument("--sample-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)")
     p.add_argument("--gpu-batch", type=int, default=16)

@@ -18,6 +18,7 @@ aggregate completion tokens/s and p50/p95 time to first token. Request counts ar
 whole run is bounded by --time-limit.
 
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu
+    python scripts/load_serve.py --ckpt out/shakespeare_char_cpu --quantize int8   # int8 linears
 """
 
 from __future__ import annotations
@@ -154,14 +155,16 @@ def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Ra
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """`quill serve` on a free loopback port; prints its start-up line (the weights it serves)."""
     cmd = [sys.executable, "-m", "quillgpt", "serve", "--ckpt", args.ckpt, "--host", "127.0.0.1", "--port", "0",
-           "--max-batch", str(args.max_batch), "--device", args.device]
+           "--max-batch", str(args.max_batch), "--device", args.device, "--quantize", args.quantize]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
     found = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
     if not found:
         proc.kill()
         sys.exit(f"quill serve did not start: {line.strip()} {proc.stderr.read()[-2000:]}")
+    print(line.strip(), flush=True)
     return proc, found.group(1)
 
 
@@ -172,6 +175,7 @@ def main() -> None:
     where.add_argument("--url", help="a running server on a loopback address, e.g. http://127.0.0.1:8000")
     parser.add_argument("--max-batch", type=int, default=32, help="--max-batch of the server this script starts")
     parser.add_argument("--device", default="auto", help="--device of the server this script starts")
+    parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8 or none)")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=None,
                         help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)")

@@ -39,6 +39,29 @@ def checkout_stays_clean():
     assert not new, f"tests left files in {ROOT}: {new}"
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: the bf16 int8 kernels open a parallel region per call,
+    and beside other busy processes each one waits for a second core, which makes a tiny model's
+    decoding crawl. What such tests prove holds at any thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fixed_int8_kernel(monkeypatch, one_thread):
+    """`quantize` with int8pack_mm for every input instead of the measured choice, so a command
+    test of --quantize int8 runs one known kernel on a tiny model (the measured choice is tested
+    in tests/model/test_quant.py). Yields the kernel."""
+    from quillgpt.model import quant
+
+    kernel = "int8pack_mm/bf16"
+    monkeypatch.setattr(quant, "measure_plan", lambda every, block, rows: quant.KernelPlan((1,), (kernel,), rows))
+    yield kernel
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -70,8 +70,9 @@ def train_tokenizer(specials: list[str], bos: str | None, qwen: bool = False):
 
 
 def make_hf_model(directory: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                  shard: str | None = None) -> Path:
-    """A random `family` model saved by save_pretrained into `directory`, with its tokenizer files."""
+                  shard: str | None = None, **config: object) -> Path:
+    """A random `family` model saved by save_pretrained into `directory`, with its tokenizer files;
+    `config`: keys that replace or add to the family's (e.g. head_dim=24 on a qwen2)."""
     import transformers
 
     model_type, extra, specials, bos, eos, template = FAMILIES[family]
@@ -81,7 +82,7 @@ def make_hf_model(directory: Path, family: str, dtype: torch.dtype = torch.float
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[model_type])
     config = config_cls(vocab_size=tok.get_vocab_size() + 5, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=160, rms_norm_eps=1e-6,
-                        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, **extra)
+                        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, **{**extra, **config})
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():  # decisive logits: greedy text has no near-ties

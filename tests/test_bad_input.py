@@ -292,6 +292,10 @@ CASES = {
     "eval_device_torch_lacks": lambda w: (["eval", "--ckpt", str(w.run), "--device", "xpu"], ["got 'xpu'"]),
     "attention_meta_device": lambda w: (["attention", "--ckpt", str(w.run), "-p", "To be", "--device", "meta"],
                                         ["got 'meta'"]),
+    "eval_unknown_quantization": lambda w: (["eval", "--ckpt", str(w.run), "--quantize", "int4"],
+                                            ["--quantize must be int8 or none, got 'int4'"]),
+    "attention_unknown_quantization": lambda w: (["attention", "--ckpt", str(w.run), "-p", "To be", "--quantize", "fp8"],
+                                                 ["--quantize must be int8 or none, got 'fp8'"]),
     "eval_cpu_index": lambda w: (["eval", "--ckpt", str(w.run), "--device", "cpu:3"], ["there is one CPU device"]),
     # --- numbers
     "nan_learning_rate": lambda w: (train_cmd(w, "train.learning_rate=nan"),

@@ -16,6 +16,8 @@ from quillgpt.checkpoint import load_checkpoint, load_run, save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.inference.generate import generate_text
+from quillgpt.model import quant
+from quillgpt.model.quant import quantize
 from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +158,27 @@ def test_bfloat16_runs(quill, run_dir):
     assert got["settings"]["dtype"] == "bfloat16" and len(got["samples"][0]) == 20
 
 
+def test_int8_sample_is_the_int8_models_text(quill, decisive_ckpt, fixed_int8_kernel):
+    args = ("-p", "ROMEO:", "--temperature", 0, "-n", 40)
+    got = sample_json(quill, decisive_ckpt, *args, "--quantize", "int8")
+    run = load_run(decisive_ckpt)
+    quantize(run.model, "int8", kernel=fixed_int8_kernel)
+    want, _ = generate_text(run.model, run.tokenizer, "ROMEO:", 40, temperature=0)
+    assert got["samples"] == want and len(set(want[0])) > 5
+    assert got["settings"]["quantize"] == "int8" and got["settings"]["int8_kernel"] == fixed_int8_kernel
+    plain = sample_json(quill, decisive_ckpt, *args)
+    assert plain["settings"]["quantize"] == "none" and plain["settings"]["int8_kernel"] is None
+    code, _, err = quill("sample", "--ckpt", decisive_ckpt, *args, "--quantize", "int8", "--dtype", "bfloat16")
+    assert code == 0 and f"int8 weights, {fixed_int8_kernel}" in err and "bfloat16" in err
+
+
+def test_int8_runs_where_no_kernel_beats_the_float_linears_and_says_so(quill, run_dir, monkeypatch):
+    """A tiny model, or a busy machine while the kernels were timed: int8 was asked for, so it runs."""
+    monkeypatch.setattr(quant, "_timings", lambda pairs, kernels, m, **budget: {"float": 0.1, **dict.fromkeys(kernels, 0.5)})
+    code, out, err = quill("sample", "--ckpt", run_dir, "-p", "ROMEO:", "-n", "8", "--quantize", "int8")
+    assert code == 0 and out.startswith("ROMEO:") and "a step's linears 0.50 ms vs 0.10 ms float (slower here" in err
+
+
 @pytest.mark.parametrize("top_p", ["5e-324", "1e-46"])
 @pytest.mark.parametrize("extra", [[], ["--no-kv-cache"], ["--num-samples", "2"], ["--dtype", "bfloat16"]],
                          ids=["cache", "no-cache", "two-samples", "bf16"])
@@ -206,6 +229,7 @@ BAD = {
     "nan top-p": (["--top-p", "nan"], r"--top-p must be in \(0, 1\], got nan"),
     "huge max-new-tokens": (["-n", str(10**30)], "--max-new-tokens must be at most"),
     "unknown dtype": (["--dtype", "float8"], "--dtype must be float32, bfloat16 or float16"),
+    "unknown quantization": (["--quantize", "int4"], "--quantize must be int8 or none, got 'int4'"),
     "unknown device": (["--device", "tpu"], "--device must be"),
     "empty stop string": (["--stop", ""], "stop string must not be empty"),
     "two prompts": (["-p", "a", "--prompt-file", "{tmp}/latin1.txt"], "--prompt or --prompt-file, not both"),

@@ -50,6 +50,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import resolve_device
 from quillgpt.errors import QuillError
 from quillgpt.files import read_text
+from quillgpt.model import quant
 from quillgpt.model.gpt import evaluating
 from quillgpt.model.variants.prefix import eval_prefix_len, mask_prefix_targets
 
@@ -70,6 +71,7 @@ class EvalResult:
     checkpoint: str | None = None
     step: int | None = None
     data: str | None = None  # "val", "train" or the text file
+    quantize: str | None = None  # "int8": scored with int8 linears (model/quant.py)
 
     @property
     def loss(self) -> float:
@@ -343,9 +345,11 @@ def evaluate_checkpoint(
     device: str = "auto",
     progress: bool = False,
     skip_unknown: bool = False,
+    quantize: str | None = None,
 ) -> list[EvalResult]:
     """Load a run once and score its prepared `split`, or each of `texts` (files) instead: plain
-    text, or with text_format="chat" jsonl conversations (the assistant's tokens)."""
+    text, or with text_format="chat" jsonl conversations (the assistant's tokens); quantize="int8":
+    with its linears in int8, as `quill sample --quantize int8` runs it."""
     if split not in SPLITS:
         raise QuillError(f"--split must be val or train, got {split!r}")
     if text_format not in ("text", "chat"):
@@ -355,7 +359,9 @@ def evaluate_checkpoint(
                          "scores its --split as conversations already)")
     if text_format == "chat" and stride is not None:
         raise QuillError("--stride does not apply to --format chat: each conversation is one window")
+    scheme = quant.parse_quantize(quantize)
     run = load_run(path, which=which, device=resolve_device(device))
+    quant.quantize(run.model, scheme)  # the int8 model's loss, wherever it runs fastest
     kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
     if texts:
         results = [_score_text(run, t, text_format == "chat", skip_unknown, kwargs) for t in texts]
@@ -365,7 +371,7 @@ def evaluate_checkpoint(
         results = [_score_split(run, split, kwargs)]
         results[0].data = split
     for result in results:
-        result.checkpoint, result.step = str(path), run.step
+        result.checkpoint, result.step, result.quantize = str(path), run.step, scheme
     return results
 
 
@@ -376,8 +382,11 @@ def format_table(results: list[EvalResult]) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
+    def name(r: EvalResult) -> str:
+        return (r.checkpoint or "-") + (f" ({r.quantize})" if r.quantize else "")
+
     rows = [
-        [r.checkpoint or "-", num(r.step, "d"), r.data or "-", f"{r.tokens:,}", num(r.bytes, ","),
+        [name(r), num(r.step, "d"), r.data or "-", f"{r.tokens:,}", num(r.bytes, ","),
          f"{r.loss:.4f}", f"{r.perplexity:.3f}", f"{r.bits_per_token:.4f}", num(r.bits_per_byte, ".4f"),
          num(r.bits_per_char, ".4f"), f"{r.seconds:.1f}s"]
         for r in results

@@ -112,7 +112,7 @@ def in_dtype(model: GPT, dtype: torch.dtype | None) -> GPT:
     """The model with its weights in `dtype` (a converted copy; the model itself if it already is).
     Converted once, not autocast per step: autocast re-casts every weight at every step, which
     made bf16 decoding slower than fp32; bf16 weights halve the bytes a step reads."""
-    if dtype is None or dtype == model.lm_head.weight.dtype:
+    if dtype is None or dtype == model.dtype:
         return model
     return copy.deepcopy(model).to(dtype)
 
@@ -121,7 +121,7 @@ def cache_bytes(model: GPT, rows: int, capacity: int | None = None) -> int:
     """Bytes of a static KV cache of `rows` rows of `capacity` tokens (default: the attention
     span) for this model (keys + values + positions)."""
     cfg = model.config
-    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * model.lm_head.weight.element_size() + 8
+    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * model.dtype.itemsize + 8
     return rows * (model.span if capacity is None else capacity) * per_token
 
 
@@ -135,7 +135,7 @@ def cache_capacity(model: GPT, tokens: int) -> int:
 def check_memory(model: GPT, rows: int, unit: str = "row", capacity: int | None = None) -> None:
     """Refuse, in one line, a batch whose KV cache (for Recompute: the same keys and values, made
     every step) is larger than the memory the device has free."""
-    device, nbytes = model.lm_head.weight.device, cache_bytes(model, rows, capacity)
+    device, nbytes = model.device, cache_bytes(model, rows, capacity)
     free = available_bytes(device)
     if free is not None and nbytes > free:
         raise QuillError(
@@ -156,7 +156,7 @@ class Rows:
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         self.model = model = in_dtype(model, dtype)
-        self.max_rows, self.device, self.dtype = max_rows, model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.max_rows, self.device, self.dtype = max_rows, model.device, model.dtype
         self.capacity = model.span if capacity is None else cache_capacity(model, capacity)  # tokens a row may hold
         check_memory(model, max_rows, unit, self.capacity)
         self.variant, self.context = model.variant, model.context()
@@ -294,6 +294,12 @@ class Rows:
         pass
 
 
+def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: Any, key_pos: Tensor) -> Tensor:
+    """model.decode over the slots whose positions key_pos (rows, n_keys) views: what the engine
+    compiles, n_keys then a size torch.compile can keep dynamic."""
+    return model.decode(idx, pos, cache, key_pos.shape[1])
+
+
 class Engine(Rows):
     """Rows of generation over one model and one static cache (see the module docstring)."""
 
@@ -308,10 +314,11 @@ class Engine(Rows):
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # ... and its position
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances
         self.compiled = bool(compile) and self.static
-        self._decode = self.model.decode
-        if self.compiled:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on GPU
-            self._decode = torch.compile(self.model.decode, mode=mode, fullgraph=True, dynamic=False)
+        self._all_slots = self.compiled and self.device.type == "cuda"  # else attend over the filled slots
+        self._compiled = None
+        if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: one graph, dynamic in n_keys
+            mode = "reduce-overhead" if self._all_slots else None
+            self._compiled = torch.compile(decode_over, mode=mode, fullgraph=True, dynamic=False)
 
     def release(self, row: int) -> None:
         super().release(row)
@@ -358,10 +365,12 @@ class Engine(Rows):
             return logits
         logits = None
         if any(not row.refill for row in rows):
-            n_keys = None
-            if not self.compiled:  # eager: attend over the filled part only (slot = pos < capacity)
-                n_keys = min(self.cache.capacity, max(row.length for row in rows if not row.refill))
-            logits = self._decode(self._tok, self._pos, self.cache, n_keys).float()
+            lengths = {row.length for row in rows if not row.refill}
+            n_keys = None if self._all_slots else min(self.cache.capacity, max(lengths))  # the filled slots
+            # rows of one length hold the same latest positions, all visible within the span: no mask
+            # (eager only: compiled, the mask is fused and one graph serves every step)
+            masked = self.compiled or len(lengths) > 1 or n_keys is None or n_keys > self.model.span
+            logits = self._decode(n_keys, masked).float()
         refills = [r for r, row in zip(active, rows) if row.refill]
         if refills:
             fresh = torch.stack([self.prefill(r, list(self._rows[r].tokens)) for r in refills])
@@ -369,6 +378,16 @@ class Engine(Rows):
                 logits = torch.zeros(self.max_rows, fresh.shape[1], device=self.device)
             logits = logits.index_copy(0, torch.tensor(refills, device=self.device), fresh)
         return logits
+
+    def _decode(self, n_keys: int | None, masked: bool) -> Tensor:
+        """GPT.decode of every row's newest token, eager or compiled (CPU: over a view of the filled
+        slots' positions whose length is marked dynamic, so one graph serves every n_keys)."""
+        if self._compiled is None:
+            return self.model.decode(self._tok, self._pos, self.cache, n_keys, masked)
+        key_pos = self.cache.pos[:, :n_keys]
+        if n_keys is not None:
+            torch._dynamo.maybe_mark_dynamic(key_pos, 1)  # a view of the whole buffer stays static
+        return self._compiled(self.model, self._tok, self._pos, self.cache, key_pos)
 
     def _after_step(self, nxt: Tensor) -> None:
         self._tok.copy_(nxt)  # next inputs stay on the device; idle rows keep position 0

@@ -90,7 +90,7 @@ def generate_tokens(
     _check_prompts(prompts, model.config.vocab_size)
     if params.max_new_tokens == 0:
         return
-    device = model.lm_head.weight.device
+    device = model.device
     tokens = max(map(len, prompts)) + params.max_new_tokens
     batch = TextBatch(make_engine(model, len(prompts), use_cache, dtype, compile, tokens=tokens))
     last = [batch.join(i, p, row_params(params, i), stop_ids or ()).token for i, p in enumerate(prompts)]

@@ -99,7 +99,8 @@ def attend(
     """softmax(QK^T/√d)·V for q (B, H, T, hd) and k, v (B, KV, S, hd), KV dividing H.
 
     `mask`: boolean (True = attend) or additive float (see mask_to_bias), broadcastable to
-    (B, H, T, S); None means plain causal with T == S. Query head h reads K/V head h // (H/KV).
+    (B, H, T, S); None means plain causal, the T queries being the last T keys (T == S, or one
+    query that sees every key). Query head h reads K/V head h // (H/KV).
     `impl="math"` (or need_weights) spells it out and returns the (B, H, T, S) weights.
     """
     T, S = q.shape[2], k.shape[2]
@@ -123,7 +124,7 @@ def attend(
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
     if mask is None:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     if mask.dtype == torch.bool:
         att = att.masked_fill(~mask, float("-inf"))
     else:

@@ -173,6 +173,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype of the activations and the KV cache: the embedding's (which int8
+        quantization never touches, model/quant.py)."""
+        return self.transformer.wte.weight.dtype
+
     # --- forward ------------------------------------------------------------------------------
 
     def forward(
@@ -208,15 +218,19 @@ class GPT(nn.Module):
         c = self.config.logit_softcap
         return logits if c is None else c * torch.tanh(logits / c)
 
-    def decode(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None = None) -> Tensor:
+    def decode(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None = None, masked: bool = True) -> Tensor:
         """One new token per row: idx, pos (R,) → next-token logits (R, V); each row's keys and
         values go to its cache slot pos % capacity and it attends over the cache with the shared
         mask rule. Fixed shapes, no host syncs, no checks (what the engine runs, and compiles): the
         caller keeps positions valid (learned: < block_size). n_keys: attend over the first n_keys
-        slots only (they must hold every visible key; None = all, the compiled step's shape)."""
+        slots only (they must hold every visible key; None = all, the compiled step's shape).
+        masked=False: the caller knows every row may see all of those slots (each row holds the
+        same n_keys ≤ span latest positions), so no mask is built or applied (~10% of attention)."""
         at = cache.decode_slots(pos)  # (row, slot) of each new key
-        mask = attention_mask(pos[:, None], cache.pos[:, :n_keys], self.span)  # (R, 1, 1, S)
-        mask = mask_to_bias(mask, self.lm_head.weight.dtype)
+        mask = None
+        if masked:
+            mask = attention_mask(pos[:, None], cache.pos[:, :n_keys], self.span)  # (R, 1, 1, S)
+            mask = mask_to_bias(mask, self.dtype)
         x = self.transformer.wte(idx)  # (R, C)
         if self.config.pos == "learned":
             x = x + self.transformer.wpe(pos)
@@ -239,7 +253,7 @@ class GPT(nn.Module):
         final hidden states (and each layer's attention weights)."""
         T = idx.shape[1]
         pos = self._positions(idx, pos, cache, prefix_len)  # None: plain causal 0..T-1
-        mask, plan = self.variant.plan(pos, cache, rows, self.span, prefix_len, self.lm_head.weight.dtype)
+        mask, plan = self.variant.plan(pos, cache, rows, self.span, prefix_len, self.dtype)
         x = self.transformer.drop(self._embed(idx, pos))  # (B, T, C)
         inputs = LayerInputs(self._rope(pos, T), mask, cache, plan, need_weights)
         maps = []
@@ -312,9 +326,8 @@ class GPT(nn.Module):
     ) -> Any:
         """An empty generation cache of the variant's kind for `rows` rows; a KVCache's default
         capacity is the attention span min(window, block_size)."""
-        p = self.lm_head.weight
         capacity = self.span if capacity is None else capacity
-        return self.variant.make_cache(self.config, rows, capacity, self.span, device or p.device, dtype or p.dtype)
+        return self.variant.make_cache(self.config, rows, capacity, self.span, device or self.device, dtype or self.dtype)
 
     def context(self) -> int | None:
         """How many trailing tokens decide the next logits (None: all of them); see Variant.context."""

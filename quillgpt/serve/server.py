@@ -8,6 +8,7 @@ one-line error) and `uvicorn_server` (SIGINT/SIGTERM stop accepting, give in-fli
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import sys
@@ -88,13 +89,14 @@ def model_id(ckpt: str | Path) -> str:
 def serve(
     ckpt: str | Path, *, which: str = "best", host: str = "127.0.0.1", port: int = 8000,
     api_key: str | None = None, max_batch: int = 16, max_tokens: int = 2048, device: str = "auto",
-    dtype: str = "float32", cors: str | None = None, drain_s: float = 5.0,
+    dtype: str = "float32", quantize: str = "none", cors: str | None = None, drain_s: float = 5.0,
     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
     from quillgpt.checkpoint import load_run
     from quillgpt.device import parse_dtype, resolve_device
+    from quillgpt.model import quant
 
     require_extra()
     from quillgpt.serve.app import ServeOptions
@@ -105,17 +107,21 @@ def serve(
         raise QuillError(f"--max-tokens must be at least 1, got {max_tokens}")
     if not 0 <= port <= 65535:
         raise QuillError(f"--port must be between 0 and 65535, got {port}")
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype, scheme = parse_dtype(dtype), quant.parse_quantize(quantize)
     if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
         raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
+    model = quant.quantize(run.model, scheme, rows=max_batch)  # once, at load: the engine's decode batch
+    run = dataclasses.replace(run, model=model)  # what the engine and the attention view run
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
-    app = make_app(run, options, max_batch, torch_dtype)
+    app = make_app(run, options, max_batch)
+    plan = quant.plan_of(model)
+    weights = "" if plan is None else f"; {plan.describe()}"
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     announce(f"serving {run.path} (step {run.step}) as model {options.model_id!r}: http://{shown}:{bound}/ "
-             f"(OpenAI API at /v1, up to {max_batch} rows at once)")
+             f"(OpenAI API at /v1, up to {max_batch} rows at once{weights})")
     if host not in LOOPBACK and api_key is None:
         announce(f"warning: listening on {host} without an API key: anyone who can reach it can use the model")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends like Ctrl-C: drained, exit 0

@@ -17,6 +17,7 @@ from quillgpt.data.tokenizer import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate import attention_views as viz
 from quillgpt.model.gpt import GPT
+from quillgpt.model.quant import quantize
 
 ROOT = Path(__file__).resolve().parents[2]
 ALPHABET = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind"
@@ -236,6 +237,16 @@ def test_cli_attention_image_and_summary_json(run_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "layer 1 head 1" in printed and "layer 1 head 0" not in printed
     assert len(json.loads(summary.read_text())["heads"]) == 8  # the JSON always has every head
+
+
+def test_cli_attention_int8_shows_the_int8_models_heads(run_dir, tok, tmp_path, capsys, fixed_int8_kernel):
+    summary = tmp_path / "s.json"
+    assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT, "--quantize", "int8", "--summary-json", summary) == 0
+    model = quantize(tiny_model(tok), "int8", kernel=fixed_int8_kernel)
+    want = viz.head_summary(viz.attention_weights(model, tok, PROMPT).weights)
+    assert json.loads(summary.read_text())["heads"] == json.loads(json.dumps(want))
+    float_heads = viz.head_summary(viz.attention_weights(tiny_model(tok), tok, PROMPT).weights)
+    assert want != float_heads  # int8 weights do change the maps a little
 
 
 def test_cli_attention_mistakes_exit_2(run_dir, tmp_path, capsys):

@@ -19,6 +19,7 @@ from quillgpt.data.tokenizer import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
 from quillgpt.model.gpt import GPT
+from quillgpt.model.quant import quantize
 from quillgpt.model.variants import VARIANTS
 from quillgpt.train.loop import train
 from quillgpt.train.metrics import read_metrics
@@ -189,6 +190,19 @@ def test_cli_compares_checkpoints_and_texts(run, tmp_path, capsys):
     assert cli("--ckpt", best, "--ckpt", latest, "--text", str(text)) == 0
     table = capsys.readouterr().out.splitlines()
     assert "bits/byte" in table[0] and best in table[1] and latest in table[2]
+
+
+def test_cli_int8_eval_scores_the_int8_model(run, capsys, fixed_int8_kernel):
+    assert cli("--ckpt", str(run), "--json", "--batch-size", "64", "--quantize", "int8") == 0
+    row = json.loads(capsys.readouterr().out)
+    loaded = load_run(run)
+    val = load_tokens(loaded.config.data.out_dir, "val")
+    fp32 = evaluate_tokens(loaded.model, val, batch_size=64)
+    int8 = evaluate_tokens(quantize(loaded.model, "int8", kernel=fixed_int8_kernel), val, batch_size=64)
+    assert row["quantize"] == "int8" and row["loss"] == pytest.approx(int8.loss, rel=1e-6)
+    assert row["loss"] != fp32.loss and row["loss"] == pytest.approx(fp32.loss, rel=0.01)
+    assert cli("--ckpt", str(run), "--quantize", "int8") == 0
+    assert f"{run} (int8)" in capsys.readouterr().out.splitlines()[1]
 
 
 def test_cli_unknown_chars_exit_2_unless_skipped(run, tmp_path, capsys):

@@ -1,6 +1,8 @@
 """quill chat: replies through the model's template (imported) or the transcript (quill's own),
 multi-turn history, /reset, /quit, Ctrl-C stopping one reply, and the command itself."""
 
+import copy
+import io
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ from serve_support import tiny_run_dir
 from support import ROOT
 
 from quillgpt.checkpoint import load_run
+from quillgpt.cli import main
 from quillgpt.config import ModelConfig
 from quillgpt.data.chat import TRANSCRIPT_STOPS, transcript
 from quillgpt.inference.chat import ChatSession, chat_prompt_ids, fitting, repl
@@ -18,6 +21,7 @@ from quillgpt.inference.sampling import SamplingParams
 from quillgpt.inference.text import encode_prompt
 from quillgpt.interop.convert import import_hf
 from quillgpt.model.gpt import GPT
+from quillgpt.model.quant import quantize
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -106,6 +110,24 @@ def test_the_chat_command_over_standard_input(quill_run):
     bad = subprocess.run([sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "--top-p", "2"],
                          input="", capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--top-p must be in (0, 1]" in bad.stderr
+
+
+def test_chat_quantize_int8_replies_with_the_int8_model(imported, fixed_int8_kernel, monkeypatch, capsys):
+    """quill chat --quantize int8 on an imported (tied-head) model: the reply is the int8 model's
+    (the kernel fixed: a tiny model may measure the float linears faster), the start line names
+    the kernel; a scheme that does not exist is one line, exit 2."""
+    int8 = quantize(copy.deepcopy(imported.model), "int8", kernel=fixed_int8_kernel)
+    want = "".join(ChatSession(int8, imported.tokenizer, GREEDY).reply("Who is Romeo?"))
+    assert want
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Who is Romeo?\n"))
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--ckpt", str(imported.path), "-n", "12", "--temperature", "0", "--quantize", "int8"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and f"int8 weights, {fixed_int8_kernel}" in err
+    assert out == f"> {want}\n> \n"
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--ckpt", str(imported.path), "--quantize", "int4"])
+    assert e.value.code == 2 and "--quantize must be int8 or none, got 'int4'" in capsys.readouterr().err
 
 
 def test_a_failed_reply_is_one_error_and_a_hostile_top_p_replies_greedily(quill_run, monkeypatch):

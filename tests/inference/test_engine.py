@@ -17,6 +17,7 @@ from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
+from quillgpt.model.quant import Int8Linear, KernelPlan, quantize
 
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 GREEDY = SamplingParams(max_new_tokens=30)
@@ -46,6 +47,19 @@ def test_engine_equals_recompute_past_block_size(variant, params):
     cached = tokens(model, params, use_cache=True)  # 22 + 30 tokens: past block_size (16)
     assert cached == tokens(model, params, use_cache=False)
     assert len({t for row in cached for t in row}) > 5  # not a degenerate loop
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kernel", ["int8pack_mm/bf16", "dequant/bf16", "dequant/model"])
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "rmsnorm-swiglu"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_int8_engine_equals_int8_recompute(variant, params, kernel):
+    """One kernel for every input size: the decode step (3 rows) and the recompute forward
+    (3 × context rows) round alike, so the tokens are the same."""
+    model = quantize(random_model(variant), "int8", kernel=kernel)
+    cached = tokens(model, params, use_cache=True)
+    assert cached == tokens(model, params, use_cache=False)
+    assert len({t for row in cached for t in row}) > 5
 
 
 @variants
@@ -150,9 +164,9 @@ def test_a_huge_max_new_tokens_allocates_nothing_by_count(use_cache):
 
 @pytest.mark.skipif(not os.environ.get("QUILL_TEST_COMPILE"), reason="torch.compile takes ~1 min on CPU: "
                     "set QUILL_TEST_COMPILE=1 (scripts/bench.py --suite sample checks it at the bench shape)")
-@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa"])
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "int8"])
 def test_compiled_decode_equals_eager(variant):
-    model = random_model(variant)
+    model = quantize(random_model(), "int8", kernel="int8pack_mm/bf16") if variant == "int8" else random_model(variant)
     params = replace(GREEDY, max_new_tokens=40)
     eager = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=False)), 1)
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
@@ -183,6 +197,45 @@ def test_decode_step_gives_the_forward_logits(variant, all_slots):
             n_keys = None if all_slots else min(cache.capacity, t + 1)
             got = model.decode(ids[:, t], torch.full((2,), t), cache, n_keys)  # (2, V)
             torch.testing.assert_close(got, full[:, t], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa"])
+def test_int8_decode_step_gives_the_int8_forward_logits_whichever_kernels_run(variant):
+    """A measured plan may run the one-row decode step and a long forward through different
+    kernels (int8pack_mm, dequantize + bf16 matmul): their logits agree to bf16 rounding."""
+    model = random_model(variant)
+    quantize(model, "int8", kernel="dequant/model")
+    plan = KernelPlan((2, 64), ("int8pack_mm/bf16", "dequant/bf16"))
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            m.plan = plan
+    ids = torch.randint(0, V, (2, BLOCK))
+    with torch.no_grad():
+        full, _ = model(ids, all_logits=True)  # (2, BLOCK, V): 32 rows, dequant/bf16
+        cache = model.make_cache(2)
+        model(ids[:, :6], pos=torch.arange(6), cache=cache)
+        for t in range(6, BLOCK):
+            got = model.decode(ids[:, t], torch.full((2,), t), cache)  # (2, V): 2 rows, int8pack_mm
+            torch.testing.assert_close(got, full[:, t], atol=0.03 * full[:, t].abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["mha-learned", "window", "rope-window-gqa", "rmsnorm-swiglu"])
+def test_decode_without_a_mask_equals_the_masked_step_when_rows_share_a_length(variant):
+    """Rows of one length hold the same latest positions (a ring once past a window), all visible
+    to their new token: the engine then skips the mask (masked=False); the logits are the same."""
+    model = random_model(variant)
+    ids = torch.randint(0, V, (2, BLOCK))
+    with torch.no_grad():
+        caches = [model.make_cache(2), model.make_cache(2)]
+        for cache in caches:
+            model(ids[:, :3], pos=torch.arange(3), cache=cache)
+        for t in range(3, BLOCK):
+            n_keys = min(caches[0].capacity, t + 1)
+            pos = torch.full((2,), t)
+            masked = model.decode(ids[:, t], pos, caches[0], n_keys)
+            unmasked = model.decode(ids[:, t], pos, caches[1], n_keys, masked=False)
+            torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
 
 
 # --- a failing row is that row's failure -------------------------------------------------------

@@ -504,6 +504,7 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         (["--ckpt", tmp_path / "nothing"], "checkpoint not found"),
         (["--ckpt", tmp_path, "--max-batch", "0"], "--max-batch"),
         (["--ckpt", tmp_path, "--dtype", "int8"], "--dtype"),
+        (["--ckpt", tmp_path, "--quantize", "int4"], "--quantize must be int8 or none"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(["serve", *map(str, args)])
@@ -511,11 +512,14 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         assert info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_cli_serves_until_a_signal_and_drains_a_stream(run_dir, monkeypatch, capsys, stop_signal):
+@pytest.mark.parametrize("stop_signal, flags", [(signal.SIGINT, []), (signal.SIGTERM, []),
+                                                (signal.SIGTERM, ["--quantize", "int8"])], ids=["SIGINT", "SIGTERM", "int8"])
+def test_cli_serves_until_a_signal_and_drains_a_stream(run_dir, monkeypatch, capsys, stop_signal, flags, request):
     """`quill serve` in this process (main thread: uvicorn's signal handlers); a client thread
-    starts a stream, then SIGINT or SIGTERM: the stream still ends with [DONE], exit code 0."""
+    starts a stream, then SIGINT or SIGTERM: the stream still ends with [DONE], exit code 0.
+    With --quantize int8 the announcement names the int8 kernel it serves through."""
     monkeypatch.setenv("QUILL_API_KEY", KEY)
+    kernel = request.getfixturevalue("fixed_int8_kernel") if flags else None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -543,9 +547,10 @@ def test_cli_serves_until_a_signal_and_drains_a_stream(run_dir, monkeypatch, cap
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
     with pytest.raises(SystemExit) as info:
-        main(["serve", "--ckpt", str(run_dir), "--port", str(port), "--device", "cpu"])
+        main(["serve", "--ckpt", str(run_dir), "--port", str(port), "--device", "cpu", *flags])
     thread.join(30)
     err = capsys.readouterr().err
     assert info.value.code == 0, err
+    assert (f"int8 weights, {kernel}" in err) == bool(flags)
     assert f"as model 'tiny': http://127.0.0.1:{port}/" in err and err.rstrip().endswith("stopped")
     assert seen["model"] == MODEL and [line for line in seen["rest"] if line][-1] == "data: [DONE]"

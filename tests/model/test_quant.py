@@ -1,0 +1,226 @@
+"""Weight-only int8 (model/quant.py): each kernel equals the dequantized fp32 computation to its
+rounding; weights exactly representable in int8 give the float model's tokens; quantize swaps
+every linear (a tied head keeps its embedding); the plan takes the fastest kernel per input size
+and says so where even that is slower than the float linears."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import BLOCK, PROMPTS, V, random_model, rel_err
+from torch import nn
+
+from quillgpt.errors import QuillError
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.model import quant
+from quillgpt.model.quant import KERNELS, Int8Linear, KernelPlan, plan_of, quantize
+
+kernels = pytest.mark.parametrize("kernel", list(KERNELS))
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def fixed(kernel: str) -> KernelPlan:
+    return KernelPlan((1,), (kernel,))
+
+
+@kernels
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5,), (2, 7)], ids=["2d", "3d"])
+def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel, bias, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=bias)
+    q = Int8Linear.from_linear(lin, fixed(kernel))
+    x = torch.randn(*shape, 64)
+    _, bf16 = KERNELS[kernel]
+    x_in = x.bfloat16().float() if bf16 else x  # what the kernel multiplies: x rounded to its activations
+    want = F.linear(x_in, q.dequantized(), lin.bias)
+    got = q(x)
+    assert got.shape == (*shape, 48) and got.dtype == torch.float32
+    step = 2**-8 if bf16 else 1e-6  # bf16 kernels round their output to 8 bits
+    torch.testing.assert_close(got, want, rtol=step, atol=step * want.abs().max().item())
+
+
+def test_quantization_rounds_each_weight_to_its_nearest_step():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    with torch.no_grad():
+        lin.weight[3] = 0.0  # an all-zero row has scale 0, not NaN
+    q = Int8Linear.from_linear(lin, fixed("dequant/model"))
+    step = q.scale[:, None]
+    assert q.weight.dtype == torch.int8 and int(q.weight.abs().max()) == 127
+    assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + 1e-7).all())
+    assert torch.equal(q.dequantized()[3], torch.zeros(96))
+
+
+def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
+    model = random_model("mha-learned")  # tied head
+    wte = model.transformer.wte.weight.detach().clone()
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert quantize(model, None) is model and plan_of(model) is None
+    quantize(model, "int8", kernel="int8pack_mm/bf16")
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.transformer.wte.weight, nn.Parameter)
+    assert torch.equal(model.transformer.wte.weight, wte) and model.dtype == torch.float32
+    torch.testing.assert_close(model.lm_head.dequantized(), wte, atol=wte.abs().max().item() / 254, rtol=0)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(model, "int8")
+
+
+def exactly_representable(model):
+    """Every linear's weights made q·s: integers up to ±127 times a power of two per row."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                out, inp = m.weight.shape
+                q = torch.randint(-127, 128, (out, inp), generator=g).float()
+                q[:, 0] = 127  # each row's max |q| is 127, so its scale is exactly s
+                m.weight.copy_(q * 2.0 ** -torch.randint(8, 10, (out, 1), generator=g))  # std ~0.3, as random_model
+    return model
+
+
+class Bf16Activations(nn.Module):
+    """A float linear that rounds its input and its product to bf16 as the "/bf16" kernels do:
+    the reference that differs from them only in how the weights are stored."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def forward(self, x):
+        y = F.linear(x.bfloat16().float(), self.weight).bfloat16().float()
+        return y if self.bias is None else y + self.bias
+
+
+def float_reference(model, kernel):
+    ref = copy.deepcopy(model)
+    if KERNELS[kernel][1]:
+        for parent in list(ref.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Bf16Activations(child))
+    return ref
+
+
+@kernels
+@pytest.mark.parametrize("variant", ["mha-learned", "rmsnorm-swiglu"])
+def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, variant):
+    """The float model's greedy tokens (with the kernel's activation rounding), past block_size,
+    from the quantized model's engine."""
+    model = exactly_representable(random_model(variant))
+    weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    want = torch.stack(list(generate_tokens(float_reference(model, kernel), PROMPTS, 30)), 1)
+    quantize(model, "int8", kernel=kernel)
+    for name, m in model.named_modules():
+        if isinstance(m, Int8Linear):
+            assert torch.equal(m.dequantized(), weights[name]), name  # nothing lost
+    got = torch.stack(list(generate_tokens(model, PROMPTS, 30)), 1)
+    assert torch.equal(got, want)
+    assert len(set(want.flatten().tolist())) > 5
+
+
+def test_plan_picks_the_kernel_of_the_smallest_measured_size_at_or_above():
+    plan = KernelPlan((1, 8, 64), ("int8pack_mm/bf16", "dequant/model", "dequant/bf16"), rows=8)
+    assert [plan.pick(m) for m in (1, 2, 8, 9, 64, 5000)] == [
+        "int8pack_mm/bf16", "dequant/model", "dequant/model", "dequant/bf16", "dequant/bf16", "dequant/bf16"]
+
+
+def scripted(table):
+    """A stand-in for quant._timings: {m: {kernel: ms}} (kernels missing at m cannot run)."""
+    calls = []
+
+    def timings(pairs, kernels, m, **budget):
+        calls.append((m, len(pairs), list(kernels)))
+        return {"float": table[m]["float"], **{k: v for k, v in table[m].items() if k in kernels}}
+
+    return timings, calls
+
+
+def test_plan_takes_the_fastest_kernel_per_size_and_drops_hopeless_ones(monkeypatch):
+    a, b, c = "int8pack_mm/bf16", "dequant/bf16", "int8pack_mm/model"
+    table = {m: {"float": 1.0, a: 0.2 if m <= 16 else 1.5, b: 2.0 if m <= 16 else 0.5, c: 0.9 if m == 1 else 25.0}
+             for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    timings, calls = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    model = quantize(random_model("mha-learned"), "int8", rows=1)
+    plan = plan_of(model)
+    assert plan.sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert plan.kernels == (a,) * 5 + (b,) * 4
+    every = sum(isinstance(m, Int8Linear) for m in model.modules())
+    assert [n for m, n, _ in calls] == [every] + [4] * 8  # the decode size on every layer, the rest on block 0
+    assert c in calls[1][2] and c not in calls[2][2]  # 25× float at 2 rows: not timed again
+    assert "int8pack_mm/bf16" in plan.describe() and "0.20 ms vs 1.00 ms float" in plan.describe()
+
+
+def test_a_burst_of_load_at_one_size_leaves_the_plan_a_kernel_for_every_size(monkeypatch):
+    """Every kernel 20x slower than F.linear at 4 rows (another process's burst): the fastest is
+    still chosen and timed on; a size where no kernel runs takes the decode size's kernel."""
+    a, b = "int8pack_mm/bf16", "dequant/bf16"
+    table = {2**i: {"float": 1.0, a: 0.5, b: 0.8} for i in range(9)}
+    table[4] = {"float": 0.01, a: 0.5, b: 0.8}
+    table[64] = {"float": 1.0}  # nothing runs at 64 rows
+    timings, calls = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=1))
+    assert None not in plan.kernels and plan.pick(4) == a and plan.pick(64) == a and plan.pick(256) == a
+    assert calls[3][2] == [a]  # at 8 rows: only the fastest of 4 rows is timed again
+
+
+def test_where_no_int8_kernel_beats_the_float_linears_the_fastest_runs_and_says_so(monkeypatch):
+    table = {2**i: {"float": 0.1, **dict.fromkeys(KERNELS, 0.3)} for i in range(9)}
+    table[8]["dequant/model"] = 0.2
+    timings, _ = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=8))
+    assert plan.pick(8) == "dequant/model"  # asked for int8: it runs, with the fastest int8 kernel
+    assert plan.describe() == ("int8 weights, dequant/model: a step's linears 0.20 ms vs 0.10 ms float (slower here: "
+                               "a model this small, or a busy machine while it was measured)")
+    table[8]["dequant/model"] = 0.05
+    assert "slower" not in plan_of(quantize(random_model("mha-learned"), "int8", rows=8)).describe()
+
+
+def test_the_real_timings_cover_every_kernel_that_runs_here():
+    lin = nn.Linear(64, 96)
+    pair = (lin, Int8Linear.from_linear(lin, fixed("dequant/model")))
+    ms = quant._timings([pair], list(KERNELS), 4)
+    assert set(ms) == {"float", *KERNELS}  # all four run on a CPU
+    assert all(0 < v < 1e4 for v in ms.values())
+
+
+def test_unknown_schemes_and_kernels_are_refused():
+    with pytest.raises(QuillError, match="--quantize must be int8 or none, got 'int4'"):
+        quant.parse_quantize("int4")
+    assert quant.parse_quantize("none") is None and quant.parse_quantize("int8") == "int8"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        quantize(random_model(), "int8", kernel="fast")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_int8_equals_its_dequantized_model_and_the_engine_equals_recompute(dtype):
+    """On CUDA (gpt-fast's dequantize form): the measured plan runs, the int8 model's logits are
+    the float model's on the dequantized weights, and (fp32) its cached tokens are its recompute tokens."""
+    model = random_model("rope-window-gqa").to("cuda", dtype)
+    quantize(model, "int8")  # the fastest int8 kernels here, whether or not they beat the float ones
+    assert plan_of(model).pick(1) in KERNELS
+    ref = copy.deepcopy(model)
+    for parent in list(ref.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None).to("cuda", dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(parent, name, lin)
+    ids = torch.randint(0, V, (2, BLOCK), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids, all_logits=True)[0], ref(ids, all_logits=True)[0]
+    assert rel_err(got, want) < (1e-3 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.bfloat16:  # bf16 tokens may part at a near-tie (the logits are proven above)
+        return
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    cached = torch.stack(list(generate_tokens(model, prompts, 40)), 1)
+    assert torch.equal(cached, torch.stack(list(generate_tokens(model, prompts, 40, use_cache=False)), 1))
