@@ -1,7 +1,7 @@
-"""The fine-tuning recipe: the 3-minute model taught "who speaks this line?" with LoRA and with
-full fine-tuning, side by side with the base it started from.
+"""The fine-tuning recipe: the quickstart's model taught "who speaks this line?" with LoRA and
+with full fine-tuning, side by side with the base it started from.
 
-    quill train --config configs/shakespeare_char_3m.yaml     # the base, ~3 minutes (once)
+    quill train --config configs/quickstart.yaml              # the base, ~1.5 minutes (once)
     python scripts/finetune_recipe.py                         # the chat set, both fine-tunes, the table
 
 Each fine-tune is `python -m quillgpt train --config C --overwrite -q` in a subprocess (the
@@ -107,12 +107,12 @@ def padding_against_packing(base: Path, data_dir: Path, block: int, batch: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", type=Path, default=ROOT / "out" / "shakespeare_char_3m")
+    ap.add_argument("--base", type=Path, default=ROOT / "out" / "quickstart")
     ap.add_argument("--skip-train", action="store_true", help="score the fine-tuned runs already there")
     ap.add_argument("overrides", nargs="*", help="config overrides for both fine-tunes, e.g. train.max_iters=100")
     args = ap.parse_args()
     if not (args.base / "tokenizer.json").is_file():
-        sys.exit(f"error: no base run in {args.base}; train it first: quill train --config configs/shakespeare_char_3m.yaml")
+        sys.exit(f"error: no base run in {args.base}; train it first: quill train --config configs/quickstart.yaml")
     if not HELDOUT.is_file():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_chat_data.py")], check=True)
     cfg = {name: load_config(path, args.overrides) for name, path in CONFIGS.items()}

@@ -9,7 +9,7 @@ held out, so no held-out line has a neighbour from its own speech in the trainin
 
 The speakers are those with the most speeches whose names have at most --max-name characters,
 so that a conversation in quill's transcript ("User: <line>\\n\\nAssistant: <NAME>\\n\\nUser:", 26
-characters besides the line and the name) fits the 3-minute model's 64 + 1 characters.
+characters besides the line and the name) fits the quickstart model's 64 + 1 characters.
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ ERROR_TYPES = {
 }
 
 
+BODY_UNREAD = (408, 413)  # answered before the request's body was read whole
+
+
 class APIError(Exception):
     """A request the server refuses: status, one-line message, the offending field, a code."""
 
@@ -45,6 +48,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        if self.status in BODY_UNREAD:  # the rest of the body never comes, or is not read: no next request
+            headers = {**(headers or {}), "Connection": "close"}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
