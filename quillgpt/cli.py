@@ -48,6 +48,7 @@ MIN_P_OPT = typer.Option(None, "--min-p", help="Drop tokens less likely than min
 REPETITION_OPT = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off.")
 SEED_OPT = typer.Option(None, "--seed", help="Same seed, same text.")
 DTYPE_OPT = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token.")
+WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest.")
 QUANT_OPT = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.")
 
 
@@ -125,7 +126,7 @@ def sample_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    which: str = WHICH_OPT,
     max_new_tokens: int | None = MAX_NEW_OPT,
     temperature: float | None = TEMPERATURE_OPT,
     top_k: int | None = TOP_K_OPT,
@@ -220,7 +221,7 @@ def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quan
 @app.command("chat")
 def chat_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file (an imported chat model, or any quill run)."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    which: str = WHICH_OPT,
     system: str | None = typer.Option(None, "--system", help="A system message that starts the conversation (and stays after /reset)."),
     max_new_tokens: int | None = MAX_NEW_OPT,
     temperature: float | None = TEMPERATURE_OPT,
@@ -267,7 +268,7 @@ def chat_cmd(
 @app.command("serve")
 def serve_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file to serve (fixed for the server's life)."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    which: str = WHICH_OPT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default is this machine only."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
     api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
@@ -294,7 +295,7 @@ def serve_cmd(
 @app.command("eval")
 def eval_cmd(
     ckpt: list[Path] = typer.Option(..., "--ckpt", help="Run directory or .pt file; repeat to compare several in one table."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    which: str = WHICH_OPT,
     split: str = typer.Option("val", "--split", help="Prepared split of the run's data.out_dir to score: val or train."),
     text: list[Path] | None = typer.Option(None, "--text", help="Score this UTF-8 file instead of the split; repeatable."),
     text_format: str = typer.Option("text", "--format", help="text, or chat: --text files are jsonl conversations, scored on the assistant's tokens as training does."),
@@ -331,7 +332,7 @@ def eval_cmd(
 def attention_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to run once; longer than block_size keeps the last block_size tokens."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    which: str = WHICH_OPT,
     layer: str = typer.Option("-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."),
     head: int | None = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Image to write, .png or .svg; without it a text view is printed."),
@@ -433,7 +434,7 @@ def import_hf_cmd(
 def export_hf_cmd(
     run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
     out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    which: str = WHICH_OPT,
     force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
 ) -> None:
     """Export a run for transformers: GPT-2 (learned positions, LayerNorm, GELU) or the Llama family (RoPE, RMSNorm, SwiGLU)."""
@@ -448,7 +449,7 @@ def export_hf_cmd(
 def merge_cmd(
     run: Path = typer.Argument(..., help="A LoRA run directory (lora.rank > 0) or its .pt file."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
-    which: str = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest."),
+    which: str = WHICH_OPT,
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
     """Merge a LoRA run's adapters into its base: a plain run that needs neither (every command
