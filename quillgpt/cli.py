@@ -354,16 +354,7 @@ def attention_cmd(
     from quillgpt.model.quant import parse_quantize, quantize
 
     scheme = parse_quantize(quant)
-    view = viz.output_format(out, fmt)
-    if view != "text" and out is None:
-        out = Path(f"attention.{view}")
-    if summary_json is None and out is not None:
-        summary_json = out.with_name(f"{out.stem}.heads.json")
-    inputs = _checkpoint_inputs(ckpt, which)
-    if out is not None:
-        check_output_file(out, "--out", kind=view, force=force, inputs=inputs)
-    if summary_json is not None:
-        check_output_file(summary_json, "--summary-json", kind="heads-json", force=force, inputs=inputs)
+    view, out, summary_json = _attention_outputs(ckpt, which, out, fmt, summary_json, force)
     run = load_run(ckpt, which=which, device=resolve_device(device))
     quantize(run.model, scheme)  # once, at load; shown even where int8 runs no faster
     mcfg = run.config.model
@@ -390,6 +381,25 @@ def attention_cmd(
         print(f"saved head summary (all layers) → {summary_json}")
     if out is not None and view != "text":
         print(f"saved {view} → {out}")
+
+
+def _attention_outputs(ckpt: Path, which: str, out: Path | None, fmt: str | None, summary_json: Path | None,
+                       force: bool) -> tuple[str, Path | None, Path | None]:
+    """(view, image path, summary path) of `quill attention`, both outputs checked before the
+    checkpoint loads: png/svg without --out write attention.png/.svg, the summary goes beside."""
+    from quillgpt.evaluate import attention_views as viz
+
+    view = viz.output_format(out, fmt)
+    if view != "text" and out is None:
+        out = Path(f"attention.{view}")
+    if summary_json is None and out is not None:
+        summary_json = out.with_name(f"{out.stem}.heads.json")
+    inputs = _checkpoint_inputs(ckpt, which)
+    if out is not None:
+        check_output_file(out, "--out", kind=view, force=force, inputs=inputs)
+    if summary_json is not None:
+        check_output_file(summary_json, "--summary-json", kind="heads-json", force=force, inputs=inputs)
+    return view, out, summary_json
 
 
 @app.command("plot")
