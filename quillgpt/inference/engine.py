@@ -225,9 +225,7 @@ class Rows:
             nxt, ids, bad = self._draw(logits, [r if self._rows[r] is not None else None for r in range(self.max_rows)])
         except Exception as e:  # the shared step failed: it fails the rows in it, the engine goes on
             error = RowFailed.of("the decode step", e)
-            for r in active:
-                self.release(r)
-            return [RowToken(r, -1, "error", error) for r in active]
+            return [self._fail(r, error) for r in active]
         self._after_step(nxt)
         return [self._fail(r, RowFailed(NOT_FINITE)) if bad[r] else self._advance(r, ids[r]) for r in active]
 
