@@ -227,7 +227,7 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
     converted: dict[int, torch.Tensor] = {}  # one conversion per storage: tied weights stay one tensor
     for name in list(weights):
         t = weights.pop(name)
-        key = t.untyped_storage().data_ptr() + t.storage_offset()
+        key = storage_key(t)
         if dtype is not None and t.dtype != dtype and key not in converted:
             converted[key] = t.to(dtype)
         weights[name] = converted.get(key, t)
@@ -239,12 +239,17 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
     return model.to(device), config
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """Where a tensor's data starts: equal for tied weights (one tensor under two names)."""
+    return t.untyped_storage().data_ptr() + t.storage_offset()
+
+
 def check_fits(weights: dict[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device) -> None:
     """Refuse, in one line naming the sizes, weights that cannot fit in the device's free memory."""
     seen: set[int] = set()
     nbytes = 0
     for t in weights.values():
-        key = t.untyped_storage().data_ptr() + t.storage_offset()
+        key = storage_key(t)
         if key not in seen:
             seen.add(key)
             nbytes += t.numel() * (dtype or t.dtype).itemsize
