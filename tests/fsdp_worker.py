@@ -51,3 +51,9 @@ def main() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main()
+    # The work is done and checked; skip interpreter teardown, where a torch/gloo background thread
+    # still joinable at exit aborted the process (SIGABRT, "terminate called without an active
+    # exception") in 1 of 5 full-suite runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
