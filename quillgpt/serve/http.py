@@ -3,7 +3,11 @@
 `BoundedH11` is uvicorn's h11 protocol with a deadline on the request head: a client that
 connects and sends nothing, or trickles half its headers a byte at a time (uvicorn's own
 keep-alive timer restarts at every byte), is closed after `head_timeout_s`. The body has its
-own deadline, in the app (serve/app.py `Guard`). `DrainingServer` starts the app's `Drain`
+own deadline, in the app (serve/app.py `Guard`). A reply sent while the client is still
+uploading (a 413 for a body over the cap) ends in a lingering close: closing a socket with
+unread bytes makes the kernel send a reset, which can destroy the reply before the client reads
+it, so the server half-closes, drops what still arrives, and closes when the client stops or
+after `LINGER_S` (as nginx's lingering_close does). `DrainingServer` starts the app's `Drain`
 when shutdown begins (SIGINT/SIGTERM): running replies get `drain_s` seconds, then end
 themselves, a stream with an error event and [DONE], before uvicorn would cancel them.
 Imported only when serving (uvicorn is the optional "serve" extra).
@@ -22,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from quillgpt.serve.app import Drain
 
 GRACE_S = 1.0  # uvicorn waits this much past the drain before it cancels what is still running
+LINGER_S = 2.0  # after a reply sent mid-upload, the rest of the upload is read and dropped this long
 
 
 class BoundedH11(H11Protocol):
@@ -31,10 +36,21 @@ class BoundedH11(H11Protocol):
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(LingeringClose(transport, self))  # type: ignore[arg-type]
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_timer is None:  # lingering: the reply is sent, the rest of the upload is dropped
+            super().data_received(data)
+
+    def linger(self, transport: asyncio.Transport) -> None:
+        """Half-close after the reply, keep reading (and dropping) until the client stops or LINGER_S."""
+        transport.write_eof()  # after what is buffered: the client reads the whole reply, then EOF
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -48,8 +64,9 @@ class BoundedH11(H11Protocol):
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
+        for timer in (self._head_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -61,6 +78,31 @@ class BoundedH11(H11Protocol):
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()  # nothing to answer: the request never arrived
+
+
+class LingeringClose:
+    """The connection's transport, whose close() lingers while the client's body is still coming.
+
+    Everything else is the transport's own; once lingering it reads as closing, so uvicorn
+    arms no keep-alive timer and starts no next request on it."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: BoundedH11) -> None:
+        self._transport, self._protocol = transport, protocol
+        self._lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        uploading = self._protocol.conn.their_state is h11.SEND_BODY
+        if self._lingering or not uploading or self._transport.is_closing() or not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        self._lingering = True
+        self._protocol.linger(self._transport)
 
 
 class DrainingServer(uvicorn.Server):

@@ -20,6 +20,7 @@ from serve_support import running_server, tiny_run_dir
 
 from quillgpt.cli import main
 from quillgpt.config import MAX_SEED
+from quillgpt.serve.http import LINGER_S
 
 MODEL = "tiny"
 
@@ -140,6 +141,23 @@ def test_a_trickled_head_is_closed_however_slowly_it_comes(server):
 def test_a_stalled_body_is_answered_408(server):
     reply = raw(server, HEAD + b"Content-Length: 100\r\n\r\n{\"prompt\": ", wait=5.0)
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply
+
+
+def test_a_refused_upload_gets_its_whole_reply_then_a_bounded_linger(server):
+    """A 413 for a declared body over the cap goes out while the client is still uploading.
+    Closing then would reset the connection under the reply; the server half-closes after it,
+    drops what still comes and closes LINGER_S later however long the client goes on."""
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as s:
+        s.sendall(HEAD + b"Content-Length: 100000000\r\n\r\n" + b"x" * (1 << 20))
+        reply = b""
+        while chunk := s.recv(65536):  # EOF right after the reply: the server's half-close
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413") and reply.endswith(b"}}"), reply[:200]
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # reset once the linger ends
+            while time.monotonic() - t0 < 10:
+                s.sendall(b"x" * 65536)
+        assert time.monotonic() - t0 < LINGER_S + 2.0
 
 
 def test_a_client_gone_mid_upload_logs_no_traceback(server, caplog):
