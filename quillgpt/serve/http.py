@@ -6,8 +6,8 @@ keep-alive timer restarts at every byte), is closed after `head_timeout_s`. The 
 own deadline, in the app (serve/app.py `Guard`). A reply sent while the client is still
 uploading (a 413 for a body over the cap) ends in a lingering close: closing a socket with
 unread bytes makes the kernel send a reset, which can destroy the reply before the client reads
-it, so the server half-closes, drops what still arrives, and closes when the client stops or
-after `LINGER_S` (as nginx's lingering_close does). `DrainingServer` starts the app's `Drain`
+it, so the server half-closes, drops what still arrives, and closes once nothing has come for
+`LINGER_IDLE_S`, or `LINGER_MAX_S` after the reply (as nginx's lingering_close does). `DrainingServer` starts the app's `Drain`
 when shutdown begins (SIGINT/SIGTERM): running replies get `drain_s` seconds, then end
 themselves, a stream with an error event and [DONE], before uvicorn would cancel them.
 Imported only when serving (uvicorn is the optional "serve" extra).
@@ -26,7 +26,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from quillgpt.serve.app import Drain
 
 GRACE_S = 1.0  # uvicorn waits this much past the drain before it cancels what is still running
-LINGER_S = 2.0  # after a reply sent mid-upload, the rest of the upload is read and dropped this long
+LINGER_IDLE_S = 2.0  # after a reply sent mid-upload, the rest is read and dropped until this long a pause
+LINGER_MAX_S = 30.0  # or this long after the reply, however it keeps coming
 
 
 class BoundedH11(H11Protocol):
@@ -37,20 +38,32 @@ class BoundedH11(H11Protocol):
         self.head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_transport: asyncio.Transport | None = None  # the real one, closed when the linger ends
+        self._linger_end = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(LingeringClose(transport, self))  # type: ignore[arg-type]
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._linger_timer is None:  # lingering: the reply is sent, the rest of the upload is dropped
+        if self._linger_transport is None:
             super().data_received(data)
+        else:  # the reply is sent: the rest of the upload is dropped
+            self._linger_a_while()
 
     def linger(self, transport: asyncio.Transport) -> None:
-        """Half-close after the reply, keep reading (and dropping) until the client stops or LINGER_S."""
+        """Half-close after the reply; read (and drop) the rest of the upload while it comes."""
         transport.write_eof()  # after what is buffered: the client reads the whole reply, then EOF
         self.flow.resume_reading()
-        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
+        self._linger_transport, self._linger_end = transport, self.loop.time() + LINGER_MAX_S
+        self._linger_a_while()
+
+    def _linger_a_while(self) -> None:
+        """Close LINGER_IDLE_S from now unless more comes; LINGER_MAX_S after the reply at the latest."""
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        at = min(self.loop.time() + LINGER_IDLE_S, self._linger_end)
+        self._linger_timer = self.loop.call_at(at, self._linger_transport.close)  # type: ignore[union-attr]
 
     def handle_events(self) -> None:
         super().handle_events()
