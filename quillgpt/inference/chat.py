@@ -70,15 +70,15 @@ class ChatSession:
 def _pieces(batch: TextBatch, ids: list[int], params: SamplingParams) -> Iterator[str]:
     """The reply's text as it comes; a failed row (engine.RowFailed) is one QuillError, its cause chained."""
     try:
-        first = batch.join(0, ids, params, batch.tokenizer.stop_ids)
+        pieces = [batch.join(0, ids, params, batch.tokenizer.stop_ids)]
     except RowFailed as e:
         raise QuillError(f"the reply failed: {e}") from e
-    yield first.text
-    while len(batch):
-        for piece in batch.step():
-            if piece.error is not None:
+    while pieces:
+        for piece in pieces:
+            if piece.error is not None:  # the first token's too (a token that cannot become text)
                 raise QuillError(f"the reply failed: {piece.error}") from piece.error
             yield piece.text
+        pieces = batch.step() if len(batch) else []
 
 
 def repl(session: ChatSession, read: Callable[[str], str], write: Callable[[str], None]) -> int:

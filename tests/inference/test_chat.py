@@ -153,3 +153,17 @@ def test_a_failed_reply_is_one_error_and_a_hostile_top_p_replies_greedily(quill_
     with pytest.raises(QuillError, match=r"the reply failed: .*not finite"):
         "".join(session.reply("Speak."))
     assert [m["role"] for m in session.messages] == ["user", "assistant"]  # what was said before stays
+
+
+def test_a_first_token_that_cannot_become_text_fails_the_reply(quill_run, monkeypatch):
+    """The first token's failure comes back as a Piece with an error (not a raise): it is the
+    reply's one QuillError too, never an empty reply."""
+    from quillgpt.errors import QuillError
+    from quillgpt.inference import text as text_mod
+
+    def undecodable(stream, token, finish):
+        raise ValueError(f"no text for id {token}")
+
+    monkeypatch.setattr(text_mod.TextBatch, "_text", staticmethod(undecodable))
+    with pytest.raises(QuillError, match=r"the reply failed: .*turning the token into text.*no text for id"):
+        "".join(ChatSession(quill_run.model, quill_run.tokenizer, GREEDY).reply("Speak."))
