@@ -215,11 +215,15 @@ OUTPUT_KINDS: dict[str, tuple[str, Callable[[bytes], bool]]] = {  # kind → (wh
 }
 
 # Directories whose files are someone's work: (files that mark one, the names it owns).
+DATASET_LOCK = ".prepare.lock"  # a prepare holds it while it writes (data/prepare.py)
+DATASET_STATE = ".prepare-state.json"  # a prepare in progress: plan, tokenizer, finished shards, cursor
+SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?(?:\.flags)?\.bin")  # token shards and their chat flags
+
 OWNERS: dict[str, tuple[tuple[str, ...], re.Pattern[str]]] = {
     "run": (("ckpt.pt", "best.pt", "metrics.jsonl"), re.compile(
         r"ckpt\.pt|best\.pt|config\.yaml|tokenizer\.json|metrics\.jsonl|\.lock|events\.out\.tfevents\..*")),
-    "dataset": (("meta.json", ".prepare-state.json"), re.compile(
-        r"meta\.json|\.prepare-state\.json|\.prepare\.lock|(?:train|val)(?:-\d{6})?\.bin")),
+    "dataset": (("meta.json", DATASET_STATE), re.compile(
+        rf"meta\.json|{re.escape(DATASET_STATE)}|{re.escape(DATASET_LOCK)}|{SHARD_FILE.pattern}")),
     "HF model": (("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"), re.compile(
         r"config\.json|generation_config\.json|.*\.safetensors|pytorch_model.*\.bin|.*\.index\.json|"
         r"tokenizer(?:_config)?\.json|vocab\.json|merges\.txt|special_tokens_map\.json|quill_tokenizer\.json")),

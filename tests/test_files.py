@@ -10,6 +10,7 @@ from quillgpt.errors import QuillError
 from quillgpt.files import (
     atomic_write_text,
     check_output_file,
+    owner,
     probe_writable,
     read_bytes,
     read_text,
@@ -92,3 +93,15 @@ def test_writes_refuse_special_files_and_name_os_errors(tmp_path):
         write_file(tmp_path / LONG, lambda f: f.write(b"x"), "-o")
     write_file(tmp_path / "ok", lambda f: f.write(b"x"), "-o")
     assert (tmp_path / "ok").read_bytes() == b"x" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("name", ["train.bin", "val-000003.bin", "train.flags.bin", "val-000003.flags.bin",
+                                  ".prepare.lock", ".prepare-state.json", "meta.json"])
+def test_every_file_a_prepare_writes_is_the_datasets(tmp_path, name):
+    """The names come from the same constants prepare writes by (a chat dataset's flag shards included)."""
+    (tmp_path / "meta.json").write_text("{}")
+    (tmp_path / name).write_bytes(b"\0" * 8)
+    assert owner(tmp_path / name) == "dataset"
+    with pytest.raises(QuillError, match="is a file of the dataset in .*pass --force"):
+        check_output_file(tmp_path / name, "-o", kind="png")
+    assert owner(tmp_path / "notes.bin") is None

@@ -50,17 +50,23 @@ from quillgpt.data.tokenizer import (
     tokenizer_from_spec,
 )
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, check_output_dir, os_error, probe_writable, shown
+from quillgpt.files import (
+    DATASET_LOCK,
+    DATASET_STATE,
+    SHARD_FILE,
+    atomic_write_bytes,
+    check_output_dir,
+    os_error,
+    probe_writable,
+    shown,
+)
 
 FORMAT = 2  # meta.json layout: 2 = shards with a manifest (1 = train.bin/val.bin, read still)
 PIECE_CHARS = 1 << 20  # documents are cut into pieces of about this many characters...
 TASK_CHARS = 1 << 22  # ...grouped into tasks of about this many, one per worker call
 IN_PROCESS_BYTES = 1 << 24  # a corpus smaller than this is tokenized without worker processes
 BPE_TRAIN_CHARS = 1 << 30  # `tokenizer: bpe` learns its merges from the corpus's first 1 G chars
-LOCK_FILE = ".prepare.lock"
-STATE_FILE = ".prepare-state.json"  # a prepare in progress: plan, tokenizer, finished shards, cursor
-SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?(?:\.flags)?\.bin")
-DATASET_WRITES = {SHARD_FILE.pattern: None, r"meta\.json": "manifest", re.escape(STATE_FILE): None}  # a foreign one is not replaced
+DATASET_WRITES = {SHARD_FILE.pattern: None, r"meta\.json": "manifest", re.escape(DATASET_STATE): None}  # a foreign one is not replaced
 TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|\.prepare-state\.json)[^/]*\.tmp")  # atomic_write names temps ".<name>.<random>.tmp"
 
 
@@ -163,7 +169,7 @@ def _up_to_date(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
 def _prepare_lock(out_dir: Path) -> Iterator[None]:
     """One prepare per data.out_dir at a time; a second waits. Held, it also proves every temp
     file of ours in the directory belongs to a writer that is gone."""
-    path = out_dir / LOCK_FILE
+    path = out_dir / DATASET_LOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
@@ -277,7 +283,7 @@ def _workers(cfg: DataConfig, sources: list[Source]) -> int:
 def _resumable(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
     """The state a killed prepare of the same inputs left, when its finished shards are intact."""
     try:
-        state = json.loads((out_dir / STATE_FILE).read_text(encoding="utf-8"))
+        state = json.loads((out_dir / DATASET_STATE).read_text(encoding="utf-8"))
         itemsize = token_dtype(tokenizer_from_spec(state["tokenizer"]).vocab_size).itemsize
         if state["want"] == want and _shards_complete(out_dir, state["shards"], itemsize):
             return state
@@ -287,7 +293,7 @@ def _resumable(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _save_state(out_dir: Path, state: dict[str, Any]) -> None:
-    atomic_write_bytes(out_dir / STATE_FILE, json.dumps(state).encode("utf-8"))
+    atomic_write_bytes(out_dir / DATASET_STATE, json.dumps(state).encode("utf-8"))
 
 
 def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok: Tokenizer, out_dir: Path, progress: bool) -> None:
@@ -328,7 +334,7 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
         cursor = {"source": 0, "record": 0, "piece": 0, "skip_tokens": 0}
         state = {"want": want, "plan": plan, "tokenizer": tok.spec(), "shards": {}, "cursor": cursor,
                  "chat": {split: vars(ChatStats()) for split in ("train", "val")}}
-        (out_dir / STATE_FILE).unlink(missing_ok=True)  # first saved when the first shard is done
+        (out_dir / DATASET_STATE).unlink(missing_ok=True)  # first saved when the first shard is done
     else:
         tok = tokenizer_from_spec(state["tokenizer"])
     (out_dir / "meta.json").unlink(missing_ok=True)  # a crash from here on must not look up to date
@@ -366,7 +372,7 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
     if cfg.format == "chat":
         meta["chat"] = state["chat"]  # per split: conversations kept, lines skipped, the first skipped one
     atomic_write_bytes(out_dir / "meta.json", dump_json(meta).encode("utf-8"))
-    (out_dir / STATE_FILE).unlink(missing_ok=True)
+    (out_dir / DATASET_STATE).unlink(missing_ok=True)
     keep = {s[key] for split in shards.values() for s in split for key in ("file", "flags") if key in s}
     for path in out_dir.iterdir():  # shards of an earlier, longer prepare
         if SHARD_FILE.fullmatch(path.name) and path.name not in keep:
