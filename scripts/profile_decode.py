@@ -35,24 +35,26 @@ from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.model.quant import plan_of, quantize  # noqa: E402
 
-GROUPS = {  # aten op → what it does in a decode step (first match of a substring)
-    "linear matmuls": ("addmm", "aten::mm", "_weight_int8pack_mm", "aten::linear", "aten::matmul", "bmm"),
+GROUPS = {  # aten op (its name without "aten::" and leading "_") → what it does in a decode step
+    "linear matmuls": ("addmm", "mm", "weight_int8pack_mm", "linear", "matmul", "bmm"),
     "attention": ("scaled_dot_product", "softmax"),
     "KV cache writes": ("index_put",),
-    "norms": ("layer_norm", "rms_norm"),
+    "norms": ("layer_norm", "native_layer_norm", "rms_norm", "fused_rms_norm"),
     "activation": ("gelu", "relu", "silu"),
-    "dtype casts": ("_to_copy", "aten::copy_", "aten::to"),
-    "mask (per step)": ("aten::ge", "aten::gt", "aten::le", "aten::eq", "logical", "bitwise", "masked_fill", "aten::sub"),
-    "adds (residual, bias)": ("aten::add", "aten::mul"),
-    "embeddings, sampling": ("embedding", "index_select", "argmax", "remainder", "arange", "aten::item", "_local_scalar"),
+    "dtype casts": ("to_copy", "copy", "to"),
+    "mask (per step)": ("ge", "gt", "le", "lt", "eq", "logical", "bitwise", "masked_fill", "sub"),
+    "adds (residual, bias)": ("add", "mul"),
+    "embeddings, sampling": ("embedding", "index_select", "argmax", "remainder", "arange", "item", "local_scalar_dense"),
     "views and allocation": ("view", "reshape", "slice", "select", "split", "transpose", "expand", "as_strided",
-                             "empty", "zeros", "fill_", "unsqueeze", "permute", "contiguous", "t"),
+                             "empty", "zeros", "fill", "unsqueeze", "permute", "contiguous", "t"),
 }
 
 
 def group_of(name: str) -> str:
+    """The group of an op: a key is its whole name, or the name up to an "_" (add_, index_put_impl_)."""
+    base = name.split("::")[-1].lstrip("_")
     for group, keys in GROUPS.items():
-        if any(k in name for k in keys):
+        if any(base == k or base.startswith(k + "_") for k in keys):
             return group
     return "other"
 
