@@ -112,11 +112,7 @@ def tiny(w: dict, *extra: str) -> list[str]:
 def workspace(root: Path) -> dict:
     w = {"root": root, "text": root / "small.txt", "data": root / "data", "run": root / "run", "hf": root / "hf",
          "scratch": root / "scratch"}
-    w["text"].write_text(TEXT.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
-    for argv in (["train", "--config", str(CONFIG), "-q", *tiny(w)], ["export-hf", str(w["run"]), "--out", str(w["hf"])]):
-        code, _, err = quill(argv, limit=600)
-        if code != 0:
-            sys.exit(f"could not build the workspace: quill {' '.join(argv)}: {err}")
+    build(w)
     w["scratch"].mkdir()
     special = root / "special"
     (special / "loop" / "deep").mkdir(parents=True)
@@ -213,7 +209,7 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
 def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     argv = cli_case(w, r)
     asked = "--force" in argv or "train.resume=true" in argv  # replacing or continuing was asked for
-    before = snapshot(w)
+    before = w["built"]
     code, _, err = quill(argv)
     tally.add("cli", "cases")
     tally.add("cli", f"={argv[0]} exit {code}")  # what the cases did, to show they reach the work
@@ -228,7 +224,7 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     if changed and not asked and not all(rebuilt_dataset(argv, Path(p)) for p in changed):
         tally.add("cli", "overwrites", f"{shown} changed {changed[:3]}")
     if changed:  # restore the workspace, so later cases meet the same files
-        rebuild(w, changed)
+        rebuild(w)
 
 
 def rebuilt_dataset(argv: list[str], path: Path) -> bool:
@@ -236,14 +232,24 @@ def rebuilt_dataset(argv: list[str], path: Path) -> bool:
     dataset of other inputs is rebuilt in place, as documented (its meta.json says so)."""
     out = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("data.out_dir=")), None)
     return (argv[0] in ("prepare", "train") and out is not None and path.parent == Path(out)
-            and re.fullmatch(r"meta\.json|\.prepare-state\.json|(?:train|val)(?:-\d{6})?\.bin", path.name) is not None)
+            and re.fullmatch(r"meta\.json|\.prepare-state\.json|(?:train|val)(?:-\d{6})?(?:\.flags)?\.bin", path.name) is not None)
 
 
-def rebuild(w: dict, changed: list[str]) -> None:
+def build(w: dict) -> None:
+    """Write the workspace's text, then train its run (and dataset) and export its HF model."""
+    w["text"].write_text(TEXT.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    for argv in (["train", "--config", str(CONFIG), "-q", *tiny(w)], ["export-hf", str(w["run"]), "--out", str(w["hf"])]):
+        code, _, err = quill(argv, limit=600)
+        if code != 0:
+            sys.exit(f"could not build the workspace: quill {' '.join(argv)}: {err}")
+    w["built"] = snapshot(w)  # what every case starts from
+
+
+def rebuild(w: dict) -> None:
+    """The workspace as built, after a case changed it (the text included)."""
     for d in (w["run"], w["data"], w["hf"]):
         shutil.rmtree(d, ignore_errors=True)
-    for argv in (["train", "--config", str(CONFIG), "-q", *tiny(w)], ["export-hf", str(w["run"]), "--out", str(w["hf"])]):
-        quill(argv, limit=600)
+    build(w)
 
 
 # --- HTTP cases -----------------------------------------------------------------------------
