@@ -182,14 +182,8 @@ def resolve_checkpoint(path: str | Path, which: str = "best") -> Path:
             runs = []
         inside = f"; runs inside it: {', '.join(runs)}" if runs else ""
         raise QuillError(f"no checkpoint in {shown(path)} (expected {LATEST} or {BEST}){inside}; train one with quill train")
-    if os.path.isfile(path) or (os.path.exists(path) and input_file(path, "checkpoint")):  # a FIFO: by name
+    if input_file(path, "checkpoint"):  # a FIFO or device: refused by name; ENAMETOOLONG, EACCES: one line
         return path
-    try:
-        path.stat()
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # ENAMETOOLONG, EACCES on a parent, ...
-        raise os_error(e, path, "read", "checkpoint") from None
     raise QuillError(f"checkpoint not found: {shown(path)} (pass a run directory or a .pt file)")
 
 

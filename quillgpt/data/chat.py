@@ -176,8 +176,11 @@ def conversation_ids(tokenizer: Tokenizer, messages: list[Message], add_generati
         text = render(tokenizer.chat_template, template_messages(messages), add_generation_prompt,
                       getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
         return tokenizer.encode(text)
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    return bos + tokenizer.encode(transcript(messages, add_generation_prompt))
+    return _bos(tokenizer) + tokenizer.encode(transcript(messages, add_generation_prompt))
+
+
+def _bos(tokenizer: Tokenizer) -> list[int]:
+    return [] if tokenizer.bos_id is None else [tokenizer.bos_id]
 
 
 def _turn_end(messages: list[Message], i: int) -> str:
@@ -188,8 +191,7 @@ def _turn_end(messages: list[Message], i: int) -> str:
 
 
 def _transcript_through(tokenizer: Tokenizer, messages: list[Message], i: int) -> list[int]:
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    return bos + tokenizer.encode(transcript(messages[: i + 1], False) + _turn_end(messages, i))
+    return _bos(tokenizer) + tokenizer.encode(transcript(messages[: i + 1], False) + _turn_end(messages, i))
 
 
 def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
@@ -207,7 +209,12 @@ def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[
     mask = [False] * len(ids)
     for n, i in enumerate(turns, 1):
         before = conversation_ids(tokenizer, messages[:i], True)
-        through = _transcript_through(tokenizer, messages, i) if template is None else conversation_ids(tokenizer, messages[: i + 1], False)
+        if i == len(messages) - 1:  # the last turn: through it is the whole conversation
+            through = ids
+        elif template is None:
+            through = _transcript_through(tokenizer, messages, i)
+        else:
+            through = conversation_ids(tokenizer, messages[: i + 1], False)
         if ids[: len(before)] != before or ids[: len(through)] != through or len(through) <= len(before):
             raise QuillError(
                 f"the chat template does not render assistant turn {n} as the start of the whole conversation, token "

@@ -365,9 +365,9 @@ class Engine(Rows):
         if any(not row.refill for row in rows):
             lengths = {row.length for row in rows if not row.refill}
             n_keys = None if self._all_slots else min(self.cache.capacity, max(lengths))  # the filled slots
-            # rows of one length hold the same latest positions, all visible within the span: no mask
+            # rows of one length hold the same latest positions, all visible (capacity ≤ span): no mask
             # (eager only: compiled, the mask is fused and one graph serves every step)
-            masked = self.compiled or len(lengths) > 1 or n_keys is None or n_keys > self.model.span
+            masked = self.compiled or len(lengths) > 1
             logits = self._decode(n_keys, masked).float()
         refills = [r for r, row in zip(active, rows) if row.refill]
         if refills:
