@@ -543,7 +543,7 @@ def tokenizer_train_cmd(
     from quillgpt.data.tokenizer import build_tokenizer, save_tokenizer, text_chunks
     from quillgpt.files import read_text
 
-    check_output_file(out, "--out", kind="tokenizer", force=force, inputs=(input_path,), fresh=True)
+    check_output_file(out, "--out", force=force, inputs=(input_path,), fresh=True)
     text = read_text(input_path, "--input")
     t0 = time.perf_counter()
     tok = build_tokenizer("bpe", text, vocab_size)

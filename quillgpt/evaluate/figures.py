@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from quillgpt.errors import QuillError
-from quillgpt.files import check_output_file, os_error, write_file
+from quillgpt.files import check_output_file, write_file
 
 INSTALL_HINT = 'plotting needs matplotlib, the optional "plot" extra: pip install -e ".[plot]"'
 
@@ -21,11 +21,7 @@ IMAGE_FORMATS = ("png", "svg")
 def save_figure(fig: Any, out: Path, fmt: str, dpi: int, force: bool = False) -> None:
     """Write a figure whole or not at all; a path that cannot be written, or a file there that
     is not an image of this format (a run's checkpoint...) without `force`, is one QuillError."""
-    check_output_file(out, "--out", kind=fmt, force=force)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, out.parent, "create the directory of", "--out") from None
+    check_output_file(out, "--out", kind=fmt, force=force)  # makes the directory too
     write_file(out, lambda f: fig.savefig(f, format=fmt, dpi=dpi), "--out")
 
 

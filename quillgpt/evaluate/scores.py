@@ -181,12 +181,14 @@ def scored_text_size(tokenizer: Tokenizer, tokens: np.ndarray, chunk: int = 1 <<
     Exact for byte-level and char tokenizers, whose bytes are the concatenation of each
     token's bytes; a character counts where its lead byte lies, so a character split
     across tokens is counted once over the whole text."""
-    n_bytes = n_chars = 0
-    for i in range(1, len(tokens), chunk):
-        raw = np.frombuffer(tokenizer.decode_bytes(tokens[i : i + chunk].tolist()), dtype=np.uint8)
-        n_bytes += len(raw)
-        n_chars += int(np.count_nonzero((raw & 0xC0) != 0x80))  # not a continuation byte
-    return n_bytes, n_chars
+    sizes = [text_size(tokenizer, tokens[i : i + chunk].tolist()) for i in range(1, len(tokens), chunk)]
+    return sum(b for b, _ in sizes), sum(c for _, c in sizes)
+
+
+def text_size(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, int]:
+    """(bytes, characters) of the ids' text: a character counts at its lead byte."""
+    raw = np.frombuffer(tokenizer.decode_bytes(ids), dtype=np.uint8)
+    return len(raw), int(np.count_nonzero((raw & 0xC0) != 0x80))  # not a continuation byte
 
 
 def evaluate_windows(
@@ -242,8 +244,8 @@ def evaluate_rows(
             targets = y[y != -1]
             scored += len(targets)
             if tokenizer is not None:
-                raw = np.frombuffer(tokenizer.decode_bytes(targets.tolist()), dtype=np.uint8)
-                n_bytes, n_chars = n_bytes + len(raw), n_chars + int(np.count_nonzero((raw & 0xC0) != 0x80))
+                size = text_size(tokenizer, targets.tolist())
+                n_bytes, n_chars = n_bytes + size[0], n_chars + size[1]
     sizes = (n_bytes, n_chars) if tokenizer is not None else (None, None)
     return EvalResult(total, scored, *sizes, time.perf_counter() - t0)
 

@@ -102,9 +102,9 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, i
     return shapes
 
 
-def adapter_state(model: nn.Module) -> dict[str, Tensor]:
-    """The adapter tensors of a model with LoRA (what a LoRA run saves)."""
-    return {n: t for n, t in model.state_dict().items() if is_adapter(n)}
+def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter tensors of a LoRA model's state dict (what a LoRA run saves)."""
+    return {n: t for n, t in state.items() if is_adapter(n)}
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ from quillgpt.device import peak_flops, resolve_dtype
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_rows, evaluate_windows
 from quillgpt.model.gpt import GPT
-from quillgpt.model.lora import add_lora, is_adapter
+from quillgpt.model.lora import adapter_state, add_lora, is_adapter
 from quillgpt.model.variants import variant_of
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.cpu_share import sharing_cpu
@@ -464,7 +464,7 @@ def checkpoint_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
 
 def trained(t: Trainer, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weights a checkpoint keeps: all of them, or a LoRA run's adapters (the base is its own file)."""
-    return {k: v for k, v in weights.items() if is_adapter(k)} if t.lora_base is not None else weights
+    return adapter_state(weights) if t.lora_base is not None else weights
 
 
 def lora_state(t: Trainer) -> dict[str, Any]:

@@ -51,13 +51,13 @@ class Progress:
         if not self.timed:
             self.bar.update(1)
             return
-        self.bar.n = min(round(t.elapsed()), self.bar.total)
         self.step = f"{t.step:,}" + (f"/{t.horizon:,}" if t.fitted else "")
-        self.set_postfix(**self.stats)
+        self.set_postfix(refresh=False, **self.stats)
+        self.bar.update(min(round(t.elapsed()), self.bar.total) - self.bar.n)  # redraws at tqdm's own pace
 
-    def set_postfix(self, **stats: str) -> None:
+    def set_postfix(self, refresh: bool = True, **stats: str) -> None:
         self.stats = stats
-        self.bar.set_postfix({"step": self.step, **stats} if self.timed else stats)
+        self.bar.set_postfix({"step": self.step, **stats} if self.timed else stats, refresh=refresh)
 
     def write(self, line: str) -> None:
         self.bar.write(line)
