@@ -170,13 +170,11 @@ def sample_cmd(
         os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return
     if not quiet:
-        how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
-        from quillgpt.model.quant import plan_of
+        from quillgpt.model.quant import weights_note
 
-        how = f"{how}, {run.model.device.type}, {dtype}"
-        plan = plan_of(gen.engine.model)
-        how = how if plan is None else f"{how}, {plan.describe()}"
-        print(f"{gen.stats.line()} ({how})", file=sys.stderr)
+        how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
+        print(f"{gen.stats.line()} ({how}, {run.model.device.type}, {dtype}{weights_note(gen.engine.model)})",
+              file=sys.stderr)
 
 
 def _open_generation(ckpt: Path, which: str, device: str, dtype: str, quant: str, text: str, num_samples: int,
@@ -244,7 +242,7 @@ def chat_cmd(
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.chat import ChatSession, repl
-    from quillgpt.model.quant import parse_quantize, plan_of, quantize
+    from quillgpt.model.quant import parse_quantize, quantize, weights_note
 
     flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed)
@@ -254,9 +252,8 @@ def chat_cmd(
     model = quantize(run.model, scheme)  # once, at load: a reply decodes one row
     session = ChatSession(model, run.tokenizer, run.config.sample.params(**flags), system)
     how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
-    plan = plan_of(model)
-    weights = "" if plan is None else f"; {plan.describe()}"
-    print(f"chatting with {run.path} (step {run.step}) through {how}{weights}; /reset, /quit", file=sys.stderr)
+    print(f"chatting with {run.path} (step {run.step}) through {how}{weights_note(model, '; ')}; /reset, /quit",
+          file=sys.stderr)
 
     def write(text: str) -> None:
         sys.stdout.write(text)

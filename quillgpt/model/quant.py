@@ -165,6 +165,12 @@ def plan_of(model: GPT) -> KernelPlan | None:
     return next((m.plan for m in model.modules() if isinstance(m, Int8Linear)), None)
 
 
+def weights_note(model: GPT, sep: str = ", ") -> str:
+    """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float weights."""
+    plan = plan_of(model)
+    return "" if plan is None else f"{sep}{plan.describe()}"
+
+
 Pair = tuple[nn.Linear, Int8Linear]  # a float layer and its int8 copy
 
 

@@ -8,7 +8,6 @@ one-line error) and `uvicorn_server` (SIGINT/SIGTERM stop accepting, give in-fli
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import socket
 import sys
@@ -111,12 +110,10 @@ def serve(
     if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
         raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
-    model = quant.quantize(run.model, scheme, rows=max_batch)  # once, at load: the engine's decode batch
-    run = dataclasses.replace(run, model=model)  # what the engine and the attention view run
+    quant.quantize(run.model, scheme, rows=max_batch)  # in place, once, at load: the engine's decode batch
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
     app = make_app(run, options, max_batch)
-    plan = quant.plan_of(model)
-    weights = "" if plan is None else f"; {plan.describe()}"
+    weights = quant.weights_note(run.model, "; ")
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
