@@ -73,7 +73,7 @@ from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.engine import in_dtype  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.model.quant import Int8Linear, plan_of, quantize  # noqa: E402
+from quillgpt.model.quant import KERNELS, Int8Linear, plan_of, quantize  # noqa: E402
 from quillgpt.train.distributed import Dist  # noqa: E402
 from quillgpt.train.loop import Trainer, lr_at, train_step  # noqa: E402
 from quillgpt.train.optim import (  # noqa: E402
@@ -888,7 +888,8 @@ def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     weights = step_weight_bytes(model)
     kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * model.dtype.itemsize
     flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_size * ctx
-    low = model.dtype == torch.bfloat16 or plan_of(model) is not None  # int8 kernels take bf16 activations
+    plan = plan_of(model)
+    low = model.dtype == torch.bfloat16 or (plan is not None and KERNELS[plan.pick(B)][1])  # its kernel's activations
     # without bf16 units torch converts bf16 and multiplies in fp32: the fp32 peak bounds it
     peak = matmul_peak(torch.bfloat16 if low and cpu_has_bf16() else torch.float32)
     bw = read_bandwidth(int(weights))
