@@ -48,6 +48,7 @@ class CpuShare:
     cores: int
     sample: Callable[[], Sample]
     interval_s: float = 1.0
+    clock: Callable[[], float] = time.monotonic  # the samples' wall clock: read every step, /proc only once due
     last: Sample = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,9 +71,9 @@ class CpuShare:
 
     def update(self) -> str | None:
         """Between steps: resize the thread pool if the free cores changed; says so in one line."""
-        now = self.sample()
-        if now[0] - self.last[0] < self.interval_s:
+        if self.clock() - self.last[0] < self.interval_s:
             return None
+        now = self.sample()
         others = self.others(now)
         self.last = now
         want = max(1, min(self.max_threads, round(self.cores - others)))

@@ -40,7 +40,7 @@ def threads():
 def test_threads_follow_the_cores_other_processes_leave(threads):
     torch.set_num_threads(4)
     proc = FakeProc()
-    share = CpuShare(max_threads=4, cores=4, sample=proc)
+    share = CpuShare(max_threads=4, cores=4, sample=proc, clock=lambda: proc.wall)
     proc.advance(0.5, others=3.0)
     assert share.update() is None and torch.get_num_threads() == 4  # under a second: no look yet
     proc.advance(0.6, others=3.0)
