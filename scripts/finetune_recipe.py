@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 from quillgpt.checkpoint import load_checkpoint, load_run  # noqa: E402
 from quillgpt.config import load_config  # noqa: E402
 from quillgpt.data.chat_batches import ChatRows  # noqa: E402
-from quillgpt.data.prepare import load_tokens  # noqa: E402
 from quillgpt.device import resolve_dtype  # noqa: E402
 from quillgpt.evaluate.scores import chat_rows, evaluate_rows  # noqa: E402
 from quillgpt.inference.chat import chat_prompt_ids  # noqa: E402
@@ -92,7 +91,7 @@ def step_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, pos: 
 
 def padding_against_packing(base: Path, data_dir: Path, block: int, batch: int, reps: int) -> tuple[float, float, float]:
     """(fill of padded rows, causal step s, masked step s), the two steps timed in turns."""
-    rows = ChatRows(load_tokens(data_dir, "train"), load_tokens(data_dir, "train", flags=True), block)
+    rows = ChatRows.prepared(data_dir, "train", block)
     model = load_run(base).model.train()
     x, y = rows.batch(torch.arange(batch).numpy())
     pos = torch.arange(block).expand(batch, block)  # explicit positions: GPT builds a (B, 1, T, T) mask

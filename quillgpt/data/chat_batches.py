@@ -19,12 +19,14 @@ all and counted too (`ChatRows.truncated`, `ChatRows.untrained`); training print
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from quillgpt.data.chat_data import ASSISTANT, START
+from quillgpt.data.prepare import load_tokens
 from quillgpt.errors import QuillError
 
 
@@ -32,7 +34,7 @@ class ChatRows:
     """A split's conversations (token ids and flags, as prepared) as rows of block_size tokens."""
 
     def __init__(self, tokens: np.ndarray, flags: np.ndarray, block_size: int, split: str = "train") -> None:
-        self.tokens, self.flags, self.block_size = tokens, flags, block_size
+        self.tokens, self.flags, self.block_size, self.split = tokens, flags, block_size, split
         starts = np.flatnonzero(np.asarray(flags) & START)  # (C,) each conversation's first token
         lengths = np.diff(starts, append=len(tokens))
         self.width = np.minimum(lengths, block_size + 1)  # (C,) tokens of each that a row holds
@@ -45,6 +47,11 @@ class ChatRows:
         if not len(self.starts):
             raise QuillError(f"the {split} split has no conversation with an assistant token within model.block_size="
                              f"{block_size}: raise model.block_size or shorten the prompts")
+
+    @classmethod
+    def prepared(cls, out_dir: str | Path, split: str, block_size: int) -> ChatRows:
+        """The rows of a chat dataset's prepared split (its token and flag shards)."""
+        return cls(load_tokens(out_dir, split), load_tokens(out_dir, split, flags=True), block_size, split)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -69,11 +76,11 @@ class ChatRows:
         """(≤ n,) conversations spread evenly over the split, the same every call (evaluation)."""
         return np.unique(np.linspace(0, len(self) - 1, n).round().astype(np.int64))
 
-    def describe(self, split: str) -> str | None:
+    def describe(self) -> str | None:
         """A note on what a row cannot hold, or None when every conversation fits."""
         if not self.truncated and not self.untrained:
             return None
-        return (f"note: {self.truncated} {split} conversation(s) are longer than model.block_size + 1 = "
+        return (f"note: {self.truncated} {self.split} conversation(s) are longer than model.block_size + 1 = "
                 f"{self.block_size + 1} tokens and are truncated; {self.untrained} have no assistant token left "
                 "in the window and are not trained")
 

@@ -318,21 +318,26 @@ def _prepared(run: Any, split: str) -> Path:
     return out_dir
 
 
-def _score_split(run: Any, split: str, kwargs: dict[str, Any]) -> EvalResult:
+def _score_split(run: Any, split: str, chat: bool, kwargs: dict[str, Any]) -> EvalResult:
     """The run's prepared split: every token (text), or the assistant's tokens (chat data)."""
     out_dir = _prepared(run, split)
-    if run.config.data.format == "chat":
-        rows = ChatRows(load_tokens(out_dir, split), load_tokens(out_dir, split, flags=True), run.config.model.block_size, split)
-        return evaluate_rows(run.model, rows, batch_size=kwargs["batch_size"], tokenizer=run.tokenizer)
+    if chat:
+        return _score_rows(run, ChatRows.prepared(out_dir, split, run.config.model.block_size), kwargs)
     return evaluate_tokens(run.model, load_tokens(out_dir, split), tokenizer=run.tokenizer, **kwargs)
 
 
 def _score_text(run: Any, path: str | Path, chat: bool, skip_unknown: bool, kwargs: dict[str, Any]) -> EvalResult:
     text = read_text(path, "--text")
     if chat:
-        rows = chat_rows(run.tokenizer, text, run.config.model.block_size, str(path))
-        return evaluate_rows(run.model, rows, batch_size=kwargs["batch_size"], tokenizer=run.tokenizer)
+        return _score_rows(run, chat_rows(run.tokenizer, text, run.config.model.block_size, str(path)), kwargs)
     return evaluate_text(run.model, run.tokenizer, text, skip_unknown=skip_unknown, name=str(path), **kwargs)
+
+
+def _score_rows(run: Any, rows: ChatRows, kwargs: dict[str, Any]) -> EvalResult:
+    """Conversations, the loss on the assistant's tokens: each is one window (no stride)."""
+    if kwargs["stride"] is not None:
+        raise QuillError("--stride does not apply to chat data: each conversation is one window")
+    return evaluate_rows(run.model, rows, batch_size=kwargs["batch_size"], tokenizer=run.tokenizer)
 
 
 def evaluate_checkpoint(
@@ -359,7 +364,7 @@ def evaluate_checkpoint(
     if text_format == "chat" and not texts:
         raise QuillError("--format chat scores the conversations of --text FILE.jsonl (a run trained on chat data "
                          "scores its --split as conversations already)")
-    if text_format == "chat" and stride is not None:
+    if text_format == "chat" and stride is not None:  # before the load (a chat split: _score_rows says so)
         raise QuillError("--stride does not apply to --format chat: each conversation is one window")
     scheme = quant.parse_quantize(quantize)
     run = load_run(path, which=which, device=resolve_device(device))
@@ -370,7 +375,7 @@ def evaluate_checkpoint(
         for result, t in zip(results, texts):
             result.data = str(t)
     else:
-        results = [_score_split(run, split, kwargs)]
+        results = [_score_split(run, split, run.config.data.format == "chat", kwargs)]
         results[0].data = split
     for result in results:
         result.checkpoint, result.step, result.quantize = str(path), run.step, scheme

@@ -270,9 +270,8 @@ def _batches(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedDat
     tc, block = cfg.train, cfg.model.block_size
     batch, n_eval = tc.batch_size * ddp.world_size, tc.eval_iters * tc.batch_size * ddp.world_size
     if cfg.data.format == "chat":  # one conversation a row, the loss on the assistant's tokens
-        rows = {split: ChatRows(load_tokens(prepared.out_dir, split), load_tokens(prepared.out_dir, split, flags=True),
-                                block, split) for split in ("train", "val")}
-        notes = [note for split, r in rows.items() if (note := r.describe(split))]
+        rows = {split: ChatRows.prepared(prepared.out_dir, split, block) for split in ("train", "val")}
+        notes = [note for r in rows.values() if (note := r.describe())]
         return ChatSampler(rows["train"], batch, tc.seed, device), {s: (r, r.fixed(n_eval)) for s, r in rows.items()}, notes
     train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
     sampler = BatchSampler(train_tokens, block, batch, tc.seed, device)

@@ -39,7 +39,7 @@ def test_a_row_is_one_conversation_from_its_start_padded_with_ignored_targets():
     assert x[0].tolist() == [1, 2, 3, 4, 5, 6] + [0] * 10 and y[0].tolist() == [-1, -1, 4, 5, 6] + [-1] * 11
     assert x[1].tolist() == list(range(7, 23)) and y[1].tolist() == [-1] * 9 + list(range(17, 24))
     assert x[2].tolist() == list(range(3, 19)) and y[2].tolist() == [-1] * 4 + [8, 9, 10, 11] + [-1] * 8
-    assert "2 train conversation(s) are longer than model.block_size + 1 = 17" in rows.describe("train")
+    assert "2 train conversation(s) are longer than model.block_size + 1 = 17" in rows.describe()
     assert rows.fill == pytest.approx((6 + 17 + 17) / 3 / 17)
 
 

@@ -146,6 +146,8 @@ def test_full_fine_tuning_on_chat_data_scores_as_eval_does(base, tmp_path, capsy
     assert text.tokens == sum(len(json.loads(v)["messages"][1]["content"]) + len("\n\nUser:") + 1 for v in val_lines)
     with pytest.raises(QuillError, match="--format chat scores the conversations of --text"):
         evaluate_checkpoint(tmp_path / "full", text_format="chat")
+    with pytest.raises(QuillError, match="--stride does not apply to chat data"):  # its split is conversations too
+        evaluate_checkpoint(tmp_path / "full", which="latest", stride=4, device="cpu")
     capsys.readouterr()
     assert main_code(["eval", "--ckpt", str(tmp_path / "full"), "--which", "latest", "--text", str(tmp_path / "val.jsonl"),
                       "--format", "chat", "--json", "--device", "cpu"]) == 0
