@@ -30,7 +30,7 @@ from quillgpt.config import Config, LoraConfig, ModelConfig, config_from_dict, s
 from quillgpt.data.tokenizer import Tokenizer, save_tokenizer, tokenizer_from_spec
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write, input_file, os_error, shown
+from quillgpt.files import atomic_write, input_file, made_dir, os_error, shown
 from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_shapes, merge_adapters
 
@@ -362,17 +362,23 @@ def merge_run(path: str | Path, out_dir: str | Path, which: str = "best", force:
     state = with_base(state, ckpt)
     cfg = config_from_dict(state["config"])
     cfg.lora, cfg.train.init_from, cfg.train.out_dir = LoraConfig(), None, str(out_dir)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, out_dir, "create", "--out") from None
-    for stale in (BEST, "metrics.jsonl"):  # only with --force: not this model's
-        (out_dir / stale).unlink(missing_ok=True)
-    save_config(cfg, out_dir / "config.yaml")
-    save_tokenizer(tokenizer_from_spec(state["tokenizer"]), out_dir / "tokenizer.json")
-    save_checkpoint({"model": state["model"], "config": cfg.to_dict(), "tokenizer": state["tokenizer"], "step": state["step"],
-                     "tokens_seen": state.get("tokens_seen", 0), "merged_from": str(ckpt)}, out_dir / LATEST)
+    with made_dir(out_dir):  # a failed write leaves no --out it made
+        write_run(out_dir, cfg, tokenizer_from_spec(state["tokenizer"]), state["model"], state["step"],
+                  state.get("tokens_seen", 0), merged_from=str(ckpt))
     return out_dir / LATEST
+
+
+def write_run(out_dir: Path, cfg: Config, tokenizer: Tokenizer, weights: dict[str, torch.Tensor], step: int = 0,
+              tokens_seen: int = 0, **provenance: str) -> None:
+    """A run directory of given weights (an import, a merge): config.yaml, tokenizer.json and
+    ckpt.pt with `provenance` (e.g. imported_from=...); an earlier best.pt and metrics.jsonl,
+    there only with --force, are not this model's and go."""
+    save_config(cfg, out_dir / "config.yaml")
+    save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+    for stale in (BEST, "metrics.jsonl"):
+        (out_dir / stale).unlink(missing_ok=True)
+    save_checkpoint({"model": weights, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": step,
+                     "tokens_seen": tokens_seen, **provenance}, out_dir / LATEST)
 
 
 def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ("dropout",)) -> list[str]:

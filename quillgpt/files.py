@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -189,6 +191,25 @@ def _existing_parent(directory: Path) -> Path:
     if any(len(name.encode()) > 255 for name in missing):
         raise OSError(36, "File name too long")
     return directory
+
+
+@contextlib.contextmanager
+def made_dir(directory: Path, what: str = "--out") -> Iterator[None]:
+    """Create `directory` for the writes in the `with` body; when they fail (a full disk...), the
+    directories this made are removed again: a failed command leaves no empty output behind."""
+    path = Path(os.path.abspath(directory))
+    try:
+        existing = _existing_parent(path)
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, directory, "create", what) from None
+    created = None if existing == path else existing / path.relative_to(existing).parts[0]  # the highest one made
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 # --- outputs: a path quill writes never replaces what it must not -----------------------------

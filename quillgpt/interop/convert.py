@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.config import Config, ModelConfig, save_config
+from quillgpt.config import Config, ModelConfig
 from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, os_error, read_text, shown
+from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_text, shown
 from quillgpt.interop import gpt2, llama
-from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, made_out_dir, require, resolve_source, write_json
+from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, require, resolve_source, write_json
 
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
@@ -97,7 +97,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
         )
     state = _state(path, model_cfg, architecture, hf_config)
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
-    with made_out_dir(out_dir):  # a failed write leaves no --out it made
+    with made_dir(out_dir):  # a failed write leaves no --out it made
         _write_run(out_dir, model_cfg, tokenizer, state, str(src))
     return Converted(out_dir, model_cfg, tokenizer.name, architecture)
 
@@ -109,15 +109,7 @@ def _write_run(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, stat
     cfg.data.out_dir = f"data/{out_dir.name}_data"
     # Training with this config.yaml fine-tunes the import into a new directory, never over it.
     cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
-    save_config(cfg, out_dir / "config.yaml")
-    save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-    for stale in (ckpt.BEST, "metrics.jsonl"):  # only with --force (checked above): not this model's
-        (out_dir / stale).unlink(missing_ok=True)
-    ckpt.save_checkpoint(
-        {"model": state, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": 0, "tokens_seen": 0,
-         "imported_from": source},
-        out_dir / ckpt.LATEST,
-    )
+    ckpt.write_run(out_dir, cfg, tokenizer, state, imported_from=source)
 
 
 def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Converted:
@@ -140,7 +132,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
         kind = llama.family_of(cfg, llama.is_qwen_tokenizer(getattr(tok, "_json", None)))
         tensors, config = llama.quill_to_llama_state(state, cfg, kind), llama.model_config_to_llama(cfg, kind, tok.bos_id, tok.eot_id)
         architecture = config["architectures"][0]
-    with made_out_dir(out_dir):  # a failed write (a full disk...) leaves no --out it made
+    with made_dir(out_dir):  # a failed write (a full disk...) leaves no --out it made
         try:
             atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
             write_json(out_dir / "config.json", config)

@@ -8,13 +8,11 @@ functions that need them.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
 import pickle
 import re
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -26,7 +24,7 @@ from torch import Tensor
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_text, input_file, os_error, probe_writable, read_text, shown
+from quillgpt.files import atomic_write_text, input_file, probe_writable, read_text, shown
 
 HF_INSTALL = 'pip install -e ".[hf]"'
 
@@ -203,26 +201,6 @@ def check_out_dir(out_dir: Path, ours: tuple[str, ...], force: bool, what: str) 
             f"--out {shown(out_dir)} already holds {what} ({', '.join(existing)}); choose another --out or pass --force to overwrite"
         )
     probe_writable(out_dir, "--out", create=False)  # made when the files are written: a failure leaves nothing
-
-
-@contextlib.contextmanager
-def made_out_dir(out_dir: Path) -> Iterator[Path]:
-    """Create --out for the writes in the `with` body; when they fail (a full disk...), the
-    directories this made are removed again: a failed command leaves no empty --out behind."""
-    top = Path(os.path.abspath(out_dir))
-    while not top.parent.exists():
-        top = top.parent
-    created = None if top.exists() else top  # the highest directory this call makes
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, out_dir, "create", "--out") from None
-    try:
-        yield out_dir
-    except BaseException:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

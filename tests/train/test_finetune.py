@@ -171,6 +171,18 @@ def test_quill_merge_writes_the_run_every_command_loads(base, tmp_path, capsys):
         assert len(err) == 1 and message in err[0]
 
 
+def test_a_merge_that_fails_to_write_leaves_no_out_behind(base, tmp_path, monkeypatch, capsys):
+    import quillgpt.checkpoint as ckpt_mod
+
+    def full(*args, **kwargs):
+        raise QuillError("cannot write ckpt.pt: No space left on device")
+
+    finetune(base, tmp_path / "lora", "lora.rank=2")
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", full)
+    assert main_code(["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "m" / "merged")]) == 2
+    assert "No space left" in capsys.readouterr().err and not (tmp_path / "m").exists()
+
+
 def main_code(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
