@@ -55,8 +55,8 @@ def step_ms(config: Path, steps: int, env: dict[str, str], data_path: str | None
             if spinner is not None:
                 spinner.kill()
                 spinner.wait()
-        lines = (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()
-        elapsed = [json.loads(line)["elapsed_s"] for line in lines if "train_loss" in json.loads(line)]
+        records = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
+        elapsed = [r["elapsed_s"] for r in records if "train_loss" in r]
     gaps = [b - a for a, b in zip(elapsed, elapsed[1:])][5:-1]  # one-time costs and the final evaluation out
     return 1000 * statistics.median(gaps)
 

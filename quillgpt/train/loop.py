@@ -179,6 +179,11 @@ class Trainer:
     notes: list[str] = dataclasses.field(default_factory=list)  # printed when the loop starts (rank 0)
     stop_reason: str = ""  # time budget: why the run ended where it did
 
+    @property
+    def fit_step(self) -> int:
+        """The step the time budget's end is fitted at: fit_at, and never inside the warmup."""
+        return max(self.fit_at, self.cfg.train.warmup_iters)
+
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.t_start
 

@@ -27,7 +27,7 @@ def startup_line(t: Trainer, tokens_per_step: int, resumed: bool) -> str:
         where += f", {t.ddp.world_size} processes"
     if t.budget_s is not None:
         budget = f"time budget {tc.time_budget} ({t.budget_s - t.elapsed_before:.0f}s left)"
-        budget += ", schedule's end fitted at step " + f"{t.horizon if t.fitted else max(t.fit_at, tc.warmup_iters):,}"
+        budget += ", schedule's end fitted at step " + f"{t.horizon if t.fitted else t.fit_step:,}"
     else:
         budget = f"{tc.max_iters:,} step" + "s" * (tc.max_iters != 1)
     start = f"resuming {t.out_dir} from step {t.step:,}" if resumed else f"training {t.out_dir}"

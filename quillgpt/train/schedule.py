@@ -65,15 +65,14 @@ def follow_budget(t: Trainer, say: Callable[[str], None]) -> None:
     t.pace_mark = t.pace_mark or (time.time(), t.step)
     since, step = t.pace_mark
     pace = (time.time() - since) / (t.step - step) if t.step > step else time.time() - t.t_start
-    fit_at = max(t.fit_at, t.cfg.train.warmup_iters)
     reserve = t.reserve_s or pace * eval_step_times(t.cfg.train, t.ddp.world_size)
     if t.ddp.any(t.elapsed() + pace + reserve >= t.budget_s):
         t.stop_reason = (f"the time ran out at {t.elapsed():.0f}s of {t.budget_s:.0f}s: one more step ({pace:.2f}s) "
                          f"and the final evaluation and checkpoint (~{reserve:.0f}s, train.eval_iters={t.cfg.train.eval_iters}) "
                          "would not fit; " + (f"the steps were slower than when the end (step {t.horizon:,}) was fitted"
-                                              if t.fitted else f"the end was to be fitted at step {fit_at}"))
+                                              if t.fitted else f"the end was to be fitted at step {t.fit_step}"))
         t.horizon, t.budget_ended = t.step, True  # finish as if this were the last step
-    elif not t.fitted and t.step >= fit_at:
+    elif not t.fitted and t.step >= t.fit_step:
         left = t.budget_s - t.elapsed() - reserve
         horizon = fit_horizon(t.step, t.cfg.train, pace, left, t.ddp.world_size)
         t.horizon, t.fitted = t.ddp.broadcast_int(horizon), True

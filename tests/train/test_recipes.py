@@ -260,7 +260,7 @@ def test_a_time_budget_stops_while_one_step_and_the_final_evaluation_still_fit(m
     clock = {"now": 1000.0}
     monkeypatch.setattr(schedule.time, "time", lambda: clock["now"])
     t = SimpleNamespace(
-        budget_s=10.0, budget_ended=False, fitted=True, fit_at=10, horizon=10_000, step=16, first_step=0, t_start=1000.0,
+        budget_s=10.0, budget_ended=False, fitted=True, fit_at=10, fit_step=10, horizon=10_000, step=16, first_step=0, t_start=1000.0,
         reserve_s=1.0, pace_mark=(1000.0, 0), cfg=SimpleNamespace(train=TrainConfig(max_iters=10_000)),
         ddp=SimpleNamespace(any=bool, world_size=1),
     )
@@ -279,7 +279,7 @@ def test_the_pace_leaves_out_the_first_steps_one_time_costs(monkeypatch):
     monkeypatch.setattr(schedule.time, "time", lambda: clock["now"])
     tc = TrainConfig(max_iters=10_000, warmup_iters=0, eval_interval=10_000, eval_iters=1)
     t = SimpleNamespace(
-        budget_s=120.0, budget_ended=False, fitted=False, fit_at=10, horizon=10_000, step=0, first_step=0, t_start=1000.0,
+        budget_s=120.0, budget_ended=False, fitted=False, fit_at=10, fit_step=10, horizon=10_000, step=0, first_step=0, t_start=1000.0,
         reserve_s=0.0, pace_mark=None, cfg=SimpleNamespace(train=tc), ddp=SimpleNamespace(any=bool, broadcast_int=int, world_size=1),
     )
     t.elapsed = lambda: clock["now"] - t.t_start
