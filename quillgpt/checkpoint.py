@@ -31,6 +31,7 @@ from quillgpt.data.tokenizer import Tokenizer, save_tokenizer, tokenizer_from_sp
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write, input_file, made_dir, os_error, shown
+from quillgpt.model import quant
 from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_shapes, merge_adapters
 
@@ -278,9 +279,11 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
-             dtype: torch.dtype | None = torch.float32) -> LoadedRun:
+             dtype: torch.dtype | None = torch.float32, quantize: str | None = None, rows: int = 1) -> LoadedRun:
     """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
-    run directory or checkpoint file (a LoRA run: its base with the adapters merged in)."""
+    run directory or checkpoint file (a LoRA run: its base with the adapters merged in);
+    quantize="int8": its linears in int8 once loaded, the kernels measured at a decode batch of
+    `rows` (model/quant.py)."""
     state, ckpt = load_state(path, which, dtype)
     try:
         model, config = model_from_state(state, device, dtype)
@@ -288,6 +291,7 @@ def load_run(path: str | Path, which: str = "best", device: str | torch.device =
     except QuillError as e:
         raise QuillError(f"{shown(ckpt)}: {e}") from None
     model.eval()
+    quant.quantize(model, quantize, rows=rows)
     return LoadedRun(model, tokenizer, config, state["step"], ckpt)
 
 

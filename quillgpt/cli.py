@@ -186,16 +186,15 @@ def _open_generation(ckpt: Path, which: str, device: str, dtype: str, quant: str
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.generate import Generation
-    from quillgpt.model.quant import parse_quantize, quantize
+    from quillgpt.model.quant import parse_quantize
 
     if num_samples < 1:
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     SampleConfig().params(**flags, stop=stops)  # a bad flag fails before the checkpoint loads
-    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme, rows=num_samples)
     params = run.config.sample.params(**flags, stop=stops)
-    model = quantize(run.model, scheme, rows=num_samples)  # once, at load
-    gen = Generation(model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
+    gen = Generation(run.model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
                      compile=compile)
     return run, gen, params
 
@@ -242,17 +241,16 @@ def chat_cmd(
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.chat import ChatSession, repl
-    from quillgpt.model.quant import parse_quantize, quantize, weights_note
+    from quillgpt.model.quant import parse_quantize, weights_note
 
     flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  repetition_penalty=repetition_penalty, seed=seed)
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
-    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
-    model = quantize(run.model, scheme)  # once, at load: a reply decodes one row
-    session = ChatSession(model, run.tokenizer, run.config.sample.params(**flags), system)
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
+    session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
     how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
-    print(f"chatting with {run.path} (step {run.step}) through {how}{weights_note(model, '; ')}; /reset, /quit",
+    print(f"chatting with {run.path} (step {run.step}) through {how}{weights_note(run.model, '; ')}; /reset, /quit",
           file=sys.stderr)
 
     def write(text: str) -> None:
@@ -348,12 +346,11 @@ def attention_cmd(
     from quillgpt.checkpoint import load_run
     from quillgpt.device import resolve_device
     from quillgpt.evaluate import attention_views as viz
-    from quillgpt.model.quant import parse_quantize, quantize
+    from quillgpt.model.quant import parse_quantize
 
     scheme = parse_quantize(quant)
     view, out, summary_json = _attention_outputs(ckpt, which, out, fmt, summary_json, force)
-    run = load_run(ckpt, which=which, device=resolve_device(device))
-    quantize(run.model, scheme)  # once, at load; shown even where int8 runs no faster
+    run = load_run(ckpt, which=which, device=resolve_device(device), quantize=scheme)  # shown even where int8 runs no faster
     mcfg = run.config.model
     layers = viz.select_layers(layer, mcfg.n_layer)
     heads = viz.select_heads(head, mcfg.n_head)

@@ -367,8 +367,7 @@ def evaluate_checkpoint(
     if text_format == "chat" and stride is not None:  # before the load (a chat split: _score_rows says so)
         raise QuillError("--stride does not apply to --format chat: each conversation is one window")
     scheme = quant.parse_quantize(quantize)
-    run = load_run(path, which=which, device=resolve_device(device))
-    quant.quantize(run.model, scheme)  # the int8 model's loss, wherever it runs fastest
+    run = load_run(path, which=which, device=resolve_device(device), quantize=scheme)  # int8: wherever it runs fastest
     kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
     if texts:
         results = [_score_text(run, t, text_format == "chat", skip_unknown, kwargs) for t in texts]

@@ -109,8 +109,8 @@ def serve(
     torch_dtype, scheme = parse_dtype(dtype), quant.parse_quantize(quantize)
     if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
         raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
-    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype)
-    quant.quantize(run.model, scheme, rows=max_batch)  # in place, once, at load: the engine's decode batch
+    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme,
+                   rows=max_batch)  # int8 kernels measured at the engine's decode batch
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
     app = make_app(run, options, max_batch)
     weights = quant.weights_note(run.model, "; ")
