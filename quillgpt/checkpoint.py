@@ -60,9 +60,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         raise
 
 
-def load_checkpoint(
-    path: str | Path, map_location: str | torch.device = "cpu", require: tuple[str, ...] = ()
-) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", require: tuple[str, ...] = ()) -> dict[str, Any]:
     """Load a checkpoint safely (no code runs) and check it: every zip member's CRC (bytes
     damaged on disk), the structure (STATE_TYPES, plus `require`, e.g. RESUME_KEYS) and finite
     weights. Anything wrong is one QuillError naming the file."""
@@ -80,8 +78,10 @@ def load_checkpoint(
             f"{shown_path} is not a QuillGPT checkpoint (not a PyTorch zip archive); "
             "pass a run directory or a ckpt.pt/best.pt written by quill train"
         )
-    damaged = (f"{shown_path} is not a readable checkpoint (truncated or corrupt: {{}}); use the other checkpoint "
-               "in the run (ckpt.pt or best.pt) or retrain")
+    damaged = (
+        f"{shown_path} is not a readable checkpoint (truncated or corrupt: {{}}); use the other checkpoint "
+        "in the run (ckpt.pt or best.pt) or retrain"
+    )
     _verify_zip(path, damaged)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
@@ -123,9 +123,19 @@ def _verify_zip(path: Path, damaged: str) -> None:
 
 # What each key of a checkpoint must hold; RESUME_KEYS are required where training continues.
 STATE_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (dict,), "config": (dict,), "tokenizer": (dict,), "step": (int,), "tokens_seen": (int,),
-    "optimizer": (dict,), "scaler": (dict,), "sampler": (dict,), "rng": (dict,),
-    "best_val_loss": (float, int), "val_loss": (float, int), "elapsed_s": (float, int), "lora_base": (dict,),
+    "model": (dict,),
+    "config": (dict,),
+    "tokenizer": (dict,),
+    "step": (int,),
+    "tokens_seen": (int,),
+    "optimizer": (dict,),
+    "scaler": (dict,),
+    "sampler": (dict,),
+    "rng": (dict,),
+    "best_val_loss": (float, int),
+    "val_loss": (float, int),
+    "elapsed_s": (float, int),
+    "lora_base": (dict,),
 }
 REQUIRED_KEYS = ("model", "config", "tokenizer", "step")
 RESUME_KEYS = ("optimizer", "scaler", "sampler", "rng", "tokens_seen", "best_val_loss", "elapsed_s")
@@ -140,18 +150,23 @@ def check_state(state: dict[str, Any], name: str, require: tuple[str, ...] = ())
     for key, types in STATE_TYPES.items():
         value = state.get(key)
         if key in state and (not isinstance(value, types) or isinstance(value, bool)):
-            raise QuillError(f"{name}: {key!r} must be {' or '.join(t.__name__ for t in types)}, "
-                             f"got {type(value).__name__}; the file is damaged or not from quill")
+            raise QuillError(
+                f"{name}: {key!r} must be {' or '.join(t.__name__ for t in types)}, "
+                f"got {type(value).__name__}; the file is damaged or not from quill"
+            )
     if state["step"] < 0:
         raise QuillError(f"{name}: 'step' is {state['step']}, must be ≥ 0; the file is damaged")
     for key, t in state["model"].items():
         if not isinstance(key, str) or not isinstance(t, torch.Tensor) or not t.is_floating_point():
             what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.dtype} tensor"
-            raise QuillError(f"{name}: weight {shown_value(key)} is {what}, not a floating-point tensor; "
-                             "the file is damaged or not from quill")
+            raise QuillError(
+                f"{name}: weight {shown_value(key)} is {what}, not a floating-point tensor; the file is damaged or not from quill"
+            )
         if not _all_finite(t):
-            raise QuillError(f"{name}: weight {key[:100]} holds NaN or infinite values; the model it saved "
-                             "had diverged or the file is damaged: use the run's other checkpoint or retrain")
+            raise QuillError(
+                f"{name}: weight {key[:100]} holds NaN or infinite values; the model it saved "
+                "had diverged or the file is damaged: use the run's other checkpoint or retrain"
+            )
 
 
 def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -160,7 +175,7 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     for key, value in state_dict.items():
         for prefix in ("_orig_mod.", "module."):
             if key.startswith(prefix):
-                key = key[len(prefix):]
+                key = key[len(prefix) :]
         out[key] = value
     return out
 
@@ -199,8 +214,7 @@ class LoadedRun:
     path: Path
 
 
-def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
-                     dtype: torch.dtype | None = None) -> tuple[GPT, Config]:
+def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[GPT, Config]:
     """The GPT a checked state describes, its weights in `dtype` (None: as saved). Its weights are
     compared with the config's shapes before anything is built, and then become the model's own
     (built on the meta device, assigned). The weights are taken out of `state` and converted one
@@ -209,8 +223,9 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
     try:
         config = config_from_dict(state["config"])
     except QuillError as e:
-        raise QuillError(f"the checkpoint's config is not valid for this version of quill ({e}); "
-                         "was it written by a newer version?") from None
+        raise QuillError(
+            f"the checkpoint's config is not valid for this version of quill ({e}); was it written by a newer version?"
+        ) from None
     if config.model.vocab_size is None:  # a trained or imported model always knows its vocabulary
         raise QuillError("the checkpoint's config has no model.vocab_size; the file is damaged")
     weights = clean_state_dict(state["model"])
@@ -250,9 +265,11 @@ def check_fits(weights: dict[str, torch.Tensor], dtype: torch.dtype | None, devi
             nbytes += t.numel() * (dtype or t.dtype).itemsize
     free = available_bytes(device)
     if free is not None and nbytes > free:
-        raise QuillError(f"the model's weights need {nbytes / 1e9:.1f} GB in {str(dtype or 'their dtype').replace('torch.', '')} "
-                         f"but {device.type} has {free / 1e9:.1f} GB free; load it in a smaller dtype "
-                         "(--dtype bfloat16) or on another device")
+        raise QuillError(
+            f"the model's weights need {nbytes / 1e9:.1f} GB in {str(dtype or 'their dtype').replace('torch.', '')} "
+            f"but {device.type} has {free / 1e9:.1f} GB free; load it in a smaller dtype "
+            "(--dtype bfloat16) or on another device"
+        )
 
 
 def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str:
@@ -261,8 +278,9 @@ def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str
         expected = GPT(cfg).state_dict()
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
-    wrong = [f"{k} {tuple(weights[k].shape)} ≠ {tuple(v.shape)}" for k, v in expected.items()
-             if k in weights and weights[k].shape != v.shape]
+    wrong = [
+        f"{k} {tuple(weights[k].shape)} ≠ {tuple(v.shape)}" for k, v in expected.items() if k in weights and weights[k].shape != v.shape
+    ]
     problems = []
     for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
         if items:
@@ -278,8 +296,14 @@ def _all_finite(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite((chunk * 0).sum())) for chunk in t.reshape(-1).split(1 << 22))
 
 
-def load_run(path: str | Path, which: str = "best", device: str | torch.device = "cpu",
-             dtype: torch.dtype | None = torch.float32, quantize: str | None = None, rows: int = 1) -> LoadedRun:
+def load_run(
+    path: str | Path,
+    which: str = "best",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+    quantize: str | None = None,
+    rows: int = 1,
+) -> LoadedRun:
     """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
     run directory or checkpoint file (a LoRA run: its base with the adapters merged in);
     quantize="int8": its linears in int8 once loaded, the kernels measured at a decode batch of
@@ -329,13 +353,17 @@ def with_base(state: dict[str, Any], ckpt: Path, dtype: torch.dtype | None = Non
     if Path(base["path"]).resolve() == ckpt.resolve():
         raise QuillError(f"{shown(ckpt)} names itself as its LoRA base; the file is damaged")
     if not os.path.isfile(base["path"]):
-        raise QuillError(f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, which is missing; put the "
-                         "base back there (adapters only work on the weights they were trained on)")
+        raise QuillError(
+            f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, which is missing; put the "
+            "base back there (adapters only work on the weights they were trained on)"
+        )
     base_state, _ = load_state(base["path"])
     if weights_checksum(base_state["model"]) != base["checksum"]:
-        raise QuillError(f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, whose weights have changed "
-                         f"since (checksum {base['checksum'][:12]}…); adapters only work on the weights they were "
-                         "trained on: restore that base, or fine-tune again")
+        raise QuillError(
+            f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, whose weights have changed "
+            f"since (checksum {base['checksum'][:12]}…); adapters only work on the weights they were "
+            "trained on: restore that base, or fine-tune again"
+        )
     try:
         config = config_from_dict(state["config"])
     except QuillError as e:
@@ -343,8 +371,10 @@ def with_base(state: dict[str, Any], ckpt: Path, dtype: torch.dtype | None = Non
     adapters = clean_state_dict(state["model"])
     expected = adapter_shapes(config.model, config.lora)
     if {k: tuple(v.shape) for k, v in adapters.items()} != expected:
-        raise QuillError(f"{shown(ckpt)}: its adapters do not match its lora config (lora.rank={config.lora.rank}, "
-                         f"lora.targets={config.lora.targets}); the file is damaged")
+        raise QuillError(
+            f"{shown(ckpt)}: its adapters do not match its lora config (lora.rank={config.lora.rank}, "
+            f"lora.targets={config.lora.targets}); the file is damaged"
+        )
     weights = crop_positions(clean_state_dict(base_state["model"]), config.model)
     merged = merge_adapters(weights, adapters, config.model, config.lora, dtype)
     return {**{k: v for k, v in state.items() if k != "lora_base"}, "model": merged}
@@ -367,13 +397,27 @@ def merge_run(path: str | Path, out_dir: str | Path, which: str = "best", force:
     cfg = config_from_dict(state["config"])
     cfg.lora, cfg.train.init_from, cfg.train.out_dir = LoraConfig(), None, str(out_dir)
     with made_dir(out_dir):  # a failed write leaves no --out it made
-        write_run(out_dir, cfg, tokenizer_from_spec(state["tokenizer"]), state["model"], state["step"],
-                  state.get("tokens_seen", 0), merged_from=str(ckpt))
+        write_run(
+            out_dir,
+            cfg,
+            tokenizer_from_spec(state["tokenizer"]),
+            state["model"],
+            state["step"],
+            state.get("tokens_seen", 0),
+            merged_from=str(ckpt),
+        )
     return out_dir / LATEST
 
 
-def write_run(out_dir: Path, cfg: Config, tokenizer: Tokenizer, weights: dict[str, torch.Tensor], step: int = 0,
-              tokens_seen: int = 0, **provenance: str) -> None:
+def write_run(
+    out_dir: Path,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    weights: dict[str, torch.Tensor],
+    step: int = 0,
+    tokens_seen: int = 0,
+    **provenance: str,
+) -> None:
     """A run directory of given weights (an import, a merge): config.yaml, tokenizer.json and
     ckpt.pt with `provenance` (e.g. imported_from=...); an earlier best.pt and metrics.jsonl,
     there only with --force, are not this model's and go."""
@@ -381,8 +425,10 @@ def write_run(out_dir: Path, cfg: Config, tokenizer: Tokenizer, weights: dict[st
     save_tokenizer(tokenizer, out_dir / "tokenizer.json")
     for stale in (BEST, "metrics.jsonl"):
         (out_dir / stale).unlink(missing_ok=True)
-    save_checkpoint({"model": weights, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": step,
-                     "tokens_seen": tokens_seen, **provenance}, out_dir / LATEST)
+    save_checkpoint(
+        {"model": weights, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": step, "tokens_seen": tokens_seen, **provenance},
+        out_dir / LATEST,
+    )
 
 
 def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ("dropout",)) -> list[str]:
@@ -392,5 +438,3 @@ def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ..
         for f in fields(ModelConfig)
         if f.name not in ignore and getattr(old, f.name) != getattr(new, f.name)
     ]
-
-

@@ -34,22 +34,31 @@ app = typer.Typer(
 )
 
 CONFIG_OPT = typer.Option(..., "--config", "-c", help="YAML recipe, e.g. configs/shakespeare_char_cpu.yaml.")
-OVERRIDES_ARG = typer.Argument(
-    None, help="Config overrides as section.key=value, e.g. train.max_iters=200 model.n_layer=2."
-)
+OVERRIDES_ARG = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.max_iters=200 model.n_layer=2.")
 
 
 # The flags `quill sample` and `quill chat` share (defined once, used by both).
-MAX_NEW_OPT = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per sample (chat: per reply). This and the sampling flags default to the run's `sample:` config.")
+MAX_NEW_OPT = typer.Option(
+    None,
+    "--max-new-tokens",
+    "-n",
+    help="Tokens per sample (chat: per reply). This and the sampling flags default to the run's `sample:` config.",
+)
 TEMPERATURE_OPT = typer.Option(None, "--temperature", help="Randomness; 0 = greedy (always the most likely token).")
 TOP_K_OPT = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; 0 = no limit.")
 TOP_P_OPT = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens up to this probability mass, in (0, 1].")
 MIN_P_OPT = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1).")
 REPETITION_OPT = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off.")
 SEED_OPT = typer.Option(None, "--seed", help="Same seed, same text.")
-DTYPE_OPT = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token.")
+DTYPE_OPT = typer.Option(
+    "float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token."
+)
 WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest.")
-QUANT_OPT = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.")
+QUANT_OPT = typer.Option(
+    "none",
+    "--quantize",
+    help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.",
+)
 
 
 # --- commands (each: parse → one library call → print) ------------------------------------
@@ -75,8 +84,11 @@ def prepare_cmd(
     mb = meta["source_bytes"] / 1e6
     shards = sum(len(v) for v in meta["shards"].values())
     chat = meta.get("chat")
-    made_from = (f"{chat['train']['conversations']:,} + {chat['val']['conversations']:,} conversation(s)" if chat
-                 else f"{meta['documents']:,} document(s)")
+    made_from = (
+        f"{chat['train']['conversations']:,} + {chat['val']['conversations']:,} conversation(s)"
+        if chat
+        else f"{meta['documents']:,} document(s)"
+    )
     print(
         f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in {shards} "
         f"shard(s) from {made_from}, {meta['tokenizer_name']} vocab {meta['vocab_size']:,} "
@@ -124,8 +136,15 @@ def train(
 @app.command("sample")
 def sample_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
-    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char)."),
-    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."),
+    prompt: str | None = typer.Option(
+        None,
+        "--prompt",
+        "-p",
+        help="Text to continue; '-' reads standard input. Default: empty, which starts from <|endoftext|> (BPE) or a newline (char).",
+    ),
+    prompt_file: Path | None = typer.Option(
+        None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."
+    ),
     which: str = WHICH_OPT,
     max_new_tokens: int | None = MAX_NEW_OPT,
     temperature: float | None = TEMPERATURE_OPT,
@@ -135,9 +154,17 @@ def sample_cmd(
     repetition_penalty: float | None = REPETITION_OPT,
     seed: int | None = SEED_OPT,
     num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
-    stop: list[str] | None = typer.Option(None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."),
-    no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."),
-    compile: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile the decode step (default: eager, which measured no slower on CPU; compiling takes a minute)."),
+    stop: list[str] | None = typer.Option(
+        None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."
+    ),
+    no_kv_cache: bool = typer.Option(
+        False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."
+    ),
+    compile: bool = typer.Option(
+        False,
+        "--compile/--no-compile",
+        help="torch.compile the decode step (default: eager, which measured no slower on CPU; compiling takes a minute).",
+    ),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = DTYPE_OPT,
     quant: str = QUANT_OPT,
@@ -152,11 +179,19 @@ def sample_cmd(
     follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
     """
     text = _sample_prompt(prompt, prompt_file)
-    flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                 repetition_penalty=repetition_penalty, seed=seed)
+    flags = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+    )
     stops = tuple(_unescape(s) for s in stop or [])
-    run, gen, params = _open_generation(ckpt, which, device, dtype, quant, text, num_samples, flags, stops,
-                                        use_cache=not no_kv_cache, compile=compile)
+    run, gen, params = _open_generation(
+        ckpt, which, device, dtype, quant, text, num_samples, flags, stops, use_cache=not no_kv_cache, compile=compile
+    )
     settings = {k: getattr(params, k) for k in flags}
     out = sys.stdout
     try:
@@ -173,12 +208,22 @@ def sample_cmd(
         from quillgpt.model.quant import weights_note
 
         how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
-        print(f"{gen.stats.line()} ({how}, {run.model.device.type}, {dtype}{weights_note(gen.engine.model)})",
-              file=sys.stderr)
+        print(f"{gen.stats.line()} ({how}, {run.model.device.type}, {dtype}{weights_note(gen.engine.model)})", file=sys.stderr)
 
 
-def _open_generation(ckpt: Path, which: str, device: str, dtype: str, quant: str, text: str, num_samples: int,
-                     flags: dict, stops: tuple[str, ...], use_cache: bool, compile: bool) -> tuple[Any, Any, Any]:
+def _open_generation(
+    ckpt: Path,
+    which: str,
+    device: str,
+    dtype: str,
+    quant: str,
+    text: str,
+    num_samples: int,
+    flags: dict,
+    stops: tuple[str, ...],
+    use_cache: bool,
+    compile: bool,
+) -> tuple[Any, Any, Any]:
     """Check the flags (before the checkpoint loads), load the run, convert and quantize its
     model, and set up the generation (whose engine checks the KV cache fits before anything is
     made per sample): (run, Generation, SamplingParams)."""
@@ -194,8 +239,7 @@ def _open_generation(ckpt: Path, which: str, device: str, dtype: str, quant: str
     SampleConfig().params(**flags, stop=stops)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme, rows=num_samples)
     params = run.config.sample.params(**flags, stop=stops)
-    gen = Generation(run.model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache,
-                     compile=compile)
+    gen = Generation(run.model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache, compile=compile)
     return run, gen, params
 
 
@@ -209,10 +253,28 @@ def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quan
     for _ in gen:
         pass
     plan = plan_of(gen.engine.model)
-    settings = {**settings, "compiled": gen.compiled, "device": str(run.model.device), "dtype": dtype,
-                "quantize": quant, "int8_kernel": None if plan is None else plan.pick(plan.rows)}
-    return json.dumps({"checkpoint": str(run.path), "step": run.step, "prompt": text, "samples": gen.texts,
-                       "settings": settings, "stats": gen.stats.to_dict()}, ensure_ascii=False) + "\n"
+    settings = {
+        **settings,
+        "compiled": gen.compiled,
+        "device": str(run.model.device),
+        "dtype": dtype,
+        "quantize": quant,
+        "int8_kernel": None if plan is None else plan.pick(plan.rows),
+    }
+    return (
+        json.dumps(
+            {
+                "checkpoint": str(run.path),
+                "step": run.step,
+                "prompt": text,
+                "samples": gen.texts,
+                "settings": settings,
+                "stats": gen.stats.to_dict(),
+            },
+            ensure_ascii=False,
+        )
+        + "\n"
+    )
 
 
 @app.command("chat")
@@ -243,15 +305,21 @@ def chat_cmd(
     from quillgpt.inference.chat import ChatSession, repl
     from quillgpt.model.quant import parse_quantize, weights_note
 
-    flags = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                 repetition_penalty=repetition_penalty, seed=seed)
+    flags = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+    )
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
     how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
-    print(f"chatting with {run.path} (step {run.step}) through {how}{weights_note(run.model, '; ')}; /reset, /quit",
-          file=sys.stderr)
+    print(f"chatting with {run.path} (step {run.step}) through {how}{weights_note(run.model, '; ')}; /reset, /quit", file=sys.stderr)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -266,13 +334,23 @@ def serve_cmd(
     which: str = WHICH_OPT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default is this machine only."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
-    api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."),
-    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."
+    ),
+    max_batch: int = typer.Option(
+        16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."
+    ),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
-    quant: str = typer.Option("none", "--quantize", help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; none: the float weights."),
-    cors: str | None = typer.Option(None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."),
+    quant: str = typer.Option(
+        "none",
+        "--quantize",
+        help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; none: the float weights.",
+    ),
+    cors: str | None = typer.Option(
+        None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."
+    ),
 ) -> None:
     """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
 
@@ -283,8 +361,19 @@ def serve_cmd(
 
     if api_key is None:  # read here, not by typer: click drops an empty variable, which would serve without a key
         api_key = os.environ.get("QUILL_API_KEY")
-    serve(ckpt, which=which, host=host, port=port, api_key=api_key, max_batch=max_batch,
-          max_tokens=max_tokens, device=device, dtype=dtype, quantize=quant, cors=cors)
+    serve(
+        ckpt,
+        which=which,
+        host=host,
+        port=port,
+        api_key=api_key,
+        max_batch=max_batch,
+        max_tokens=max_tokens,
+        device=device,
+        dtype=dtype,
+        quantize=quant,
+        cors=cors,
+    )
 
 
 @app.command("eval")
@@ -293,11 +382,19 @@ def eval_cmd(
     which: str = WHICH_OPT,
     split: str = typer.Option("val", "--split", help="Prepared split of the run's data.out_dir to score: val or train."),
     text: list[Path] | None = typer.Option(None, "--text", help="Score this UTF-8 file instead of the split; repeatable."),
-    text_format: str = typer.Option("text", "--format", help="text, or chat: --text files are jsonl conversations, scored on the assistant's tokens as training does."),
-    stride: int | None = typer.Option(None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."),
+    text_format: str = typer.Option(
+        "text", "--format", help="text, or chat: --text files are jsonl conversations, scored on the assistant's tokens as training does."
+    ),
+    stride: int | None = typer.Option(
+        None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."
+    ),
     batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    quant: str = typer.Option("none", "--quantize", help="int8: score the model with weight-only int8 linears, as quill sample --quantize int8 runs it, to see what int8 costs in loss; none: the float weights."),
+    quant: str = typer.Option(
+        "none",
+        "--quantize",
+        help="int8: score the model with weight-only int8 linears, as quill sample --quantize int8 runs it, to see what int8 costs in loss; none: the float weights.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
 ) -> None:
@@ -313,8 +410,17 @@ def eval_cmd(
     results = []
     for path in ckpt:
         results += evaluate_checkpoint(
-            path, which=which, split=split, texts=text, text_format=text_format, stride=stride, batch_size=batch_size,
-            device=device, progress=not as_json, skip_unknown=skip_unknown, quantize=quant,
+            path,
+            which=which,
+            split=split,
+            texts=text,
+            text_format=text_format,
+            stride=stride,
+            batch_size=batch_size,
+            device=device,
+            progress=not as_json,
+            skip_unknown=skip_unknown,
+            quantize=quant,
         )
     if as_json:
         rows = [r.to_dict() for r in results]
@@ -328,15 +434,31 @@ def attention_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to run once; longer than block_size keeps the last block_size tokens."),
     which: str = WHICH_OPT,
-    layer: str = typer.Option("-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."),
+    layer: str = typer.Option(
+        "-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."
+    ),
     head: int | None = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Image to write, .png or .svg; without it a text view is printed."),
-    fmt: str | None = typer.Option(None, "--format", help="png, svg or text (default: from --out's extension, text without --out; png/svg without --out write attention.png/.svg)."),
+    fmt: str | None = typer.Option(
+        None,
+        "--format",
+        help="png, svg or text (default: from --out's extension, text without --out; png/svg without --out write attention.png/.svg).",
+    ),
     top_k: int = typer.Option(3, "--top-k", help="Text view: attended tokens listed per query token."),
-    summary_json: Path | None = typer.Option(None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."),
+    summary_json: Path | None = typer.Option(
+        None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."
+    ),
     device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    quant: str = typer.Option("none", "--quantize", help="int8: the attention of the model with weight-only int8 linears (as quill sample --quantize int8 runs it); none: the float weights."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing file at --out / --summary-json that is not an earlier image / summary (e.g. a run's file)."),
+    quant: str = typer.Option(
+        "none",
+        "--quantize",
+        help="int8: the attention of the model with weight-only int8 linears (as quill sample --quantize int8 runs it); none: the float weights.",
+    ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Replace an existing file at --out / --summary-json that is not an earlier image / summary (e.g. a run's file).",
+    ),
 ) -> None:
     """Show where each head looks: heatmaps (or a text view) plus a per-head summary.
 
@@ -356,29 +478,32 @@ def attention_cmd(
     heads = viz.select_heads(head, mcfg.n_head)
     attn = viz.attention_weights(run.model, run.tokenizer, prompt)
     if attn.cropped:
-        print(f"note: the prompt is longer than block_size={mcfg.block_size}; kept its last {len(attn.ids)} tokens "
-              f"(dropped {attn.cropped})", file=sys.stderr)
+        print(
+            f"note: the prompt is longer than block_size={mcfg.block_size}; kept its last {len(attn.ids)} tokens (dropped {attn.cropped})",
+            file=sys.stderr,
+        )
     summary = viz.head_summary(attn.weights)
     if view == "text":
         print(viz.render_text(attn.tokens, attn.weights, layers, heads, top_k, prefix=attn.prefix))
     else:
         title = f"{run.path} (step {run.step}): {''.join(attn.tokens)}"
-        viz.plot_attention(attn.tokens, attn.weights, out, layers, heads, title=title[:120], prefix=attn.prefix,
-                           gates=attn.gates, force=force)
+        viz.plot_attention(
+            attn.tokens, attn.weights, out, layers, heads, title=title[:120], prefix=attn.prefix, gates=attn.gates, force=force
+        )
     print()
     print(viz.format_head_table([r for r in summary if r["layer"] in layers and r["head"] in heads]))
     if attn.gates is not None:
         print(viz.format_gates(attn.gates))
     if summary_json is not None:
-        viz.write_summary_json(summary_json, attn, summary, force=force, checkpoint=str(run.path), step=run.step,
-                               prompt=prompt)
+        viz.write_summary_json(summary_json, attn, summary, force=force, checkpoint=str(run.path), step=run.step, prompt=prompt)
         print(f"saved head summary (all layers) → {summary_json}")
     if out is not None and view != "text":
         print(f"saved {view} → {out}")
 
 
-def _attention_outputs(ckpt: Path, which: str, out: Path | None, fmt: str | None, summary_json: Path | None,
-                       force: bool) -> tuple[str, Path | None, Path | None]:
+def _attention_outputs(
+    ckpt: Path, which: str, out: Path | None, fmt: str | None, summary_json: Path | None, force: bool
+) -> tuple[str, Path | None, Path | None]:
     """(view, image path, summary path) of `quill attention`, both outputs checked before the
     checkpoint loads: png/svg without --out write attention.png/.svg, the summary goes beside."""
     from quillgpt.evaluate import attention_views as viz
@@ -408,8 +533,9 @@ def plot_cmd(
     from quillgpt.train.curves import plot_runs
 
     kind = out.suffix.lower().lstrip(".")
-    check_output_file(out, "--out", kind=kind if kind in ("png", "svg") else None, force=force,
-                      inputs=tuple(Path(d) / "metrics.jsonl" for d in run_dirs))
+    check_output_file(
+        out, "--out", kind=kind if kind in ("png", "svg") else None, force=force, inputs=tuple(Path(d) / "metrics.jsonl" for d in run_dirs)
+    )
     for c in plot_runs(run_dirs, out, x=x, log=log, force=force):
         best = f"best val {min(c.val[1]):.4f}" if c.val[1] else "no val points yet"
         print(f"{c.name}: step {c.last_step}, last train {c.train[1][-1]:.4f}, {best}")
@@ -418,7 +544,10 @@ def plot_cmd(
 
 @app.command("import-hf")
 def import_hf_cmd(
-    src: str = typer.Argument(..., help="Hugging Face model directory (config.json, model.safetensors or pytorch_model.bin, tokenizer files) of GPT-2, Llama, Qwen2, Qwen3 or Mistral, or a hub name such as gpt2."),
+    src: str = typer.Argument(
+        ...,
+        help="Hugging Face model directory (config.json, model.safetensors or pytorch_model.bin, tokenizer files) of GPT-2, Llama, Qwen2, Qwen3 or Mistral, or a hub name such as gpt2.",
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
@@ -437,7 +566,9 @@ def import_hf_cmd(
 @app.command("export-hf")
 def export_hf_cmd(
     run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
-    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files."),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files."
+    ),
     which: str = WHICH_OPT,
     force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
 ) -> None:
@@ -445,8 +576,10 @@ def export_hf_cmd(
     from quillgpt.interop.convert import export_hf
 
     done = export_hf(run, out, which=which, force=force)
-    print(f"exported {run} ({which}) → {done.path} as {done.architecture}: load with "
-          f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})")
+    print(
+        f"exported {run} ({which}) → {done.path} as {done.architecture}: load with "
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(done.path)!r})"
+    )
 
 
 @app.command("merge")

@@ -68,9 +68,8 @@ def _shown_key(key: Any) -> str:
 def _cut(text: str) -> str:
     return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 3] + "..."
 
-TINY_SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
@@ -109,16 +108,22 @@ class DataConfig:
         if not self.text_field:
             raise QuillError("data.text_field must name the jsonl field / parquet column that holds the text")
         if not 257 <= self.bpe_vocab_size <= MAX_VOCAB:
-            raise QuillError(
-                f"data.bpe_vocab_size must be between 257 (256 bytes + 1 merge) and {MAX_VOCAB:,}, got {self.bpe_vocab_size}"
-            )
+            raise QuillError(f"data.bpe_vocab_size must be between 257 (256 bytes + 1 merge) and {MAX_VOCAB:,}, got {self.bpe_vocab_size}")
 
 
 # The largest value of each size of ModelConfig (None = unset is allowed where the type says so).
 # Generous for any model this toolkit can train; what fits in memory is checked against the machine.
 MODEL_SIZE_LIMITS = {
-    "vocab_size": MAX_VOCAB, "block_size": 2**24, "n_layer": 1024, "n_head": 2**12, "n_kv_head": 2**12,
-    "n_embd": 2**17, "mlp_hidden": 2**19, "window": 2**24, "head_dim": 2**14, "rope_original_context": 2**24,
+    "vocab_size": MAX_VOCAB,
+    "block_size": 2**24,
+    "n_layer": 1024,
+    "n_head": 2**12,
+    "n_kv_head": 2**12,
+    "n_embd": 2**17,
+    "mlp_hidden": 2**19,
+    "window": 2**24,
+    "head_dim": 2**14,
+    "rope_original_context": 2**24,
 }
 
 
@@ -184,15 +189,9 @@ class ModelConfig:
             if value is not None and not 1 <= value <= most:
                 raise QuillError(f"model.{key} must be between 1 and {most:,}, got {value}")
         if self.head_dim is None and self.n_embd % self.n_head != 0:
-            raise QuillError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}), or set model.head_dim"
-            )
-        if self.n_kv_head is not None and (
-            self.n_kv_head < 1 or self.n_head % self.n_kv_head != 0
-        ):
-            raise QuillError(
-                f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
-            )
+            raise QuillError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}), or set model.head_dim")
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head != 0):
+            raise QuillError(f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})")
         if self.pos == "rope" and self.head_size % 2 != 0:
             what = "n_embd/n_head" if self.head_dim is None else "model.head_dim"
             raise QuillError(f"model.pos=rope needs an even head size, got {what} = {self.head_size}")
@@ -215,8 +214,10 @@ class ModelConfig:
         if (self.rope_scaling is None and changed) or (self.rope_scaling == "linear" and llama3_only):
             raise QuillError(f"model.{(llama3_only or changed)[0]} has no effect with model.rope_scaling={self.rope_scaling}")
         if self.rope_factor <= 0 or self.rope_low_freq_factor <= 0 or self.rope_high_freq_factor <= self.rope_low_freq_factor:
-            raise QuillError("need model.rope_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
-                             f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
+            raise QuillError(
+                "need model.rope_factor > 0 and 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+                f"{self.rope_factor}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}"
+            )
 
     def _validate_attention(self) -> None:
         """The attention variant's own keys, and the combinations that cannot work (both keys named)."""
@@ -231,12 +232,8 @@ class ModelConfig:
             raise QuillError(f"model.prefix_max must be in [0, model.block_size={self.block_size}], got {self.prefix_max}")
         if self.attention == "prefix" and self.prefix_sep == "":
             raise QuillError("model.prefix_sep must be a non-empty string (or null)")
-        if self.attention == "infini" and (
-            self.segment_size is None or self.segment_size < 1 or self.block_size % self.segment_size
-        ):
-            raise QuillError(
-                f"{a} needs model.segment_size dividing model.block_size ({self.block_size}), got {self.segment_size}"
-            )
+        if self.attention == "infini" and (self.segment_size is None or self.segment_size < 1 or self.block_size % self.segment_size):
+            raise QuillError(f"{a} needs model.segment_size dividing model.block_size ({self.block_size}), got {self.segment_size}")
 
 
 @dataclass
@@ -394,8 +391,10 @@ def base_tokenizer(init_from: str | None) -> str | None:
         raise QuillError(f"train.init_from: checkpoint not found: {init_from} (pass a run directory or a .pt file)")
     path = (run if os.path.isdir(run) else run.parent) / "tokenizer.json"
     if not os.path.isfile(path):
-        raise QuillError(f"train.init_from={init_from} has no tokenizer.json beside its checkpoint; "
-                         "set data.tokenizer to the tokenizer its model was trained with")
+        raise QuillError(
+            f"train.init_from={init_from} has no tokenizer.json beside its checkpoint; "
+            "set data.tokenizer to the tokenizer its model was trained with"
+        )
     return str(path)
 
 
@@ -502,8 +501,7 @@ def _matches(value: Any, tp: Any) -> bool:
 # Keys earlier versions accepted. `false` asks for nothing, so old runs' config.yaml and
 # checkpoints still load; anything else is refused with the reason.
 REMOVED_KEYS = {
-    "train.wandb": "Weights & Biases logging was never implemented; delete the key "
-    "(train.tensorboard=true writes TensorBoard logs)",
+    "train.wandb": "Weights & Biases logging was never implemented; delete the key (train.tensorboard=true writes TensorBoard logs)",
 }
 
 

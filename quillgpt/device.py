@@ -76,8 +76,9 @@ def resolve_device(name: str, setting: str = "--device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QuillError(f"{setting} {name} asks for CUDA, which is not available here; use cpu or auto")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise QuillError(f"{setting} {name}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
-                         f"cuda:{torch.cuda.device_count() - 1}")
+        raise QuillError(
+            f"{setting} {name}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise QuillError(f"{setting} {name} asks for MPS, which is not available here; use cpu or auto")
     if device.type == "cpu" and device.index not in (None, 0):

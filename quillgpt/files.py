@@ -78,8 +78,10 @@ def os_error(e: OSError, path: str | Path, action: str, what: str) -> QuillError
     """One line for an OSError on a user's path: 'cannot read data.path /x: Permission denied';
     a full disk names the file system: 'no space left on /data (...)'."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return QuillError(f"cannot {action} {what} {shown(path)}: no space left on {mount_point(path)} (the file "
-                          "system it is on); free disk space or write elsewhere, then run again")
+        return QuillError(
+            f"cannot {action} {what} {shown(path)}: no space left on {mount_point(path)} (the file "
+            "system it is on); free disk space or write elsewhere, then run again"
+        )
     reason = e.strerror or str(e) or type(e).__name__
     return QuillError(f"cannot {action} {what} {shown(path)}: {reason}")
 
@@ -98,8 +100,7 @@ def mount_point(path: str | Path) -> str:
     return shown(p)
 
 
-SPECIAL_FILES = {stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO (named pipe)",
-                 stat.S_IFSOCK: "a socket"}
+SPECIAL_FILES = {stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket"}
 
 
 def check_input(path: str | Path, what: str, directory: bool = False) -> os.stat_result:
@@ -241,13 +242,21 @@ DATASET_STATE = ".prepare-state.json"  # a prepare in progress: plan, tokenizer,
 SHARD_FILE = re.compile(r"(?:train|val)(?:-\d{6})?(?:\.flags)?\.bin")  # token shards and their chat flags
 
 OWNERS: dict[str, tuple[tuple[str, ...], re.Pattern[str]]] = {
-    "run": (("ckpt.pt", "best.pt", "metrics.jsonl"), re.compile(
-        r"ckpt\.pt|best\.pt|config\.yaml|tokenizer\.json|metrics\.jsonl|\.lock|events\.out\.tfevents\..*")),
-    "dataset": (("meta.json", DATASET_STATE), re.compile(
-        rf"meta\.json|{re.escape(DATASET_STATE)}|{re.escape(DATASET_LOCK)}|{SHARD_FILE.pattern}")),
-    "HF model": (("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"), re.compile(
-        r"config\.json|generation_config\.json|.*\.safetensors|pytorch_model.*\.bin|.*\.index\.json|"
-        r"tokenizer(?:_config)?\.json|vocab\.json|merges\.txt|special_tokens_map\.json|quill_tokenizer\.json")),
+    "run": (
+        ("ckpt.pt", "best.pt", "metrics.jsonl"),
+        re.compile(r"ckpt\.pt|best\.pt|config\.yaml|tokenizer\.json|metrics\.jsonl|\.lock|events\.out\.tfevents\..*"),
+    ),
+    "dataset": (
+        ("meta.json", DATASET_STATE),
+        re.compile(rf"meta\.json|{re.escape(DATASET_STATE)}|{re.escape(DATASET_LOCK)}|{SHARD_FILE.pattern}"),
+    ),
+    "HF model": (
+        ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"),
+        re.compile(
+            r"config\.json|generation_config\.json|.*\.safetensors|pytorch_model.*\.bin|.*\.index\.json|"
+            r"tokenizer(?:_config)?\.json|vocab\.json|merges\.txt|special_tokens_map\.json|quill_tokenizer\.json"
+        ),
+    ),
 }
 
 
@@ -268,8 +277,9 @@ def of_kind(path: str | Path, kind: str) -> bool:
     return head == b"" or OUTPUT_KINDS[kind][1](head)
 
 
-def check_output_file(path: str | Path, what: str, kind: str | None = None, force: bool = False,
-                      inputs: tuple[str | Path, ...] = (), fresh: bool = False) -> Path:
+def check_output_file(
+    path: str | Path, what: str, kind: str | None = None, force: bool = False, inputs: tuple[str | Path, ...] = (), fresh: bool = False
+) -> Path:
     """Refuse, before long work starts, an output file that cannot or must not be written: a
     directory, a device or pipe, one of the command's `inputs`, a name the file system refuses, a
     directory that cannot be written; and without `force`, an existing file of a run, a dataset
@@ -294,8 +304,9 @@ def check_output_file(path: str | Path, what: str, kind: str | None = None, forc
     return path
 
 
-def check_output_dir(directory: str | Path, what: str, own: str, writes: dict[str, str | None], force: bool,
-                     how: str = "pass --force") -> None:
+def check_output_dir(
+    directory: str | Path, what: str, own: str, writes: dict[str, str | None], force: bool, how: str = "pass --force"
+) -> None:
     """Refuse, before long work starts, a directory output (a run, a dataset: `own`) holding
     files it would replace that are not its own: a file another kind of directory owns (an HF
     model's tokenizer.json given as a run's), or, in a directory not yet marked as `own`, a file
@@ -314,15 +325,15 @@ def check_output_dir(directory: str | Path, what: str, own: str, writes: dict[st
         held = owner(path)
         if held not in (None, own) or (not ours and (kind is None or not of_kind(path, kind))):
             whose = f"a file of the {held} there" if held not in (None, own) else f"not a {own}'s file"
-            raise QuillError(f"{what} {shown(directory)} holds {entry}, {whose}; choose another {what}, or {how} "
-                             "to replace it")
+            raise QuillError(f"{what} {shown(directory)} holds {entry}, {whose}; choose another {what}, or {how} to replace it")
 
 
 def _check_replaceable(path: Path, what: str, kind: str | None, fresh: bool) -> None:
     held = owner(path)
     if held is not None:
-        raise QuillError(f"{what} {shown(path)} is a file of the {held} in {shown(path.parent)}; write elsewhere, "
-                         "or pass --force to replace it")
+        raise QuillError(
+            f"{what} {shown(path)} is a file of the {held} in {shown(path.parent)}; write elsewhere, or pass --force to replace it"
+        )
     if fresh:
         raise QuillError(f"{what} {shown(path)} already exists; choose another name or pass --force to overwrite it")
     if kind is None or not of_kind(path, kind):

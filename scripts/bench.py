@@ -235,14 +235,15 @@ def describe_machine(report: Report) -> None:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "load_average_start": os.getloadavg(),
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS")
-                if k in os.environ},
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS") if k in os.environ},
         "python": platform.python_version(),
     }
     report.header.update(h)
-    print(f"torch {h['torch']} | {h['threads']} threads | CPU {h['cpu']} | capability {h['cpu_capability']} "
-          f"| GPU {h['gpu'] or 'none'} | load average {' '.join(f'{x:.2f}' for x in h['load_average_start'])}"
-          + "".join(f" | {k}={v}" for k, v in h["env"].items()))
+    print(
+        f"torch {h['torch']} | {h['threads']} threads | CPU {h['cpu']} | capability {h['cpu_capability']} "
+        f"| GPU {h['gpu'] or 'none'} | load average {' '.join(f'{x:.2f}' for x in h['load_average_start'])}"
+        + "".join(f" | {k}={v}" for k, v in h["env"].items())
+    )
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -284,8 +285,7 @@ class RefBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(n_embd, bias=False)
         self.attn = RefAttention(n_embd, n_head, dropout)
         self.ln_2 = nn.LayerNorm(n_embd, bias=False)
-        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(n_embd, 4 * n_embd, bias=False),
-                                      c_proj=nn.Linear(4 * n_embd, n_embd, bias=False)))
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(n_embd, 4 * n_embd, bias=False), c_proj=nn.Linear(4 * n_embd, n_embd, bias=False)))
         self.mlp_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,11 +299,15 @@ class RefGPT(nn.Module):
 
     def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, n_embd: int, dropout: float) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block, n_embd), drop=nn.Dropout(dropout),
-            h=nn.ModuleList(RefBlock(n_embd, n_head, dropout) for _ in range(n_layer)),
-            ln_f=nn.LayerNorm(n_embd, bias=False),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, n_embd),
+                wpe=nn.Embedding(block, n_embd),
+                drop=nn.Dropout(dropout),
+                h=nn.ModuleList(RefBlock(n_embd, n_head, dropout) for _ in range(n_layer)),
+                ln_f=nn.LayerNorm(n_embd, bias=False),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         for name, p in self.named_parameters():
@@ -323,8 +327,10 @@ class RefGPT(nn.Module):
 def ref_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
     """nanoGPT's configure_optimizers on CPU: decay on matrices, the default (for-loop) AdamW."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2))
 
 
@@ -378,17 +384,18 @@ SHAPES = [
 
 
 def model_config(s: Shape, vocab: int, **kw: Any) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, block_size=s.block, n_layer=s.n_layer, n_head=s.n_head,
-                       n_embd=s.n_embd, dropout=s.dropout, bias=False, **kw)
+    return ModelConfig(
+        vocab_size=vocab, block_size=s.block, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd, dropout=s.dropout, bias=False, **kw
+    )
 
 
-def step_state(model: GPT, tc: TrainConfig, sampler: BatchSampler, device: torch.device, dtype: torch.dtype,
-               compile: bool = False) -> Trainer:
+def step_state(
+    model: GPT, tc: TrainConfig, sampler: BatchSampler, device: torch.device, dtype: torch.dtype, compile: bool = False
+) -> Trainer:
     """The state `quill train` hands train.train_step, built from the same pieces (no run dir, no log)."""
     opt = build_optimizer(model, tc, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    t = Trainer(Config(model=model.config, train=tc), Dist(), device, dtype, Path(tc.out_dir), None, model, opt,
-                scaler, sampler, {}, None)
+    t = Trainer(Config(model=model.config, train=tc), Dist(), device, dtype, Path(tc.out_dir), None, model, opt, scaler, sampler, {}, None)
     t.model = torch.compile(model) if compile else model
     return t
 
@@ -396,16 +403,23 @@ def step_state(model: GPT, tc: TrainConfig, sampler: BatchSampler, device: torch
 class QuillTrainer:
     """quill's real step: configure_optimizer (fused AdamW) + train.train_step, as train() runs it."""
 
-    def __init__(self, s: Shape, vocab: int, tokens: np.ndarray, dtype: torch.dtype, compile: bool = False,
-                 init: dict[str, torch.Tensor] | None = None, lr: float = 1e-3) -> None:
+    def __init__(
+        self,
+        s: Shape,
+        vocab: int,
+        tokens: np.ndarray,
+        dtype: torch.dtype,
+        compile: bool = False,
+        init: dict[str, torch.Tensor] | None = None,
+        lr: float = 1e-3,
+    ) -> None:
         torch.manual_seed(0)
         self.model = GPT(model_config(s, vocab))
         if init is not None:
             self.model.load_state_dict(init)
         self.tc = TrainConfig(batch_size=s.batch, learning_rate=lr, min_lr=lr / 10, beta2=0.99, device="cpu")
         self.model.train()
-        self.t = step_state(self.model, self.tc, BatchSampler(tokens, s.block, s.batch, seed=1), torch.device("cpu"),
-                            dtype, compile)
+        self.t = step_state(self.model, self.tc, BatchSampler(tokens, s.block, s.batch, seed=1), torch.device("cpu"), dtype, compile)
 
     def step(self, lr: float | None = None) -> torch.Tensor:
         for group in self.t.optimizer.param_groups:
@@ -424,11 +438,29 @@ class TrainCommand:
         steps = log_every * (lines + 1)
         cfg = {
             "data": {"path": str(text), "tokenizer": "char", "out_dir": str(work / "char")},
-            "model": {"block_size": s.block, "n_layer": s.n_layer, "n_head": s.n_head, "n_embd": s.n_embd,
-                      "dropout": s.dropout, "bias": False},
-            "train": {"out_dir": str(self.out), "max_iters": steps, "batch_size": s.batch, "learning_rate": 1e-3,
-                      "min_lr": 1e-4, "beta2": 0.99, "warmup_iters": 0, "eval_interval": steps, "eval_iters": 1,
-                      "log_interval": log_every, "dtype": dtype, "device": "cpu", "overwrite": True},
+            "model": {
+                "block_size": s.block,
+                "n_layer": s.n_layer,
+                "n_head": s.n_head,
+                "n_embd": s.n_embd,
+                "dropout": s.dropout,
+                "bias": False,
+            },
+            "train": {
+                "out_dir": str(self.out),
+                "max_iters": steps,
+                "batch_size": s.batch,
+                "learning_rate": 1e-3,
+                "min_lr": 1e-4,
+                "beta2": 0.99,
+                "warmup_iters": 0,
+                "eval_interval": steps,
+                "eval_iters": 1,
+                "log_interval": log_every,
+                "dtype": dtype,
+                "device": "cpu",
+                "overwrite": True,
+            },
         }
         self.config = work / f"cmd-{s.n_layer}L-{dtype}.yaml"
         self.config.write_text(json.dumps(cfg))  # JSON is YAML
@@ -436,16 +468,24 @@ class TrainCommand:
     def __call__(self) -> float:
         import subprocess
 
-        subprocess.run([sys.executable, "-m", "quillgpt", "train", "-c", str(self.config), "-q"], check=True,
-                       cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "quillgpt", "train", "-c", str(self.config), "-q"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
+        )
         lines = [json.loads(x) for x in (self.out / "metrics.jsonl").read_text().splitlines() if x.strip()]
         rates = [x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][1:]
         return self.tokens / statistics.median(rates)
 
 
 class RefTrainer:
-    def __init__(self, s: Shape, vocab: int, tokens: np.ndarray, init: dict[str, torch.Tensor] | None = None,
-                 get_batch: Callable | None = None, lr: float = 1e-3) -> None:
+    def __init__(
+        self,
+        s: Shape,
+        vocab: int,
+        tokens: np.ndarray,
+        init: dict[str, torch.Tensor] | None = None,
+        get_batch: Callable | None = None,
+        lr: float = 1e-3,
+    ) -> None:
         torch.manual_seed(0)
         self.model = RefGPT(vocab, s.block, s.n_layer, s.n_head, s.n_embd, s.dropout)
         if init is not None:
@@ -479,8 +519,7 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     group = "train: matmul peak (1024² matmuls, this run)"
     peaks = matmul_peaks(max(3, args.reps))
     for d, st in peaks.items():
-        report.add(Row(group, f"torch.mm {str(d).replace('torch.', '')}", "GFLOP/s", st.median / 1e9,
-                       st.lo / 1e9, st.hi / 1e9))
+        report.add(Row(group, f"torch.mm {str(d).replace('torch.', '')}", "GFLOP/s", st.median / 1e9, st.lo / 1e9, st.hi / 1e9))
     report.print_group(group)
 
     train_tokens, val_tokens, vocab, source = char_tokens(args.text, work)
@@ -504,8 +543,7 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         if args.compile:
             builders["quill fp32 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.float32, compile=True)
             if bf16:
-                builders["quill bf16 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.bfloat16,
-                                                                                  compile=True)
+                builders["quill bf16 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.bfloat16, compile=True)
         for name, build in builders.items():
             with PeakMemory() as mem:
                 trainer = build()
@@ -523,8 +561,10 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         if args.text.is_file():  # the command trains on the text itself
             fns[cmd] = TrainCommand(s, args.text, work, cmd_dtype, s.log_every)
             variants[cmd] = (None, torch.bfloat16 if bf16 else torch.float32)
-            notes[cmd] = (f"a subprocess per rep, {s.log_every * 4} steps; median tokens_per_sec of its log "
-                          f"lines after the first (every {s.log_every} steps); memory not measured")
+            notes[cmd] = (
+                f"a subprocess per rep, {s.log_every * 4} steps; median tokens_per_sec of its log "
+                f"lines after the first (every {s.log_every} steps); memory not measured"
+            )
             memory[cmd] = PeakMemory()
         samples = interleaved(fns, reps)
         fpt = GPT(model_config(s, vocab)).flops_per_token()
@@ -534,10 +574,23 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             st = Stats.of([tokens / x for x in samples[name]])
             ms = statistics.median(samples[name]) * 1e3
             peak = peaks[dtype].median
-            report.add(Row(group, name, "tokens/s", st.median, st.lo, st.hi, extra={
-                "ms/step": ms, "MFU": f"{fpt * st.median / peak:.1%}", "vs reference": f"{ref_ms / ms:.2f}×",
-                "peak RSS MB": memory[name].rss_mb,
-            }, note=notes.get(name, "")))
+            report.add(
+                Row(
+                    group,
+                    name,
+                    "tokens/s",
+                    st.median,
+                    st.lo,
+                    st.hi,
+                    extra={
+                        "ms/step": ms,
+                        "MFU": f"{fpt * st.median / peak:.1%}",
+                        "vs reference": f"{ref_ms / ms:.2f}×",
+                        "peak RSS MB": memory[name].rss_mb,
+                    },
+                    note=notes.get(name, ""),
+                )
+            )
         report.print_group(group)
         del variants
     recipe_step_group(report, args, train_tokens, vocab, source)
@@ -568,8 +621,9 @@ def recipe_trainer(vocab: int, tokens: np.ndarray, plain: bool) -> Trainer:
     cfg = load_config(RECIPE)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab)).train()
-    t = step_state(model, cfg.train, BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1),
-                   torch.device("cpu"), torch.float32)
+    t = step_state(
+        model, cfg.train, BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1), torch.device("cpu"), torch.float32
+    )
     if plain:
         for block in model.transformer.h:
             block.mlp.act = lambda h: F.relu(h).square()
@@ -582,14 +636,18 @@ def recipe_step_group(report: Report, args: argparse.Namespace, tokens: np.ndarr
     """The time-to-quality recipe's step (fp32 here): its batched Muon and ReLU² backward against
     the plain forms, and the Muon step alone."""
     cfg = load_config(RECIPE)
-    group = (f"train: recipe step, {RECIPE.name} ({cfg.model.n_layer}L/{cfg.model.n_head}H/{cfg.model.n_embd}, "
-             f"block {cfg.model.block_size}, batch {cfg.train.batch_size}, Muon, ReLU², fp32) ({source})")
+    group = (
+        f"train: recipe step, {RECIPE.name} ({cfg.model.n_layer}L/{cfg.model.n_head}H/{cfg.model.n_embd}, "
+        f"block {cfg.model.block_size}, batch {cfg.train.batch_size}, Muon, ReLU², fp32) ({source})"
+    )
     ours, plain = recipe_trainer(vocab, tokens, False), recipe_trainer(vocab, tokens, True)
     muon_ours, muon_plain = _with_grads(ours.optimizer.muon), _with_grads(plain.optimizer.muon)
-    fns = {"quill (batched Muon, ReLUSquared)": lambda: _timed(lambda: train_step(ours.model, ours)),
-           "per-matrix Muon, autograd relu²": lambda: _timed(lambda: train_step(plain.model, plain)),
-           "Muon step alone, batched": lambda: _timed(muon_ours),
-           "Muon step alone, per matrix": lambda: _timed(muon_plain)}
+    fns = {
+        "quill (batched Muon, ReLUSquared)": lambda: _timed(lambda: train_step(ours.model, ours)),
+        "per-matrix Muon, autograd relu²": lambda: _timed(lambda: train_step(plain.model, plain)),
+        "Muon step alone, batched": lambda: _timed(muon_ours),
+        "Muon step alone, per matrix": lambda: _timed(muon_plain),
+    }
     for f in fns.values():
         f()
     samples = interleaved(fns, args.reps)
@@ -598,9 +656,22 @@ def recipe_step_group(report: Report, args: argparse.Namespace, tokens: np.ndarr
     for name, xs in samples.items():
         st = Stats.of([x * 1e3 for x in xs])
         whole = "alone" not in name
-        report.add(Row(group, name, "ms", st.median, st.lo, st.hi, extra={
-            "tokens/s": tokens_per_step / statistics.median(xs) if whole else "",
-            "vs plain step": f"{base / statistics.median(xs):.2f}×" if whole else f"{statistics.median(xs) / base:.0%} of a plain step"}))
+        report.add(
+            Row(
+                group,
+                name,
+                "ms",
+                st.median,
+                st.lo,
+                st.hi,
+                extra={
+                    "tokens/s": tokens_per_step / statistics.median(xs) if whole else "",
+                    "vs plain step": f"{base / statistics.median(xs):.2f}×"
+                    if whole
+                    else f"{statistics.median(xs) / base:.0%} of a plain step",
+                },
+            )
+        )
     report.print_group(group)
 
 
@@ -624,8 +695,9 @@ def _timed(fn: Callable[[], Any], n: int = 3) -> float:
     return (time.perf_counter() - start) / n
 
 
-def loss_check(report: Report, args: argparse.Namespace, train_tokens: np.ndarray, val_tokens: np.ndarray,
-               vocab: int, bf16: bool, source: str) -> None:
+def loss_check(
+    report: Report, args: argparse.Namespace, train_tokens: np.ndarray, val_tokens: np.ndarray, vocab: int, bf16: bool, source: str
+) -> None:
     """Same initial weights, same batches, same schedule: does quill learn as fast per step?"""
     s = SHAPES[0]
     n = args.loss_steps
@@ -634,8 +706,9 @@ def loss_check(report: Report, args: argparse.Namespace, train_tokens: np.ndarra
     torch.manual_seed(0)
     init = GPT(model_config(s, vocab)).state_dict()
     runs: dict[str, Any] = {
-        "reference fp32 (nanoGPT-style)": RefTrainer(s, vocab, train_tokens, init=init,
-                                                    get_batch=BatchSampler(train_tokens, s.block, s.batch, seed=1).next),
+        "reference fp32 (nanoGPT-style)": RefTrainer(
+            s, vocab, train_tokens, init=init, get_batch=BatchSampler(train_tokens, s.block, s.batch, seed=1).next
+        ),
         "quill fp32": QuillTrainer(s, vocab, train_tokens, torch.float32, init=init),
     }
     if bf16:
@@ -660,11 +733,19 @@ def loss_check(report: Report, args: argparse.Namespace, train_tokens: np.ndarra
                 losses.append(model(x, y)[1].item())
         last = curves[name][-20:]
         diff = max(abs(a - b) for a, b in zip(curves[name], base))
-        report.add(Row(group, name, "val loss", f"{statistics.mean(losses):.4f}", extra={
-            "train loss (last 20)": f"{statistics.mean(last):.4f}",
-            "max |Δ train loss| vs quill fp32": f"{diff:.4f}",
-            "wall s": seconds[name],
-        }))
+        report.add(
+            Row(
+                group,
+                name,
+                "val loss",
+                f"{statistics.mean(losses):.4f}",
+                extra={
+                    "train loss (last 20)": f"{statistics.mean(last):.4f}",
+                    "max |Δ train loss| vs quill fp32": f"{diff:.4f}",
+                    "wall s": seconds[name],
+                },
+            )
+        )
     report.print_group(group)
 
 
@@ -674,14 +755,12 @@ def loss_check(report: Report, args: argparse.Namespace, train_tokens: np.ndarra
 def make_run(work: Path, block: int, text: str) -> Path:
     """A quill run directory holding a random-init 6L/384 char model (biases on, as GPT-2)."""
     tok = build_tokenizer("char", text)
-    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=block, n_layer=6, n_head=6, n_embd=384,
-                                   bias=True, dropout=0.0))
+    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=block, n_layer=6, n_head=6, n_embd=384, bias=True, dropout=0.0))
     torch.manual_seed(0)
     model = GPT(cfg.model)
     run = work / f"run{block}"
     run.mkdir(parents=True, exist_ok=True)
-    ckpt.save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0},
-                         run / ckpt.LATEST)
+    ckpt.save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0}, run / ckpt.LATEST)
     return run
 
 
@@ -710,9 +789,10 @@ def quill_generate(model: GPT, prompts: list[list[int]], n: int, use_cache: bool
 def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
     ids = torch.tensor(prompts)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             use_cache=True, pad_token_id=0, eos_token_id=None)
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None
+        )
+    return out[:, ids.shape[1] :]
 
 
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
@@ -726,8 +806,7 @@ def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         prefill_group(report, args, loaded.model, hf, loaded.tokenizer, text, block)
 
 
-def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str,
-                 block: int, B: int) -> None:
+def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str, block: int, B: int) -> None:
     """New tokens/s: quill's engine (eager, bf16 weights, int8 weights, compiled decode) vs
     recompute vs transformers, each as a fraction of this machine's weight-streaming and compute
     bounds for the bytes that variant reads."""
@@ -755,6 +834,7 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
             t = time.perf_counter()
             tokens[key], _ = quill_generate(model, prompts, n_new, use_cache=True, **kw)
             return time.perf_counter() - t
+
         return run
 
     def transformers() -> float:
@@ -806,11 +886,27 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     if refused:
         report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {refused}"))
     if not hf_ok:
-        report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=(
-            f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past")))
-    report.add(Row(group, "quill recompute (no cache)", "new tokens/s", rec.median, rec.lo, rec.hi,
-                   extra=sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"]),
-                   note=f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"))
+        report.add(
+            Row(
+                group,
+                "transformers generate (use_cache)",
+                "new tokens/s",
+                None,
+                note=(f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past"),
+            )
+        )
+    report.add(
+        Row(
+            group,
+            "quill recompute (no cache)",
+            "new tokens/s",
+            rec.median,
+            rec.lo,
+            rec.hi,
+            extra=sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"]),
+            note=f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median",
+        )
+    )
     report.add(bounds_row(group, bounds))
     report.print_group(group)
 
@@ -822,24 +918,31 @@ def bounds_row(group: str, bounds: dict[str, dict[str, float]]) -> Row:
     reads = ", ".join(f"{k} {b['bytes'] / 1e6:.0f} MB at {b['bw'] / 1e9:.0f} GB/s" for k, b in bounds.items())
     peaks = ", ".join(f"{k} {b['peak'] / 1e9:.0f}" for k, b in bounds.items())
     flops = next(iter(bounds.values()))["flops"]
-    return Row(group, f"bounds ({' | '.join(bounds)})", "new tokens/s", f"{bw} bw, {compute} compute",
-               note=(f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); "
-                     f"peak matmul GFLOP/s ({peaks}) / {flops / 1e6:.1f} MFLOP a token"))
+    return Row(
+        group,
+        f"bounds ({' | '.join(bounds)})",
+        "new tokens/s",
+        f"{bw} bw, {compute} compute",
+        note=(
+            f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); "
+            f"peak matmul GFLOP/s ({peaks}) / {flops / 1e6:.1f} MFLOP a token"
+        ),
+    )
 
 
-def sample_note(name: str, tokens: dict[str, torch.Tensor], past_window: bool, block: int, hf_ok: bool,
-                compile_s: float) -> str:
+def sample_note(name: str, tokens: dict[str, torch.Tensor], past_window: bool, block: int, hf_ok: bool, compile_s: float) -> str:
     """Greedy-token agreement of a row with its reference, and what else the reader must know."""
     if name.startswith("quill engine (eager") and past_window:
-        return (f"past {block} tokens learned positions shift, so the row is refilled every step "
-                f"(nanoGPT's crop): a {block}-token prefill per token, like recompute")
+        return (
+            f"past {block} tokens learned positions shift, so the row is refilled every step "
+            f"(nanoGPT's crop): a {block}-token prefill per token, like recompute"
+        )
     if name.startswith("quill engine (eager") and hf_ok:
         return f"greedy tokens = transformers' for {agreement(tokens['quill'], tokens['hf'])}"
     if name == "quill engine, compiled decode":
         return f"greedy tokens = eager's for {agreement(tokens['quill compiled'], tokens['quill'])}; compiling took {compile_s:.0f} s"
     if name == "quill engine, int8, compiled decode":
-        return (f"greedy tokens = eager int8's for {agreement(tokens['int8 compiled'], tokens['int8'])}; "
-                f"compiling took {compile_s:.0f} s")
+        return f"greedy tokens = eager int8's for {agreement(tokens['int8 compiled'], tokens['int8'])}; compiling took {compile_s:.0f} s"
     if name in ("quill engine, bf16 weights", "quill engine, int8 weights"):
         key = name.split(", ")[1].split()[0]
         return f"greedy tokens = fp32 quill's for {agreement(tokens[key], tokens['quill'])}"
@@ -893,8 +996,7 @@ def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     # without bf16 units torch converts bf16 and multiplies in fp32: the fp32 peak bounds it
     peak = matmul_peak(torch.bfloat16 if low and cpu_has_bf16() else torch.float32)
     bw = read_bandwidth(int(weights))
-    return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv,
-            "peak": peak, "flops": flops}
+    return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv, "peak": peak, "flops": flops}
 
 
 _PEAKS: dict[torch.dtype, float] = {}
@@ -986,8 +1088,7 @@ def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     samples = interleaved(fns, max(5, args.reps))
     for name, xs in samples.items():
         st = Stats.of([size_mb / x for x in xs])
-        report.add(Row(group, name, "MB/s", st.median, st.lo, st.hi,
-                       extra={"ms": statistics.median(xs) * 1e3, "peak RSS MB": mem[name]}))
+        report.add(Row(group, name, "MB/s", st.median, st.lo, st.hi, extra={"ms": statistics.median(xs) * 1e3, "peak RSS MB": mem[name]}))
     report.print_group(group)
 
 
@@ -1034,8 +1135,15 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     bandwidth, matmul = cuda_copy_bandwidth(), cuda_matmul_peak()
     group = f"gpu: {name}, ceilings measured in this run"
     report.add(Row(group, "device-to-device copy, 2 GiB", "GB/s", bandwidth / 1e9, note="bytes read + written"))
-    report.add(Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12,
-                   note=f"datasheet dense bf16 (device.GPU_PEAKS): {peak_flops(device, torch.bfloat16) / 1e12:.0f}"))
+    report.add(
+        Row(
+            group,
+            "bf16 matmul 8192³, random data",
+            "TFLOP/s",
+            matmul / 1e12,
+            note=f"datasheet dense bf16 (device.GPU_PEAKS): {peak_flops(device, torch.bfloat16) / 1e12:.0f}",
+        )
+    )
     report.print_group(group)
     cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
     gpu_train_group(report, args, cfg, name, matmul)
@@ -1085,10 +1193,23 @@ def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, 
     for vname, xs in samples.items():
         st = Stats.of([batch * cfg.block_size / x for x in xs])
         _, mem, warm = variants[vname]
-        report.add(Row(group, vname, "tokens/s", st.median, st.lo, st.hi, extra={
-            "ms/step": statistics.median(xs) * 1e3, "MFU": f"{fpt * st.median / peak:.1%}",
-            "of measured matmul": f"{fpt * st.median / matmul:.1%}", "CUDA max alloc MB": mem.cuda_mb},
-            note=f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s"))
+        report.add(
+            Row(
+                group,
+                vname,
+                "tokens/s",
+                st.median,
+                st.lo,
+                st.hi,
+                extra={
+                    "ms/step": statistics.median(xs) * 1e3,
+                    "MFU": f"{fpt * st.median / peak:.1%}",
+                    "of measured matmul": f"{fpt * st.median / matmul:.1%}",
+                    "CUDA max alloc MB": mem.cuda_mb,
+                },
+                note=f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s",
+            )
+        )
     report.print_group(group)
 
 
@@ -1133,16 +1254,36 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
         for vname, xs in samples.items():
             key = "bf16" if "bf16" in vname else "int8"
             st = Stats.of([B * n / x for x in xs])
-            note = (f"greedy tokens = eager's for {agreement(out[f'{key} True'], out[f'{key} False'])}; "
-                    f"first run (compiling) {first[vname]:.0f} s" if "compiled" in vname else "")
+            note = (
+                f"greedy tokens = eager's for {agreement(out[f'{key} True'], out[f'{key} False'])}; "
+                f"first run (compiling) {first[vname]:.0f} s"
+                if "compiled" in vname
+                else ""
+            )
             if key == "int8" and "eager" in vname:
                 note = f"greedy tokens = bf16 eager's for {agreement(out['int8 False'], out['bf16 False'])}"
-            report.add(Row(group, vname, "new tokens/s", st.median, st.lo, st.hi, extra={
-                "of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]}, note=note))
+            report.add(
+                Row(
+                    group,
+                    vname,
+                    "new tokens/s",
+                    st.median,
+                    st.lo,
+                    st.hi,
+                    extra={"of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]},
+                    note=note,
+                )
+            )
         reads = ", ".join(f"{k} {(step_weight_bytes(m) + kv) / 1e6:,.0f} MB" for k, m in runs.items())
-        report.add(Row(group, f"bound ({' | '.join(runs)})", "new tokens/s",
-                       " | ".join(f"{b:,.0f}" for b in bounds.values()), note=(
-            f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)")))
+        report.add(
+            Row(
+                group,
+                f"bound ({' | '.join(runs)})",
+                "new tokens/s",
+                " | ".join(f"{b:,.0f}" for b in bounds.values()),
+                note=(f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)"),
+            )
+        )
         report.print_group(group)
 
 
@@ -1155,8 +1296,7 @@ SUITES = {"train": train_suite, "sample": sample_suite, "prepare": prepare_suite
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=[*SUITES, "all"], default="all")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (the 6-layer training "
-                   "shape uses half, at least 3)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (the 6-layer training shape uses half, at least 3)")
     p.add_argument("--json", type=Path, help="also write every row (and the machine) as JSON here")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="Tiny Shakespeare (default: ../shared/data)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
@@ -1166,10 +1306,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-tokens", type=int, default=1000)
     p.add_argument("--recompute-tokens", type=int, default=100)
     p.add_argument("--sample-reps", type=int, default=3)
-    p.add_argument("--sample-blocks", type=int, nargs="+", default=[1024, 256],
-                   help="sample suite: the block sizes of the model (default 1024 256)")
-    p.add_argument("--sample-compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)")
+    p.add_argument(
+        "--sample-blocks", type=int, nargs="+", default=[1024, 256], help="sample suite: the block sizes of the model (default 1024 256)"
+    )
+    p.add_argument(
+        "--sample-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)",
+    )
     p.add_argument("--gpu-batch", type=int, default=16)
     p.add_argument("--gpu-steps", type=int, default=10)
     p.add_argument("--gpu-sample-tokens", type=int, default=500)
@@ -1188,8 +1333,7 @@ def main(argv: list[str] | None = None) -> None:
             SUITES[name](report, args, Path(tmp))
     report.header["load_average_end"] = os.getloadavg()
     report.header["seconds"] = time.perf_counter() - t0
-    print(f"\n{time.perf_counter() - t0:.0f} s; load average at the end "
-          f"{' '.join(f'{x:.2f}' for x in report.header['load_average_end'])}")
+    print(f"\n{time.perf_counter() - t0:.0f} s; load average at the end {' '.join(f'{x:.2f}' for x in report.header['load_average_end'])}")
     if args.json:
         args.json.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
 

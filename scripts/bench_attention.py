@@ -100,8 +100,10 @@ def main() -> None:
     for _ in range(args.reps):
         for name, run in runs.items():
             times[name].append(run())
-    print(f"4L/4H/128, block {args.block}, batch {args.batch}, fp32, {torch.get_num_threads()} threads; "
-          f"sampling: 1 row, 16-token prompt + {args.tokens:,} new tokens")
+    print(
+        f"4L/4H/128, block {args.block}, batch {args.batch}, fp32, {torch.get_num_threads()} threads; "
+        f"sampling: 1 row, 16-token prompt + {args.tokens:,} new tokens"
+    )
     print(f"{'attention':<28} {'train tok/s':>11} {'sample tok/s':>12} {'state bytes':>12}  grows?")
     for name, model in models.items():
         tok_s = args.batch * args.block / statistics.median(times[name])

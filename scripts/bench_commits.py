@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def worktree(commit: str) -> Path:
     """A checkout of `commit` (made once, reused)."""
-    sha = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout.strip()
+    sha = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
     path = Path(tempfile.gettempdir()) / f"quill-bench-{sha}"
     if not (path / "scripts" / "bench.py").is_file():
         subprocess.run(["git", "worktree", "add", "--detach", "--force", str(path), sha], cwd=ROOT, check=True)
@@ -35,8 +34,7 @@ def worktree(commit: str) -> Path:
 
 def run_bench(tree: Path, args: list[str], out: Path) -> dict[tuple[str, str], float]:
     """One bench.py run in `tree`: {(group, row): value} of its numeric rows."""
-    subprocess.run([sys.executable, "scripts/bench.py", *args, "--json", str(out)], cwd=tree, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "scripts/bench.py", *args, "--json", str(out)], cwd=tree, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]
     return {(r["group"], r["name"]): r["value"] for r in rows if isinstance(r["value"], (int, float))}
 
@@ -58,8 +56,7 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}: {side} done", file=sys.stderr, flush=True)
     keys = [k for k in runs["after"][0] if all(k in run for side in runs for run in runs[side])]
     keys = [k for k in keys if args.rows in k[0] or args.rows in k[1]]
-    print(f"python scripts/bench.py {' '.join(bench_args)}: {args.base} (before) vs this checkout (after), "
-          f"median of {args.rounds} rounds")
+    print(f"python scripts/bench.py {' '.join(bench_args)}: {args.base} (before) vs this checkout (after), median of {args.rounds} rounds")
     group = None
     for g, name in keys:
         if g != group:

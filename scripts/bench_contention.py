@@ -42,9 +42,21 @@ SPIN = "while True: pass"
 def step_ms(config: Path, steps: int, env: dict[str, str], data_path: str | None, busy: bool) -> float:
     """Median step time (ms) of one `quill train` run with `env`, beside a spin loop if `busy`."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "quillgpt", "train", "--config", str(config), f"train.out_dir={out}/run",
-               f"train.max_iters={steps}", "train.log_interval=1", "train.eval_interval=1000000",
-               "train.time_budget=null", "train.eval_iters=1", "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "quillgpt",
+            "train",
+            "--config",
+            str(config),
+            f"train.out_dir={out}/run",
+            f"train.max_iters={steps}",
+            "train.log_interval=1",
+            "train.eval_interval=1000000",
+            "train.time_budget=null",
+            "train.eval_iters=1",
+            "-q",
+        ]
         if data_path:
             cmd.append(f"data.path={data_path}")
         clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
@@ -77,8 +89,10 @@ def main() -> None:
                 times.setdefault((name, busy), []).append(ms)
                 print(f"round {r + 1}: {name:<32} {'busy' if busy else 'quiet'}  {ms:7.1f} ms/step", flush=True)
     base = statistics.median(times.get(("quill", False), times[(args.settings[0], False)]))
-    print(f"\n## train beside one busy process: {args.config.name}, {args.steps} steps, "
-          f"{os.cpu_count()} CPUs, median of {args.rounds} rounds (ms/step)")
+    print(
+        f"\n## train beside one busy process: {args.config.name}, {args.steps} steps, "
+        f"{os.cpu_count()} CPUs, median of {args.rounds} rounds (ms/step)"
+    )
     print(f"{'setting':<32} {'quiet':>8} {'busy':>8}  {'quiet vs ours':>14}  {'busy, of ours quiet':>20}")
     for name in args.settings:
         quiet, busy = statistics.median(times[(name, False)]), statistics.median(times[(name, True)])

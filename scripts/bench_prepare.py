@@ -192,11 +192,15 @@ def main() -> None:
         text_bytes, n_docs, sample = write_corpus(corpus, args.size, args.file_size, args.seed)
         files = sorted(corpus.iterdir())
         disk = sum(p.stat().st_size for p in files)
-        print(f"corpus: {text_bytes / 1e6:,.1f} MB of text in {n_docs:,} documents, {len(files)} files "
-              f"({disk / 1e6:,.1f} MB on disk) written in {time.perf_counter() - t0:.1f}s under {work}")
+        print(
+            f"corpus: {text_bytes / 1e6:,.1f} MB of text in {n_docs:,} documents, {len(files)} files "
+            f"({disk / 1e6:,.1f} MB on disk) written in {time.perf_counter() - t0:.1f}s under {work}"
+        )
         base_mbs, base_cpu = baseline(sample)
-        print(f"baseline: tiktoken encode_ordinary_batch, one process: {base_mbs:.2f} MB/s "
-              f"(on {sum(map(len, sample)) / 1e6:.1f} MB of the same documents)")
+        print(
+            f"baseline: tiktoken encode_ordinary_batch, one process: {base_mbs:.2f} MB/s "
+            f"(on {sum(map(len, sample)) / 1e6:.1f} MB of the same documents)"
+        )
         cpu0 = _children_cpu()
         out_text, peak_sum, hwm = run_watched(
             [sys.executable, "-c", CHILD, str(corpus), str(out), json.dumps(args.workers), "1" if args.progress else "0"]
@@ -206,16 +210,24 @@ def main() -> None:
         mbs = text_bytes / 1e6 / r["seconds"]
         workers = args.workers or cores
         peaks = sorted(hwm.values(), reverse=True)
-        print(f"prepare: {r['seconds']:.1f}s, {mbs:.2f} MB/s of text ({r['tokens']:,} tokens, {r['shards']} shards), "
-              f"{cores} cores, workers={workers}")
-        print(f"peak RSS: all processes together {peak_sum:,.0f} MB (sampled every 50 ms); per process "
-              f"{', '.join(f'{m:,.0f}' for m in peaks[:6])} MB ({len(peaks)} processes)")
-        print(f"CPU per MB: prepare {cpu:.3f}s (all processes), baseline {base_cpu:.3f}s: on {cores} idle cores "
-              f"prepare could reach {cores * base_cpu / cpu:.2f}x the baseline (a check that does not depend on load)")
+        print(
+            f"prepare: {r['seconds']:.1f}s, {mbs:.2f} MB/s of text ({r['tokens']:,} tokens, {r['shards']} shards), "
+            f"{cores} cores, workers={workers}"
+        )
+        print(
+            f"peak RSS: all processes together {peak_sum:,.0f} MB (sampled every 50 ms); per process "
+            f"{', '.join(f'{m:,.0f}' for m in peaks[:6])} MB ({len(peaks)} processes)"
+        )
+        print(
+            f"CPU per MB: prepare {cpu:.3f}s (all processes), baseline {base_cpu:.3f}s: on {cores} idle cores "
+            f"prepare could reach {cores * base_cpu / cpu:.2f}x the baseline (a check that does not depend on load)"
+        )
         ratio = mbs / base_mbs
         ok_rss = peak_sum < 1024 and sum(peaks) < 1024
-        print(f"targets: peak RSS < 1 GB (all processes together): {'PASS' if ok_rss else 'FAIL'}; "
-              f"throughput {ratio:.2f}x the baseline (target ≥ 1.6x on 2 cores): {'PASS' if ratio >= 1.6 else 'FAIL'}")
+        print(
+            f"targets: peak RSS < 1 GB (all processes together): {'PASS' if ok_rss else 'FAIL'}; "
+            f"throughput {ratio:.2f}x the baseline (target ≥ 1.6x on 2 cores): {'PASS' if ratio >= 1.6 else 'FAIL'}"
+        )
     finally:
         if args.keep:
             print(f"kept {work}")

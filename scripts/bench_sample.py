@@ -107,8 +107,11 @@ def main() -> None:
                 tps.setdefault(key, []).append(stats.tokens_per_s)
                 prefill.setdefault(key, []).append(stats.prefill_ms)
                 texts[key] = out[0]
-                print(f"  block {row[0]}, {row[1]}, {'cache' if use_cache else 'recompute'}: "
-                      f"{stats.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+                print(
+                    f"  block {row[0]}, {row[1]}, {'cache' if use_cache else 'recompute'}: {stats.tokens_per_s:.1f} tokens/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     full: dict[tuple, list[float]] = {}  # prefill of a prompt filling the block: time to first token
     for row in rows:

@@ -74,13 +74,17 @@ def score(path: Path, conversations: list[list[dict]], heldout_text: str) -> dic
     truth = [c[1]["content"] for c in conversations]
     speakers = set(truth)
     rows = chat_rows(run.tokenizer, heldout_text, run.config.model.block_size, str(HELDOUT))
-    return {"accuracy": sum(a == t for a, t in zip(said, truth)) / len(truth),
-            "named": sum(a in speakers for a in said) / len(truth),
-            "loss": evaluate_rows(run.model, rows).loss, "example": said[0]}
+    return {
+        "accuracy": sum(a == t for a, t in zip(said, truth)) / len(truth),
+        "named": sum(a in speakers for a in said) / len(truth),
+        "loss": evaluate_rows(run.model, rows).loss,
+        "example": said[0],
+    }
 
 
-def step_seconds(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor | None, reps: int,
-                 dtype: torch.dtype) -> float:
+def step_seconds(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor | None, reps: int, dtype: torch.dtype
+) -> float:
     start = time.perf_counter()
     for _ in range(reps):
         with autocast(torch.device("cpu"), dtype):  # as the fine-tunes train (train.dtype: auto)
@@ -129,25 +133,29 @@ def main() -> None:
     sizes = {name: {f: os.path.getsize(p / f) for f in ("best.pt", "ckpt.pt")} for name, p in runs.items()}
     sizes["base"] = {"best.pt": os.path.getsize(args.base / "best.pt")}
     trainable = {name: sum(t.numel() for t in load_checkpoint(p / "best.pt")["model"].values()) for name, p in runs.items()}
-    table = [("", ["base", "LoRA", "full"]),
-             ("held-out accuracy", [f"{scores[n]['accuracy']:.1%}" for n in ("base", "LoRA", "full")]),
-             ("answers with a speaker's name", [f"{scores[n]['named']:.1%}" for n in ("base", "LoRA", "full")]),
-             ("held-out loss (answers)", [f"{scores[n]['loss']:.3f}" for n in ("base", "LoRA", "full")]),
-             ("first answer", [repr(scores[n]["example"]) for n in ("base", "LoRA", "full")]),
-             ("trained parameters", ["-", f"{trainable['LoRA']:,}", f"{trainable['full']:,}"]),
-             ("train time (s)", ["-", *(f"{cost[n][0]:.0f}" if n in cost else "-" for n in ("LoRA", "full"))]),
-             ("peak RSS (MB)", ["-", *(f"{cost[n][1]:.0f}" if n in cost else "-" for n in ("LoRA", "full"))]),
-             ("best.pt (KB)", [f"{sizes[n]['best.pt'] / 1024:,.0f}" for n in ("base", "LoRA", "full")]),
-             ("ckpt.pt (KB)", ["-", *(f"{sizes[n]['ckpt.pt'] / 1024:,.0f}" for n in ("LoRA", "full"))])]
+    table = [
+        ("", ["base", "LoRA", "full"]),
+        ("held-out accuracy", [f"{scores[n]['accuracy']:.1%}" for n in ("base", "LoRA", "full")]),
+        ("answers with a speaker's name", [f"{scores[n]['named']:.1%}" for n in ("base", "LoRA", "full")]),
+        ("held-out loss (answers)", [f"{scores[n]['loss']:.3f}" for n in ("base", "LoRA", "full")]),
+        ("first answer", [repr(scores[n]["example"]) for n in ("base", "LoRA", "full")]),
+        ("trained parameters", ["-", f"{trainable['LoRA']:,}", f"{trainable['full']:,}"]),
+        ("train time (s)", ["-", *(f"{cost[n][0]:.0f}" if n in cost else "-" for n in ("LoRA", "full"))]),
+        ("peak RSS (MB)", ["-", *(f"{cost[n][1]:.0f}" if n in cost else "-" for n in ("LoRA", "full"))]),
+        ("best.pt (KB)", [f"{sizes[n]['best.pt'] / 1024:,.0f}" for n in ("base", "LoRA", "full")]),
+        ("ckpt.pt (KB)", ["-", *(f"{sizes[n]['ckpt.pt'] / 1024:,.0f}" for n in ("LoRA", "full"))]),
+    ]
     width = [max(len(r[0]) for r in table)] + [max(len(r[1][i]) for r in table) for i in range(3)]
     print(f"\n{len(truth)} held-out lines of {len(set(truth))} speakers; always answering the most common: {majority:.1%}")
     for label, cells in table:
         print(label.ljust(width[0]), *(c.rjust(w) for c, w in zip(cells, width[1:])), sep="  ")
     c = cfg["LoRA"]
     fill, causal, masked = padding_against_packing(args.base, ROOT / c.data.out_dir, c.model.block_size, c.train.batch_size, 5)
-    print(f"\npadded rows hold {fill:.1%} conversation tokens; a forward + backward at batch {c.train.batch_size} × "
-          f"{c.model.block_size}: causal {causal * 1e3:.1f} ms, with the mask packing needs {masked * 1e3:.1f} ms "
-          f"({masked / causal:.2f}×): per conversation token, padded {causal / fill * 1e3:.1f} ms vs packed {masked * 1e3:.1f} ms")
+    print(
+        f"\npadded rows hold {fill:.1%} conversation tokens; a forward + backward at batch {c.train.batch_size} × "
+        f"{c.model.block_size}: causal {causal * 1e3:.1f} ms, with the mask packing needs {masked * 1e3:.1f} ms "
+        f"({masked / causal:.2f}×): per conversation token, padded {causal / fill * 1e3:.1f} ms vs packed {masked * 1e3:.1f} ms"
+    )
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     print(f"(torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}, load average {os.getloadavg()[0]:.1f})")
 

@@ -104,14 +104,32 @@ def quill(argv: list[str], limit: float = 60.0) -> tuple[int | str, str, str]:
 
 
 def tiny(w: dict, *extra: str) -> list[str]:
-    return [f"data.path={w['text']}", f"data.out_dir={w['data']}", f"train.out_dir={w['run']}", "model.n_layer=2",
-            "model.n_head=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=4", "train.max_iters=2",
-            "train.eval_interval=2", "train.eval_iters=2", "train.device=cpu", *extra]
+    return [
+        f"data.path={w['text']}",
+        f"data.out_dir={w['data']}",
+        f"train.out_dir={w['run']}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=4",
+        "train.max_iters=2",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        "train.device=cpu",
+        *extra,
+    ]
 
 
 def workspace(root: Path) -> dict:
-    w = {"root": root, "text": root / "small.txt", "data": root / "data", "run": root / "run", "hf": root / "hf",
-         "scratch": root / "scratch"}
+    w = {
+        "root": root,
+        "text": root / "small.txt",
+        "data": root / "data",
+        "run": root / "run",
+        "hf": root / "hf",
+        "scratch": root / "scratch",
+    }
     build(w)
     w["scratch"].mkdir()
     special = root / "special"
@@ -125,20 +143,50 @@ def workspace(root: Path) -> dict:
     shutil.copy(w["text"], special / "loop" / "deep" / "real.txt")
     (special / "notes.png").write_text("not an image")
     (special / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
-    w["inputs"] = [str(p) for p in (special / "pipe.txt", special / "zero.txt", special / "withfifo", w["text"],
-                                    special / "deep.jsonl", special / "notes.png")] + [
-        "/dev/zero", "/dev/null", str(special / "loop" / "**" / "*.txt"), str(w["run"] / "best.pt"), "", "/proc/self/mem",
-        str(w["run"]), str(w["hf"]), str(w["run"] / "config.yaml"), "x" * 300]
+    w["inputs"] = [
+        str(p)
+        for p in (
+            special / "pipe.txt",
+            special / "zero.txt",
+            special / "withfifo",
+            w["text"],
+            special / "deep.jsonl",
+            special / "notes.png",
+        )
+    ] + [
+        "/dev/zero",
+        "/dev/null",
+        str(special / "loop" / "**" / "*.txt"),
+        str(w["run"] / "best.pt"),
+        "",
+        "/proc/self/mem",
+        str(w["run"]),
+        str(w["hf"]),
+        str(w["run"] / "config.yaml"),
+        "x" * 300,
+    ]
     w["outputs"] = [str(w["run"] / n) for n in ("best.pt", "ckpt.pt", "config.yaml", "tokenizer.json", "metrics.jsonl")] + [
-        str(w["data"] / "meta.json"), str(w["data"] / "train.bin"), str(w["hf"] / "config.json"), str(special / "pipe.txt"),
-        str(special / "notes.png"), str(w["text"]), "/dev/null", str(w["scratch"] / "new.png"), str(w["scratch"] / "n.json"),
-        str(w["scratch"] / "a" / "b.svg"), str(w["scratch"] / ("n" * 300)), "/proc/x.png", str(w["root"])]
+        str(w["data"] / "meta.json"),
+        str(w["data"] / "train.bin"),
+        str(w["hf"] / "config.json"),
+        str(special / "pipe.txt"),
+        str(special / "notes.png"),
+        str(w["text"]),
+        "/dev/null",
+        str(w["scratch"] / "new.png"),
+        str(w["scratch"] / "n.json"),
+        str(w["scratch"] / "a" / "b.svg"),
+        str(w["scratch"] / ("n" * 300)),
+        "/proc/x.png",
+        str(w["root"]),
+    ]
     return w
 
 
 def snapshot(w: dict) -> dict[str, str]:
-    files = [p for d in (w["run"], w["data"], w["hf"]) for p in sorted(Path(d).rglob("*")) if p.is_file()
-             and p.name != ".lock"] + [w["text"]]
+    files = [p for d in (w["run"], w["data"], w["hf"]) for p in sorted(Path(d).rglob("*")) if p.is_file() and p.name != ".lock"] + [
+        w["text"]
+    ]
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
@@ -158,52 +206,119 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
 
     kind = pick(["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve"])
     if kind == "sample":
-        flags = {"-p": pick(PROMPTS), "-n": pick(["1", "3", "8", "0", "-1"], "4"), "--temperature": pick(FLOATS, "1"),
-                 "--top-p": pick(FLOATS, "1e-46"), "--top-k": pick(INTS, "3"), "--min-p": pick(FLOATS, "0.1"),
-                 "--seed": pick(INTS, "7"), "--repetition-penalty": pick(FLOATS, "1.2"),
-                 "--num-samples": pick(["1", "2", "0"]), "--dtype": pick(["float32", "bfloat16", "float16", "int8"]),
-                 "--stop": pick(["\\n", "", "a", "ROMEO"]), "--device": pick(DEVICES, "cpu"),
-                 "--prompt-file": pick(w["inputs"])}
+        flags = {
+            "-p": pick(PROMPTS),
+            "-n": pick(["1", "3", "8", "0", "-1"], "4"),
+            "--temperature": pick(FLOATS, "1"),
+            "--top-p": pick(FLOATS, "1e-46"),
+            "--top-k": pick(INTS, "3"),
+            "--min-p": pick(FLOATS, "0.1"),
+            "--seed": pick(INTS, "7"),
+            "--repetition-penalty": pick(FLOATS, "1.2"),
+            "--num-samples": pick(["1", "2", "0"]),
+            "--dtype": pick(["float32", "bfloat16", "float16", "int8"]),
+            "--stop": pick(["\\n", "", "a", "ROMEO"]),
+            "--device": pick(DEVICES, "cpu"),
+            "--prompt-file": pick(w["inputs"]),
+        }
         chosen = ["-n", *r.sample(sorted(set(flags) - {"-n"}), r.randint(1, 4))]  # -n always: the run's default is 500
         if "--prompt-file" in chosen and "-p" in chosen:
             chosen.remove("-p")
-        return ["sample", "--ckpt", pick([run, run, *w["inputs"]]), "--json", *[x for k in chosen for x in (k, flags[k])],
-                *(["--no-kv-cache"] if r.random() < 0.3 else [])]
+        return [
+            "sample",
+            "--ckpt",
+            pick([run, run, *w["inputs"]]),
+            "--json",
+            *[x for k in chosen for x in (k, flags[k])],
+            *(["--no-kv-cache"] if r.random() < 0.3 else []),
+        ]
     if kind == "chat":  # standard input holds one message, then ends
-        flags = {"--temperature": pick(FLOATS, "1"), "--top-p": pick(FLOATS, "1e-46"), "--top-k": pick(INTS, "3"),
-                 "--min-p": pick(FLOATS), "--seed": pick(INTS, "7"), "--system": pick(PROMPTS),
-                 "--dtype": pick(["float32", "bfloat16", "float16", "int8"])}
+        flags = {
+            "--temperature": pick(FLOATS, "1"),
+            "--top-p": pick(FLOATS, "1e-46"),
+            "--top-k": pick(INTS, "3"),
+            "--min-p": pick(FLOATS),
+            "--seed": pick(INTS, "7"),
+            "--system": pick(PROMPTS),
+            "--dtype": pick(["float32", "bfloat16", "float16", "int8"]),
+        }
         chosen = r.sample(sorted(flags), r.randint(1, 3))
-        return ["chat", "--ckpt", pick(w["inputs"], run), "-n", pick(["1", "8", "0", "-1"], "6"),
-                *[x for k in chosen for x in (k, flags[k])]]
+        return [
+            "chat",
+            "--ckpt",
+            pick(w["inputs"], run),
+            "-n",
+            pick(["1", "8", "0", "-1"], "6"),
+            *[x for k in chosen for x in (k, flags[k])],
+        ]
     if kind == "eval":
-        return ["eval", "--ckpt", pick(w["inputs"], run), "--json", "--text", pick(w["inputs"], str(w["text"])),
-                *pick([[], ["--stride", pick(INTS)], ["--batch-size", pick(INTS)]])]
+        return [
+            "eval",
+            "--ckpt",
+            pick(w["inputs"], run),
+            "--json",
+            "--text",
+            pick(w["inputs"], str(w["text"])),
+            *pick([[], ["--stride", pick(INTS)], ["--batch-size", pick(INTS)]]),
+        ]
     if kind == "attention":
         out = pick([[], ["--out", pick(w["outputs"])], ["--summary-json", pick(w["outputs"])]])
-        return ["attention", "--ckpt", run, "-p", pick(PROMPTS), *out, *pick([[], ["--layer", pick(["all", "-9", "x"])],
-                                                                               ["--head", pick(INTS)], ["--force"]])]
+        return [
+            "attention",
+            "--ckpt",
+            run,
+            "-p",
+            pick(PROMPTS),
+            *out,
+            *pick([[], ["--layer", pick(["all", "-9", "x"])], ["--head", pick(INTS)], ["--force"]]),
+        ]
     if kind == "plot":
         return ["plot", pick([run, *w["inputs"]]), "-o", pick(w["outputs"]), *pick([[], ["--x", pick(["time", "x"])]])]
     if kind == "tokenizer":
-        return ["tokenizer", "train", "-i", pick(w["inputs"]), "-o", pick(w["outputs"]), "--vocab-size",
-                pick(["257", "260", "300", "0", "70000"]), *pick([[], ["--force"]])]
+        return [
+            "tokenizer",
+            "train",
+            "-i",
+            pick(w["inputs"]),
+            "-o",
+            pick(w["outputs"]),
+            "--vocab-size",
+            pick(["257", "260", "300", "0", "70000"]),
+            *pick([[], ["--force"]]),
+        ]
     if kind in ("prepare", "train"):
         out = w["scratch"] / f"{kind}_{r.randrange(3)}"
         extra = [f"data.path={pick(w['inputs'])}"] if r.random() < 0.5 else []
         extra += [f"data.out_dir={pick([str(Path(p).parent) for p in w['outputs']], str(out))}"]
         extra += [f"train.out_dir={pick([str(Path(p).parent) for p in w['outputs']], str(out) + '_run')}"]
-        extra += r.sample([f"sample.top_p={pick(FLOATS)}", f"model.n_layer={pick(INTS)}", f"train.init_from={run}",
-                           f"data.tokenizer={pick(w['inputs'])}", "train.resume=true", f"train.seed={pick(INTS)}"],
-                          r.randint(0, 2))
-        return [kind, "--config", pick(w["inputs"], str(CONFIG)), *(["-q"] if kind == "train" else []),
-                *tiny(w), *extra]
+        extra += r.sample(
+            [
+                f"sample.top_p={pick(FLOATS)}",
+                f"model.n_layer={pick(INTS)}",
+                f"train.init_from={run}",
+                f"data.tokenizer={pick(w['inputs'])}",
+                "train.resume=true",
+                f"train.seed={pick(INTS)}",
+            ],
+            r.randint(0, 2),
+        )
+        return [kind, "--config", pick(w["inputs"], str(CONFIG)), *(["-q"] if kind == "train" else []), *tiny(w), *extra]
     if kind == "hf":
         which = pick(["import-hf", "export-hf"])
-        return [which, str(w["hf"] if which == "import-hf" else w["run"]) if r.random() < 0.7 else pick(w["inputs"]),
-                "--out", pick([str(w["scratch"] / f"hf_{r.randrange(3)}"), *w["outputs"]])]
-    return ["serve", "--ckpt", run, *pick([["--api-key", ""], ["--max-batch", "0"], ["--port", "70000"],
-                                           ["--dtype", "int8"], ["--max-tokens", "0"], ["--api-key", " "]])]
+        return [
+            which,
+            str(w["hf"] if which == "import-hf" else w["run"]) if r.random() < 0.7 else pick(w["inputs"]),
+            "--out",
+            pick([str(w["scratch"] / f"hf_{r.randrange(3)}"), *w["outputs"]]),
+        ]
+    return [
+        "serve",
+        "--ckpt",
+        run,
+        *pick(
+            [["--api-key", ""], ["--max-batch", "0"], ["--port", "70000"], ["--dtype", "int8"], ["--max-tokens", "0"], ["--api-key", " "]]
+        ),
+    ]
 
 
 def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
@@ -216,8 +331,12 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     shown = "quill " + " ".join(repr(a) if " " in a or not a else a for a in argv)[:300]
     if code == "hang":
         tally.add("cli", "hangs", shown)
-    elif code == "raised" or "Traceback" in err or code not in (0, 2) or (
-            code == 2 and not (err.count("\n") == 1 and err.startswith("error: "))):
+    elif (
+        code == "raised"
+        or "Traceback" in err
+        or code not in (0, 2)
+        or (code == 2 and not (err.count("\n") == 1 and err.startswith("error: ")))
+    ):
         tally.add("cli", "tracebacks", f"{shown} → exit {code}: {err[-300:]}")
     after = snapshot(w)
     changed = [p for p, h in before.items() if after.get(p) != h]
@@ -231,8 +350,12 @@ def rebuilt_dataset(argv: list[str], path: Path) -> bool:
     """Whether `path` is a file of the dataset in this prepare's (or train's) data.out_dir: a
     dataset of other inputs is rebuilt in place, as documented (its meta.json says so)."""
     out = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("data.out_dir=")), None)
-    return (argv[0] in ("prepare", "train") and out is not None and path.parent == Path(out)
-            and re.fullmatch(r"meta\.json|\.prepare-state\.json|(?:train|val)(?:-\d{6})?(?:\.flags)?\.bin", path.name) is not None)
+    return (
+        argv[0] in ("prepare", "train")
+        and out is not None
+        and path.parent == Path(out)
+        and re.fullmatch(r"meta\.json|\.prepare-state\.json|(?:train|val)(?:-\d{6})?(?:\.flags)?\.bin", path.name) is not None
+    )
 
 
 def build(w: dict) -> None:
@@ -254,11 +377,59 @@ def rebuild(w: dict) -> None:
 
 # --- HTTP cases -----------------------------------------------------------------------------
 
-VALUES = [None, 0, 1, -1, 0.5, 1e-46, 5e-324, 1e300, -1e300, 2**31, 2**64, 10**40, "", "a", True, [], {}, [1], {"1": 0},
-          {"1": 5}, "\ud800", "x" * 5000, 4294967295, 4294967296]
-FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
-          "seed", "n", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-          "echo", "logprobs", "suffix", "best_of", "messages", "max_completion_tokens", "\ud800", "unknown"]
+VALUES = [
+    None,
+    0,
+    1,
+    -1,
+    0.5,
+    1e-46,
+    5e-324,
+    1e300,
+    -1e300,
+    2**31,
+    2**64,
+    10**40,
+    "",
+    "a",
+    True,
+    [],
+    {},
+    [1],
+    {"1": 0},
+    {"1": 5},
+    "\ud800",
+    "x" * 5000,
+    4294967295,
+    4294967296,
+]
+FIELDS = [
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "echo",
+    "logprobs",
+    "suffix",
+    "best_of",
+    "messages",
+    "max_completion_tokens",
+    "\ud800",
+    "unknown",
+]
 
 
 def body(r: random.Random) -> dict:
@@ -278,8 +449,7 @@ def http_case(url: str, r: random.Random, tally: Tally, slow: list[threading.Thr
     kinds = ["json", "json", "json", "chat", "raw", "type", "auth", "drop", "health"] + ([] if nested else ["burst"])
     kind = r.choice(kinds + (["head", "stall"] if r.random() < 0.2 else []))
     if kind in ("head", "stall") and not nested:
-        slow.append(threading.Thread(target=http_case, args=(url, random.Random(r.random()), tally, slow, True),
-                                     daemon=True))
+        slow.append(threading.Thread(target=http_case, args=(url, random.Random(r.random()), tally, slow, True), daemon=True))
         slow[-1].start()
         return
     route = "/v1/chat/completions" if kind == "chat" else r.choice(["/v1/completions", "/v1/completions", "/v1/attention"])
@@ -301,21 +471,28 @@ def http_case(url: str, r: random.Random, tally: Tally, slow: list[threading.Thr
                 kind_header = r.choice(["text/plain", "application/x-www-form-urlencoded", "", "multipart/form-data"])
                 check(tally, c.post(route, content=b'{"prompt": "a"}', headers={"Content-Type": kind_header}), kind_header)
             elif kind == "auth":
-                check(tally, c.get(r.choice(["/v1/models", "/health", "/", "/static/../x", "/v2"]),
-                                   headers={"Authorization": r.choice(["", "Bearer", "Bearer x" * 100])}), "auth")
+                check(
+                    tally,
+                    c.get(
+                        r.choice(["/v1/models", "/health", "/", "/static/../x", "/v2"]),
+                        headers={"Authorization": r.choice(["", "Bearer", "Bearer x" * 100])},
+                    ),
+                    "auth",
+                )
             elif kind == "drop":  # a stream read a little, then abandoned
                 with c.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 500, "stream": True}) as s:
                     for _ in zip(range(r.randint(0, 5)), s.iter_lines()):
                         pass
             elif kind in ("head", "stall"):  # the server must close it: 10 s for a head, 30 s for a body
                 with socket.create_connection((host, port), timeout=45) as s:
-                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                              + (b"Content-Length: 100\r\n\r\n{" if kind == "stall" else b"Content-Le"))
+                    s.sendall(
+                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        + (b"Content-Length: 100\r\n\r\n{" if kind == "stall" else b"Content-Le")
+                    )
                     while s.recv(4096):
                         pass
             elif kind == "burst":
-                threads = [threading.Thread(target=http_case, args=(url, random.Random(r.random()), tally, slow, True))
-                           for _ in range(4)]
+                threads = [threading.Thread(target=http_case, args=(url, random.Random(r.random()), tally, slow, True)) for _ in range(4)]
                 for t in threads:
                     t.start()
                 for t in threads:
@@ -338,8 +515,22 @@ def check(tally: Tally, r, what: object) -> None:
 
 
 def start_server(w: dict, tree: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    cmd = [sys.executable, "-m", "quillgpt", "serve", "--ckpt", str(w["run"]), "--host", "127.0.0.1", "--port", "0",
-           "--max-batch", "4", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "quillgpt",
+        "serve",
+        "--ckpt",
+        str(w["run"]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-batch",
+        "4",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     env.pop("QUILL_API_KEY", None)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
@@ -360,8 +551,12 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to throw cases (after the setup)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="where to build the workspace (default: a temp dir)")
-    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose quill is fuzzed (default: this one; "
-                        "e.g. an older commit's worktree, for a before/after)")
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose quill is fuzzed (default: this one; e.g. an older commit's worktree, for a before/after)",
+    )
     args = parser.parse_args()
     os.environ.pop("QUILL_DEBUG", None)
     sys.path.insert(0, str(args.tree.resolve()))

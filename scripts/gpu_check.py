@@ -85,17 +85,23 @@ def train_check(work: Path, text: Path, extra: list[str]) -> bool:
     records = metrics(out)
     steps = records[-1]["step"] if records else 0
     compiled = "FAILED (fell back to eager)" if "torch.compile failed" in output else "on" if cfg.compile else "off"
-    summary(f"quill train: exit {code}, {steps:,}/{cfg.max_iters:,} steps in {train_s:.0f} s wall"
-            f"{' (stopped by the time limit)' if stopped else ''}; prepare {prep_s:.1f} s before it; torch.compile {compiled}")
+    summary(
+        f"quill train: exit {code}, {steps:,}/{cfg.max_iters:,} steps in {train_s:.0f} s wall"
+        f"{' (stopped by the time limit)' if stopped else ''}; prepare {prep_s:.1f} s before it; torch.compile {compiled}"
+    )
     if records:
         rates = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")][1:] or [math.nan]
         mfus = [r["mfu"] for r in records if r.get("mfu")][1:] or [math.nan]
         vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
-        summary(f"loop: {records[-1].get('elapsed_s', math.nan):.0f} s to step {steps:,}, median "
-                f"{statistics.median(rates):,.0f} tokens/s, MFU {statistics.median(mfus):.1%} (its metrics.jsonl)")
+        summary(
+            f"loop: {records[-1].get('elapsed_s', math.nan):.0f} s to step {steps:,}, median "
+            f"{statistics.median(rates):,.0f} tokens/s, MFU {statistics.median(mfus):.1%} (its metrics.jsonl)"
+        )
         if vals:
-            summary(f"val loss, the trainer's estimate ({cfg.eval_iters} batches): best {min(vals):.4f}, last {vals[-1]:.4f} "
-                    f"(nanoGPT on an A100: {NANOGPT_A100})")
+            summary(
+                f"val loss, the trainer's estimate ({cfg.eval_iters} batches): best {min(vals):.4f}, last {vals[-1]:.4f} "
+                f"(nanoGPT on an A100: {NANOGPT_A100})"
+            )
     if code != 0 or steps != cfg.max_iters or compiled.startswith("FAILED") or stopped:
         return False
     return eval_check(out, stopped)
@@ -113,9 +119,19 @@ def eval_check(out: Path, stopped: list[float]) -> bool:
 
 # --- step 4: torchrun, one process, NCCL: DDP and FSDP start, step, checkpoint and resume ----------
 
-TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.dropout=0.1",
-        "train.batch_size=8", "train.lr_schedule=constant", "train.warmup_iters=0", "train.eval_iters=2",
-        "train.log_interval=1", "train.compile=false"]  # constant lr: stopping at max_iters keeps the schedule
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "model.block_size=64",
+    "model.dropout=0.1",
+    "train.batch_size=8",
+    "train.lr_schedule=constant",
+    "train.warmup_iters=0",
+    "train.eval_iters=2",
+    "train.log_interval=1",
+    "train.compile=false",
+]  # constant lr: stopping at max_iters keeps the schedule
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -142,11 +158,16 @@ def torchrun_check(work: Path, text: Path, device: str, steps: int, tolerance: f
     for s, r in results.items():
         passed = r["problems"] == [] and r["max_loss_diff"] <= tolerance and r["max_weight_diff"] <= tolerance
         ok &= passed
-        exact = "bit for bit" if r["max_loss_diff"] == r["max_weight_diff"] == 0 else (
-            f"max |Δloss| {r['max_loss_diff']:.2e}, max |Δweight| {r['max_weight_diff']:.2e} (tolerance {tolerance:g})")
+        exact = (
+            "bit for bit"
+            if r["max_loss_diff"] == r["max_weight_diff"] == 0
+            else (f"max |Δloss| {r['max_loss_diff']:.2e}, max |Δweight| {r['max_weight_diff']:.2e} (tolerance {tolerance:g})")
+        )
         seconds = ", ".join(f"{name} {t:.0f} s" for name, t in r["seconds"].items())
-        summary(f"{s}: {'PASS' if passed else 'FAIL'} — backend {r['backend']}, {half} steps + resume to {steps} = {steps} "
-                f"straight: {exact}; launches {seconds}" + "".join(f"; {p}" for p in r["problems"]))
+        summary(
+            f"{s}: {'PASS' if passed else 'FAIL'} — backend {r['backend']}, {half} steps + resume to {steps} = {steps} "
+            f"straight: {exact}; launches {seconds}" + "".join(f"; {p}" for p in r["problems"])
+        )
     return ok
 
 
@@ -160,8 +181,7 @@ def launch_all(launches: dict[tuple[str, str], list[str]], logs: Path) -> dict[t
         cmd = [*TORCHRUN, "-m", "quillgpt", "train", "--config", str(CONFIG), "-q", *overrides]
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        procs[key] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "NCCL_DEBUG": "INFO"}), log)
+        procs[key] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NCCL_DEBUG": "INFO"}), log)
     previous = {sig: signal.signal(sig, lambda *_: sys.exit(124)) for sig in (signal.SIGINT, signal.SIGTERM)}
     out: dict[tuple[str, str], tuple[int, float]] = {}
     try:
@@ -187,8 +207,7 @@ def launch_all(launches: dict[tuple[str, str], list[str]], logs: Path) -> dict[t
     return out
 
 
-def compare(strategy_dir: Path, strategy: str, steps: int, logs: Path, device: str,
-            codes: dict[str, tuple[int, float]]) -> dict[str, Any]:
+def compare(strategy_dir: Path, strategy: str, steps: int, logs: Path, device: str, codes: dict[str, tuple[int, float]]) -> dict[str, Any]:
     """The straight run against the resumed one: what failed, the largest differences, the backend."""
     from quillgpt.checkpoint import load_checkpoint
     from quillgpt.train import fsdp_checkpoint as sharded
@@ -204,8 +223,7 @@ def compare(strategy_dir: Path, strategy: str, steps: int, logs: Path, device: s
         problems.append("a run left no ckpt.pt")
         for key in sorted(logs.glob(f"{strategy}-*.log")):  # the failing launches' last words
             print(f"--- {key.name} (last 30 lines)\n" + "\n".join(key.read_text().splitlines()[-30:]))
-        return {"problems": problems, "backend": backend, "max_loss_diff": math.inf, "max_weight_diff": math.inf,
-                "seconds": seconds}
+        return {"problems": problems, "backend": backend, "max_loss_diff": math.inf, "max_weight_diff": math.inf, "seconds": seconds}
     ckpts = {name: load_checkpoint(d / "ckpt.pt") for name, d in runs.items()}
     if any(c["step"] != steps for c in ckpts.values()):
         problems.append(f"steps {[c['step'] for c in ckpts.values()]}, expected {steps}")
@@ -218,10 +236,10 @@ def compare(strategy_dir: Path, strategy: str, steps: int, logs: Path, device: s
     logged = [[(r["step"], r["train_loss"], r.get("val_loss")) for r in metrics(d)] for d in runs.values()]
     if [s for s, *_ in logged[0]] != [s for s, *_ in logged[1]]:
         problems.append("the two runs logged different steps")
-    loss_diff = max((abs(x - y) for p, q in zip(*logged) for x, y in zip(p[1:], q[1:]) if x is not None and y is not None),
-                    default=math.inf)
-    return {"problems": problems, "backend": backend, "max_loss_diff": loss_diff, "max_weight_diff": weight_diff,
-            "seconds": seconds}
+    loss_diff = max(
+        (abs(x - y) for p, q in zip(*logged) for x, y in zip(p[1:], q[1:]) if x is not None and y is not None), default=math.inf
+    )
+    return {"problems": problems, "backend": backend, "max_loss_diff": loss_diff, "max_weight_diff": weight_diff, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,8 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="torchrun: train.device (auto: cuda where there is one)")
     p.add_argument("--steps", type=int, default=8, help="torchrun: steps of the straight runs")
     p.add_argument("--tolerance", type=float, default=1e-4, help="torchrun: largest |Δ| between resumed and straight")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="train: one more config override for prepare and train (repeatable)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="train: one more config override for prepare and train (repeatable)",
+    )
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     args.work.mkdir(parents=True, exist_ok=True)

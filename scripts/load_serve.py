@@ -40,8 +40,14 @@ from urllib.parse import urlparse
 import httpx
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.",
-           "To be, or not to be", "KING HENRY:\nOnce more unto the breach", "\n", "JULIET:\nO Romeo, Romeo!"]
+PROMPTS = [
+    "ROMEO:",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "To be, or not to be",
+    "KING HENRY:\nOnce more unto the breach",
+    "\n",
+    "JULIET:\nO Romeo, Romeo!",
+]
 MIXED_FRACTIONS = [1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4]  # of block_size, for the mixed phase
 MAX_MIXED_TOKENS = 256
 
@@ -59,8 +65,10 @@ class Phase:
     def row(self) -> str:
         p50 = 1000 * statistics.median(self.ttft) if self.ttft else float("nan")
         p95 = 1000 * _percentile(self.ttft, 0.95) if self.ttft else float("nan")
-        return (f"{self.name:<12} {self.clients:>7} {self.requests:>8} {self.tokens:>8} {self.seconds:>8.1f} "
-                f"{self.requests / self.seconds:>7.2f} {self.tokens / self.seconds:>9.1f} {p50:>9.0f} {p95:>9.0f}")
+        return (
+            f"{self.name:<12} {self.clients:>7} {self.requests:>8} {self.tokens:>8} {self.seconds:>8.1f} "
+            f"{self.requests / self.seconds:>7.2f} {self.tokens / self.seconds:>9.1f} {p50:>9.0f} {p95:>9.0f}"
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -148,16 +156,42 @@ def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Ra
             prompt = PROMPTS[0] if tokens is not None else rng.choice(PROMPTS)
             n = tokens if tokens is not None else rng.choice(MIXED_FRACTIONS) * block
             n = max(4, min(int(n), MAX_MIXED_TOKENS, block - len(prompt)))
-            mine.append({"model": model["id"], "prompt": prompt, "max_tokens": n, "temperature": 0.8, "top_p": 0.95,
-                         "seed": 1000 * c + i, "stream": True, "stream_options": {"include_usage": True}})
+            mine.append(
+                {
+                    "model": model["id"],
+                    "prompt": prompt,
+                    "max_tokens": n,
+                    "temperature": 0.8,
+                    "top_p": 0.95,
+                    "seed": 1000 * c + i,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            )
         out.append(mine)
     return out
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """`quill serve` on a free loopback port; prints its start-up line (the weights it serves)."""
-    cmd = [sys.executable, "-m", "quillgpt", "serve", "--ckpt", args.ckpt, "--host", "127.0.0.1", "--port", "0",
-           "--max-batch", str(args.max_batch), "--device", args.device, "--quantize", args.quantize]
+    cmd = [
+        sys.executable,
+        "-m",
+        "quillgpt",
+        "serve",
+        "--ckpt",
+        args.ckpt,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-batch",
+        str(args.max_batch),
+        "--device",
+        args.device,
+        "--quantize",
+        args.quantize,
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
     found = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
@@ -177,8 +211,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="--device of the server this script starts")
     parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8 or none)")
     parser.add_argument("--requests-per-client", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=None,
-                        help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)"
+    )
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     args = parser.parse_args()
@@ -196,8 +231,7 @@ def main() -> None:
         asyncio.run(run_phase(url, warm, bodies_for(2, 1, 16, rng, model), deadline))
         n = args.requests_per_client
         tokens = args.tokens or model["block_size"] // 2
-        plans = [bodies_for(1, n, tokens, rng, model), bodies_for(16, n, tokens, rng, model),
-                 bodies_for(32, n, None, rng, model)]
+        plans = [bodies_for(1, n, tokens, rng, model), bodies_for(16, n, tokens, rng, model), bodies_for(32, n, None, rng, model)]
         for phase, plan in zip(phases, plans):
             asyncio.run(run_phase(url, phase, plan, deadline))
     finally:
@@ -207,22 +241,42 @@ def main() -> None:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    print(f"{'phase':<12} {'clients':>7} {'requests':>8} {'tokens':>8} {'seconds':>8} {'req/s':>7} "
-          f"{'tokens/s':>9} {'ttft p50':>9} {'ttft p95':>9}  (ms)")
+    print(
+        f"{'phase':<12} {'clients':>7} {'requests':>8} {'tokens':>8} {'seconds':>8} {'req/s':>7} "
+        f"{'tokens/s':>9} {'ttft p50':>9} {'ttft p95':>9}  (ms)"
+    )
     for phase in phases:
         print(phase.row())
     speedup = phases[1].tokens_per_s / phases[0].tokens_per_s if phases[0].tokens_per_s else float("nan")
-    print(f"aggregate tokens/s, 16 clients vs 1 client: {speedup:.2f}x (target ≥ 3x); "
-          f"cpu threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
+    print(
+        f"aggregate tokens/s, 16 clients vs 1 client: {speedup:.2f}x (target ≥ 3x); "
+        f"cpu threads {os.environ.get('OMP_NUM_THREADS', 'default')}"
+    )
     errors = [f"{p.name}: {e}" for p in [warm, *phases] for e in p.errors]
     for e in errors[:20]:
         print("error:", e, file=sys.stderr)
     if args.json:
-        print(json.dumps({"phases": [{"name": p.name, "clients": p.clients, "requests": p.requests,
-                                      "tokens": p.tokens, "seconds": p.seconds, "tokens_per_s": p.tokens_per_s,
-                                      "ttft_p50_ms": 1000 * statistics.median(p.ttft) if p.ttft else None,
-                                      "ttft_p95_ms": 1000 * _percentile(p.ttft, 0.95) if p.ttft else None}
-                                     for p in phases], "speedup_16_vs_1": speedup, "errors": len(errors)}))
+        print(
+            json.dumps(
+                {
+                    "phases": [
+                        {
+                            "name": p.name,
+                            "clients": p.clients,
+                            "requests": p.requests,
+                            "tokens": p.tokens,
+                            "seconds": p.seconds,
+                            "tokens_per_s": p.tokens_per_s,
+                            "ttft_p50_ms": 1000 * statistics.median(p.ttft) if p.ttft else None,
+                            "ttft_p95_ms": 1000 * _percentile(p.ttft, 0.95) if p.ttft else None,
+                        }
+                        for p in phases
+                    ],
+                    "speedup_16_vs_1": speedup,
+                    "errors": len(errors),
+                }
+            )
+        )
     sys.exit(1 if errors else 0)
 
 

@@ -74,8 +74,10 @@ def main() -> None:
         (args.out / f"speakers_{part}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     shares = collections.Counter(json.loads(c)["messages"][1]["content"] for c in split["heldout"])
     top, n = shares.most_common(1)[0]
-    print(f"{len(split['train']):,} training and {len(split['heldout']):,} held-out conversations → {args.out}; "
-          f"speakers {', '.join(chosen)}; the most common held-out answer ({top}) is {n / len(split['heldout']):.1%}")
+    print(
+        f"{len(split['train']):,} training and {len(split['heldout']):,} held-out conversations → {args.out}; "
+        f"speakers {', '.join(chosen)}; the most common held-out answer ({top}) is {n / len(split['heldout']):.1%}"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,7 @@ def make_model(kind: str, args: argparse.Namespace) -> GPT:
     torch.manual_seed(args.seed)
     T = args.segments * args.segment
     extra = {"attention": "infini", "segment_size": args.segment} if kind == "infini" else {"window": args.segment}
-    cfg = ModelConfig(vocab_size=VOCAB, block_size=T, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd,
-                      pos="rope", **extra)
+    cfg = ModelConfig(vocab_size=VOCAB, block_size=T, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, pos="rope", **extra)
     return GPT(cfg)
 
 
@@ -123,8 +122,10 @@ def main() -> None:
     ap.add_argument("--generate", type=int, default=0, help="then generate this many tokens with each model")
     args = ap.parse_args()
     T = args.segments * args.segment
-    print(f"passkey in segment 1 of {args.segments} (window {T} tokens, span {args.segment}), "
-          f"{args.n_layer} layers × {args.n_embd} wide, {args.steps} steps × batch {args.batch}, seed {args.seed}")
+    print(
+        f"passkey in segment 1 of {args.segments} (window {T} tokens, span {args.segment}), "
+        f"{args.n_layer} layers × {args.n_embd} wide, {args.steps} steps × batch {args.batch}, seed {args.seed}"
+    )
     print(f"{'attention':<16} {'params':>7} {'both':>6} {'per digit':>9} {'train s':>7}")
     for kind, name in (("window", f"sliding window {args.segment}"), ("infini", "infini")):
         model = make_model(kind, args)

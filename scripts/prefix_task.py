@@ -34,8 +34,9 @@ def examples(n: int, length: int, task: str, g: torch.Generator) -> torch.Tensor
 
 def make_model(attention: str, length: int, args: argparse.Namespace) -> GPT:
     torch.manual_seed(args.seed)  # same initial weights for both
-    cfg = ModelConfig(vocab_size=len(LETTERS) + 2, block_size=2 * length + 1, n_layer=args.n_layer,
-                      n_head=4, n_embd=args.n_embd, attention=attention)
+    cfg = ModelConfig(
+        vocab_size=len(LETTERS) + 2, block_size=2 * length + 1, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, attention=attention
+    )
     return GPT(cfg)
 
 
@@ -87,8 +88,10 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(f"task {args.task}, length {args.length}, {args.n_layer} layers × {args.n_embd} wide, "
-          f"{args.steps} steps × batch {args.batch}, seed {args.seed}")
+    print(
+        f"task {args.task}, length {args.length}, {args.n_layer} layers × {args.n_embd} wide, "
+        f"{args.steps} steps × batch {args.batch}, seed {args.seed}"
+    )
     print(f"{'attention':<9} {'params':>7} {'exact':>6} {'per-token':>9} {'train s':>7}")
     for attention in ("causal", "prefix"):
         model = make_model(attention, args.length, args)

@@ -45,8 +45,23 @@ GROUPS = {  # aten op (its name without "aten::" and leading "_") → what it do
     "mask (per step)": ("ge", "gt", "le", "lt", "eq", "logical", "bitwise", "masked_fill", "sub"),
     "adds (residual, bias)": ("add", "mul"),
     "embeddings, sampling": ("embedding", "index_select", "argmax", "remainder", "arange", "item", "local_scalar_dense"),
-    "views and allocation": ("view", "reshape", "slice", "select", "split", "transpose", "expand", "as_strided",
-                             "empty", "zeros", "fill", "unsqueeze", "permute", "contiguous", "t"),
+    "views and allocation": (
+        "view",
+        "reshape",
+        "slice",
+        "select",
+        "split",
+        "transpose",
+        "expand",
+        "as_strided",
+        "empty",
+        "zeros",
+        "fill",
+        "unsqueeze",
+        "permute",
+        "contiguous",
+        "t",
+    ),
 }
 
 
@@ -98,11 +113,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = model_of(args.block)
-    kinds = {"float32": model, "bf16 weights": in_dtype(model, torch.bfloat16),
-             "int8 weights": quantize(copy.deepcopy(model), "int8", rows=args.batch)}  # shown even if slower
-    print(f"decode steps of 6L/6H/384 (block {args.block:,}), batch {args.batch}, ~{args.context} keys a layer; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {plan_of(kinds['int8 weights']).describe()}")
+    kinds = {
+        "float32": model,
+        "bf16 weights": in_dtype(model, torch.bfloat16),
+        "int8 weights": quantize(copy.deepcopy(model), "int8", rows=args.batch),
+    }  # shown even if slower
+    print(
+        f"decode steps of 6L/6H/384 (block {args.block:,}), batch {args.batch}, ~{args.context} keys a layer; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {plan_of(kinds['int8 weights']).describe()}"
+    )
     results = {name: profile_kind(m, args) for name, m in kinds.items()}
     names = list(results)
     print(f"\n{'ms per token (self CPU)':<26}" + "".join(f"{n:>14}" for n in names))

@@ -72,9 +72,11 @@ def compare(path: Path, n: int) -> dict[str, object]:
     agree, positions = top1_agreement(run.model, int8, val, n)
     return {
         "run": f"{path.name} ({run.model.num_params() / 1e6:.2f}M, {run.tokenizer.name}, step {run.step})",
-        "fp32 loss": f"{fp32_eval.loss:.4f}", "int8 loss": f"{int8_eval.loss:.4f}",
+        "fp32 loss": f"{fp32_eval.loss:.4f}",
+        "int8 loss": f"{int8_eval.loss:.4f}",
         "Δ loss": f"{100 * (int8_eval.loss - fp32_eval.loss) / fp32_eval.loss:+.2f}%",
-        "fp32 bits/byte": f"{fp32_eval.bits_per_byte:.4f}", "int8 bits/byte": f"{int8_eval.bits_per_byte:.4f}",
+        "fp32 bits/byte": f"{fp32_eval.bits_per_byte:.4f}",
+        "int8 bits/byte": f"{int8_eval.bits_per_byte:.4f}",
         f"greedy: same first tokens of {n:,}": f"{greedy_prefix(run.model, int8, prompt, n):,}",
         "top-1 agreement on val": f"{100 * agree:.1f}% of {positions:,}",
         "kernels (decode; long inputs)": f"{plan.pick(1)}; {plan.pick(10**6)}",
@@ -88,8 +90,10 @@ def main() -> None:
     args = p.parse_args()
     rows = [compare(path, args.tokens) for path in args.ckpt]
     head = list(rows[0])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; eval: the run's full val split, stride = block_size\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; eval: the run's full val split, stride = block_size\n"
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:

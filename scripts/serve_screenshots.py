@@ -71,8 +71,9 @@ def main() -> None:
         find("prompt").clear()
         find("prompt").send_keys("ROMEO:")
         find("seed").send_keys("1")
-        driver.execute_script(f"const m = document.getElementById('max-tokens'); m.value = {args.max_tokens};"
-                              "m.dispatchEvent(new Event('input'));")
+        driver.execute_script(
+            f"const m = document.getElementById('max-tokens'); m.value = {args.max_tokens};m.dispatchEvent(new Event('input'));"
+        )
         find("generate").click()
         wait.until(lambda d: "finished" in find("stats").text)
         driver.save_screenshot(str(args.out_dir / "serve.png"))

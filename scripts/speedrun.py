@@ -54,28 +54,40 @@ def run(name: str, config: Path, budget: str, args: argparse.Namespace) -> dict:
     if subprocess.run(cmd).returncode != 0:
         sys.exit(f"error: quill train failed for {config} (its message is above)")
     wall = time.time() - started
-    evaluated = subprocess.run([sys.executable, "-m", "quillgpt", "eval", "--ckpt", str(out), "--json"],
-                               capture_output=True, text=True)
+    evaluated = subprocess.run([sys.executable, "-m", "quillgpt", "eval", "--ckpt", str(out), "--json"], capture_output=True, text=True)
     if evaluated.returncode != 0:
         sys.exit(f"error: quill eval failed for {out}: {evaluated.stderr.strip()[-500:]}")
     scored = json.loads(evaluated.stdout)
     last = [r for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r][-1]  # the final evaluation
     shown = config.resolve().relative_to(ROOT) if config.resolve().is_relative_to(ROOT) else config
     loop_s = load_checkpoint(out / "ckpt.pt")["elapsed_s"]  # when the last checkpoint was written
-    return {"run": name, "budget": budget, "steps": last["step"], "tokens": last["tokens"],
-            "train_loss": last["eval_train_loss"], "val_loss": scored["loss"], "eval_step": scored.get("step"),
-            "tokens_per_s": last["tokens"] / last["elapsed_s"], "loop_s": loop_s, "wall_s": wall,
-            "config": str(shown)}
+    return {
+        "run": name,
+        "budget": budget,
+        "steps": last["step"],
+        "tokens": last["tokens"],
+        "train_loss": last["eval_train_loss"],
+        "val_loss": scored["loss"],
+        "eval_step": scored.get("step"),
+        "tokens_per_s": last["tokens"] / last["elapsed_s"],
+        "loop_s": loop_s,
+        "wall_s": wall,
+        "config": str(shown),
+    }
 
 
 def print_rows(rows: list[dict]) -> None:
-    header = (f"{'run':<10} {'budget':>6} {'steps':>6} {'tokens':>11} {'train loss':>10} {'val loss':>8} "
-              f"{'tokens/s':>9} {'loop s':>7} {'wall s':>7}  config")
+    header = (
+        f"{'run':<10} {'budget':>6} {'steps':>6} {'tokens':>11} {'train loss':>10} {'val loss':>8} "
+        f"{'tokens/s':>9} {'loop s':>7} {'wall s':>7}  config"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['run']:<10} {r['budget']:>6} {r['steps']:>6,} {r['tokens']:>11,} {r['train_loss']:>10.4f} {r['val_loss']:>8.4f} "
-              f"{r['tokens_per_s']:>9,.0f} {r['loop_s']:>7.1f} {r['wall_s']:>7.1f}  {r['config']}")
+        print(
+            f"{r['run']:<10} {r['budget']:>6} {r['steps']:>6,} {r['tokens']:>11,} {r['train_loss']:>10.4f} {r['val_loss']:>8.4f} "
+            f"{r['tokens_per_s']:>9,.0f} {r['loop_s']:>7.1f} {r['wall_s']:>7.1f}  {r['config']}"
+        )
 
 
 def main() -> None:

@@ -16,32 +16,80 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog. 12345 67890 + - * / = ( ) [ ] { } 'quoted' \"double\"",
     "\n\nKING HENRY: Once more unto the breach, dear friends, once more;\nOr close the wall up with our English dead.",
 ]
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
-          "+ message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-           "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
+    "+ message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 
 # family → (model_type, config keys, tokenizer specials, bos (post-processor) or None, eos, template)
 FAMILIES = {
-    "smollm2": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=2, rope_theta=100000.0),
-                ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", CHATML),
-    "llama3": ("llama", dict(tie_word_embeddings=False, num_key_value_heads=2, rope_theta=500000.0, rope_scaling={
-                   "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 32}),
-               ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-               "<|begin_of_text|>", "<|end_of_text|>", LLAMA3),
-    "qwen2": ("qwen2", dict(tie_word_embeddings=False, num_key_value_heads=2, rope_theta=1000000.0),
-              ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", CHATML),
-    "qwen3": ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0),
-              ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", CHATML),
-    "mistral": ("mistral", dict(tie_word_embeddings=False, num_key_value_heads=1, sliding_window=8),
-                ["<unk>", "<s>", "</s>"], "<s>", "</s>", MISTRAL),
+    "smollm2": (
+        "llama",
+        dict(tie_word_embeddings=True, num_key_value_heads=2, rope_theta=100000.0),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        None,
+        "<|im_end|>",
+        CHATML,
+    ),
+    "llama3": (
+        "llama",
+        dict(
+            tie_word_embeddings=False,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        LLAMA3,
+    ),
+    "qwen2": (
+        "qwen2",
+        dict(tie_word_embeddings=False, num_key_value_heads=2, rope_theta=1000000.0),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        None,
+        "<|im_end|>",
+        CHATML,
+    ),
+    "qwen3": (
+        "qwen3",
+        dict(tie_word_embeddings=True, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        None,
+        "<|im_end|>",
+        CHATML,
+    ),
+    "mistral": (
+        "mistral",
+        dict(tie_word_embeddings=False, num_key_value_heads=1, sliding_window=8),
+        ["<unk>", "<s>", "</s>"],
+        "<s>",
+        "</s>",
+        MISTRAL,
+    ),
 }
-HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
 
 
 QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -57,8 +105,12 @@ def train_tokenizer(specials: list[str], bos: str | None, qwen: bool = False):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     if qwen:
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
@@ -69,8 +121,9 @@ def train_tokenizer(specials: list[str], bos: str | None, qwen: bool = False):
     return tok
 
 
-def make_hf_model(directory: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                  shard: str | None = None, **config: object) -> Path:
+def make_hf_model(
+    directory: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0, shard: str | None = None, **config: object
+) -> Path:
     """A random `family` model saved by save_pretrained into `directory`, with its tokenizer files;
     `config`: keys that replace or add to the family's (e.g. head_dim=24 on a qwen2)."""
     import transformers
@@ -80,9 +133,18 @@ def make_hf_model(directory: Path, family: str, dtype: torch.dtype = torch.float
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos or specials[0], eos_token=eos)
     fast.chat_template = template
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[model_type])
-    config = config_cls(vocab_size=tok.get_vocab_size() + 5, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=160, rms_norm_eps=1e-6,
-                        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, **{**extra, **config})
+    config = config_cls(
+        vocab_size=tok.get_vocab_size() + 5,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=160,
+        rms_norm_eps=1e-6,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        **{**extra, **config},
+    )
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():  # decisive logits: greedy text has no near-ties

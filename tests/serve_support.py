@@ -24,8 +24,9 @@ def tiny_run_dir(out: Path, shakespeare_path: Path, seed: int = 0, **model: obje
     block 16, larger-than-init random weights (varied greedy text, no training needed); `model`:
     other model settings (e.g. attention="prefix")."""
     tok = CharTokenizer.from_text(shakespeare_path.read_text(encoding="utf-8"))
-    cfg = config_from_dict({"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": BLOCK,
-                                      "vocab_size": tok.vocab_size, "bias": False, **model}})
+    cfg = config_from_dict(
+        {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": BLOCK, "vocab_size": tok.vocab_size, "bias": False, **model}}
+    )
     torch.manual_seed(seed)
     model = GPT(cfg.model)
     with torch.no_grad():
@@ -39,8 +40,9 @@ def tiny_run_dir(out: Path, shakespeare_path: Path, seed: int = 0, **model: obje
 
 
 @contextmanager
-def running_server(run_dir: Path, max_batch: int = 4, engine=None, drain_s: float = 2.0, head_timeout_s: float = 10.0,
-                   **options) -> Iterator[tuple[str, object]]:
+def running_server(
+    run_dir: Path, max_batch: int = 4, engine=None, drain_s: float = 2.0, head_timeout_s: float = 10.0, **options
+) -> Iterator[tuple[str, object]]:
     """Serve run_dir on 127.0.0.1:<free port> in a thread; yields (base URL, app); always stops.
     `engine`: a function of the model that makes the engine (default: an Engine of max_batch
     rows); app.state.server is the uvicorn server (set should_exit to start its shutdown)."""

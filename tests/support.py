@@ -47,6 +47,7 @@ def random_model(variant: str = "mha-learned", seed: int = 0):
 def deadline(seconds: int):
     """Fail (instead of hanging the suite) when the body runs longer than `seconds`: SIGALRM
     interrupts even a blocking open() of a FIFO. Main thread only."""
+
     def expired(signum, frame):
         raise TimeoutError(f"still running after {seconds} s: an input that never ends?")
 
@@ -123,11 +124,18 @@ def free_port() -> int:
 def two_ranks(worker: str, *args: str) -> list[tuple[int, str]]:
     """Run tests/<worker> as ranks 0 and 1 of a loopback process group (one thread each, killed
     after 240 s); each rank's (return code, last 3,000 characters of stderr)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / worker), *args],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / worker), *args],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         results = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -141,10 +149,20 @@ CPU_CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
 
 def tiny(shakespeare_path, data_dir, out_dir, *extra):
     return [
-        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        "train.eval_interval=2", "train.eval_iters=2", "train.log_interval=1", "train.warmup_iters=2",
-        "train.device=cpu", "train.dtype=float32", *extra,  # fp32: bf16 sums differ with the batch split
+        f"data.path={shakespeare_path}",
+        f"data.out_dir={data_dir}",
+        f"train.out_dir={out_dir}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        "train.log_interval=1",
+        "train.warmup_iters=2",
+        "train.device=cpu",
+        "train.dtype=float32",
+        *extra,  # fp32: bf16 sums differ with the batch split
     ]
 
 

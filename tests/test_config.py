@@ -25,8 +25,15 @@ def test_shipped_recipes_load(name):
 def test_overrides_are_typed_like_yaml():
     cfg = load_config(
         ROOT / "configs" / "shakespeare_char_cpu.yaml",
-        ["train.max_iters=200", "model.n_layer=2", "train.learning_rate=3e-4",
-         "model.window=null", "train.resume=auto", "train.compile=true", "data.path=some/file.txt"],
+        [
+            "train.max_iters=200",
+            "model.n_layer=2",
+            "train.learning_rate=3e-4",
+            "model.window=null",
+            "train.resume=auto",
+            "train.compile=true",
+            "data.path=some/file.txt",
+        ],
     )
     assert cfg.train.max_iters == 200 and isinstance(cfg.train.max_iters, int)
     assert cfg.model.n_layer == 2
@@ -106,9 +113,11 @@ def test_long_values_are_cut_in_messages():
         assert len(str(err.value)) < 600 and "\n" not in str(err.value), str(err.value)[:300]
 
 
-BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")
-) + "model: {n_layer: *i}\n"
+BOMB = (
+    "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    + "".join(f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+    + "model: {n_layer: *i}\n"
+)
 
 
 def test_alias_bomb_is_refused_quickly(tmp_path):
@@ -166,9 +175,11 @@ def test_file_errors(tmp_path):
 def test_configs_built_in_python_are_checked_for_finite_numbers():
     from quillgpt.config import ModelConfig, TrainConfig
 
-    for cfg, message in [(ModelConfig(dropout=float("nan")), "model.dropout must be a finite number, got nan"),
-                         (TrainConfig(grad_clip=float("nan")), "train.grad_clip must be a finite number, got nan"),
-                         (TrainConfig(learning_rate=float("inf")), "train.learning_rate must be a finite number")]:
+    for cfg, message in [
+        (ModelConfig(dropout=float("nan")), "model.dropout must be a finite number, got nan"),
+        (TrainConfig(grad_clip=float("nan")), "train.grad_clip must be a finite number, got nan"),
+        (TrainConfig(learning_rate=float("inf")), "train.learning_rate must be a finite number"),
+    ]:
         with pytest.raises(QuillError, match=message):
             cfg.validate()
 
@@ -185,8 +196,16 @@ def test_parse_duration(text, seconds):
 
 def test_a_leading_tilde_in_a_path_is_the_home_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_config(None, ["data.path=~/corpus.txt", "data.out_dir=~/data", "train.out_dir=~/runs/a",
-                             "train.init_from=~/runs/base", "data.tokenizer=~/tok.json"])
+    cfg = load_config(
+        None,
+        [
+            "data.path=~/corpus.txt",
+            "data.out_dir=~/data",
+            "train.out_dir=~/runs/a",
+            "train.init_from=~/runs/base",
+            "data.tokenizer=~/tok.json",
+        ],
+    )
     assert cfg.data.path == f"{tmp_path}/corpus.txt" and cfg.train.init_from == f"{tmp_path}/runs/base"
     assert cfg.data.out_dir == f"{tmp_path}/data" and cfg.data.tokenizer == f"{tmp_path}/tok.json"
     assert load_config(None, ["data.path=a~b"]).data.path == "a~b"  # only a leading ~

@@ -56,7 +56,7 @@ def invocations(code: str) -> list[tuple[str, list[str]]]:
                     if word == "quillgpt" and (i == 0 or words[i - 1] != "-m"):
                         continue
                     name = words[i + 1]
-                    rest = words[i + 2:]
+                    rest = words[i + 2 :]
                     if name == "tokenizer" and rest[:1] == ["train"]:
                         name, rest = "tokenizer train", rest[1:]
                     found.append((name, rest))
@@ -107,12 +107,18 @@ def problems(text: str) -> list[str]:
 
 
 def test_the_check_finds_a_made_up_command_flag_and_key():
-    page = ("Run `quill train --config c.yaml --resum train.max_itres=3` then\n\n"
-            "    quill sample --ckpt out/x -n 3 \\\n        --temprature 0.5 && quill smaple\n\n"
-            "```yaml\nmodel:\n  n_layers: 2\n  n_layer: 2\n```\nand `model.safetensors`, `quill tokenizer train --vocab-size 300`.\n")
-    assert problems(page) == ["quill sample --temprature: no such flag", "quill smaple: no such command",
-                              "quill train --resum: no such flag", "train.max_itres: no such config key",
-                              "yaml model: n_layers: no such config key"]
+    page = (
+        "Run `quill train --config c.yaml --resum train.max_itres=3` then\n\n"
+        "    quill sample --ckpt out/x -n 3 \\\n        --temprature 0.5 && quill smaple\n\n"
+        "```yaml\nmodel:\n  n_layers: 2\n  n_layer: 2\n```\nand `model.safetensors`, `quill tokenizer train --vocab-size 300`.\n"
+    )
+    assert problems(page) == [
+        "quill sample --temprature: no such flag",
+        "quill smaple: no such command",
+        "quill train --resum: no such flag",
+        "train.max_itres: no such config key",
+        "yaml model: n_layers: no such config key",
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -20,19 +20,27 @@ from quillgpt.files import (
 LONG = "n" * 300
 
 
-@pytest.mark.parametrize("name, message", [
-    ("missing", "--x {p} does not exist (make one)"),
-    ("directory", "--x {p} is a directory; pass a file"),
-    ("device", "--x /dev/zero is a device, not a file; pass a file"),
-    ("fifo", "--x {p} is a FIFO (named pipe), not a file; pass a file"),
-    ("eio", "cannot read --x /proc/self/mem: Input/output error"),
-    ("too_long", "cannot read --x {p}: File name too long"),
-    ("too_big", "--x {p} is larger than 10 bytes; is it the right file?"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("missing", "--x {p} does not exist (make one)"),
+        ("directory", "--x {p} is a directory; pass a file"),
+        ("device", "--x /dev/zero is a device, not a file; pass a file"),
+        ("fifo", "--x {p} is a FIFO (named pipe), not a file; pass a file"),
+        ("eio", "cannot read --x /proc/self/mem: Input/output error"),
+        ("too_long", "cannot read --x {p}: File name too long"),
+        ("too_big", "--x {p} is larger than 10 bytes; is it the right file?"),
+    ],
+)
 def test_read_bytes_refusals_name_the_path_and_the_reason(tmp_path, name, message):
     path = {
-        "missing": tmp_path / "nope", "directory": tmp_path, "device": "/dev/zero", "eio": "/proc/self/mem",
-        "too_long": tmp_path / LONG, "too_big": tmp_path / "big", "fifo": tmp_path / "fifo",
+        "missing": tmp_path / "nope",
+        "directory": tmp_path,
+        "device": "/dev/zero",
+        "eio": "/proc/self/mem",
+        "too_long": tmp_path / LONG,
+        "too_big": tmp_path / "big",
+        "fifo": tmp_path / "fifo",
     }[name]
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "big").write_bytes(b"x" * 11)
@@ -95,8 +103,9 @@ def test_writes_refuse_special_files_and_name_os_errors(tmp_path):
     assert (tmp_path / "ok").read_bytes() == b"x" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-@pytest.mark.parametrize("name", ["train.bin", "val-000003.bin", "train.flags.bin", "val-000003.flags.bin",
-                                  ".prepare.lock", ".prepare-state.json", "meta.json"])
+@pytest.mark.parametrize(
+    "name", ["train.bin", "val-000003.bin", "train.flags.bin", "val-000003.flags.bin", ".prepare.lock", ".prepare-state.json", "meta.json"]
+)
 def test_every_file_a_prepare_writes_is_the_datasets(tmp_path, name):
     """The names come from the same constants prepare writes by (a chat dataset's flag shards included)."""
     (tmp_path / "meta.json").write_text("{}")

@@ -20,8 +20,13 @@ ENV = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
 
 
 def test_dry_run_lists_every_step_and_finds_what_they_need(shakespeare_path, tmp_path):
-    done = subprocess.run([str(SCRIPT), str(tmp_path / "out"), "--shared", str(shakespeare_path.parents[1]), "--dry-run"],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    done = subprocess.run(
+        [str(SCRIPT), str(tmp_path / "out"), "--shared", str(shakespeare_path.parents[1]), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [line.split("  ")[0] for line in done.stdout.splitlines() if " limit " in line]
     assert [s.split()[0] for s in steps] == ["1a", "1b", "2", "3", "4"]
@@ -31,33 +36,55 @@ def test_dry_run_lists_every_step_and_finds_what_they_need(shakespeare_path, tmp
 
 
 def test_missing_offline_files_are_one_line_and_exit_2(tmp_path):
-    done = subprocess.run([str(SCRIPT), str(tmp_path / "out"), "--shared", str(tmp_path), "--dry-run"],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    done = subprocess.run(
+        [str(SCRIPT), str(tmp_path / "out"), "--shared", str(tmp_path), "--dry-run"], capture_output=True, text=True, env=ENV, timeout=300
+    )
     assert done.returncode == 2
     assert "missing: Tiny Shakespeare: data/tinyshakespeare.txt under --shared DIR" in done.stderr
     assert not (tmp_path / "out").exists()
 
 
 def test_only_names_steps_that_exist(tmp_path):
-    done = subprocess.run([str(SCRIPT), str(tmp_path / "out"), "--only", "1b,5", "--dry-run"],
-                          capture_output=True, text=True, env=ENV, timeout=60)
+    done = subprocess.run(
+        [str(SCRIPT), str(tmp_path / "out"), "--only", "1b,5", "--dry-run"], capture_output=True, text=True, env=ENV, timeout=60
+    )
     assert done.returncode == 2 and done.stderr == "--only: no step 5; the steps are 1a 1b 2 3 4\n"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the suite runs (scripts/gpu_check.sh step 3)")
 def test_bench_gpu_suite_skips_cleanly_without_cuda(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "gpu", "--json", str(tmp_path / "b.json")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "gpu", "--json", str(tmp_path / "b.json")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gpu: skipped (no CUDA device)" in done.stdout
     assert json.loads((tmp_path / "b.json").read_text())["header"]["gpu_suite"] == "skipped: no CUDA device"
 
 
 def test_training_check_reports_its_figures(shakespeare_path, tmp_path):
-    tiny = ["train.device=cpu", "train.compile=false", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
-            "model.block_size=32", "train.batch_size=4", "train.max_iters=20", "train.eval_interval=10", "train.eval_iters=2"]
-    done = subprocess.run([*HELPER, "train", str(tmp_path), "--text", str(shakespeare_path),
-                           *(f"--override={o}" for o in tiny)], capture_output=True, text=True, env=ENV, timeout=300)
+    tiny = [
+        "train.device=cpu",
+        "train.compile=false",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "train.batch_size=4",
+        "train.max_iters=20",
+        "train.eval_interval=10",
+        "train.eval_iters=2",
+    ]
+    done = subprocess.run(
+        [*HELPER, "train", str(tmp_path), "--text", str(shakespeare_path), *(f"--override={o}" for o in tiny)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
     assert lines[0].startswith("SUMMARY quill train: exit 0, 20/20 steps") and "torch.compile off" in lines[0]
@@ -66,8 +93,13 @@ def test_training_check_reports_its_figures(shakespeare_path, tmp_path):
 
 
 def test_torchrun_one_process_runs_ddp_and_fsdp_and_resumes_bit_for_bit(shakespeare_path, tmp_path):
-    done = subprocess.run([*HELPER, "torchrun", str(tmp_path), "--text", str(shakespeare_path), "--device", "cpu",
-                           "--steps", "4"], capture_output=True, text=True, env=ENV, timeout=600)
+    done = subprocess.run(
+        [*HELPER, "torchrun", str(tmp_path), "--text", str(shakespeare_path), "--device", "cpu", "--steps", "4"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     results = json.loads((tmp_path / "torchrun.json").read_text())
     for strategy in ("ddp", "fsdp"):

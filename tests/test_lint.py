@@ -8,6 +8,11 @@ from support import ROOT
 
 
 def test_ruff_is_clean():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "quillgpt", "tests", "scripts"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "quillgpt", "tests", "scripts"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]

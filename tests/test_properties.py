@@ -49,7 +49,10 @@ def bounded(examples: int):
     """Settings for one property: `examples` cases (× QUILL_PROPERTY_SCALE), no per-case deadline,
     no example database written into the checkout."""
     return settings(
-        max_examples=examples * SCALE, deadline=None, database=None, derandomize=SCALE == 1,
+        max_examples=examples * SCALE,
+        deadline=None,
+        database=None,
+        derandomize=SCALE == 1,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
 
@@ -59,10 +62,19 @@ def bounded(examples: int):
 
 def tiny(w, *extra):
     return [
-        f"data.path={w.text}", f"data.out_dir={w.data}", f"train.out_dir={w.run}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        "train.batch_size=4", "train.max_iters=2", "train.eval_interval=2", "train.eval_iters=2",
-        "train.device=cpu", *extra,
+        f"data.path={w.text}",
+        f"data.out_dir={w.data}",
+        f"train.out_dir={w.run}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=4",
+        "train.max_iters=2",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        "train.device=cpu",
+        *extra,
     ]
 
 
@@ -149,10 +161,49 @@ def scratch(w, name: str) -> Path:
 # --- generated values ------------------------------------------------------------------------
 
 YAML_ODDITIES = [
-    "nan", ".nan", "NaN", "inf", ".inf", "-.inf", "1e999", "-1e999", "1e-400", "0x10", "0o17", "1_000", "~", "null",
-    "true", "no", "[]", "{}", "[1, [2, [3]]]", "{a: 1}", "&a [1, 2]", "*a", "!!python/name:os.system",
-    "!!binary aGk=", "2024-01-01", "12:30:00", "'quoted'", '"\\x00"', "", " ", "-", "?", "|", ">", "@x", "%YAML",
-    "[" * 200, "a: &a [1]\nb: *a", str(2**64), str(-(2**63) - 1), str(10**400), "9" * 400, "0.1" * 50,
+    "nan",
+    ".nan",
+    "NaN",
+    "inf",
+    ".inf",
+    "-.inf",
+    "1e999",
+    "-1e999",
+    "1e-400",
+    "0x10",
+    "0o17",
+    "1_000",
+    "~",
+    "null",
+    "true",
+    "no",
+    "[]",
+    "{}",
+    "[1, [2, [3]]]",
+    "{a: 1}",
+    "&a [1, 2]",
+    "*a",
+    "!!python/name:os.system",
+    "!!binary aGk=",
+    "2024-01-01",
+    "12:30:00",
+    "'quoted'",
+    '"\\x00"',
+    "",
+    " ",
+    "-",
+    "?",
+    "|",
+    ">",
+    "@x",
+    "%YAML",
+    "[" * 200,
+    "a: &a [1]\nb: *a",
+    str(2**64),
+    str(-(2**63) - 1),
+    str(10**400),
+    "9" * 400,
+    "0.1" * 50,
 ]
 NUMBERS = st.one_of(
     st.integers(min_value=-(2**80), max_value=2**80),
@@ -164,13 +215,16 @@ VALUES = st.one_of(NUMBERS.map(str), st.sampled_from(YAML_ODDITIES), st.text(max
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig}
 KEYS = [f"{s}.{f}" for s, cls in SECTIONS.items() for f in cls.__dataclass_fields__]
 # Keys the CLI-level property leaves alone: they choose where files go or what happens to the run.
-CLI_KEYS = [k for k in KEYS if k.split(".")[0] != "data" and k not in (
-    "train.out_dir", "train.overwrite", "train.resume", "train.init_from", "train.tensorboard", "train.compile")]
+CLI_KEYS = [
+    k
+    for k in KEYS
+    if k.split(".")[0] != "data"
+    and k not in ("train.out_dir", "train.overwrite", "train.resume", "train.init_from", "train.tensorboard", "train.compile")
+]
 OVERRIDE = st.one_of(
     st.tuples(st.sampled_from(KEYS), VALUES).map(lambda kv: f"{kv[0]}={kv[1]}"),
     st.text(max_size=30),  # not an override at all
-    st.tuples(st.sampled_from(["model", "train", "modle", ""]), st.text(max_size=10), VALUES)
-    .map(lambda t: f"{t[0]}.{t[1]}={t[2]}"),
+    st.tuples(st.sampled_from(["model", "train", "modle", ""]), st.text(max_size=10), VALUES).map(lambda t: f"{t[0]}.{t[1]}={t[2]}"),
 )
 
 
@@ -204,26 +258,41 @@ def test_config_overrides_are_accepted_valid_or_refused_in_one_line(overrides):
 
 
 @bounded(30)
-@given(overrides=st.lists(st.tuples(st.sampled_from(CLI_KEYS), VALUES).map(lambda kv: f"{kv[0]}={kv[1]}"),
-                          min_size=1, max_size=3))
+@given(overrides=st.lists(st.tuples(st.sampled_from(CLI_KEYS), VALUES).map(lambda kv: f"{kv[0]}={kv[1]}"), min_size=1, max_size=3))
 def test_train_with_generated_overrides_never_touches_the_existing_run(w, overrides):
     """`quill train` over an existing run: refused (a bad value, or the run is there) — exit 2."""
     check_command(w, ["train", "--config", str(CONFIG), "-q", *tiny(w), *overrides], allow_ok=False)
 
 
-SMALL_TRAIN = st.fixed_dictionaries({}, optional={
-    "model.n_layer": st.integers(-1, 3), "model.n_head": st.integers(-1, 4), "model.n_embd": st.sampled_from([0, 8, 16, 24, 30]),
-    "model.n_kv_head": st.sampled_from(["null", 0, 1, 2, 3]), "model.block_size": st.integers(-1, 24),
-    "model.window": st.sampled_from(["null", 0, 1, 3, 100]), "model.pos": st.sampled_from(["learned", "rope", "x"]),
-    "model.norm": st.sampled_from(["layernorm", "rmsnorm"]), "model.mlp": st.sampled_from(["gelu", "swiglu"]),
-    "model.dropout": st.sampled_from([0.0, 0.5, 0.99, 1.0, "nan"]), "model.bias": st.booleans(),
-    "model.tie_embeddings": st.booleans(), "model.attn_impl": st.sampled_from(["sdpa", "math"]),
-    "train.batch_size": st.integers(-1, 5), "train.grad_accum": st.integers(0, 2),
-    "train.learning_rate": st.sampled_from([1e-3, 0.0, 1e30, "inf", "nan", -1]), "train.grad_clip": st.sampled_from([0, 1.0, "nan", -1]),
-    "train.warmup_iters": st.integers(-1, 3), "train.lr_schedule": st.sampled_from(["cosine", "wsd", "constant"]),
-    "train.eval_iters": st.integers(0, 2), "train.log_interval": st.integers(0, 2), "train.seed": st.integers(-1, 2**33),
-    "train.dtype": st.sampled_from(["auto", "float32", "bfloat16", "float16"]), "train.time_budget": st.sampled_from(["1h", "0s", "x"]),
-})
+SMALL_TRAIN = st.fixed_dictionaries(
+    {},
+    optional={
+        "model.n_layer": st.integers(-1, 3),
+        "model.n_head": st.integers(-1, 4),
+        "model.n_embd": st.sampled_from([0, 8, 16, 24, 30]),
+        "model.n_kv_head": st.sampled_from(["null", 0, 1, 2, 3]),
+        "model.block_size": st.integers(-1, 24),
+        "model.window": st.sampled_from(["null", 0, 1, 3, 100]),
+        "model.pos": st.sampled_from(["learned", "rope", "x"]),
+        "model.norm": st.sampled_from(["layernorm", "rmsnorm"]),
+        "model.mlp": st.sampled_from(["gelu", "swiglu"]),
+        "model.dropout": st.sampled_from([0.0, 0.5, 0.99, 1.0, "nan"]),
+        "model.bias": st.booleans(),
+        "model.tie_embeddings": st.booleans(),
+        "model.attn_impl": st.sampled_from(["sdpa", "math"]),
+        "train.batch_size": st.integers(-1, 5),
+        "train.grad_accum": st.integers(0, 2),
+        "train.learning_rate": st.sampled_from([1e-3, 0.0, 1e30, "inf", "nan", -1]),
+        "train.grad_clip": st.sampled_from([0, 1.0, "nan", -1]),
+        "train.warmup_iters": st.integers(-1, 3),
+        "train.lr_schedule": st.sampled_from(["cosine", "wsd", "constant"]),
+        "train.eval_iters": st.integers(0, 2),
+        "train.log_interval": st.integers(0, 2),
+        "train.seed": st.integers(-1, 2**33),
+        "train.dtype": st.sampled_from(["auto", "float32", "bfloat16", "float16"]),
+        "train.time_budget": st.sampled_from(["1h", "0s", "x"]),
+    },
+)
 
 
 @bounded(8)
@@ -237,54 +306,101 @@ def test_small_generated_runs_train_or_refuse(w, changes):
 
 # --- CLI flags -------------------------------------------------------------------------------
 
-DEVICES = st.one_of(st.sampled_from(["cpu", "auto", "meta", "xpu", "hpu", "cuda:7", "cpu:1", "mps", "", "cuda:-1", "cpu\n"]),
-                    st.text(max_size=12))
+DEVICES = st.one_of(
+    st.sampled_from(["cpu", "auto", "meta", "xpu", "hpu", "cuda:7", "cpu:1", "mps", "", "cuda:-1", "cpu\n"]), st.text(max_size=12)
+)
 
 
 def paths(w, outputs: bool = False) -> st.SearchStrategy:
     """Paths a careless or hostile user might give, the protected files among them (refused as
     outputs unless --force, which asks for them to be written: see the test)."""
     common = [
-        str(w.root), str(w.scratch / "new.txt"), "/proc/self/mem", "/proc/x/y.png", "/proc/self",
-        str(w.scratch / ("n" * 300)), str(w.scratch / ("n" * 300) / "a.png"),
-        str(w.scratch / "sub" / "dir" / "out.png"), str(w.scratch / "out.svg"), str(w.scratch / "x.json"), "", str(w.run),
+        str(w.root),
+        str(w.scratch / "new.txt"),
+        "/proc/self/mem",
+        "/proc/x/y.png",
+        "/proc/self",
+        str(w.scratch / ("n" * 300)),
+        str(w.scratch / ("n" * 300) / "a.png"),
+        str(w.scratch / "sub" / "dir" / "out.png"),
+        str(w.scratch / "out.svg"),
+        str(w.scratch / "x.json"),
+        "",
+        str(w.run),
     ]
     # Devices only as inputs: an output path that renamed over /dev/zero once replaced it (as root).
     inputs = [str(w.small), str(w.run / "ckpt.pt"), str(w.run / "config.yaml"), str(w.hf), "/dev/zero", "/dev/null"]
-    protected = [str(w.run / "best.pt"), str(w.run / "config.yaml"), str(w.run / "tokenizer.json"),
-                 str(w.data / "meta.json"), str(w.hf / "config.json"), str(w.small)]
+    protected = [
+        str(w.run / "best.pt"),
+        str(w.run / "config.yaml"),
+        str(w.run / "tokenizer.json"),
+        str(w.data / "meta.json"),
+        str(w.hf / "config.json"),
+        str(w.small),
+    ]
     # A FIFO as an output, and as an input (refused by name: reading one would wait for a writer).
     return st.sampled_from(common + [str(w.fifo)] + (protected if outputs else inputs))
 
 
 def flag_sets(w) -> st.SearchStrategy:
     ints = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70)).map(str)
-    eval_flags = st.fixed_dictionaries({"--text": paths(w)}, optional={
-        "--stride": st.one_of(st.integers(-2, 40).map(str), st.sampled_from(["x", "1e3"])),
-        "--batch-size": ints, "--device": DEVICES, "--split": st.sampled_from(["val", "train", "test"]),
-        "--which": st.sampled_from(["best", "latest", "newest", ""]),
-    }).map(lambda f: ["eval", "--ckpt", str(w.run), "--json", *sum(([k, v] for k, v in f.items()), [])])
+    eval_flags = st.fixed_dictionaries(
+        {"--text": paths(w)},
+        optional={
+            "--stride": st.one_of(st.integers(-2, 40).map(str), st.sampled_from(["x", "1e3"])),
+            "--batch-size": ints,
+            "--device": DEVICES,
+            "--split": st.sampled_from(["val", "train", "test"]),
+            "--which": st.sampled_from(["best", "latest", "newest", ""]),
+        },
+    ).map(lambda f: ["eval", "--ckpt", str(w.run), "--json", *sum(([k, v] for k, v in f.items()), [])])
     prompts = st.one_of(st.sampled_from(["To be", "", "\n", "First Citizen:\n" * 20]), st.text(max_size=20))
-    attention_flags = st.fixed_dictionaries({"-p": prompts}, optional={
-        "--layer": st.one_of(st.sampled_from(["all", "-1", "0", "2", "-3", "x"]), st.text(max_size=5)),
-        "--head": ints, "--top-k": ints, "--device": DEVICES, "--out": paths(w, outputs=True),
-        "--format": st.sampled_from(["png", "svg", "text", "jpg", ""]), "--summary-json": paths(w, outputs=True),
-    }).map(lambda f: ["attention", "--ckpt", str(w.run), *sum(([k, v] for k, v in f.items()), [])])
-    plot_flags = st.fixed_dictionaries({"-o": paths(w, outputs=True)}, optional={
-        "--x": st.sampled_from(["step", "tokens", "time", "epoch"]),
-    }).map(lambda f: ["plot", str(w.run), *sum(([k, v] for k, v in f.items()), [])])
-    tokenizer_flags = st.fixed_dictionaries({"-i": paths(w), "-o": paths(w, outputs=True)}, optional={
-        "--vocab-size": st.one_of(st.integers(-1, 300), st.integers(2**20, 2**70)).map(str), "--force": st.just(""),
-    }).map(lambda f: ["tokenizer", "train", *sum(([k] if k == "--force" else [k, v] for k, v in f.items()), [])])
+    attention_flags = st.fixed_dictionaries(
+        {"-p": prompts},
+        optional={
+            "--layer": st.one_of(st.sampled_from(["all", "-1", "0", "2", "-3", "x"]), st.text(max_size=5)),
+            "--head": ints,
+            "--top-k": ints,
+            "--device": DEVICES,
+            "--out": paths(w, outputs=True),
+            "--format": st.sampled_from(["png", "svg", "text", "jpg", ""]),
+            "--summary-json": paths(w, outputs=True),
+        },
+    ).map(lambda f: ["attention", "--ckpt", str(w.run), *sum(([k, v] for k, v in f.items()), [])])
+    plot_flags = st.fixed_dictionaries(
+        {"-o": paths(w, outputs=True)},
+        optional={
+            "--x": st.sampled_from(["step", "tokens", "time", "epoch"]),
+        },
+    ).map(lambda f: ["plot", str(w.run), *sum(([k, v] for k, v in f.items()), [])])
+    tokenizer_flags = st.fixed_dictionaries(
+        {"-i": paths(w), "-o": paths(w, outputs=True)},
+        optional={
+            "--vocab-size": st.one_of(st.integers(-1, 300), st.integers(2**20, 2**70)).map(str),
+            "--force": st.just(""),
+        },
+    ).map(lambda f: ["tokenizer", "train", *sum(([k] if k == "--force" else [k, v] for k, v in f.items()), [])])
     hf_flags = st.tuples(st.sampled_from(["import-hf", "export-hf"]), paths(w, outputs=True), st.booleans()).map(
-        lambda t: [t[0], str(w.hf if t[0] == "import-hf" else w.run), "--out", t[1], *(["--force"] if t[2] else [])])
+        lambda t: [t[0], str(w.hf if t[0] == "import-hf" else w.run), "--out", t[1], *(["--force"] if t[2] else [])]
+    )
     # -n stays small: a valid huge -n is honoured (sampling until it is done), which no test can wait for.
     floats = st.one_of(st.floats(), st.floats(-1, 3), st.sampled_from(["nan", "inf", "-inf", "1e999", "x"])).map(str)
-    sample_flags = st.fixed_dictionaries({"-p": prompts, "-n": st.integers(-2, 12).map(str)}, optional={
-        "--temperature": floats, "--top-k": ints, "--top-p": floats, "--min-p": floats, "--repetition-penalty": floats,
-        "--seed": ints, "--num-samples": st.integers(-1, 3).map(str), "--stop": st.text(max_size=4), "--device": DEVICES,
-        "--dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8"]), "--which": st.sampled_from(["best", "latest", "x"]),
-    }).map(lambda f: ["sample", "--ckpt", str(w.run), "--json", *sum(([k, v] for k, v in f.items()), [])])
+    sample_flags = st.fixed_dictionaries(
+        {"-p": prompts, "-n": st.integers(-2, 12).map(str)},
+        optional={
+            "--temperature": floats,
+            "--top-k": ints,
+            "--top-p": floats,
+            "--min-p": floats,
+            "--repetition-penalty": floats,
+            "--seed": ints,
+            "--num-samples": st.integers(-1, 3).map(str),
+            "--stop": st.text(max_size=4),
+            "--device": DEVICES,
+            "--dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8"]),
+            "--which": st.sampled_from(["best", "latest", "x"]),
+        },
+    ).map(lambda f: ["sample", "--ckpt", str(w.run), "--json", *sum(([k, v] for k, v in f.items()), [])])
     return st.one_of(eval_flags, attention_flags, plot_flags, tokenizer_flags, hf_flags, sample_flags)
 
 
@@ -305,15 +421,18 @@ JSON_VALUES = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6,
 )
-METRIC_RECORD = st.fixed_dictionaries({}, optional={
-    k: st.one_of(JSON_VALUES, st.floats(0, 10)) for k in ("step", "train_loss", "val_loss", "lr", "elapsed_s", "tokens")
-})
+METRIC_RECORD = st.fixed_dictionaries(
+    {}, optional={k: st.one_of(JSON_VALUES, st.floats(0, 10)) for k in ("step", "train_loss", "val_loss", "lr", "elapsed_s", "tokens")}
+)
 METRIC_LINE = st.one_of(
     METRIC_RECORD.map(lambda r: json.dumps(r).encode()),
     JSON_VALUES.map(lambda v: json.dumps(v).encode()),
     st.binary(max_size=40),
-    st.just(b'{"step": 1e999, "train_loss": 1.0}'), st.just(b'{"step": "abc", "train_loss": "abc"}'),
-    st.just(b"\xff\xfe not utf-8"), st.just(b"[1, 2]"), st.just(b'{"step": NaN, "train_loss": Infinity}'),
+    st.just(b'{"step": 1e999, "train_loss": 1.0}'),
+    st.just(b'{"step": "abc", "train_loss": "abc"}'),
+    st.just(b"\xff\xfe not utf-8"),
+    st.just(b"[1, 2]"),
+    st.just(b'{"step": NaN, "train_loss": Infinity}'),
 )
 
 
@@ -333,9 +452,11 @@ def test_plot_reads_any_metrics_log(w, lines, keep_real):
 CONFIG_TEXT = st.one_of(
     st.text(max_size=200),
     st.binary(max_size=100).map(lambda b: b.decode("latin-1")),
-    st.dictionaries(st.sampled_from(["data", "model", "train", "sample", "x"]),
-                    st.dictionaries(st.sampled_from([k.split(".")[1] for k in KEYS] + ["zz"]), JSON_VALUES, max_size=4),
-                    max_size=4).map(lambda d: yaml.safe_dump(d)),
+    st.dictionaries(
+        st.sampled_from(["data", "model", "train", "sample", "x"]),
+        st.dictionaries(st.sampled_from([k.split(".")[1] for k in KEYS] + ["zz"]), JSON_VALUES, max_size=4),
+        max_size=4,
+    ).map(lambda d: yaml.safe_dump(d)),
     st.sampled_from(YAML_ODDITIES),
 )
 
@@ -347,8 +468,15 @@ def test_any_config_file_is_read_or_refused(w, text):
     path.write_bytes(text.encode("utf-8", "surrogatepass"))
     # Whatever the file says, the data and the run's fate come from the command line: the file
     # may not ask to replace the run (that is what it would do if the user wrote it).
-    fixed = [f"data.path={w.text}", "data.tokenizer=char", f"data.out_dir={w.scratch / 'config_data'}",
-             f"train.out_dir={w.run}", "train.overwrite=false", "train.resume=false", "train.init_from=null"]
+    fixed = [
+        f"data.path={w.text}",
+        "data.tokenizer=char",
+        f"data.out_dir={w.scratch / 'config_data'}",
+        f"train.out_dir={w.run}",
+        "train.overwrite=false",
+        "train.resume=false",
+        "train.init_from=null",
+    ]
     check_command(w, ["train", "--config", str(path), "-q", *fixed], allow_ok=False)
 
 
@@ -360,19 +488,26 @@ def test_any_text_or_tokenizer_file_is_read_or_refused(w, data, kind):
     if kind == "text":
         check_command(w, ["eval", "--ckpt", str(w.run), "--text", str(path), "--json"])
     else:
-        path.write_bytes(json.dumps({"format": "quillgpt-tokenizer", "version": 1,
-                                     "tokenizer": json.loads(json.dumps(_spec_from(data)))}).encode())
-        check_command(w, ["train", "--config", str(CONFIG), "-q", *tiny(w), f"data.tokenizer={path}",
-                          f"data.out_dir={scratch(w, 'tok_data')}"], allow_ok=False)
+        path.write_bytes(
+            json.dumps({"format": "quillgpt-tokenizer", "version": 1, "tokenizer": json.loads(json.dumps(_spec_from(data)))}).encode()
+        )
+        check_command(
+            w,
+            ["train", "--config", str(CONFIG), "-q", *tiny(w), f"data.tokenizer={path}", f"data.out_dir={scratch(w, 'tok_data')}"],
+            allow_ok=False,
+        )
 
 
 def _spec_from(data: bytes):
     """A tokenizer spec-shaped object out of random bytes (type, then a field that is often wrong)."""
     kind = ["char", "tiktoken", "bpe", "x"][data[0] % 4] if data else "char"
     text = data[1:].decode("latin-1")
-    return {"char": {"type": "char", "chars": text}, "tiktoken": {"type": "tiktoken", "name": text[:8]},
-            "bpe": {"type": "bpe", "ranks": [[text[:4], 0]], "special_tokens": {}, "pattern": text[:8]},
-            "x": {"type": text[:5]}}[kind]
+    return {
+        "char": {"type": "char", "chars": text},
+        "tiktoken": {"type": "tiktoken", "name": text[:8]},
+        "bpe": {"type": "bpe", "ranks": [[text[:4], 0]], "special_tokens": {}, "pattern": text[:8]},
+        "x": {"type": text[:5]},
+    }[kind]
 
 
 def _damage(data: bytes, how: str, at: float, size: int) -> bytes:
@@ -380,8 +515,8 @@ def _damage(data: bytes, how: str, at: float, size: int) -> bytes:
     if how == "truncate":
         return data[:i]
     if how == "zero":
-        return data[:i] + bytes(min(size, len(data) - i)) + data[i + size:]
-    return data[:i] + bytes(b ^ 0xFF for b in data[i:i + size]) + data[i + size:]
+        return data[:i] + bytes(min(size, len(data) - i)) + data[i + size :]
+    return data[:i] + bytes(b ^ 0xFF for b in data[i : i + size]) + data[i + size :]
 
 
 @bounded(25)
@@ -393,17 +528,45 @@ def test_damaged_checkpoint_bytes_are_refused_or_harmless(w, how, at, size):
 
 
 STATE_VALUES = st.one_of(
-    JSON_VALUES, st.sampled_from([torch.zeros(3), torch.zeros(2, dtype=torch.long), torch.tensor(float("nan")),
-                                  torch.zeros(0), {"a": torch.zeros(1)}, [torch.zeros(1)]]),
+    JSON_VALUES,
+    st.sampled_from(
+        [
+            torch.zeros(3),
+            torch.zeros(2, dtype=torch.long),
+            torch.tensor(float("nan")),
+            torch.zeros(0),
+            {"a": torch.zeros(1)},
+            [torch.zeros(1)],
+        ]
+    ),
 )
 
 
 @bounded(25)
-@given(where=st.sampled_from(["top", "model", "config", "config.model", "tokenizer"]),
-       key=st.one_of(st.sampled_from(["step", "model", "config", "tokenizer", "format", "sampler", "n_layer",
-                                      "transformer.wte.weight", "lm_head.weight", "type", "chars", "vocab_size"]),
-                     st.text(max_size=6)),
-       value=STATE_VALUES, delete=st.booleans())
+@given(
+    where=st.sampled_from(["top", "model", "config", "config.model", "tokenizer"]),
+    key=st.one_of(
+        st.sampled_from(
+            [
+                "step",
+                "model",
+                "config",
+                "tokenizer",
+                "format",
+                "sampler",
+                "n_layer",
+                "transformer.wte.weight",
+                "lm_head.weight",
+                "type",
+                "chars",
+                "vocab_size",
+            ]
+        ),
+        st.text(max_size=6),
+    ),
+    value=STATE_VALUES,
+    delete=st.booleans(),
+)
 def test_checkpoints_with_unexpected_content_are_refused_or_work(w, where, key, value, delete):
     state = load_checkpoint(w.run / "best.pt")
     target = state
@@ -422,10 +585,29 @@ HF_VALUES = st.one_of(JSON_VALUES, st.sampled_from([1e999, -1, 0, 10**7, 2**40, 
 
 
 @bounded(15)
-@given(changes=st.dictionaries(
-    st.sampled_from(["n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "n_inner", "layer_norm_epsilon",
-                     "activation_function", "model_type", "tie_word_embeddings", "scale_attn_weights", "n_ctx"]),
-    HF_VALUES, min_size=1, max_size=3))
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(
+            [
+                "n_embd",
+                "n_layer",
+                "n_head",
+                "n_positions",
+                "vocab_size",
+                "n_inner",
+                "layer_norm_epsilon",
+                "activation_function",
+                "model_type",
+                "tie_word_embeddings",
+                "scale_attn_weights",
+                "n_ctx",
+            ]
+        ),
+        HF_VALUES,
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_import_hf_with_any_config_json(w, changes):
     src = scratch(w, "hf_src")
     shutil.copytree(w.hf, src)
@@ -455,18 +637,33 @@ def never_ending(w) -> dict[str, str]:
             shutil.copytree(w.hf, root / f"hf_{name}")
             (root / f"hf_{name}" / name).unlink()
             os.mkfifo(root / f"hf_{name}" / name)
-    return {"fifo": str(root / "pipe.txt"), "zero": "/dev/zero", "link": str(root / "zero.txt"),
-            "dir": str(root / "withfifo"), "loop": str(root / "loop" / "**" / "*.txt"),
-            "hf_config": str(root / "hf_config.json"), "hf_weights": str(root / "hf_model.safetensors"),
-            "hf_tokenizer": str(root / "hf_quill_tokenizer.json")}
+    return {
+        "fifo": str(root / "pipe.txt"),
+        "zero": "/dev/zero",
+        "link": str(root / "zero.txt"),
+        "dir": str(root / "withfifo"),
+        "loop": str(root / "loop" / "**" / "*.txt"),
+        "hf_config": str(root / "hf_config.json"),
+        "hf_weights": str(root / "hf_model.safetensors"),
+        "hf_tokenizer": str(root / "hf_quill_tokenizer.json"),
+    }
 
 
 def input_commands(w, x: str) -> list[list[str]]:
     out = scratch(w, "never_out")
     return [
         ["prepare", "--config", str(CONFIG), *tiny(w), f"data.path={x}", f"data.out_dir={out}"],
-        ["train", "--config", str(CONFIG), "-q", *tiny(w), f"data.path={x}", f"data.out_dir={out}",
-         f"train.out_dir={out}_run", "train.max_iters=1"],
+        [
+            "train",
+            "--config",
+            str(CONFIG),
+            "-q",
+            *tiny(w),
+            f"data.path={x}",
+            f"data.out_dir={out}",
+            f"train.out_dir={out}_run",
+            "train.max_iters=1",
+        ],
         ["eval", "--ckpt", str(w.run), "--text", x, "--json"],
         ["tokenizer", "train", "-i", x, "--vocab-size", "260", "-o", str(out) + ".json"],
         ["prepare", "--config", x],
@@ -521,9 +718,16 @@ def output_commands(w, target: str) -> list[list[str]]:
 def foreign_files(root: Path) -> list[Path]:
     """Files quill did not write: an HF hub download (its tokenizer.json), a nanoGPT dataset
     (train.bin), notes that are no image, a JSON that is no head summary."""
-    files = {"hub/config.json": "{}", "hub/model.safetensors": "x", "hub/tokenizer.json": '{"version": "1.0"}',
-             "nanogpt/train.bin": "\x01\x00" * 64, "nanogpt/val.bin": "\x01\x00" * 8, "nanogpt/meta.pkl": "x",
-             "notes.png": "my notes, not an image", "art.heads.json": '{"mine": 1}'}
+    files = {
+        "hub/config.json": "{}",
+        "hub/model.safetensors": "x",
+        "hub/tokenizer.json": '{"version": "1.0"}',
+        "nanogpt/train.bin": "\x01\x00" * 64,
+        "nanogpt/val.bin": "\x01\x00" * 8,
+        "nanogpt/meta.pkl": "x",
+        "notes.png": "my notes, not an image",
+        "art.heads.json": '{"mine": 1}',
+    }
     for name, text in files.items():
         path = root / name
         if not path.exists():
@@ -539,8 +743,11 @@ def test_no_output_replaces_a_file_of_a_run_a_dataset_an_hf_model_or_another_kin
     file of the run, its prepared data, an HF model and foreign files, through every command that
     writes a user-named path: refused in one line, every existing file unchanged (new files may
     appear beside them), unless --force."""
-    names = {w.run: RUN_FILES, w.data: ("meta.json", "train.bin", "val.bin"),
-             w.hf: ("config.json", "model.safetensors", "quill_tokenizer.json")}
+    names = {
+        w.run: RUN_FILES,
+        w.data: ("meta.json", "train.bin", "val.bin"),
+        w.hf: ("config.json", "model.safetensors", "quill_tokenizer.json"),
+    }
     targets = [d / n for d, ns in names.items() for n in ns] + [w.small, *foreign_files(w.root / "foreign")]
     target = data.draw(st.sampled_from(targets))
     argv = data.draw(st.sampled_from(output_commands(w, str(target))))
@@ -569,8 +776,7 @@ def test_an_output_of_its_own_kind_is_replaced_and_force_replaces_the_rest(w):
     shutil.copytree(w.run, copy)
     code, _, err = run(["attention", "--ckpt", str(copy), "-p", "To be", "--summary-json", str(copy / "config.yaml")])
     assert code == 2 and "is a file of the run in" in err and "--force" in err
-    code, _, err = run(["attention", "--ckpt", str(copy), "-p", "To be", "--summary-json", str(copy / "best.pt"),
-                        "--force"])
+    code, _, err = run(["attention", "--ckpt", str(copy), "-p", "To be", "--summary-json", str(copy / "best.pt"), "--force"])
     assert code == 2 and "is also the input" in err  # --force never replaces what the command reads
 
 

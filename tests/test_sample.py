@@ -29,10 +29,21 @@ def run_dir(tmp_path_factory, shakespeare_path):
     """2 layers, 32 wide, block 16, 8 steps on Tiny Shakespeare; run config: 7 new tokens."""
     tmp = tmp_path_factory.mktemp("sample")
     overrides = [
-        f"data.path={shakespeare_path}", f"data.out_dir={tmp / 'data'}", f"train.out_dir={tmp / 'run'}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", f"model.block_size={BLOCK}",
-        "train.batch_size=4", "train.max_iters=8", "train.eval_interval=4", "train.eval_iters=2",
-        "train.warmup_iters=2", "train.device=cpu", "sample.max_new_tokens=7", "sample.temperature=0.9",
+        f"data.path={shakespeare_path}",
+        f"data.out_dir={tmp / 'data'}",
+        f"train.out_dir={tmp / 'run'}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        f"model.block_size={BLOCK}",
+        "train.batch_size=4",
+        "train.max_iters=8",
+        "train.eval_interval=4",
+        "train.eval_iters=2",
+        "train.warmup_iters=2",
+        "train.device=cpu",
+        "sample.max_new_tokens=7",
+        "sample.temperature=0.9",
     ]
     train(load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", overrides), progress=False)
     return tmp / "run"
@@ -106,9 +117,7 @@ def test_num_samples_are_one_batch_printed_under_headers(quill, run_dir):
     samples = sample_json(quill, run_dir, *args)["samples"]
     assert len(samples) == 3 and len(set(samples)) == 3
     code, out, err = quill("sample", "--ckpt", run_dir, *args)
-    expected = "".join(
-        f"--- sample {i} ---\nKING:{s}" + ("" if s.endswith("\n") else "\n") for i, s in enumerate(samples, 1)
-    )
+    expected = "".join(f"--- sample {i} ---\nKING:{s}" + ("" if s.endswith("\n") else "\n") for i, s in enumerate(samples, 1))
     assert code == 0 and out == expected and "x 3 samples, 60 new tokens" in err
 
 
@@ -121,9 +130,7 @@ def test_stop_string_spanning_tokens_ends_the_sample_unprinted(quill, run_dir, d
     assert got["samples"] == [expected] and got["stats"]["finish"] == ["stop"]
     assert got["stats"]["new_tokens"] == [len(expected) + 3]
     assert quill("sample", "--ckpt", decisive_ckpt, *args, "--stop", stop)[1] == "ROMEO:" + expected + "\n"
-    assert sample_json(quill, run_dir, "-n", 1, "--stop", r"\n\n", "--stop", r"a\\b")["settings"]["stop"] == [
-        "\n\n", "a\\b"
-    ]
+    assert sample_json(quill, run_dir, "-n", 1, "--stop", r"\n\n", "--stop", r"a\\b")["settings"]["stop"] == ["\n\n", "a\\b"]
 
 
 def test_prompt_from_file_and_standard_input(quill, run_dir, tmp_path):
@@ -180,8 +187,9 @@ def test_int8_runs_where_no_kernel_beats_the_float_linears_and_says_so(quill, ru
 
 
 @pytest.mark.parametrize("top_p", ["5e-324", "1e-46"])
-@pytest.mark.parametrize("extra", [[], ["--no-kv-cache"], ["--num-samples", "2"], ["--dtype", "bfloat16"]],
-                         ids=["cache", "no-cache", "two-samples", "bf16"])
+@pytest.mark.parametrize(
+    "extra", [[], ["--no-kv-cache"], ["--num-samples", "2"], ["--dtype", "bfloat16"]], ids=["cache", "no-cache", "two-samples", "bf16"]
+)
 def test_a_top_p_below_float32s_smallest_value_samples_the_greedy_text(quill, decisive_ckpt, top_p, extra):
     """The issue's cases: top_p rounds to 0 in float32, and the nucleus still holds the top token."""
     args = ("-p", "ROMEO:", "-n", 20, *extra)
@@ -253,7 +261,10 @@ def test_bad_input_is_one_line_and_exit_2(quill, run_dir, corrupt_ckpts, case):
 def test_bad_input_from_the_shell_has_no_traceback(corrupt_ckpts):
     proc = subprocess.run(
         [sys.executable, "-m", "quillgpt", "sample", "--ckpt", str(corrupt_ckpts / "truncated.pt")],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1

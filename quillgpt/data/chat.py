@@ -109,20 +109,24 @@ def _compiled(template: str) -> Any:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=Dict(), namespace=Namespace)
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt), dict=Dict(), namespace=Namespace
+    )
     return env.from_string(template)
 
 
-def render(template: str, messages: list[Message], add_generation_prompt: bool = True,
-           bos_token: str | None = None, eos_token: str | None = None) -> str:
+def render(
+    template: str, messages: list[Message], add_generation_prompt: bool = True, bos_token: str | None = None, eos_token: str | None = None
+) -> str:
     """The conversation as the model's template writes it (what apply_chat_template(tokenize=False) gives)."""
     return render_spans(template, messages, add_generation_prompt, bos_token, eos_token)[0]
 
 
-def render_spans(template: str, messages: list[Message], add_generation_prompt: bool = True,
-                 bos_token: str | None = None, eos_token: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+def render_spans(
+    template: str, messages: list[Message], add_generation_prompt: bool = True, bos_token: str | None = None, eos_token: str | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered text, the [start, end) characters of each {% generation %} block in it),
     tracked as transformers tracks them: by the text rendered before each block."""
     import jinja2
@@ -132,30 +136,44 @@ def render_spans(template: str, messages: list[Message], add_generation_prompt: 
     spans: list[tuple[int, int, str]] = []
     token = compiled.environment.generation_spans.set((blocks, spans))
     try:
-        blocks.extend(compiled.generate(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                        bos_token=bos_token, eos_token=eos_token, tools=None, documents=None))
+        blocks.extend(
+            compiled.generate(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos_token,
+                eos_token=eos_token,
+                tools=None,
+                documents=None,
+            )
+        )
     except jinja2.TemplateError as e:
         raise QuillError(f"the model's chat template refused the conversation: {str(e)[:200]}") from None
     finally:
         compiled.environment.generation_spans.reset(token)
     text = "".join(blocks)
     if any(text[start:end] != block for start, end, block in spans):  # rendered inside a buffer (a macro, a set block)
-        raise QuillError("the chat template's {% generation %} blocks are not where their text lands in the rendering; "
-                         "keep them at the template's top level")
+        raise QuillError(
+            "the chat template's {% generation %} blocks are not where their text lands in the rendering; "
+            "keep them at the template's top level"
+        )
     return text, [(start, end) for start, end, _ in spans]
 
 
-def end_of_turn(template: str, special_tokens: list[str], bos_token: str | None = None,
-                eos_token: str | None = None) -> str | None:
+def end_of_turn(template: str, special_tokens: list[str], bos_token: str | None = None, eos_token: str | None = None) -> str | None:
     """The special token the template writes right after an assistant's reply (<|im_end|>,
     <|eot_id|>, ...): where a reply generated from this template ends. None if there is none."""
     probe = "quill-end-of-turn-probe"
     try:
-        text = render(template, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
-                      add_generation_prompt=False, bos_token=bos_token, eos_token=eos_token)
+        text = render(
+            template,
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+            add_generation_prompt=False,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
     except QuillError:
         return None
-    after = text[text.find(probe) + len(probe):] if probe in text else ""
+    after = text[text.find(probe) + len(probe) :] if probe in text else ""
     return next((t for t in sorted(special_tokens, key=len, reverse=True) if after.lstrip(" ").startswith(t)), None)
 
 
@@ -173,8 +191,13 @@ def conversation_ids(tokenizer: Tokenizer, messages: list[Message], add_generati
     read as such, nothing added: templates write their own BOS), or quill's transcript after the
     tokenizer's BOS, as every prompt starts."""
     if tokenizer.chat_template is not None:
-        text = render(tokenizer.chat_template, template_messages(messages), add_generation_prompt,
-                      getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+        text = render(
+            tokenizer.chat_template,
+            template_messages(messages),
+            add_generation_prompt,
+            getattr(tokenizer, "bos_token", None),
+            getattr(tokenizer, "eos_token", None),
+        )
         return tokenizer.encode(text)
     return _bos(tokenizer) + tokenizer.encode(transcript(messages, add_generation_prompt))
 
@@ -219,7 +242,8 @@ def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[
             raise QuillError(
                 f"the chat template does not render assistant turn {n} as the start of the whole conversation, token "
                 "for token (not prefix-stable), so the assistant's tokens cannot be found exactly; a template with "
-                "{% generation %} tags marks them itself")
+                "{% generation %} tags marks them itself"
+            )
         end = _reply_end(through, len(before), tokenizer.stop_ids)
         mask[len(before) : end] = [True] * (end - len(before))
     return ids, mask
@@ -234,8 +258,13 @@ def _reply_end(ids: list[int], start: int, stop_ids: tuple[int, ...]) -> int:
 
 def _tagged_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
     """The {% generation %} spans as tokens: every token overlapping a span (transformers' rule)."""
-    text, spans = render_spans(tokenizer.chat_template, template_messages(messages), False,
-                               getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    text, spans = render_spans(
+        tokenizer.chat_template,
+        template_messages(messages),
+        False,
+        getattr(tokenizer, "bos_token", None),
+        getattr(tokenizer, "eos_token", None),
+    )
     ids, offsets = tokenizer.encode_offsets(text)
     mask = [any(start < hi and end > lo for lo, hi in spans) for start, end in offsets]
     return ids, mask

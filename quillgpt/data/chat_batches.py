@@ -45,8 +45,10 @@ class ChatRows:
         self.starts, self.targets = starts[targets > 0], targets[targets > 0]
         self.width = self.width[targets > 0]
         if not len(self.starts):
-            raise QuillError(f"the {split} split has no conversation with an assistant token within model.block_size="
-                             f"{block_size}: raise model.block_size or shorten the prompts")
+            raise QuillError(
+                f"the {split} split has no conversation with an assistant token within model.block_size="
+                f"{block_size}: raise model.block_size or shorten the prompts"
+            )
 
     @classmethod
     def prepared(cls, out_dir: str | Path, split: str, block_size: int) -> ChatRows:
@@ -80,9 +82,11 @@ class ChatRows:
         """A note on what a row cannot hold, or None when every conversation fits."""
         if not self.truncated and not self.untrained:
             return None
-        return (f"note: {self.truncated} {self.split} conversation(s) are longer than model.block_size + 1 = "
-                f"{self.block_size + 1} tokens and are truncated; {self.untrained} have no assistant token left "
-                "in the window and are not trained")
+        return (
+            f"note: {self.truncated} {self.split} conversation(s) are longer than model.block_size + 1 = "
+            f"{self.block_size + 1} tokens and are truncated; {self.untrained} have no assistant token left "
+            "in the window and are not trained"
+        )
 
 
 class ChatSampler:

@@ -59,7 +59,7 @@ def parse_conversation(line: str) -> list[Message]:
 
 def _messages(value: Any) -> list[Message]:
     if not isinstance(value, list) or not value:
-        raise QuillError("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+        raise QuillError('\'messages\' must be a non-empty list of {"role", "content"} objects')
     out = []
     for n, m in enumerate(value, 1):
         if not isinstance(m, dict):
@@ -111,8 +111,9 @@ class ChatStats:
         self.first_skipped = self.first_skipped or other.first_skipped
 
 
-def encode_lines(tok: Tokenizer, lines: list[str], wheres: list[str], dtype: np.dtype,
-                 skip_bad: bool) -> tuple[tuple[np.ndarray, np.ndarray], ChatStats]:
+def encode_lines(
+    tok: Tokenizer, lines: list[str], wheres: list[str], dtype: np.dtype, skip_bad: bool
+) -> tuple[tuple[np.ndarray, np.ndarray], ChatStats]:
     """((ids, flags) of the lines' conversations in order, their stats). A bad line raises a
     QuillError naming it (`wheres`: "path line N"), or with skip_bad is counted and left out."""
     ids, flags, stats = [np.zeros(0, dtype)], [np.zeros(0, FLAGS_DTYPE)], ChatStats()

@@ -329,9 +329,7 @@ def _parquet_texts(source: Source, field: str, skip: int) -> Iterator[tuple[int,
     pf, pa = _parquet_file(source), _pyarrow()
     names = pf.schema_arrow.names
     if field not in names:
-        raise QuillError(
-            f"{shown(source.path)} has no {field!r} column (columns: {', '.join(names[:10])}); set data.text_field"
-        )
+        raise QuillError(f"{shown(source.path)} has no {field!r} column (columns: {', '.join(names[:10])}); set data.text_field")
     kind = pf.schema_arrow.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise QuillError(f"{shown(source.path)}: column {field!r} holds {kind}, not text; set data.text_field")
@@ -488,6 +486,12 @@ def iter_lines(sources: list[Source], records: list[int], val_from: int, start: 
                 if index >= skip and line.strip():
                     split = "val" if first[si] + index >= val_from else "train"
                     where = f"{shown(sources[si].path)} line {index + 1}"
-                    yield Piece(line.decode("utf-8", "surrogateescape"), True, split, {"source": si, "record": index, "piece": 0},
-                                done + counter.read_bytes, where)
+                    yield Piece(
+                        line.decode("utf-8", "surrogateescape"),
+                        True,
+                        split,
+                        {"source": si, "record": index, "piece": 0},
+                        done + counter.read_bytes,
+                        where,
+                    )
         done += sources[si].size

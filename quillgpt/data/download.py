@@ -35,8 +35,7 @@ def download(url: str, sha256: str | None, dest: str | Path, progress: bool = Tr
         if expected is None or actual == expected:
             return dest
         raise QuillError(
-            f"{dest} has sha256 {actual}, expected {expected} (data.sha256); "
-            f"delete it to download {url} again, or fix data.sha256"
+            f"{dest} has sha256 {actual}, expected {expected} (data.sha256); delete it to download {url} again, or fix data.sha256"
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".part")
@@ -56,10 +55,7 @@ def download(url: str, sha256: str | None, dest: str | Path, progress: bool = Tr
     actual = h.hexdigest()
     if expected is not None and actual != expected:
         tmp.unlink(missing_ok=True)
-        raise QuillError(
-            f"checksum mismatch for {url}: expected sha256 {expected}, got {actual}; "
-            f"{by_hand}, or fix data.sha256"
-        )
+        raise QuillError(f"checksum mismatch for {url}: expected sha256 {expected}, got {actual}; {by_hand}, or fix data.sha256")
     os.replace(tmp, dest)
     return dest
 

@@ -63,8 +63,15 @@ def _decoder_kind(decoder: Any) -> str:
 class HFTokenizer(Tokenizer):
     """tokenizer.json + the special tokens that matter to quill (see the module docstring)."""
 
-    def __init__(self, tokenizer_json: str, name: str = "hf", bos_token: str | None = None,
-                 eos_token: str | None = None, stop_tokens: Iterable[str] = (), chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        name: str = "hf",
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        stop_tokens: Iterable[str] = (),
+        chat_template: str | None = None,
+    ) -> None:
         try:
             self.tk = _tokenizers().Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # noqa: BLE001 — the Rust parser raises its own exception type
@@ -142,13 +149,26 @@ class HFTokenizer(Tokenizer):
         return find_safe_cut(text, index, window) if self.cuts_pieces else index
 
     def spec(self) -> dict[str, Any]:
-        return {"type": "hf", "name": self.name, "tokenizer_json": self._json, "bos_token": self.bos_token,
-                "eos_token": self.eos_token, "stop_tokens": list(self.stop_tokens), "chat_template": self.chat_template}
+        return {
+            "type": "hf",
+            "name": self.name,
+            "tokenizer_json": self._json,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "stop_tokens": list(self.stop_tokens),
+            "chat_template": self.chat_template,
+        }
 
 
 def hf_tokenizer_from_spec(spec: dict[str, Any]) -> HFTokenizer:
-    return HFTokenizer(str(spec["tokenizer_json"]), str(spec.get("name", "hf")), spec.get("bos_token"),
-                       spec.get("eos_token"), [str(t) for t in spec.get("stop_tokens", [])], spec.get("chat_template"))
+    return HFTokenizer(
+        str(spec["tokenizer_json"]),
+        str(spec.get("name", "hf")),
+        spec.get("bos_token"),
+        spec.get("eos_token"),
+        [str(t) for t in spec.get("stop_tokens", [])],
+        spec.get("chat_template"),
+    )
 
 
 def _token_text(value: Any) -> str | None:
@@ -195,13 +215,20 @@ def load_hf_tokenizer(directory: Any, name: str = "hf") -> HFTokenizer:
     directory = Path(directory)
     path = directory / "tokenizer.json"
     if not input_file(path, "tokenizer.json"):
-        raise QuillError(f"{directory} has no tokenizer.json: quill reads Hugging Face tokenizers in that format "
-                         "(download it with the model: hf download REPO --local-dir DIR)")
+        raise QuillError(
+            f"{directory} has no tokenizer.json: quill reads Hugging Face tokenizers in that format "
+            "(download it with the model: hf download REPO --local-dir DIR)"
+        )
     text = read_text(path, "tokenizer.json", limit=1 << 28)
     config = _json_file(directory / "tokenizer_config.json", "tokenizer_config.json")
     generation = _json_file(directory / "generation_config.json", "generation_config.json")
-    tok = HFTokenizer(text, name, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")),
-                      chat_template=chat_template_of(directory, config))
+    tok = HFTokenizer(
+        text,
+        name,
+        _token_text(config.get("bos_token")),
+        _token_text(config.get("eos_token")),
+        chat_template=chat_template_of(directory, config),
+    )
     eos = generation.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     stops = [tok.tk.id_to_token(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)]
@@ -242,10 +269,14 @@ def hf_files_of(tok: Tokenizer) -> tuple[str, dict[str, Any]]:
     ranks, pattern = dict(tok.enc._mergeable_ranks), tok.enc._pat_str  # noqa: SLF001 — tiktoken keeps them there
     to_text = {b: c for c, b in byte_decoder().items()}
     text = lambda b: "".join(to_text[x] for x in b)  # noqa: E731
-    hf = tokenizers.Tokenizer(models.BPE(vocab={text(b): r for b, r in ranks.items()},
-                                         merges=[(text(a), text(b)) for a, b in _bpe_merges(ranks)], ignore_merges=True))
-    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf = tokenizers.Tokenizer(
+        models.BPE(
+            vocab={text(b): r for b, r in ranks.items()}, merges=[(text(a), text(b)) for a, b in _bpe_merges(ranks)], ignore_merges=True
+        )
+    )
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     hf.decoder, hf.post_processor = decoders.ByteLevel(), processors.ByteLevel(trim_offsets=False)
     specials = sorted(tok.enc._special_tokens.items(), key=lambda kv: kv[1])  # noqa: SLF001
     hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s, _ in specials])

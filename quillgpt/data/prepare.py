@@ -146,7 +146,8 @@ def _shards_complete(out_dir: Path, shards: dict[str, list[dict[str, Any]]], ite
         return all(
             (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize
             and ("flags" not in s or (out_dir / s["flags"]).stat().st_size == s["tokens"] * FLAGS_DTYPE.itemsize)
-            for split in shards.values() for s in split
+            for split in shards.values()
+            for s in split
         )
     except (OSError, KeyError, TypeError):
         return False
@@ -214,8 +215,10 @@ def _plan(cfg: DataConfig, sources: list[Source], progress: bool) -> dict[str, A
 def _check_chat_sources(sources: list[Source]) -> None:
     for source in sources:
         if source.kind != "jsonl":
-            raise QuillError(f"data.format=chat reads .jsonl files, one conversation a line; {shown(source.path)} is "
-                             f"{source.kind} (convert it, or use data.format=text)")
+            raise QuillError(
+                f"data.format=chat reads .jsonl files, one conversation a line; {shown(source.path)} is "
+                f"{source.kind} (convert it, or use data.format=text)"
+            )
 
 
 def _check_chat_tokenizer(cfg: DataConfig) -> None:
@@ -224,14 +227,14 @@ def _check_chat_tokenizer(cfg: DataConfig) -> None:
         raise QuillError(
             f"data.format=chat needs the model's own tokenizer, not one learned from the conversations "
             f"(data.tokenizer={cfg.tokenizer}): set train.init_from to the base run and leave data.tokenizer unset "
-            "(its tokenizer.json is used), or set data.tokenizer to that tokenizer.json or a tiktoken name such as gpt2")
+            "(its tokenizer.json is used), or set data.tokenizer to that tokenizer.json or a tiktoken name such as gpt2"
+        )
 
 
-def _pieces(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], anywhere: bool, start: dict | None = None,
-            size: int = PIECE_CHARS) -> Iterator[Piece]:
-    return iter_pieces(
-        sources, cfg.text_field, plan["records"], plan["val_from"], plan["split_at"], size, anywhere, start
-    )
+def _pieces(
+    cfg: DataConfig, sources: list[Source], plan: dict[str, Any], anywhere: bool, start: dict | None = None, size: int = PIECE_CHARS
+) -> Iterator[Piece]:
+    return iter_pieces(sources, cfg.text_field, plan["records"], plan["val_from"], plan["split_at"], size, anywhere, start)
 
 
 def _learn_tokenizer(cfg: DataConfig, sources: list[Source], plan: dict[str, Any], progress: bool) -> Tokenizer:
@@ -332,8 +335,14 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
         plan = _plan(cfg, sources, progress)
         tok = _learn_tokenizer(cfg, sources, plan, progress)
         cursor = {"source": 0, "record": 0, "piece": 0, "skip_tokens": 0}
-        state = {"want": want, "plan": plan, "tokenizer": tok.spec(), "shards": {}, "cursor": cursor,
-                 "chat": {split: vars(ChatStats()) for split in ("train", "val")}}
+        state = {
+            "want": want,
+            "plan": plan,
+            "tokenizer": tok.spec(),
+            "shards": {},
+            "cursor": cursor,
+            "chat": {split: vars(ChatStats()) for split in ("train", "val")},
+        }
         (out_dir / DATASET_STATE).unlink(missing_ok=True)  # first saved when the first shard is done
     else:
         tok = tokenizer_from_spec(state["tokenizer"])
@@ -349,8 +358,7 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
         empty = "train" if not tokens["train"] else "val"
         more = "more valid conversations" if cfg.format == "chat" else "more text, or more documents with text"
         raise QuillError(
-            f"{shown(cfg.path or sources[0].path)} gives an empty {empty} split (data.val_fraction="
-            f"{cfg.val_fraction}): it needs {more}"
+            f"{shown(cfg.path or sources[0].path)} gives an empty {empty} split (data.val_fraction={cfg.val_fraction}): it needs {more}"
         )
     plan = state["plan"]
     meta = {
@@ -440,5 +448,3 @@ def load_tokens(out_dir: str | Path, split: str, flags: bool = False) -> np.memm
 
 # ---------------------------------------------------------------------------------------------
 # batches: x = a window of block_size ids, y = the same window shifted by one (the next tokens)
-
-

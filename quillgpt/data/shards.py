@@ -253,9 +253,7 @@ class ShardedTokens:
 
     def _range(self, start: int, stop: int) -> np.ndarray:
         parts = [
-            p[max(start - o, 0) : min(stop - o, len(p))]
-            for p, o in zip(self.parts, self.offsets[:-1])
-            if o < stop and o + len(p) > start
+            p[max(start - o, 0) : min(stop - o, len(p))] for p, o in zip(self.parts, self.offsets[:-1]) if o < stop and o + len(p) > start
         ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
 

@@ -252,9 +252,7 @@ def find_safe_cut(text: str, index: int, window: int = 10_000) -> int:
     return min(options, key=lambda i: abs(i - index)) if options else index
 
 
-def text_chunks(
-    text: str, size: int = 1 << 18, safe_cut: Callable[[str, int, int], int] = find_safe_cut
-) -> list[str]:
+def text_chunks(text: str, size: int = 1 << 18, safe_cut: Callable[[str, int, int], int] = find_safe_cut) -> list[str]:
     """Cut text into pieces of about `size` characters at safe cuts (a tokenizer's `safe_cut`,
     by default one safe for every tokenizer here), so encoding the pieces (in parallel) gives
     the same ids as encoding the whole."""
@@ -358,8 +356,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
         return load_hf_tokenizer(path.parent)
     if not isinstance(data, dict) or data.get("format") != "quillgpt-tokenizer":
-        raise QuillError(f"{shown(path)} is not a QuillGPT tokenizer file (made by `quill tokenizer train`) "
-                         "or a Hugging Face tokenizer.json")
+        raise QuillError(
+            f"{shown(path)} is not a QuillGPT tokenizer file (made by `quill tokenizer train`) or a Hugging Face tokenizer.json"
+        )
     try:
         return tokenizer_from_spec(data.get("tokenizer"))
     except QuillError as e:

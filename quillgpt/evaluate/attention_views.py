@@ -136,14 +136,16 @@ def head_summary(weights: list[Tensor]) -> list[dict[str, Any]]:
                 focus = "local"
             else:
                 focus = "far"
-            rows.append({
-                "layer": layer,
-                "head": head,
-                "mean_distance": d,
-                "entropy": entropy[head, queries].mean().item(),
-                "first_token_weight": f,
-                "focus": focus,
-            })
+            rows.append(
+                {
+                    "layer": layer,
+                    "head": head,
+                    "mean_distance": d,
+                    "entropy": entropy[head, queries].mean().item(),
+                    "first_token_weight": f,
+                    "focus": focus,
+                }
+            )
     return rows
 
 
@@ -152,8 +154,7 @@ def format_head_table(summary: list[dict[str, Any]]) -> str:
     lines = [f"{'layer':>5} {'head':>4} {'distance':>8} {'entropy':>7} {'first':>5}  focus"]
     for r in summary:
         lines.append(
-            f"{r['layer']:>5} {r['head']:>4} {r['mean_distance']:>8.2f} {r['entropy']:>7.2f} "
-            f"{r['first_token_weight']:>5.2f}  {r['focus']}"
+            f"{r['layer']:>5} {r['head']:>4} {r['mean_distance']:>8.2f} {r['entropy']:>7.2f} {r['first_token_weight']:>5.2f}  {r['focus']}"
         )
     return "\n".join(lines)
 
@@ -165,8 +166,7 @@ def format_gates(gates: list[Tensor]) -> str:
     return "\n".join(lines)
 
 
-def write_summary_json(path: str | Path, attention: Attention, summary: list[dict[str, Any]], force: bool = False,
-                       **info: Any) -> Path:
+def write_summary_json(path: str | Path, attention: Attention, summary: list[dict[str, Any]], force: bool = False, **info: Any) -> Path:
     """Save the head summary with the tokens it was measured on (and `info`, e.g. the run); an
     existing file there that is not a head summary is replaced only with `force`."""
     path = check_output_file(path, "--summary-json", kind="heads-json", force=force)
@@ -227,7 +227,11 @@ def output_format(out: str | Path | None, fmt: str | None) -> Literal["png", "sv
 
 
 def render_text(
-    tokens: list[str], weights: list[Tensor], layers: list[int], heads: list[int], top_k: int = 3,
+    tokens: list[str],
+    weights: list[Tensor],
+    layers: list[int],
+    heads: list[int],
+    top_k: int = 3,
     prefix: int = 0,
 ) -> str:
     """For each query token, its top-k attended tokens with weights — for terminals (a prefix-LM's
@@ -335,5 +339,3 @@ def plot_attention(
 
 
 # --- loss curves ------------------------------------------------------------------------------
-
-

@@ -295,9 +295,7 @@ def evaluate_text(
     tokens = np.asarray(bos + tokenizer.encode(text), dtype=np.int64)
     if len(tokens) < 2:
         raise QuillError(f"{name} is {len(tokens)} token(s) long; scoring needs at least 2 (the first is context only)")
-    result = evaluate_tokens(
-        model, tokens, stride=stride, batch_size=batch_size, device=device, progress=progress, tokenizer=tokenizer
-    )
+    result = evaluate_tokens(model, tokens, stride=stride, batch_size=batch_size, device=device, progress=progress, tokenizer=tokenizer)
     result.unknown_dropped = sum(unknown.values())
     return result
 
@@ -312,8 +310,7 @@ def _prepared(run: Any, split: str) -> Path:
     meta, _ = load_prepared(out_dir)
     if json.dumps(meta["tokenizer"], sort_keys=True) != json.dumps(run.tokenizer.spec(), sort_keys=True):
         raise QuillError(
-            f"the data in {out_dir} was prepared with a different tokenizer than {run.path} was trained "
-            f"with; {how} --force to rebuild it"
+            f"the data in {out_dir} was prepared with a different tokenizer than {run.path} was trained with; {how} --force to rebuild it"
         )
     return out_dir
 
@@ -362,8 +359,10 @@ def evaluate_checkpoint(
     if text_format not in ("text", "chat"):
         raise QuillError(f"--format must be text or chat, got {text_format!r}")
     if text_format == "chat" and not texts:
-        raise QuillError("--format chat scores the conversations of --text FILE.jsonl (a run trained on chat data "
-                         "scores its --split as conversations already)")
+        raise QuillError(
+            "--format chat scores the conversations of --text FILE.jsonl (a run trained on chat data "
+            "scores its --split as conversations already)"
+        )
     if text_format == "chat" and stride is not None:  # before the load (a chat split: _score_rows says so)
         raise QuillError("--stride does not apply to --format chat: each conversation is one window")
     scheme = quant.parse_quantize(quantize)
@@ -392,9 +391,19 @@ def format_table(results: list[EvalResult]) -> str:
         return (r.checkpoint or "-") + (f" ({r.quantize})" if r.quantize else "")
 
     rows = [
-        [name(r), num(r.step, "d"), r.data or "-", f"{r.tokens:,}", num(r.bytes, ","),
-         f"{r.loss:.4f}", f"{r.perplexity:.3f}", f"{r.bits_per_token:.4f}", num(r.bits_per_byte, ".4f"),
-         num(r.bits_per_char, ".4f"), f"{r.seconds:.1f}s"]
+        [
+            name(r),
+            num(r.step, "d"),
+            r.data or "-",
+            f"{r.tokens:,}",
+            num(r.bytes, ","),
+            f"{r.loss:.4f}",
+            f"{r.perplexity:.3f}",
+            f"{r.bits_per_token:.4f}",
+            num(r.bits_per_byte, ".4f"),
+            num(r.bits_per_char, ".4f"),
+            f"{r.seconds:.1f}s",
+        ]
         for r in results
     ]
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]

@@ -54,8 +54,9 @@ class ChatSession:
         of it, or as much as was read before the caller stopped) joins the conversation."""
         self.messages.append({"role": "user", "content": text})
         ids, stops = chat_prompt_ids(self.tokenizer, self.messages)
-        params = dataclasses.replace(self.params, stop=self.params.stop + stops,
-                                     max_new_tokens=fitting(self.model, len(ids), self.params.max_new_tokens))
+        params = dataclasses.replace(
+            self.params, stop=self.params.stop + stops, max_new_tokens=fitting(self.model, len(ids), self.params.max_new_tokens)
+        )
         batch = TextBatch(make_engine(self.model, 1, tokens=len(ids) + params.max_new_tokens), self.tokenizer)
         said: list[str] = []
         try:
@@ -110,4 +111,3 @@ def repl(session: ChatSession, read: Callable[[str], str], write: Callable[[str]
             write(" [stopped]")
         write("\n")
         replies += 1
-

@@ -43,8 +43,10 @@ from quillgpt.model.gpt import GPT
 
 # max_new_tokens reached; a stop string; a stop token (end of text / turn); the row failed (RowFailed)
 FINISH_REASONS = ("length", "stop", "eot", "error")
-NOT_FINITE = ("the model's next-token logits are not finite (NaN or inf): the weights are damaged or the "
-              "activations overflowed their dtype (float16 does easily); try --dtype bfloat16 or float32")
+NOT_FINITE = (
+    "the model's next-token logits are not finite (NaN or inf): the weights are damaged or the "
+    "activations overflowed their dtype (float16 does easily); try --dtype bfloat16 or float32"
+)
 
 
 class RowFailed(Exception):
@@ -94,8 +96,7 @@ def check_prompt(ids: list[int], vocab_size: int, what: str = "the prompt") -> N
         )
 
 
-def check_room(model: GPT, prompt_len: int, max_new_tokens: int, name: str = "max_new_tokens",
-               flag: str = "--max-new-tokens") -> None:
+def check_room(model: GPT, prompt_len: int, max_new_tokens: int, name: str = "max_new_tokens", flag: str = "--max-new-tokens") -> None:
     """Refuse a prompt the variant cannot continue by max_new_tokens (a prefix-LM never crops its
     prompt), naming the setting as the caller knows it (`name`, and `flag` to change: a command
     line flag, or an HTTP request's field)."""
@@ -104,8 +105,9 @@ def check_room(model: GPT, prompt_len: int, max_new_tokens: int, name: str = "ma
         return
     most, why = room
     fix = f"lower {flag} to {most}" if most > 0 else "shorten the prompt"
-    raise QuillError(f"{why}: the prompt ({prompt_len} tokens) + {name} ({max_new_tokens}) exceeds block_size "
-                     f"({model.config.block_size}); {fix}")
+    raise QuillError(
+        f"{why}: the prompt ({prompt_len} tokens) + {name} ({max_new_tokens}) exceeds block_size ({model.config.block_size}); {fix}"
+    )
 
 
 def in_dtype(model: GPT, dtype: torch.dtype | None) -> GPT:
@@ -185,14 +187,17 @@ class Rows:
         check_prompt(prompt_ids, self.model.config.vocab_size)
         check_room(self.model, len(prompt_ids), params.max_new_tokens)
         if self.capacity < self.model.span and len(prompt_ids) + params.max_new_tokens > self.capacity:
-            raise QuillError(f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                             f"the {self.capacity:,} tokens this engine's KV cache holds per row")
+            raise QuillError(
+                f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the {self.capacity:,} tokens this engine's KV cache holds per row"
+            )
         if self.free_rows() == 0:
             raise ValueError(f"no free row: all {self.max_rows} rows are generating; release one first")
         r = self._rows.index(None)
         ids = list(prompt_ids[-self.context :] if self.context else prompt_ids)  # the tokens that decide the logits
-        self._rows[r] = row = _Row(params, row_generator(params, self.device), frozenset(stop_ids),
-                                   deque(ids, maxlen=self._keep()), len(prompt_ids))
+        self._rows[r] = row = _Row(
+            params, row_generator(params, self.device), frozenset(stop_ids), deque(ids, maxlen=self._keep()), len(prompt_ids)
+        )
         try:  # from here on the row is claimed: whatever fails, it is released
             if params.repetition_penalty != 1.0:
                 seen = self._seen_rows()
@@ -302,8 +307,14 @@ class Engine(Rows):
     """Rows of generation over one model and one static cache (see the module docstring)."""
 
     def __init__(
-        self, model: GPT, max_rows: int = 1, *, dtype: torch.dtype | None = None, compile: bool = False,
-        unit: str = "row", capacity: int | None = None,
+        self,
+        model: GPT,
+        max_rows: int = 1,
+        *,
+        dtype: torch.dtype | None = None,
+        compile: bool = False,
+        unit: str = "row",
+        capacity: int | None = None,
     ) -> None:
         super().__init__(model, max_rows, dtype, unit, capacity)
         self.static = self.variant.static_cache

@@ -44,8 +44,15 @@ def make_params(params: SamplingParams | None = None, **settings: Any) -> Sampli
     return dataclasses.replace(params, **settings) if settings else params
 
 
-def make_engine(model: GPT, rows: int, use_cache: bool = True, dtype: torch.dtype | None = None,
-                compile: bool | None = None, unit: str = "row", tokens: int | None = None) -> Rows:
+def make_engine(
+    model: GPT,
+    rows: int,
+    use_cache: bool = True,
+    dtype: torch.dtype | None = None,
+    compile: bool | None = None,
+    unit: str = "row",
+    tokens: int | None = None,
+) -> Rows:
     """The static-cache Engine, or with use_cache=False the Recompute reference, for rows of at
     most `tokens` tokens (None: any number; the cache holds the attention span)."""
     if use_cache:
@@ -127,10 +134,7 @@ class GenerationStats:
             prompt = f"prompt {n[0]} tokens" + (f" x {rows} samples" if rows > 1 else "")
         else:
             prompt = f"prompts {'/'.join(map(str, n))} tokens"
-        return (
-            f"{prompt}, {sum(self.new_tokens)} new tokens, {self.tokens_per_s:.1f} tokens/s, "
-            f"prefill {self.prefill_ms:.1f} ms"
-        )
+        return f"{prompt}, {sum(self.new_tokens)} new tokens, {self.tokens_per_s:.1f} tokens/s, prefill {self.prefill_ms:.1f} ms"
 
 
 class Generation:
@@ -228,13 +232,11 @@ class Generation:
         return out
 
 
-def stream_text(
-    model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int | None = None, **kwargs: Any
-) -> Iterator[str]:
+def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int | None = None, **kwargs: Any) -> Iterator[str]:
     """Yield the continuation of one prompt as it is generated (keyword arguments: Generation's).
 
-        for piece in stream_text(run.model, run.tokenizer, "ROMEO:", 100, temperature=0.8, seed=1):
-            print(piece, end="", flush=True)
+    for piece in stream_text(run.model, run.tokenizer, "ROMEO:", 100, temperature=0.8, seed=1):
+        print(piece, end="", flush=True)
     """
     for pieces in Generation(model, tokenizer, [prompt], max_new_tokens, **kwargs):
         if pieces[0]:

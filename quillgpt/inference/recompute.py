@@ -22,8 +22,9 @@ from quillgpt.model.gpt import GPT
 class Recompute(Rows):
     """Rows of generation recomputed from their tokens at every step."""
 
-    def __init__(self, model: GPT, max_rows: int = 1, *, dtype: torch.dtype | None = None, unit: str = "row",
-                 capacity: int | None = None) -> None:
+    def __init__(
+        self, model: GPT, max_rows: int = 1, *, dtype: torch.dtype | None = None, unit: str = "row", capacity: int | None = None
+    ) -> None:
         super().__init__(model, max_rows, dtype, unit, capacity)
 
     def _first_logits(self, r: int, row: _Row, ids: list[int]) -> Tensor:
@@ -37,8 +38,7 @@ class Recompute(Rows):
         """(len(active), V) float next-token logits of these rows, from their tokens."""
         rows = [self._rows[r] for r in active]
         if self.context is None:  # infini: each row alone from its first token (no padding in the memory)
-            return torch.cat([self.model(torch.tensor([list(row.tokens)], device=self.device))[0][:, -1]
-                              for row in rows]).float()
+            return torch.cat([self.model(torch.tensor([list(row.tokens)], device=self.device))[0][:, -1] for row in rows]).float()
         W = max(len(row.tokens) for row in rows)
         idx = torch.zeros(len(rows), W, dtype=torch.long)
         pos = torch.zeros(len(rows), W, dtype=torch.long)

@@ -71,8 +71,7 @@ class SamplingParams:
             _int("top_k", self.top_k, 1, 2**62, "must be at least 1")
         put("top_p", _float("top_p", self.top_p, lambda p: 0 < p <= 1, "must be in (0, 1]"))
         put("min_p", _float("min_p", self.min_p, lambda p: 0 <= p < 1, "must be in [0, 1)"))
-        put("repetition_penalty", _float(
-            "repetition_penalty", self.repetition_penalty, lambda r: r > 0, "must be > 0 (1 = off)"))
+        put("repetition_penalty", _float("repetition_penalty", self.repetition_penalty, lambda r: r > 0, "must be > 0 (1 = off)"))
         if self.seed is not None:
             _int("seed", self.seed, 0, MAX_SEED, "must be ≥ 0")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -167,8 +167,9 @@ class TextBatch:
     def free(self) -> int:
         return self.engine.free_rows()
 
-    def join(self, key: Hashable, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (),
-             stream: TextStream | None = None) -> Piece:
+    def join(
+        self, key: Hashable, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (), stream: TextStream | None = None
+    ) -> Piece:
         """Prefill a prompt into a free row of the engine as `key`; its first token's Piece. The
         text goes through `stream` (default: a new TextStream with params.stop)."""
         if key in self._where:

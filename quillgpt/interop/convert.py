@@ -30,8 +30,7 @@ QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
 # --force when any one of these is already there (a run and an HF model never share a directory).
 RUN_FILES = (ckpt.LATEST, ckpt.BEST, "config.yaml", "tokenizer.json", "metrics.jsonl")
-HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json",
-            "chat_template.jinja", QUILL_TOKENIZER)
+HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json", "chat_template.jinja", QUILL_TOKENIZER)
 
 
 @dataclass
@@ -123,8 +122,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     cfg, tok = loaded.config.model, loaded.tokenizer
     as_gpt2, as_llama = gpt2.gpt2_incompatibilities(cfg), llama.llama_incompatibilities(cfg)
     if as_gpt2 and as_llama:
-        raise QuillError(f"cannot export {loaded.path}: as GPT-2, {'; '.join(as_gpt2)}; as the Llama family, "
-                         f"{'; '.join(as_llama)}")
+        raise QuillError(f"cannot export {loaded.path}: as GPT-2, {'; '.join(as_gpt2)}; as the Llama family, {'; '.join(as_llama)}")
     state = loaded.model.state_dict()
     if not as_gpt2:
         tensors, config, architecture = gpt2.quill_to_hf_state(state, cfg), gpt2.model_config_to_hf(cfg, tok.eot_id), "GPT2LMHeadModel"
@@ -146,8 +144,9 @@ def _write_tokenizer_files(out_dir: Path, tok: Tokenizer, llama_family: bool) ->
     """generation_config.json, quill_tokenizer.json and (Llama family) tokenizer.json +
     tokenizer_config.json (+ chat_template.jinja), so transformers loads the tokenizer too."""
     generation = out_dir / "generation_config.json"
-    ends = {k: v for k, v in {"bos_token_id": tok.bos_id if llama_family else tok.eot_id, "eos_token_id": tok.eot_id}.items()
-            if v is not None}
+    ends = {
+        k: v for k, v in {"bos_token_id": tok.bos_id if llama_family else tok.eot_id, "eos_token_id": tok.eot_id}.items() if v is not None
+    }
     if tok.eot_id is not None:
         write_json(generation, ends)
     else:

@@ -31,10 +31,19 @@ MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")  # causal masks sa
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # the same tanh-approximated GELU
 # transformers.GPT2Config's defaults, for keys a config.json leaves out
 GPT2_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
-    "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+    "add_cross_attention": False,
+    "tie_word_embeddings": True,
 }
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
 # --force when any one of these is already there (a run and an HF model never share a directory).
@@ -65,11 +74,22 @@ def hf_to_model_config(hf: dict[str, Any], source: str = "config.json") -> Model
         raise QuillError(f"cannot import {source}: quill has no equivalent of " + "; ".join(problems))
     n_inner = c["n_inner"]
     model = {  # quill key ← config.json value, typed, bounded and validated like a config file's
-        "vocab_size": c["vocab_size"], "block_size": c["n_positions"], "n_layer": c["n_layer"],
-        "n_head": c["n_head"], "n_kv_head": None, "n_embd": c["n_embd"], "dropout": 0.0, "bias": True,
-        "pos": "learned", "norm": "layernorm", "norm_eps": c["layer_norm_epsilon"], "mlp": "gelu",
+        "vocab_size": c["vocab_size"],
+        "block_size": c["n_positions"],
+        "n_layer": c["n_layer"],
+        "n_head": c["n_head"],
+        "n_kv_head": None,
+        "n_embd": c["n_embd"],
+        "dropout": 0.0,
+        "bias": True,
+        "pos": "learned",
+        "norm": "layernorm",
+        "norm_eps": c["layer_norm_epsilon"],
+        "mlp": "gelu",
         "mlp_hidden": None if n_inner is None or _is_int(n_inner) and _is_int(c["n_embd"]) and n_inner == 4 * c["n_embd"] else n_inner,
-        "window": None, "tie_embeddings": c["tie_word_embeddings"], "attn_impl": "sdpa",
+        "window": None,
+        "tie_embeddings": c["tie_word_embeddings"],
+        "attn_impl": "sdpa",
     }
     try:
         return config_from_dict({"model": model}).model
@@ -193,5 +213,3 @@ def quill_to_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, T
 
 
 # --- the two directions -----------------------------------------------------------------------
-
-

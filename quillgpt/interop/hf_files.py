@@ -61,8 +61,7 @@ class HFWeights(Mapping[str, Tensor]):
             if files:
                 return
         raise QuillError(
-            f"{src} has no weights: expected model.safetensors or pytorch_model.bin (or their sharded "
-            "*.index.json) next to config.json"
+            f"{src} has no weights: expected model.safetensors or pytorch_model.bin (or their sharded *.index.json) next to config.json"
         )
 
     def __getitem__(self, name: str) -> Tensor:
@@ -70,8 +69,7 @@ class HFWeights(Mapping[str, Tensor]):
         try:
             t = handle.get_tensor(name)
         except Exception as e:  # noqa: BLE001 — a truncated file fails here, with the library's own type
-            raise QuillError(f"{shown(path)}: cannot read {name[:100]} ({type(e).__name__}: {str(e)[:100]}); "
-                             "download it again") from None
+            raise QuillError(f"{shown(path)}: cannot read {name[:100]} ({type(e).__name__}: {str(e)[:100]}); download it again") from None
         if not isinstance(t, Tensor):
             raise QuillError(f"{shown(path)}: {name[:100]} is not a tensor; is it a model's weights file?")
         return t
@@ -108,8 +106,10 @@ def _open_safetensors(path: Path) -> Any:
     try:
         return safetensors.safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 — SafetensorError, OSError, and whatever a crafted header raises
-        raise QuillError(f"{shown(path)} is not a readable safetensors file ({type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0][:100]}); download it again") from None
+        raise QuillError(
+            f"{shown(path)} is not a readable safetensors file ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0][:100]}); download it again"
+        ) from None
 
 
 class _BinFile:
@@ -147,8 +147,9 @@ def _open_bin(path: Path) -> _BinFile:
             f"({ckpt.refused_call(e)}); use the model's model.safetensors instead"
         ) from None
     except Exception as e:  # noqa: BLE001 — damaged bytes fail in torch.load with many types
-        raise QuillError(f"{shown(path)} is not a readable PyTorch weights file "
-                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]})") from None
+        raise QuillError(
+            f"{shown(path)} is not a readable PyTorch weights file ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]})"
+        ) from None
     if not isinstance(tensors, dict) or not all(isinstance(k, str) for k in tensors):
         raise QuillError(f"{shown(path)} is not a state dict (names → tensors); is it a model's weights file?")
     return _BinFile(tensors)

@@ -24,15 +24,19 @@ from quillgpt.config import ModelConfig, config_from_dict, shown_value
 from quillgpt.errors import QuillError
 from quillgpt.model.variants import variant_of
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 # transformers' defaults for the keys a config.json may leave out, per model_type
 DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
     "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
-    "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0,
-                "sliding_window": 4096},
+    "mistral": {
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+    },
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -56,9 +60,11 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     if kind != "default":
         keys.update(rope_scaling=kind, rope_factor=params.get("factor", 1.0))
     if kind == "llama3":
-        keys.update(rope_low_freq_factor=params.get("low_freq_factor", 1.0),
-                    rope_high_freq_factor=params.get("high_freq_factor", 4.0),
-                    rope_original_context=params.get("original_max_position_embeddings", 8192))
+        keys.update(
+            rope_low_freq_factor=params.get("low_freq_factor", 1.0),
+            rope_high_freq_factor=params.get("high_freq_factor", 4.0),
+            rope_original_context=params.get("original_max_position_embeddings", 8192),
+        )
     return keys
 
 
@@ -68,8 +74,11 @@ def _window(hf: dict[str, Any]) -> int | None:
     window = hf.get("sliding_window", DEFAULTS[kind].get("sliding_window"))
     if kind in ("qwen2", "qwen3"):
         layers = hf.get("layer_types") or (
-            ["sliding_attention" if hf.get("use_sliding_window") and i >= hf.get("max_window_layers", 28) else "full_attention"
-             for i in range(hf["num_hidden_layers"])])
+            [
+                "sliding_attention" if hf.get("use_sliding_window") and i >= hf.get("max_window_layers", 28) else "full_attention"
+                for i in range(hf["num_hidden_layers"])
+            ]
+        )
         if len(set(layers)) > 1:
             raise QuillError("sliding-window attention on some layers only (quill's window is every layer's)")
         return window if layers and layers[0] == "sliding_attention" else None
@@ -99,13 +108,25 @@ def llama_to_model_config(hf: dict[str, Any], source: str = "config.json") -> Mo
         n_head, n_embd = hf["num_attention_heads"], hf["hidden_size"]
         head_dim = hf.get("head_dim")
         model = {
-            "vocab_size": hf["vocab_size"], "block_size": hf.get("max_position_embeddings", DEFAULTS[kind]["max_position_embeddings"]),
-            "n_layer": hf["num_hidden_layers"], "n_head": n_head, "n_kv_head": hf.get("num_key_value_heads", n_head),
-            "n_embd": n_embd, "head_dim": None if head_dim in (None, n_embd // n_head) else head_dim,
-            "bias": False, "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias")), "pos": "rope", **_rope(hf),
-            "norm": "rmsnorm", "norm_eps": hf.get("rms_norm_eps", DEFAULTS[kind]["rms_norm_eps"]), "mlp": "swiglu",
-            "mlp_hidden": hf["intermediate_size"], "qk_norm": kind == "qwen3", "window": _window(hf),
-            "tie_embeddings": hf.get("tie_word_embeddings", DEFAULTS[kind]["tie_word_embeddings"]), "dropout": 0.0,
+            "vocab_size": hf["vocab_size"],
+            "block_size": hf.get("max_position_embeddings", DEFAULTS[kind]["max_position_embeddings"]),
+            "n_layer": hf["num_hidden_layers"],
+            "n_head": n_head,
+            "n_kv_head": hf.get("num_key_value_heads", n_head),
+            "n_embd": n_embd,
+            "head_dim": None if head_dim in (None, n_embd // n_head) else head_dim,
+            "bias": False,
+            "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias")),
+            "pos": "rope",
+            **_rope(hf),
+            "norm": "rmsnorm",
+            "norm_eps": hf.get("rms_norm_eps", DEFAULTS[kind]["rms_norm_eps"]),
+            "mlp": "swiglu",
+            "mlp_hidden": hf["intermediate_size"],
+            "qk_norm": kind == "qwen3",
+            "window": _window(hf),
+            "tie_embeddings": hf.get("tie_word_embeddings", DEFAULTS[kind]["tie_word_embeddings"]),
+            "dropout": 0.0,
         }
         return config_from_dict({"model": model}).model
     except KeyError as e:
@@ -154,8 +175,9 @@ def llama_to_quill_state(hf_state: Mapping[str, Tensor], cfg: ModelConfig, o_bia
     missing = sorted(n for n in expected if n not in hf_state)
     if extra or missing:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
-        raise QuillError(f"the weights do not match a {cfg.n_layer}-layer model of this config.json ({what}); "
-                         "is it the model's own config.json?")
+        raise QuillError(
+            f"the weights do not match a {cfg.n_layer}-layer model of this config.json ({what}); is it the model's own config.json?"
+        )
     state = {}
     for name, parts in names.items():
         tensors = [hf_state[p] for p in parts]
@@ -204,15 +226,30 @@ def model_config_to_llama(cfg: ModelConfig, kind: str, bos_id: int | None, eos_i
     if cfg.rope_scaling is not None:
         rope["factor"] = cfg.rope_factor
     if cfg.rope_scaling == "llama3":
-        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=cfg.rope_original_context)
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_context,
+        )
     out = {
-        "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.n_embd, "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
-        "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": rope, "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True,
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
     }
     if kind in ("llama", "qwen3"):
         out["attention_bias"] = zero_o_bias(cfg, kind)

@@ -32,9 +32,16 @@ from quillgpt.config import ModelConfig
 from quillgpt.model.kv_cache import KVCache, KVWrite
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: str | None = None, factor: float = 1.0,
-                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, original_context: int = 8192,
-                  device: torch.device | str | None = None) -> Tensor:
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: str | None = None,
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_context: int = 8192,
+    device: torch.device | str | None = None,
+) -> Tensor:
     """The (head_dim/2,) float32 RoPE frequencies θ^(-2i/d), optionally scaled for a longer context:
     "linear" divides them all by `factor` (= positions / factor); "llama3" (Llama 3.1) divides only
     the low frequencies (wavelength > original_context / low_freq_factor), keeps the high ones
@@ -115,8 +122,13 @@ def attend(
         if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)  # e.g. under autocast
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p,
-            is_causal=mask is None and T > 1, enable_gqa=k.shape[1] != q.shape[1],
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=mask is None and T > 1,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
         return y, None
     if k.shape[1] != q.shape[1]:  # GQA/MQA: each K/V head serves a group of query heads
@@ -216,8 +228,14 @@ class CausalSelfAttention(SelfAttention):
         return self.out(y), weights
 
     def decode(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor, cache: KVCache, layer: int,
-        at: KVWrite, n_keys: int | None,
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        mask: Tensor,
+        cache: KVCache,
+        layer: int,
+        at: KVWrite,
+        n_keys: int | None,
     ) -> Tensor:
         """The decode step's attention, x (R, C) one token per row → (R, C): forward's ops in eval
         mode, without nn.Module calls (their overhead is ~10% of a one-token step). The token's

@@ -246,8 +246,13 @@ class GPT(nn.Module):
         return maps
 
     def _hidden(
-        self, idx: Tensor, pos: Tensor | None = None, cache: Any = None, rows: Tensor | None = None,
-        prefix_len: Tensor | None = None, need_weights: bool = False,
+        self,
+        idx: Tensor,
+        pos: Tensor | None = None,
+        cache: Any = None,
+        rows: Tensor | None = None,
+        prefix_len: Tensor | None = None,
+        need_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor]]:
         """Positions → the variant's mask and cache plan → embeddings → blocks → ln_f: the (B, T, C)
         final hidden states (and each layer's attention weights)."""
@@ -291,8 +296,15 @@ class GPT(nn.Module):
         if device not in self._inv_freq:
             c = self.config
             self._inv_freq[device] = rope_inv_freq(
-                c.head_size, c.rope_theta, c.rope_scaling, c.rope_factor, c.rope_low_freq_factor,
-                c.rope_high_freq_factor, c.rope_original_context, device)
+                c.head_size,
+                c.rope_theta,
+                c.rope_scaling,
+                c.rope_factor,
+                c.rope_low_freq_factor,
+                c.rope_high_freq_factor,
+                c.rope_original_context,
+                device,
+            )
         return self._inv_freq[device]
 
     def _embed(self, idx: Tensor, pos: Tensor | None) -> Tensor:

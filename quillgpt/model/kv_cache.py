@@ -40,8 +40,15 @@ class KVCache:
     """Static keys/values of `rows` independent rows; see the module docstring."""
 
     def __init__(
-        self, n_layer: int, rows: int, kv_heads: int, head_dim: int,
-        capacity: int, span: int, device: torch.device | str, dtype: torch.dtype,
+        self,
+        n_layer: int,
+        rows: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        span: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"KV cache capacity must be at least 1, got {capacity}")
@@ -107,9 +114,7 @@ class KVCache:
         self.pos[at] = pos
         return at
 
-    def write_one(
-        self, layer: int, k: Tensor, v: Tensor, at: SlotIndex, n_keys: int | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def write_one(self, layer: int, k: Tensor, v: Tensor, at: SlotIndex, n_keys: int | None = None) -> tuple[Tensor, Tensor]:
         """One new token per row, k, v (R, KV, 1, hd), at `at`: the decode step's fixed-shape
         write. Returns the (R, KV, n_keys or capacity, hd) buffers to attend over."""
         ks, vs = self.k[layer], self.v[layer]

@@ -92,8 +92,7 @@ def add_lora(model: nn.Module, lora: LoraConfig) -> None:
 def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
     """The state-dict name and shape of every adapter tensor a model of `cfg` gets."""
     shapes = {}
-    inputs = {"attn.c_attn": cfg.n_embd, "attn.c_proj": cfg.n_head * cfg.head_size,
-              "mlp.c_fc": cfg.n_embd, "mlp.c_proj": cfg.hidden_dim}
+    inputs = {"attn.c_attn": cfg.n_embd, "attn.c_proj": cfg.n_head * cfg.head_size, "mlp.c_fc": cfg.n_embd, "mlp.c_proj": cfg.hidden_dim}
     for i in range(cfg.n_layer):
         for path, slots in lora_slots(cfg, lora.targets).items():
             for name, (lo, hi) in slots.items():
@@ -108,8 +107,9 @@ def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def merge_adapters(weights: dict[str, Tensor], adapters: dict[str, Tensor], cfg: ModelConfig, lora: LoraConfig,
-                   dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+def merge_adapters(
+    weights: dict[str, Tensor], adapters: dict[str, Tensor], cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = None
+) -> dict[str, Tensor]:
     """A base's state dict with each adapter folded into its weight, W[rows] += scale · B A
     (computed in fp32, stored in `dtype`, else the weight's own): the weights of a plain GPT that
     computes what base + adapters compute. `weights` is updated in place and returned."""

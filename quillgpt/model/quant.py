@@ -56,8 +56,10 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
 
 # name → (matmul, whether it takes bf16 activations: the bf16 scales); "/model": the model's dtype
 KERNELS: dict[str, tuple[Callable[[Tensor, Tensor, Tensor], Tensor], bool]] = {
-    "int8pack_mm/bf16": (int8pack_mm, True), "int8pack_mm/model": (int8pack_mm, False),
-    "dequant/bf16": (dequant_linear, True), "dequant/model": (dequant_linear, False),
+    "int8pack_mm/bf16": (int8pack_mm, True),
+    "int8pack_mm/model": (int8pack_mm, False),
+    "dequant/bf16": (dequant_linear, True),
+    "dequant/model": (dequant_linear, False),
 }
 
 
@@ -146,8 +148,9 @@ def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None =
         raise ValueError("the model is already quantized")
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    places = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-              if isinstance(child, nn.Linear)]
+    places = [
+        (parent, name, child) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)
+    ]
     layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows)) for _, _, lin in places]
     if kernel is None:
         first = {id(m) for m in model.transformer.h[0].modules()}
@@ -186,8 +189,7 @@ def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int =
         ms = _timings(every, kernels, m, budget_s=0.3) if m == rows else _timings(block, kernels, m)
         best = min((k for k in ms if k != "float"), key=ms.get, default=None)
         if m == rows and best is None:
-            raise QuillError(f"--quantize int8: no int8 kernel runs on {every[0][0].weight.device.type} here; "
-                             "run without --quantize")
+            raise QuillError(f"--quantize int8: no int8 kernel runs on {every[0][0].weight.device.type} here; run without --quantize")
         kernels = [k for k in kernels if k in ms and ms[k] < 20 * ms["float"]] or ([best] if best else kernels)
         chosen.append(best)
         table.append(ms)

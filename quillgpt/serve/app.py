@@ -84,11 +84,11 @@ def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastA
     app = FastAPI(title="quill serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.drain = drain = Drain()
     install_handlers(app)
-    app.add_middleware(Guard, api_key=options.api_key, max_body=options.max_body_bytes,
-                       body_timeout_s=options.body_timeout_s)
+    app.add_middleware(Guard, api_key=options.api_key, max_body=options.max_body_bytes, body_timeout_s=options.body_timeout_s)
     if options.cors:
-        app.add_middleware(CORSMiddleware, allow_origins=[options.cors], allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=[options.cors], allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]
+        )
     app.add_middleware(AccessLog)  # added last: outermost, so refusals are logged too
     routes = Routes(run, batcher, options, drain)
     app.get("/", include_in_schema=False)(lambda: FileResponse(STATIC / "index.html"))
@@ -128,8 +128,7 @@ class Guard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
             except asyncio.TimeoutError:
-                raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
-                               code="body_timeout") from None
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s", code="body_timeout") from None
             seen += len(message.get("body", b""))
             whole = message["type"] != "http.request" or not message.get("more_body", False)
             if seen > self.max_body:
@@ -142,8 +141,7 @@ class Guard:
         public = scope["path"] in ("/", "/health") or scope["path"].startswith("/static/")
         if self.expected is not None and not public and scope["method"] != "OPTIONS":  # deny by default
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
-                                code="invalid_api_key")
+                return APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY", code="invalid_api_key")
         length = headers.get(b"content-length")
         if length is not None and not length.isdigit():
             return APIError(400, "the Content-Length header is not a number", code="invalid_body")
@@ -152,8 +150,11 @@ class Guard:
         media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope["method"] == "POST" and media not in JSON_TYPES:
             got = repr(media.decode("latin-1")[:60]) if media else "none"
-            return APIError(415, f"the request body must be JSON: send the header Content-Type: application/json "
-                            f"(got {got})", code="unsupported_media_type")
+            return APIError(
+                415,
+                f"the request body must be JSON: send the header Content-Type: application/json (got {got})",
+                code="unsupported_media_type",
+            )
         return None
 
 
@@ -170,8 +171,7 @@ class Drain:
 
     def _expire(self, seconds: float) -> None:
         if self.running:
-            log.warning("shutting down: %d reply(ies) still generating after the %g s drain end with an error",
-                        self.running, seconds)
+            log.warning("shutting down: %d reply(ies) still generating after the %g s drain end with an error", self.running, seconds)
         self.expired.set()
 
     async def next_event(self, events: asyncio.Queue) -> Event | None:
@@ -247,15 +247,26 @@ class Routes:
     def _model_card(self) -> dict[str, Any]:
         cfg = self.run.config.model
         return {
-            "id": self.options.model_id, "object": "model", "created": self.created, "owned_by": "quill",
-            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "block_size": cfg.block_size,
-            "vocab_size": cfg.vocab_size, "step": self.run.step, "max_tokens": self.options.max_tokens,
+            "id": self.options.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "quill",
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "block_size": cfg.block_size,
+            "vocab_size": cfg.vocab_size,
+            "step": self.run.step,
+            "max_tokens": self.options.max_tokens,
         }
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.options.model_id:
-            raise APIError(404, f"model {model!r} is not served here; this server serves {self.options.model_id!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server serves {self.options.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     async def completions(self, request: Request) -> Any:
         req = parse_body(await request.body(), CompletionRequest)
@@ -274,8 +285,9 @@ class Routes:
             ids, stops = chat_prompt_ids(self.run.tokenizer, messages)  # the model's template, or the transcript
         except QuillError as e:
             raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
-        return await self._generate(request, req, [self._checked(ids, "messages")], stops=stops,
-                                    default_max=self.options.max_tokens, chat=True)  # _max_tokens fits the room
+        return await self._generate(
+            request, req, [self._checked(ids, "messages")], stops=stops, default_max=self.options.max_tokens, chat=True
+        )  # _max_tokens fits the room
 
     async def attention(self, request: Request) -> dict[str, Any]:
         from quillgpt.evaluate.attention_views import attention_weights
@@ -288,8 +300,13 @@ class Routes:
         limit = self.options.attention_max_tokens  # a longer text keeps its last tokens, as the CLI crops
         attn = await self._on_engine(lambda: attention_weights(self.run.model, self.run.tokenizer, req.prompt, limit))
         return {
-            "object": "attention", "model": self.options.model_id, "tokens": attn.tokens, "token_ids": attn.ids,
-            "cropped": attn.cropped, "n_layer": len(attn.weights), "n_head": attn.weights[0].shape[0],
+            "object": "attention",
+            "model": self.options.model_id,
+            "tokens": attn.tokens,
+            "token_ids": attn.ids,
+            "cropped": attn.cropped,
+            "n_layer": len(attn.weights),
+            "n_head": attn.weights[0].shape[0],
             "weights": [(w * 1e4).round().div(1e4).tolist() for w in attn.weights],  # [layer][head][query][key]
         }
 
@@ -309,17 +326,25 @@ class Routes:
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         if len(ids) > self.options.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(ids):,} tokens; this server takes at most "
-                           f"{self.options.max_prompt_tokens:,}", param=param, code="prompt_too_long")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids):,} tokens; this server takes at most {self.options.max_prompt_tokens:,}",
+                param=param,
+                code="prompt_too_long",
+            )
         return ids
 
     def _params(self, req: SamplingFields, max_tokens: int, seed: int | None, stops: tuple[str, ...]) -> SamplingParams:
         try:
             return SamplingParams(
-                max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=req.top_k or None, top_p=1.0 if req.top_p is None else req.top_p,
-                min_p=req.min_p or 0.0, repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                seed=seed, stop=stops,
+                max_new_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=req.top_k or None,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                min_p=req.min_p or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=seed,
+                stop=stops,
             )
         except InvalidParam as e:
             param = OPENAI_NAMES.get(e.param, e.param)
@@ -335,8 +360,12 @@ class Routes:
         else:
             n = req.max_tokens
         if not 1 <= n <= cap:
-            raise APIError(400, f"max_tokens must be between 1 and {cap:,} (the server's --max-tokens), got {n}",
-                           param="max_tokens", code="invalid_value")
+            raise APIError(
+                400,
+                f"max_tokens must be between 1 and {cap:,} (the server's --max-tokens), got {n}",
+                param="max_tokens",
+                code="invalid_value",
+            )
         for p in ids:
             try:
                 check_room(model, len(p), n, name="max_tokens", flag="max_tokens")
@@ -344,15 +373,20 @@ class Routes:
                 raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         return n
 
-    async def _generate(self, request: Request, req: SamplingFields, ids: list[list[int]],
-                        stops: tuple[str, ...], default_max: int, chat: bool) -> Any:
+    async def _generate(
+        self, request: Request, req: SamplingFields, ids: list[list[int]], stops: tuple[str, ...], default_max: int, chat: bool
+    ) -> Any:
         """Check the request, queue one job per choice, answer with SSE or the whole reply."""
         self._check_model(req.model)
         reject_unsupported(req)
         n, rows = (1 if req.n is None else req.n), self.batcher.engine.max_rows
         if n < 1 or n * len(ids) > rows:
-            raise APIError(400, f"n × prompts must be between 1 and {rows} (the server's --max-batch), "
-                           f"got {n} × {len(ids)}", param="n", code="invalid_value")
+            raise APIError(
+                400,
+                f"n × prompts must be between 1 and {rows} (the server's --max-batch), got {n} × {len(ids)}",
+                param="n",
+                code="invalid_value",
+            )
         stops = stops + stop_strings(req.stop)
         max_tokens = self._max_tokens(req, default_max, ids)
         first = self._params(req, max_tokens, req.seed, stops)  # checks the seed as the client sent it
@@ -360,8 +394,11 @@ class Routes:
         events: asyncio.Queue[Event] = asyncio.Queue()
         relay = self._relay(asyncio.get_running_loop())
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
-        jobs = [Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit,
-                    stop_ids=self.run.tokenizer.stop_ids) for i in range(len(ids)) for k in range(n)]
+        jobs = [
+            Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit, stop_ids=self.run.tokenizer.stop_ids)
+            for i in range(len(ids))
+            for k in range(n)
+        ]
         try:
             self.batcher.submit(jobs)
         except Busy as e:
@@ -370,8 +407,11 @@ class Routes:
         reply = Reply(chat, self.options.model_id, sum(map(len, ids)), include_usage)
         request.state.reply = reply
         if req.stream:
-            return StreamingResponse(self._stream(reply, jobs, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._stream(reply, jobs, events),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await self._collect(request, reply, jobs, events)
 
     async def _stream(self, reply: Reply, jobs: list[Job], events: asyncio.Queue) -> AsyncIterator[str]:

@@ -149,8 +149,7 @@ class Batcher:
                 self._failure = f"{type(e).__name__}: {e}"
                 for key, job in self._rows.items():
                     self._batch.leave(key)
-                    job.emit(Event(job.index, "internal error while generating (logged on the server)", "error",
-                                   job.tokens))
+                    job.emit(Event(job.index, "internal error while generating (logged on the server)", "error", job.tokens))
                 self._rows.clear()
         self._fail_all("the server stopped before this request finished")
 

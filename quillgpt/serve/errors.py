@@ -63,17 +63,18 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return APIError(404, f"no route {request.url.path}; see GET /v1/models, POST /v1/completions, "
-                            "POST /v1/chat/completions, POST /v1/attention", code="not_found").response()
+            return APIError(
+                404,
+                f"no route {request.url.path}; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/attention",
+                code="not_found",
+            ).response()
         if exc.status_code == 405:
-            return APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                            code="method_not_allowed").response()
+            return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
         return APIError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, _: ClientDisconnect) -> Response:
-        log.info("%s %s: the client closed the connection before sending its whole body", request.method,
-                 request.url.path)
+        log.info("%s %s: the client closed the connection before sending its whole body", request.method, request.url.path)
         return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)

@@ -44,8 +44,11 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
 
     def chunk(self, index: int, text: str = "", finish: str | None = None, role: bool = False) -> dict[str, Any]:
         """One streamed piece of choice `index` (role=True: the chat stream's opening chunk)."""
@@ -68,9 +71,10 @@ class Reply:
     def full(self, texts: list[str], finishes: list[str], completion_tokens: int) -> dict[str, Any]:
         """The non-streamed response: every choice whole, and the usage."""
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
+                for i, (t, f) in enumerate(zip(texts, finishes))
+            ]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, finishes))]
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
         return {**self._head(False), "choices": choices, "usage": self.usage(completion_tokens)}

@@ -95,21 +95,22 @@ def parse_body(raw: bytes, schema: type[Body]) -> Body:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not UTF-8 (invalid byte at offset {e.start})",
-                       code="invalid_body") from None
+        raise APIError(400, f"the request body is not UTF-8 (invalid byte at offset {e.start})", code="invalid_body") from None
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, ValueError, RecursionError) as e:
         detail = f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
-                       code="invalid_body")
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_body")
     try:  # a \ud800 escape decodes to a lone surrogate, which no text (and no tokenizer) can hold
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"the request body has a lone UTF-16 surrogate ({e.object[e.start]!a}) in a string or "
-                       "field name; send valid Unicode", code="invalid_body") from None
+        raise APIError(
+            400,
+            f"the request body has a lone UTF-16 surrogate ({e.object[e.start]!a}) in a string or field name; send valid Unicode",
+            code="invalid_body",
+        ) from None
     try:
         return schema.model_validate(data)
     except ValidationError as e:
@@ -129,8 +130,12 @@ def _field_error(e: ValidationError) -> APIError:
     if param is None:  # the body as a whole (pydantic names no field)
         return APIError(422, f"the request body: {err['msg']}", code="invalid_body")
     if err["type"] == "extra_forbidden":
-        return APIError(422, f"unknown field {param!r}; quill accepts OpenAI's fields and top_k, min_p, "
-                        "repetition_penalty", param=param, code="unknown_field")
+        return APIError(
+            422,
+            f"unknown field {param!r}; quill accepts OpenAI's fields and top_k, min_p, repetition_penalty",
+            param=param,
+            code="unknown_field",
+        )
     if err["type"] == "missing":
         return APIError(422, f"{param} is required", param=param, code="missing_field")
     return APIError(422, f"{param}: {err['msg']}", param=param, code="invalid_type")
@@ -147,8 +152,7 @@ def reject_unsupported(req: SamplingFields) -> None:
     for name, value in neutral.items():
         got = getattr(req, name)
         if got is not None and got != value:
-            raise APIError(400, f"{name} is not supported by quill (use repetition_penalty)", param=name,
-                           code="unsupported")
+            raise APIError(400, f"{name} is not supported by quill (use repetition_penalty)", param=name, code="unsupported")
     checks = {
         "logit_bias": any(bias != 0 for bias in (req.logit_bias or {}).values()),  # {"1": 0} changes nothing
         "logprobs": bool(getattr(req, "logprobs", None)),
@@ -171,4 +175,3 @@ def stop_strings(stop: str | list[str] | None, max_count: int = 4, max_chars: in
         if not s or len(s) > max_chars:
             raise APIError(400, f"each stop string must have 1 to {max_chars} characters", param="stop")
     return tuple(stops)
-

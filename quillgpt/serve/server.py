@@ -54,8 +54,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info",
-                   head_timeout_s: float = 10.0) -> uvicorn.Server:
+def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info", head_timeout_s: float = 10.0) -> uvicorn.Server:
     """uvicorn serving `app` (from create_app): request heads bounded by head_timeout_s, and on
     shutdown running replies get drain_s seconds, then end themselves (serve/http.py)."""
     import functools
@@ -64,8 +63,14 @@ def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info",
 
     from quillgpt.serve.http import GRACE_S, BoundedH11, DrainingServer
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_s + GRACE_S, access_log=False,
-                            server_header=False, http=functools.partial(BoundedH11, head_timeout_s=head_timeout_s))
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_s + GRACE_S,
+        access_log=False,
+        server_header=False,
+        http=functools.partial(BoundedH11, head_timeout_s=head_timeout_s),
+    )
     return DrainingServer(config, app.state.drain, drain_s)
 
 
@@ -75,8 +80,7 @@ def require_extra() -> None:
 
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise QuillError(f'quill serve needs {" and ".join(missing)}, the optional "serve" extra: '
-                         'pip install -e ".[serve]"')
+        raise QuillError(f'quill serve needs {" and ".join(missing)}, the optional "serve" extra: pip install -e ".[serve]"')
 
 
 def model_id(ckpt: str | Path) -> str:
@@ -86,9 +90,19 @@ def model_id(ckpt: str | Path) -> str:
 
 
 def serve(
-    ckpt: str | Path, *, which: str = "best", host: str = "127.0.0.1", port: int = 8000,
-    api_key: str | None = None, max_batch: int = 16, max_tokens: int = 2048, device: str = "auto",
-    dtype: str = "float32", quantize: str = "none", cors: str | None = None, drain_s: float = 5.0,
+    ckpt: str | Path,
+    *,
+    which: str = "best",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_batch: int = 16,
+    max_tokens: int = 2048,
+    device: str = "auto",
+    dtype: str = "float32",
+    quantize: str = "none",
+    cors: str | None = None,
+    drain_s: float = 5.0,
     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
@@ -109,16 +123,19 @@ def serve(
     torch_dtype, scheme = parse_dtype(dtype), quant.parse_quantize(quantize)
     if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
         raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
-    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme,
-                   rows=max_batch)  # int8 kernels measured at the engine's decode batch
+    run = load_run(
+        ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme, rows=max_batch
+    )  # int8 kernels measured at the engine's decode batch
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
     app = make_app(run, options, max_batch)
     weights = quant.weights_note(run.model, "; ")
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    announce(f"serving {run.path} (step {run.step}) as model {options.model_id!r}: http://{shown}:{bound}/ "
-             f"(OpenAI API at /v1, up to {max_batch} rows at once{weights})")
+    announce(
+        f"serving {run.path} (step {run.step}) as model {options.model_id!r}: http://{shown}:{bound}/ "
+        f"(OpenAI API at /v1, up to {max_batch} rows at once{weights})"
+    )
     if host not in LOOPBACK and api_key is None:
         announce(f"warning: listening on {host} without an API key: anyone who can reach it can use the model")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends like Ctrl-C: drained, exit 0

@@ -80,9 +80,10 @@ class CpuShare:
         if want == torch.get_num_threads():
             return None
         torch.set_num_threads(want)
-        return (f"threads: {want} of {self.max_threads} (other processes are using {others:.1f} of "
-                f"{self.cores} cores; set OMP_NUM_THREADS to fix the count)")
-
+        return (
+            f"threads: {want} of {self.max_threads} (other processes are using {others:.1f} of "
+            f"{self.cores} cores; set OMP_NUM_THREADS to fix the count)"
+        )
 
 
 @contextlib.contextmanager

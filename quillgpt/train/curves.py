@@ -87,8 +87,7 @@ def plot_runs(
             color = f"C{n % 10}"
             ax.plot([v / scale for v in c.train[0]], c.train[1], color=color, lw=1.2, label=f"{c.name} train")
             if c.val[0]:
-                ax.plot([v / scale for v in c.val[0]], c.val[1], color=color, ls="--", marker="o", ms=3,
-                        label=f"{c.name} val")
+                ax.plot([v / scale for v in c.val[0]], c.val[1], color=color, ls="--", marker="o", ms=3, label=f"{c.name} val")
         ax.set_xlabel(X_LABELS[x] + unit)
         ax.set_ylabel("loss (nats/token)")
         if log:

@@ -129,8 +129,7 @@ def resolve_strategy(tc: TrainConfig, model_cfg: ModelConfig, ddp: Dist, device:
         need = estimate_train_bytes(model_cfg, tc).total
         strategy = "fsdp" if free is not None and need > FITS_FRACTION * free else "ddp"
     if strategy == "fsdp" and tc.optimizer != "adamw":
-        raise QuillError("train.optimizer=muon needs whole matrices, which FSDP shards; use train.strategy=ddp "
-                         "or train.optimizer=adamw")
+        raise QuillError("train.optimizer=muon needs whole matrices, which FSDP shards; use train.strategy=ddp or train.optimizer=adamw")
     return strategy
 
 

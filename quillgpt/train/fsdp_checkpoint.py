@@ -54,8 +54,10 @@ def latest_sharded(out_dir: str | Path) -> Path | None:
     except (OSError, UnicodeDecodeError) as e:
         raise QuillError(f"cannot read {shown(root / POINTER)}: {e}; the sharded checkpoint is damaged") from None
     if not name.startswith("step-") or "/" in name or not (root / name).is_dir():
-        raise QuillError(f"{shown(root / POINTER)} names {name[:80]!r}, which is not a checkpoint in {shown(root)}; "
-                         "the run directory is damaged — start over with --overwrite")
+        raise QuillError(
+            f"{shown(root / POINTER)} names {name[:80]!r}, which is not a checkpoint in {shown(root)}; "
+            "the run directory is damaged — start over with --overwrite"
+        )
     return root / name
 
 
@@ -75,8 +77,9 @@ def remove_sharded(out_dir: str | Path) -> None:
     shutil.rmtree(Path(out_dir) / SHARDED, ignore_errors=True)
 
 
-def save_sharded(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 train_state: dict[str, Any] | None, ddp: Dist) -> Path:
+def save_sharded(
+    out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any] | None, ddp: Dist
+) -> Path:
     """A collective (every rank calls it): each rank writes its shard of model + optimizer into a
     new directory, which rank 0 commits with train_state (given on rank 0 only)."""
     root = Path(out_dir) / SHARDED
@@ -92,8 +95,10 @@ def save_sharded(out_dir: Path, step: int, model: torch.nn.Module, optimizer: to
     try:
         dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=FileSystemWriter(tmp))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 — DCP gathers every rank's failure into one (a BaseException)
-        raise QuillError(f"could not write the sharded checkpoint {shown(tmp)} ({_first_line(e)}); the previous "
-                         "checkpoint is intact — free disk space or choose another train.out_dir, then resume") from None
+        raise QuillError(
+            f"could not write the sharded checkpoint {shown(tmp)} ({_first_line(e)}); the previous "
+            "checkpoint is intact — free disk space or choose another train.out_dir, then resume"
+        ) from None
     if ddp.master:
         ckpt.save_checkpoint({**train_state, "model": {}}, tmp / TRAIN_STATE)  # weights: in the shards
         try:
@@ -166,8 +171,9 @@ def _check_metadata(path: Path) -> None:
     except OSError as e:
         raise os_error(e, path, "read", "sharded checkpoint") from None
     except Exception as e:  # noqa: BLE001 — truncated or crafted pickles fail in many ways
-        raise QuillError(f"{shown(path)} was refused ({_first_line(e)}); it is damaged or not written by quill "
-                         "train — start over with --overwrite") from None
+        raise QuillError(
+            f"{shown(path)} was refused ({_first_line(e)}); it is damaged or not written by quill train — start over with --overwrite"
+        ) from None
 
 
 def _first_line(e: BaseException) -> str:

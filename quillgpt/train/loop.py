@@ -136,8 +136,11 @@ def estimate_loss(model: GPT, windows: Windows, batch_size: int, device: torch.d
     """
     with autocast(device, torch.float32 if device.type == "cpu" else dtype):
         return {
-            split: (evaluate_rows(model, data, picks, batch_size=batch_size, device=device) if isinstance(data, ChatRows)
-                    else evaluate_windows(model, data, picks, batch_size=batch_size, device=device)).loss
+            split: (
+                evaluate_rows(model, data, picks, batch_size=batch_size, device=device)
+                if isinstance(data, ChatRows)
+                else evaluate_windows(model, data, picks, batch_size=batch_size, device=device)
+            ).loss
             for split, (data, picks) in windows.items()
         }
 
@@ -209,9 +212,7 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         teardown_distributed(ddp)
 
 
-def setup(
-    cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, resuming: bool
-) -> tuple[Trainer, dict[str, Any] | None]:
+def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, resuming: bool) -> tuple[Trainer, dict[str, Any] | None]:
     """Build everything a run needs (and check a resume fits it) without writing anything."""
     tc = cfg.train
     _, tokenizer = load_prepared(prepared.out_dir)
@@ -242,18 +243,31 @@ def setup(
     if cfg.lora.rank:  # frozen base, fresh adapters (B = 0: the base's output exactly)
         add_lora(model, cfg.lora)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        notes.append(f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {trained:,} trained parameters "
-                     f"({trained / sum(p.numel() for p in model.parameters()):.1%}); the base {lora_base['path']} is frozen")
+        notes.append(
+            f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {trained:,} trained parameters "
+            f"({trained / sum(p.numel() for p in model.parameters()):.1%}); the base {lora_base['path']} is frozen"
+        )
     if strategy == "fsdp":
         seed_rank(tc.seed, ddp)
     dtype = resolve_dtype(tc.dtype, device)
     model = prepare_model(model, tc, strategy, ddp, dtype)  # activation checkpointing, FSDP
     sampler, windows, batch_notes = _batches(cfg, ddp, device, prepared, tokenizer)
     t = Trainer(
-        cfg, ddp, device, dtype, Path(tc.out_dir), tokenizer, model, build_optimizer(model, tc, device),
-        torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16)), sampler, windows,
-        budget_s=parse_duration(tc.time_budget) if tc.time_budget else None, horizon=tc.max_iters,
-        lora_base=lora_base, notes=notes + batch_notes,
+        cfg,
+        ddp,
+        device,
+        dtype,
+        Path(tc.out_dir),
+        tokenizer,
+        model,
+        build_optimizer(model, tc, device),
+        torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16)),
+        sampler,
+        windows,
+        budget_s=parse_duration(tc.time_budget) if tc.time_budget else None,
+        horizon=tc.max_iters,
+        lora_base=lora_base,
+        notes=notes + batch_notes,
     )
     return t, state
 
@@ -263,12 +277,15 @@ def _check_combination(cfg: Config, strategy: str) -> None:
     if cfg.lora.rank and strategy == "fsdp":
         raise QuillError("LoRA trains under DDP or in one process, not FSDP: set train.strategy=ddp")
     if cfg.data.format == "chat" and variant_of(cfg.model).bidirectional_prefix:
-        raise QuillError("chat data trains a causal model's replies; a prefix-LM (model.attention=prefix) trains on "
-                         "drawn prefixes instead: use data.format=text")
+        raise QuillError(
+            "chat data trains a causal model's replies; a prefix-LM (model.attention=prefix) trains on "
+            "drawn prefixes instead: use data.format=text"
+        )
 
 
-def _batches(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData,
-             tokenizer: Tokenizer) -> tuple[BatchSampler | ChatSampler | PrefixSampler, Windows, list[str]]:
+def _batches(
+    cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, tokenizer: Tokenizer
+) -> tuple[BatchSampler | ChatSampler | PrefixSampler, Windows, list[str]]:
     """The training sampler, the fixed evaluation windows and notes about them. Every rank draws
     the same global batch and keeps its own slice, so N ranks with batch B see exactly the
     windows one process with batch N·B would see."""
@@ -282,8 +299,10 @@ def _batches(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedDat
     sampler = BatchSampler(train_tokens, block, batch, tc.seed, device)
     if variant_of(cfg.model).bidirectional_prefix:  # batches also carry each row's prefix length
         sampler = PrefixSampler(sampler, PrefixLengths(cfg.model, tc.seed + 1, separator_id(cfg.model, tokenizer.encode)))
-    windows = {"train": (train_tokens, fixed_windows(train_tokens, block, n_eval, "train")),
-               "val": (val_tokens, fixed_windows(val_tokens, block, n_eval))}
+    windows = {
+        "train": (train_tokens, fixed_windows(train_tokens, block, n_eval, "train")),
+        "val": (val_tokens, fixed_windows(val_tokens, block, n_eval)),
+    }
     return sampler, windows, []
 
 
@@ -295,8 +314,9 @@ def restore(t: Trainer, state: dict[str, Any]) -> None:
     else:  # a LoRA run saved its adapters only: the rest is the base, loaded already
         missing, unexpected = t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]), strict=t.lora_base is None)
         if unexpected or any(is_adapter(k) for k in missing):
-            raise QuillError(f"cannot resume: {t.out_dir / ckpt.LATEST} does not hold this run's LoRA adapters; "
-                             "start over with --overwrite")
+            raise QuillError(
+                f"cannot resume: {t.out_dir / ckpt.LATEST} does not hold this run's LoRA adapters; start over with --overwrite"
+            )
         t.optimizer.load_state_dict(state["optimizer"])
     t.scaler.load_state_dict(state["scaler"])
     t.sampler.load_state_dict(state["sampler"])
@@ -316,12 +336,16 @@ def extend_hint(t: Trainer) -> str:
     """What `--resume` of a run that has already ended says: where it ended and how to go on."""
     tc = t.cfg.train
     if t.budget_s is not None:
-        return (f"{t.out_dir} already ended at step {t.step:,} after {t.elapsed_before:.0f}s of its "
-                f"train.time_budget={tc.time_budget}; to go on, resume with a larger budget (the total, counted "
-                "from the run's start: --resume train.time_budget=10m) or by steps (train.time_budget=null "
-                f"train.max_iters={2 * t.step})")
-    return (f"{t.out_dir} already reached train.max_iters={tc.max_iters:,}; to go on, resume with more steps "
-            f"(--resume train.max_iters={2 * tc.max_iters}); its lr schedule then runs over the new total")
+        return (
+            f"{t.out_dir} already ended at step {t.step:,} after {t.elapsed_before:.0f}s of its "
+            f"train.time_budget={tc.time_budget}; to go on, resume with a larger budget (the total, counted "
+            "from the run's start: --resume train.time_budget=10m) or by steps (train.time_budget=null "
+            f"train.max_iters={2 * t.step})"
+        )
+    return (
+        f"{t.out_dir} already reached train.max_iters={tc.max_iters:,}; to go on, resume with more steps "
+        f"(--resume train.max_iters={2 * tc.max_iters}); its lr schedule then runs over the new total"
+    )
 
 
 def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
@@ -367,8 +391,7 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
                 break
     bar.close()
     stopped = stopped or ("time_budget" if t.budget_ended else "done")
-    return TrainResult(t.out_dir, t.step, t.best_val, last_val, t.elapsed(), stopped,
-                       t.stop_reason if stopped == "time_budget" else "")
+    return TrainResult(t.out_dir, t.step, t.best_val, last_val, t.elapsed(), stopped, t.stop_reason if stopped == "time_budget" else "")
 
 
 @dataclass
@@ -406,8 +429,15 @@ def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: Pr
     tok_s, mfu = tokens_per_step * steps / dt, meter.flops_per_step * steps / dt / meter.peak
     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
     meter.start(t.step)
-    return {"step": t.step, "tokens": t.tokens_seen, "train_loss": train_loss, "lr": lr, "tokens_per_sec": tok_s,
-            "mfu": mfu, "elapsed_s": t.elapsed_before + now - t.t_start}
+    return {
+        "step": t.step,
+        "tokens": t.tokens_seen,
+        "train_loss": train_loss,
+        "lr": lr,
+        "tokens_per_sec": tok_s,
+        "mfu": mfu,
+        "elapsed_s": t.elapsed_before + now - t.t_start,
+    }
 
 
 def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[str, Any], bar: Progress) -> float:
@@ -497,8 +527,14 @@ def run_state(t: Trainer, rngs: dict[str, Any]) -> dict[str, Any]:
 def weights_state(t: Trainer, weights: dict[str, torch.Tensor], **extra: float) -> dict[str, Any]:
     """best.pt (and an FSDP run's ckpt.pt): the user's model — weights (full_weights), config,
     tokenizer, step and `extra` (val_loss), nothing to resume."""
-    return {"model": trained(t, weights), "config": t.cfg.to_dict(), "tokenizer": t.tokenizer.spec(), "step": t.step,
-            **lora_state(t), **extra}
+    return {
+        "model": trained(t, weights),
+        "config": t.cfg.to_dict(),
+        "tokenizer": t.tokenizer.spec(),
+        "step": t.step,
+        **lora_state(t),
+        **extra,
+    }
 
 
 def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
@@ -568,5 +604,3 @@ def _first_compiled_step(t: Trainer) -> torch.Tensor:
         t.sampler.load_state_dict(before)
         t.model = t.raw_model
         return train_step(t.model, t)
-
-

@@ -35,8 +35,9 @@ def count_params(cfg: ModelConfig, vocab_size: int) -> int:
         return GPT(dataclasses.replace(cfg, vocab_size=vocab_size)).num_params(non_embedding=False)
 
 
-def estimate_train_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_size: int | None = None,
-                         frozen: bool = False) -> TrainMemory:
+def estimate_train_bytes(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, vocab_size: int | None = None, frozen: bool = False
+) -> TrainMemory:
     """Bytes one training process needs at least: weights, gradients and AdamW moments (fp32;
     frozen, as under LoRA: the weights only), plus one micro-batch of activations (2 bytes each,
     as under autocast) and fp32 logits with their gradient. Meant to refuse what cannot fit, so

@@ -21,8 +21,12 @@ METRICS = "metrics.jsonl"
 NUMERIC = ("tokens", "train_loss", "eval_train_loss", "val_loss", "lr", "tokens_per_sec", "mfu", "elapsed_s")
 # metrics.jsonl field → TensorBoard tag
 TB_TAGS = {
-    "train_loss": "loss/train", "eval_train_loss": "loss/eval_train", "val_loss": "loss/val", "lr": "lr",
-    "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu",
+    "train_loss": "loss/train",
+    "eval_train_loss": "loss/eval_train",
+    "val_loss": "loss/val",
+    "lr": "lr",
+    "tokens_per_sec": "perf/tokens_per_sec",
+    "mfu": "perf/mfu",
 }
 
 
@@ -101,8 +105,7 @@ def _summary_writer() -> type:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise QuillError(
-            "train.tensorboard=true needs the tensorboard package: pip install 'quillgpt[tensorboard]' "
-            "(or set train.tensorboard=false)"
+            "train.tensorboard=true needs the tensorboard package: pip install 'quillgpt[tensorboard]' (or set train.tensorboard=false)"
         ) from None
     return SummaryWriter
 

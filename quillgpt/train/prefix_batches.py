@@ -54,9 +54,7 @@ def separator_id(cfg: ModelConfig, encode: Any) -> int | None:
         return None
     ids = encode(cfg.prefix_sep)
     if len(ids) != 1:
-        raise QuillError(
-            f"model.prefix_sep {cfg.prefix_sep!r} is {len(ids)} tokens with this tokenizer; it must be exactly one"
-        )
+        raise QuillError(f"model.prefix_sep {cfg.prefix_sep!r} is {len(ids)} tokens with this tokenizer; it must be exactly one")
     return ids[0]
 
 

@@ -42,8 +42,13 @@ class Progress:
         self.timed, self.stats, self.step = t.budget_s is not None, {}, ""
         kw: dict[str, Any] = dict(disable=not enabled, dynamic_ncols=True)
         if self.timed:
-            self.bar = tqdm(total=round(t.budget_s), initial=round(t.elapsed_before), unit="s",
-                            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s [{elapsed}{postfix}]", **kw)
+            self.bar = tqdm(
+                total=round(t.budget_s),
+                initial=round(t.elapsed_before),
+                unit="s",
+                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s [{elapsed}{postfix}]",
+                **kw,
+            )
         else:
             self.bar = tqdm(total=t.horizon, initial=t.step, unit="step", **kw)
 

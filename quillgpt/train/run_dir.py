@@ -40,8 +40,13 @@ if TYPE_CHECKING:
 
 # What a run writes into train.out_dir (name → output kind): an existing file of these that is
 # not a run's (an HF model's tokenizer.json, someone's config.yaml) is never replaced silently.
-RUN_WRITES = {r"config\.yaml": "config", r"tokenizer\.json": "tokenizer", r"metrics\.jsonl": "metrics",
-              r"ckpt\.pt": "checkpoint", r"best\.pt": "checkpoint"}
+RUN_WRITES = {
+    r"config\.yaml": "config",
+    r"tokenizer\.json": "tokenizer",
+    r"metrics\.jsonl": "metrics",
+    r"ckpt\.pt": "checkpoint",
+    r"best\.pt": "checkpoint",
+}
 
 
 def remove_stale_temps(out_dir: str | Path) -> None:
@@ -66,8 +71,9 @@ class RunLock:
                 raise IsADirectoryError(21, "not a regular file")
         except OSError as e:  # a directory or FIFO named .lock, a read-only file...
             self._fd = None
-            raise QuillError(f"cannot lock {self.path}: {e.strerror}; remove it (it is no lock quill made) "
-                             "or pass a different train.out_dir") from None
+            raise QuillError(
+                f"cannot lock {self.path}: {e.strerror}; remove it (it is no lock quill made) or pass a different train.out_dir"
+            ) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -75,8 +81,7 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
             raise QuillError(
-                f"{self.path.parent} is in use by a running quill train (pid {holder}); "
-                "wait for it, or pass a different train.out_dir"
+                f"{self.path.parent} is in use by a running quill train (pid {holder}); wait for it, or pass a different train.out_dir"
             ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)
@@ -97,8 +102,7 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
     if ddp.master:
         try:
             probe_writable(out_dir, "train.out_dir")
-            check_output_dir(out_dir, "train.out_dir", "run", RUN_WRITES, force=bool(cfg.train.overwrite),
-                             how="pass --overwrite")
+            check_output_dir(out_dir, "train.out_dir", "run", RUN_WRITES, force=bool(cfg.train.overwrite), how="pass --overwrite")
             stack.enter_context(RunLock(out_dir))
             remove_stale_temps(out_dir)
             sharded.remove_stale(out_dir)
@@ -123,8 +127,11 @@ def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
     if tc.resume is True and tc.overwrite:
         raise QuillError("--resume continues the run in train.out_dir and --overwrite replaces it; pass one of them")
     if tc.resume is True and not saved:
-        hint = (f"its {ckpt.BEST} can seed a new run with train.init_from={best} and another train.out_dir, "
-                "or --overwrite starts over here" if best.is_file() else "drop --resume to start a new run")
+        hint = (
+            f"its {ckpt.BEST} can seed a new run with train.init_from={best} and another train.out_dir, or --overwrite starts over here"
+            if best.is_file()
+            else "drop --resume to start a new run"
+        )
         raise QuillError(f"cannot resume: no checkpoint at {latest}; {hint}")
     resuming = bool(tc.resume) and not tc.overwrite and saved
     if not resuming and not tc.overwrite and (saved or best.is_file()):
@@ -159,8 +166,10 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     refused (the weights fix it), never silently ignored."""
     state, path = ckpt.load_state(cfg.train.init_from, which="best")
     if path.resolve().parent == Path(cfg.train.out_dir).resolve():
-        raise QuillError(f"train.init_from={cfg.train.init_from} is the run in train.out_dir, which this run would "
-                         "replace; fine-tune into another train.out_dir")
+        raise QuillError(
+            f"train.init_from={cfg.train.init_from} is the run in train.out_dir, which this run would "
+            "replace; fine-tune into another train.out_dir"
+        )
     base = {"path": str(path.resolve()), "checksum": ckpt.weights_checksum(state["model"])} if cfg.lora.rank else None
     try:
         spec = tokenizer_from_spec(state["tokenizer"]).spec()
@@ -175,17 +184,20 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
         )
     model_cfg = source_cfg.model
     given = sorted(k.split(".", 1)[1] for k in cfg.overridden if k.startswith("model."))
-    refused = [k for k in given if k not in INIT_APPLIED and k != "vocab_size" and hasattr(model_cfg, k)
-               and getattr(cfg.model, k) != getattr(model_cfg, k)]
+    refused = [
+        k
+        for k in given
+        if k not in INIT_APPLIED and k != "vocab_size" and hasattr(model_cfg, k) and getattr(cfg.model, k) != getattr(model_cfg, k)
+    ]
     if refused:
         shown_keys = ", ".join(f"model.{k}={getattr(cfg.model, k)} (it has {getattr(model_cfg, k)})" for k in refused)
-        raise QuillError(f"train.init_from={cfg.train.init_from} takes its architecture from that run, so {shown_keys} "
-                         f"cannot apply; drop {'it' if len(refused) == 1 else 'them'} (fine-tuning may change "
-                         f"model.{', model.'.join(INIT_APPLIED)})")
-    if cfg.model.block_size > model_cfg.block_size:
         raise QuillError(
-            f"model.block_size={cfg.model.block_size} exceeds the source model's {model_cfg.block_size}"
+            f"train.init_from={cfg.train.init_from} takes its architecture from that run, so {shown_keys} "
+            f"cannot apply; drop {'it' if len(refused) == 1 else 'them'} (fine-tuning may change "
+            f"model.{', model.'.join(INIT_APPLIED)})"
         )
+    if cfg.model.block_size > model_cfg.block_size:
+        raise QuillError(f"model.block_size={cfg.model.block_size} exceeds the source model's {model_cfg.block_size}")
     model_cfg.block_size, model_cfg.dropout = cfg.model.block_size, cfg.model.dropout
     if "model.attn_impl" in cfg.overridden:
         model_cfg.attn_impl = cfg.model.attn_impl
@@ -193,8 +205,9 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     return cfg, ckpt.crop_positions(model.state_dict(), model_cfg), base
 
 
-def load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str,
-                      lora_base: dict[str, str] | None = None) -> dict[str, Any]:
+def load_resume_state(
+    out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str, lora_base: dict[str, str] | None = None
+) -> dict[str, Any]:
     """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory),
     checked against the config (and a LoRA run against its base); a damaged one says what
     `train` can do instead."""
@@ -220,10 +233,11 @@ def load_resume_state(out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy
 
 def _strategy_mismatch(out_dir: Path, has_shards: bool) -> str:
     if has_shards:
-        return (f"{out_dir} holds the sharded checkpoint of an FSDP run; resume it under torchrun with "
-                "train.strategy=fsdp (any number of processes)")
-    return (f"{out_dir / ckpt.LATEST} was written by a DDP or one-process run, not sharded; resume it with "
-            "train.strategy=ddp")
+        return (
+            f"{out_dir} holds the sharded checkpoint of an FSDP run; resume it under torchrun with "
+            "train.strategy=fsdp (any number of processes)"
+        )
+    return f"{out_dir / ckpt.LATEST} was written by a DDP or one-process run, not sharded; resume it with train.strategy=ddp"
 
 
 def start_run(t: Trainer, resumed: bool) -> None:
@@ -258,8 +272,9 @@ def _describe_tokenizer(spec: dict) -> str:
     return str(spec.get("name", spec.get("type")))
 
 
-def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path,
-                      lora_base: dict[str, str] | None = None) -> None:
+def _check_compatible(
+    state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path, lora_base: dict[str, str] | None = None
+) -> None:
     """Refuse to resume a run whose model shape, adapters, tokenizer or LoRA base differ from now."""
     if "optimizer" not in state and "shards" not in state:
         raise QuillError(
@@ -274,12 +289,14 @@ def _check_compatible(state: dict[str, Any], cfg: Config, tokenizer_spec: dict, 
     if state["tokenizer"] != tokenizer_spec:
         diffs.append(f"data.tokenizer: {_describe_tokenizer(state['tokenizer'])} → {_describe_tokenizer(tokenizer_spec)}")
     old_lora = state["config"].get("lora") or {}
-    diffs += [f"lora.{k}: {old_lora.get(k, v)!r} → {getattr(cfg.lora, k)!r}" for k, v in vars(LoraConfig()).items()
-              if k != "dropout" and old_lora.get(k, v) != getattr(cfg.lora, k)]
+    diffs += [
+        f"lora.{k}: {old_lora.get(k, v)!r} → {getattr(cfg.lora, k)!r}"
+        for k, v in vars(LoraConfig()).items()
+        if k != "dropout" and old_lora.get(k, v) != getattr(cfg.lora, k)
+    ]
     if diffs:
         raise QuillError(
-            f"cannot resume {path}: the config differs in {'; '.join(diffs)} — "
-            "use the run's own config.yaml or a new train.out_dir"
+            f"cannot resume {path}: the config differs in {'; '.join(diffs)} — use the run's own config.yaml or a new train.out_dir"
         )
     saved_base = state.get("lora_base") or {}
     if lora_base is not None and saved_base.get("checksum") != lora_base["checksum"]:

@@ -67,18 +67,28 @@ def follow_budget(t: Trainer, say: Callable[[str], None]) -> None:
     pace = (time.time() - since) / (t.step - step) if t.step > step else time.time() - t.t_start
     reserve = t.reserve_s or pace * eval_step_times(t.cfg.train, t.ddp.world_size)
     if t.ddp.any(t.elapsed() + pace + reserve >= t.budget_s):
-        t.stop_reason = (f"the time ran out at {t.elapsed():.0f}s of {t.budget_s:.0f}s: one more step ({pace:.2f}s) "
-                         f"and the final evaluation and checkpoint (~{reserve:.0f}s, train.eval_iters={t.cfg.train.eval_iters}) "
-                         "would not fit; " + (f"the steps were slower than when the end (step {t.horizon:,}) was fitted"
-                                              if t.fitted else f"the end was to be fitted at step {t.fit_step}"))
+        t.stop_reason = (
+            f"the time ran out at {t.elapsed():.0f}s of {t.budget_s:.0f}s: one more step ({pace:.2f}s) "
+            f"and the final evaluation and checkpoint (~{reserve:.0f}s, train.eval_iters={t.cfg.train.eval_iters}) "
+            "would not fit; "
+            + (
+                f"the steps were slower than when the end (step {t.horizon:,}) was fitted"
+                if t.fitted
+                else f"the end was to be fitted at step {t.fit_step}"
+            )
+        )
         t.horizon, t.budget_ended = t.step, True  # finish as if this were the last step
     elif not t.fitted and t.step >= t.fit_step:
         left = t.budget_s - t.elapsed() - reserve
         horizon = fit_horizon(t.step, t.cfg.train, pace, left, t.ddp.world_size)
         t.horizon, t.fitted = t.ddp.broadcast_int(horizon), True
-        say(f"time_budget: {pace:.3f}s a step fits {t.horizon - t.step:,} more steps in the {left:.0f}s left: "
-            f"the schedule ends at step {t.horizon:,}")
-        t.stop_reason = (f"it reached the schedule's end, fitted at step {t.step:,} from {pace:.3f}s a step "
-                         "(a machine that speeds up after that ends early: the pace is measured once)")
+        say(
+            f"time_budget: {pace:.3f}s a step fits {t.horizon - t.step:,} more steps in the {left:.0f}s left: "
+            f"the schedule ends at step {t.horizon:,}"
+        )
+        t.stop_reason = (
+            f"it reached the schedule's end, fitted at step {t.step:,} from {pace:.3f}s a step "
+            "(a machine that speeds up after that ends early: the pace is measured once)"
+        )
     if t.step >= t.horizon and t.horizon < t.cfg.train.max_iters:
         t.budget_ended = True  # the fitted end: the budget, not max_iters, ended the run

@@ -17,13 +17,19 @@ from quillgpt.data.tokenizer import CharTokenizer, save_tokenizer
 from quillgpt.errors import QuillError
 
 CHARS = "".join(sorted(set("\n !',.:?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")))
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who speaks?"},
-        {"role": "assistant", "content": "ROMEO"}, {"role": "user", "content": "And now?"},
-        {"role": "assistant", "content": "JULIET, sir."}]
-TAGGED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
-          "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
-          "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Who speaks?"},
+    {"role": "assistant", "content": "ROMEO"},
+    {"role": "user", "content": "And now?"},
+    {"role": "assistant", "content": "JULIET, sir."},
+]
+TAGGED = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def line(messages=None, **record):
@@ -44,8 +50,7 @@ def char_tokenizer(tmp_path):
 def chat_cfg(tmp_path, tokenizer, lines, name="chat.jsonl", **kw):
     path = tmp_path / name
     path.write_text("\n".join(lines) + "\n")
-    return DataConfig(path=str(path), out_dir=str(tmp_path / kw.pop("out", "data")), tokenizer=str(tokenizer),
-                      format="chat", **kw)
+    return DataConfig(path=str(path), out_dir=str(tmp_path / kw.pop("out", "data")), tokenizer=str(tokenizer), format="chat", **kw)
 
 
 def test_the_transcript_marks_each_reply_through_the_next_turns_header():
@@ -54,8 +59,13 @@ def test_the_transcript_marks_each_reply_through_the_next_turns_header():
     text = "System: Be brief.\n\nUser: Who speaks?\n\nAssistant: ROMEO\n\nUser: And now?\n\nAssistant: JULIET, sir.\n\nUser:"
     assert tok.decode(ids) == text
     marked = "".join(c if m else "_" for c, m in zip(text, mine))
-    want = "".join("_" * len(a) + b for a, b in [("System: Be brief.\n\nUser: Who speaks?\n\nAssistant:", " ROMEO\n\nUser:"),
-                                                 (" And now?\n\nAssistant:", " JULIET, sir.\n\nUser:")])
+    want = "".join(
+        "_" * len(a) + b
+        for a, b in [
+            ("System: Be brief.\n\nUser: Who speaks?\n\nAssistant:", " ROMEO\n\nUser:"),
+            (" And now?\n\nAssistant:", " JULIET, sir.\n\nUser:"),
+        ]
+    )
     assert marked == want
 
 
@@ -94,9 +104,11 @@ def test_a_template_that_is_not_prefix_stable_is_refused(hf_chatml):
     from quillgpt.data.hf_tokenizer import HFTokenizer
 
     tk, _ = hf_chatml  # earlier replies shortened once a later one follows (as reasoning templates do)
-    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' and not loop.last %}"
-                "{{ m['content'][:2] }}{% else %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
-                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' and not loop.last %}"
+        "{{ m['content'][:2] }}{% else %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
     tok = HFTokenizer(tk.to_str(), eos_token="<|im_end|>", chat_template=template)
     assert sum(conversation_tokens(tok, CHAT[:3])[1]) > 0  # one turn: fine
     with pytest.raises(QuillError, match="assistant turn 1 as the start of the whole conversation.*generation"):
@@ -107,8 +119,10 @@ BAD_LINES = {
     "not JSON": ("{'messages': oops", "line 2: not a JSON object"),
     "missing role": (line([{"content": "hi"}, {"role": "assistant", "content": "ROMEO"}]), "line 2: message 1 has no 'role'"),
     "unknown role": (line([{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "x"}]), "line 2: message 1 has role 'bot'"),
-    "empty reply": (line([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]),
-                    "line 2: message 2 (assistant) is empty"),
+    "empty reply": (
+        line([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]),
+        "line 2: message 2 (assistant) is empty",
+    ),
     "no assistant": (line([{"role": "user", "content": "hi"}]), "line 2: no assistant message"),
     "empty completion": (line(prompt="hi", completion=""), "line 2: an empty 'completion'"),
     "no conversation": (line(text="hi"), "line 2: neither 'messages' nor 'prompt' and 'completion'"),
@@ -151,8 +165,11 @@ def test_skip_bad_lines_skips_and_counts_them(tmp_path, char_tokenizer, capsys):
     lines[2], lines[5] = BAD_LINES["no assistant"][0], BAD_LINES["not JSON"][0]
     cfg = chat_cfg(tmp_path, char_tokenizer, lines, skip_bad_lines=True, val_fraction=0.25)
     meta = prepare(cfg, progress=False).meta
-    assert meta["chat"]["train"] == {"conversations": 4, "skipped": 2,
-                                     "first_skipped": f"{tmp_path / 'chat.jsonl'} line 3: no assistant message, so nothing to train on"}
+    assert meta["chat"]["train"] == {
+        "conversations": 4,
+        "skipped": 2,
+        "first_skipped": f"{tmp_path / 'chat.jsonl'} line 3: no assistant message, so nothing to train on",
+    }
     assert meta["chat"]["val"]["conversations"] == 2
     flags = np.asarray(load_tokens(cfg.out_dir, "train", flags=True))
     assert np.count_nonzero(flags & START) == 4
@@ -171,9 +188,12 @@ def test_prepared_conversations_are_their_ids_and_flags_back_to_back(tmp_path, c
     tok = CharTokenizer(CHARS)
     for split, want in (("train", lines[:9]), ("val", lines[9:])):
         ids, flags = (np.asarray(load_tokens(cfg.out_dir, split, flags=f)) for f in (False, True))
-        expected = [conversation_tokens(tok, json.loads(w).get("messages") or
-                                        [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "NURSE"}])
-                    for w in want]
+        expected = [
+            conversation_tokens(
+                tok, json.loads(w).get("messages") or [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "NURSE"}]
+            )
+            for w in want
+        ]
         assert ids.tolist() == [i for e in expected for i in e[0]]
         assert (flags & ASSISTANT).astype(bool).tolist() == [m for e in expected for m in e[1]]
         assert np.flatnonzero(flags & START).tolist() == np.cumsum([0] + [len(e[0]) for e in expected[:-1]]).tolist()
@@ -186,8 +206,10 @@ def test_chat_data_needs_the_models_tokenizer_and_jsonl(tmp_path, char_tokenizer
             prepare(chat_cfg(tmp_path, learned, [conversation(0), conversation(1)]), progress=False)
     (tmp_path / "chat.txt").write_text("User: hi\n")
     with pytest.raises(QuillError, match="data.format=chat reads .jsonl files.*chat.txt is txt"):
-        prepare(DataConfig(path=str(tmp_path / "chat.txt"), out_dir=str(tmp_path / "d"), tokenizer=str(char_tokenizer),
-                           format="chat"), progress=False)
+        prepare(
+            DataConfig(path=str(tmp_path / "chat.txt"), out_dir=str(tmp_path / "d"), tokenizer=str(char_tokenizer), format="chat"),
+            progress=False,
+        )
     with pytest.raises(QuillError, match="at least 2 conversations"):
         prepare(chat_cfg(tmp_path, char_tokenizer, [conversation(0)]), progress=False)
 

@@ -36,19 +36,27 @@ def test_file_directory_and_glob_in_sorted_order(tmp_path):
     for name in ("b/2.jsonl", "a.txt", "c.parquet", "b/1.txt.gz", ".hidden.txt", "notes.md", "d.jsonl.zst"):
         (tmp_path / name).write_bytes(b"x")
     found = [(s.path.relative_to(tmp_path).as_posix(), s.kind, s.compression) for s in find_sources(tmp_path)]
-    assert found == [("a.txt", "txt", None), ("b/1.txt.gz", "txt", "gz"), ("b/2.jsonl", "jsonl", None),
-                     ("c.parquet", "parquet", None), ("d.jsonl.zst", "jsonl", "zst")]
+    assert found == [
+        ("a.txt", "txt", None),
+        ("b/1.txt.gz", "txt", "gz"),
+        ("b/2.jsonl", "jsonl", None),
+        ("c.parquet", "parquet", None),
+        ("d.jsonl.zst", "jsonl", "zst"),
+    ]
     assert [s.path.name for s in find_sources(tmp_path / "b" / "*")] == ["1.txt.gz", "2.jsonl"]
     one = find_sources(tmp_path / "notes.md")  # a single file of any name is text
     assert [(s.kind, s.size) for s in one] == [("txt", 1)] and one[0].manifest()["bytes"] == 1
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("missing.txt", "data file not found"),
-    ("empty_dir", "holds no .txt, .jsonl or .parquet files"),
-    ("*.nothing", "matches no files"),
-    ("x" * 300 + ".txt", "File name too long"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("missing.txt", "data file not found"),
+        ("empty_dir", "holds no .txt, .jsonl or .parquet files"),
+        ("*.nothing", "matches no files"),
+        ("x" * 300 + ".txt", "File name too long"),
+    ],
+)
 def test_bad_sources_are_one_line(tmp_path, spec, message):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(QuillError, match=message) as e:
@@ -164,8 +172,7 @@ def test_iter_pieces_resumes_at_a_cursor(tmp_path):
     assert sum(p.starts_document for p in pieces) == 4 and pieces[0].read_bytes <= pieces[-1].read_bytes
     for i in (1, 7, len(pieces) - 3):
         resumed = list(iter_pieces(*args, start=pieces[i].cursor))
-        assert [(p.text, p.split, p.starts_document) for p in resumed] == [
-            (p.text, p.split, p.starts_document) for p in pieces[i:]]
+        assert [(p.text, p.split, p.starts_document) for p in resumed] == [(p.text, p.split, p.starts_document) for p in pieces[i:]]
 
 
 def test_corrupt_zstd_is_one_line(tmp_path):
@@ -178,10 +185,15 @@ def test_corrupt_zstd_is_one_line(tmp_path):
 
 
 @settings(max_examples=60, deadline=None, database=None, derandomize=True)
-@given(docs=st.lists(st.text(max_size=3000), min_size=1, max_size=4), compression=st.sampled_from(["zst", "gz"]),
-       checksum=st.booleans(), frames=st.integers(1, 3), cut=st.floats(0, 1), kind=st.sampled_from(["txt", "jsonl"]))
-def test_a_compressed_file_cut_short_is_refused_naming_it(tmp_path_factory, docs, compression, checksum, frames, cut,
-                                                          kind):
+@given(
+    docs=st.lists(st.text(max_size=3000), min_size=1, max_size=4),
+    compression=st.sampled_from(["zst", "gz"]),
+    checksum=st.booleans(),
+    frames=st.integers(1, 3),
+    cut=st.floats(0, 1),
+    kind=st.sampled_from(["txt", "jsonl"]),
+)
+def test_a_compressed_file_cut_short_is_refused_naming_it(tmp_path_factory, docs, compression, checksum, frames, cut, kind):
     """The issue: 80 % of a .zst read as less text with exit 0, and a cut small frame as an empty
     document. Cut anywhere, a compressed file reads whole (the cut fell at a frame's end: then
     the text is that of the whole frames before it) or is refused naming the file."""
@@ -242,9 +254,9 @@ def tree(root, spec: dict) -> None:
 
 NAMES = st.sampled_from(["a.txt", "b.jsonl", ".h.txt", "c.md", "d", "e.txt.gz", "sub", ".hid"])
 TREES = st.recursive(st.just("x"), lambda kids: st.dictionaries(NAMES, kids, max_size=4), max_leaves=10).filter(
-    lambda t: isinstance(t, dict))
-PATTERNS = st.lists(st.sampled_from(["*", "**", "*.txt", "sub", "d", "?.jsonl", ".h*", "[ab].*", "*.t?t"]),
-                    min_size=1, max_size=4)
+    lambda t: isinstance(t, dict)
+)
+PATTERNS = st.lists(st.sampled_from(["*", "**", "*.txt", "sub", "d", "?.jsonl", ".h*", "[ab].*", "*.t?t"]), min_size=1, max_size=4)
 
 
 @settings(max_examples=150, deadline=None, database=None, derandomize=True)
@@ -293,8 +305,11 @@ def test_devices_and_fifos_in_data_path_are_refused_by_name(tmp_path, where):
 
 
 @settings(max_examples=20, deadline=None, database=None, derandomize=True)
-@given(depth=st.one_of(st.integers(1, 50), st.sampled_from([999, 5000, 100_000])), line=st.integers(0, 3),
-       opener=st.sampled_from(["[", '{"a": ']))
+@given(
+    depth=st.one_of(st.integers(1, 50), st.sampled_from([999, 5000, 100_000])),
+    line=st.integers(0, 3),
+    opener=st.sampled_from(["[", '{"a": ']),
+)
 def test_a_jsonl_line_nested_any_depth_is_one_error_naming_file_and_line(tmp_path_factory, depth, line, opener):
     """The issue: a line nested 100,000 deep was a RecursionError traceback in prepare."""
     path = tmp_path_factory.mktemp("deep") / "deep.jsonl"

@@ -50,10 +50,13 @@ def test_prepare_char_from_config(tmp_path, shakespeare_path):
     meta, tok = load_prepared(result.out_dir)
     assert result.rebuilt and meta == result.meta
     assert meta["vocab_size"] == 65 and meta["dtype"] == "uint16" and meta["tokenizer"]["type"] == "char"
-    assert meta["sources"] == [{"path": str(shakespeare_path), "bytes": len(shakespeare_path.read_bytes()),
-                                "mtime_ns": os.stat(shakespeare_path).st_mtime_ns}]
-    assert meta["shards"] == {"train": [{"file": "train.bin", "tokens": len(text) - round(0.1 * len(text))}],
-                              "val": [{"file": "val.bin", "tokens": round(0.1 * len(text))}]}
+    assert meta["sources"] == [
+        {"path": str(shakespeare_path), "bytes": len(shakespeare_path.read_bytes()), "mtime_ns": os.stat(shakespeare_path).st_mtime_ns}
+    ]
+    assert meta["shards"] == {
+        "train": [{"file": "train.bin", "tokens": len(text) - round(0.1 * len(text))}],
+        "val": [{"file": "val.bin", "tokens": round(0.1 * len(text))}],
+    }
     train, val = load_tokens(result.out_dir, "train"), load_tokens(result.out_dir, "val")
     assert train.dtype == np.uint16 and len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
     assert len(val) == round(0.1 * len(text))  # char: the split is exactly the last val_fraction
@@ -322,8 +325,7 @@ def test_many_files_give_the_stream_of_each_document_whole(tmp_path, small_text)
     gpt2 = build_tokenizer("gpt2")
     expected = [[gpt2.eot_id] + gpt2.encode(d) for d in docs]  # end-of-text before every document
     n_val = round(0.1 * len(docs))
-    cfg = data_cfg(tmp_path, path=str(tmp_path / "corpus"), tokenizer="gpt2", out_dir=str(tmp_path / "o"),
-                   shard_tokens=1024, workers=2)
+    cfg = data_cfg(tmp_path, path=str(tmp_path / "corpus"), tokenizer="gpt2", out_dir=str(tmp_path / "o"), shard_tokens=1024, workers=2)
     meta = prepare(cfg, progress=False).meta
     train, val = split_stream(cfg.out_dir)
     assert np.asarray(train).tolist() == sum(expected[:-n_val], []) and val.tolist() == sum(expected[-n_val:], [])
@@ -415,16 +417,19 @@ def test_old_meta_without_shards_still_loads(tmp_path, small_text):
     assert prepare(cfg, progress=False).rebuilt  # an old layout is rebuilt once
 
 
-@pytest.mark.parametrize("override, message", [
-    ("data.path=/proc/self/mem", "cannot read data.path /proc/self/mem: Input/output error"),
-    ("data.path={tmp}/" + "n" * 300, "cannot read data.path .*File name too long"),
-    ("data.path={tmp}/empty_dir", "holds no .txt, .jsonl or .parquet files"),
-    ("data.out_dir=/proc/x", "data.out_dir /proc/x is not writable"),
-    ("data.path={tmp}/bad.jsonl", r"bad.jsonl line 2 is not a JSON object"),
-    ("data.path={tmp}/nofield.jsonl", r"nofield.jsonl line 1 has no 'text' field"),
-    ("data.path={tmp}/blank.jsonl", "blank.jsonl holds no text"),
-    ("data.path={tmp}/blank.jsonl data.tokenizer=gpt2", "blank.jsonl gives an empty train split"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.path=/proc/self/mem", "cannot read data.path /proc/self/mem: Input/output error"),
+        ("data.path={tmp}/" + "n" * 300, "cannot read data.path .*File name too long"),
+        ("data.path={tmp}/empty_dir", "holds no .txt, .jsonl or .parquet files"),
+        ("data.out_dir=/proc/x", "data.out_dir /proc/x is not writable"),
+        ("data.path={tmp}/bad.jsonl", r"bad.jsonl line 2 is not a JSON object"),
+        ("data.path={tmp}/nofield.jsonl", r"nofield.jsonl line 1 has no 'text' field"),
+        ("data.path={tmp}/blank.jsonl", "blank.jsonl holds no text"),
+        ("data.path={tmp}/blank.jsonl data.tokenizer=gpt2", "blank.jsonl gives an empty train split"),
+    ],
+)
 def test_unreadable_corpus_or_unwritable_out_dir_is_one_line(tmp_path, small_text, capsys, override, message):
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
@@ -444,8 +449,9 @@ def test_gpt2_124m_recipe_prepares_a_parquet_corpus(tmp_path, small_text):
     (tmp_path / "fw").mkdir()
     text = small_text.read_text(encoding="utf-8")
     pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(0, 30_000, 3000)]}), tmp_path / "fw" / "000_00000.parquet")
-    cfg = load_config(root / "configs" / "gpt2_124m.yaml", [f"data.path={tmp_path}/fw/*.parquet", f"data.out_dir={tmp_path}/o",
-                                                          "data.val_fraction=0.2"])
+    cfg = load_config(
+        root / "configs" / "gpt2_124m.yaml", [f"data.path={tmp_path}/fw/*.parquet", f"data.out_dir={tmp_path}/o", "data.val_fraction=0.2"]
+    )
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
     meta = prepare(cfg.data, progress=False).meta
     assert meta["tokenizer_name"] == "gpt2" and meta["documents"] == 10 and meta["val_documents"] == 2
@@ -463,8 +469,10 @@ def test_kill_9_mid_prepare_then_resume_gives_the_same_shards(tmp_path, shakespe
     text = shakespeare_path.read_text(encoding="utf-8")[:400_000]
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
     out = tmp_path / "killed"
-    code = ("import sys; from quillgpt.config import DataConfig; from quillgpt.data.prepare import prepare; "
-            "prepare(DataConfig(path=sys.argv[1], tokenizer='gpt2', out_dir=sys.argv[2], shard_tokens=4096), progress=False)")
+    code = (
+        "import sys; from quillgpt.config import DataConfig; from quillgpt.data.prepare import prepare; "
+        "prepare(DataConfig(path=sys.argv[1], tokenizer='gpt2', out_dir=sys.argv[2], shard_tokens=4096), progress=False)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "text.txt"), str(out)])
     deadline = time.monotonic() + 60
     while not (out / ".prepare-state.json").exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -235,15 +235,18 @@ def test_cli_tokenizer_train(tmp_path, text, capsys):
     assert err.startswith("error: --input ") and "nope.txt does not exist" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("case, message", [
-    ("output_is_input", "is also the input; write the output to another file"),
-    ("output_exists", "already exists; choose another name or pass --force"),
-    ("output_is_a_directory", "is a directory; pass a file name"),
-    ("output_under_proc", "is not writable"),
-    ("output_is_a_fifo", "is not a regular file (a device, pipe or socket)"),
-    ("input_unreadable", "cannot read --input /proc/self/mem: Input/output error"),
-    ("input_name_too_long", "File name too long"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("output_is_input", "is also the input; write the output to another file"),
+        ("output_exists", "already exists; choose another name or pass --force"),
+        ("output_is_a_directory", "is a directory; pass a file name"),
+        ("output_under_proc", "is not writable"),
+        ("output_is_a_fifo", "is not a regular file (a device, pipe or socket)"),
+        ("input_unreadable", "cannot read --input /proc/self/mem: Input/output error"),
+        ("input_name_too_long", "File name too long"),
+    ],
+)
 def test_cli_tokenizer_train_refuses_without_touching_files(tmp_path, text, capsys, case, message):
     """`-i corpus.txt -o corpus.txt` once replaced a 1.1 MB corpus by 4.6 KB of JSON."""
     corpus, existing = tmp_path / "corpus.txt", tmp_path / "tok.json"

@@ -47,8 +47,7 @@ def run_dir(tok, tmp_path_factory):
     run.mkdir()
     model = tiny_model(tok)
     cfg = Config(model=model.config)
-    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 7},
-                    run / "best.pt")
+    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 7}, run / "best.pt")
     return run
 
 
@@ -61,14 +60,16 @@ def cli(*args):
 # --- the weights ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 1}, {"window": 3}, {"attn_impl": "math", "bias": False}],
-                         ids=["mha", "mqa", "window", "math-nobias"])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"n_kv_head": 1}, {"window": 3}, {"attn_impl": "math", "bias": False}], ids=["mha", "mqa", "window", "math-nobias"]
+)
 def test_weights_equal_softmax_recomputed_by_hand(tok, overrides):
     model = tiny_model(tok, **overrides)
     cfg = model.config
     inputs = {}
-    hooks = [block.ln_1.register_forward_hook(lambda m, a, out, i=i: inputs.__setitem__(i, out))
-             for i, block in enumerate(model.transformer.h)]
+    hooks = [
+        block.ln_1.register_forward_hook(lambda m, a, out, i=i: inputs.__setitem__(i, out)) for i, block in enumerate(model.transformer.h)
+    ]
     attn = viz.attention_weights(model, tok, PROMPT)
     for h in hooks:
         h.remove()
@@ -184,8 +185,9 @@ def test_layer_head_and_format_choices():
 # --- images -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layers,heads", [([1], [0, 1, 2, 3]), ([0, 1], [0, 1, 2, 3]), ([1], [2])],
-                         ids=["one-layer", "all-layers", "one-head"])
+@pytest.mark.parametrize(
+    "layers,heads", [([1], [0, 1, 2, 3]), ([0, 1], [0, 1, 2, 3]), ([1], [2])], ids=["one-layer", "all-layers", "one-head"]
+)
 def test_png_has_the_layout_size_and_is_not_blank(tok, tmp_path, layers, heads):
     attn = viz.attention_weights(tiny_model(tok), tok, PROMPT)
     out = viz.plot_attention(attn.tokens, attn.weights, tmp_path / "a.png", layers, heads, title="t", dpi=40)
@@ -224,7 +226,8 @@ def test_cli_attention_image_and_summary_json(run_dir, tmp_path, capsys):
     assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT, "--layer", "all", "--out", out) == 0
     printed = capsys.readouterr().out
     assert out.is_file() and imread(out).shape[:2] == (
-        round(viz.attention_figsize(len(PROMPT), 2, 4)[1] * 100), round(viz.attention_figsize(len(PROMPT), 2, 4)[0] * 100)
+        round(viz.attention_figsize(len(PROMPT), 2, 4)[1] * 100),
+        round(viz.attention_figsize(len(PROMPT), 2, 4)[0] * 100),
     )
     record = json.loads((tmp_path / "maps" / "attn.heads.json").read_text())
     assert record["step"] == 7 and record["prompt"] == PROMPT and len(record["tokens"]) == len(PROMPT)
@@ -232,8 +235,7 @@ def test_cli_attention_image_and_summary_json(run_dir, tmp_path, capsys):
     assert len([line for line in printed.splitlines() if line.endswith(("local", "far", "first"))]) == 8
 
     summary = tmp_path / "s.json"
-    assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT, "--head", "1", "--top-k", "2",
-               "--summary-json", summary) == 0
+    assert cli("attention", "--ckpt", run_dir, "--prompt", PROMPT, "--head", "1", "--top-k", "2", "--summary-json", summary) == 0
     printed = capsys.readouterr().out
     assert "layer 1 head 1" in printed and "layer 1 head 0" not in printed
     assert len(json.loads(summary.read_text())["heads"]) == 8  # the JSON always has every head
@@ -253,8 +255,12 @@ def test_cli_attention_mistakes_exit_2(run_dir, tmp_path, capsys):
     long_prompt = "To be, or not to be: that is the question"
     assert cli("attention", "--ckpt", run_dir, "--prompt", long_prompt, "--top-k", "1") == 0
     assert "kept its last 24 tokens" in capsys.readouterr().err
-    for args in (["--prompt", "Zounds"], ["--prompt", PROMPT, "--head", "4"], ["--prompt", PROMPT, "--layer", "2"],
-                 ["--prompt", PROMPT, "--out", tmp_path / "a.jpg"]):
+    for args in (
+        ["--prompt", "Zounds"],
+        ["--prompt", PROMPT, "--head", "4"],
+        ["--prompt", PROMPT, "--layer", "2"],
+        ["--prompt", PROMPT, "--out", tmp_path / "a.jpg"],
+    ):
         assert cli("attention", "--ckpt", run_dir, *args) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
@@ -269,15 +275,27 @@ def test_a_trained_run_end_to_end(shakespeare_path, tmp_path, capsys):
     from quillgpt.train.loop import train
 
     run = tmp_path / "run"
-    cfg = load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", [
-        f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={run}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=4",
-        "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=1", "train.log_interval=1",
-        "train.warmup_iters=1", "train.device=cpu",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "shakespeare_char_cpu.yaml",
+        [
+            f"data.path={shakespeare_path}",
+            f"data.out_dir={tmp_path / 'data'}",
+            f"train.out_dir={run}",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.n_embd=32",
+            "model.block_size=16",
+            "train.batch_size=4",
+            "train.max_iters=6",
+            "train.eval_interval=3",
+            "train.eval_iters=1",
+            "train.log_interval=1",
+            "train.warmup_iters=1",
+            "train.device=cpu",
+        ],
+    )
     train(cfg, progress=False)
     assert cli("plot", run, "--out", tmp_path / "loss.png") == 0
     assert "run: step 6" in capsys.readouterr().out
-    assert cli("attention", "--ckpt", run, "--which", "latest", "--prompt", "ROMEO:\nO, she", "--out",
-               tmp_path / "attn.png") == 0
+    assert cli("attention", "--ckpt", run, "--which", "latest", "--prompt", "ROMEO:\nO, she", "--out", tmp_path / "attn.png") == 0
     assert (tmp_path / "attn.png").is_file() and (tmp_path / "attn.heads.json").is_file()

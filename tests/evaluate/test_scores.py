@@ -140,12 +140,25 @@ def test_bad_stride_is_a_user_error(tiny_gpt):
 @pytest.fixture(scope="module")
 def run(shakespeare_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
-    cfg = load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", [
-        f"data.path={shakespeare_path}", f"data.out_dir={tmp / 'data'}", f"train.out_dir={tmp / 'run'}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        "train.batch_size=4", "train.max_iters=8", "train.eval_interval=4", "train.eval_iters=2",
-        "train.log_interval=4", "train.warmup_iters=2", "train.device=cpu",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "shakespeare_char_cpu.yaml",
+        [
+            f"data.path={shakespeare_path}",
+            f"data.out_dir={tmp / 'data'}",
+            f"train.out_dir={tmp / 'run'}",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.n_embd=32",
+            "model.block_size=16",
+            "train.batch_size=4",
+            "train.max_iters=8",
+            "train.eval_interval=4",
+            "train.eval_iters=2",
+            "train.log_interval=4",
+            "train.warmup_iters=2",
+            "train.device=cpu",
+        ],
+    )
     train(cfg, progress=False)
     return tmp / "run"
 

@@ -46,7 +46,7 @@ def test_a_reply_is_the_engine_continuing_the_rendered_conversation(imported):
     reply = "".join(session.reply("Who is Romeo?"))
     ids, stops = chat_prompt_ids(imported.tokenizer, session.messages[:-1])
     prompt_end = imported.tokenizer.encode("<|im_start|>assistant\n")
-    assert stops == () and ids[-len(prompt_end):] == prompt_end  # the template's own generation prompt
+    assert stops == () and ids[-len(prompt_end) :] == prompt_end  # the template's own generation prompt
     tokens = [t for t in torch.stack(list(generate_tokens(imported.model, [ids], 12, stop_ids=imported.tokenizer.stop_ids))).T[0].tolist()]
     stop = next((i for i, t in enumerate(tokens) if t in imported.tokenizer.stop_ids), len(tokens))
     assert reply == imported.tokenizer.decode_bytes(tokens[:stop]).decode("utf-8", errors="replace")
@@ -101,14 +101,25 @@ def test_repl_commands_and_ctrl_c_stops_one_reply_not_the_session(quill_run):
 
 def test_the_chat_command_over_standard_input(quill_run):
     run_dir = quill_run.path.parent
-    done = subprocess.run([sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "-n", "20", "--temperature", "0",
-                           "--system", "Be kind."], input="Speak, friend.\n/reset\nHello?\n", capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "-n", "20", "--temperature", "0", "--system", "Be kind."],
+        input="Speak, friend.\n/reset\nHello?\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "User:/Assistant: transcript" in done.stderr and "(conversation cleared)" in done.stdout
     assert done.stdout.count("> ") == 4  # three lines, then end of input
-    bad = subprocess.run([sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "--top-p", "2"],
-                         input="", capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "--top-p", "2"],
+        input="",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--top-p must be in (0, 1]" in bad.stderr
 
 

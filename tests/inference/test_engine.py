@@ -21,8 +21,7 @@ from quillgpt.model.quant import Int8Linear, KernelPlan, quantize
 
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 GREEDY = SamplingParams(max_new_tokens=30)
-SEEDED = SamplingParams(max_new_tokens=30, temperature=1.0, top_k=20, top_p=0.95, min_p=0.02,
-                        repetition_penalty=1.2, seed=7)
+SEEDED = SamplingParams(max_new_tokens=30, temperature=1.0, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.2, seed=7)
 
 
 def alone(model, prompt, params, stop_ids=()) -> list[int]:
@@ -68,7 +67,10 @@ def test_rows_joining_and_leaving_a_running_batch_give_their_tokens_alone(varian
     """Row 1 finishes early; a new prompt takes its slot while rows 0 and 2 keep decoding."""
     model = random_model(variant)
     jobs = [  # (prompt, max_new_tokens, steps of the batch before it joins)
-        (PROMPTS[2], 30, 0), (PROMPTS[0], 6, 0), (PROMPTS[1], 25, 3), ([5, 6, 7, 8], 12, 8),
+        (PROMPTS[2], 30, 0),
+        (PROMPTS[0], 6, 0),
+        (PROMPTS[1], 25, 3),
+        ([5, 6, 7, 8], 12, 8),
     ]
     jobs = [(p, replace(params, max_new_tokens=n, seed=7 + i), at) for i, (p, n, at) in enumerate(jobs)]
     engine, got, rows = Engine(model, 3), {}, {}
@@ -162,8 +164,10 @@ def test_a_huge_max_new_tokens_allocates_nothing_by_count(use_cache):
     assert all(t.shape == (3,) for t in first)
 
 
-@pytest.mark.skipif(not os.environ.get("QUILL_TEST_COMPILE"), reason="torch.compile takes ~1 min on CPU: "
-                    "set QUILL_TEST_COMPILE=1 (scripts/bench.py --suite sample checks it at the bench shape)")
+@pytest.mark.skipif(
+    not os.environ.get("QUILL_TEST_COMPILE"),
+    reason="torch.compile takes ~1 min on CPU: set QUILL_TEST_COMPILE=1 (scripts/bench.py --suite sample checks it at the bench shape)",
+)
 @pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "int8"])
 def test_compiled_decode_equals_eager(variant):
     model = quantize(random_model(), "int8", kernel="int8pack_mm/bf16") if variant == "int8" else random_model(variant)
@@ -240,8 +244,12 @@ def test_decode_without_a_mask_equals_the_masked_step_when_rows_share_a_length(v
 
 # --- a failing row is that row's failure -------------------------------------------------------
 
-HOSTILE = [GREEDY, SEEDED, SamplingParams(max_new_tokens=30, temperature=1.0, top_p=1e-46, seed=3),
-           SamplingParams(max_new_tokens=30, temperature=1e-300, top_p=5e-324, min_p=1 - 1e-16, top_k=1, seed=4)]
+HOSTILE = [
+    GREEDY,
+    SEEDED,
+    SamplingParams(max_new_tokens=30, temperature=1.0, top_p=1e-46, seed=3),
+    SamplingParams(max_new_tokens=30, temperature=1e-300, top_p=5e-324, min_p=1 - 1e-16, top_k=1, seed=4),
+]
 
 
 class Faults:
@@ -271,14 +279,24 @@ class Faults:
         engine._first_logits, engine._step_logits = first_logits, step_logits
 
 
-JOB = st.tuples(st.integers(0, len(PROMPTS) - 1), st.integers(0, len(HOSTILE) - 1), st.integers(1, 8),
-                st.integers(0, 6), st.sampled_from([None, None, "raise", "nan"]))
+JOB = st.tuples(
+    st.integers(0, len(PROMPTS) - 1),
+    st.integers(0, len(HOSTILE) - 1),
+    st.integers(1, 8),
+    st.integers(0, 6),
+    st.sampled_from([None, None, "raise", "nan"]),
+)
 STEP_FAULT = st.tuples(st.integers(0, 12), st.sampled_from(["raise", "nan"]), st.integers(0, 4))
 
 
 @settings(max_examples=25, deadline=None, database=None, derandomize=True)
-@given(jobs=st.lists(JOB, min_size=1, max_size=5), step_faults=st.lists(STEP_FAULT, max_size=3),
-       use_cache=st.booleans(), variant=st.sampled_from(["mha-learned", "rope", "infini"]), rows=st.integers(1, 3))
+@given(
+    jobs=st.lists(JOB, min_size=1, max_size=5),
+    step_faults=st.lists(STEP_FAULT, max_size=3),
+    use_cache=st.booleans(),
+    variant=st.sampled_from(["mha-learned", "rope", "infini"]),
+    rows=st.integers(1, 3),
+)
 def test_a_failing_row_never_touches_the_others_or_later_rows(jobs, step_faults, use_cache, variant, rows):
     """Rows join a running batch with hostile settings (top_p below float32's smallest value...);
     prefills raise or give NaN, steps raise or give one row NaN/inf logits. A failed row ends
@@ -311,8 +329,7 @@ def test_a_failing_row_never_touches_the_others_or_later_rows(jobs, step_faults,
         for at, kind, which in step_faults:
             if at == step and slot_of:
                 faults.step = "raise" if kind == "raise" else ("nan", sorted(slot_of)[which % len(slot_of)])
-        expect_failed = set(slot_of.values()) if faults.step == "raise" else (
-            {slot_of[faults.step[1]]} if faults.step else set())
+        expect_failed = set(slot_of.values()) if faults.step == "raise" else ({slot_of[faults.step[1]]} if faults.step else set())
         for t in engine.step():
             j = slot_of[t.row]
             if t.finish == "error":

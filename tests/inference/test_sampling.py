@@ -28,13 +28,26 @@ NAN = float("nan")
 # --- validation ---------------------------------------------------------------------------------
 
 BAD = [
-    ("temperature", NAN, "must be ≥ 0"), ("temperature", INF, "must be ≥ 0"), ("temperature", -0.5, "must be ≥ 0"),
-    ("top_p", NAN, r"must be in \(0, 1\]"), ("top_p", 0.0, r"\(0, 1\]"), ("top_p", 1.5, r"\(0, 1\]"),
-    ("min_p", NAN, r"must be in \[0, 1\)"), ("min_p", 1.0, r"\[0, 1\)"), ("min_p", -INF, r"\[0, 1\)"),
-    ("repetition_penalty", NAN, "must be > 0"), ("repetition_penalty", INF, "> 0"), ("repetition_penalty", 0.0, "> 0"),
-    ("top_k", 0, "at least 1"), ("top_k", 2.5, "whole number"), ("max_new_tokens", -1, "must be ≥ 0"),
-    ("max_new_tokens", 10**30, "must be at most"), ("max_new_tokens", True, "whole number"),
-    ("seed", -1, "must be ≥ 0"), ("seed", 2**64, "at most"), ("temperature", "hot", "a number"),
+    ("temperature", NAN, "must be ≥ 0"),
+    ("temperature", INF, "must be ≥ 0"),
+    ("temperature", -0.5, "must be ≥ 0"),
+    ("top_p", NAN, r"must be in \(0, 1\]"),
+    ("top_p", 0.0, r"\(0, 1\]"),
+    ("top_p", 1.5, r"\(0, 1\]"),
+    ("min_p", NAN, r"must be in \[0, 1\)"),
+    ("min_p", 1.0, r"\[0, 1\)"),
+    ("min_p", -INF, r"\[0, 1\)"),
+    ("repetition_penalty", NAN, "must be > 0"),
+    ("repetition_penalty", INF, "> 0"),
+    ("repetition_penalty", 0.0, "> 0"),
+    ("top_k", 0, "at least 1"),
+    ("top_k", 2.5, "whole number"),
+    ("max_new_tokens", -1, "must be ≥ 0"),
+    ("max_new_tokens", 10**30, "must be at most"),
+    ("max_new_tokens", True, "whole number"),
+    ("seed", -1, "must be ≥ 0"),
+    ("seed", 2**64, "at most"),
+    ("temperature", "hot", "a number"),
     ("stop", ("",), "must not be empty"),
 ]
 
@@ -49,18 +62,20 @@ def test_bad_values_name_the_field(param, value, match):
 
 
 def test_good_values_are_kept_and_normalised():
-    p = SamplingParams(max_new_tokens=0, temperature=2, top_k=3, top_p=1, min_p=0, repetition_penalty=1e-3,
-                       seed=0, stop=["a", "bc"])
+    p = SamplingParams(max_new_tokens=0, temperature=2, top_k=3, top_p=1, min_p=0, repetition_penalty=1e-3, seed=0, stop=["a", "bc"])
     assert p.temperature == 2.0 and isinstance(p.temperature, float) and p.stop == ("a", "bc")
     assert SamplingParams(stop="x").stop == ("x",) and SamplingParams().greedy and not p.greedy
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(st.sampled_from(["temperature", "top_p", "min_p", "repetition_penalty"]),
-       st.floats(allow_nan=True, allow_infinity=True))
+@given(st.sampled_from(["temperature", "top_p", "min_p", "repetition_penalty"]), st.floats(allow_nan=True, allow_infinity=True))
 def test_any_float_is_accepted_only_when_finite_and_in_range(param, value):
-    ok = {"temperature": lambda t: t >= 0, "top_p": lambda p: 0 < p <= 1, "min_p": lambda p: 0 <= p < 1,
-          "repetition_penalty": lambda r: r > 0}[param]
+    ok = {
+        "temperature": lambda t: t >= 0,
+        "top_p": lambda p: 0 < p <= 1,
+        "min_p": lambda p: 0 <= p < 1,
+        "repetition_penalty": lambda r: r > 0,
+    }[param]
     if math.isfinite(value) and ok(value):
         assert getattr(SamplingParams(**{param: value}), param) == value
     else:
@@ -123,8 +138,7 @@ def test_min_p():
 def test_sample_next():
     logits = torch.tensor([[0.7, 0.2, 0.1]]).log().expand(4000, 3)
     assert (sample_next(logits, SamplingParams()) == 0).all()  # temperature 0: argmax
-    draw = lambda seed, **kw: sample_next(logits, SamplingParams(temperature=1.0, **kw),
-                                          torch.Generator().manual_seed(seed))
+    draw = lambda seed, **kw: sample_next(logits, SamplingParams(temperature=1.0, **kw), torch.Generator().manual_seed(seed))
     assert (draw(0, top_k=1) == 0).all()
     assert torch.equal(draw(0), draw(0)) and not torch.equal(draw(0), draw(1))
     freq = torch.bincount(draw(0), minlength=3) / 4000
@@ -152,8 +166,7 @@ def test_the_config_section_is_sampling_params_and_names_its_key():
     from quillgpt.config import SampleConfig, load_config
 
     assert {f.name for f in fields(SampleConfig)} <= {f.name for f in fields(SamplingParams)}
-    assert load_config(None, ["sample.top_k=5"]).sample.params() == SamplingParams(
-        max_new_tokens=500, temperature=0.8, top_k=5, seed=1337)
+    assert load_config(None, ["sample.top_k=5"]).sample.params() == SamplingParams(max_new_tokens=500, temperature=0.8, top_k=5, seed=1337)
     for override in ("sample.temperature=.nan", "sample.repetition_penalty=.inf", "sample.top_p=0"):
         with pytest.raises(QuillError, match="sample." + override.split("=")[0].split(".")[1]):
             load_config(None, [override])
@@ -167,14 +180,16 @@ LOGIT = st.one_of(st.floats(-30, 30), st.sampled_from([0.0, 1e4, -1e4, 3e38, -3e
 
 
 @settings(max_examples=300, deadline=None, database=None, derandomize=True)
-@given(values=st.lists(LOGIT, min_size=1, max_size=12), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       top_p=st.one_of(st.sampled_from(TINY + NEAR_ONE + [1.0]), st.floats(5e-324, 1.0)),
-       min_p=st.one_of(st.sampled_from([0.0] + TINY + NEAR_ONE), st.floats(0.0, 1.0, exclude_max=True)),
-       top_k=st.one_of(st.none(), st.integers(1, 14)),
-       temperature=st.one_of(st.sampled_from([1e-300, 1e-46, 1e-8, 1.0, 1e30, 1e300]), st.floats(1e-300, 1e300)),
-       seed=st.integers(0, 2**32 - 1))
-def test_every_filter_keeps_the_most_likely_token_and_a_draw_always_has_one(
-        values, dtype, top_p, min_p, top_k, temperature, seed):
+@given(
+    values=st.lists(LOGIT, min_size=1, max_size=12),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    top_p=st.one_of(st.sampled_from(TINY + NEAR_ONE + [1.0]), st.floats(5e-324, 1.0)),
+    min_p=st.one_of(st.sampled_from([0.0] + TINY + NEAR_ONE), st.floats(0.0, 1.0, exclude_max=True)),
+    top_k=st.one_of(st.none(), st.integers(1, 14)),
+    temperature=st.one_of(st.sampled_from([1e-300, 1e-46, 1e-8, 1.0, 1e30, 1e300]), st.floats(1e-300, 1e300)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_filter_keeps_the_most_likely_token_and_a_draw_always_has_one(values, dtype, top_p, min_p, top_k, temperature, seed):
     """The nucleus of any p > 0 holds the top token, whatever p rounds to in the logits' dtype
     (1e-46 and 5e-324 are 0 in float32): every filter keeps it, and sample_next always draws a
     token the filters kept, never raising."""

@@ -32,8 +32,7 @@ N_POSITIONS = 32
 def random_gpt2(seed: int = 0, **config) -> GPT2LMHeadModel:
     """A tiny GPT-2 with every parameter random (biases and LayerNorm gains too), in eval mode."""
     torch.manual_seed(seed)
-    cfg = dict(n_layer=2, n_head=4, n_embd=64, n_positions=N_POSITIONS, vocab_size=GPT2_VOCAB,
-               layer_norm_epsilon=1e-5)
+    cfg = dict(n_layer=2, n_head=4, n_embd=64, n_positions=N_POSITIONS, vocab_size=GPT2_VOCAB, layer_norm_epsilon=1e-5)
     model = GPT2LMHeadModel(GPT2Config(**{**cfg, **config}))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -131,8 +130,23 @@ def test_imported_run_speaks_gpt2s_vocabulary(imported, tmp_path, capsys):
 
     greedy = [int(t) for t in generate_tokens(run.model, [tok.encode("Hello world")], 8)]
     with pytest.raises(SystemExit) as exit_:  # quill sample encodes and decodes with GPT-2's vocabulary
-        main(["sample", "--ckpt", str(imported), "--prompt", "Hello world", "--temperature", "0", "-n", "8",
-              "--device", "cpu", "--json", "-q"])
+        main(
+            [
+                "sample",
+                "--ckpt",
+                str(imported),
+                "--prompt",
+                "Hello world",
+                "--temperature",
+                "0",
+                "-n",
+                "8",
+                "--device",
+                "cpu",
+                "--json",
+                "-q",
+            ]
+        )
     assert exit_.value.code == 0
     assert json.loads(capsys.readouterr().out)["samples"] == [tok.decode(greedy)]
 
@@ -146,19 +160,35 @@ def test_imported_run_speaks_gpt2s_vocabulary(imported, tmp_path, capsys):
 
 def _train_char(shakespeare_path, tmp_path, *extra):
     overrides = [
-        f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=4",
-        "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=2", "train.warmup_iters=2",
-        "train.learning_rate=1e-2", "train.device=cpu", "train.dtype=float32", *extra,
+        f"data.path={shakespeare_path}",
+        f"data.out_dir={tmp_path / 'data'}",
+        f"train.out_dir={tmp_path / 'run'}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=4",
+        "train.max_iters=6",
+        "train.eval_interval=3",
+        "train.eval_iters=2",
+        "train.warmup_iters=2",
+        "train.learning_rate=1e-2",
+        "train.device=cpu",
+        "train.dtype=float32",
+        *extra,
     ]
     train(load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", overrides), progress=False)
     return tmp_path / "run"
 
 
-@pytest.mark.parametrize("extra", [
-    ["model.bias=true"],
-    ["model.bias=false", "model.tie_embeddings=false", "model.mlp_hidden=48"],  # zero biases, untied, n_inner
-], ids=["gpt2", "nobias-untied-ninner"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["model.bias=true"],
+        ["model.bias=false", "model.tie_embeddings=false", "model.mlp_hidden=48"],  # zero biases, untied, n_inner
+    ],
+    ids=["gpt2", "nobias-untied-ninner"],
+)
 def test_exported_trained_checkpoint_loads_in_transformers(shakespeare_path, tmp_path, extra):
     run = _train_char(shakespeare_path, tmp_path, *extra)
     export_hf(run, tmp_path / "hf")
@@ -176,12 +206,25 @@ def test_exported_trained_checkpoint_loads_in_transformers(shakespeare_path, tmp
 def test_fine_tune_an_imported_model(imported, shakespeare_path, tmp_path):
     text = tmp_path / "slice.txt"
     text.write_text(shakespeare_path.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    cfg = load_config(ROOT / "configs" / "shakespeare_gpt2.yaml", [
-        f"data.path={text}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'ft'}",
-        f"train.init_from={imported}", "model.block_size=16", "model.dropout=0.0", "train.batch_size=2",
-        "train.grad_accum=1", "train.max_iters=2", "train.eval_interval=2", "train.eval_iters=1",
-        "train.warmup_iters=0", "train.device=cpu", "train.dtype=float32",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "shakespeare_gpt2.yaml",
+        [
+            f"data.path={text}",
+            f"data.out_dir={tmp_path / 'data'}",
+            f"train.out_dir={tmp_path / 'ft'}",
+            f"train.init_from={imported}",
+            "model.block_size=16",
+            "model.dropout=0.0",
+            "train.batch_size=2",
+            "train.grad_accum=1",
+            "train.max_iters=2",
+            "train.eval_interval=2",
+            "train.eval_iters=1",
+            "train.warmup_iters=0",
+            "train.device=cpu",
+            "train.dtype=float32",
+        ],
+    )
     result = train(cfg, progress=False)
     assert result.step == 2 and result.last_val_loss is not None and result.last_val_loss < 20
     tuned, source = load_run(tmp_path / "ft", which="latest").model, load_run(imported).model
@@ -191,39 +234,46 @@ def test_fine_tune_an_imported_model(imported, shakespeare_path, tmp_path):
     assert not torch.equal(tuned.state_dict()[wte], source.state_dict()[wte])  # it did train
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(pos="rope"), "model.pos=rope: GPT-2 has learned positions only"),
-    (dict(norm="rmsnorm"), "model.norm=rmsnorm: GPT-2 has LayerNorm only"),
-    (dict(mlp="swiglu"), "model.mlp=swiglu: GPT-2's MLP is GELU only"),
-    (dict(n_kv_head=1), "model.n_kv_head=1: GPT-2 has multi-head attention only"),
-    (dict(window=4), "model.window=4: GPT-2 has full causal attention only"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(pos="rope"), "model.pos=rope: GPT-2 has learned positions only"),
+        (dict(norm="rmsnorm"), "model.norm=rmsnorm: GPT-2 has LayerNorm only"),
+        (dict(mlp="swiglu"), "model.mlp=swiglu: GPT-2's MLP is GELU only"),
+        (dict(n_kv_head=1), "model.n_kv_head=1: GPT-2 has multi-head attention only"),
+        (dict(window=4), "model.window=4: GPT-2 has full causal attention only"),
+    ],
+)
 def test_export_refuses_what_gpt2_cannot_express(tmp_path, change, message):
     tok = build_tokenizer("char", text="abcdefgh")
     cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=8, **change))
-    save_checkpoint({"model": GPT(cfg.model).state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0},
-                    tmp_path / "ckpt.pt")
+    save_checkpoint(
+        {"model": GPT(cfg.model).state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0}, tmp_path / "ckpt.pt"
+    )
     with pytest.raises(QuillError, match=message):
         export_hf(tmp_path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(activation_function="gelu"), "activation_function='gelu'"),
-    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=true"),
-    (dict(scale_attn_weights=False), "scale_attn_weights=false"),
-    (dict(add_cross_attention=True), "add_cross_attention=true"),
-    (dict(model_type="falcon"), "model_type is 'falcon', not 'gpt2'"),  # (llama is the Llama family's now)
-    (dict(vocab_size=1000), "vocab_size=1000, fewer than the 50257 ids"),
-    (dict(n_layer=3), r"missing: transformer\.h\.2\."),  # config.json and weights disagree
-    (dict(n_head=5), r"n_embd \(64\) must be divisible by model.n_head \(5\)"),
-    (dict(n_embd="wide"), "model.n_embd must be int, got 'wide'"),
-    (dict(n_embd=float("inf")), "model.n_embd must be int, got inf"),  # json.dumps writes Infinity
-    (dict(n_layer=10**7), "model.n_layer must be between 1 and 1,024, got 10000000"),
-    (dict(n_positions=-1), "model.block_size must be between 1 and"),
-    (dict(layer_norm_epsilon="nan"), "model.norm_eps must be a finite number"),
-    (dict(n_inner=[1] * 10_000), r"model.mlp_hidden must be int or null, got \[1, 1, 1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(activation_function="gelu"), "activation_function='gelu'"),
+        (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=true"),
+        (dict(scale_attn_weights=False), "scale_attn_weights=false"),
+        (dict(add_cross_attention=True), "add_cross_attention=true"),
+        (dict(model_type="falcon"), "model_type is 'falcon', not 'gpt2'"),  # (llama is the Llama family's now)
+        (dict(vocab_size=1000), "vocab_size=1000, fewer than the 50257 ids"),
+        (dict(n_layer=3), r"missing: transformer\.h\.2\."),  # config.json and weights disagree
+        (dict(n_head=5), r"n_embd \(64\) must be divisible by model.n_head \(5\)"),
+        (dict(n_embd="wide"), "model.n_embd must be int, got 'wide'"),
+        (dict(n_embd=float("inf")), "model.n_embd must be int, got inf"),  # json.dumps writes Infinity
+        (dict(n_layer=10**7), "model.n_layer must be between 1 and 1,024, got 10000000"),
+        (dict(n_positions=-1), "model.block_size must be between 1 and"),
+        (dict(layer_norm_epsilon="nan"), "model.norm_eps must be a finite number"),
+        (dict(n_inner=[1] * 10_000), r"model.mlp_hidden must be int or null, got \[1, 1, 1"),
+    ],
+)
 def test_import_refuses_what_quill_cannot_run_exactly(hf_dir, tmp_path, change, message):
     src = tmp_path / "src"
     shutil.copytree(hf_dir[1], src)
@@ -236,8 +286,14 @@ def test_import_refuses_what_quill_cannot_run_exactly(hf_dir, tmp_path, change, 
 
 def test_upcast_attention_and_other_tanh_gelus_import_exactly(tmp_path):
     """reorder_and_upcast_attn changes only rounding; gelu_pytorch_tanh is gelu_new."""
-    hf = random_gpt2(seed=3, reorder_and_upcast_attn=True, activation_function="gelu_pytorch_tanh",
-                     attn_implementation="eager", n_inner=96, layer_norm_epsilon=1e-6)
+    hf = random_gpt2(
+        seed=3,
+        reorder_and_upcast_attn=True,
+        activation_function="gelu_pytorch_tanh",
+        attn_implementation="eager",
+        n_inner=96,
+        layer_norm_epsilon=1e-6,
+    )
     hf.save_pretrained(tmp_path / "hf")
     model = load_run(import_hf(tmp_path / "hf", tmp_path / "run").path).model
     assert model.config.mlp_hidden == 96 and model.config.norm_eps == 1e-6
@@ -248,8 +304,14 @@ def test_upcast_attention_and_other_tanh_gelus_import_exactly(tmp_path):
 def test_hub_name_offline_says_what_to_download(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "no-cache"), "QUILL_DEBUG": ""}
     env.pop("HF_HUB_CACHE", None)
-    proc = subprocess.run([sys.executable, "-m", "quillgpt", "import-hf", "gpt2", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "quillgpt", "import-hf", "gpt2", "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "hf download gpt2 config.json model.safetensors --local-dir DIR" in proc.stderr
@@ -273,8 +335,11 @@ def test_unsafe_or_missing_weights_are_clear_errors(hf_dir, tmp_path):
     with pytest.raises(QuillError, match="no weights: expected model.safetensors"):
         import_hf(src, tmp_path / "run")
     torch.save({"w": Payload()}, src / "pytorch_model.bin")
-    with pytest.raises(QuillError, match="refused: loading it needs code execution, which is unsafe "
-                                         r"\(it would call [\w.]*Payload\)"):
+    with pytest.raises(
+        QuillError,
+        match="refused: loading it needs code execution, which is unsafe "
+        r"\(it would call [\w.]*Payload\)",
+    ):
         import_hf(src, tmp_path / "run")
     torch.save({0: torch.zeros(2)}, src / "pytorch_model.bin")  # integer keys
     with pytest.raises(QuillError, match=r"is not a state dict \(names → tensors\)"):
@@ -303,11 +368,20 @@ def test_non_finite_or_integer_weights_are_refused(hf_dir, tmp_path):
         assert not (tmp_path / f"run_{name}").exists()
 
 
-@pytest.mark.parametrize("command, existing", [
-    ("import-hf", "config.yaml"), ("import-hf", "tokenizer.json"), ("import-hf", "metrics.jsonl"),
-    ("import-hf", "best.pt"), ("export-hf", "generation_config.json"), ("export-hf", "quill_tokenizer.json"),
-    ("export-hf", "config.json"), ("export-hf", "ckpt.pt"), ("import-hf", "model.safetensors"),
-])
+@pytest.mark.parametrize(
+    "command, existing",
+    [
+        ("import-hf", "config.yaml"),
+        ("import-hf", "tokenizer.json"),
+        ("import-hf", "metrics.jsonl"),
+        ("import-hf", "best.pt"),
+        ("export-hf", "generation_config.json"),
+        ("export-hf", "quill_tokenizer.json"),
+        ("export-hf", "config.json"),
+        ("export-hf", "ckpt.pt"),
+        ("import-hf", "model.safetensors"),
+    ],
+)
 def test_out_dir_with_any_file_of_ours_needs_force(hf_dir, imported, tmp_path, capsys, command, existing):
     """Without --force nothing in --out is rewritten or deleted, whichever of our files it holds."""
     out = tmp_path / "out"
@@ -321,12 +395,15 @@ def test_out_dir_with_any_file_of_ours_needs_force(hf_dir, imported, tmp_path, c
     assert [p.name for p in out.iterdir()] == [existing] and (out / existing).read_text() == "the user's work"
 
 
-@pytest.mark.parametrize("out, message", [
-    ("/proc/self", "--out /proc/self is not writable"),
-    ("/proc/x/run", "--out /proc/x/run is not writable"),
-    ("{tmp}/" + "d" * 300, "File name too long"),
-    ("{tmp}/file.txt", "is a file; pass a directory"),
-])
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("/proc/self", "--out /proc/self is not writable"),
+        ("/proc/x/run", "--out /proc/x/run is not writable"),
+        ("{tmp}/" + "d" * 300, "File name too long"),
+        ("{tmp}/file.txt", "is a file; pass a directory"),
+    ],
+)
 def test_out_dir_that_cannot_be_written_is_refused_before_any_work(hf_dir, tmp_path, capsys, out, message):
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(SystemExit) as exit_:

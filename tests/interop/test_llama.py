@@ -63,8 +63,9 @@ def test_greedy_text_equals_transformers_for_100_tokens(imported, family):
     prompt = ids_of(hf_dir, "ROMEO: But, soft!")
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=100, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        want = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=100, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     got = torch.stack(list(generate_tokens(run.model, [prompt], 100))).T[0].tolist()
     assert got == want
 
@@ -88,8 +89,12 @@ def test_tokenizer_ids_and_chat_prompt_equal_autotokenizers(imported, family):
         bos = [] if tok.bos_id is None else [tok.bos_id]
         assert bos + tok.encode(text) == auto(text)["input_ids"], text
         assert tok.decode_bytes(tok.encode(text)).decode("utf-8") == text  # byte-level tokens are the text
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"},
-                {"role": "assistant", "content": "A Montague."}, {"role": "user", "content": "And Juliet?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Who is Romeo?"},
+        {"role": "assistant", "content": "A Montague."},
+        {"role": "user", "content": "And Juliet?"},
+    ]
     if family == "mistral":  # its template reads user and assistant turns only
         messages = messages[1:]
     rendered = render(tok.chat_template, messages, True, tok.bos_token, tok.eos_token)
@@ -168,8 +173,14 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
     prompt = ids_of(hf_dir, "ROMEO: But, soft!")
     with torch.no_grad():
         torch.testing.assert_close(model(ids, all_logits=True)[0], hf(ids).logits, atol=1e-4, rtol=1e-4)
-        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        want = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :]
     assert torch.stack(list(generate_tokens(model, [prompt], 30))).T[0].tolist() == want.tolist()
     for kernel, (_, bf16) in KERNELS.items():  # each decode step over the cache = the full forward
         for m in layers:
@@ -189,24 +200,37 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
 def test_llama3_rope_scaling_equals_transformers_frequencies():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}, rope_theta=500000.0)
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=500000.0,
+    )
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     got = rope_inv_freq(64, 500000.0, "llama3", 8.0, 1.0, 4.0, 64)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    linear, _ = ROPE_INIT_FUNCTIONS["linear"](transformers.LlamaConfig(
-        hidden_size=128, num_attention_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}), "cpu")
+    linear, _ = ROPE_INIT_FUNCTIONS["linear"](
+        transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}), "cpu"
+    )
     torch.testing.assert_close(rope_inv_freq(64, 10000.0, "linear", 4.0), linear, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
-    ({"attention_bias": True}, "o_proj.bias"),  # SmolLM2 has no biases: missing tensors, named
-    ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
+        ({"attention_bias": True}, "o_proj.bias"),  # SmolLM2 has no biases: missing tensors, named
+        ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+    ],
+)
 def test_what_quill_cannot_compute_exactly_is_refused_by_name(imported, tmp_path, change, message):
     hf_dir = imported["smollm2"][0]
     src = tmp_path / "src"
@@ -273,10 +297,24 @@ def test_fine_tuning_an_imported_model_with_its_own_tokenizer(imported, tmp_path
     _, _, run_dir = imported["llama3"]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(CORPUS * 40), encoding="utf-8")
-    cfg = load_config(run_dir / "config.yaml", [
-        f"data.path={corpus}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'tuned'}",
-        "model.block_size=32", "train.batch_size=4", "train.max_iters=6", "train.eval_interval=6", "train.eval_iters=1",
-        "train.warmup_iters=0", "train.learning_rate=3e-3", "train.min_lr=3e-4", "train.device=cpu", "train.dtype=float32"])
+    cfg = load_config(
+        run_dir / "config.yaml",
+        [
+            f"data.path={corpus}",
+            f"data.out_dir={tmp_path / 'data'}",
+            f"train.out_dir={tmp_path / 'tuned'}",
+            "model.block_size=32",
+            "train.batch_size=4",
+            "train.max_iters=6",
+            "train.eval_interval=6",
+            "train.eval_iters=1",
+            "train.warmup_iters=0",
+            "train.learning_rate=3e-3",
+            "train.min_lr=3e-4",
+            "train.device=cpu",
+            "train.dtype=float32",
+        ],
+    )
     result = train(cfg, progress=False)
     assert result.step == 6
     tuned = load_run(tmp_path / "tuned", which="latest")
@@ -287,9 +325,15 @@ def test_fine_tuning_an_imported_model_with_its_own_tokenizer(imported, tmp_path
     assert tokens[0] == tuned.tokenizer.bos_id  # each document starts with BOS, as Llama 3 was trained
 
 
-@pytest.mark.parametrize("tokenizer, extra", [
-    ("char", {}), ("gpt2", {"qkv_bias": True}), ("bpe", {"qk_norm": True, "head_dim": 12}), ("char", {"window": 6}),
-])
+@pytest.mark.parametrize(
+    "tokenizer, extra",
+    [
+        ("char", {}),
+        ("gpt2", {"qkv_bias": True}),
+        ("bpe", {"qk_norm": True, "head_dim": 12}),
+        ("char", {"window": 6}),
+    ],
+)
 def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shakespeare_path, tokenizer, extra):
     """RoPE + RMSNorm + SwiGLU (+ q/k/v biases → Llama's attention_bias with a zero o_proj bias, since
     transformers gives any qwen2 model Qwen's pre-tokenizer; QK-norm → Qwen3; a window → Mistral):
@@ -301,16 +345,31 @@ def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shak
 
     text = shakespeare_path.read_text(encoding="utf-8")[:20000]
     tok = build_tokenizer(tokenizer, text, 300)
-    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                                   pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False, **extra))
+    cfg = Config(
+        model=ModelConfig(
+            vocab_size=tok.vocab_size,
+            block_size=64,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=32,
+            pos="rope",
+            norm="rmsnorm",
+            mlp="swiglu",
+            bias=False,
+            tie_embeddings=False,
+            **extra,
+        )
+    )
     torch.manual_seed(0)
     model = GPT(cfg.model)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     (tmp_path / "run").mkdir()
-    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 3},
-                    tmp_path / "run" / "best.pt")
+    save_checkpoint(
+        {"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 3}, tmp_path / "run" / "best.pt"
+    )
     done = export_hf(tmp_path / "run", tmp_path / "hf")
     want_arch = "Qwen3ForCausalLM" if "qk_norm" in extra else "MistralForCausalLM" if "window" in extra else "LlamaForCausalLM"
     assert done.architecture == want_arch
@@ -325,8 +384,9 @@ def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shak
     assert import_hf(tmp_path / "hf", tmp_path / "again").tokenizer == tok.name  # quill_tokenizer.json restores it
 
 
-@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                  "generation_config.json", "model.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "model.safetensors"]
+)
 def test_a_fifo_among_an_hf_models_files_is_refused_by_name(imported, tmp_path, capsys, name):
     """Every file import-hf reads from a Llama-family directory goes through the one input check:
     a FIFO there (which would wait for a writer forever) is one line naming it, never read."""

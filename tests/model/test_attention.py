@@ -121,9 +121,7 @@ def test_gqa_and_mqa_equal_mha_with_repeated_kv_heads(impl, n_kv_head):
 
 
 def brute_force_mask(q_pos: list[int], k_pos: list[int], span: int) -> torch.Tensor:
-    return torch.tensor(
-        [[(0 <= kp <= qp and qp - kp < span) or kp == qp for kp in k_pos] for qp in q_pos]
-    )
+    return torch.tensor([[(0 <= kp <= qp and qp - kp < span) or kp == qp for kp in k_pos] for qp in q_pos])
 
 
 @pytest.mark.parametrize("window", [1, 3, 5, BLOCK, 100])
@@ -219,10 +217,12 @@ def test_rope_equals_complex_rotation_and_is_relative():
     torch.testing.assert_close(got, torch.cat([z.real, z.imag], -1).float(), atol=1e-4, rtol=1e-4)
     # q·k depends on the distance only: shifting both positions by 37 changes nothing
     q, k = torch.randn(2, hd)
+
     def dot(pq, pk):
         cq, sq = rope_cos_sin(torch.tensor([pq]), rope_inv_freq(hd, theta))
         ck, sk = rope_cos_sin(torch.tensor([pk]), rope_inv_freq(hd, theta))
         return (apply_rope(q[None], cq, sq) * apply_rope(k[None], ck, sk)).sum()
+
     torch.testing.assert_close(dot(10, 3), dot(47, 40), atol=1e-5, rtol=1e-5)
 
 

@@ -36,11 +36,22 @@ def test_vocab_size_is_required():
 def test_parameter_names_and_shapes_follow_hf_gpt2():
     model = GPT(config())
     C = 32
-    expected = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (BLOCK, C),
-                "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,), "lm_head.weight": (V, C)}
+    expected = {
+        "transformer.wte.weight": (V, C),
+        "transformer.wpe.weight": (BLOCK, C),
+        "transformer.ln_f.weight": (C,),
+        "transformer.ln_f.bias": (C,),
+        "lm_head.weight": (V, C),
+    }
     for i in range(2):
-        for name, shape in {"ln_1": (C,), "ln_2": (C,), "attn.c_attn": (3 * C, C), "attn.c_proj": (C, C),
-                            "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}.items():
+        for name, shape in {
+            "ln_1": (C,),
+            "ln_2": (C,),
+            "attn.c_attn": (3 * C, C),
+            "attn.c_proj": (C, C),
+            "mlp.c_fc": (4 * C, C),
+            "mlp.c_proj": (C, 4 * C),
+        }.items():
             expected[f"transformer.h.{i}.{name}.weight"] = shape
             expected[f"transformer.h.{i}.{name}.bias"] = shape[:1]
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == expected
@@ -105,8 +116,7 @@ def test_sdpa_equals_math(variant):
     idx = torch.randint(0, V, (2, BLOCK))
     pos = torch.arange(BLOCK)[None] - torch.tensor([[0], [6]])  # second row left-padded by 6
     for kw in ({}, {"pos": pos}):
-        torch.testing.assert_close(sdpa(idx, all_logits=True, **kw)[0], math(idx, all_logits=True, **kw)[0],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sdpa(idx, all_logits=True, **kw)[0], math(idx, all_logits=True, **kw)[0], atol=1e-5, rtol=1e-5)
 
 
 @variants

@@ -268,13 +268,30 @@ def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path,
     from quillgpt.train.optim import build_optimizer
 
     root = Path(__file__).resolve().parents[2]
-    c = load_config(root / "configs" / "shakespeare_char_cpu.yaml", [
-        f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.attention=infini",
-        "model.segment_size=4", "train.batch_size=4", "train.max_iters=6", "train.eval_interval=6",
-        "train.eval_iters=2", "train.warmup_iters=0", "train.device=cpu", "train.dtype=float32",
-        "train.lr_schedule=constant", "train.learning_rate=1e-3", "train.min_lr=0",
-    ])
+    c = load_config(
+        root / "configs" / "shakespeare_char_cpu.yaml",
+        [
+            f"data.path={shakespeare_path}",
+            f"data.out_dir={tmp_path / 'data'}",
+            f"train.out_dir={tmp_path / 'run'}",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.n_embd=32",
+            "model.block_size=16",
+            "model.attention=infini",
+            "model.segment_size=4",
+            "train.batch_size=4",
+            "train.max_iters=6",
+            "train.eval_interval=6",
+            "train.eval_iters=2",
+            "train.warmup_iters=0",
+            "train.device=cpu",
+            "train.dtype=float32",
+            "train.lr_schedule=constant",
+            "train.learning_rate=1e-3",
+            "train.min_lr=0",
+        ],
+    )
     result = train(c, progress=False)
     assert result.last_val_loss is not None and math.isfinite(result.last_val_loss)
     model = GPT(c.model)

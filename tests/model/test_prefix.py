@@ -145,7 +145,8 @@ def test_eval_scores_the_tokens_after_the_prefix():
     l2, _ = model(x2, all_logits=True, prefix_len=torch.tensor([13]))  # skip 12 → inputs 0..12
     l1, _ = model(torch.from_numpy(tokens[:16])[None], all_logits=True, prefix_len=torch.tensor([1]))
     want = F.cross_entropy(l1[0], torch.from_numpy(tokens[1:17]), reduction="sum") + F.cross_entropy(
-        l2[0, 12:], y2[0, 12:], reduction="sum")
+        l2[0, 12:], y2[0, 12:], reduction="sum"
+    )
     assert slid.tokens == 20 and slid.nats == pytest.approx(want.item(), rel=1e-5)
 
 
@@ -171,12 +172,28 @@ def _tiny_run(shakespeare_path, tmp_path, out, *extra):
     from quillgpt.config import load_config
 
     root = Path(__file__).resolve().parents[2]
-    return load_config(root / "configs" / "shakespeare_char_cpu.yaml", [
-        f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / out}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.attention=prefix",
-        "train.batch_size=4", "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=2",
-        "train.log_interval=1", "train.warmup_iters=2", "train.device=cpu", "train.dtype=float32", *extra,
-    ])
+    return load_config(
+        root / "configs" / "shakespeare_char_cpu.yaml",
+        [
+            f"data.path={shakespeare_path}",
+            f"data.out_dir={tmp_path / 'data'}",
+            f"train.out_dir={tmp_path / out}",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.n_embd=32",
+            "model.block_size=16",
+            "model.attention=prefix",
+            "train.batch_size=4",
+            "train.max_iters=6",
+            "train.eval_interval=3",
+            "train.eval_iters=2",
+            "train.log_interval=1",
+            "train.warmup_iters=2",
+            "train.device=cpu",
+            "train.dtype=float32",
+            *extra,
+        ],
+    )
 
 
 def test_quill_train_prefix_lm_resumes_bit_identically(shakespeare_path, tmp_path, monkeypatch):
@@ -201,8 +218,7 @@ def test_quill_train_prefix_lm_resumes_bit_identically(shakespeare_path, tmp_pat
     monkeypatch.setattr(train_mod, "train_step", step_then_interrupt)
     assert train_mod.train(_tiny_run(shakespeare_path, tmp_path, "b", "model.prefix_sep=,"), progress=False).step == 2
     monkeypatch.undo()
-    resumed = train_mod.train(
-        _tiny_run(shakespeare_path, tmp_path, "b", "model.prefix_sep=,", "train.resume=true"), progress=False)
+    resumed = train_mod.train(_tiny_run(shakespeare_path, tmp_path, "b", "model.prefix_sep=,", "train.resume=true"), progress=False)
     assert resumed.step == straight.step == 6
     a, b = (load_checkpoint(tmp_path / r / "ckpt.pt") for r in "ab")
     assert "prefix" in a["sampler"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

@@ -124,7 +124,13 @@ def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, vari
 def test_plan_picks_the_kernel_of_the_smallest_measured_size_at_or_above():
     plan = KernelPlan((1, 8, 64), ("int8pack_mm/bf16", "dequant/model", "dequant/bf16"), rows=8)
     assert [plan.pick(m) for m in (1, 2, 8, 9, 64, 5000)] == [
-        "int8pack_mm/bf16", "dequant/model", "dequant/model", "dequant/bf16", "dequant/bf16", "dequant/bf16"]
+        "int8pack_mm/bf16",
+        "dequant/model",
+        "dequant/model",
+        "dequant/bf16",
+        "dequant/bf16",
+        "dequant/bf16",
+    ]
 
 
 def scripted(table):
@@ -140,8 +146,10 @@ def scripted(table):
 
 def test_plan_takes_the_fastest_kernel_per_size_and_drops_hopeless_ones(monkeypatch):
     a, b, c = "int8pack_mm/bf16", "dequant/bf16", "int8pack_mm/model"
-    table = {m: {"float": 1.0, a: 0.2 if m <= 16 else 1.5, b: 2.0 if m <= 16 else 0.5, c: 0.9 if m == 1 else 25.0}
-             for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    table = {
+        m: {"float": 1.0, a: 0.2 if m <= 16 else 1.5, b: 2.0 if m <= 16 else 0.5, c: 0.9 if m == 1 else 25.0}
+        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    }
     timings, calls = scripted(table)
     monkeypatch.setattr(quant, "_timings", timings)
     model = quantize(random_model("mha-learned"), "int8", rows=1)
@@ -175,8 +183,10 @@ def test_where_no_int8_kernel_beats_the_float_linears_the_fastest_runs_and_says_
     monkeypatch.setattr(quant, "_timings", timings)
     plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=8))
     assert plan.pick(8) == "dequant/model"  # asked for int8: it runs, with the fastest int8 kernel
-    assert plan.describe() == ("int8 weights, dequant/model: a step's linears 0.20 ms vs 0.10 ms float (slower here: "
-                               "a model this small, or a busy machine while it was measured)")
+    assert plan.describe() == (
+        "int8 weights, dequant/model: a step's linears 0.20 ms vs 0.10 ms float (slower here: "
+        "a model this small, or a busy machine while it was measured)"
+    )
     table[8]["dequant/model"] = 0.05
     assert "slower" not in plan_of(quantize(random_model("mha-learned"), "int8", rows=8)).describe()
 

@@ -32,8 +32,7 @@ def run_dir(tmp_path_factory, shakespeare_path):
 
 @pytest.fixture(scope="module")
 def prefix_dir(tmp_path_factory, shakespeare_path):
-    return tiny_run_dir(tmp_path_factory.mktemp("edges_prefix") / "prefix", shakespeare_path, attention="prefix",
-                        block_size=48)
+    return tiny_run_dir(tmp_path_factory.mktemp("edges_prefix") / "prefix", shakespeare_path, attention="prefix", block_size=48)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +55,23 @@ def error_of(r: httpx.Response, status: int) -> dict:
 # --- JSON only ----------------------------------------------------------------------------------
 
 MEDIA = st.one_of(
-    st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "",
-                     "application/json", "application/json; charset=utf-8", "APPLICATION/JSON", "application/json ;x=1",
-                     "application/jsonx", "text/json", "application/ld+json", "application/json, text/plain", "*/*"]),
+    st.sampled_from(
+        [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "",
+            "application/json",
+            "application/json; charset=utf-8",
+            "APPLICATION/JSON",
+            "application/json ;x=1",
+            "application/jsonx",
+            "text/json",
+            "application/ld+json",
+            "application/json, text/plain",
+            "*/*",
+        ]
+    ),
     st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30),
 )
 
@@ -113,8 +126,9 @@ def raw(url: str, data: bytes, wait: float = 5.0) -> bytes:
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
-@pytest.mark.parametrize("data", [b"", b"POST /v1/comp", HEAD, HEAD + b"Content-Length: 10"],
-                         ids=["nothing", "half-a-line", "no-blank-line", "half-a-header"])
+@pytest.mark.parametrize(
+    "data", [b"", b"POST /v1/comp", HEAD, HEAD + b"Content-Length: 10"], ids=["nothing", "half-a-line", "no-blank-line", "half-a-header"]
+)
 def test_a_half_sent_head_is_closed_within_the_head_timeout(server, data):
     t0 = time.monotonic()
     assert raw(server, data, wait=5.0) == b""  # closed, nothing to answer
@@ -139,7 +153,7 @@ def test_a_trickled_head_is_closed_however_slowly_it_comes(server):
 
 
 def test_a_stalled_body_is_answered_408(server):
-    reply = raw(server, HEAD + b"Content-Length: 100\r\n\r\n{\"prompt\": ", wait=5.0)
+    reply = raw(server, HEAD + b'Content-Length: 100\r\n\r\n{"prompt": ', wait=5.0)
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply
 
 
@@ -186,7 +200,7 @@ def test_a_refused_upload_gets_its_whole_reply_then_a_bounded_linger(server, mon
 
 def test_a_client_gone_mid_upload_logs_no_traceback(server, caplog):
     caplog.set_level(logging.INFO)
-    for sent in (b"", b"{\"prompt\": \"a\", ", b"x" * 5000):
+    for sent in (b"", b'{"prompt": "a", ', b"x" * 5000):
         with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as s:
             s.sendall(HEAD + b"Content-Length: 100000\r\n\r\n" + sent)
             time.sleep(0.2)
@@ -247,12 +261,11 @@ def test_a_prefix_lm_request_too_long_is_refused_before_its_stream_starts(prefix
 
 def test_seeds_with_n_neutral_fields_and_lone_surrogates(server):
     with httpx.Client(base_url=server, timeout=30) as c:
-        two = c.post("/v1/completions", json={"prompt": "A", "max_tokens": 8, "temperature": 1.0, "n": 2,
-                                              "seed": MAX_SEED}).json()["choices"]
-        first = c.post("/v1/completions", json={"prompt": "A", "max_tokens": 8, "temperature": 1.0,
-                                                "seed": MAX_SEED}).json()["choices"][0]
-        wrapped = c.post("/v1/completions", json={"prompt": "A", "max_tokens": 8, "temperature": 1.0,
-                                                  "seed": 0}).json()["choices"][0]
+        two = c.post("/v1/completions", json={"prompt": "A", "max_tokens": 8, "temperature": 1.0, "n": 2, "seed": MAX_SEED}).json()[
+            "choices"
+        ]
+        first = c.post("/v1/completions", json={"prompt": "A", "max_tokens": 8, "temperature": 1.0, "seed": MAX_SEED}).json()["choices"][0]
+        wrapped = c.post("/v1/completions", json={"prompt": "A", "max_tokens": 8, "temperature": 1.0, "seed": 0}).json()["choices"][0]
         assert [ch["text"] for ch in two] == [first["text"], wrapped["text"]]  # choice k: seed + k, wrapping
         err = error_of(c.post("/v1/completions", json={"prompt": "A", "n": 2, "seed": MAX_SEED + 1}), 400)
         assert err["param"] == "seed" and str(MAX_SEED + 1) in err["message"] and str(MAX_SEED + 2) not in err["message"]

@@ -112,19 +112,30 @@ def settle(url: str) -> int:
             time.sleep(0.05)
 
 
-SETTINGS = st.sampled_from([
-    {"temperature": 0}, {"temperature": 0.9, "seed": 4}, {"temperature": 1.0, "top_p": 1e-46, "seed": 1},
-    {"temperature": 1.0, "top_p": 5e-324, "min_p": 0.999999, "seed": 2}, {"temperature": 1e-300, "seed": 3},
-    {"temperature": 1e300, "top_k": 1, "seed": 5}, {"temperature": 0.8, "seed": MAX_SEED},
-])
-REQUEST = st.fixed_dictionaries({
-    "prompt": st.sampled_from(["ROMEO:", "A", "KING", "X marks", "Z end", "Q rises", "Xa", "Qb"]),
-    "max_tokens": st.integers(1, 24), "stream": st.booleans(), "n": st.integers(1, 2),
-}).flatmap(lambda r: SETTINGS.map(lambda s: {**r, **s}))
+SETTINGS = st.sampled_from(
+    [
+        {"temperature": 0},
+        {"temperature": 0.9, "seed": 4},
+        {"temperature": 1.0, "top_p": 1e-46, "seed": 1},
+        {"temperature": 1.0, "top_p": 5e-324, "min_p": 0.999999, "seed": 2},
+        {"temperature": 1e-300, "seed": 3},
+        {"temperature": 1e300, "top_k": 1, "seed": 5},
+        {"temperature": 0.8, "seed": MAX_SEED},
+    ]
+)
+REQUEST = st.fixed_dictionaries(
+    {
+        "prompt": st.sampled_from(["ROMEO:", "A", "KING", "X marks", "Z end", "Q rises", "Xa", "Qb"]),
+        "max_tokens": st.integers(1, 24),
+        "stream": st.booleans(),
+        "n": st.integers(1, 2),
+    }
+).flatmap(lambda r: SETTINGS.map(lambda s: {**r, **s}))
 
 
-@settings(max_examples=8, deadline=None, database=None, derandomize=True,
-          phases=(Phase.explicit, Phase.generate))  # no shrinking: each example runs a server's worth of requests
+@settings(
+    max_examples=8, deadline=None, database=None, derandomize=True, phases=(Phase.explicit, Phase.generate)
+)  # no shrinking: each example runs a server's worth of requests
 @given(requests=st.lists(REQUEST, min_size=2, max_size=6))
 def test_failing_and_hostile_requests_never_touch_the_others(server, requests):
     alone = [post(server, r) for r in requests]

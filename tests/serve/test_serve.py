@@ -101,8 +101,9 @@ def test_openai_client_chat_stream_and_not(client, run_dir):
     prompt = transcript([{"role": m.role, "content": m.text} for m in map(ChatMessage.model_validate, messages)])
     assert prompt == "System: Be brief.\n\nUser: Speak, friend.\n\nAssistant:"
     assert got.usage.prompt_tokens == len(encode_prompt(run.tokenizer, prompt))
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=25, temperature=0.8, seed=7,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=25, temperature=0.8, seed=7, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -118,8 +119,14 @@ def test_models_route_and_wrong_model(client):
 
 
 def test_raw_sse_format_chat_with_two_choices(http):
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "n": 2, "seed": 1,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "n": 2,
+        "seed": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -132,8 +139,10 @@ def test_raw_sse_format_chat_with_two_choices(http):
         assert all(c["finish_reason"] is None for c in mine[:-1]) and mine[-1]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
     # choice 1 is seed + 1: the same text as asking alone with seed 2
-    texts = ["".join(c["choices"][0]["delta"].get("content", "") for c in chunks
-                     if c["choices"] and c["choices"][0]["index"] == i) for i in (0, 1)]
+    texts = [
+        "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+        for i in (0, 1)
+    ]
     alone = http.post("/v1/chat/completions", json={**body, "n": 1, "seed": 2, "stream": False}).json()
     assert alone["choices"][0]["message"]["content"] == texts[1]
 
@@ -144,8 +153,9 @@ def test_stop_strings_end_the_text(http):
     cut = full[: full.index(stop)]
     got = complete(http, prompt="ROMEO:", max_tokens=40, temperature=0, stop=[stop, "\x00never"])
     assert got["choices"][0] == {"index": 0, "text": cut, "logprobs": None, "finish_reason": "stop"}
-    with http.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0,
-                                                       "stop": stop, "stream": True}) as r:
+    with http.stream(
+        "POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0, "stop": stop, "stream": True}
+    ) as r:
         pieces = [e["choices"][0]["text"] for e in sse_events(r)[:-1]]
     assert "".join(pieces) == cut and not any(stop in p for p in pieces)
 
@@ -163,8 +173,19 @@ def utf8_run_dir(tmp_path_factory):
     tok = build_tokenizer("gpt2")
     byte_id = {tok.decode_bytes([i]): i for i in range(256)}  # GPT-2's first 256 ids are the bytes
     ranked = [byte_id[b"\xe6"], byte_id[b"\x97"], byte_id[b"\xa5"], byte_id[b"!"]]
-    cfg = config_from_dict({"model": {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 16, "bias": True,
-                                      "tie_embeddings": False, "vocab_size": tok.vocab_size}})
+    cfg = config_from_dict(
+        {
+            "model": {
+                "n_layer": 1,
+                "n_head": 1,
+                "n_embd": 8,
+                "block_size": 16,
+                "bias": True,
+                "tie_embeddings": False,
+                "vocab_size": tok.vocab_size,
+            }
+        }
+    )
     model = GPT(cfg.model)
     with torch.no_grad():
         model.transformer.ln_f.weight.zero_()
@@ -182,8 +203,14 @@ def utf8_run_dir(tmp_path_factory):
 
 def test_a_character_split_across_tokens_streams_whole(utf8_run_dir):
     with running_server(utf8_run_dir, max_batch=2) as (url, _):
-        body = {"prompt": "a", "max_tokens": 4, "temperature": 0, "repetition_penalty": 100.0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "a",
+            "max_tokens": 4,
+            "temperature": 0,
+            "repetition_penalty": 100.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             chunks = sse_events(r)[:-1]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
@@ -232,8 +259,10 @@ def test_client_that_leaves_frees_its_row(server, http):
                 break
     with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as s:  # not streamed
         body = json.dumps({"prompt": "ROMEO:", "max_tokens": 2000}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         time.sleep(0.3)
     deadline = time.monotonic() + 10
     while (load := http.get("/health").json())["active"] or load["waiting"]:
@@ -289,8 +318,13 @@ def test_engine_task_survives_a_failing_step(run_dir, caplog):
         for expect_error in (True, False):
             events: list[Event] = []
             done = threading.Event()
-            job = Job(0, encode_prompt(run.tokenizer, "ROMEO:"), SamplingParams(max_new_tokens=12),
-                      TextStream(run.tokenizer), lambda e, events=events, done=done: (events.append(e), e.finish and done.set()))
+            job = Job(
+                0,
+                encode_prompt(run.tokenizer, "ROMEO:"),
+                SamplingParams(max_new_tokens=12),
+                TextStream(run.tokenizer),
+                lambda e, events=events, done=done: (events.append(e), e.finish and done.set()),
+            )
             batcher.submit([job])
             assert done.wait(10)
             if expect_error:
@@ -310,7 +344,7 @@ def error_of(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, (r.status_code, r.text)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    assert "Traceback" not in r.text and "File \"" not in r.text
+    assert "Traceback" not in r.text and 'File "' not in r.text
     return err
 
 
@@ -375,9 +409,13 @@ def test_hostile_bodies_get_openai_errors_and_the_server_keeps_answering(http):
         err = error_of(r, status)
         assert err["param"] == param, (body, err)
         assert http.get("/health").status_code == 200
-    chat_bad = [({"messages": []}, 422), ({"messages": [{"role": "robot", "content": "x"}]}, 422),
-                ({"messages": [{"role": "user", "content": 3}]}, 422), ({"messages": "hi"}, 422),
-                ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400)]
+    chat_bad = [
+        ({"messages": []}, 422),
+        ({"messages": [{"role": "robot", "content": "x"}]}, 422),
+        ({"messages": [{"role": "user", "content": 3}]}, 422),
+        ({"messages": "hi"}, 422),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400),
+    ]
     for body, status in chat_bad:
         error_of(http.post("/v1/chat/completions", json=body), status)
     error_of(http.post("/v1/completions", content=b"x" * (10 << 20)), 413)  # 10 MB, Content-Length known
@@ -402,8 +440,11 @@ def test_api_key_cors_and_queue_limit(run_dir):
     with running_server(run_dir, max_batch=1, api_key=KEY, max_waiting=1, max_tokens=10**6, cors=origin) as (url, _):
         with httpx.Client(base_url=url, timeout=30) as c:
             assert c.get("/").status_code == 200 and c.get("/health").status_code == 200  # no key needed
-            preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
-                         "Access-Control-Request-Headers": "authorization,content-type"}
+            preflight = {
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            }
             r = c.options("/v1/completions", headers=preflight)
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
             r = c.options("/v1/completions", headers={**preflight, "Origin": "http://evil.test"})
@@ -485,7 +526,7 @@ def test_attention_route_matches_viz(http, run_dir):
 
 def test_page_is_served_from_the_package_and_needs_no_network(http):
     page = http.get("/")
-    assert page.status_code == 200 and "<canvas id=\"attn-grid\"" in page.text
+    assert page.status_code == 200 and '<canvas id="attn-grid"' in page.text
     for name in ("app.js", "style.css"):
         assert http.get(f"/static/{name}").status_code == 200
     static = Path(__file__).resolve().parents[2] / "quillgpt" / "serve" / "static"
@@ -512,8 +553,11 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         assert info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("stop_signal, flags", [(signal.SIGINT, []), (signal.SIGTERM, []),
-                                                (signal.SIGTERM, ["--quantize", "int8"])], ids=["SIGINT", "SIGTERM", "int8"])
+@pytest.mark.parametrize(
+    "stop_signal, flags",
+    [(signal.SIGINT, []), (signal.SIGTERM, []), (signal.SIGTERM, ["--quantize", "int8"])],
+    ids=["SIGINT", "SIGTERM", "int8"],
+)
 def test_cli_serves_until_a_signal_and_drains_a_stream(run_dir, monkeypatch, capsys, stop_signal, flags, request):
     """`quill serve` in this process (main thread: uvicorn's signal handlers); a client thread
     starts a stream, then SIGINT or SIGTERM: the stream still ends with [DONE], exit code 0.
@@ -526,8 +570,7 @@ def test_cli_serves_until_a_signal_and_drains_a_stream(run_dir, monkeypatch, cap
     seen: dict = {}
 
     def client() -> None:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
-                          headers={"Authorization": f"Bearer {KEY}"}) as c:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as c:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 try:

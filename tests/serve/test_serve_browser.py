@@ -50,8 +50,16 @@ def browser():
 
     options = Options()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                "--disable-extensions", "--disable-background-networking", "--window-size=1280,900"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--window-size=1280,900",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     driver.set_page_load_timeout(WAIT_S)
@@ -76,8 +84,7 @@ def test_write_stream_stop_attention_and_screenshot(server, browser, tmp_path):
     find("prompt").clear()
     find("prompt").send_keys("ROMEO:")
     find("seed").send_keys("3")
-    browser.execute_script("const m = document.getElementById('max-tokens'); m.value = 60;"
-                           "m.dispatchEvent(new Event('input'));")
+    browser.execute_script("const m = document.getElementById('max-tokens'); m.value = 60;m.dispatchEvent(new Event('input'));")
     find("generate").click()
     wait.until(lambda d: "finished: length" in find("stats").text)
     shown = browser.execute_script("return document.getElementById('out-gen').textContent")
@@ -88,8 +95,7 @@ def test_write_stream_stop_attention_and_screenshot(server, browser, tmp_path):
     assert find("out-prompt").text == "ROMEO:"
 
     # stop: a long generation ends at once and frees its row on the server
-    browser.execute_script("const m = document.getElementById('max-tokens'); m.value = 1000;"
-                           "m.dispatchEvent(new Event('input'));")
+    browser.execute_script("const m = document.getElementById('max-tokens'); m.value = 1000;m.dispatchEvent(new Event('input'));")
     find("seed").clear()
     find("generate").click()
     wait.until(lambda d: len(find("out-gen").text) > 5)
@@ -119,8 +125,9 @@ def test_write_stream_stop_attention_and_screenshot(server, browser, tmp_path):
     assert find("attn-run-all").is_enabled()
     find("attn-run-all").click()
     wait.until(lambda d: "of the prompt and its continuation" in find("attn-status").text)
-    n = len(browser.execute_script("return document.getElementById('out-prompt').textContent"
-                                   " + document.getElementById('out-gen').textContent"))  # char tokenizer: a token a char
+    n = len(
+        browser.execute_script("return document.getElementById('out-prompt').textContent + document.getElementById('out-gen').textContent")
+    )  # char tokenizer: a token a char
     assert f"{min(n, 16)} tokens" in find("attn-status").text
     assert (f"the first {n - 16} tokens were cropped" in find("attn-status").text) == (n > 16)
 

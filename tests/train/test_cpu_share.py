@@ -86,14 +86,18 @@ def test_the_thread_count_is_restored_after_a_run(threads, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_run_whose_threads_change_mid_way_trains_as_one_that_kept_them(shakespeare_path, tmp_path, monkeypatch, threads,
-                                                                          dtype):
+def test_a_run_whose_threads_change_mid_way_trains_as_one_that_kept_them(shakespeare_path, tmp_path, monkeypatch, threads, dtype):
     """The quickstart's kind of model (RoPE, SwiGLU, QK-norm, Muon): at a fixed 2 threads, and with
     'another process' taking a core from the second look on (1 thread), the same losses to
     rounding (bit for bit where the kernels split no sum by thread: cpu_share's docstring)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    overrides = [*tiny(shakespeare_path, tmp_path / "data", tmp_path / "x"), "model.n_embd=64",
-                 "train.max_iters=12", "train.batch_size=8", f"train.dtype={dtype}"]
+    overrides = [
+        *tiny(shakespeare_path, tmp_path / "data", tmp_path / "x"),
+        "model.n_embd=64",
+        "train.max_iters=12",
+        "train.batch_size=8",
+        f"train.dtype={dtype}",
+    ]
     runs, real = {}, torch.set_num_threads
     for name, others in (("fixed", 0.0), ("gave_way", 1.0)):
         proc = FakeProc()

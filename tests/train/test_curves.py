@@ -20,8 +20,7 @@ def cli(*args):
 def write_run(path, records, tail="", batch_size=4, grad_accum=2, block_size=16):
     """A run directory with config.yaml and metrics.jsonl (plus an optional cut-off last line)."""
     path.mkdir(parents=True)
-    cfg = load_config(None, [f"train.batch_size={batch_size}", f"train.grad_accum={grad_accum}",
-                             f"model.block_size={block_size}"])
+    cfg = load_config(None, [f"train.batch_size={batch_size}", f"train.grad_accum={grad_accum}", f"model.block_size={block_size}"])
     save_config(cfg, path / "config.yaml")
     lines = "".join(json.dumps(r) + "\n" for r in records)
     (path / "metrics.jsonl").write_text(lines + tail)
@@ -29,8 +28,17 @@ def write_run(path, records, tail="", batch_size=4, grad_accum=2, block_size=16)
 
 
 def records(n, val_every=None):
-    return [{"step": s, "tokens": 128 * s, "train_loss": 4.0 / s, "lr": 1e-3, "elapsed_s": 2.0 * s,
-             **({"val_loss": 4.5 / s} if val_every and s % val_every == 0 else {})} for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "tokens": 128 * s,
+            "train_loss": 4.0 / s,
+            "lr": 1e-3,
+            "elapsed_s": 2.0 * s,
+            **({"val_loss": 4.5 / s} if val_every and s % val_every == 0 else {}),
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def test_curves_of_a_run_in_progress_and_one_without_val(tmp_path):

@@ -31,14 +31,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_path):
     """gloo, 2 ranks × batch 2 sees exactly the windows of 1 rank × batch 4: same losses."""
-    train(load_config(CONFIG, tiny(shakespeare_path, data_dir, tmp_path / "single", "train.max_iters=4",
-                                   "train.batch_size=4")), progress=False)
+    train(
+        load_config(CONFIG, tiny(shakespeare_path, data_dir, tmp_path / "single", "train.max_iters=4", "train.batch_size=4")),
+        progress=False,
+    )
     ddp = tiny(shakespeare_path, data_dir, tmp_path / "ddp", "train.max_iters=4", "train.batch_size=2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "quillgpt", "train", "--config", str(CONFIG), "-q", *ddp],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "quillgpt",
+            "train",
+            "--config",
+            str(CONFIG),
+            "-q",
+            *ddp,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     single, multi = losses(tmp_path / "single"), losses(tmp_path / "ddp")
@@ -52,8 +70,9 @@ def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_pat
 def test_ranks_draw_their_own_dropout_and_resume_restores_each_ranks_stream(shakespeare_path, data_dir, tmp_path):
     """Two ranks with dropout: different masks; stopping at step 2 and resuming to 4 gives the
     weights, optimizer and every rank's RNG state of 4 straight steps, bit for bit."""
-    overrides = tiny(shakespeare_path, data_dir, "set-by-worker", "model.dropout=0.1", "train.batch_size=2",
-                     "train.lr_schedule=constant")  # constant: stopping via max_iters keeps the schedule
+    overrides = tiny(
+        shakespeare_path, data_dir, "set-by-worker", "model.dropout=0.1", "train.batch_size=2", "train.lr_schedule=constant"
+    )  # constant: stopping via max_iters keeps the schedule
     for code, err in two_ranks("ddp_worker.py", str(tmp_path), *overrides):
         assert code == 0, err
 
@@ -88,8 +107,13 @@ def test_rank_streams_round_trip_in_one_process():
 def test_one_process_under_torchrun_joins_a_group_only_for_a_named_strategy(monkeypatch):
     """WORLD_SIZE=1 with torchrun's variables: train.strategy auto runs alone (no group); ddp or
     fsdp make a group of one (gloo here, NCCL on a GPU), so those paths run on a single device."""
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
     alone, _ = setup_distributed("cpu", "auto")
     assert not alone.enabled and not dist.is_initialized()

@@ -43,10 +43,23 @@ def without_quill_debug(monkeypatch):
 def overrides(shakespeare_path, data_dir, out_dir, *extra):
     """A tiny run that checkpoints every step (dropout on, so the RNG state must be restored too)."""
     return [
-        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "model.dropout=0.1",
-        "train.batch_size=4", "train.max_iters=50", "train.eval_interval=1", "train.eval_iters=2",
-        "train.log_interval=1", "train.warmup_iters=2", "train.device=cpu", "train.resume=auto", *extra,
+        f"data.path={shakespeare_path}",
+        f"data.out_dir={data_dir}",
+        f"train.out_dir={out_dir}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "model.dropout=0.1",
+        "train.batch_size=4",
+        "train.max_iters=50",
+        "train.eval_interval=1",
+        "train.eval_iters=2",
+        "train.log_interval=1",
+        "train.warmup_iters=2",
+        "train.device=cpu",
+        "train.resume=auto",
+        *extra,
     ]
 
 
@@ -55,13 +68,13 @@ def train_args(shakespeare_path, data_dir, out_dir, *extra):
 
 
 def start(args):
-    return subprocess.Popen([sys.executable, "-m", "quillgpt", *args], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "quillgpt", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(args):
-    proc = subprocess.run([sys.executable, "-m", "quillgpt", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "quillgpt", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     return proc
 
@@ -185,9 +198,7 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(shakespeare_path,
     assert_same_run(straight, out)
 
 
-def test_ctrl_c_and_sigterm_save_a_checkpoint_exit_cleanly_and_resume_exactly(
-    shakespeare_path, data_dir, straight, tmp_path
-):
+def test_ctrl_c_and_sigterm_save_a_checkpoint_exit_cleanly_and_resume_exactly(shakespeare_path, data_dir, straight, tmp_path):
     out = tmp_path / "signalled"
     args = train_args(shakespeare_path, data_dir, out)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -266,8 +277,9 @@ def test_disk_full_mid_run_keeps_the_previous_checkpoint(shakespeare_path, data_
     args = train_args(shakespeare_path, data_dir, out, "train.max_iters=4")
     code, _, err = run_main(capsys, args)  # writes: best@1, ckpt@1, best@2 ← disk full
     assert code == 2
-    assert_one_error_line(err, f"could not write checkpoint {out / 'best.pt'}: No space left on device",
-                          "previous checkpoint", "free disk space")
+    assert_one_error_line(
+        err, f"could not write checkpoint {out / 'best.pt'}: No space left on device", "previous checkpoint", "free disk space"
+    )
     assert load_checkpoint(out / "ckpt.pt")["step"] == 1 and load_checkpoint(out / "best.pt")["step"] == 1
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     assert (out / "ckpt.pt").stat().st_mode == (out / "config.yaml").stat().st_mode  # not left 0600 by mkstemp

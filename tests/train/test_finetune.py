@@ -37,20 +37,40 @@ def speaker_lines(text):
 def base(tmp_path_factory, shakespeare_path):
     """A tiny char-level base run (block 48), and chat data from its corpus: a line → its speaker."""
     root = tmp_path_factory.mktemp("finetune")
-    train(load_config(CPU_CONFIG, tiny(shakespeare_path, root / "text", root / "base", "model.block_size=48",
-                                       "train.max_iters=20", "train.eval_interval=20")), progress=False)
-    lines = [json.dumps({"messages": [{"role": "user", "content": said[:16]}, {"role": "assistant", "content": who}]})
-             for who, said in speaker_lines(shakespeare_path.read_text())[:120]]
+    train(
+        load_config(
+            CPU_CONFIG,
+            tiny(shakespeare_path, root / "text", root / "base", "model.block_size=48", "train.max_iters=20", "train.eval_interval=20"),
+        ),
+        progress=False,
+    )
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": said[:16]}, {"role": "assistant", "content": who}]})
+        for who, said in speaker_lines(shakespeare_path.read_text())[:120]
+    ]
     (root / "chat.jsonl").write_text("\n".join(lines) + "\n")
     return root
 
 
 def chat_overrides(root, out, *extra):
-    return [f"data.path={root / 'chat.jsonl'}", "data.format=chat",  # data.tokenizer unset: the base's own
-            f"data.out_dir={root / 'chatdata'}", f"train.out_dir={out}", f"train.init_from={root / 'base'}",
-            "model.block_size=48", "train.batch_size=4", "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=2",
-            "train.log_interval=1", "train.warmup_iters=1", "train.learning_rate=1e-2", "train.device=cpu",
-            "train.dtype=float32", *extra]
+    return [
+        f"data.path={root / 'chat.jsonl'}",
+        "data.format=chat",  # data.tokenizer unset: the base's own
+        f"data.out_dir={root / 'chatdata'}",
+        f"train.out_dir={out}",
+        f"train.init_from={root / 'base'}",
+        "model.block_size=48",
+        "train.batch_size=4",
+        "train.max_iters=6",
+        "train.eval_interval=3",
+        "train.eval_iters=2",
+        "train.log_interval=1",
+        "train.warmup_iters=1",
+        "train.learning_rate=1e-2",
+        "train.device=cpu",
+        "train.dtype=float32",
+        *extra,
+    ]
 
 
 def finetune(root, out, *extra):
@@ -86,10 +106,10 @@ def test_a_lora_run_trains_adapters_only_and_leaves_its_base_byte_for_byte(base,
     assert f"LoRA rank 4 on q, v, mlp: {trained:,} trained parameters" in capsys.readouterr().out
     for name in ("ckpt.pt", "best.pt"):
         state = load_checkpoint(tmp_path / "lora" / name)
-        assert {k: tuple(v.shape) for k, v in state["model"].items()} == adapter_shapes(load_run(base / "base").config.model,
-                                                                                        load_run(tmp_path / "lora").config.lora)
-        assert state["lora_base"] == {"path": str(base_file.resolve()),
-                                      "checksum": weights_checksum(load_checkpoint(base_file)["model"])}
+        assert {k: tuple(v.shape) for k, v in state["model"].items()} == adapter_shapes(
+            load_run(base / "base").config.model, load_run(tmp_path / "lora").config.lora
+        )
+        assert state["lora_base"] == {"path": str(base_file.resolve()), "checksum": weights_checksum(load_checkpoint(base_file)["model"])}
     assert os.path.getsize(tmp_path / "lora" / "best.pt") < 0.5 * os.path.getsize(base_file)
     # merged for use: every weight is the base's but the targeted ones, which moved
     merged, plain = load_run(tmp_path / "lora").model.state_dict(), load_checkpoint(base_file)["model"]
@@ -149,8 +169,25 @@ def test_full_fine_tuning_on_chat_data_scores_as_eval_does(base, tmp_path, capsy
     with pytest.raises(QuillError, match="--stride does not apply to chat data"):  # its split is conversations too
         evaluate_checkpoint(tmp_path / "full", which="latest", stride=4, device="cpu")
     capsys.readouterr()
-    assert main_code(["eval", "--ckpt", str(tmp_path / "full"), "--which", "latest", "--text", str(tmp_path / "val.jsonl"),
-                      "--format", "chat", "--json", "--device", "cpu"]) == 0
+    assert (
+        main_code(
+            [
+                "eval",
+                "--ckpt",
+                str(tmp_path / "full"),
+                "--which",
+                "latest",
+                "--text",
+                str(tmp_path / "val.jsonl"),
+                "--format",
+                "chat",
+                "--json",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(text.loss, rel=1e-9)
 
 
@@ -163,9 +200,11 @@ def test_quill_merge_writes_the_run_every_command_loads(base, tmp_path, capsys):
     assert torch.equal(lora.model(x, all_logits=True)[0], merged.model(x, all_logits=True)[0])
     assert merged.config.lora.rank == 0 and merged.config.train.init_from is None
     assert "lora_base" not in load_checkpoint(tmp_path / "merged" / "ckpt.pt")
-    for argv, message in ((["merge", str(base / "base"), "--out", str(tmp_path / "m2")], "is not a LoRA run"),
-                          (["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "merged")], "already holds a run"),
-                          (["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "lora")], "is where the LoRA run")):
+    for argv, message in (
+        (["merge", str(base / "base"), "--out", str(tmp_path / "m2")], "is not a LoRA run"),
+        (["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "merged")], "already holds a run"),
+        (["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "lora")], "is where the LoRA run"),
+    ):
         assert main_code(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
@@ -202,10 +241,26 @@ def test_ddp_lora_two_processes_match_one_process(base, tmp_path):
     finetune(base, tmp_path / "single", "lora.rank=4", "train.max_iters=4")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "quillgpt", "train",
-         "--config", str(CPU_CONFIG), "-q", *chat_overrides(base, tmp_path / "ddp", "lora.rank=4", "train.max_iters=4",
-                                                             "train.batch_size=2")],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "quillgpt",
+            "train",
+            "--config",
+            str(CPU_CONFIG),
+            "-q",
+            *chat_overrides(base, tmp_path / "ddp", "lora.rank=4", "train.max_iters=4", "train.batch_size=2"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     single, multi = losses(tmp_path / "single"), losses(tmp_path / "ddp")

@@ -33,8 +33,12 @@ def runs(shakespeare_path, data_dir, tmp_path_factory):
     mid-save at step 4, then resumed in new processes."""
     out = tmp_path_factory.mktemp("fsdp")
     overrides = tiny(shakespeare_path, data_dir, "set-by-worker", "train.batch_size=2", *FSDP)
-    train(load_config(CONFIG, tiny(shakespeare_path, data_dir, out / "single", "train.batch_size=4", "train.grad_accum=2",
-                                   "train.max_iters=6")), progress=False)
+    train(
+        load_config(
+            CONFIG, tiny(shakespeare_path, data_dir, out / "single", "train.batch_size=4", "train.grad_accum=2", "train.max_iters=6")
+        ),
+        progress=False,
+    )
     codes = [two_ranks("fsdp_worker.py", "train", str(out), *overrides), None]
     pending = sharded.latest_sharded(out / "crashed")  # what the kill left, before the resume cleans up
     leftovers = sorted(p.name for p in (out / "crashed" / sharded.SHARDED).iterdir())
@@ -68,7 +72,9 @@ def test_kill_mid_save_keeps_the_last_checkpoint_and_resume_is_exact(runs):
     assert pending.name.startswith("step-00000002-")
     assert len(leftovers) == 3 and any(n.startswith(".step-00000004-") and n.endswith(".tmp") for n in leftovers)
     assert sorted(p.name for p in (out / "crashed" / sharded.SHARDED).iterdir()) == [
-        "latest", sharded.latest_sharded(out / "crashed").name]  # the temp dir went at the restart
+        "latest",
+        sharded.latest_sharded(out / "crashed").name,
+    ]  # the temp dir went at the restart
     straight, crashed = (shard_state(out / name) for name in ("straight", "crashed"))
     assert_same_state(straight, crashed)
     states = [sharded.load_train_state(sharded.latest_sharded(out / name)) for name in ("straight", "crashed")]
@@ -97,8 +103,7 @@ def test_consolidated_checkpoint_holds_and_samples_what_the_shards_hold(runs):
 
 def test_resuming_an_fsdp_run_without_fsdp_is_one_line(runs, shakespeare_path, data_dir):
     out = runs[0] / "straight"
-    cfg = load_config(CONFIG, tiny(shakespeare_path, data_dir, out, "train.batch_size=2", "train.max_iters=8",
-                                   "train.resume=true"))
+    cfg = load_config(CONFIG, tiny(shakespeare_path, data_dir, out, "train.batch_size=2", "train.max_iters=8", "train.resume=true"))
     with pytest.raises(QuillError, match="sharded checkpoint of an FSDP run; resume it under torchrun with train.strategy=fsdp"):
         train(cfg, progress=False)
 
@@ -120,6 +125,7 @@ def test_auto_strategy_shards_only_what_does_not_fit():
     assert resolve_strategy(tc, model, two, cpu) == "ddp"  # host memory: always ddp
     free = {"now": int(need / FITS_FRACTION) + 1}
     import quillgpt.train.distributed as distributed
+
     real = distributed.available_bytes
     distributed.available_bytes = lambda device: free["now"]
     try:

@@ -28,16 +28,26 @@ def data_dir(tmp_path_factory):
 
 def tiny_overrides(shakespeare_path, data_dir, out_dir, *extra):
     return [
-        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        "train.batch_size=4", "train.max_iters=8", "train.eval_interval=4", "train.eval_iters=2",
-        "train.log_interval=1", "train.warmup_iters=2", "train.device=cpu", *extra,
+        f"data.path={shakespeare_path}",
+        f"data.out_dir={data_dir}",
+        f"train.out_dir={out_dir}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=4",
+        "train.max_iters=8",
+        "train.eval_interval=4",
+        "train.eval_iters=2",
+        "train.log_interval=1",
+        "train.warmup_iters=2",
+        "train.device=cpu",
+        *extra,
     ]
 
 
 def tiny_config(shakespeare_path, data_dir, out_dir, *extra):
-    return load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml",
-                       tiny_overrides(shakespeare_path, data_dir, out_dir, *extra))
+    return load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml", tiny_overrides(shakespeare_path, data_dir, out_dir, *extra))
 
 
 def losses(out_dir):
@@ -131,8 +141,15 @@ def test_a_second_trainer_on_the_same_run_is_refused(shakespeare_path, data_dir,
 
 
 def test_time_budget_stops_with_a_checkpoint_and_decayed_lr(shakespeare_path, data_dir, tmp_path):
-    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "budget", "train.max_iters=1000000",
-                      "train.time_budget=3s", "train.eval_interval=100000", "train.log_interval=5")
+    cfg = tiny_config(
+        shakespeare_path,
+        data_dir,
+        tmp_path / "budget",
+        "train.max_iters=1000000",
+        "train.time_budget=3s",
+        "train.eval_interval=100000",
+        "train.log_interval=5",
+    )
     result = train(cfg, progress=False)
     assert result.stopped == "time_budget" and 0 < result.step < 1_000_000
     assert load_checkpoint(tmp_path / "budget" / "ckpt.pt")["step"] == result.step
@@ -164,8 +181,7 @@ def test_resuming_a_weights_only_checkpoint_points_to_init_from(shakespeare_path
 
     train(tiny_config(shakespeare_path, data_dir, tmp_path / "w", "train.max_iters=2"), progress=False)
     state = load_checkpoint(tmp_path / "w" / "ckpt.pt")
-    save_checkpoint({k: v for k, v in state.items() if k in ("model", "config", "tokenizer", "step")},
-                    tmp_path / "w" / "ckpt.pt")
+    save_checkpoint({k: v for k, v in state.items() if k in ("model", "config", "tokenizer", "step")}, tmp_path / "w" / "ckpt.pt")
     with pytest.raises(QuillError, match="holds weights only.*train.init_from"):
         train(tiny_config(shakespeare_path, data_dir, tmp_path / "w", "train.resume=true"), progress=False)
 
@@ -373,8 +389,16 @@ def test_init_from_applies_what_it_can_and_refuses_an_architecture_override(shak
             train(tiny_config(shakespeare_path, data_dir, tmp_path / "ft", init, override), progress=False)
         assert f"{override} (it has {source_value}) cannot apply" in str(e.value) and "drop it" in str(e.value)
         assert not (tmp_path / "ft" / "ckpt.pt").exists()
-    cfg = tiny_config(shakespeare_path, data_dir, tmp_path / "ft", init, "train.max_iters=2", "model.block_size=8",
-                      "model.dropout=0.1", "model.attn_impl=math")
+    cfg = tiny_config(
+        shakespeare_path,
+        data_dir,
+        tmp_path / "ft",
+        init,
+        "train.max_iters=2",
+        "model.block_size=8",
+        "model.dropout=0.1",
+        "model.attn_impl=math",
+    )
     train(cfg, progress=False)
     saved = load_config(tmp_path / "ft" / "config.yaml").model
     assert (saved.block_size, saved.dropout, saved.attn_impl, saved.n_layer) == (8, 0.1, "math", 2)
@@ -399,16 +423,33 @@ def test_fine_tuning_prepares_your_text_with_the_base_runs_tokenizer(shakespeare
     base = train(tiny_config(shakespeare_path, data_dir, tmp_path / "base", "train.max_iters=2"), progress=False)
     own = tmp_path / "mine.txt"
     own.write_text(shakespeare_path.read_text(encoding="utf-8")[:30000].lower(), encoding="utf-8")  # fewer characters
-    tuned = tiny_config(shakespeare_path, tmp_path / "own_data", tmp_path / "tuned", f"data.path={own}",
-                        f"train.init_from={base.out_dir}", "train.max_iters=2", "data.val_fraction=0.2")
+    tuned = tiny_config(
+        shakespeare_path,
+        tmp_path / "own_data",
+        tmp_path / "tuned",
+        f"data.path={own}",
+        f"train.init_from={base.out_dir}",
+        "train.max_iters=2",
+        "data.val_fraction=0.2",
+    )
     assert tuned.data.tokenizer == str(base.out_dir / "tokenizer.json")
     assert train(tuned, progress=False).step == 2
     base_spec = load_checkpoint(base.out_dir / "ckpt.pt")["tokenizer"]
     assert load_prepared(tmp_path / "own_data")[0]["tokenizer"] == base_spec
-    other = tiny_config(shakespeare_path, tmp_path / "char_data", tmp_path / "other", f"data.path={own}",
-                        f"train.init_from={base.out_dir}", "data.tokenizer=char", "data.val_fraction=0.2")
-    with pytest.raises(QuillError, match=r"trained with the tokenizer char \(65 characters\) but data.tokenizer=char "
-                                         r"gives char \(\d+ characters\); leave data.tokenizer unset"):
+    other = tiny_config(
+        shakespeare_path,
+        tmp_path / "char_data",
+        tmp_path / "other",
+        f"data.path={own}",
+        f"train.init_from={base.out_dir}",
+        "data.tokenizer=char",
+        "data.val_fraction=0.2",
+    )
+    with pytest.raises(
+        QuillError,
+        match=r"trained with the tokenizer char \(65 characters\) but data.tokenizer=char "
+        r"gives char \(\d+ characters\); leave data.tokenizer unset",
+    ):
         train(other, progress=False)
 
 

@@ -74,15 +74,26 @@ def test_plot_reads_through_the_same_reader(tmp_path):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.one_of(
-    st.binary(max_size=40),
-    st.one_of(st.none(), st.floats(), st.lists(st.integers(), max_size=3),
-              st.dictionaries(st.sampled_from(["step", "val_loss", "x"]), st.floats() | st.integers() | st.text(max_size=3),
-                              max_size=3)).map(lambda v: json.dumps(v).encode()),
-    st.fixed_dictionaries({"step": st.one_of(st.integers(), st.floats(), st.text(max_size=3))},
-                          optional={k: st.one_of(st.floats(), st.integers(), st.text(max_size=3), st.none())
-                                    for k in ("train_loss", "val_loss", "lr")}).map(lambda v: json.dumps(v).encode()),
-), max_size=8))
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=40),
+            st.one_of(
+                st.none(),
+                st.floats(),
+                st.lists(st.integers(), max_size=3),
+                st.dictionaries(st.sampled_from(["step", "val_loss", "x"]), st.floats() | st.integers() | st.text(max_size=3), max_size=3),
+            ).map(lambda v: json.dumps(v).encode()),
+            st.fixed_dictionaries(
+                {"step": st.one_of(st.integers(), st.floats(), st.text(max_size=3))},
+                optional={
+                    k: st.one_of(st.floats(), st.integers(), st.text(max_size=3), st.none()) for k in ("train_loss", "val_loss", "lr")
+                },
+            ).map(lambda v: json.dumps(v).encode()),
+        ),
+        max_size=8,
+    )
+)
 def test_any_bytes_read_as_valid_records_or_skipped(tmp_path_factory, lines):
     path = tmp_path_factory.getbasetemp() / "generated_metrics.jsonl"  # rewritten by each example
     lines = [line.replace(b"\n", b" ") for line in lines]

@@ -220,23 +220,42 @@ def test_each_option_learns_a_batch(options):
 
 def tiny_overrides(shakespeare_path, data_dir, out_dir, *extra):
     return [
-        f"data.path={shakespeare_path}", f"data.out_dir={data_dir}", f"train.out_dir={out_dir}",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        "train.batch_size=4", "train.eval_iters=2", "train.log_interval=1", "train.warmup_iters=2", "train.device=cpu", *extra,
+        f"data.path={shakespeare_path}",
+        f"data.out_dir={data_dir}",
+        f"train.out_dir={out_dir}",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=4",
+        "train.eval_iters=2",
+        "train.log_interval=1",
+        "train.warmup_iters=2",
+        "train.device=cpu",
+        *extra,
     ]
 
 
-ALL_OPTIONS = ["train.optimizer=muon", "model.mlp=relu2", "model.qk_norm=true", "model.logit_softcap=10",
-               "model.zero_init_proj=true", "model.tie_embeddings=false", "model.pos=rope", "model.norm=rmsnorm"]
+ALL_OPTIONS = [
+    "train.optimizer=muon",
+    "model.mlp=relu2",
+    "model.qk_norm=true",
+    "model.logit_softcap=10",
+    "model.zero_init_proj=true",
+    "model.tie_embeddings=false",
+    "model.pos=rope",
+    "model.norm=rmsnorm",
+]
 
 
 def test_all_options_train_and_resume_bit_identically(shakespeare_path, tmp_path, monkeypatch):
     data = tmp_path / "data"
 
     def cfg(out, *extra):
-        return load_config(ROOT / "configs" / "shakespeare_char_cpu.yaml",
-                           tiny_overrides(shakespeare_path, data, out, *ALL_OPTIONS, "train.max_iters=12",
-                                          "train.eval_interval=6", *extra))
+        return load_config(
+            ROOT / "configs" / "shakespeare_char_cpu.yaml",
+            tiny_overrides(shakespeare_path, data, out, *ALL_OPTIONS, "train.max_iters=12", "train.eval_interval=6", *extra),
+        )
 
     straight = train(cfg(tmp_path / "a"), progress=False)
     interrupt_after(monkeypatch, 5)
@@ -260,8 +279,18 @@ def test_a_time_budget_stops_while_one_step_and_the_final_evaluation_still_fit(m
     clock = {"now": 1000.0}
     monkeypatch.setattr(schedule.time, "time", lambda: clock["now"])
     t = SimpleNamespace(
-        budget_s=10.0, budget_ended=False, fitted=True, fit_at=10, fit_step=10, horizon=10_000, step=16, first_step=0, t_start=1000.0,
-        reserve_s=1.0, pace_mark=(1000.0, 0), cfg=SimpleNamespace(train=TrainConfig(max_iters=10_000)),
+        budget_s=10.0,
+        budget_ended=False,
+        fitted=True,
+        fit_at=10,
+        fit_step=10,
+        horizon=10_000,
+        step=16,
+        first_step=0,
+        t_start=1000.0,
+        reserve_s=1.0,
+        pace_mark=(1000.0, 0),
+        cfg=SimpleNamespace(train=TrainConfig(max_iters=10_000)),
         ddp=SimpleNamespace(any=bool, world_size=1),
     )
     t.elapsed = lambda: clock["now"] - t.t_start
@@ -279,8 +308,19 @@ def test_the_pace_leaves_out_the_first_steps_one_time_costs(monkeypatch):
     monkeypatch.setattr(schedule.time, "time", lambda: clock["now"])
     tc = TrainConfig(max_iters=10_000, warmup_iters=0, eval_interval=10_000, eval_iters=1)
     t = SimpleNamespace(
-        budget_s=120.0, budget_ended=False, fitted=False, fit_at=10, fit_step=10, horizon=10_000, step=0, first_step=0, t_start=1000.0,
-        reserve_s=0.0, pace_mark=None, cfg=SimpleNamespace(train=tc), ddp=SimpleNamespace(any=bool, broadcast_int=int, world_size=1),
+        budget_s=120.0,
+        budget_ended=False,
+        fitted=False,
+        fit_at=10,
+        fit_step=10,
+        horizon=10_000,
+        step=0,
+        first_step=0,
+        t_start=1000.0,
+        reserve_s=0.0,
+        pace_mark=None,
+        cfg=SimpleNamespace(train=tc),
+        ddp=SimpleNamespace(any=bool, broadcast_int=int, world_size=1),
     )
     t.elapsed = lambda: clock["now"] - t.t_start
     for step in range(1, 11):

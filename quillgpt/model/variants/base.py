@@ -41,8 +41,9 @@ class Variant:
         """(B, T) query and (B, S) key positions → (B, 1, T, S) boolean mask, True = may attend."""
         return attention_mask(q_pos, k_pos, span)
 
-    def plan(self, pos: Tensor | None, cache: Any, rows: Tensor | None, span: int, prefix_len: Tensor | None,
-             dtype: torch.dtype) -> tuple[Tensor | None, Any]:
+    def plan(
+        self, pos: Tensor | None, cache: Any, rows: Tensor | None, span: int, prefix_len: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor | None, Any]:
         """One forward's (mask as an additive bias, cache write plan) for tokens at positions pos
         (B or 1, T); pos None is the plain causal case (no mask: sdpa's is_causal fast path)."""
         if pos is None:
@@ -72,8 +73,7 @@ class Variant:
         own terms (a flag, an HTTP field)."""
         return None
 
-    def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int,
-                   device: torch.device | str, dtype: torch.dtype) -> Any:
+    def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int, device: torch.device | str, dtype: torch.dtype) -> Any:
         """An empty generation cache for `rows` rows."""
         return KVCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_size, capacity, span, device, dtype)
 

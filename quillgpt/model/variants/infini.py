@@ -140,8 +140,14 @@ class InfiniCache:
     """
 
     def __init__(
-        self, n_layer: int, rows: int, kv_heads: int, head_dim: int, segment: int,
-        device: torch.device | str, dtype: torch.dtype,
+        self,
+        n_layer: int,
+        rows: int,
+        kv_heads: int,
+        head_dim: int,
+        segment: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
     ) -> None:
         self.mem = torch.zeros(n_layer, rows, kv_heads, head_dim, head_dim, device=device)
         self.norm = torch.zeros(n_layer, rows, kv_heads, head_dim, device=device)
@@ -181,8 +187,9 @@ class InfiniCache:
             raise ValueError("an InfiniCache takes all its rows at once (rows move in lockstep)")
         start = int(pos[0, 0])
         if start != self.seen:
-            raise ValueError(f"positions must continue the Infini-attention cache: it holds {self.seen} tokens, "
-                             f"the new ones start at {start}")
+            raise ValueError(
+                f"positions must continue the Infini-attention cache: it holds {self.seen} tokens, the new ones start at {start}"
+            )
         n = self.seen % self.segment
         self.seen += pos.shape[1]
         return n
@@ -216,9 +223,7 @@ class InfiniAttention(SelfAttention):
         cache = inputs.cache
         state = SegmentState.empty(x.shape[0], self.kv_heads, self.head_dim, k) if cache is None else cache.layer_state(layer, inputs.plan)
         need_weights = inputs.need_weights and cache is None  # the maps of one forward from an empty state
-        y, state, chunks = infini_attend(
-            q, k, v, state, self.beta, self.segment, self.update, self.impl, self.dropout_p, need_weights
-        )
+        y, state, chunks = infini_attend(q, k, v, state, self.beta, self.segment, self.update, self.impl, self.dropout_p, need_weights)
         if cache is not None:
             cache.store(layer, state)
         return self.out(y), _block_diagonal(chunks, x.shape[1]) if need_weights else None
@@ -257,8 +262,9 @@ class Infini(Variant):
     def span(self, cfg: ModelConfig) -> int:
         return cfg.segment_size  # the dot-product part; the memory sees everything before
 
-    def plan(self, pos: Tensor | None, cache: Any, rows: Tensor | None, span: int, prefix_len: Tensor | None,
-             dtype: torch.dtype) -> tuple[Tensor | None, Any]:
+    def plan(
+        self, pos: Tensor | None, cache: Any, rows: Tensor | None, span: int, prefix_len: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor | None, Any]:
         return None, (cache.plan(pos, rows) if cache is not None else None)  # no mask: segments decide
 
     def embed_positions(self, cfg: ModelConfig, pos: Tensor) -> Tensor:
@@ -272,8 +278,9 @@ class Infini(Variant):
     def context(self, cfg: ModelConfig, span: int) -> int | None:
         return None  # the memory holds every earlier token
 
-    def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int,
-                   device: torch.device | str, dtype: torch.dtype) -> InfiniCache:
+    def make_cache(
+        self, cfg: ModelConfig, rows: int, capacity: int, span: int, device: torch.device | str, dtype: torch.dtype
+    ) -> InfiniCache:
         return InfiniCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_size, cfg.segment_size, device, dtype)
 
     def shows(self, model: nn.Module) -> dict[str, Any]:
