@@ -16,8 +16,10 @@ from typing import Any, TextIO
 
 import typer
 
+from quillgpt.checkpoint import resolve_checkpoint
 from quillgpt.errors import QuillError
 from quillgpt.files import check_input, check_output_file
+from quillgpt.runs import load_run, merge_run
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
 # from typer's own copy of click (typer._click, no click dependency) in newer typer.
@@ -227,7 +229,6 @@ def _open_generation(
     """Check the flags (before the checkpoint loads), load the run, convert and quantize its
     model, and set up the generation (whose engine checks the KV cache fits before anything is
     made per sample): (run, Generation, SamplingParams)."""
-    from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.generate import Generation
@@ -299,10 +300,9 @@ def chat_cmd(
     a quill-trained (base) model continues a User:/Assistant: transcript. /reset clears the
     conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops one reply.
     """
-    from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.chat import ChatSession, repl
+    from quillgpt.inference.chat_session import ChatSession, repl
     from quillgpt.model.quant import parse_quantize, weights_note
 
     flags = dict(
@@ -465,7 +465,6 @@ def attention_cmd(
     The summary gives each head's mean attention distance, entropy and weight on the first
     token, the numbers that tell local heads from far-looking and first-token ("sink") heads.
     """
-    from quillgpt.checkpoint import load_run
     from quillgpt.device import resolve_device
     from quillgpt.evaluate import attention_views as viz
     from quillgpt.model.quant import parse_quantize
@@ -530,7 +529,7 @@ def plot_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out that is not an earlier plot image (e.g. a run's file)."),
 ) -> None:
     """Train and val loss of one or more runs on one plot (works while a run is training)."""
-    from quillgpt.train.curves import plot_runs
+    from quillgpt.evaluate.curves import plot_runs
 
     kind = out.suffix.lower().lstrip(".")
     check_output_file(
@@ -591,7 +590,6 @@ def merge_cmd(
 ) -> None:
     """Merge a LoRA run's adapters into its base: a plain run that needs neither (every command
     also takes the LoRA run directly, merging at load)."""
-    from quillgpt.checkpoint import merge_run
 
     path = merge_run(run, out, which=which, force=force)
     print(f"merged {run} ({which}) into its base → {path}: use it as any run, or fine-tune it with train.init_from={out}")
@@ -638,7 +636,6 @@ def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 def _checkpoint_inputs(ckpt: Path, which: str) -> tuple[Path, ...]:
     """The checkpoint file a command reads (an output must never replace it); () when it cannot
     be resolved (loading it then says why)."""
-    from quillgpt.checkpoint import resolve_checkpoint
 
     try:
         return (resolve_checkpoint(ckpt, which),)

@@ -175,6 +175,11 @@ class ModelConfig:
         return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
 
     @property
+    def train_prefix_max(self) -> int:
+        """A prefix-LM's largest training prefix: model.prefix_max, or block_size / 2."""
+        return self.block_size // 2 if self.prefix_max is None else self.prefix_max
+
+    @property
     def hidden_dim(self) -> int:
         if self.mlp_hidden is not None:
             return self.mlp_hidden

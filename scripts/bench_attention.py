@@ -21,12 +21,11 @@ import numpy as np
 import torch
 
 from quillgpt.config import ModelConfig, TrainConfig
+from quillgpt.data.prefix_batches import PrefixLengths, mask_prefix_targets
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
-from quillgpt.model.variants.prefix import mask_prefix_targets
 from quillgpt.train.optim import build_optimizer
-from quillgpt.train.prefix_batches import PrefixLengths
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 VARIANTS = {

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from quillgpt.data.chat import ROLE_NAMES, Message, conversation_tokens
+from quillgpt.data.chat_template import ROLE_NAMES, Message, conversation_tokens
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from quillgpt.data.chat import end_of_turn
+from quillgpt.data.chat_template import end_of_turn
 from quillgpt.data.tokenizer import Tokenizer, find_safe_cut
 from quillgpt.errors import QuillError
 

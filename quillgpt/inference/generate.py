@@ -24,10 +24,10 @@ from torch import Tensor
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.inference.driver import Piece, TextBatch, TextStream, encode_prompt
 from quillgpt.inference.engine import Engine, RowFailed, Rows, check_prompt
 from quillgpt.inference.recompute import Recompute
 from quillgpt.inference.sampling import SamplingParams, offset_seed
-from quillgpt.inference.text import Piece, TextBatch, TextStream, encode_prompt
 from quillgpt.model.gpt import GPT
 
 

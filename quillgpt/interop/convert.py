@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from quillgpt import checkpoint as ckpt
+from quillgpt import runs
 from quillgpt.config import Config, ModelConfig
 from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
@@ -108,7 +109,7 @@ def _write_run(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, stat
     cfg.data.out_dir = f"data/{out_dir.name}_data"
     # Training with this config.yaml fine-tunes the import into a new directory, never over it.
     cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
-    ckpt.write_run(out_dir, cfg, tokenizer, state, imported_from=source)
+    runs.write_run(out_dir, cfg, tokenizer, state, imported_from=source)
 
 
 def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Converted:
@@ -118,7 +119,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     st_torch = require("safetensors.torch")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
-    loaded = ckpt.load_run(run, which=which)
+    loaded = runs.load_run(run, which=which)
     cfg, tok = loaded.config.model, loaded.tokenizer
     as_gpt2, as_llama = gpt2.gpt2_incompatibilities(cfg), llama.llama_incompatibilities(cfg)
     if as_gpt2 and as_llama:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from quillgpt import checkpoint as ckpt
+from quillgpt import runs
 from quillgpt.config import ModelConfig, config_from_dict, shown_value
 from quillgpt.errors import QuillError
 from quillgpt.model.variants import variant_of
@@ -183,7 +184,7 @@ def hf_to_quill_state(hf_state: dict[str, Tensor], cfg: ModelConfig) -> dict[str
             state["lm_head.weight"] = wte  # one tensor under both names, as in the tied model
     elif head is not None:
         state["lm_head.weight"] = head.float()
-    problems = ckpt.weight_mismatches(state, cfg)
+    problems = runs.weight_mismatches(state, cfg)
     if problems:
         raise QuillError(
             f"the weights do not match a GPT-2 of this config.json ({problems}); "

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from quillgpt.errors import QuillError
+from quillgpt.inference.driver import Piece, TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
-from quillgpt.inference.text import Piece, TextBatch, TextStream
 
 if TYPE_CHECKING:
     from quillgpt.inference.engine import Engine

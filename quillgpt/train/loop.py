@@ -39,6 +39,7 @@ from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, parse_duration
 from quillgpt.data.batches import BatchSampler, fixed_windows
 from quillgpt.data.chat_batches import ChatRows, ChatSampler
+from quillgpt.data.prefix_batches import PrefixLengths, PrefixSampler, separator_id
 from quillgpt.data.prepare import PreparedData, load_prepared, load_tokens
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import peak_flops, resolve_dtype
@@ -66,7 +67,6 @@ from quillgpt.train.distributed import (
 from quillgpt.train.memory import check_train_memory
 from quillgpt.train.metrics import MetricsWriter
 from quillgpt.train.optim import build_optimizer
-from quillgpt.train.prefix_batches import PrefixLengths, PrefixSampler, separator_id
 from quillgpt.train.progress import Progress, startup_line
 from quillgpt.train.run_dir import init_from_run, load_resume_state, open_run, start_run
 from quillgpt.train.schedule import FIT_AFTER_STEPS, follow_budget, lr_at

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
@@ -261,7 +262,6 @@ def test_attention_view_reports_each_heads_gate():
 def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path, tmp_path):
     from pathlib import Path
 
-    from quillgpt.checkpoint import load_checkpoint
     from quillgpt.config import load_config
     from quillgpt.model.variants.infini import GATE_LR_MULT
     from quillgpt.train.loop import train

@@ -11,17 +11,17 @@ import torch
 from serve_support import tiny_run_dir
 from support import ROOT
 
-from quillgpt.checkpoint import load_run
 from quillgpt.cli import main
 from quillgpt.config import ModelConfig
-from quillgpt.data.chat import TRANSCRIPT_STOPS, transcript
-from quillgpt.inference.chat import ChatSession, chat_prompt_ids, fitting, repl
+from quillgpt.data.chat_template import TRANSCRIPT_STOPS, transcript
+from quillgpt.inference.chat_session import ChatSession, chat_prompt_ids, fitting, repl
+from quillgpt.inference.driver import encode_prompt
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.inference.sampling import SamplingParams
-from quillgpt.inference.text import encode_prompt
 from quillgpt.interop.convert import import_hf
 from quillgpt.model.gpt import GPT
 from quillgpt.model.quant import quantize
+from quillgpt.runs import load_run
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -170,7 +170,7 @@ def test_a_first_token_that_cannot_become_text_fails_the_reply(quill_run, monkey
     """The first token's failure comes back as a Piece with an error (not a raise): it is the
     reply's one QuillError too, never an empty reply."""
     from quillgpt.errors import QuillError
-    from quillgpt.inference import text as text_mod
+    from quillgpt.inference import driver as text_mod
 
     def undecodable(stream, token, finish):
         raise ValueError(f"no text for id {token}")

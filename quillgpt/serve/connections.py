@@ -23,7 +23,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from quillgpt.serve.app import Drain
+from quillgpt.serve.routes import Drain
 
 GRACE_S = 1.0  # uvicorn waits this much past the drain before it cancels what is still running
 LINGER_IDLE_S = 2.0  # after a reply sent mid-upload, the rest is read and dropped until this long a pause

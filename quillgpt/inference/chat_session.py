@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
-from quillgpt.data.chat import TRANSCRIPT_STOPS, Message, conversation_ids
+from quillgpt.data.chat_template import TRANSCRIPT_STOPS, Message, conversation_ids
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.inference.driver import TextBatch
 from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
 from quillgpt.inference.sampling import SamplingParams
-from quillgpt.inference.text import TextBatch
 from quillgpt.model.gpt import GPT
 
 
