@@ -664,7 +664,8 @@ def tokenizer_train_cmd(
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
     import time
 
-    from quillgpt.data.tokenizer import build_tokenizer, save_tokenizer, text_chunks
+    from quillgpt.data.tokenizer import text_chunks
+    from quillgpt.data.tokenizer_files import build_tokenizer, save_tokenizer
     from quillgpt.files import read_text
 
     check_output_file(out, "--out", force=force, inputs=(input_path,), fresh=True)

@@ -21,7 +21,8 @@ import torch
 
 from quillgpt.checkpoint import BEST, LATEST, clean_state_dict, load_checkpoint, resolve_checkpoint, save_checkpoint, weights_checksum
 from quillgpt.config import Config, LoraConfig, ModelConfig, config_from_dict, save_config
-from quillgpt.data.tokenizer import Tokenizer, save_tokenizer, tokenizer_from_spec
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import made_dir, shown

@@ -68,7 +68,7 @@ from quillgpt import runs  # noqa: E402
 from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
 from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows  # noqa: E402
 from quillgpt.data.prepare import load_tokens, prepare  # noqa: E402
-from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
+from quillgpt.data.tokenizer_files import build_tokenizer  # noqa: E402
 from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.engine import in_dtype  # noqa: E402

@@ -23,8 +23,8 @@ import torch
 from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.data.prefix_batches import PrefixLengths, mask_prefix_targets
 from quillgpt.inference.engine import Engine
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
+from quillgpt.sampling_params import SamplingParams
 from quillgpt.train.optim import build_optimizer
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"

@@ -18,8 +18,8 @@ from quillgpt.errors import QuillError
 from quillgpt.inference.driver import TextBatch
 from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
+from quillgpt.sampling_params import SamplingParams
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], tuple[str, ...]]:

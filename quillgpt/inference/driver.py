@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.inference.engine import RowFailed, Rows, RowToken
-from quillgpt.inference.sampling import SamplingParams
+from quillgpt.sampling_params import SamplingParams
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:

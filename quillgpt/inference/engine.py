@@ -38,8 +38,9 @@ from torch import Tensor
 
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
-from quillgpt.inference.sampling import SamplingParams, row_generator, sample_rows
+from quillgpt.inference.sampling import row_generator, sample_rows
 from quillgpt.model.gpt import GPT
+from quillgpt.sampling_params import SamplingParams
 
 # max_new_tokens reached; a stop string; a stop token (end of text / turn); the row failed (RowFailed)
 FINISH_REASONS = ("length", "stop", "eot", "error")

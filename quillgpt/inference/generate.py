@@ -27,8 +27,8 @@ from quillgpt.errors import QuillError
 from quillgpt.inference.driver import Piece, TextBatch, TextStream, encode_prompt
 from quillgpt.inference.engine import Engine, RowFailed, Rows, check_prompt
 from quillgpt.inference.recompute import Recompute
-from quillgpt.inference.sampling import SamplingParams, offset_seed
 from quillgpt.model.gpt import GPT
+from quillgpt.sampling_params import SamplingParams, offset_seed
 
 
 def row_params(params: SamplingParams, row: int) -> SamplingParams:

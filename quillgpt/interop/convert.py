@@ -21,7 +21,8 @@ import torch
 from quillgpt import checkpoint as ckpt
 from quillgpt import runs
 from quillgpt.config import Config, ModelConfig
-from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_text, shown
 from quillgpt.interop import gpt2, llama

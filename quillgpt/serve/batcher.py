@@ -28,7 +28,7 @@ from quillgpt.inference.engine import RowFailed
 
 if TYPE_CHECKING:
     from quillgpt.inference.engine import Engine
-    from quillgpt.inference.sampling import SamplingParams
+    from quillgpt.sampling_params import SamplingParams
 
 log = logging.getLogger("quillgpt.serve")
 

@@ -31,7 +31,7 @@ from quillgpt.inference.chat_session import chat_prompt_ids, fitting
 from quillgpt.inference.driver import TextStream, encode_prompt
 from quillgpt.inference.engine import check_room
 from quillgpt.inference.generate import row_params
-from quillgpt.inference.sampling import InvalidParam, SamplingParams
+from quillgpt.sampling_params import InvalidParam, SamplingParams
 from quillgpt.serve.access_log import AccessLog
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.errors import APIError, install_handlers

@@ -8,13 +8,12 @@ fitted to the pace, and may still change with it (see schedule.follow_budget).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-if TYPE_CHECKING:
-    from quillgpt.train.loop import Trainer
+from quillgpt.train.state import Trainer
 
 
 def startup_line(t: Trainer, tokens_per_step: int, resumed: bool) -> str:

@@ -19,26 +19,23 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
 from quillgpt import runs
-from quillgpt.config import Config, LoraConfig, ModelConfig, TrainConfig, save_config
+from quillgpt.config import Config, LoraConfig, ModelConfig, TrainConfig, save_config, with_base_tokenizer
 from quillgpt.data.prepare import PreparedData, prepare
-from quillgpt.data.tokenizer import save_tokenizer, tokenizer_from_spec
+from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
 from quillgpt.files import check_output_dir, probe_writable, shown
 from quillgpt.metrics_log import METRICS
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import Dist
 from quillgpt.train.metrics import MetricsWriter, check_tensorboard, truncate_metrics
-
-if TYPE_CHECKING:
-    from quillgpt.train.loop import Trainer
-
+from quillgpt.train.state import Trainer
 
 # What a run writes into train.out_dir (name → output kind): an existing file of these that is
 # not a run's (an HF model's tokenizer.json, someone's config.yaml) is never replaced silently.
@@ -101,6 +98,7 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
     prepared data and whether to resume. Rank 0 does the checks before any rank does work, and a
     refusal there stops every rank (instead of leaving them waiting for rank 0 forever)."""
     out_dir, failure, resuming = Path(cfg.train.out_dir), None, False
+    with_base_tokenizer(cfg)  # a Config built in Python, not by load_config
     if ddp.master:
         try:
             probe_writable(out_dir, "train.out_dir")

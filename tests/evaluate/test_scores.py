@@ -15,7 +15,7 @@ from quillgpt.checkpoint import load_checkpoint, save_checkpoint
 from quillgpt.config import ModelConfig, load_config
 from quillgpt.data.batches import fixed_windows
 from quillgpt.data.prepare import load_tokens
-from quillgpt.data.tokenizer import build_tokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
 from quillgpt.metrics_log import read_metrics

@@ -17,11 +17,11 @@ from quillgpt.data.chat_template import TRANSCRIPT_STOPS, transcript
 from quillgpt.inference.chat_session import ChatSession, chat_prompt_ids, fitting, repl
 from quillgpt.inference.driver import encode_prompt
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.interop.convert import import_hf
 from quillgpt.model.gpt import GPT
 from quillgpt.model.quant import quantize
 from quillgpt.runs import load_run
+from quillgpt.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 

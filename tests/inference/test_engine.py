@@ -15,9 +15,9 @@ from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
 from quillgpt.model.quant import Int8Linear, KernelPlan, quantize
+from quillgpt.sampling_params import SamplingParams
 
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 GREEDY = SamplingParams(max_new_tokens=30)

@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.cli import main  # noqa: E402
 from quillgpt.config import Config, ModelConfig, load_config  # noqa: E402
-from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
+from quillgpt.data.tokenizer_files import build_tokenizer  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402

@@ -273,7 +273,7 @@ def test_serve_chat_uses_the_template_and_ends_at_the_end_of_turn(imported):
     from serve_support import running_server
 
     from quillgpt.inference.chat_session import ChatSession
-    from quillgpt.inference.sampling import SamplingParams
+    from quillgpt.sampling_params import SamplingParams
 
     openai = pytest.importorskip("openai")
     _, _, run_dir = imported["qwen2"]
@@ -340,7 +340,7 @@ def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shak
     transformers gives any qwen2 model Qwen's pre-tokenizer; QK-norm → Qwen3; a window → Mistral):
     transformers gives the same logits, and the exported tokenizer.json the same ids as quill's own."""
     from quillgpt.config import Config, ModelConfig
-    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.model.gpt import GPT
 
     text = shakespeare_path.read_text(encoding="utf-8")[:20000]

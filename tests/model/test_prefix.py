@@ -152,7 +152,7 @@ def test_eval_scores_the_tokens_after_the_prefix():
 
 
 def test_attention_view_shows_the_square_prompt_block():
-    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.evaluate import attention_views as viz
 
     tok = build_tokenizer("char", text="abcdefghij")

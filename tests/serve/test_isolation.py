@@ -16,9 +16,9 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from serve_support import running_server, tiny_run_dir
 
-from quillgpt.config import MAX_SEED
 from quillgpt.inference.engine import Engine
 from quillgpt.runs import load_run
+from quillgpt.sampling_params import MAX_SEED
 
 MODEL = "tiny"
 MARKS = {"X": "prefill raises", "Z": "prefill NaN", "Q": "NaN at the 3rd step", "W": "a step raises"}

@@ -29,8 +29,8 @@ from quillgpt.evaluate.attention_views import attention_weights
 from quillgpt.inference.driver import TextStream, encode_prompt
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_text
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.runs import load_run
+from quillgpt.sampling_params import SamplingParams
 from quillgpt.serve.batcher import Batcher, Event, Job
 from quillgpt.serve.schemas import ChatMessage
 
@@ -167,7 +167,7 @@ def utf8_run_dir(tmp_path_factory):
     "日" (bytes E6 97 A5) as three single-byte tokens ranked first, then "!". Greedy with a
     strong repetition penalty walks down that ranking: E6, 97, A5, "!"."""
     from quillgpt.config import config_from_dict
-    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.model.gpt import GPT
 
     tok = build_tokenizer("gpt2")
