@@ -7,7 +7,6 @@ neither imports the other: this module is the one place that knows all kinds.
 from __future__ import annotations
 
 import base64
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from quillgpt.data.tokenizer import (
     train_bpe,
 )
 from quillgpt.errors import QuillError
-from quillgpt.files import os_error, read_text, shown, write_file
+from quillgpt.files import os_error, read_json, shown, write_file
 
 
 def build_tokenizer(name: str, text: str | None = None, vocab_size: int = 4096) -> Tokenizer:
@@ -88,12 +87,8 @@ def save_tokenizer(tok: Tokenizer, path: str | Path, what: str = "tokenizer file
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path)
-    text = read_text(path, "tokenizer file", hint=" (create one with `quill tokenizer train`)", limit=MAX_TOKENIZER_BYTES)
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
-        raise QuillError(f"{shown(path)} is not a tokenizer JSON file ({why})") from None
+    hint = " (create one with `quill tokenizer train`)"
+    data = read_json(path, "tokenizer file", MAX_TOKENIZER_BYTES, kind="a tokenizer JSON file", hint=hint)
     if isinstance(data, dict) and "model" in data and "added_tokens" in data:  # a Hugging Face tokenizer.json
         return load_hf_tokenizer(path.parent)
     if not isinstance(data, dict) or data.get("format") != "quillgpt-tokenizer":

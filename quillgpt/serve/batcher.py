@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from quillgpt.errors import QuillError
 from quillgpt.inference.driver import Piece, TextBatch, TextStream
@@ -39,7 +39,7 @@ class Event:
 
     index: int  # the choice index in its request
     text: str = ""
-    finish: str | None = None  # "stop", "length" (OpenAI's reasons), or "error" (then text is the message)
+    finish: Literal["stop", "length", "error"] | None = None  # OpenAI's reasons, or "error" (then text is the message)
     tokens: int = 0  # completion tokens so far
     status: int = 500  # with finish "error": the HTTP status it maps to
 

@@ -36,7 +36,8 @@ def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch
     from quillgpt.serve.routes import create_app
 
     tokens = options.max_prompt_tokens + options.max_tokens  # the most a request's row can hold
-    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens)
+    fix = "serve fewer rows at once (--max-batch) or use a smaller dtype (--dtype bfloat16)"
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens, memory_fix=fix)
     return create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
 
 
