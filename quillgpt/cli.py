@@ -8,9 +8,12 @@ code 2; `QUILL_DEBUG=1` shows the traceback instead.
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -52,6 +55,16 @@ TOP_P_OPT = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens 
 MIN_P_OPT = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1).")
 REPETITION_OPT = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off.")
 SEED_OPT = typer.Option(None, "--seed", help="Same seed, same text.")
+# The sampling flags `sample` and `chat` share, each defined once: name → (type, option).
+SAMPLING_FLAGS: dict[str, tuple[Any, Any]] = {
+    "max_new_tokens": (int | None, MAX_NEW_OPT),
+    "temperature": (float | None, TEMPERATURE_OPT),
+    "top_k": (int | None, TOP_K_OPT),
+    "top_p": (float | None, TOP_P_OPT),
+    "min_p": (float | None, MIN_P_OPT),
+    "repetition_penalty": (float | None, REPETITION_OPT),
+    "seed": (int | None, SEED_OPT),
+}
 DTYPE_OPT = typer.Option(
     "float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token."
 )
@@ -61,6 +74,29 @@ QUANT_OPT = typer.Option(
     "--quantize",
     help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.",
 )
+
+
+def with_sampling_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with the shared sampling flags in place of its `flags` parameter: it gets them as
+    one dict (None: not given), already checked, so a bad flag fails before a checkpoint loads."""
+    from quillgpt.config import SampleConfig
+
+    signature = inspect.signature(command)
+    shared = [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=o, annotation=a) for n, (a, o) in SAMPLING_FLAGS.items()
+    ]
+    params = [q for p in signature.parameters.values() for q in (shared if p.name == "flags" else [p])]
+
+    @functools.wraps(command)
+    def with_flags(**kwargs: Any) -> None:
+        flags = {name: kwargs.pop(name) for name in SAMPLING_FLAGS}
+        SampleConfig().params(**flags)
+        return command(**kwargs, flags=flags)
+
+    with_flags.__signature__ = signature.replace(parameters=params)  # what typer reads
+    hints = {k: v for k, v in command.__annotations__.items() if k != "flags"}
+    with_flags.__annotations__ = {**hints, **{name: kind for name, (kind, _) in SAMPLING_FLAGS.items()}}
+    return with_flags
 
 
 # --- commands (each: parse → one library call → print) ------------------------------------
@@ -136,6 +172,7 @@ def train(
 
 
 @app.command("sample")
+@with_sampling_flags
 def sample_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
     prompt: str | None = typer.Option(
@@ -148,13 +185,7 @@ def sample_cmd(
         None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."
     ),
     which: str = WHICH_OPT,
-    max_new_tokens: int | None = MAX_NEW_OPT,
-    temperature: float | None = TEMPERATURE_OPT,
-    top_k: int | None = TOP_K_OPT,
-    top_p: float | None = TOP_P_OPT,
-    min_p: float | None = MIN_P_OPT,
-    repetition_penalty: float | None = REPETITION_OPT,
-    seed: int | None = SEED_OPT,
+    flags: dict[str, Any] = {},  # noqa: B006 (with_sampling_flags puts the shared flags here)
     num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
     stop: list[str] | None = typer.Option(
         None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."
@@ -181,15 +212,6 @@ def sample_cmd(
     follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
     """
     text = _sample_prompt(prompt, prompt_file)
-    flags = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-    )
     stops = tuple(_unescape(s) for s in stop or [])
     run, gen, params = _open_generation(
         ckpt, which, device, dtype, quant, text, num_samples, flags, stops, use_cache=not no_kv_cache, compile=compile
@@ -279,17 +301,12 @@ def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quan
 
 
 @app.command("chat")
+@with_sampling_flags
 def chat_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file (an imported chat model, or any quill run)."),
     which: str = WHICH_OPT,
     system: str | None = typer.Option(None, "--system", help="A system message that starts the conversation (and stays after /reset)."),
-    max_new_tokens: int | None = MAX_NEW_OPT,
-    temperature: float | None = TEMPERATURE_OPT,
-    top_k: int | None = TOP_K_OPT,
-    top_p: float | None = TOP_P_OPT,
-    min_p: float | None = MIN_P_OPT,
-    repetition_penalty: float | None = REPETITION_OPT,
-    seed: int | None = SEED_OPT,
+    flags: dict[str, Any] = {},  # noqa: B006 (with_sampling_flags puts the shared flags here)
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = DTYPE_OPT,
     quant: str = QUANT_OPT,
@@ -300,22 +317,11 @@ def chat_cmd(
     a quill-trained (base) model continues a User:/Assistant: transcript. /reset clears the
     conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops one reply.
     """
-    from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.chat_session import ChatSession, repl
     from quillgpt.model.quant import parse_quantize, weights_note
 
-    flags = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-    )
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
-    SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
     how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"

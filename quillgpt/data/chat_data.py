@@ -7,7 +7,7 @@ A line is one conversation, in OpenAI's chat format or as a prompt/completion pa
 
 Roles are system, developer (= system), user and assistant; every assistant turn must say
 something, and a conversation needs at least one. Each conversation is rendered with the model's
-chat template, or quill's transcript (data/chat.py, which also finds the assistant's tokens), and
+chat template, or quill's transcript (data/chat_template.py, which also finds the assistant's tokens), and
 stored as its ids in the token shards plus a parallel uint8 flags shard: ASSISTANT marks the
 assistant's tokens (the only ones the loss counts), START each conversation's first token.
 

@@ -53,7 +53,7 @@ class Tokenizer:
     vocab_size: int
     eot_id: int | None  # end of text: separates documents, ends generation
     bos_id: int | None = None  # put before every prompt, scored text and document (Llama 3's <|begin_of_text|>)
-    chat_template: str | None = None  # the model's own (Jinja); None: quill's transcript (data/chat.py)
+    chat_template: str | None = None  # the model's own (Jinja); None: quill's transcript (data/chat_template.py)
     cuts_pieces: bool = True  # a document may be cut into pieces (at safe cuts) and tokenized in parallel
 
     @property

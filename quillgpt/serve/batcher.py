@@ -4,7 +4,7 @@ Requests enter a queue as `Job`s (one per choice). At every step of the loop, jo
 went away leave their row, waiting jobs join free rows (up to the engine's `max_rows`), and one
 decode step advances every active row, each with its own sampling settings and seed, so a job's
 tokens are the ones it gets alone. Rows join, step, finish and leave through the one driver,
-inference.text.TextBatch, which turns each job's tokens into text with its own `TextStream`
+inference.driver.TextBatch, which turns each job's tokens into text with its own `TextStream`
 (UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side through the
 job's `emit` callback. Work that must not run beside a decode step (the attention view) is
 queued as a plain call and runs between steps. A row that fails (engine.RowFailed) fails its

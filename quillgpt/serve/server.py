@@ -57,7 +57,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info", head_timeout_s: float = 10.0) -> uvicorn.Server:
     """uvicorn serving `app` (from create_app): request heads bounded by head_timeout_s, and on
-    shutdown running replies get drain_s seconds, then end themselves (serve/http.py)."""
+    shutdown running replies get drain_s seconds, then end themselves (serve/connections.py)."""
     import functools
 
     import uvicorn
