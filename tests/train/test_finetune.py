@@ -212,13 +212,13 @@ def test_quill_merge_writes_the_run_every_command_loads(base, tmp_path, capsys):
 
 
 def test_a_merge_that_fails_to_write_leaves_no_out_behind(base, tmp_path, monkeypatch, capsys):
-    import quillgpt.checkpoint as ckpt_mod
+    import quillgpt.runs as runs_mod
 
     def full(*args, **kwargs):
         raise QuillError("cannot write ckpt.pt: No space left on device")
 
     finetune(base, tmp_path / "lora", "lora.rank=2")
-    monkeypatch.setattr(ckpt_mod, "save_checkpoint", full)
+    monkeypatch.setattr(runs_mod, "save_checkpoint", full)  # what write_run calls
     assert main_code(["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "m" / "merged")]) == 2
     assert "No space left" in capsys.readouterr().err and not (tmp_path / "m").exists()
 
