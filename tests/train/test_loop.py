@@ -259,7 +259,7 @@ def test_a_second_train_never_replaces_a_run_unasked(shakespeare_path, data_dir,
     assert code == 2
     line = one_error_line(err)
     best = load_checkpoint(run / "best.pt")["val_loss"]
-    for part in (str(run), "step 2", f"best val loss {best:.4f}", "--resume", "--overwrite"):
+    for part in (str(run), "step 2", f"best val loss {best:.4f}", f"train.out_dir={run}-2", "--resume", "--overwrite"):
         assert part in line, line
     code, _, err = quill_train(capsys, args, "--resume", "--overwrite")
     assert code == 2 and "pass one of them" in one_error_line(err)
@@ -281,6 +281,48 @@ def test_a_second_train_never_replaces_a_run_unasked(shakespeare_path, data_dir,
     assert f"replaced the run in {run} (step 2" in out and "done: step 3" in out
     assert load_config(run / "config.yaml").train.overwrite is False  # reusing the run's config replaces nothing
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_other_data_never_replaces_the_data_a_run_trained_on(shakespeare_path, tmp_path, capsys):
+    """Two runs, one data.out_dir: the second run's other text is refused in one line naming both
+    sources and a data.out_dir of its own; the first run's data stay, so its eval still works."""
+    from quillgpt.data.prepare import load_prepared
+    from quillgpt.evaluate.scores import evaluate_checkpoint
+
+    shared = tmp_path / "data" / "shakespeare_char"
+    first = train(tiny_config(shakespeare_path, shared, tmp_path / "first", "train.max_iters=2"), progress=False)
+    meta = (shared / "meta.json").read_bytes()
+    mine = tmp_path / "mytext.txt"
+    mine.write_text(shakespeare_path.read_text(encoding="utf-8")[:20_000].upper(), encoding="utf-8")
+    args = tiny_overrides(shakespeare_path, shared, tmp_path / "mine", "train.max_iters=2", f"data.path={mine}")
+    code, _, err = quill_train(capsys, args)
+    line = one_error_line(err)
+    assert code == 2 and str(shakespeare_path) in line and str(mine) in line
+    assert f"data.out_dir={tmp_path / 'data' / 'mytext_char'}" in line and "--force" in line
+    assert (shared / "meta.json").read_bytes() == meta and not (tmp_path / "mine" / "ckpt.pt").exists()
+    assert evaluate_checkpoint(first.out_dir, device="cpu")[0].tokens > 0  # the first run's data, still its own
+    code, _, err = quill_train(capsys, [*args, f"data.out_dir={tmp_path / 'data' / 'mytext_char'}"])
+    assert code == 0, err
+    assert load_prepared(tmp_path / "data" / "mytext_char")[0]["sources"][0]["path"] == str(mine)
+    copy = tmp_path / "copy.txt"  # the same bytes under another name are the same data
+    copy.write_bytes(shakespeare_path.read_bytes())
+    assert train(tiny_config(shakespeare_path, shared, tmp_path / "third", "train.max_iters=1", f"data.path={copy}"), progress=False)
+
+
+def test_resume_reads_the_runs_recorded_data_and_needs_no_network(shakespeare_path, tmp_path, capsys, monkeypatch):
+    """`--config <the recipe> --resume` of a run trained on data.path=X: the recipe's download
+    (here a URL nothing answers) is never tried; the run's recorded data.path and data.out_dir are used."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mytext.txt"
+    mine.write_text(shakespeare_path.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    run = tmp_path / "run"
+    code, _, err = quill_train(capsys, tiny_overrides(mine, tmp_path / "mine_char", run, "train.max_iters=2"))
+    assert code == 0, err
+    recipe_args = [a for a in tiny_overrides(mine, "unused", run, "train.max_iters=4") if not a.startswith("data.")]
+    code, out, err = quill_train(capsys, [*recipe_args, "data.url=http://127.0.0.1:9/input.txt", "data.sha256=null"], "--resume")
+    assert code == 0, err
+    assert f"resuming on the data the run recorded (data.path={mine}, data.out_dir={tmp_path / 'mine_char'}" in out
+    assert "done: step 4" in out and not (tmp_path / "data").exists()  # nothing downloaded, no default data.out_dir
 
 
 def test_best_pt_holds_weights_only_and_loads_for_inference(finished):
