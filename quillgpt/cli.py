@@ -126,7 +126,7 @@ def train(
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
         best = f"{result.best_val_loss:.4f}" if math.isfinite(result.best_val_loss) else "none yet"
-        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.elapsed_s:.0f}s → {result.out_dir}")
+        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.time_text()} → {result.out_dir}")
         if result.reason:
             print(f"  ({result.reason})")
     if result.stopped == "interrupted":

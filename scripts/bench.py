@@ -1141,7 +1141,7 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             "bf16 matmul 8192³, random data",
             "TFLOP/s",
             matmul / 1e12,
-            note=f"datasheet dense bf16 (device.GPU_PEAKS): {peak_flops(device, torch.bfloat16) / 1e12:.0f}",
+            note=f"datasheet dense bf16 (device.GPU_PEAKS): {(peak_flops(device, torch.bfloat16) or math.nan) / 1e12:.0f}",
         )
     )
     report.print_group(group)
@@ -1154,7 +1154,7 @@ def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device, batch = torch.device("cuda"), args.gpu_batch
-    peak = peak_flops(device, torch.bfloat16)
+    peak = peak_flops(device, torch.bfloat16) or math.nan  # nan: a GPU without a datasheet entry, MFU "nan%"
     group = f"gpu: {name}, GPT-2-124M shape (12L/12H/768, block 1,024, vocab 50,304), batch {batch}, bf16"
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000).astype(np.uint16)
     tc = TrainConfig(batch_size=batch, learning_rate=6e-4, device="cuda")

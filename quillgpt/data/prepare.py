@@ -416,7 +416,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
 # What makes prepared data *other* data: a run trained on it reads it again (quill eval, --resume),
 # and its ids mean nothing under another tokenizer, its val loss nothing under another split.
 # A changed size or mtime of the same source file is the same data, edited: it is rebuilt.
-IDENTITY = ("text_field", "tokenizer_request", "val_fraction")
+IDENTITY = ("text_field", "val_fraction")
 
 
 def _describe_data(sources: list[dict[str, Any]], tokenizer: Any, val_fraction: Any) -> str:
@@ -452,6 +452,7 @@ def _check_same_data(cfg: DataConfig, out_dir: Path, want: dict[str, Any]) -> No
         return  # nothing prepared there (or an old, unreadable manifest): nothing to keep
     differs = [k for k in IDENTITY if k in meta and meta.get(k) != want.get(k)]
     differs += ["data_format"] if meta.get("data_format", "text") != want.get("data_format", "text") else []
+    differs += [] if _same_tokenizer(cfg, meta, want) else ["tokenizer"]
     if not differs and _same_sources(old_sources, want["sources"]):
         return
     suggestion = Path(cfg.out_dir).parent / _dataset_name(cfg, want)
@@ -462,6 +463,16 @@ def _check_same_data(cfg: DataConfig, out_dir: Path, want: dict[str, Any]) -> No
         f"this config's {new} would replace it: give it a "
         f"directory of its own with data.out_dir={suggestion}, or replace it on purpose with `quill prepare --config ... --force`"
     )
+
+
+def _same_tokenizer(cfg: DataConfig, meta: dict[str, Any], want: dict[str, Any]) -> bool:
+    """The same request, or a given tokenizer (a file, a name) that is the one the data were
+    made with: a fine-tune's base tokenizer.json over data its base prepared with `char`."""
+    if "tokenizer_request" not in meta or meta["tokenizer_request"] == want["tokenizer_request"]:
+        return True
+    if cfg.tokenizer in ("char", "bpe"):
+        return False  # learned from the text: known only once learned
+    return build_tokenizer(cfg.tokenizer).fingerprint() == meta.get("tokenizer_fingerprint")
 
 
 def _dataset_name(cfg: DataConfig, want: dict[str, Any]) -> str:

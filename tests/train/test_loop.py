@@ -1,6 +1,7 @@
 """The trainer: schedule, exact resume, DDP equivalence, and faults that keep work safe."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def test_lr_schedule_shapes():
     assert lr_at(99, const, 100) == 0.3
 
 
-def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path):
+def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "run_peak", lambda device, dtype: 1e12)  # a peak measured on a quiet machine
     result = train(tiny_config(shakespeare_path, data_dir, tmp_path / "run"), progress=False)
     run = tmp_path / "run"
     assert result.step == 8 and result.stopped == "done"
@@ -371,7 +373,8 @@ def test_wandb_is_refused_by_name_but_old_runs_still_load(finished, tmp_path):
     assert load_run(tmp_path / "old.pt").step == 2
 
 
-def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path):
+def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "run_peak", lambda device, dtype: 1e12)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
@@ -387,6 +390,24 @@ def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path)
 
 
 # --- time budget: the horizon is fitted once and checkpointed ------------------------------------
+
+
+@pytest.mark.parametrize("peak", [None, 1.0])  # unknown (a busy CPU, an unlisted GPU); one a step exceeds
+def test_mfu_is_shown_only_against_a_known_peak(shakespeare_path, data_dir, tmp_path, monkeypatch, peak):
+    monkeypatch.setattr(train_mod, "run_peak", lambda device, dtype: peak)
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "run", "train.max_iters=2"), progress=False)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records and all("mfu" not in r and r["tokens_per_sec"] > 0 for r in records)
+
+
+def test_warmup_as_long_as_the_run_is_a_warning(shakespeare_path, data_dir, tmp_path, capsys):
+    code, out, _ = quill_train(
+        capsys, tiny_overrides(shakespeare_path, data_dir, tmp_path / "a", "train.max_iters=3", "train.warmup_iters=30")
+    )
+    assert code == 0 and "warning: train.warmup_iters=30 ≥ train.max_iters=3: the learning rate never leaves its warmup" in out
+    assert "(it reaches 10% of train.learning_rate); set train.warmup_iters=1" in out  # lr_at(2) = 3/31 of the peak
+    code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, tmp_path / "b", "train.max_iters=3"))
+    assert code == 0 and "warmup" not in out
 
 
 def test_fit_horizon_counts_evaluations_and_stays_in_range():
@@ -506,6 +527,10 @@ def test_train_says_what_it_is_about_to_do_and_how_to_go_on_once_finished(shakes
     code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=4"), "--resume")
     assert code == 0 and f"resuming {run} from step 2: " in out and " thread(s), 64 tokens/step, 4 steps" in out
     assert out.splitlines()[-1].startswith("done: step 4")
+    session, total = map(
+        int, re.search(r", (\d+)s \((\d+)s in all\) → ", out.splitlines()[-1]).groups()
+    )  # this process's time, then the run's
+    assert total >= session and total >= load_checkpoint(run / "ckpt.pt")["elapsed_s"] - 1
     fresh = tmp_path / "fresh"
     code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, fresh, "train.max_iters=1"))
     params = load_checkpoint(fresh / "ckpt.pt")
