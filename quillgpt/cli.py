@@ -302,7 +302,7 @@ def chat_cmd(
     from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.chat import ChatSession, repl
+    from quillgpt.inference.chat import ChatSession, repl, run_kind
     from quillgpt.model.quant import parse_quantize, weights_note
 
     flags = dict(
@@ -318,14 +318,17 @@ def chat_cmd(
     SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
-    how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
-    print(f"chatting with {run.path} (step {run.step}) through {how}{weights_note(run.model, '; ')}; /reset, /quit", file=sys.stderr)
+    kind = run_kind(run.config, run.tokenizer, run.step)
+    print(f"chatting with {run.path}: {kind}{weights_note(run.model, '; ')}; /reset, /stats, /quit", file=sys.stderr)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    repl(session, input, write)
+    def note(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    repl(session, input, write, note, tty=sys.stdin.fileno() if sys.stdin.isatty() else None)
 
 
 @app.command("serve")
