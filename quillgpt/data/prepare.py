@@ -405,6 +405,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     want = _want(cfg, sources)
     with _prepare_lock(out_dir):
         _remove_stale_temps(out_dir)
+        want = _same_tokenizer_as_prepared(cfg, out_dir, want)
         rebuilt = force or (meta := _up_to_date(out_dir, want)) is None
         if rebuilt:
             if not force:
@@ -466,13 +467,28 @@ def _check_same_data(cfg: DataConfig, out_dir: Path, want: dict[str, Any]) -> No
 
 
 def _same_tokenizer(cfg: DataConfig, meta: dict[str, Any], want: dict[str, Any]) -> bool:
-    """The same request, or a given tokenizer (a file, a name) that is the one the data were
-    made with: a fine-tune's base tokenizer.json over data its base prepared with `char`."""
+    """The same request, or one that gives the tokenizer the data were made with: a fine-tune's
+    base tokenizer.json over data its base prepared with `char`, or `char` again over the same
+    unchanged files (its vocabulary is theirs). A bpe one learned anew is not known until learned."""
     if "tokenizer_request" not in meta or meta["tokenizer_request"] == want["tokenizer_request"]:
         return True
-    if cfg.tokenizer in ("char", "bpe"):
-        return False  # learned from the text: known only once learned
+    if cfg.tokenizer == "char":
+        return meta.get("tokenizer", {}).get("type") == "char" and meta.get("sources") == want["sources"]
+    if cfg.tokenizer == "bpe":
+        return False
     return build_tokenizer(cfg.tokenizer).fingerprint() == meta.get("tokenizer_fingerprint")
+
+
+def _same_tokenizer_as_prepared(cfg: DataConfig, out_dir: Path, want: dict[str, Any]) -> dict[str, Any]:
+    """`want` with the prepared data's own tokenizer request when the one asked for gives the same
+    tokenizer: those data are up to date, not rebuilt (nor refused) for a name."""
+    try:
+        meta = _read_meta(out_dir)
+        if "tokenizer_request" in meta and meta["tokenizer_request"] != want["tokenizer_request"] and _same_tokenizer(cfg, meta, want):
+            return {**want, "tokenizer_request": meta["tokenizer_request"]}
+    except (QuillError, AttributeError, TypeError):
+        pass
+    return want
 
 
 def _dataset_name(cfg: DataConfig, want: dict[str, Any]) -> str:

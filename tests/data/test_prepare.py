@@ -534,3 +534,17 @@ def test_a_full_disk_during_prepare_names_the_file_system(tmp_path, small_text, 
     assert e.value.code == 2 and err.count("\n") == 1 and "OSError" not in err
     assert f"cannot write token shards to data.out_dir {tmp_path / 'out'}: no space left on /" in err
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_a_tokenizer_given_by_file_that_is_the_datas_own_neither_rebuilds_nor_is_refused(tmp_path, small_text):
+    """A fine-tune names its base's tokenizer.json over data the base prepared with `char`: the same
+    vocabulary, so the data stand as they are, for it and for `char` again."""
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="char", out_dir=str(tmp_path / "o"))
+    meta = prepare(cfg, progress=False).meta
+    save_tokenizer(load_prepared(tmp_path / "o")[1], tmp_path / "tokenizer.json")
+    as_file = prepare(dataclasses.replace(cfg, tokenizer=str(tmp_path / "tokenizer.json")), progress=False)
+    assert not as_file.rebuilt and as_file.meta == meta
+    assert not prepare(cfg, progress=False).rebuilt
+    save_tokenizer(build_tokenizer("char", "abcdefghijklmnopqrstuvwxyz \n!?.,;:'-ABCDEFGHIJKLMNOPQRSTUVWXYZ&$3"), tmp_path / "other.json")
+    with pytest.raises(QuillError, match="would replace it"):
+        prepare(dataclasses.replace(cfg, tokenizer=str(tmp_path / "other.json")), progress=False)
