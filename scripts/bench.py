@@ -82,7 +82,7 @@ from quillgpt.train.optim import (  # noqa: E402
     newton_schulz,
 )
 
-DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
+DEFAULT_TEXT = ROOT / "data" / "downloads" / "input.txt"  # where the README's quickstart downloads Tiny Shakespeare
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -1298,7 +1298,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (the 6-layer training shape uses half, at least 3)")
     p.add_argument("--json", type=Path, help="also write every row (and the machine) as JSON here")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="Tiny Shakespeare (default: ../shared/data)")
+    p.add_argument(
+        "--text",
+        "--data-path",
+        type=Path,
+        default=DEFAULT_TEXT,
+        help="Tiny Shakespeare (default: data/downloads/input.txt, the quickstart's)",
+    )
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd training (slow to compile on CPU)")
     p.add_argument("--quick", action="store_true", help="train suite: the baby shape only")

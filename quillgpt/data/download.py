@@ -70,3 +70,20 @@ def source_path(cfg: DataConfig, progress: bool = True) -> Path:
 def download_path(cfg: DataConfig) -> Path:
     """Where data.url is downloaded to: data/downloads/<the URL's file name>."""
     return DOWNLOAD_DIR / (Path(urllib.parse.urlparse(cfg.url).path).name or "download.txt")
+
+
+def local_text(path: str | Path | None, root: str | Path = ".", flag: str = "--data-path") -> Path:
+    """A script's text file: `path`, or by default the Tiny Shakespeare that the README's quickstart
+    downloaded (root/data/downloads/input.txt); one QuillError naming both ways when it is missing."""
+    if path is not None:
+        found = Path(path)
+        if not found.is_file():
+            raise QuillError(f"{flag} {found}: no such file; pass the path of a text file")
+        return found
+    found = Path(root) / DOWNLOAD_DIR / "input.txt"
+    if not found.is_file():
+        raise QuillError(
+            f"no Tiny Shakespeare at {found}: `quill train --config configs/quickstart.yaml` downloads it there, "
+            f"or pass {flag} FILE (a copy you have)"
+        )
+    return found
