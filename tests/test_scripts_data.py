@@ -39,3 +39,17 @@ def test_no_script_reads_the_shared_folder_beside_the_clone_for_its_text():
     for path in sorted((ROOT / "scripts").glob("*.py")):
         source = path.read_text(encoding="utf-8")
         assert not re.search(r"""["']shared["']\s*/\s*["']data["']""", source), f"{path.name} reads ../shared/data by default"
+
+
+def test_the_packing_benchmark_says_unreliable_instead_of_reversing_under_load(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_recipe", ROOT / "scripts" / "finetune_recipe.py")
+    recipe = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec.loader.exec_module(recipe)
+    steady = [0.100, 0.102, 0.101, 0.099, 0.100]
+    assert recipe.unreliable(steady, [1.01 * t for t in steady], others=0.05) is None  # quiet: a result
+    assert "other processes used 1.0 cores" in recipe.unreliable(steady, steady, others=1.0)
+    burst = [0.100, 0.100, 0.190, 0.100, 0.100]  # one repeat beside a burst of other work
+    assert recipe.unreliable(steady, burst, others=0.0) == "the masked step's 5 repeats spread 90%"

@@ -24,9 +24,11 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 Sample = tuple[float, float, float]  # (wall seconds, CPU seconds of every process, CPU seconds of this one)
 
 
@@ -92,15 +94,20 @@ class CpuShare:
         )
 
 
-def measured_quietly(measure: Callable[[], float], sample: Callable[[], Sample] = read_proc, most: float = 0.25) -> float | None:
-    """`measure()` when other processes used at most `most` cores meanwhile, else None: a CPU
-    peak timed beside other work is too low, and an MFU divided by it too high (120% was seen)."""
+def others_during(measure: Callable[[], T], sample: Callable[[], Sample] = read_proc) -> tuple[T, float]:
+    """`measure()` and the cores other processes used on average meanwhile (inf: no /proc to tell)."""
     if not (os.path.exists("/proc/stat") and os.path.exists("/proc/self/stat")):
-        return None  # no way to tell a quiet machine from a busy one
+        return measure(), math.inf
     before = sample()
     value = measure()
     wall, busy, ours = (a - b for a, b in zip(sample(), before))
-    others = (busy - ours) / wall if wall > 0 else math.inf
+    return value, (max(0.0, busy - ours) / wall if wall > 0 else math.inf)
+
+
+def measured_quietly(measure: Callable[[], float], sample: Callable[[], Sample] = read_proc, most: float = 0.25) -> float | None:
+    """`measure()` when other processes used at most `most` cores meanwhile, else None: a CPU
+    peak timed beside other work is too low, and an MFU divided by it too high (120% was seen)."""
+    value, others = others_during(measure, sample)
     return value if others <= most else None
 
 

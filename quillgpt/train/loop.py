@@ -85,7 +85,7 @@ class TrainResult:
 
     def time_text(self) -> str:
         """'88s' for a run in one go; '30s (125s in all)' for one that continued an earlier run."""
-        if self.session_s is None or self.elapsed_s - self.session_s < 0.5:
+        if self.session_s is None or self.elapsed_s - self.session_s <= 0:  # nothing before this process
             return f"{self.elapsed_s:.0f}s"
         return f"{self.session_s:.0f}s ({self.elapsed_s:.0f}s in all)"
 
