@@ -8,16 +8,21 @@ code 2; `QUILL_DEBUG=1` shows the traceback instead.
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 import typer
 
+from quillgpt.checkpoint import resolve_checkpoint
 from quillgpt.errors import QuillError
 from quillgpt.files import check_input, check_output_file
+from quillgpt.runs import load_run, merge_run
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
 # from typer's own copy of click (typer._click, no click dependency) in newer typer.
@@ -50,6 +55,16 @@ TOP_P_OPT = typer.Option(None, "--top-p", help="Nucleus: the most likely tokens 
 MIN_P_OPT = typer.Option(None, "--min-p", help="Drop tokens less likely than min_p x the top token, in [0, 1).")
 REPETITION_OPT = typer.Option(None, "--repetition-penalty", help="> 1 makes tokens already in the text less likely; 1 = off.")
 SEED_OPT = typer.Option(None, "--seed", help="Same seed, same text.")
+# The sampling flags `sample` and `chat` share, each defined once: name → (type, option).
+SAMPLING_FLAGS: dict[str, tuple[Any, Any]] = {
+    "max_new_tokens": (int | None, MAX_NEW_OPT),
+    "temperature": (float | None, TEMPERATURE_OPT),
+    "top_k": (int | None, TOP_K_OPT),
+    "top_p": (float | None, TOP_P_OPT),
+    "min_p": (float | None, MIN_P_OPT),
+    "repetition_penalty": (float | None, REPETITION_OPT),
+    "seed": (int | None, SEED_OPT),
+}
 DTYPE_OPT = typer.Option(
     "float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token."
 )
@@ -59,6 +74,29 @@ QUANT_OPT = typer.Option(
     "--quantize",
     help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.",
 )
+
+
+def with_sampling_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with the shared sampling flags in place of its `flags` parameter: it gets them as
+    one dict (None: not given), already checked, so a bad flag fails before a checkpoint loads."""
+    from quillgpt.config import SampleConfig
+
+    signature = inspect.signature(command)
+    shared = [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=o, annotation=a) for n, (a, o) in SAMPLING_FLAGS.items()
+    ]
+    params = [q for p in signature.parameters.values() for q in (shared if p.name == "flags" else [p])]
+
+    @functools.wraps(command)
+    def with_flags(**kwargs: Any) -> None:
+        flags = {name: kwargs.pop(name) for name in SAMPLING_FLAGS}
+        SampleConfig().params(**flags)
+        return command(**kwargs, flags=flags)
+
+    with_flags.__signature__ = signature.replace(parameters=params)  # what typer reads
+    hints = {k: v for k, v in command.__annotations__.items() if k != "flags"}
+    with_flags.__annotations__ = {**hints, **{name: kind for name, (kind, _) in SAMPLING_FLAGS.items()}}
+    return with_flags
 
 
 # --- commands (each: parse → one library call → print) ------------------------------------
@@ -134,6 +172,7 @@ def train(
 
 
 @app.command("sample")
+@with_sampling_flags
 def sample_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file."),
     prompt: str | None = typer.Option(
@@ -146,13 +185,7 @@ def sample_cmd(
         None, "--prompt-file", help="Read the prompt from this UTF-8 file (used as is, trailing newline included)."
     ),
     which: str = WHICH_OPT,
-    max_new_tokens: int | None = MAX_NEW_OPT,
-    temperature: float | None = TEMPERATURE_OPT,
-    top_k: int | None = TOP_K_OPT,
-    top_p: float | None = TOP_P_OPT,
-    min_p: float | None = MIN_P_OPT,
-    repetition_penalty: float | None = REPETITION_OPT,
-    seed: int | None = SEED_OPT,
+    flags: dict[str, Any] = {},  # noqa: B006 (with_sampling_flags puts the shared flags here)
     num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
     stop: list[str] | None = typer.Option(
         None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."
@@ -179,15 +212,6 @@ def sample_cmd(
     follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
     """
     text = _sample_prompt(prompt, prompt_file)
-    flags = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-    )
     stops = tuple(_unescape(s) for s in stop or [])
     run, gen, params = _open_generation(
         ckpt, which, device, dtype, quant, text, num_samples, flags, stops, use_cache=not no_kv_cache, compile=compile
@@ -227,7 +251,6 @@ def _open_generation(
     """Check the flags (before the checkpoint loads), load the run, convert and quantize its
     model, and set up the generation (whose engine checks the KV cache fits before anything is
     made per sample): (run, Generation, SamplingParams)."""
-    from quillgpt.checkpoint import load_run
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.generate import Generation
@@ -278,17 +301,12 @@ def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quan
 
 
 @app.command("chat")
+@with_sampling_flags
 def chat_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file (an imported chat model, or any quill run)."),
     which: str = WHICH_OPT,
     system: str | None = typer.Option(None, "--system", help="A system message that starts the conversation (and stays after /reset)."),
-    max_new_tokens: int | None = MAX_NEW_OPT,
-    temperature: float | None = TEMPERATURE_OPT,
-    top_k: int | None = TOP_K_OPT,
-    top_p: float | None = TOP_P_OPT,
-    min_p: float | None = MIN_P_OPT,
-    repetition_penalty: float | None = REPETITION_OPT,
-    seed: int | None = SEED_OPT,
+    flags: dict[str, Any] = {},  # noqa: B006 (with_sampling_flags puts the shared flags here)
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = DTYPE_OPT,
     quant: str = QUANT_OPT,
@@ -299,23 +317,11 @@ def chat_cmd(
     a quill-trained (base) model continues a User:/Assistant: transcript. /reset clears the
     conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops one reply.
     """
-    from quillgpt.checkpoint import load_run
-    from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.chat import ChatSession, repl, run_kind
+    from quillgpt.inference.chat_session import ChatSession, repl, run_kind
     from quillgpt.model.quant import parse_quantize, weights_note
 
-    flags = dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-    )
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
-    SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
     kind = run_kind(run.config, run.tokenizer, run.step)
@@ -468,7 +474,6 @@ def attention_cmd(
     The summary gives each head's mean attention distance, entropy and weight on the first
     token, the numbers that tell local heads from far-looking and first-token ("sink") heads.
     """
-    from quillgpt.checkpoint import load_run
     from quillgpt.device import resolve_device
     from quillgpt.evaluate import attention_views as viz
     from quillgpt.model.quant import parse_quantize
@@ -533,7 +538,7 @@ def plot_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out that is not an earlier plot image (e.g. a run's file)."),
 ) -> None:
     """Train and val loss of one or more runs on one plot (works while a run is training)."""
-    from quillgpt.train.curves import plot_runs
+    from quillgpt.evaluate.curves import plot_runs
 
     kind = out.suffix.lower().lstrip(".")
     check_output_file(
@@ -594,7 +599,6 @@ def merge_cmd(
 ) -> None:
     """Merge a LoRA run's adapters into its base: a plain run that needs neither (every command
     also takes the LoRA run directly, merging at load)."""
-    from quillgpt.checkpoint import merge_run
 
     path = merge_run(run, out, which=which, force=force)
     print(f"merged {run} ({which}) into its base → {path}: use it as any run, or fine-tune it with train.init_from={out}")
@@ -641,7 +645,6 @@ def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 def _checkpoint_inputs(ckpt: Path, which: str) -> tuple[Path, ...]:
     """The checkpoint file a command reads (an output must never replace it); () when it cannot
     be resolved (loading it then says why)."""
-    from quillgpt.checkpoint import resolve_checkpoint
 
     try:
         return (resolve_checkpoint(ckpt, which),)
@@ -670,7 +673,8 @@ def tokenizer_train_cmd(
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
     import time
 
-    from quillgpt.data.tokenizer import build_tokenizer, save_tokenizer, text_chunks
+    from quillgpt.data.tokenizer import text_chunks
+    from quillgpt.data.tokenizer_files import build_tokenizer, save_tokenizer
     from quillgpt.files import read_text
 
     check_output_file(out, "--out", force=force, inputs=(input_path,), fresh=True)

@@ -23,11 +23,11 @@ import yaml
 
 from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_text, read_text
+from quillgpt.sampling_params import MAX_SEED, InvalidParam, SamplingParams
 
 # Bounds that keep every number inside what numpy, torch and Python's float can represent;
 # what fits in memory is checked later against the machine (train/memory.py).
 MAX_INT = 2**62  # any int field: larger cannot be an index, a count or a size
-MAX_SEED = 2**32 - 1  # every seed quill takes (train.seed, sampling seeds): numpy's seed range, so one value seeds every generator
 MAX_VOCAB = 2**24  # ids of a vocabulary (o200k_base has 200k); also bounds data.bpe_vocab_size
 MAX_CONFIG_BYTES = 1 << 24  # a config file; /dev/zero given as --config must not fill memory
 MAX_YAML_NODES = 100_000  # a config expanded through its aliases; a real one has a few hundred
@@ -173,6 +173,11 @@ class ModelConfig:
     def head_size(self) -> int:
         """Each head's width: model.head_dim, or n_embd / n_head."""
         return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
+
+    @property
+    def train_prefix_max(self) -> int:
+        """A prefix-LM's largest training prefix: model.prefix_max, or block_size / 2."""
+        return self.block_size // 2 if self.prefix_max is None else self.prefix_max
 
     @property
     def hidden_dim(self) -> int:
@@ -338,12 +343,10 @@ class SampleConfig:
     def validate(self) -> None:
         self.params()
 
-    def params(self, *, stop: tuple[str, ...] = (), **flags: Any):  # -> inference.sampling.SamplingParams
+    def params(self, *, stop: tuple[str, ...] = (), **flags: Any) -> SamplingParams:
         """These settings with the flags that were given (None: not given; top_k 0: no limit) and
-        the stop strings, as SamplingParams (imported lazily: config stays torch-free); a bad value
-        is named where it came from: --top-p for a flag, sample.top_p for the config."""
-        from quillgpt.inference.sampling import InvalidParam, SamplingParams
-
+        the stop strings, as SamplingParams; a bad value is named where it came from: --top-p for
+        a flag, sample.top_p for the config."""
         given = {k: v for k, v in flags.items() if v is not None}
         values = {**asdict(self), **given}
         if given.get("top_k") == 0:
@@ -367,7 +370,8 @@ class Config:
     overridden: ClassVar[frozenset[str]] = frozenset()
 
     def validate(self) -> None:
-        self.data.tokenizer = self.data.tokenizer or base_tokenizer(self.train.init_from) or "char"
+        if self.data.tokenizer is None and self.train.init_from is None:
+            self.data.tokenizer = "char"  # with train.init_from: the base run's, read by with_base_tokenizer
         self.data.validate()
         self.model.validate()
         self.train.validate()
@@ -380,6 +384,14 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def with_base_tokenizer(cfg: Config) -> Config:
+    """cfg with data.tokenizer, when unset, the base run's tokenizer.json (train.init_from): read
+    where a config is loaded or a run opened, not while validating."""
+    if cfg.data.tokenizer is None:
+        cfg.data.tokenizer = base_tokenizer(cfg.train.init_from) or "char"
+    return cfg
 
 
 def base_tokenizer(init_from: str | None) -> str | None:
@@ -623,7 +635,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     values = read_yaml(path) if path is not None else {}
     cfg = config_from_dict(apply_overrides(values, list(overrides or [])))
     cfg.overridden = frozenset(item.split("=", 1)[0].strip() for item in overrides or [])
-    return cfg
+    return with_base_tokenizer(cfg)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -11,7 +12,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from quillgpt.errors import QuillError
 
@@ -157,6 +158,25 @@ def read_text(path: str | Path, what: str = "file", hint: str = "", limit: int |
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise QuillError(f"{what} {shown(path)} is not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def read_json(path: str | Path, what: str = "file", limit: int = 1 << 26, kind: str = "valid JSON", hint: str = "") -> Any:
+    """A JSON file's value, or one QuillError naming the file: unreadable, over `limit` bytes,
+    not UTF-8, not JSON, or nested too deeply (`kind` says what it should have been)."""
+    text = read_text(path, what, hint, limit)
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
+        raise QuillError(f"{shown(path)} is not {kind} ({why})") from None
+
+
+def read_json_object(path: str | Path, what: str = "file", limit: int = 1 << 26) -> dict[str, Any]:
+    """read_json of a file that must hold a JSON object."""
+    data = read_json(path, what, limit)
+    if not isinstance(data, dict):
+        raise QuillError(f"{shown(path)} must be a JSON object")
+    return data
 
 
 def probe_writable(directory: str | Path, what: str = "output directory", create: bool = True) -> Path:

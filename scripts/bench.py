@@ -64,10 +64,11 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")  # gpt2 BPE files, offline
 
 from quillgpt import checkpoint as ckpt  # noqa: E402
+from quillgpt import runs  # noqa: E402
 from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
 from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows  # noqa: E402
 from quillgpt.data.prepare import load_tokens, prepare  # noqa: E402
-from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
+from quillgpt.data.tokenizer_files import build_tokenizer  # noqa: E402
 from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.engine import in_dtype  # noqa: E402
@@ -799,7 +800,7 @@ def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
     for block in args.sample_blocks:
         run = make_run(work, block, text)
-        loaded = ckpt.load_run(run, which="latest")
+        loaded = runs.load_run(run, which="latest")
         hf = hf_model(run, work / f"hf{block}")
         for B in (1, 8):
             sample_group(report, args, loaded.model, hf, loaded.tokenizer, text, block, B)

@@ -23,13 +23,12 @@ import torch
 
 from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.data.download import local_text
+from quillgpt.data.prefix_batches import PrefixLengths, mask_prefix_targets
 from quillgpt.errors import QuillError
 from quillgpt.inference.engine import Engine
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
-from quillgpt.model.variants.prefix import mask_prefix_targets
+from quillgpt.sampling_params import SamplingParams
 from quillgpt.train.optim import build_optimizer
-from quillgpt.train.prefix_batches import PrefixLengths
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {

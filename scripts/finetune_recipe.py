@@ -35,13 +35,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from quillgpt.checkpoint import load_checkpoint, load_run  # noqa: E402
+from quillgpt.checkpoint import load_checkpoint  # noqa: E402
 from quillgpt.config import load_config  # noqa: E402
 from quillgpt.data.chat_batches import ChatRows  # noqa: E402
 from quillgpt.device import resolve_dtype  # noqa: E402
 from quillgpt.evaluate.scores import chat_rows, evaluate_rows  # noqa: E402
-from quillgpt.inference.chat import chat_prompt_ids  # noqa: E402
+from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
 from quillgpt.train.cpu_share import others_during  # noqa: E402
 from quillgpt.train.loop import autocast  # noqa: E402
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from quillgpt.checkpoint import load_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char.yaml"
 NANOGPT_A100 = "1.4697 in ~3 min"  # the teaching trainer's figure for this config (its val estimate)
@@ -209,7 +211,6 @@ def launch_all(launches: dict[tuple[str, str], list[str]], logs: Path) -> dict[t
 
 def compare(strategy_dir: Path, strategy: str, steps: int, logs: Path, device: str, codes: dict[str, tuple[int, float]]) -> dict[str, Any]:
     """The straight run against the resumed one: what failed, the largest differences, the backend."""
-    from quillgpt.checkpoint import load_checkpoint
     from quillgpt.train import fsdp_checkpoint as sharded
 
     problems = [f"{name} exited {c}" for name, (c, _) in codes.items() if c != 0]

@@ -25,9 +25,9 @@ import torch
 
 from quillgpt.config import ModelConfig
 from quillgpt.inference.engine import Engine
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
 from quillgpt.model.variants.infini import GATE_LR_MULT, is_gate
+from quillgpt.sampling_params import SamplingParams
 
 DIGITS, FILLER = 10, 20  # ids 0..9 digits, 10..29 filler
 KEY, ASK = DIGITS + FILLER, DIGITS + FILLER + 1

@@ -18,8 +18,8 @@ import time
 import torch
 
 from quillgpt.config import ModelConfig
+from quillgpt.data.prefix_batches import mask_prefix_targets
 from quillgpt.model.gpt import GPT
-from quillgpt.model.variants.prefix import mask_prefix_targets
 
 LETTERS = "abcdefghijklmnop"
 EQ, NL = len(LETTERS), len(LETTERS) + 1  # ids of "=" and "\n"

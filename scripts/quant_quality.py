@@ -33,12 +33,12 @@ SHARED = ROOT.parent / "shared"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")  # gpt2 BPE files, offline
 
-from quillgpt.checkpoint import load_run  # noqa: E402
 from quillgpt.data.prepare import load_tokens  # noqa: E402
 from quillgpt.evaluate.scores import EvalResult, evaluate_checkpoint  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT, evaluating  # noqa: E402
 from quillgpt.model.quant import plan_of, quantize  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
 
 
 def greedy_prefix(fp32: GPT, int8: GPT, prompt: list[int], n: int) -> int:

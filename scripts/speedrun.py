@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from quillgpt.checkpoint import load_checkpoint  # noqa: E402
 from quillgpt.config import parse_duration  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
-from quillgpt.train.metrics import read_metrics  # noqa: E402
+from quillgpt.metrics_log import read_metrics  # noqa: E402
 
 
 def recipe_for(budget_s: float) -> Path:

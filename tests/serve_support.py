@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from quillgpt.checkpoint import load_run, save_checkpoint
+from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import config_from_dict
 from quillgpt.data.tokenizer import CharTokenizer
 from quillgpt.model.gpt import GPT
+from quillgpt.runs import load_run
 
 BLOCK = 16
 
@@ -47,8 +48,8 @@ def running_server(
     `engine`: a function of the model that makes the engine (default: an Engine of max_batch
     rows); app.state.server is the uvicorn server (set should_exit to start its shutdown)."""
     from quillgpt.inference.engine import Engine
-    from quillgpt.serve.app import ServeOptions, create_app
     from quillgpt.serve.batcher import Batcher
+    from quillgpt.serve.routes import ServeOptions, create_app
     from quillgpt.serve.server import listen, model_id, uvicorn_server
 
     run = load_run(run_dir)

@@ -168,6 +168,6 @@ def tiny(shakespeare_path, data_dir, out_dir, *extra):
 
 def losses(out_dir):
     """(step, train loss, val loss or None) of every line of a run's metrics.jsonl."""
-    from quillgpt.train.metrics import read_metrics
+    from quillgpt.metrics_log import read_metrics
 
     return [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(Path(out_dir) / "metrics.jsonl")]

@@ -17,11 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from quillgpt.checkpoint import FORMAT, RESUME_KEYS, load_checkpoint, load_run
+from quillgpt.checkpoint import FORMAT, RESUME_KEYS, load_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import load_config
-from quillgpt.data.tokenizer import CharTokenizer, load_tokenizer, save_tokenizer
+from quillgpt.data.tokenizer import CharTokenizer
+from quillgpt.data.tokenizer_files import load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.runs import load_run
 from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from quillgpt.checkpoint import load_checkpoint, load_run
+from quillgpt.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from quillgpt.config import load_config
+from quillgpt.runs import load_run
 from quillgpt.train.loop import train
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -33,7 +34,11 @@ def test_old_checkpoints_load_and_give_the_same_logits(name):
 
 def test_an_old_run_resumes_to_the_uninterrupted_result(shakespeare_path, tmp_path):
     """A 6-step Muon run stopped after step 4 by the old code, resumed by this one: the weights and
-    losses of the old code's uninterrupted run, bit for bit (fp32, CPU)."""
+    losses of the old code's uninterrupted run (fp32, CPU). Bit for bit on the CPU kind that wrote
+    the fixture; another kind (AVX2 vs AVX-512) sums in another order, so there the losses are
+    checked to 2e-5 relative (seen: 4e-6) and the weight sums to 0.05 (Muon's orthogonalized update spreads a
+    rounding difference over every element: a sum moves by ~1e-2 of ~2,000 weights). A resume that
+    lost any state (optimizer, sampler, RNG, schedule) changes the losses by far more."""
     run = tmp_path / "run"
     shutil.copytree(FIXTURES / "run_v1", run)
     want = json.loads((run / "uninterrupted.json").read_text())
@@ -42,17 +47,18 @@ def test_an_old_run_resumes_to_the_uninterrupted_result(shakespeare_path, tmp_pa
         [f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={run}", "train.resume=true"],
     )
     result = train(cfg, progress=False)
-    assert result.step == want["step"] == 6 and result.best_val_loss == want["best_val_loss"]
-    final = load_checkpoint(run / "ckpt.pt")["model"]
-    assert {k: float(v.double().sum()) for k, v in final.items()} == want["weights_sum"]
+    close = lambda x: pytest.approx(x, rel=2e-5, abs=1e-6)
+    assert result.step == want["step"] == 6 and result.best_val_loss == close(want["best_val_loss"])
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     same = ("step", "train_loss", "val_loss", "eval_train_loss", "lr", "tokens")
-    assert [{k: r.get(k) for k in same} for r in lines] == [{k: r.get(k) for k in same} for r in want["metrics"]]
+    assert [[r.get(k) for k in same] for r in lines] == [close([r.get(k) for k in same]) for r in want["metrics"]]
+    final = load_checkpoint(run / "ckpt.pt")["model"]
+    assert {k: float(v.double().sum()) for k, v in final.items()} == pytest.approx(want["weights_sum"], abs=0.05)
 
 
 MEASURE = """
 import sys, torch
-from quillgpt.checkpoint import load_run
+from quillgpt.runs import load_run
 def peak_kb():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
 load_run(sys.argv[3], which="latest", dtype=getattr(torch, sys.argv[2]))  # a tiny one first: code pages, not data
@@ -73,7 +79,6 @@ def test_loading_peaks_below_1_3_times_the_weights(tmp_path, saved, loaded):
 
     from support import ROOT
 
-    from quillgpt.checkpoint import save_checkpoint
     from quillgpt.config import Config, ModelConfig
     from quillgpt.model.gpt import GPT
 
@@ -115,7 +120,6 @@ def test_loading_peaks_below_1_3_times_the_weights(tmp_path, saved, loaded):
 
 
 def test_no_checkpoint_in_a_directory_names_the_runs_it_holds(tmp_path):
-    from quillgpt.checkpoint import resolve_checkpoint
     from quillgpt.errors import QuillError
 
     for name in ("run_b", "run_a"):

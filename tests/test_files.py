@@ -114,3 +114,31 @@ def test_every_file_a_prepare_writes_is_the_datasets(tmp_path, name):
     with pytest.raises(QuillError, match="is a file of the dataset in .*pass --force"):
         check_output_file(tmp_path / name, "-o", kind="png")
     assert owner(tmp_path / "notes.bin") is None
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"{not json", "is not valid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b"\xff\xfe{}", "not UTF-8"),
+    ],
+)
+def test_read_json_refuses_bad_files_in_one_line(tmp_path, content, why):
+    from quillgpt.files import read_json
+
+    (tmp_path / "x.json").write_bytes(content)
+    with pytest.raises(QuillError, match=why):
+        read_json(tmp_path / "x.json", "x.json")
+
+
+def test_read_json_object_wants_an_object_and_a_size_limit(tmp_path):
+    from quillgpt.files import read_json, read_json_object
+
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert read_json(tmp_path / "list.json") == [1, 2]
+    with pytest.raises(QuillError, match="must be a JSON object"):
+        read_json_object(tmp_path / "list.json")
+    (tmp_path / "big.json").write_text('{"a": "' + "x" * 2000 + '"}')
+    with pytest.raises(QuillError, match="big.json"):
+        read_json(tmp_path / "big.json", limit=1000)

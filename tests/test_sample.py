@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from quillgpt.checkpoint import load_checkpoint, load_run, save_checkpoint
+from quillgpt.checkpoint import load_checkpoint, save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.inference.generate import generate_text
 from quillgpt.model import quant
 from quillgpt.model.quant import quantize
+from quillgpt.runs import load_run
 from quillgpt.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,7 +40,20 @@ def fixed_windows(tokens: np.ndarray, block_size: int, n: int, split: str = "val
     return np.linspace(0, len(tokens) - block_size - 1, n).round().astype(np.int64)
 
 
-class BatchSampler:
+class SeededSampler:
+    """A sampler whose draws come from one seeded generator: its state is the generator's, saved in
+    the checkpoint, so a resumed run draws what the uninterrupted run drew."""
+
+    generator: torch.Generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+class BatchSampler(SeededSampler):
     """Random windows drawn with a seeded torch.Generator: the stream depends only on the seed
     and how many batches were drawn, and `state_dict` lets a resumed run continue it exactly."""
 
@@ -63,9 +76,3 @@ class BatchSampler:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=self.generator)
         return batch_from_starts(self.tokens, starts.numpy(), self.block_size, self.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])

@@ -20,11 +20,11 @@ all and counted too (`ChatRows.truncated`, `ChatRows.untrained`); training print
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from quillgpt.data.batches import SeededSampler
 from quillgpt.data.chat_data import ASSISTANT, START
 from quillgpt.data.prepare import load_tokens
 from quillgpt.errors import QuillError
@@ -89,7 +89,7 @@ class ChatRows:
         )
 
 
-class ChatSampler:
+class ChatSampler(SeededSampler):
     """Random conversations drawn with a seeded torch.Generator, as BatchSampler draws windows:
     the stream depends only on the seed and the batches drawn, and resumes from state_dict."""
 
@@ -100,9 +100,3 @@ class ChatSampler:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         picks = torch.randint(len(self.rows), (self.batch_size,), generator=self.generator)
         return self.rows.batch(picks.numpy(), self.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])

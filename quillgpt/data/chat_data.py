@@ -7,7 +7,7 @@ A line is one conversation, in OpenAI's chat format or as a prompt/completion pa
 
 Roles are system, developer (= system), user and assistant; every assistant turn must say
 something, and a conversation needs at least one. Each conversation is rendered with the model's
-chat template, or quill's transcript (data/chat.py, which also finds the assistant's tokens), and
+chat template, or quill's transcript (data/chat_template.py, which also finds the assistant's tokens), and
 stored as its ids in the token shards plus a parallel uint8 flags shard: ASSISTANT marks the
 assistant's tokens (the only ones the loss counts), START each conversation's first token.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from quillgpt.data.chat import ROLE_NAMES, Message, conversation_tokens
+from quillgpt.data.chat_template import ROLE_NAMES, Message, conversation_tokens
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 

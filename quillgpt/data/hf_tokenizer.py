@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from quillgpt.data.chat import end_of_turn
+from quillgpt.data.chat_template import end_of_turn
 from quillgpt.data.tokenizer import Tokenizer, find_safe_cut
 from quillgpt.errors import QuillError
 
@@ -179,14 +179,11 @@ def _token_text(value: Any) -> str | None:
 
 
 def _json_file(path: Any, what: str) -> dict[str, Any]:
-    from quillgpt.files import input_file, read_text
+    from quillgpt.files import input_file, read_json
 
     if not input_file(path, what):  # a FIFO or device there is refused by name
         return {}
-    try:
-        data = json.loads(read_text(path, what, limit=1 << 28))
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise QuillError(f"{path} is not valid JSON ({str(e)[:100]})") from None
+    data = read_json(path, what, limit=1 << 28)
     return data if isinstance(data, dict) else {}
 
 

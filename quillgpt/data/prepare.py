@@ -40,15 +40,8 @@ from quillgpt.data.chat_data import FLAGS_DTYPE, ChatStats
 from quillgpt.data.corpus import Piece, Source, count_chars, count_records, find_sources, iter_lines, iter_pieces
 from quillgpt.data.download import download_path, sha256_file, source_path
 from quillgpt.data.shards import Encoded, Encoding, ShardedTokens, Task, encode_tasks, iter_tasks, write_shards
-from quillgpt.data.tokenizer import (
-    GPT4_SPLIT_PATTERN,
-    TOKENIZER_NAMES,
-    CharTokenizer,
-    Tokenizer,
-    build_tokenizer,
-    dump_json,
-    tokenizer_from_spec,
-)
+from quillgpt.data.tokenizer import GPT4_SPLIT_PATTERN, TOKENIZER_NAMES, CharTokenizer, Tokenizer, dump_json
+from quillgpt.data.tokenizer_files import build_tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
 from quillgpt.files import (
     DATASET_LOCK,

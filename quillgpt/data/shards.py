@@ -24,7 +24,8 @@ import numpy as np
 
 from quillgpt.data.chat_data import ChatStats, encode_lines
 from quillgpt.data.corpus import Piece
-from quillgpt.data.tokenizer import Tokenizer, tokenizer_from_spec
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.data.tokenizer_files import tokenizer_from_spec
 from quillgpt.files import atomic_write
 
 IN_FLIGHT = 3  # tasks per worker submitted ahead: slack for uneven tasks, ~12 MB of text each

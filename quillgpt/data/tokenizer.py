@@ -18,15 +18,13 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tiktoken
 
-from quillgpt.config import MAX_VOCAB, shown_value
+from quillgpt.config import MAX_VOCAB
 from quillgpt.errors import QuillError
-from quillgpt.files import os_error, read_text, shown, write_file
 
 TIKTOKEN_NAMES = ("gpt2", "r50k_base", "cl100k_base", "o200k_base")
 TOKENIZER_NAMES = ("char", *TIKTOKEN_NAMES, "bpe")
@@ -55,7 +53,7 @@ class Tokenizer:
     vocab_size: int
     eot_id: int | None  # end of text: separates documents, ends generation
     bos_id: int | None = None  # put before every prompt, scored text and document (Llama 3's <|begin_of_text|>)
-    chat_template: str | None = None  # the model's own (Jinja); None: quill's transcript (data/chat.py)
+    chat_template: str | None = None  # the model's own (Jinja); None: quill's transcript (data/chat_template.py)
     cuts_pieces: bool = True  # a document may be cut into pieces (at safe cuts) and tokenized in parallel
 
     @property
@@ -220,7 +218,7 @@ class TiktokenTokenizer(Tokenizer):
         return self._spec
 
 
-def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
+def tiktoken_encoding(name: str) -> tiktoken.Encoding:
     try:
         return tiktoken.get_encoding(name)
     except (OSError, ValueError) as e:  # requests' ConnectionError is an OSError
@@ -231,7 +229,7 @@ def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
         ) from None
 
 
-def _bpe_tokenizer(ranks: dict[bytes, int], pattern: str, specials: dict[str, int]) -> TiktokenTokenizer:
+def bpe_tokenizer(ranks: dict[bytes, int], pattern: str, specials: dict[str, int]) -> TiktokenTokenizer:
     enc = tiktoken.Encoding(name="quill_bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
     spec = {
         "type": "bpe",
@@ -278,91 +276,7 @@ def train_bpe(text: str, vocab_size: int, pattern: str = GPT4_SPLIT_PATTERN) -> 
     # Chunks cut where the split pattern cuts anyway: the same piece counts as the whole text.
     trainer.train_from_iterator(iter(text_chunks(text, 1 << 16)), vocab_size - 1, pattern=pattern)
     ranks = {bytes(b): r for b, r in trainer.get_mergeable_ranks()}
-    return _bpe_tokenizer(ranks, pattern, {EOT: len(ranks)})
-
-
-# ---------------------------------------------------------------------------------------------
-# construction, specs, files
-
-
-def build_tokenizer(name: str, text: str | None = None, vocab_size: int = 4096) -> Tokenizer:
-    """A tokenizer by name (char/bpe learn from `text`) or from a saved tokenizer JSON path."""
-    if name in TIKTOKEN_NAMES:
-        return TiktokenTokenizer(_tiktoken_encoding(name), name, {"type": "tiktoken", "name": name})
-    if name in ("char", "bpe"):
-        if text is None:
-            raise QuillError(f"the {name} tokenizer is learned from text: pass the training text")
-        return CharTokenizer.from_text(text) if name == "char" else train_bpe(text, vocab_size)
-    if name.endswith(".json") or os.sep in name or "/" in name or os.path.isfile(name):
-        return load_tokenizer(name)
-    raise QuillError(
-        f"unknown tokenizer {shown_value(name)}: use one of {', '.join(TOKENIZER_NAMES)} "
-        "or a path to a tokenizer .json saved by `quill tokenizer train`"
-    )
-
-
-def tokenizer_from_spec(spec: dict[str, Any]) -> Tokenizer:
-    """Rebuild a tokenizer from `Tokenizer.spec()` (as stored in meta.json or a checkpoint)."""
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    try:
-        if kind == "char":
-            return CharTokenizer(str(spec["chars"]))
-        if kind == "hf":
-            from quillgpt.data.hf_tokenizer import hf_tokenizer_from_spec
-
-            return hf_tokenizer_from_spec(spec)
-        if kind == "tiktoken":
-            if spec["name"] not in TIKTOKEN_NAMES:
-                raise ValueError(f"unknown encoding {shown_value(spec['name'])}, expected one of {', '.join(TIKTOKEN_NAMES)}")
-            return build_tokenizer(spec["name"])
-        if kind == "bpe":
-            ranks = {base64.b64decode(b, validate=True): int(r) for b, r in spec["ranks"]}
-            specials = {str(k): int(v) for k, v in spec["special_tokens"].items()}
-            if len(ranks) != len(spec["ranks"]) or sorted(ranks.values()) != list(range(len(ranks))):
-                raise ValueError("ranks must be distinct byte strings numbered 0..n-1")
-            if any(bytes([b]) not in ranks for b in range(256)):
-                raise ValueError("ranks must contain all 256 single bytes")
-            if any(v < len(ranks) for v in specials.values()):
-                raise ValueError("special token ids must come after the ranks")
-            return _bpe_tokenizer(ranks, str(spec["pattern"]), specials)
-    except (KeyError, TypeError, ValueError, OverflowError) as e:
-        raise QuillError(f"invalid {shown_value(kind)} tokenizer spec: {str(e)[:200]}") from None
-    raise QuillError(f"unknown tokenizer spec type {shown_value(kind)} (expected char, tiktoken, bpe or hf)")
-
-
-def save_tokenizer(tok: Tokenizer, path: str | Path, what: str = "tokenizer file") -> None:
-    """Write the tokenizer's spec as JSON (temp file + rename, so a crash leaves no half file);
-    a directory that cannot be made or written is a QuillError naming `what` and the path."""
-    path = Path(path)
-    data = {"format": "quillgpt-tokenizer", "version": 1, "tokenizer": tok.spec()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, path.parent, "create the directory of", what) from None
-    text = dump_json(data).encode("utf-8")
-    write_file(path, lambda f: f.write(text), what)
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    path = Path(path)
-    text = read_text(path, "tokenizer file", hint=" (create one with `quill tokenizer train`)", limit=MAX_TOKENIZER_BYTES)
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
-        raise QuillError(f"{shown(path)} is not a tokenizer JSON file ({why})") from None
-    if isinstance(data, dict) and "model" in data and "added_tokens" in data:  # a Hugging Face tokenizer.json
-        from quillgpt.data.hf_tokenizer import load_hf_tokenizer
-
-        return load_hf_tokenizer(path.parent)
-    if not isinstance(data, dict) or data.get("format") != "quillgpt-tokenizer":
-        raise QuillError(
-            f"{shown(path)} is not a QuillGPT tokenizer file (made by `quill tokenizer train`) or a Hugging Face tokenizer.json"
-        )
-    try:
-        return tokenizer_from_spec(data.get("tokenizer"))
-    except QuillError as e:
-        raise QuillError(f"{shown(path)}: {e}") from None
+    return bpe_tokenizer(ranks, pattern, {EOT: len(ranks)})
 
 
 def dump_json(obj: dict[str, Any]) -> str:

@@ -26,7 +26,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.figures import IMAGE_FORMATS, matplotlib_figure, save_figure
 from quillgpt.files import check_output_file, write_file
-from quillgpt.inference.text import encode_prompt
+from quillgpt.inference.driver import encode_prompt
 from quillgpt.model.gpt import GPT, evaluating
 
 FIRST_TOKEN_SINK = 0.5  # a head putting at least this much weight on token 0 "looks at the first token"

@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from quillgpt.checkpoint import load_run
 from quillgpt.data.batches import batch_from_starts
 from quillgpt.data.chat_batches import ChatRows
 from quillgpt.data.chat_data import encode_lines
+from quillgpt.data.prefix_batches import mask_prefix_targets
 from quillgpt.data.prepare import load_prepared, load_tokens, token_dtype
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import resolve_device
@@ -52,7 +52,8 @@ from quillgpt.errors import QuillError
 from quillgpt.files import read_text
 from quillgpt.model import quant
 from quillgpt.model.gpt import evaluating
-from quillgpt.model.variants.prefix import eval_prefix_len, mask_prefix_targets
+from quillgpt.model.variants.prefix import eval_prefix_len
+from quillgpt.runs import load_run
 
 SPLITS = ("val", "train")
 

@@ -1,3 +1,4 @@
-"""Generation: sampling settings and filters (sampling), the static-KV-cache engine (engine) and
-its plain reference (recompute), text on top of tokens and the one driver of an engine (text),
-and the everyday entry points (generate)."""
+"""Generation: the next-token draw (sampling; its settings are quillgpt/sampling_params.py), the
+static-KV-cache engine (engine) and its plain reference (recompute), the one driver of an engine
+that turns tokens into text (driver), the everyday entry points (generate) and `quill chat`'s
+conversation (chat_session)."""

@@ -31,18 +31,21 @@ import copy
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
-from quillgpt.inference.sampling import SamplingParams, row_generator, sample_rows
+from quillgpt.inference.sampling import row_generator, sample_rows
 from quillgpt.model.gpt import GPT
+from quillgpt.model.kv_cache import Cache, KVCache
+from quillgpt.sampling_params import SamplingParams
 
 # max_new_tokens reached; a stop string; a stop token (end of text / turn); the row failed (RowFailed)
-FINISH_REASONS = ("length", "stop", "eot", "error")
+Finish = Literal["length", "stop", "eot", "error"]
+FINISH_REASONS: tuple[Finish, ...] = get_args(Finish)
 NOT_FINITE = (
     "the model's next-token logits are not finite (NaN or inf): the weights are damaged or the "
     "activations overflowed their dtype (float16 does easily); try --dtype bfloat16 or float32"
@@ -68,7 +71,7 @@ class RowToken:
 
     row: int
     token: int
-    finish: str | None = None
+    finish: Finish | None = None
     error: RowFailed | None = None
 
 
@@ -81,7 +84,7 @@ class _Row:
     length: int  # tokens in the row: prompt + generated
     new: int = 0  # generated so far
     refill: bool = False  # learned positions past block_size: every step re-prefills
-    cache: Any = field(default=None, repr=False)  # a row's own cache (variants without the static cache)
+    cache: Cache | None = field(default=None, repr=False)  # a row's own cache (variants without the static cache)
 
 
 def check_prompt(ids: list[int], vocab_size: int, what: str = "the prompt") -> None:
@@ -134,16 +137,17 @@ def cache_capacity(model: GPT, tokens: int) -> int:
     return max(1, min(model.span, tokens))
 
 
-def check_memory(model: GPT, rows: int, unit: str = "row", capacity: int | None = None) -> None:
-    """Refuse, in one line, a batch whose KV cache (for Recompute: the same keys and values, made
-    every step) is larger than the memory the device has free."""
+MEMORY_FIX = "make fewer rows at once or use a smaller dtype"  # an engine's callers word it for their own settings
+
+
+def memory_shortfall(model: GPT, rows: int, unit: str = "row", capacity: int | None = None) -> str | None:
+    """What is wrong when a batch's KV cache (for Recompute: the same keys and values, made every
+    step) is larger than the memory the device has free; None when it fits."""
     device, nbytes = model.device, cache_bytes(model, rows, capacity)
     free = available_bytes(device)
-    if free is not None and nbytes > free:
-        raise QuillError(
-            f"the KV cache for {rows} {unit}(s) needs {nbytes / 2**30:.1f} GiB but {device.type} has "
-            f"{free / 2**30:.1f} GiB free: generate fewer rows at once (--num-samples) or use a smaller dtype"
-        )
+    if free is None or nbytes <= free:
+        return None
+    return f"the KV cache for {rows} {unit}(s) needs {nbytes / 2**30:.1f} GiB but {device.type} has {free / 2**30:.1f} GiB free"
 
 
 class Rows:
@@ -152,7 +156,9 @@ class Rows:
 
     compiled = False
 
-    def __init__(self, model: GPT, max_rows: int, dtype: torch.dtype | None, unit: str, capacity: int | None = None) -> None:
+    def __init__(
+        self, model: GPT, max_rows: int, dtype: torch.dtype | None, unit: str, capacity: int | None = None, memory_fix: str = MEMORY_FIX
+    ) -> None:
         if model.training:
             raise ValueError("call model.eval() before generating: dropout would make tokens random")
         if max_rows < 1:
@@ -160,7 +166,9 @@ class Rows:
         self.model = model = in_dtype(model, dtype)
         self.max_rows, self.device, self.dtype = max_rows, model.device, model.dtype
         self.capacity = model.span if capacity is None else cache_capacity(model, capacity)  # tokens a row may hold
-        check_memory(model, max_rows, unit, self.capacity)
+        shortfall = memory_shortfall(model, max_rows, unit, self.capacity)
+        if shortfall is not None:
+            raise QuillError(f"{shortfall}: {memory_fix}")
         self.variant, self.context = model.variant, model.context()
         self.crops = model.variant.crops(model.config)  # learned positions: past block_size the context is cropped
         self._rows: list[_Row | None] = [None] * max_rows
@@ -297,7 +305,7 @@ class Rows:
         pass
 
 
-def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: Any, key_pos: Tensor) -> Tensor:
+def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: KVCache, key_pos: Tensor) -> Tensor:
     """model.decode over the slots whose positions key_pos (rows, n_keys) views: what the engine
     compiles, n_keys then a size torch.compile can keep dynamic."""
     return model.decode(idx, pos, cache, key_pos.shape[1])
@@ -315,8 +323,9 @@ class Engine(Rows):
         compile: bool = False,
         unit: str = "row",
         capacity: int | None = None,
+        memory_fix: str = MEMORY_FIX,
     ) -> None:
-        super().__init__(model, max_rows, dtype, unit, capacity)
+        super().__init__(model, max_rows, dtype, unit, capacity, memory_fix)
         self.static = self.variant.static_cache
         self.cache = self.model.make_cache(max_rows, self.capacity) if self.static else None
         self._tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # each row's newest token

@@ -24,11 +24,11 @@ from torch import Tensor
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import Engine, RowFailed, Rows, check_prompt
+from quillgpt.inference.driver import Piece, TextBatch, TextStream, encode_prompt
+from quillgpt.inference.engine import MEMORY_FIX, Engine, Finish, RowFailed, Rows, check_prompt
 from quillgpt.inference.recompute import Recompute
-from quillgpt.inference.sampling import SamplingParams, offset_seed
-from quillgpt.inference.text import Piece, TextBatch, TextStream, encode_prompt
 from quillgpt.model.gpt import GPT
+from quillgpt.sampling_params import SamplingParams, offset_seed
 
 
 def row_params(params: SamplingParams, row: int) -> SamplingParams:
@@ -52,12 +52,13 @@ def make_engine(
     compile: bool | None = None,
     unit: str = "row",
     tokens: int | None = None,
+    memory_fix: str = MEMORY_FIX,
 ) -> Rows:
     """The static-cache Engine, or with use_cache=False the Recompute reference, for rows of at
     most `tokens` tokens (None: any number; the cache holds the attention span)."""
     if use_cache:
-        return Engine(model, rows, dtype=dtype, compile=bool(compile), unit=unit, capacity=tokens)
-    return Recompute(model, rows, dtype=dtype, unit=unit, capacity=tokens)
+        return Engine(model, rows, dtype=dtype, compile=bool(compile), unit=unit, capacity=tokens, memory_fix=memory_fix)
+    return Recompute(model, rows, dtype=dtype, unit=unit, capacity=tokens, memory_fix=memory_fix)
 
 
 def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
@@ -116,7 +117,7 @@ class GenerationStats:
 
     prompt_tokens: list[int]  # per row
     new_tokens: list[int] = field(default_factory=list)  # per row, up to its stop / end-of-text
-    finish: list[str] = field(default_factory=list)  # per row: "length", "stop" (string) or "eot"
+    finish: list[Finish] = field(default_factory=list)  # per row: "length", "stop" (string) or "eot"
     steps: int = 0
     prefill_ms: float = 0.0  # time to the first new token: the forward pass over the prompt
     total_s: float = 0.0
@@ -175,7 +176,8 @@ class Generation:
         _check_prompts(encoded, model.config.vocab_size)
         # the engine before anything is made per row: its memory check refuses --num-samples 10**10
         tokens = max(map(len, encoded)) + self.params.max_new_tokens
-        self.engine = make_engine(model, len(prompts) * samples, use_cache, dtype, compile, unit="sample", tokens=tokens)
+        fix = "generate fewer samples at once (--num-samples) or use a smaller dtype (--dtype bfloat16)"
+        self.engine = make_engine(model, len(prompts) * samples, use_cache, dtype, compile, unit="sample", tokens=tokens, memory_fix=fix)
         self.prompt_ids = [ids for ids in encoded for _ in range(samples)]
         self.streams = [TextStream(tokenizer, self.params.stop) for _ in self.prompt_ids]
         self.stats = GenerationStats(prompt_tokens=[len(p) for p in self.prompt_ids])

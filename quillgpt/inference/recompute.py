@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quillgpt.inference.engine import Rows, _Row
+from quillgpt.inference.engine import MEMORY_FIX, Rows, _Row
 from quillgpt.model.gpt import GPT
 
 
@@ -23,9 +23,16 @@ class Recompute(Rows):
     """Rows of generation recomputed from their tokens at every step."""
 
     def __init__(
-        self, model: GPT, max_rows: int = 1, *, dtype: torch.dtype | None = None, unit: str = "row", capacity: int | None = None
+        self,
+        model: GPT,
+        max_rows: int = 1,
+        *,
+        dtype: torch.dtype | None = None,
+        unit: str = "row",
+        capacity: int | None = None,
+        memory_fix: str = MEMORY_FIX,
     ) -> None:
-        super().__init__(model, max_rows, dtype, unit, capacity)
+        super().__init__(model, max_rows, dtype, unit, capacity, memory_fix)
 
     def _first_logits(self, r: int, row: _Row, ids: list[int]) -> Tensor:
         return self._logits([r])[0]

@@ -1,1 +1,2 @@
-"""Hugging Face interop: reading model directories (hf_files) and GPT-2 import/export (gpt2)."""
+"""Other formats: the family table (families), Hugging Face directories (convert: import-hf and
+export-hf; hf_files: reading them) through each shape's codec (gpt2, llama)."""

@@ -11,19 +11,19 @@ transformers reads, and quill_tokenizer.json so that a re-import restores quill'
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from quillgpt import checkpoint as ckpt
+from quillgpt import runs
 from quillgpt.config import Config, ModelConfig
-from quillgpt.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer, save_tokenizer
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_text, shown
+from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_json_object
 from quillgpt.interop import gpt2, llama
+from quillgpt.interop.families import GPT2, Family, export_family, family_of_config
 from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, require, resolve_source, write_json
 
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
@@ -45,39 +45,20 @@ class Converted:
 
 def read_hf_config(path: Path) -> dict[str, Any]:
     """config.json of an HF model directory, as a dict (one clear error when it is not one)."""
-    try:
-        hf_config = json.loads(read_text(path / "config.json", "config.json", limit=1 << 24))
-    except (json.JSONDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
-        raise QuillError(f"{shown(path / 'config.json')} is not valid JSON ({why})") from None
-    if not isinstance(hf_config, dict):
-        raise QuillError(f"{shown(path / 'config.json')} must be a JSON object")
-    return hf_config
+    return read_json_object(path / "config.json", "config.json", limit=1 << 24)
 
 
-def _source_tokenizer(path: Path, llama_family: bool) -> Tokenizer:
+CODECS = {"gpt2": gpt2.CODEC, "llama": llama.CODEC}  # Family.codec → how its weights and config map
+
+
+def _source_tokenizer(path: Path, family: Family) -> Tokenizer:
     if input_file(path / QUILL_TOKENIZER, QUILL_TOKENIZER):
         return load_tokenizer(path / QUILL_TOKENIZER)
-    if llama_family:
-        from quillgpt.data.hf_tokenizer import load_hf_tokenizer
+    if family.tiktoken is not None:  # GPT-2 files: tiktoken's gpt2 is their tokenizer
+        return build_tokenizer(family.tiktoken)
+    from quillgpt.data.hf_tokenizer import load_hf_tokenizer
 
-        return load_hf_tokenizer(path, name=path.resolve().name)
-    return build_tokenizer("gpt2")
-
-
-def _model_config(path: Path, hf_config: dict[str, Any]) -> tuple[ModelConfig, str]:
-    """(model config, architecture) of an HF directory's config.json."""
-    source = str(path / "config.json")
-    if llama.is_llama_family(hf_config):
-        return llama.llama_to_model_config(hf_config, source), llama.ARCHITECTURES[hf_config["model_type"]]
-    return gpt2.hf_to_model_config(hf_config, source), "GPT2LMHeadModel"
-
-
-def _state(path: Path, cfg: ModelConfig, architecture: str, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The quill state dict of an HF directory's weights (read one tensor at a time)."""
-    if architecture == "GPT2LMHeadModel":
-        return gpt2.hf_to_quill_state(load_hf_weights(path), cfg)
-    return llama.llama_to_quill_state(load_hf_weights(path), cfg, llama.has_o_bias(hf_config))
+    return load_hf_tokenizer(path, name=path.resolve().name)
 
 
 def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Converted:
@@ -87,18 +68,20 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     check_out_dir(out_dir, RUN_FILES + HF_FILES, force, "a run's or a model's files")
     path = resolve_source(src)
     hf_config = read_hf_config(path)
-    model_cfg, architecture = _model_config(path, hf_config)
-    tokenizer = _source_tokenizer(path, llama.is_llama_family(hf_config))
+    family = family_of_config(hf_config)
+    codec = CODECS[family.codec]
+    model_cfg = codec.model_config(hf_config, str(path / "config.json"))
+    tokenizer = _source_tokenizer(path, family)
     if model_cfg.vocab_size < tokenizer.vocab_size:
         raise QuillError(
             f"{path / 'config.json'} has vocab_size={model_cfg.vocab_size}, fewer than the {tokenizer.vocab_size} "
             f"ids of its tokenizer ({tokenizer.name}); is it the model's own tokenizer?"
         )
-    state = _state(path, model_cfg, architecture, hf_config)
+    state = codec.quill_state(load_hf_weights(path), model_cfg, hf_config)  # read one tensor at a time
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
     with made_dir(out_dir):  # a failed write leaves no --out it made
         _write_run(out_dir, model_cfg, tokenizer, state, str(src))
-    return Converted(out_dir, model_cfg, tokenizer.name, architecture)
+    return Converted(out_dir, model_cfg, tokenizer.name, family.architecture)
 
 
 def _write_run(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, state: dict, source: str) -> None:
@@ -108,7 +91,7 @@ def _write_run(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, stat
     cfg.data.out_dir = f"data/{out_dir.name}_data"
     # Training with this config.yaml fine-tunes the import into a new directory, never over it.
     cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
-    ckpt.write_run(out_dir, cfg, tokenizer, state, imported_from=source)
+    runs.write_run(out_dir, cfg, tokenizer, state, imported_from=source)
 
 
 def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Converted:
@@ -118,33 +101,40 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     st_torch = require("safetensors.torch")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
-    loaded = ckpt.load_run(run, which=which)
+    loaded = runs.load_run(run, which=which)
     cfg, tok = loaded.config.model, loaded.tokenizer
-    as_gpt2, as_llama = gpt2.gpt2_incompatibilities(cfg), llama.llama_incompatibilities(cfg)
-    if as_gpt2 and as_llama:
-        raise QuillError(f"cannot export {loaded.path}: as GPT-2, {'; '.join(as_gpt2)}; as the Llama family, {'; '.join(as_llama)}")
-    state = loaded.model.state_dict()
-    if not as_gpt2:
-        tensors, config, architecture = gpt2.quill_to_hf_state(state, cfg), gpt2.model_config_to_hf(cfg, tok.eot_id), "GPT2LMHeadModel"
-    else:
-        kind = llama.family_of(cfg, llama.is_qwen_tokenizer(getattr(tok, "_json", None)))
-        tensors, config = llama.quill_to_llama_state(state, cfg, kind), llama.model_config_to_llama(cfg, kind, tok.bos_id, tok.eot_id)
-        architecture = config["architectures"][0]
+    family = export_family_of(loaded.path, cfg, tok)
+    tensors, config = CODECS[family.codec].hf_files(loaded.model.state_dict(), cfg, family, tok)
     with made_dir(out_dir):  # a failed write (a full disk...) leaves no --out it made
         try:
             atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
             write_json(out_dir / "config.json", config)
-            _write_tokenizer_files(out_dir, tok, llama_family=bool(as_gpt2))
-            write_json(out_dir / "generation_config.json", generation_config(tok, loaded.config.sample, llama_family=bool(as_gpt2)))
+            _write_tokenizer_files(out_dir, tok, hf_tokenizer=family.tiktoken is None)
+            write_json(
+                out_dir / "generation_config.json", generation_config(tok, loaded.config.sample, hf_tokenizer=family.tiktoken is None)
+            )
         except OSError as e:
             raise os_error(e, out_dir, "write", "--out") from None
-    return Converted(out_dir, cfg, tok.name, architecture)
+    return Converted(out_dir, cfg, tok.name, family.architecture)
 
 
-def generation_config(tok: Tokenizer, sample: Any, llama_family: bool) -> dict[str, Any]:
+def export_family_of(source: Path, cfg: ModelConfig, tok: Tokenizer) -> Family:
+    """The family a run is exported as: GPT-2 where its architecture is GPT-2's, else the Llama
+    family's record that fits; what neither can express is refused with both reasons."""
+    as_gpt2, as_llama = CODECS["gpt2"].incompatibilities(cfg), CODECS["llama"].incompatibilities(cfg)
+    if as_gpt2 and as_llama:
+        raise QuillError(f"cannot export {source}: as GPT-2, {'; '.join(as_gpt2)}; as the Llama family, {'; '.join(as_llama)}")
+    if not as_gpt2:
+        return GPT2
+    family = export_family(cfg, llama.is_qwen_tokenizer(getattr(tok, "_json", None)))
+    assert family is not None  # llama_incompatibilities refuses what no record fits
+    return family
+
+
+def generation_config(tok: Tokenizer, sample: Any, hf_tokenizer: bool) -> dict[str, Any]:
     """generation_config.json: bos/eos where the tokenizer has an end-of-text id, and the run's
     `sample:` defaults, so transformers' generate() samples as `quill sample` does."""
-    ends = {"bos_token_id": tok.bos_id if llama_family else tok.eot_id, "eos_token_id": tok.eot_id}
+    ends = {"bos_token_id": tok.bos_id if hf_tokenizer else tok.eot_id, "eos_token_id": tok.eot_id}
     config: dict[str, Any] = {k: v for k, v in ends.items() if v is not None}
     config.update(max_new_tokens=sample.max_new_tokens, do_sample=sample.temperature > 0)
     if sample.temperature > 0:
@@ -155,11 +145,11 @@ def generation_config(tok: Tokenizer, sample: Any, llama_family: bool) -> dict[s
     return config
 
 
-def _write_tokenizer_files(out_dir: Path, tok: Tokenizer, llama_family: bool) -> None:
-    """quill_tokenizer.json and (Llama family) tokenizer.json + tokenizer_config.json
+def _write_tokenizer_files(out_dir: Path, tok: Tokenizer, hf_tokenizer: bool) -> None:
+    """quill_tokenizer.json and (a family with its own) tokenizer.json + tokenizer_config.json
     (+ chat_template.jinja), so transformers loads the tokenizer too."""
     save_tokenizer(tok, out_dir / QUILL_TOKENIZER)
-    if not llama_family:
+    if not hf_tokenizer:
         return
     from quillgpt.data.hf_tokenizer import hf_files_of
 

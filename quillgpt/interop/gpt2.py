@@ -15,14 +15,18 @@ Reading and writing Hugging Face directories is interop/hf_files.py's.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from quillgpt import checkpoint as ckpt
+from quillgpt import runs
 from quillgpt.config import ModelConfig, config_from_dict, shown_value
+from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.interop.families import GPT2, LLAMA_FAMILY, Family
 from quillgpt.model.variants import variant_of
 
 # Weights HF keeps as Conv1D (in, out): transposed to and from nn.Linear's (out, in).
@@ -54,10 +58,11 @@ GPT2_DEFAULTS: dict[str, Any] = {
 
 def hf_to_model_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """A GPT-2 config.json → quill ModelConfig; anything quill cannot run exactly is refused."""
-    if hf.get("model_type", "gpt2") != "gpt2":
+    if hf.get("model_type", GPT2.model_type) != GPT2.model_type:
+        llamas = ", ".join(f.model_type for f in LLAMA_FAMILY)
         raise QuillError(
             f"{source}: model_type is {shown_value(hf['model_type'])}, not 'gpt2'; import-hf reads GPT-2 "
-            "(GPT2LMHeadModel) and the Llama family (llama, qwen2, qwen3, mistral)"
+            f"({GPT2.architecture}) and the Llama family ({llamas})"
         )
     c = {**GPT2_DEFAULTS, **{k: v for k, v in hf.items() if k in GPT2_DEFAULTS and (v is not None or k == "n_inner")}}
     problems = []
@@ -130,8 +135,8 @@ def gpt2_incompatibilities(cfg: ModelConfig) -> list[str]:
 def model_config_to_hf(cfg: ModelConfig, eot_id: int | None) -> dict[str, Any]:
     """A GPT-2-expressible ModelConfig → the config.json of a transformers GPT2LMHeadModel."""
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
+        "architectures": [GPT2.architecture],
+        "model_type": GPT2.model_type,
         "vocab_size": cfg.vocab_size,
         "n_positions": cfg.block_size,
         "n_ctx": cfg.block_size,  # the pre-2020 name of n_positions, still read by some tools
@@ -183,7 +188,7 @@ def hf_to_quill_state(hf_state: dict[str, Tensor], cfg: ModelConfig) -> dict[str
             state["lm_head.weight"] = wte  # one tensor under both names, as in the tied model
     elif head is not None:
         state["lm_head.weight"] = head.float()
-    problems = ckpt.weight_mismatches(state, cfg)
+    problems = runs.weight_mismatches(state, cfg)
     if problems:
         raise QuillError(
             f"the weights do not match a GPT-2 of this config.json ({problems}); "
@@ -213,3 +218,21 @@ def quill_to_hf_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, T
 
 
 # --- the two directions -----------------------------------------------------------------------
+
+
+class GPT2Codec:
+    """GPT-2's Codec (interop/families.py)."""
+
+    model_config = staticmethod(hf_to_model_config)
+    incompatibilities = staticmethod(gpt2_incompatibilities)
+
+    @staticmethod
+    def quill_state(weights: Mapping[str, Tensor], cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Tensor]:
+        return hf_to_quill_state(weights, cfg)
+
+    @staticmethod
+    def hf_files(state: Mapping[str, Tensor], cfg: ModelConfig, family: Family, tok: Tokenizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return quill_to_hf_state(state, cfg), model_config_to_hf(cfg, tok.eot_id)
+
+
+CODEC = GPT2Codec()

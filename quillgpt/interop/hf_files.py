@@ -24,7 +24,7 @@ from torch import Tensor
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import shown_value
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_text, input_file, probe_writable, read_text, shown
+from quillgpt.files import atomic_write_text, input_file, probe_writable, read_json, shown
 
 HF_INSTALL = 'pip install -e ".[hf]"'
 
@@ -89,9 +89,8 @@ def load_hf_weights(src: Path) -> HFWeights:
 def _shard_names(index: Path) -> list[str]:
     """The shard files an *.index.json names: plain file names beside it, never a path elsewhere."""
     try:
-        weight_map = json.loads(read_text(index, "shard index", limit=1 << 26))["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        shards = sorted(set(read_json(index, "shard index", limit=1 << 26, kind="a valid shard index")["weight_map"].values()))
+    except (KeyError, TypeError, AttributeError) as e:
         raise QuillError(f"{shown(index)} is not a valid shard index ({type(e).__name__}: {str(e)[:100]})") from None
     for shard in shards:
         if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):

@@ -21,31 +21,15 @@ import torch
 from torch import Tensor
 
 from quillgpt.config import ModelConfig, config_from_dict, shown_value
+from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.interop.families import BY_MODEL_TYPE, LLAMA_FAMILY, Family, export_family
 from quillgpt.model.variants import variant_of
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
-# transformers' defaults for the keys a config.json may leave out, per model_type
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
-    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
-    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0},
-    "mistral": {
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "rope_theta": 10000.0,
-        "sliding_window": 4096,
-    },
-}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def is_llama_family(hf: dict[str, Any]) -> bool:
-    return hf.get("model_type") in ARCHITECTURES
-
-
-def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+def _rope(hf: dict[str, Any], family: Family) -> dict[str, Any]:
     """quill's rope keys from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -55,7 +39,7 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
         raise QuillError(f"rope_type={shown_value(kind)} (quill computes {', '.join(ROPE_TYPES)} RoPE only)")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise QuillError("partial_rotary_factor != 1 (quill rotates every dimension of a head)")
-    theta = params.get("rope_theta", hf.get("rope_theta", DEFAULTS[hf["model_type"]]["rope_theta"]))
+    theta = params.get("rope_theta", hf.get("rope_theta", family.rope_theta))
     keys: dict[str, Any] = {"rope_theta": theta}
     if kind != "default":
         keys.update(rope_scaling=kind, rope_factor=params.get("factor", 1.0))
@@ -68,11 +52,10 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     return keys
 
 
-def _window(hf: dict[str, Any]) -> int | None:
+def _window(hf: dict[str, Any], family: Family) -> int | None:
     """The sliding window every layer shares, or None; a window on some layers only is refused."""
-    kind = hf["model_type"]
-    window = hf.get("sliding_window", DEFAULTS[kind].get("sliding_window"))
-    if kind in ("qwen2", "qwen3"):
+    window = hf.get("sliding_window", family.window)
+    if family.qwen_windows:
         layers = hf.get("layer_types") or (
             [
                 "sliding_attention" if hf.get("use_sliding_window") and i >= hf.get("max_window_layers", 28) else "full_attention"
@@ -87,58 +70,58 @@ def _window(hf: dict[str, Any]) -> int | None:
     return window
 
 
-def _refusals(hf: dict[str, Any]) -> list[str]:
-    kind, problems = hf["model_type"], []
+def _refusals(hf: dict[str, Any], family: Family) -> list[str]:
+    problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={shown_value(hf['hidden_act'])} (quill's SwiGLU gates with silu)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true (quill's SwiGLU has no biases)")
-    if kind == "mistral" and hf.get("attention_bias"):
-        problems.append("attention_bias=true (Mistral has none)")
+    if family.qkv_bias == "never" and hf.get("attention_bias"):
+        problems.append(f"attention_bias=true ({family.name} has none)")
     return problems
 
 
 def llama_to_model_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """A Llama-family config.json → quill ModelConfig; anything quill cannot run exactly is refused."""
-    kind = hf.get("model_type")
+    family = BY_MODEL_TYPE[hf["model_type"]]
     try:
-        problems = _refusals(hf)
+        problems = _refusals(hf, family)
         if problems:
             raise QuillError("; ".join(problems))
         n_head, n_embd = hf["num_attention_heads"], hf["hidden_size"]
         head_dim = hf.get("head_dim")
         model = {
             "vocab_size": hf["vocab_size"],
-            "block_size": hf.get("max_position_embeddings", DEFAULTS[kind]["max_position_embeddings"]),
+            "block_size": hf.get("max_position_embeddings", family.max_positions),
             "n_layer": hf["num_hidden_layers"],
             "n_head": n_head,
             "n_kv_head": hf.get("num_key_value_heads", n_head),
             "n_embd": n_embd,
             "head_dim": None if head_dim in (None, n_embd // n_head) else head_dim,
             "bias": False,
-            "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias")),
+            "qkv_bias": {"always": True, "attention_bias": bool(hf.get("attention_bias")), "never": False}[family.qkv_bias],
             "pos": "rope",
-            **_rope(hf),
+            **_rope(hf, family),
             "norm": "rmsnorm",
-            "norm_eps": hf.get("rms_norm_eps", DEFAULTS[kind]["rms_norm_eps"]),
+            "norm_eps": hf.get("rms_norm_eps", family.rms_norm_eps),
             "mlp": "swiglu",
             "mlp_hidden": hf["intermediate_size"],
-            "qk_norm": kind == "qwen3",
-            "window": _window(hf),
-            "tie_embeddings": hf.get("tie_word_embeddings", DEFAULTS[kind]["tie_word_embeddings"]),
+            "qk_norm": family.qk_norm,
+            "window": _window(hf, family),
+            "tie_embeddings": hf.get("tie_word_embeddings", family.tie_embeddings),
             "dropout": 0.0,
         }
         return config_from_dict({"model": model}).model
     except KeyError as e:
-        raise QuillError(f"cannot import {source}: it has no {e.args[0]!r}, which a {kind} config needs") from None
+        raise QuillError(f"cannot import {source}: it has no {e.args[0]!r}, which a {family.model_type} config needs") from None
     except QuillError as e:
-        raise QuillError(f"cannot import {source} ({ARCHITECTURES[kind]}): {e}") from None
+        raise QuillError(f"cannot import {source} ({family.architecture}): {e}") from None
 
 
 def has_o_bias(hf: dict[str, Any]) -> bool:
     """Llama's and Qwen3's attention_bias puts a bias on o_proj too; quill has no slot for one, so
     only an all-zero one imports (quill's own exports write zeros there)."""
-    return hf.get("model_type") in ("llama", "qwen3") and bool(hf.get("attention_bias"))
+    return BY_MODEL_TYPE[hf["model_type"]].o_bias and bool(hf.get("attention_bias"))
 
 
 def weight_names(cfg: ModelConfig) -> dict[str, list[str]]:
@@ -199,29 +182,20 @@ def llama_incompatibilities(cfg: ModelConfig) -> list[str]:
         problems.append(f"model.attention={cfg.attention}: the Llama family has causal attention only")
     if cfg.logit_softcap is not None:
         problems.append(f"model.logit_softcap={cfg.logit_softcap}: the Llama family's logits are not capped")
-    if cfg.window is not None and (cfg.qk_norm or cfg.qkv_bias):
-        problems.append("model.window with qk_norm or qkv_bias: only Mistral has a window, and it has neither")
+    if not problems and export_family(cfg) is None:
+        features = " + ".join(f"model.{k}" for k in ("window", "qk_norm", "qkv_bias") if getattr(cfg, k))
+        windowed = ", ".join(f.name for f in LLAMA_FAMILY if f.exports_window)
+        problems.append(f"{features}: no Llama-family model has them together (a window is {windowed}'s, which has neither)")
     return problems
 
 
-def family_of(cfg: ModelConfig, qwen_tokenizer: bool = False) -> str:
-    """The model_type an exportable cfg is written as: Qwen3 (QK-norm), Mistral (a sliding window),
-    Qwen2 for q/k/v biases with a tokenizer transformers' Qwen2Tokenizer keeps as it is (it imposes
-    Qwen's pre-tokenizer on any qwen2 model), else Llama (its attention_bias, o_proj's bias zero)."""
-    if cfg.qk_norm:
-        return "qwen3"
-    if cfg.qkv_bias and qwen_tokenizer:
-        return "qwen2"
-    return "mistral" if cfg.window else "llama"
-
-
-def zero_o_bias(cfg: ModelConfig, kind: str) -> bool:
+def zero_o_bias(cfg: ModelConfig, family: Family) -> bool:
     """Whether the export writes attention_bias=true (q/k/v biases) with o_proj's bias all zero."""
-    return cfg.qkv_bias and kind in ("llama", "qwen3")
+    return cfg.qkv_bias and family.qkv_bias == "attention_bias" and family.o_bias
 
 
-def model_config_to_llama(cfg: ModelConfig, kind: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """An exportable ModelConfig → the config.json of family `kind` (transformers 5 form: rope_parameters)."""
+def model_config_to_llama(cfg: ModelConfig, family: Family, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """An exportable ModelConfig → the config.json of `family` (transformers 5 form: rope_parameters)."""
     rope: dict[str, Any] = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rope["factor"] = cfg.rope_factor
@@ -232,8 +206,8 @@ def model_config_to_llama(cfg: ModelConfig, kind: str, bos_id: int | None, eos_i
             original_max_position_embeddings=cfg.rope_original_context,
         )
     out = {
-        "architectures": [ARCHITECTURES[kind]],
-        "model_type": kind,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.n_embd,
         "intermediate_size": cfg.hidden_dim,
@@ -251,19 +225,19 @@ def model_config_to_llama(cfg: ModelConfig, kind: str, bos_id: int | None, eos_i
         "eos_token_id": eos_id,
         "use_cache": True,
     }
-    if kind in ("llama", "qwen3"):
-        out["attention_bias"] = zero_o_bias(cfg, kind)
-    if kind == "llama":
+    if family.qkv_bias == "attention_bias":
+        out["attention_bias"] = zero_o_bias(cfg, family)
+    if family.mlp_bias_key:
         out["mlp_bias"] = False
-    if kind in ("qwen2", "qwen3"):
+    if family.qwen_windows:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
-    if kind == "mistral":
+    if family.exports_window:
         out["sliding_window"] = cfg.window
     return out
 
 
-def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig, kind: str) -> dict[str, Tensor]:
-    """quill state dict → the tensors of family `kind` (contiguous, none sharing memory): c_attn
+def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig, family: Family) -> dict[str, Tensor]:
+    """quill state dict → the tensors of `family` (contiguous, none sharing memory): c_attn
     split into q/k/v, c_fc into gate/up, zero o_proj biases where attention_bias needs them; a tied
     head is left for transformers to tie."""
     H, KV, hd = cfg.n_head, cfg.kv_heads, cfg.head_size
@@ -274,10 +248,28 @@ def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig, kind: st
         module = ".".join(name.split(".")[-3:-1])  # e.g. attn.c_attn
         pieces = t.split(sizes[module], dim=0) if len(parts) > 1 else [t]
         out.update({p: piece.contiguous().clone() for p, piece in zip(parts, pieces)})
-    if zero_o_bias(cfg, kind):
+    if zero_o_bias(cfg, family):
         ref = state["transformer.h.0.attn.c_proj.weight"]
         out.update({f"model.layers.{i}.self_attn.o_proj.bias": ref.new_zeros(cfg.n_embd) for i in range(cfg.n_layer)})
     return out
+
+
+class LlamaCodec:
+    """The Llama family's Codec (interop/families.py): one mapping, each record's features."""
+
+    model_config = staticmethod(llama_to_model_config)
+    incompatibilities = staticmethod(llama_incompatibilities)
+
+    @staticmethod
+    def quill_state(weights: Mapping[str, Tensor], cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Tensor]:
+        return llama_to_quill_state(weights, cfg, has_o_bias(hf))
+
+    @staticmethod
+    def hf_files(state: Mapping[str, Tensor], cfg: ModelConfig, family: Family, tok: Tokenizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return quill_to_llama_state(state, cfg, family), model_config_to_llama(cfg, family, tok.bos_id, tok.eot_id)
+
+
+CODEC = LlamaCodec()
 
 
 def is_qwen_tokenizer(tokenizer_json: str | None) -> bool:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
-from quillgpt.model.kv_cache import KVCache, KVWrite
+from quillgpt.model.kv_cache import Cache, KVCache, KVWrite
 
 
 def rope_inv_freq(
@@ -155,8 +154,8 @@ class LayerInputs:
 
     rope: tuple[Tensor, Tensor] | None = None
     mask: Tensor | None = None
-    cache: Any = None
-    plan: Any = None
+    cache: Cache | None = None
+    plan: object = None  # the cache's write plan for this forward (Cache.plan)
     need_weights: bool = False
 
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
-from quillgpt.model.kv_cache import KVCache
+from quillgpt.model.kv_cache import Cache, KVCache
 from quillgpt.model.variants import Variant, variant_of
 
 
@@ -191,7 +191,7 @@ class GPT(nn.Module):
         targets: Tensor | None = None,
         *,
         pos: Tensor | None = None,
-        cache: Any = None,
+        cache: Cache | None = None,
         rows: Tensor | None = None,
         all_logits: bool = False,
         prefix_len: Tensor | None = None,
@@ -249,7 +249,7 @@ class GPT(nn.Module):
         self,
         idx: Tensor,
         pos: Tensor | None = None,
-        cache: Any = None,
+        cache: Cache | None = None,
         rows: Tensor | None = None,
         prefix_len: Tensor | None = None,
         need_weights: bool = False,
@@ -268,7 +268,7 @@ class GPT(nn.Module):
                 maps.append(w)
         return self.transformer.ln_f(x), maps
 
-    def _positions(self, idx: Tensor, pos: Tensor | None, cache: Any, prefix_len: Tensor | None) -> Tensor | None:
+    def _positions(self, idx: Tensor, pos: Tensor | None, cache: Cache | None, prefix_len: Tensor | None) -> Tensor | None:
         """The tokens' absolute positions (B or 1, T), checked; None for the plain causal case
         0..T-1 that needs no mask (sdpa's is_causal fast path)."""
         cfg, T = self.config, idx.shape[1]

@@ -17,12 +17,26 @@ and the decode step asks `decode_slots(pos)`. Every caller says where its tokens
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 EMPTY_POS = -(2**62)  # position of a cache slot that holds no key yet: matches no query
 SlotIndex = tuple[Tensor, Tensor]  # (rows, slots), each (R,): where a decode step's keys go
+
+
+class Cache(Protocol):
+    """What every generation cache offers (KVCache here; a variant's own, e.g. InfiniCache): its
+    size, forgetting rows, and a forward's write plan for tokens at positions pos (B or 1, T),
+    which the variant's attention layers then consume (a KVWrite for a KVCache)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def reset(self, row: int | None = None) -> None: ...
+
+    def plan(self, pos: Tensor, rows: Tensor | None = None) -> object: ...
 
 
 @dataclass(frozen=True)

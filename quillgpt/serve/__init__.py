@@ -1,7 +1,8 @@
 """`quill serve`: an OpenAI-compatible HTTP server with continuous batching and a web page.
 
 Needs the optional "serve" extra (`pip install -e ".[serve]"`: fastapi, uvicorn).
-Modules: `server` (start-up, listen, drain), `app` (routes, SSE, auth, limits), `schemas`
-(strict request bodies), `responses` (OpenAI's objects),
-`batcher` (the one engine task), `errors` (OpenAI-shaped errors), `static/` (the page).
+Modules: `server` (the HTTP server: start-up, listen, drain), `routes` (the app: routes, SSE,
+auth, limits), `connections` (per-connection deadlines and the lingering close), `schemas`
+(strict request bodies), `responses` (OpenAI's objects), `batcher` (the one engine task),
+`errors` (OpenAI-shaped errors), `access_log` (a line per request), `static/` (the page).
 """

@@ -4,7 +4,7 @@ Requests enter a queue as `Job`s (one per choice). At every step of the loop, jo
 went away leave their row, waiting jobs join free rows (up to the engine's `max_rows`), and one
 decode step advances every active row, each with its own sampling settings and seed, so a job's
 tokens are the ones it gets alone. Rows join, step, finish and leave through the one driver,
-inference.text.TextBatch, which turns each job's tokens into text with its own `TextStream`
+inference.driver.TextBatch, which turns each job's tokens into text with its own `TextStream`
 (UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side through the
 job's `emit` callback. Work that must not run beside a decode step (the attention view) is
 queued as a plain call and runs between steps. A row that fails (engine.RowFailed) fails its
@@ -20,15 +20,15 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from quillgpt.errors import QuillError
+from quillgpt.inference.driver import Piece, TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
-from quillgpt.inference.text import Piece, TextBatch, TextStream
 
 if TYPE_CHECKING:
     from quillgpt.inference.engine import Engine
-    from quillgpt.inference.sampling import SamplingParams
+    from quillgpt.sampling_params import SamplingParams
 
 log = logging.getLogger("quillgpt.serve")
 
@@ -39,7 +39,7 @@ class Event:
 
     index: int  # the choice index in its request
     text: str = ""
-    finish: str | None = None  # "stop", "length" (OpenAI's reasons), or "error" (then text is the message)
+    finish: Literal["stop", "length", "error"] | None = None  # OpenAI's reasons, or "error" (then text is the message)
     tokens: int = 0  # completion tokens so far
     status: int = 500  # with finish "error": the HTTP status it maps to
 

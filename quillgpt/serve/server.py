@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from quillgpt.errors import QuillError
+from quillgpt.runs import LoadedRun, load_run
 
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from quillgpt.checkpoint import LoadedRun
-    from quillgpt.serve.app import ServeOptions
+    from quillgpt.serve.routes import ServeOptions
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
@@ -32,11 +32,12 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch.dtype | None = None) -> FastAPI:
     """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows."""
     from quillgpt.inference.engine import Engine
-    from quillgpt.serve.app import create_app
     from quillgpt.serve.batcher import Batcher
+    from quillgpt.serve.routes import create_app
 
     tokens = options.max_prompt_tokens + options.max_tokens  # the most a request's row can hold
-    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens)
+    fix = "serve fewer rows at once (--max-batch) or use a smaller dtype (--dtype bfloat16)"
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens, memory_fix=fix)
     return create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
 
 
@@ -56,12 +57,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 def uvicorn_server(app: FastAPI, drain_s: float = 5.0, log_level: str = "info", head_timeout_s: float = 10.0) -> uvicorn.Server:
     """uvicorn serving `app` (from create_app): request heads bounded by head_timeout_s, and on
-    shutdown running replies get drain_s seconds, then end themselves (serve/http.py)."""
+    shutdown running replies get drain_s seconds, then end themselves (serve/connections.py)."""
     import functools
 
     import uvicorn
 
-    from quillgpt.serve.http import GRACE_S, BoundedH11, DrainingServer
+    from quillgpt.serve.connections import GRACE_S, BoundedH11, DrainingServer
 
     config = uvicorn.Config(
         app,
@@ -107,12 +108,11 @@ def serve(
 ) -> None:
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
-    from quillgpt.checkpoint import load_run
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.model import quant
 
     require_extra()
-    from quillgpt.serve.app import ServeOptions
+    from quillgpt.serve.routes import ServeOptions
 
     if not 1 <= max_batch <= 1024:
         raise QuillError(f"--max-batch must be between 1 and 1024, got {max_batch}")

@@ -1,3 +1,3 @@
-"""Training: the loop (loop), the run directory and resume policy (run_dir), the lr schedule and
-time budget (schedule), optimizers (optim), DDP/FSDP (distributed, fsdp_checkpoint), the log
-(metrics) and its curves (curves), the fit estimate (memory), prefix-LM batches (prefix_batches)."""
+"""Training: the loop (loop) over the trainer's state (state), the run directory and resume policy
+(run_dir), the lr schedule and time budget (schedule), optimizers (optim), DDP/FSDP (distributed,
+fsdp_checkpoint), the log (metrics), the fit estimate (memory), threads that give way (cpu_share)."""

@@ -22,7 +22,6 @@ and the base's path and checksum, and resuming it checks the base is unchanged.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import signal
 import threading
@@ -32,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, TrainConfig, parse_duration
 from quillgpt.data.batches import BatchSampler, fixed_windows
 from quillgpt.data.chat_batches import ChatRows, ChatSampler
+from quillgpt.data.prefix_batches import PrefixLengths, PrefixSampler, separator_id
 from quillgpt.data.prepare import PreparedData, load_prepared, load_tokens
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import peak_flops, resolve_dtype
@@ -64,12 +63,11 @@ from quillgpt.train.distributed import (
     wrap_model,
 )
 from quillgpt.train.memory import check_train_memory
-from quillgpt.train.metrics import MetricsWriter
 from quillgpt.train.optim import build_optimizer
-from quillgpt.train.prefix_batches import PrefixLengths, PrefixSampler, separator_id
 from quillgpt.train.progress import Progress, startup_line
 from quillgpt.train.run_dir import init_from_run, load_resume_state, open_run, start_run
-from quillgpt.train.schedule import FIT_AFTER_STEPS, follow_budget, lr_at
+from quillgpt.train.schedule import follow_budget, lr_at
+from quillgpt.train.state import FIT_AFTER_STEPS, Trainer, Windows
 
 
 @dataclass
@@ -131,9 +129,6 @@ class StopFlag:
 # --- evaluation on fixed windows --------------------------------------------------------------
 
 
-Windows = dict[str, tuple[np.ndarray | ChatRows, np.ndarray]]  # split → (tokens, window starts) or (rows, picks)
-
-
 def estimate_loss(model: GPT, windows: Windows, batch_size: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """Mean loss per split over the same windows (chat data: the same conversations, the
     assistant's tokens) every time, so curves are comparable across steps.
@@ -150,52 +145,6 @@ def estimate_loss(model: GPT, windows: Windows, batch_size: int, device: torch.d
             ).loss
             for split, (data, picks) in windows.items()
         }
-
-
-# --- the trainer ------------------------------------------------------------------------------
-
-
-@dataclass
-class Trainer:
-    """Everything the loop touches: built by `setup`, brought back by `restore`, moved on by steps."""
-
-    cfg: Config
-    ddp: Dist
-    device: torch.device
-    dtype: torch.dtype
-    out_dir: Path
-    tokenizer: Tokenizer
-    raw_model: GPT  # what checkpoints save and evaluation runs
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    sampler: BatchSampler | ChatSampler
-    windows: Windows
-    budget_s: float | None
-    model: torch.nn.Module | None = None  # what the step calls: raw_model, compiled and/or wrapped
-    step: int = 0
-    tokens_seen: int = 0
-    best_val: float = math.inf
-    elapsed_before: float = 0.0  # seconds trained before this process (by the runs it resumes)
-    horizon: int = 0  # the step the lr schedule ends at: max_iters, or fitted to train.time_budget
-    fitted: bool = False  # the horizon was fitted to the budget (once; checkpointed)
-    fit_at: int = FIT_AFTER_STEPS  # the step it is fitted at (later on a resume with a new budget)
-    budget_ended: bool = False  # the time budget ended the run
-    reserve_s: float = 0.0  # time budget: kept for the final evaluation + checkpoint (the last one's time)
-    pace_mark: tuple[float, int] | None = None  # time budget: (time, step) after this process's first step
-    t_start: float = 0.0
-    first_step: int = 0  # the step this process started from
-    log: MetricsWriter | None = None  # rank 0 only
-    lora_base: dict[str, str] | None = None  # LoRA: the base's checkpoint file and weights checksum
-    notes: list[str] = dataclasses.field(default_factory=list)  # printed when the loop starts (rank 0)
-    stop_reason: str = ""  # time budget: why the run ended where it did
-
-    @property
-    def fit_step(self) -> int:
-        """The step the time budget's end is fitted at: fit_at, and never inside the warmup."""
-        return max(self.fit_at, self.cfg.train.warmup_iters)
-
-    def elapsed(self) -> float:
-        return self.elapsed_before + time.time() - self.t_start
 
 
 def train(cfg: Config, progress: bool = True) -> TrainResult:

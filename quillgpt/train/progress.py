@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-if TYPE_CHECKING:
-    from quillgpt.train.loop import Trainer
+from quillgpt.train.state import Trainer
 
 
 def startup_line(t: Trainer, tokens_per_step: int, resumed: bool) -> str:

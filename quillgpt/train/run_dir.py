@@ -21,24 +21,23 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.config import Config, DataConfig, LoraConfig, ModelConfig, TrainConfig, load_config, save_config
+from quillgpt import runs
+from quillgpt.config import Config, DataConfig, LoraConfig, ModelConfig, TrainConfig, load_config, save_config, with_base_tokenizer
 from quillgpt.data.prepare import PreparedData, prepare
-from quillgpt.data.tokenizer import save_tokenizer, tokenizer_from_spec
+from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
 from quillgpt.files import check_output_dir, probe_writable, shown
+from quillgpt.metrics_log import METRICS
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import Dist
-from quillgpt.train.metrics import METRICS, MetricsWriter, check_tensorboard, truncate_metrics
-
-if TYPE_CHECKING:
-    from quillgpt.train.loop import Trainer
-
+from quillgpt.train.metrics import MetricsWriter, check_tensorboard, truncate_metrics
+from quillgpt.train.state import Trainer
 
 # What a run writes into train.out_dir (name → output kind): an existing file of these that is
 # not a run's (an HF model's tokenizer.json, someone's config.yaml) is never replaced silently.
@@ -101,6 +100,7 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
     prepared data and whether to resume. Rank 0 does the checks before any rank does work, and a
     refusal there stops every rank (instead of leaving them waiting for rank 0 forever)."""
     out_dir, failure, resuming = Path(cfg.train.out_dir), None, False
+    with_base_tokenizer(cfg)  # a Config built in Python, not by load_config
     if ddp.master:
         try:
             probe_writable(out_dir, "train.out_dir")
@@ -197,7 +197,7 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     base a LoRA run records: its checkpoint file and weights checksum. Of the config's model keys
     only INIT_APPLIED apply; one given on the command line that would change the architecture is
     refused (the weights fix it), never silently ignored."""
-    state, path = ckpt.load_state(cfg.train.init_from, which="best")
+    state, path = runs.load_state(cfg.train.init_from, which="best")
     if path.resolve().parent == Path(cfg.train.out_dir).resolve():
         raise QuillError(
             f"train.init_from={cfg.train.init_from} is the run in train.out_dir, which this run would "
@@ -206,7 +206,7 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     base = {"path": str(path.resolve()), "checksum": ckpt.weights_checksum(state["model"])} if cfg.lora.rank else None
     try:
         spec = tokenizer_from_spec(state["tokenizer"]).spec()
-        model, source_cfg = ckpt.model_from_state(state, dtype=torch.float32)
+        model, source_cfg = runs.model_from_state(state, dtype=torch.float32)
     except QuillError as e:
         raise QuillError(f"{shown(path)}: {e}") from None
     if spec != tokenizer_spec:
@@ -235,7 +235,7 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     if "model.attn_impl" in cfg.overridden:
         model_cfg.attn_impl = cfg.model.attn_impl
     cfg.model = model_cfg
-    return cfg, ckpt.crop_positions(model.state_dict(), model_cfg), base
+    return cfg, runs.crop_positions(model.state_dict(), model_cfg), base
 
 
 def load_resume_state(
@@ -315,7 +315,7 @@ def _check_compatible(
             f"fine-tune it with train.init_from={path.parent} and a new train.out_dir"
         )
     old = ModelConfig(**state["config"]["model"])
-    diffs = ckpt.config_differences(old, cfg.model)
+    diffs = runs.config_differences(old, cfg.model)
     old_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
     if old_optimizer != cfg.train.optimizer:  # their states do not load into each other
         diffs.append(f"train.optimizer: {old_optimizer} → {cfg.train.optimizer}")

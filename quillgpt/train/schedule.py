@@ -10,15 +10,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from quillgpt.config import TrainConfig
-
-if TYPE_CHECKING:
-    from quillgpt.train.loop import Trainer
-
-
-FIT_AFTER_STEPS = 10  # train.time_budget: the horizon is fitted once, at this step or warmup's end
+from quillgpt.train.state import Trainer
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:

@@ -10,10 +10,11 @@ import pytest
 
 from quillgpt.cli import main
 from quillgpt.config import DataConfig
-from quillgpt.data.chat import conversation_tokens
 from quillgpt.data.chat_data import ASSISTANT, START
+from quillgpt.data.chat_template import conversation_tokens
 from quillgpt.data.prepare import load_tokens, prepare
-from quillgpt.data.tokenizer import CharTokenizer, save_tokenizer
+from quillgpt.data.tokenizer import CharTokenizer
+from quillgpt.data.tokenizer_files import save_tokenizer
 from quillgpt.errors import QuillError
 
 CHARS = "".join(sorted(set("\n !',.:?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")))

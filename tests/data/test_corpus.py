@@ -8,7 +8,7 @@ from support import deadline
 
 import quillgpt.data.corpus as corpus
 from quillgpt.data.corpus import DocumentCutter, count_chars, count_records, find_sources, iter_pieces, read_records
-from quillgpt.data.tokenizer import build_tokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
 
 DOCS = ["First doc.\nIt has two lines.", "", "Second — with ünïcode 🙂 text", "third\n\nwith a blank line\n"]

@@ -16,7 +16,7 @@ from quillgpt.config import load_config
 from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows
 from quillgpt.data.download import download
 from quillgpt.data.prepare import load_prepared, load_tokens, prepare, token_dtype
-from quillgpt.data.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
 
 

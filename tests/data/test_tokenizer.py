@@ -8,17 +8,8 @@ import rustbpe
 import tiktoken.load
 
 from quillgpt.cli import main
-from quillgpt.data.tokenizer import (
-    GPT4_SPLIT_PATTERN,
-    TOKENIZER_NAMES,
-    CharTokenizer,
-    build_tokenizer,
-    find_safe_cut,
-    load_tokenizer,
-    save_tokenizer,
-    text_chunks,
-    tokenizer_from_spec,
-)
+from quillgpt.data.tokenizer import GPT4_SPLIT_PATTERN, TOKENIZER_NAMES, CharTokenizer, find_safe_cut, text_chunks
+from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
 
 MIXED = "Héllo, wörld! 日本語 🙂 naïve\n\tend <|endoftext|>"

@@ -13,7 +13,7 @@ from matplotlib.image import imread
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import Config, ModelConfig, load_config
-from quillgpt.data.tokenizer import build_tokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate import attention_views as viz
 from quillgpt.model.gpt import GPT

@@ -11,18 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quillgpt.checkpoint import load_checkpoint, load_run, save_checkpoint
+from quillgpt.checkpoint import load_checkpoint, save_checkpoint
 from quillgpt.config import ModelConfig, load_config
 from quillgpt.data.batches import fixed_windows
 from quillgpt.data.prepare import load_tokens
-from quillgpt.data.tokenizer import build_tokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
+from quillgpt.metrics_log import read_metrics
 from quillgpt.model.gpt import GPT
 from quillgpt.model.quant import quantize
 from quillgpt.model.variants import VARIANTS
+from quillgpt.runs import load_run
 from quillgpt.train.loop import train
-from quillgpt.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 8

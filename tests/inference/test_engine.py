@@ -15,9 +15,9 @@ from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.inference.sampling import SamplingParams
 from quillgpt.model.gpt import GPT
 from quillgpt.model.quant import Int8Linear, KernelPlan, quantize
+from quillgpt.sampling_params import SamplingParams
 
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 GREEDY = SamplingParams(max_new_tokens=30)
@@ -152,7 +152,9 @@ def test_learned_positions_past_block_size_refuse_a_cache_forward_clearly():
 def test_too_many_rows_for_memory_is_one_clear_line():
     model = random_model()
     with pytest.raises(QuillError, match=r"KV cache for 1000000000000 row\(s\) needs .* GiB.*--num-samples"):
-        Engine(model, 10**12)
+        Engine(model, 10**12, memory_fix="generate fewer rows at once (--num-samples)")
+    with pytest.raises(QuillError, match=r"needs .* GiB.*: make fewer rows at once"):
+        Engine(model, 10**12)  # the library's own words name no flag
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

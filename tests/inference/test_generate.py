@@ -10,11 +10,12 @@ import torch
 from support import BLOCK, PROMPTS, VARIANTS, V, random_model
 
 from quillgpt.config import ModelConfig
-from quillgpt.data.tokenizer import CharTokenizer, build_tokenizer
+from quillgpt.data.tokenizer import CharTokenizer
+from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.inference.driver import StopStrings, TextStream, encode_prompt
 from quillgpt.inference.generate import Generation, generate_text, generate_tokens, stream_text
 from quillgpt.inference.sampling import apply_repetition_penalty
-from quillgpt.inference.text import StopStrings, TextStream, encode_prompt
 from quillgpt.model.gpt import GPT
 
 INF = float("inf")

@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 
 from quillgpt.errors import QuillError
 from quillgpt.inference.sampling import (
-    InvalidParam,
-    SamplingParams,
     apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
@@ -20,6 +18,7 @@ from quillgpt.inference.sampling import (
     sample_next,
     sample_rows,
 )
+from quillgpt.sampling_params import InvalidParam, SamplingParams
 
 INF = float("inf")
 NAN = float("nan")

@@ -11,12 +11,12 @@ transformers = pytest.importorskip("transformers")
 
 from hf_support import make_hf_model  # noqa: E402
 
-from quillgpt.checkpoint import load_run  # noqa: E402
 from quillgpt.cli import main  # noqa: E402
 from quillgpt.config import load_config  # noqa: E402
-from quillgpt.inference.chat import chat_prompt_ids  # noqa: E402
+from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
 from quillgpt.train.loop import train  # noqa: E402
 
 QUESTIONS = ["Who is Romeo?", "Who is Juliet?", "Where is the east?", "What light breaks?", "Who refuses a name?"]

@@ -14,14 +14,15 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from quillgpt.checkpoint import load_run, save_checkpoint  # noqa: E402
+from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.cli import main  # noqa: E402
 from quillgpt.config import Config, ModelConfig, load_config  # noqa: E402
-from quillgpt.data.tokenizer import build_tokenizer  # noqa: E402
+from quillgpt.data.tokenizer_files import build_tokenizer  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
 from quillgpt.train.loop import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,15 +13,16 @@ transformers = pytest.importorskip("transformers")
 from hf_support import CORPUS, FAMILIES, make_hf_model, old_form_config  # noqa: E402
 from support import rel_err  # noqa: E402
 
-from quillgpt.checkpoint import load_checkpoint, load_run  # noqa: E402
+from quillgpt.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from quillgpt.cli import main  # noqa: E402
-from quillgpt.data.chat import render  # noqa: E402
+from quillgpt.data.chat_template import render  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.evaluate.scores import evaluate_text  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
 from quillgpt.model.attention import rope_inv_freq  # noqa: E402
 from quillgpt.model.quant import KERNELS, Int8Linear, KernelPlan, quantize  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
 
 families = pytest.mark.parametrize("family", list(FAMILIES))
 TEXT = CORPUS[0] + " " + CORPUS[2]
@@ -271,8 +272,8 @@ def test_cli_import_sample_and_attention_of_an_imported_model(imported, tmp_path
 def test_serve_chat_uses_the_template_and_ends_at_the_end_of_turn(imported):
     from serve_support import running_server
 
-    from quillgpt.inference.chat import ChatSession
-    from quillgpt.inference.sampling import SamplingParams
+    from quillgpt.inference.chat_session import ChatSession
+    from quillgpt.sampling_params import SamplingParams
 
     openai = pytest.importorskip("openai")
     _, _, run_dir = imported["qwen2"]
@@ -284,7 +285,7 @@ def test_serve_chat_uses_the_template_and_ends_at_the_end_of_turn(imported):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         got = client.chat.completions.create(model=run_dir.name, messages=messages, max_tokens=20, temperature=0)
     assert got.choices[0].message.content == want
-    from quillgpt.inference.chat import chat_prompt_ids
+    from quillgpt.inference.chat_session import chat_prompt_ids
 
     assert got.usage.prompt_tokens == len(chat_prompt_ids(run.tokenizer, messages)[0])
 
@@ -338,9 +339,8 @@ def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shak
     """RoPE + RMSNorm + SwiGLU (+ q/k/v biases → Llama's attention_bias with a zero o_proj bias, since
     transformers gives any qwen2 model Qwen's pre-tokenizer; QK-norm → Qwen3; a window → Mistral):
     transformers gives the same logits, and the exported tokenizer.json the same ids as quill's own."""
-    from quillgpt.checkpoint import save_checkpoint
     from quillgpt.config import Config, ModelConfig
-    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.model.gpt import GPT
 
     text = shakespeare_path.read_text(encoding="utf-8")[:20000]

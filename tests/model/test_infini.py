@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
@@ -246,7 +247,7 @@ def test_impossible_combinations_name_both_keys(kw, keys):
 
 
 def test_attention_view_reports_each_heads_gate():
-    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.evaluate import attention_views as viz
 
     tok = build_tokenizer("char", text="abcdefghij")
@@ -261,7 +262,6 @@ def test_attention_view_reports_each_heads_gate():
 def test_quill_train_gives_the_gates_their_own_lr_and_no_decay(shakespeare_path, tmp_path):
     from pathlib import Path
 
-    from quillgpt.checkpoint import load_checkpoint
     from quillgpt.config import load_config
     from quillgpt.model.variants.infini import GATE_LR_MULT
     from quillgpt.train.loop import train
@@ -325,7 +325,7 @@ def test_cached_generation_equals_recompute_segment_by_segment(kw):
 def test_a_long_generation_keeps_constant_memory():
     """Token by token through the engine: the row's state stays memory + one segment's K/V."""
     from quillgpt.inference.engine import Engine
-    from quillgpt.inference.sampling import SamplingParams
+    from quillgpt.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     model = GPT(cfg(n_layer=1)).eval()

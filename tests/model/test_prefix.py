@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig
+from quillgpt.data.prefix_batches import PrefixLengths, mask_prefix_targets, separator_id
 from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
-from quillgpt.model.variants.prefix import mask_prefix_targets, prefix_mask
-from quillgpt.train.prefix_batches import PrefixLengths, separator_id
+from quillgpt.model.variants.prefix import prefix_mask
 
 V = 19
 
@@ -151,7 +152,7 @@ def test_eval_scores_the_tokens_after_the_prefix():
 
 
 def test_attention_view_shows_the_square_prompt_block():
-    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.evaluate import attention_views as viz
 
     tok = build_tokenizer("char", text="abcdefghij")
@@ -202,8 +203,7 @@ def test_quill_train_prefix_lm_resumes_bit_identically(shakespeare_path, tmp_pat
     import signal
 
     import quillgpt.train.loop as train_mod
-    from quillgpt.checkpoint import load_checkpoint
-    from quillgpt.train.metrics import read_metrics
+    from quillgpt.metrics_log import read_metrics
 
     straight = train_mod.train(_tiny_run(shakespeare_path, tmp_path, "a", "model.prefix_sep=,"), progress=False)
     original, calls = train_mod.train_step, {"n": 0}

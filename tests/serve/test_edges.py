@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from serve_support import running_server, tiny_run_dir
 
 from quillgpt.cli import main
-from quillgpt.config import MAX_SEED
-from quillgpt.serve import http as serve_http
+from quillgpt.sampling_params import MAX_SEED
+from quillgpt.serve import connections as serve_http
 
 MODEL = "tiny"
 

@@ -16,8 +16,9 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from serve_support import running_server, tiny_run_dir
 
-from quillgpt.config import MAX_SEED
 from quillgpt.inference.engine import Engine
+from quillgpt.runs import load_run
+from quillgpt.sampling_params import MAX_SEED
 
 MODEL = "tiny"
 MARKS = {"X": "prefill raises", "Z": "prefill NaN", "Q": "NaN at the 3rd step", "W": "a step raises"}
@@ -66,7 +67,6 @@ def run_dir(tmp_path_factory, shakespeare_path):
 
 @pytest.fixture(scope="module")
 def server(run_dir):
-    from quillgpt.checkpoint import load_run
 
     tok = load_run(run_dir).tokenizer
     ids = {m: tok.encode(m)[0] for m in MARKS}

@@ -22,14 +22,15 @@ import pytest
 import torch
 from serve_support import BLOCK, running_server, tiny_run_dir
 
-from quillgpt.checkpoint import load_run
+from quillgpt.checkpoint import save_checkpoint
 from quillgpt.cli import main
-from quillgpt.data.chat import transcript
+from quillgpt.data.chat_template import transcript
 from quillgpt.evaluate.attention_views import attention_weights
+from quillgpt.inference.driver import TextStream, encode_prompt
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_text
-from quillgpt.inference.sampling import SamplingParams
-from quillgpt.inference.text import TextStream, encode_prompt
+from quillgpt.runs import load_run
+from quillgpt.sampling_params import SamplingParams
 from quillgpt.serve.batcher import Batcher, Event, Job
 from quillgpt.serve.schemas import ChatMessage
 
@@ -165,9 +166,8 @@ def utf8_run_dir(tmp_path_factory):
     """GPT-2's byte-level BPE and a model whose logits ignore the input (ln_f gain 0, bias e0):
     "日" (bytes E6 97 A5) as three single-byte tokens ranked first, then "!". Greedy with a
     strong repetition penalty walks down that ranking: E6, 97, A5, "!"."""
-    from quillgpt.checkpoint import save_checkpoint
     from quillgpt.config import config_from_dict
-    from quillgpt.data.tokenizer import build_tokenizer
+    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.model.gpt import GPT
 
     tok = build_tokenizer("gpt2")

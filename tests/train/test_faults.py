@@ -26,7 +26,7 @@ from quillgpt.checkpoint import load_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.data.prepare import prepare
-from quillgpt.train.metrics import read_metrics
+from quillgpt.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"

@@ -15,12 +15,13 @@ import pytest
 import torch
 from support import CPU_CONFIG, ROOT, assert_same_state, interrupt_after, losses, tiny
 
-from quillgpt.checkpoint import load_checkpoint, load_run, save_checkpoint, weights_checksum
+from quillgpt.checkpoint import load_checkpoint, save_checkpoint, weights_checksum
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint
 from quillgpt.model.lora import adapter_shapes, is_adapter
+from quillgpt.runs import load_run
 from quillgpt.train.distributed import Dist
 from quillgpt.train.loop import setup, train
 from quillgpt.train.run_dir import open_run

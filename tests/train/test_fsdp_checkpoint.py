@@ -13,11 +13,12 @@ from support import CPU_CONFIG as CONFIG
 from support import assert_same_state, losses, tiny, two_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from quillgpt.checkpoint import load_checkpoint, load_run
+from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig, TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.model.gpt import GPT
+from quillgpt.runs import load_run
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import FITS_FRACTION, Dist, prepare_model, resolve_strategy
 from quillgpt.train.loop import train

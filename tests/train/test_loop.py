@@ -11,11 +11,12 @@ from support import deadline, interrupt_after, poison_loss_at
 
 import quillgpt.train.loop as train_mod
 import quillgpt.train.schedule as schedule
-from quillgpt.checkpoint import load_checkpoint
+from quillgpt.checkpoint import load_checkpoint, save_checkpoint
 from quillgpt.config import TrainConfig, load_config
 from quillgpt.errors import QuillError
+from quillgpt.metrics_log import read_metrics
+from quillgpt.runs import load_run
 from quillgpt.train.loop import train
-from quillgpt.train.metrics import read_metrics
 from quillgpt.train.run_dir import RunLock
 from quillgpt.train.schedule import lr_at
 
@@ -179,7 +180,6 @@ def test_cli_train_reports_and_writes_resolved_config(shakespeare_path, data_dir
 
 
 def test_resuming_a_weights_only_checkpoint_points_to_init_from(shakespeare_path, data_dir, tmp_path):
-    from quillgpt.checkpoint import save_checkpoint
 
     train(tiny_config(shakespeare_path, data_dir, tmp_path / "w", "train.max_iters=2"), progress=False)
     state = load_checkpoint(tmp_path / "w" / "ckpt.pt")
@@ -328,7 +328,6 @@ def test_resume_reads_the_runs_recorded_data_and_needs_no_network(shakespeare_pa
 
 
 def test_best_pt_holds_weights_only_and_loads_for_inference(finished):
-    from quillgpt.checkpoint import load_run
 
     best = load_checkpoint(finished / "best.pt")
     assert set(best) == {"format", "model", "config", "tokenizer", "step", "val_loss"}
@@ -362,7 +361,6 @@ def test_resume_from_a_damaged_checkpoint_says_what_train_can_do(shakespeare_pat
 
 
 def test_wandb_is_refused_by_name_but_old_runs_still_load(finished, tmp_path):
-    from quillgpt.checkpoint import load_run, save_checkpoint
 
     with pytest.raises(QuillError, match=r"train\.wandb is no longer supported: .*train\.tensorboard=true"):
         load_config(CONFIG, ["train.wandb=true"])

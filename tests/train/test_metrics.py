@@ -9,16 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillgpt.errors import QuillError
-from quillgpt.train.curves import load_curves
-from quillgpt.train.metrics import (
-    NUMERIC,
-    MetricsWriter,
-    TensorBoardLog,
-    check_tensorboard,
-    read_log,
-    read_metrics,
-    truncate_metrics,
-)
+from quillgpt.evaluate.curves import load_curves
+from quillgpt.metrics_log import NUMERIC, read_log, read_metrics
+from quillgpt.train.metrics import MetricsWriter, TensorBoardLog, check_tensorboard, truncate_metrics
 
 GOOD = [
     {"step": 1, "tokens": 64, "train_loss": 4.1, "lr": 1e-3, "elapsed_s": 0.5},

@@ -15,10 +15,10 @@ from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig, TrainConfig, load_config
 from quillgpt.errors import QuillError
 from quillgpt.interop.gpt2 import gpt2_incompatibilities
+from quillgpt.metrics_log import read_metrics
 from quillgpt.model.attention import CausalSelfAttention
 from quillgpt.model.gpt import GPT, MLP, ReLUSquared
 from quillgpt.train.loop import train
-from quillgpt.train.metrics import read_metrics
 from quillgpt.train.optim import Muon, MuonAdamW, build_optimizer, newton_schulz
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import CausalSelfAttention, attention_mask, mask_to_bias
-from quillgpt.model.kv_cache import KVCache
+from quillgpt.model.kv_cache import Cache, KVCache
 
 
 class Variant:
@@ -42,8 +42,8 @@ class Variant:
         return attention_mask(q_pos, k_pos, span)
 
     def plan(
-        self, pos: Tensor | None, cache: Any, rows: Tensor | None, span: int, prefix_len: Tensor | None, dtype: torch.dtype
-    ) -> tuple[Tensor | None, Any]:
+        self, pos: Tensor | None, cache: Cache | None, rows: Tensor | None, span: int, prefix_len: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor | None, object]:
         """One forward's (mask as an additive bias, cache write plan) for tokens at positions pos
         (B or 1, T); pos None is the plain causal case (no mask: sdpa's is_causal fast path)."""
         if pos is None:
@@ -73,7 +73,7 @@ class Variant:
         own terms (a flag, an HTTP field)."""
         return None
 
-    def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int, device: torch.device | str, dtype: torch.dtype) -> Any:
+    def make_cache(self, cfg: ModelConfig, rows: int, capacity: int, span: int, device: torch.device | str, dtype: torch.dtype) -> Cache:
         """An empty generation cache for `rows` rows."""
         return KVCache(cfg.n_layer, rows, cfg.kv_heads, cfg.head_size, capacity, span, device, dtype)
 

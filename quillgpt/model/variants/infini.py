@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import LayerInputs, SelfAttention, attend, mask_to_bias
+from quillgpt.model.kv_cache import Cache
 from quillgpt.model.variants.base import Variant
 
 GATE_LR_MULT = 10.0  # β's learning rate = this × the schedule's: at the base lr the gate barely moves
@@ -263,8 +264,8 @@ class Infini(Variant):
         return cfg.segment_size  # the dot-product part; the memory sees everything before
 
     def plan(
-        self, pos: Tensor | None, cache: Any, rows: Tensor | None, span: int, prefix_len: Tensor | None, dtype: torch.dtype
-    ) -> tuple[Tensor | None, Any]:
+        self, pos: Tensor | None, cache: Cache | None, rows: Tensor | None, span: int, prefix_len: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor | None, object]:
         return None, (cache.plan(pos, rows) if cache is not None else None)  # no mask: segments decide
 
     def embed_positions(self, cfg: ModelConfig, pos: Tensor) -> Tensor:

@@ -27,20 +27,9 @@ def prefix_mask(q_pos: Tensor, k_pos: Tensor, prefix_len: Tensor | int, span: in
     return attention_mask(q_pos, k_pos, span) | both
 
 
-def mask_prefix_targets(y: Tensor, prefix_len: Tensor) -> Tensor:
-    """y (B, T) with the targets inside each row's prefix set to -1 (ignored): t < prefix_len − 1."""
-    t = torch.arange(y.shape[1], device=y.device)[None, :]  # (1, T)
-    return y.masked_fill(t < prefix_len.to(y.device)[:, None] - 1, -1)
-
-
-def prefix_max(cfg: ModelConfig) -> int:
-    """The largest training prefix: model.prefix_max, or block_size / 2."""
-    return cfg.block_size // 2 if cfg.prefix_max is None else cfg.prefix_max
-
-
 def eval_prefix_len(cfg: ModelConfig) -> int:
     """The prefix of the trainer's fixed evaluation windows: the middle of the training draw."""
-    return prefix_max(cfg) // 2
+    return cfg.train_prefix_max // 2
 
 
 class Prefix(Variant):

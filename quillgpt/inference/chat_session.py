@@ -1,7 +1,7 @@
 """A conversation with a model (`quill chat`, and the server's /v1/chat/completions prompt).
 
 Each turn renders the whole conversation with the model's chat template (an imported model's
-own; quill's transcript for a base model: data/chat.py), generates the reply through the
+own; quill's transcript for a base model: data/chat_template.py), generates the reply through the
 engine, and ends it at the template's end-of-turn token (a stop id) or, for the transcript,
 where the model starts the next turn (a stop string). A reply may be cut short (Ctrl-C in the
 terminal): what was generated stays in the conversation, so the next turn follows what was seen.
@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from quillgpt.data.chat import TRANSCRIPT_STOPS, Message, conversation_ids
+from quillgpt.data.chat_template import TRANSCRIPT_STOPS, Message, conversation_ids
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.inference.driver import TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
-from quillgpt.inference.sampling import SamplingParams
-from quillgpt.inference.text import TextBatch, TextStream
 from quillgpt.model.gpt import GPT
+from quillgpt.sampling_params import SamplingParams
 
 
 def run_kind(config: Any, tokenizer: Tokenizer, step: int) -> str:
@@ -59,7 +59,7 @@ class ReplyStats:
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], tuple[str, ...]]:
     """(prompt ids, stop strings) of a conversation that the assistant answers next: the model's
     template (its special tokens read as such, nothing added: apply_chat_template's ids), or quill's
-    transcript, which ends where the model starts the next turn (data/chat.py: what training on
+    transcript, which ends where the model starts the next turn (data/chat_template.py: what training on
     chat data puts before each reply)."""
     ids = conversation_ids(tokenizer, messages, add_generation_prompt=True)
     return ids, () if tokenizer.chat_template is not None else TRANSCRIPT_STOPS

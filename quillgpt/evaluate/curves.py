@@ -9,7 +9,7 @@ from typing import Literal
 
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.figures import IMAGE_FORMATS, matplotlib_figure, save_figure
-from quillgpt.train.metrics import read_log
+from quillgpt.metrics_log import read_log
 
 X_LABELS = {"step": "step", "tokens": "tokens seen", "time": "wall time"}
 

@@ -8,7 +8,7 @@ from matplotlib.image import imread
 from quillgpt.cli import main
 from quillgpt.config import load_config, save_config
 from quillgpt.errors import QuillError
-from quillgpt.train import curves as viz
+from quillgpt.evaluate import curves as viz
 
 
 def cli(*args):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import RowFailed, Rows, RowToken
-from quillgpt.inference.sampling import SamplingParams
+from quillgpt.inference.engine import Finish, RowFailed, Rows, RowToken
+from quillgpt.sampling_params import SamplingParams
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -144,7 +144,7 @@ class Piece:
     key: Hashable
     token: int
     text: str
-    finish: str | None
+    finish: Finish | None
     tokens: int
     error: RowFailed | None = None
 
@@ -214,7 +214,7 @@ class TextBatch:
         return Piece(text_row.key, rt.token, text, finish, text_row.tokens, error)
 
     @staticmethod
-    def _text(stream: TextStream | None, token: int, finish: str | None) -> tuple[str, str | None]:
+    def _text(stream: TextStream | None, token: int, finish: Finish | None) -> tuple[str, Finish | None]:
         """The text a row's new token adds, and its finish: "stop" at a stop string."""
         if stream is None:
             return "", finish

@@ -27,11 +27,11 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from quillgpt.errors import QuillError
-from quillgpt.inference.chat import chat_prompt_ids, fitting
+from quillgpt.inference.chat_session import chat_prompt_ids, fitting
+from quillgpt.inference.driver import TextStream, encode_prompt
 from quillgpt.inference.engine import check_room
 from quillgpt.inference.generate import row_params
-from quillgpt.inference.sampling import InvalidParam, SamplingParams
-from quillgpt.inference.text import TextStream, encode_prompt
+from quillgpt.sampling_params import InvalidParam, SamplingParams
 from quillgpt.serve.access_log import AccessLog
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.errors import APIError, install_handlers
@@ -47,7 +47,7 @@ from quillgpt.serve.schemas import (
 )
 
 if TYPE_CHECKING:
-    from quillgpt.checkpoint import LoadedRun
+    from quillgpt.runs import LoadedRun
 
 STATIC = Path(__file__).resolve().parent / "static"
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams field → request field

@@ -11,17 +11,17 @@ import torch
 from serve_support import tiny_run_dir
 from support import ROOT
 
-from quillgpt.checkpoint import load_run
 from quillgpt.cli import main
 from quillgpt.config import ModelConfig
-from quillgpt.data.chat import TRANSCRIPT_STOPS, transcript
-from quillgpt.inference.chat import ChatSession, chat_prompt_ids, fitting, repl
+from quillgpt.data.chat_template import TRANSCRIPT_STOPS, transcript
+from quillgpt.inference.chat_session import ChatSession, chat_prompt_ids, fitting, repl
+from quillgpt.inference.driver import encode_prompt
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.inference.sampling import SamplingParams
-from quillgpt.inference.text import encode_prompt
 from quillgpt.interop.convert import import_hf
 from quillgpt.model.gpt import GPT
 from quillgpt.model.quant import quantize
+from quillgpt.runs import load_run
+from quillgpt.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -171,7 +171,7 @@ def test_a_first_token_that_cannot_become_text_fails_the_reply(quill_run, monkey
     """The first token's failure comes back as a Piece with an error (not a raise): it is the
     reply's one QuillError too, never an empty reply."""
     from quillgpt.errors import QuillError
-    from quillgpt.inference import text as text_mod
+    from quillgpt.inference import driver as text_mod
 
     def undecodable(stream, token, finish):
         raise ValueError(f"no text for id {token}")
@@ -184,7 +184,7 @@ def test_a_first_token_that_cannot_become_text_fails_the_reply(quill_run, monkey
 def test_a_reply_cut_by_its_length_drops_a_started_stop_string(quill_run):
     """max_new_tokens ends the reply inside '\\nUser:': a chat reply drops the '\\nUse' it held back
     (it printed ' GLOUCESTER' then a stray 'Use'); a plain continuation keeps it (it may be text)."""
-    from quillgpt.inference.text import TextStream
+    from quillgpt.inference.driver import TextStream
 
     tok = quill_run.tokenizer
     for drop, want in ((True, " GLOUCESTER"), (False, " GLOUCESTER\nUse")):
@@ -196,7 +196,7 @@ def test_a_reply_cut_by_its_length_drops_a_started_stop_string(quill_run):
 
 
 def test_the_header_names_the_kind_of_run(quill_run, imported):
-    from quillgpt.inference.chat import run_kind
+    from quillgpt.inference.chat_session import run_kind
 
     assert run_kind(quill_run.config, quill_run.tokenizer, 2).startswith("a base model (step 2, not trained to chat) through a User:")
     assert run_kind(imported.config, imported.tokenizer, 0) == "a model with its own chat template (imported, step 0)"
@@ -223,7 +223,7 @@ def test_typing_during_a_reply_is_not_echoed_and_is_kept_for_the_next_line():
     import pty
     import termios
 
-    from quillgpt.inference.chat import typing_kept
+    from quillgpt.inference.chat_session import typing_kept
 
     leader, follower = pty.openpty()
     try:

@@ -3,7 +3,7 @@
 `BoundedH11` is uvicorn's h11 protocol with a deadline on the request head: a client that
 connects and sends nothing, or trickles half its headers a byte at a time (uvicorn's own
 keep-alive timer restarts at every byte), is closed after `head_timeout_s`. The body has its
-own deadline, in the app (serve/app.py `Guard`). A reply sent while the client is still
+own deadline, in the app (serve/routes.py `Guard`). A reply sent while the client is still
 uploading (a 413 for a body over the cap) ends in a lingering close: closing a socket with
 unread bytes makes the kernel send a reset, which can destroy the reply before the client reads
 it, so the server half-closes, drops what still arrives, and closes once nothing has come for
@@ -23,7 +23,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from quillgpt.serve.app import Drain
+from quillgpt.serve.routes import Drain
 
 GRACE_S = 1.0  # uvicorn waits this much past the drain before it cancels what is still running
 LINGER_IDLE_S = 2.0  # after a reply sent mid-upload, the rest is read and dropped until this long a pause

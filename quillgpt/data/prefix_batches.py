@@ -18,17 +18,23 @@ import torch
 from torch import Tensor
 
 from quillgpt.config import ModelConfig
+from quillgpt.data.batches import SeededSampler
 from quillgpt.errors import QuillError
-from quillgpt.model.variants.prefix import mask_prefix_targets, prefix_max
 
 Batch = tuple[Tensor, Tensor, Tensor]  # x, y (prefix targets masked), prefix_len
 
 
-class PrefixLengths:
+def mask_prefix_targets(y: Tensor, prefix_len: Tensor) -> Tensor:
+    """y (B, T) with the targets inside each row's prefix set to -1 (ignored): t < prefix_len − 1."""
+    t = torch.arange(y.shape[1], device=y.device)[None, :]  # (1, T)
+    return y.masked_fill(t < prefix_len.to(y.device)[:, None] - 1, -1)
+
+
+class PrefixLengths(SeededSampler):
     """Per-row prefix lengths for training windows, from a seeded, checkpointed generator."""
 
     def __init__(self, cfg: ModelConfig, seed: int, sep_id: int | None = None) -> None:
-        self.high = prefix_max(cfg)
+        self.high = cfg.train_prefix_max
         self.sep_id = sep_id
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -40,12 +46,6 @@ class PrefixLengths:
             first = is_sep.int().argmax(dim=1)  # first separator (0 when there is none)
             P = torch.where(is_sep.any(dim=1), first + 1, P)
         return P
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
 
 
 def separator_id(cfg: ModelConfig, encode: Any) -> int | None:

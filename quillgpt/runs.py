@@ -1,0 +1,251 @@
+"""A run loaded for use or written: checkpoint → model + tokenizer + config, and back.
+
+`load_run` builds what every command needs from a run directory or checkpoint file (the model in
+the dtype asked, int8 if asked, the tokenizer, the config); `write_run` writes a run directory that
+every command can load (import-hf, export-hf's inverse, merge). A LoRA run (lora.rank > 0) saves
+its adapters only, with `lora_base`: the base checkpoint's path and a checksum of its weights.
+Loading it for use (`load_state`, `load_run`) loads the base, refuses one whose weights changed
+since, and merges the adapters into it: every command gets a plain GPT, as fast as the base.
+`merge_run` writes that merged model as a run of its own. `check_fits` refuses a model that the
+machine's free memory cannot hold before it is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quillgpt.checkpoint import BEST, LATEST, clean_state_dict, load_checkpoint, resolve_checkpoint, save_checkpoint, weights_checksum
+from quillgpt.config import Config, LoraConfig, ModelConfig, config_from_dict, save_config
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
+from quillgpt.device import available_bytes
+from quillgpt.errors import QuillError
+from quillgpt.files import made_dir, shown
+from quillgpt.model import quant
+from quillgpt.model.gpt import GPT
+from quillgpt.model.lora import adapter_shapes, merge_adapters
+
+
+@dataclass
+class LoadedRun:
+    """A model ready for inference, with everything needed to use it."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    config: Config
+    step: int
+    path: Path
+
+
+def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[GPT, Config]:
+    """The GPT a checked state describes, its weights in `dtype` (None: as saved). Its weights are
+    compared with the config's shapes before anything is built, and then become the model's own
+    (built on the meta device, assigned). The weights are taken out of `state` and converted one
+    tensor at a time, each source dropped once converted: loading bf16 weights as fp32 peaks at
+    about the fp32 bytes, not fp32 + bf16."""
+    try:
+        config = config_from_dict(state["config"])
+    except QuillError as e:
+        raise QuillError(
+            f"the checkpoint's config is not valid for this version of quill ({e}); was it written by a newer version?"
+        ) from None
+    if config.model.vocab_size is None:  # a trained or imported model always knows its vocabulary
+        raise QuillError("the checkpoint's config has no model.vocab_size; the file is damaged")
+    weights = clean_state_dict(state["model"])
+    state["model"] = {}  # the caller's references go, so each converted source can be freed
+    problems = weight_mismatches(weights, config.model)
+    if problems:
+        raise QuillError(f"checkpoint weights do not match its own config ({problems}); the file is damaged")
+    check_fits(weights, dtype, torch.device(device))
+    converted: dict[int, torch.Tensor] = {}  # one conversion per storage: tied weights stay one tensor
+    for name in list(weights):
+        t = weights.pop(name)
+        key = storage_key(t)
+        if dtype is not None and t.dtype != dtype and key not in converted:
+            converted[key] = t.to(dtype)
+        weights[name] = converted.get(key, t)
+        del t
+    with torch.device("meta"):
+        model = GPT(config.model)
+    model.load_state_dict(weights, assign=True)
+    model.materialize()
+    return model.to(device), config
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Where a tensor's data starts: equal for tied weights (one tensor under two names)."""
+    return t.untyped_storage().data_ptr() + t.storage_offset()
+
+
+def check_fits(weights: dict[str, torch.Tensor], dtype: torch.dtype | None, device: torch.device) -> None:
+    """Refuse, in one line naming the sizes, weights that cannot fit in the device's free memory."""
+    seen: set[int] = set()
+    nbytes = 0
+    for t in weights.values():
+        key = storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            nbytes += t.numel() * (dtype or t.dtype).itemsize
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise QuillError(
+            f"the model's weights need {nbytes / 1e9:.1f} GB in {str(dtype or 'their dtype').replace('torch.', '')} "
+            f"but {device.type} has {free / 1e9:.1f} GB free; load it in a smaller dtype "
+            "(--dtype bfloat16) or on another device"
+        )
+
+
+def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str:
+    """Missing, unexpected and wrongly shaped weights for GPT(cfg), in a few words ('' if none)."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        expected = GPT(cfg).state_dict()
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    wrong = [
+        f"{k} {tuple(weights[k].shape)} ≠ {tuple(v.shape)}" for k, v in expected.items() if k in weights and weights[k].shape != v.shape
+    ]
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if items:
+            more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+            problems.append(f"{label}: {', '.join(str(i)[:100] for i in items[:4])}{more}")
+    return "; ".join(problems)
+
+
+def load_run(
+    path: str | Path,
+    which: str = "best",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+    quantize: str | None = None,
+    rows: int = 1,
+) -> LoadedRun:
+    """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
+    run directory or checkpoint file (a LoRA run: its base with the adapters merged in);
+    quantize="int8": its linears in int8 once loaded, the kernels measured at a decode batch of
+    `rows` (model/quant.py)."""
+    state, ckpt = load_state(path, which, dtype)
+    try:
+        model, config = model_from_state(state, device, dtype)
+        tokenizer = tokenizer_from_spec(state["tokenizer"])
+    except QuillError as e:
+        raise QuillError(f"{shown(ckpt)}: {e}") from None
+    model.eval()
+    quant.quantize(model, quantize, rows=rows)
+    return LoadedRun(model, tokenizer, config, state["step"], ckpt)
+
+
+def load_state(path: str | Path, which: str = "best", dtype: torch.dtype | None = None) -> tuple[dict[str, Any], Path]:
+    """(checked state, its file) of a run directory or checkpoint file, with plain weights: a
+    LoRA run's adapters are merged into its base (in `dtype`; None: the base's own)."""
+    ckpt = resolve_checkpoint(path, which)
+    state = load_checkpoint(ckpt, map_location="cpu")
+    return (with_base(state, ckpt, dtype) if "lora_base" in state else state), ckpt
+
+
+def crop_positions(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A base's weights for a fine-tuned copy with a smaller block_size: learned positions cut to it."""
+    if cfg.pos == "learned" and "transformer.wpe.weight" in weights:
+        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][: cfg.block_size]
+    return weights
+
+
+def with_base(state: dict[str, Any], ckpt: Path, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """A LoRA run's state with its base's weights and the adapters merged in (see the module
+    docstring); a missing or changed base, or adapters that do not fit it, is one QuillError."""
+    base = state["lora_base"]
+    if not isinstance(base.get("path"), str) or not isinstance(base.get("checksum"), str):
+        raise QuillError(f"{shown(ckpt)}: 'lora_base' must hold the base's path and checksum; the file is damaged")
+    if Path(base["path"]).resolve() == ckpt.resolve():
+        raise QuillError(f"{shown(ckpt)} names itself as its LoRA base; the file is damaged")
+    if not os.path.isfile(base["path"]):
+        raise QuillError(
+            f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, which is missing; put the "
+            "base back there (adapters only work on the weights they were trained on)"
+        )
+    base_state, _ = load_state(base["path"])
+    if weights_checksum(base_state["model"]) != base["checksum"]:
+        raise QuillError(
+            f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, whose weights have changed "
+            f"since (checksum {base['checksum'][:12]}…); adapters only work on the weights they were "
+            "trained on: restore that base, or fine-tune again"
+        )
+    try:
+        config = config_from_dict(state["config"])
+    except QuillError as e:
+        raise QuillError(f"{shown(ckpt)}: its config is not valid for this version of quill ({e})") from None
+    adapters = clean_state_dict(state["model"])
+    expected = adapter_shapes(config.model, config.lora)
+    if {k: tuple(v.shape) for k, v in adapters.items()} != expected:
+        raise QuillError(
+            f"{shown(ckpt)}: its adapters do not match its lora config (lora.rank={config.lora.rank}, "
+            f"lora.targets={config.lora.targets}); the file is damaged"
+        )
+    weights = crop_positions(clean_state_dict(base_state["model"]), config.model)
+    merged = merge_adapters(weights, adapters, config.model, config.lora, dtype)
+    return {**{k: v for k, v in state.items() if k != "lora_base"}, "model": merged}
+
+
+def merge_run(path: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Path:
+    """A LoRA run → a plain quill run in `out_dir` (config.yaml with lora off, tokenizer.json and
+    ckpt.pt holding the merged weights in the base's dtype), usable like any imported model."""
+    ckpt, out_dir = resolve_checkpoint(path, which), Path(out_dir)
+    state = load_checkpoint(ckpt)
+    if "lora_base" not in state:
+        raise QuillError(f"{shown(ckpt)} is not a LoRA run (its lora.rank is 0): its weights are plain already, use it as it is")
+    inputs = {ckpt.parent.resolve(), Path(state["lora_base"].get("path", "")).resolve().parent}
+    if out_dir.resolve() in inputs:
+        raise QuillError(f"--out {shown(out_dir)} is where the LoRA run or its base lives; choose a new directory")
+    taken = [n for n in (LATEST, BEST, "config.yaml", "tokenizer.json", "metrics.jsonl") if (out_dir / n).exists()]
+    if taken and not force:
+        raise QuillError(f"--out {shown(out_dir)} already holds a run ({', '.join(taken)}); choose another or pass --force")
+    state = with_base(state, ckpt)
+    cfg = config_from_dict(state["config"])
+    cfg.lora, cfg.train.init_from, cfg.train.out_dir = LoraConfig(), None, str(out_dir)
+    with made_dir(out_dir):  # a failed write leaves no --out it made
+        write_run(
+            out_dir,
+            cfg,
+            tokenizer_from_spec(state["tokenizer"]),
+            state["model"],
+            state["step"],
+            state.get("tokens_seen", 0),
+            merged_from=str(ckpt),
+        )
+    return out_dir / LATEST
+
+
+def write_run(
+    out_dir: Path,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    weights: dict[str, torch.Tensor],
+    step: int = 0,
+    tokens_seen: int = 0,
+    **provenance: str,
+) -> None:
+    """A run directory of given weights (an import, a merge): config.yaml, tokenizer.json and
+    ckpt.pt with `provenance` (e.g. imported_from=...); an earlier best.pt and metrics.jsonl,
+    there only with --force, are not this model's and go."""
+    save_config(cfg, out_dir / "config.yaml")
+    save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+    for stale in (BEST, "metrics.jsonl"):
+        (out_dir / stale).unlink(missing_ok=True)
+    save_checkpoint(
+        {"model": weights, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": step, "tokens_seen": tokens_seen, **provenance},
+        out_dir / LATEST,
+    )
+
+
+def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ("dropout",)) -> list[str]:
+    """Model keys whose values differ, as 'model.key: old → new' strings."""
+    return [
+        f"model.{f.name}: {getattr(old, f.name)!r} → {getattr(new, f.name)!r}"
+        for f in fields(ModelConfig)
+        if f.name not in ignore and getattr(old, f.name) != getattr(new, f.name)
+    ]
