@@ -164,7 +164,7 @@ def train(
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
         best = f"{result.best_val_loss:.4f}" if math.isfinite(result.best_val_loss) else "none yet"
-        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.elapsed_s:.0f}s → {result.out_dir}")
+        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.time_text()} → {result.out_dir}")
         if result.reason:
             print(f"  ({result.reason})")
     if result.stopped == "interrupted":
@@ -318,20 +318,23 @@ def chat_cmd(
     conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops one reply.
     """
     from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.chat_session import ChatSession, repl
+    from quillgpt.inference.chat_session import ChatSession, repl, run_kind
     from quillgpt.model.quant import parse_quantize, weights_note
 
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
-    how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
-    print(f"chatting with {run.path} (step {run.step}) through {how}{weights_note(run.model, '; ')}; /reset, /quit", file=sys.stderr)
+    kind = run_kind(run.config, run.tokenizer, run.step)
+    print(f"chatting with {run.path}: {kind}{weights_note(run.model, '; ')}; /reset, /stats, /quit", file=sys.stderr)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    repl(session, input, write)
+    def note(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    repl(session, input, write, note, tty=sys.stdin.fileno() if sys.stdin.isatty() else None)
 
 
 @app.command("serve")

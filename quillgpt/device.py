@@ -30,30 +30,40 @@ def cpu_has_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
-def measure_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
-    """FLOP/s of square matmuls on this CPU with the current thread count."""
+def measure_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3, repeats: int = 1) -> float:
+    """FLOP/s of square matmuls on this CPU with the current thread count: the best of `repeats`
+    timings of `seconds / repeats` each (a burst of other work lowers one timing, not the best)."""
     g = torch.Generator().manual_seed(0)  # never touch the global RNG: resume must stay exact
     a = torch.randn(n, n, generator=g).to(dtype)
     b = torch.randn(n, n, generator=g).to(dtype)
     torch.mm(a, b)  # warm-up: kernel selection, thread pool start
-    reps, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        torch.mm(a, b)
-        reps += 1
-    return 2 * n**3 * reps / elapsed
+    best = 0.0
+    for _ in range(repeats):
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds / repeats:
+            torch.mm(a, b)
+            reps += 1
+        best = max(best, 2 * n**3 * reps / elapsed)
+    return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """The matmul peak MFU is measured against on `device` for compute in `dtype`."""
+def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense matmul peak of a GPU named `name` (None: not in GPU_PEAKS)."""
+    for key, peak in GPU_PEAKS.items():
+        if key in name:
+            return peak if dtype != torch.float32 else peak / 2  # TF32 is half the bf16 rate
+    return None
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The matmul peak MFU is measured against on `device` for compute in `dtype`: a GPU's
+    datasheet figure, a CPU's measured one; None where neither is known (a GPU not in
+    GPU_PEAKS, MPS): then no MFU is shown rather than one divided by a guess."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAKS.items():
-            if key in name:
-                return peak if dtype != torch.float32 else peak / 2  # TF32 is half the bf16 rate
-        return 100e12
+        return gpu_peak(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
-        return measure_matmul_peak(dtype if dtype == torch.bfloat16 else torch.float32)
-    return float("nan")
+        return measure_matmul_peak(dtype if dtype == torch.bfloat16 else torch.float32, repeats=3)
+    return None
 
 
 def resolve_device(name: str, setting: str = "--device") -> torch.device:

@@ -83,7 +83,7 @@ from quillgpt.train.optim import (  # noqa: E402
     newton_schulz,
 )
 
-DEFAULT_TEXT = SHARED / "data" / "tinyshakespeare.txt"
+DEFAULT_TEXT = ROOT / "data" / "downloads" / "input.txt"  # where the README's quickstart downloads Tiny Shakespeare
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -1142,7 +1142,7 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             "bf16 matmul 8192³, random data",
             "TFLOP/s",
             matmul / 1e12,
-            note=f"datasheet dense bf16 (device.GPU_PEAKS): {peak_flops(device, torch.bfloat16) / 1e12:.0f}",
+            note=f"datasheet dense bf16 (device.GPU_PEAKS): {(peak_flops(device, torch.bfloat16) or math.nan) / 1e12:.0f}",
         )
     )
     report.print_group(group)
@@ -1155,7 +1155,7 @@ def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device, batch = torch.device("cuda"), args.gpu_batch
-    peak = peak_flops(device, torch.bfloat16)
+    peak = peak_flops(device, torch.bfloat16) or math.nan  # nan: a GPU without a datasheet entry, MFU "nan%"
     group = f"gpu: {name}, GPT-2-124M shape (12L/12H/768, block 1,024, vocab 50,304), batch {batch}, bf16"
     tokens = np.random.default_rng(0).integers(0, 50257, 2_000_000).astype(np.uint16)
     tc = TrainConfig(batch_size=batch, learning_rate=6e-4, device="cuda")
@@ -1299,7 +1299,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (the 6-layer training shape uses half, at least 3)")
     p.add_argument("--json", type=Path, help="also write every row (and the machine) as JSON here")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="Tiny Shakespeare (default: ../shared/data)")
+    p.add_argument(
+        "--text",
+        "--data-path",
+        type=Path,
+        default=DEFAULT_TEXT,
+        help="Tiny Shakespeare (default: data/downloads/input.txt, the quickstart's)",
+    )
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd training (slow to compile on CPU)")
     p.add_argument("--quick", action="store_true", help="train suite: the baby shape only")

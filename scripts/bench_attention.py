@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -21,13 +22,15 @@ import numpy as np
 import torch
 
 from quillgpt.config import ModelConfig, TrainConfig
+from quillgpt.data.download import local_text
 from quillgpt.data.prefix_batches import PrefixLengths, mask_prefix_targets
+from quillgpt.errors import QuillError
 from quillgpt.inference.engine import Engine
 from quillgpt.model.gpt import GPT
 from quillgpt.sampling_params import SamplingParams
 from quillgpt.train.optim import build_optimizer
 
-TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "causal": {},
     "sliding window 32": {"window": 32},
@@ -87,8 +90,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps per timed repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=1000, help="new tokens when sampling")
+    ap.add_argument("--data-path", type=Path, help="Tiny Shakespeare (default: data/downloads/input.txt, where the quickstart put it)")
     args = ap.parse_args()
-    text = TEXT.read_text(encoding="utf-8")
+    try:
+        text = local_text(args.data_path, ROOT).read_text(encoding="utf-8")
+    except (QuillError, OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: {e}")
     chars = sorted(set(text))
     tokens = np.array([chars.index(c) for c in text[:200_000]], dtype=np.int64)
     models = {name: build(kw, len(chars), args.block) for name, kw in VARIANTS.items()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ from quillgpt.evaluate.scores import chat_rows, evaluate_rows  # noqa: E402
 from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
+from quillgpt.train.cpu_share import others_during  # noqa: E402
 from quillgpt.train.loop import autocast  # noqa: E402
 
 CONFIGS = {"LoRA": ROOT / "configs" / "shakespeare_chat_lora.yaml", "full": ROOT / "configs" / "shakespeare_chat_full.yaml"}
@@ -94,8 +96,9 @@ def step_seconds(
     return (time.perf_counter() - start) / reps
 
 
-def padding_against_packing(base: Path, data_dir: Path, block: int, batch: int, reps: int) -> tuple[float, float, float]:
-    """(fill of padded rows, causal step s, masked step s), the two steps timed in turns."""
+def padding_against_packing(base: Path, data_dir: Path, block: int, batch: int, reps: int) -> tuple[float, list[float], list[float], float]:
+    """(fill of padded rows, causal step times, masked step times, cores other processes used
+    meanwhile), the two steps timed in turns."""
     rows = ChatRows.prepared(data_dir, "train", block)
     model = load_run(base).model.train()
     x, y = rows.batch(torch.arange(batch).numpy())
@@ -103,10 +106,25 @@ def padding_against_packing(base: Path, data_dir: Path, block: int, batch: int, 
     dtype = resolve_dtype("auto", torch.device("cpu"))
     step_seconds(model, x, y, None, 2, dtype), step_seconds(model, x, y, pos, 2, dtype)  # warm up
     causal, masked = [], []
-    for _ in range(5):
-        causal.append(step_seconds(model, x, y, None, reps, dtype))
-        masked.append(step_seconds(model, x, y, pos, reps, dtype))
-    return rows.fill, sorted(causal)[2], sorted(masked)[2]
+
+    def timed() -> None:
+        for _ in range(5):
+            causal.append(step_seconds(model, x, y, None, reps, dtype))
+            masked.append(step_seconds(model, x, y, pos, reps, dtype))
+
+    _, others = others_during(timed)
+    return rows.fill, causal, masked, others
+
+
+def unreliable(causal: list[float], masked: list[float], others: float, spread: float = 0.15, busy: float = 0.25) -> str | None:
+    """Why a timing is not to be trusted, or None: another process used the cores meanwhile
+    (from /proc), or a step's repeats varied by more than `spread` (max/min - 1). Beside one
+    busy process the mask came out at 0.53× the causal step, reversing the quiet 1.01×."""
+    reasons = [f"other processes used {others:.1f} cores meanwhile"] if others > busy else []
+    for name, times in (("causal", causal), ("masked", masked)):
+        if max(times) / min(times) - 1 > spread:
+            reasons.append(f"the {name} step's 5 repeats spread {max(times) / min(times) - 1:.0%}")
+    return "; ".join(reasons) or None
 
 
 def main() -> None:
@@ -151,12 +169,16 @@ def main() -> None:
     for label, cells in table:
         print(label.ljust(width[0]), *(c.rjust(w) for c, w in zip(cells, width[1:])), sep="  ")
     c = cfg["LoRA"]
-    fill, causal, masked = padding_against_packing(args.base, ROOT / c.data.out_dir, c.model.block_size, c.train.batch_size, 5)
+    load = os.getloadavg()[0]
+    fill, causal_s, masked_s, others = padding_against_packing(args.base, ROOT / c.data.out_dir, c.model.block_size, c.train.batch_size, 5)
+    causal, masked = statistics.median(causal_s), statistics.median(masked_s)
     print(
         f"\npadded rows hold {fill:.1%} conversation tokens; a forward + backward at batch {c.train.batch_size} × "
         f"{c.model.block_size}: causal {causal * 1e3:.1f} ms, with the mask packing needs {masked * 1e3:.1f} ms "
         f"({masked / causal:.2f}×): per conversation token, padded {causal / fill * 1e3:.1f} ms vs packed {masked * 1e3:.1f} ms"
     )
+    if why := unreliable(causal_s, masked_s, others):
+        print(f"UNRELIABLE, not a result: {why}; rerun on a quiet machine (load average {load:.1f} before, {os.getloadavg()[0]:.1f} after)")
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     print(f"(torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}, load average {os.getloadavg()[0]:.1f})")
 

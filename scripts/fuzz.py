@@ -42,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
-TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+TEXT = ROOT / "data" / "downloads" / "input.txt"  # the quickstart's download; --data-path names another copy
 FAILURES = ("tracebacks", "hangs", "5xx", "overwrites")
 
 
@@ -557,7 +557,14 @@ def main() -> None:
         default=ROOT,
         help="the checkout whose quill is fuzzed (default: this one; e.g. an older commit's worktree, for a before/after)",
     )
+    parser.add_argument("--data-path", type=Path, help="Tiny Shakespeare (default: data/downloads/input.txt, where the quickstart put it)")
     args = parser.parse_args()
+    global TEXT
+    TEXT = (args.data_path or TEXT).resolve()  # (quillgpt is not imported here: --tree says which one runs)
+    if not TEXT.is_file():
+        sys.exit(
+            f"error: no Tiny Shakespeare at {TEXT}: `quill train --config configs/quickstart.yaml` downloads it, or pass --data-path FILE"
+        )
     os.environ.pop("QUILL_DEBUG", None)
     sys.path.insert(0, str(args.tree.resolve()))
     root = Path(tempfile.mkdtemp(prefix="quill-fuzz-", dir=args.workdir))

@@ -6,6 +6,7 @@ assistant. The speeches are split at random (seeded): every line of a held-out s
 held out, so no held-out line has a neighbour from its own speech in the training set.
 
     python scripts/make_chat_data.py                  # → data/chat/speakers_train.jsonl, speakers_heldout.jsonl
+    python scripts/make_chat_data.py --data-path my_copy_of_tinyshakespeare.txt
 
 The speakers are those with the most speeches whose names have at most --max-name characters,
 so that a conversation in quill's transcript ("User: <line>\\n\\nAssistant: <NAME>\\n\\nUser:", 26
@@ -19,7 +20,11 @@ import collections
 import json
 import random
 import re
+import sys
 from pathlib import Path
+
+from quillgpt.data.download import local_text
+from quillgpt.errors import QuillError
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEAKER = re.compile(r"([A-Z][A-Za-z' ]*):")
@@ -49,7 +54,9 @@ def conversation(line: str, speaker: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
+    ap.add_argument(
+        "--data-path", "--text", type=Path, help="Tiny Shakespeare (default: data/downloads/input.txt, where the quickstart put it)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "data" / "chat")
     ap.add_argument("--speakers", type=int, default=8, help="how many speakers (classes)")
     ap.add_argument("--max-name", type=int, default=10, help="longest speaker name kept")
@@ -58,8 +65,12 @@ def main() -> None:
     ap.add_argument("--heldout", type=float, default=0.1, help="fraction of the speeches held out")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    try:
+        text = local_text(args.data_path, ROOT).read_text(encoding="utf-8")
+    except (QuillError, OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: {e}")
 
-    all_speeches = speeches(args.text.read_text(encoding="utf-8"))
+    all_speeches = speeches(text)
     counts = collections.Counter(s for s, _ in all_speeches)
     chosen = [s for s, _ in counts.most_common() if len(s) <= args.max_name][: args.speakers]
     rng = random.Random(args.seed)

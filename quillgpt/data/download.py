@@ -17,7 +17,7 @@ from quillgpt.errors import QuillError
 DOWNLOAD_DIR = Path("data") / "downloads"  # relative to where `quill` runs; git-ignored
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -31,7 +31,7 @@ def download(url: str, sha256: str | None, dest: str | Path, progress: bool = Tr
     by_hand = f"download it yourself and place it at {dest.resolve()}"
     expected = sha256.lower() if sha256 else None
     if dest.is_file():
-        actual = _sha256_file(dest)
+        actual = sha256_file(dest)
         if expected is None or actual == expected:
             return dest
         raise QuillError(
@@ -51,7 +51,7 @@ def download(url: str, sha256: str | None, dest: str | Path, progress: bool = Tr
     except (OSError, ValueError, http.client.HTTPException) as e:  # URLError is an OSError
         tmp.unlink(missing_ok=True)
         reason = getattr(e, "reason", None) or e
-        raise QuillError(f"could not download {url} ({reason}); {by_hand}") from None
+        raise QuillError(f"could not download {url} ({reason}); {by_hand}, or point data.path= at a copy you have") from None
     actual = h.hexdigest()
     if expected is not None and actual != expected:
         tmp.unlink(missing_ok=True)
@@ -64,5 +64,26 @@ def source_path(cfg: DataConfig, progress: bool = True) -> Path:
     """The local text file for `cfg`: data.path, else data.url downloaded into data/downloads/."""
     if cfg.path is not None:
         return Path(cfg.path)
-    name = Path(urllib.parse.urlparse(cfg.url).path).name or "download.txt"
-    return download(cfg.url, cfg.sha256, DOWNLOAD_DIR / name, progress)
+    return download(cfg.url, cfg.sha256, download_path(cfg), progress)
+
+
+def download_path(cfg: DataConfig) -> Path:
+    """Where data.url is downloaded to: data/downloads/<the URL's file name>."""
+    return DOWNLOAD_DIR / (Path(urllib.parse.urlparse(cfg.url).path).name or "download.txt")
+
+
+def local_text(path: str | Path | None, root: str | Path = ".", flag: str = "--data-path") -> Path:
+    """A script's text file: `path`, or by default the Tiny Shakespeare that the README's quickstart
+    downloaded (root/data/downloads/input.txt); one QuillError naming both ways when it is missing."""
+    if path is not None:
+        found = Path(path)
+        if not found.is_file():
+            raise QuillError(f"{flag} {found}: no such file; pass the path of a text file")
+        return found
+    found = Path(root) / DOWNLOAD_DIR / "input.txt"
+    if not found.is_file():
+        raise QuillError(
+            f"no Tiny Shakespeare at {found}: `quill train --config configs/quickstart.yaml` downloads it there, "
+            f"or pass {flag} FILE (a copy you have)"
+        )
+    return found

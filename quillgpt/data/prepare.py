@@ -38,7 +38,7 @@ from tqdm import tqdm
 from quillgpt.config import DataConfig
 from quillgpt.data.chat_data import FLAGS_DTYPE, ChatStats
 from quillgpt.data.corpus import Piece, Source, count_chars, count_records, find_sources, iter_lines, iter_pieces
-from quillgpt.data.download import source_path
+from quillgpt.data.download import download_path, sha256_file, source_path
 from quillgpt.data.shards import Encoded, Encoding, ShardedTokens, Task, encode_tasks, iter_tasks, write_shards
 from quillgpt.data.tokenizer import GPT4_SPLIT_PATTERN, TOKENIZER_NAMES, CharTokenizer, Tokenizer, dump_json
 from quillgpt.data.tokenizer_files import build_tokenizer, tokenizer_from_spec
@@ -392,14 +392,123 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     _check_chat_tokenizer(cfg)
     out_dir = probe_writable(cfg.out_dir, "data.out_dir")
     check_output_dir(out_dir, "data.out_dir", "dataset", DATASET_WRITES, force, how="run `quill prepare --force`")
+    if not force and (meta := _downloaded_and_prepared(cfg, out_dir)) is not None:
+        return PreparedData(out_dir, meta, rebuilt=False, seconds=time.perf_counter() - t0)
     sources = find_sources(cfg.path if cfg.path is not None else source_path(cfg, progress))
     want = _want(cfg, sources)
     with _prepare_lock(out_dir):
         _remove_stale_temps(out_dir)
+        want = _same_tokenizer_as_prepared(cfg, out_dir, want)
         rebuilt = force or (meta := _up_to_date(out_dir, want)) is None
         if rebuilt:
+            if not force:
+                _check_same_data(cfg, out_dir, want)
             meta = _build(cfg, sources, want, out_dir, force, progress)
     return PreparedData(out_dir, meta, rebuilt=rebuilt, seconds=time.perf_counter() - t0)
+
+
+# What makes prepared data *other* data: a run trained on it reads it again (quill eval, --resume),
+# and its ids mean nothing under another tokenizer, its val loss nothing under another split.
+# A changed size or mtime of the same source file is the same data, edited: it is rebuilt.
+IDENTITY = ("text_field", "val_fraction")
+
+
+def _describe_data(sources: list[dict[str, Any]], tokenizer: Any, val_fraction: Any) -> str:
+    files = ", ".join(str(s.get("path")) for s in sources[:2]) + (f" and {len(sources) - 2} more" if len(sources) > 2 else "")
+    name = tokenizer.get("name") if isinstance(tokenizer, dict) else None
+    if name == "file":
+        name += f" {str(tokenizer.get('fingerprint'))[:8]}"
+    return f"{files} (tokenizer {name or '?'}, val_fraction {val_fraction})"
+
+
+def _same_sources(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
+    """The same files, or files of the same bytes elsewhere (a copy of the text: checked by sha256)."""
+    if len(old) != len(new):
+        return False
+    paths = [(Path(str(a.get("path"))), Path(str(b["path"]))) for a, b in zip(old, new)]
+    if all(a == b or a.resolve() == b.resolve() for a, b in paths):
+        return True
+    if any(a.get("bytes") != b["bytes"] for a, b in zip(old, new)) or sum(b["bytes"] for b in new) > 1 << 28:
+        return False
+    try:
+        return all(sha256_file(a) == sha256_file(b) for a, b in paths)
+    except OSError:
+        return False
+
+
+def _check_same_data(cfg: DataConfig, out_dir: Path, want: dict[str, Any]) -> None:
+    """Refuse to prepare other data (other files, tokenizer, split) over data already prepared in
+    out_dir: runs trained on it read it again, so it is replaced only with --force."""
+    try:
+        meta = _read_meta(out_dir)
+        old_sources = meta["sources"]
+    except (QuillError, KeyError):
+        return  # nothing prepared there (or an old, unreadable manifest): nothing to keep
+    differs = [k for k in IDENTITY if k in meta and meta.get(k) != want.get(k)]
+    differs += ["data_format"] if meta.get("data_format", "text") != want.get("data_format", "text") else []
+    differs += [] if _same_tokenizer(cfg, meta, want) else ["tokenizer"]
+    if not differs and _same_sources(old_sources, want["sources"]):
+        return
+    suggestion = Path(cfg.out_dir).parent / _dataset_name(cfg, want)
+    old = _describe_data(old_sources, meta.get("tokenizer_request"), meta.get("val_fraction"))
+    new = _describe_data(want["sources"], want["tokenizer_request"], want["val_fraction"])
+    raise QuillError(
+        f"{shown(out_dir)} holds data prepared from {old}, which runs trained on it read again (quill eval, --resume); "
+        f"this config's {new} would replace it: give it a "
+        f"directory of its own with data.out_dir={suggestion}, or replace it on purpose with `quill prepare --config ... --force`"
+    )
+
+
+def _same_tokenizer(cfg: DataConfig, meta: dict[str, Any], want: dict[str, Any]) -> bool:
+    """The same request, or one that gives the tokenizer the data were made with: a fine-tune's
+    base tokenizer.json over data its base prepared with `char`, or `char` again over the same
+    unchanged files (its vocabulary is theirs). A bpe one learned anew is not known until learned."""
+    if "tokenizer_request" not in meta or meta["tokenizer_request"] == want["tokenizer_request"]:
+        return True
+    if cfg.tokenizer == "char":
+        return meta.get("tokenizer", {}).get("type") == "char" and meta.get("sources") == want["sources"]
+    if cfg.tokenizer == "bpe":
+        return False
+    return build_tokenizer(cfg.tokenizer).fingerprint() == meta.get("tokenizer_fingerprint")
+
+
+def _same_tokenizer_as_prepared(cfg: DataConfig, out_dir: Path, want: dict[str, Any]) -> dict[str, Any]:
+    """`want` with the prepared data's own tokenizer request when the one asked for gives the same
+    tokenizer: those data are up to date, not rebuilt (nor refused) for a name."""
+    try:
+        meta = _read_meta(out_dir)
+        if "tokenizer_request" in meta and meta["tokenizer_request"] != want["tokenizer_request"] and _same_tokenizer(cfg, meta, want):
+            return {**want, "tokenizer_request": meta["tokenizer_request"]}
+    except (QuillError, AttributeError, TypeError):
+        pass
+    return want
+
+
+def _dataset_name(cfg: DataConfig, want: dict[str, Any]) -> str:
+    """data/<source>_<tokenizer>: the directory a source's data would get by default."""
+    stem = Path(str(want["sources"][0]["path"])).stem if len(want["sources"]) == 1 else Path(str(cfg.path)).name
+    tokenizer = want["tokenizer_request"]["name"] if want["tokenizer_request"]["name"] != "file" else Path(str(cfg.tokenizer)).stem
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stem}_{tokenizer}") or "mydata"
+
+
+def _downloaded_and_prepared(cfg: DataConfig, out_dir: Path) -> dict[str, Any] | None:
+    """Data from data.url whose download is gone but whose shards are complete in out_dir: the
+    manifest, so a resume or a second run never needs the network for data it already has."""
+    if cfg.path is not None or cfg.url is None:
+        return None
+    dest = download_path(cfg)
+    if dest.is_file():
+        return None  # the usual check, against the file itself
+    try:
+        meta = _read_meta(out_dir)
+        ok = [s["path"] for s in meta["sources"]] == [str(dest)] and meta["tokenizer_request"] == _tokenizer_request(cfg)
+        ok = ok and all(meta.get(k) == v for k, v in (("val_fraction", cfg.val_fraction), ("text_field", cfg.text_field)))
+        ok = ok and meta.get("data_format", "text") == cfg.format and meta.get("format") == FORMAT
+        if ok and _shards_complete(out_dir, meta["shards"], np.dtype(meta["dtype"]).itemsize):
+            return meta
+    except (QuillError, KeyError, TypeError):
+        pass
+    return None
 
 
 def load_prepared(out_dir: str | Path) -> tuple[dict[str, Any], Tokenizer]:

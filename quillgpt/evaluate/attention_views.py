@@ -270,6 +270,20 @@ def _layout(n_tokens: int, n_layers: int, n_heads: int) -> tuple[int, int, float
     return rows, cols, round(panel * 4) / 4  # quarter inches: whole pixels at common dpis
 
 
+SMALLEST_LABEL_PT = 4.0  # token labels shrink to this before only every k-th one is drawn
+
+
+def tick_labels(n_tokens: int, panel: float, fontsize: float) -> tuple[list[int], float]:
+    """(the tokens labelled along a panel side, their font size): every token, in a font small
+    enough that they fit (down to SMALLEST_LABEL_PT); past that, every k-th one at that size."""
+    size = min(fontsize, panel * 72 / (n_tokens * 1.25))  # 72 pt an inch, 1.25: a label's line height
+    if size >= SMALLEST_LABEL_PT:
+        return list(range(n_tokens)), size
+    size = min(fontsize, SMALLEST_LABEL_PT)
+    fit = max(1, int(panel * 72 / (size * 1.25)))
+    return list(range(0, n_tokens, max(1, math.ceil(n_tokens / fit)))), size
+
+
 def attention_figsize(n_tokens: int, n_layers: int, n_heads: int) -> tuple[float, float]:
     """Figure (width, height) in inches that plot_attention uses: panels plus room for
     labels, titles and the colour bar."""
@@ -294,8 +308,8 @@ def plot_attention(
 
     Colours share one 0..1 scale so heads can be compared; the future (upper triangle) is
     left blank, except a prefix-LM's prefix block (square: it attends both ways). With `gates`
-    (Infini-attention) each panel's title gives the head's memory gate sigmoid(β). Token labels
-    are drawn on every panel while they fit, else on the outer ones.
+    (Infini-attention) each panel's title gives the head's memory gate sigmoid(β). Every token is
+    labelled (tick_labels), on every panel for one layer, on the outer ones for several.
     """
     out = Path(out)
     fmt = out.suffix.lower().lstrip(".")
@@ -309,8 +323,7 @@ def plot_attention(
         panels = [(layer, h) for layer in layers for h in heads]
         outer_only = len(layers) > 1  # thumbnails: labels on the left column and bottom row
         fontsize = 9 if rows * cols == 1 else 7 if rows * cols <= 16 else 5
-        fit = int(panel * 72 / (fontsize * 1.25))  # labels that fit along a panel side (72 pt/inch)
-        ticks = list(range(0, T, max(1, math.ceil(T / fit))))
+        ticks, label_size = tick_labels(T, panel, fontsize)
         future = ~visible(T, prefix)
         image = None
         for n, ax in enumerate(axes.flat):
@@ -324,8 +337,8 @@ def plot_attention(
             ax.set_title(f"layer {layer} head {head}{gate}", fontsize=fontsize + 1)
             r, c = divmod(n, cols)
             left, bottom = not outer_only or c == 0, not outer_only or r == rows - 1
-            ax.set_yticks(ticks, [tokens[i] for i in ticks] if left else [], fontsize=fontsize)
-            ax.set_xticks(ticks, [tokens[i] for i in ticks] if bottom else [], fontsize=fontsize, rotation=90)
+            ax.set_yticks(ticks, [tokens[i] for i in ticks] if left else [], fontsize=label_size)
+            ax.set_xticks(ticks, [tokens[i] for i in ticks] if bottom else [], fontsize=label_size, rotation=90)
             ax.tick_params(length=0)
             if c == 0:
                 ax.set_ylabel("query", fontsize=fontsize)

@@ -9,17 +9,51 @@ terminal): what was generated stays in the conversation, so the next turn follow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from quillgpt.data.chat_template import TRANSCRIPT_STOPS, Message, conversation_ids
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.driver import TextBatch
+from quillgpt.inference.driver import TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
 from quillgpt.model.gpt import GPT
 from quillgpt.sampling_params import SamplingParams
+
+
+def run_kind(config: Any, tokenizer: Tokenizer, step: int) -> str:
+    """What the chat header says the model is, from its run's config: a fine-tune on chat data
+    (data.format=chat), an imported model with its chat template, or a base model (the transcript)."""
+    how = "its chat template" if tokenizer.chat_template is not None else "a User:/Assistant: transcript"
+    if config.data.format == "chat":
+        adapters = f"LoRA rank {config.lora.rank} " if config.lora.rank else ""
+        return f"a chat fine-tune ({adapters}trained on conversations, step {step}) through {how}"
+    if tokenizer.chat_template is not None:
+        where = "imported, step 0" if step == 0 else f"trained from a model with a chat template, step {step}"
+        return f"a model with its own chat template ({where})"
+    return f"a base model (step {step}, not trained to chat) through {how}"
+
+
+@dataclass
+class ReplyStats:
+    """One reply's speed: its tokens over the generation's time, the prompt's prefill apart."""
+
+    prompt_tokens: int = 0
+    tokens: int = 0
+    prefill_s: float = 0.0  # the prompt and the first token
+    seconds: float = 0.0  # the whole reply, prefill included
+
+    def line(self) -> str:
+        rest = self.seconds - self.prefill_s
+        rate = f", {(self.tokens - 1) / rest:.1f} tokens/s after the first" if self.tokens > 1 and rest > 0 else ""
+        prefill = f"prompt {self.prompt_tokens} tokens, {self.prefill_s * 1e3:.0f} ms to the first"
+        return f"({self.tokens} token(s) in {self.seconds:.2f}s{rate}; {prefill})"
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], tuple[str, ...]]:
@@ -43,6 +77,7 @@ class ChatSession:
     def __init__(self, model: GPT, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None) -> None:
         self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
         self.messages: list[Message] = []
+        self.last = ReplyStats()  # the last reply's speed (/stats)
         self.reset()
 
     def reset(self) -> None:
@@ -59,8 +94,9 @@ class ChatSession:
         )
         batch = TextBatch(make_engine(self.model, 1, tokens=len(ids) + params.max_new_tokens), self.tokenizer)
         said: list[str] = []
+        self.last = ReplyStats(prompt_tokens=len(ids))
         try:
-            for piece in _pieces(batch, ids, params):
+            for piece in _pieces(batch, ids, params, self.last):
                 said.append(piece)
                 yield piece
         finally:
@@ -68,23 +104,58 @@ class ChatSession:
             self.messages.append({"role": "assistant", "content": "".join(said)})
 
 
-def _pieces(batch: TextBatch, ids: list[int], params: SamplingParams) -> Iterator[str]:
-    """The reply's text as it comes; a failed row (engine.RowFailed) is one QuillError, its cause chained."""
+def _pieces(batch: TextBatch, ids: list[int], params: SamplingParams, stats: ReplyStats) -> Iterator[str]:
+    """The reply's text as it comes, its speed kept in `stats`; a failed row (engine.RowFailed) is
+    one QuillError, its cause chained. A reply cut by its length drops a started stop string."""
+    started = time.perf_counter()
     try:
-        pieces = [batch.join(0, ids, params, batch.tokenizer.stop_ids)]
+        stream = TextStream(batch.tokenizer, params.stop, drop_cut_stop=True)
+        pieces = [batch.join(0, ids, params, batch.tokenizer.stop_ids, stream=stream)]
     except RowFailed as e:
         raise QuillError(f"the reply failed: {e}") from e
+    stats.prefill_s = time.perf_counter() - started
     while pieces:
         for piece in pieces:
             if piece.error is not None:  # the first token's too (a token that cannot become text)
                 raise QuillError(f"the reply failed: {piece.error}") from piece.error
+            stats.tokens, stats.seconds = piece.tokens, time.perf_counter() - started
             yield piece.text
         pieces = batch.step() if len(batch) else []
 
 
-def repl(session: ChatSession, read: Callable[[str], str], write: Callable[[str], None]) -> int:
+@contextlib.contextmanager
+def typing_kept(fd: int | None) -> Iterator[None]:
+    """While a reply streams: the terminal does not echo what is typed (it would land inside the
+    reply), but keeps it, so it is the start of the next line read. No-op where fd is no terminal."""
+    try:
+        import termios
+
+        attrs = termios.tcgetattr(fd) if fd is not None and os.isatty(fd) else None
+    except (ImportError, OSError):
+        attrs = None
+    if attrs is None:
+        yield
+        return
+    quiet = list(attrs)
+    quiet[3] &= ~termios.ECHO  # lflag: no echo; canonical mode stays, so typed lines are buffered
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, attrs)  # TCSANOW, never TCSAFLUSH: the typed input stays
+
+
+def repl(
+    session: ChatSession,
+    read: Callable[[str], str],
+    write: Callable[[str], None],
+    note: Callable[[str], None] | None = None,
+    tty: int | None = None,
+) -> int:
     """The terminal loop of `quill chat`: a line is a message, /reset forgets the conversation,
-    /quit (or end of input) ends; Ctrl-C stops one reply, not the session. Returns replies made."""
+    /stats shows the last reply's speed, /quit (or end of input) ends; Ctrl-C stops one reply, not
+    the session. `note` gets each reply's speed line; `tty`: the terminal typed into during a
+    reply (not echoed, kept for the next line). Returns replies made."""
     replies = 0
     while True:
         try:
@@ -102,12 +173,18 @@ def repl(session: ChatSession, read: Callable[[str], str], write: Callable[[str]
             session.reset()
             write("(conversation cleared)\n")
             continue
+        if command == "/stats":
+            write((session.last.line() if session.last.tokens else "(no reply yet)") + "\n")
+            continue
         if not command:
             continue
-        try:
-            for piece in session.reply(line):
-                write(piece)
-        except KeyboardInterrupt:
-            write(" [stopped]")
+        with typing_kept(tty):
+            try:
+                for piece in session.reply(line):
+                    write(piece)
+            except KeyboardInterrupt:
+                write(" [stopped]")
         write("\n")
+        if note is not None:
+            note(session.last.line())
         replies += 1

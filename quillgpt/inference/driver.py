@@ -94,12 +94,15 @@ class TextStream:
     through StopStrings. `text` is everything returned so far.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), drop_cut_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopStrings(stop)
         self._pieces: list[str] = []
         self.done = False
+        # A reply cut by its length inside a stop string ("\nUse" of "\nUser:"): drop that start of
+        # a stop instead of printing it (a chat reply); a plain continuation keeps it (it may be text).
+        self.drop_cut_stop = drop_cut_stop
 
     @property
     def stopped(self) -> bool:
@@ -118,13 +121,15 @@ class TextStream:
         self._pieces.append(out)
         return out
 
-    def finish(self) -> str:
-        """No more tokens: end a cut character (as U+FFFD) and release held-back text."""
+    def finish(self, cut: bool = False) -> str:
+        """No more tokens: end a cut character (as U+FFFD) and release held-back text (not when
+        `cut` by the length limit and drop_cut_stop: then the held start of a stop string goes)."""
         if self.done:
             return ""
         out = self._stops.push(self._utf8.decode(b"", final=True))
         if not self._stops.stopped:
-            out += self._stops.flush()
+            held = self._stops.flush()
+            out += "" if cut and self.drop_cut_stop else held
         self.done = True
         self._pieces.append(out)
         return out
@@ -219,5 +224,5 @@ class TextBatch:
         if stream.stopped:
             return text, "stop"
         if finish == "length":
-            text += stream.finish()
+            text += stream.finish(cut=True)
         return text, finish

@@ -110,6 +110,9 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
             atomic_write_bytes(out_dir / "model.safetensors", st_torch.save(tensors, metadata={"format": "pt"}))
             write_json(out_dir / "config.json", config)
             _write_tokenizer_files(out_dir, tok, hf_tokenizer=family.tiktoken is None)
+            write_json(
+                out_dir / "generation_config.json", generation_config(tok, loaded.config.sample, hf_tokenizer=family.tiktoken is None)
+            )
         except OSError as e:
             raise os_error(e, out_dir, "write", "--out") from None
     return Converted(out_dir, cfg, tok.name, family.architecture)
@@ -128,17 +131,23 @@ def export_family_of(source: Path, cfg: ModelConfig, tok: Tokenizer) -> Family:
     return family
 
 
+def generation_config(tok: Tokenizer, sample: Any, hf_tokenizer: bool) -> dict[str, Any]:
+    """generation_config.json: bos/eos where the tokenizer has an end-of-text id, and the run's
+    `sample:` defaults, so transformers' generate() samples as `quill sample` does."""
+    ends = {"bos_token_id": tok.bos_id if hf_tokenizer else tok.eot_id, "eos_token_id": tok.eot_id}
+    config: dict[str, Any] = {k: v for k, v in ends.items() if v is not None}
+    config.update(max_new_tokens=sample.max_new_tokens, do_sample=sample.temperature > 0)
+    if sample.temperature > 0:
+        config.update(temperature=sample.temperature, top_k=sample.top_k or 0, top_p=sample.top_p)
+        config.update({"min_p": sample.min_p} if sample.min_p > 0 else {})
+    if sample.repetition_penalty != 1.0:
+        config["repetition_penalty"] = sample.repetition_penalty
+    return config
+
+
 def _write_tokenizer_files(out_dir: Path, tok: Tokenizer, hf_tokenizer: bool) -> None:
-    """generation_config.json, quill_tokenizer.json and (a family with its own) tokenizer.json +
-    tokenizer_config.json (+ chat_template.jinja), so transformers loads the tokenizer too."""
-    generation = out_dir / "generation_config.json"
-    ends = {
-        k: v for k, v in {"bos_token_id": tok.bos_id if hf_tokenizer else tok.eot_id, "eos_token_id": tok.eot_id}.items() if v is not None
-    }
-    if tok.eot_id is not None:
-        write_json(generation, ends)
-    else:
-        generation.unlink(missing_ok=True)
+    """quill_tokenizer.json and (a family with its own) tokenizer.json + tokenizer_config.json
+    (+ chat_template.jinja), so transformers loads the tokenizer too."""
     save_tokenizer(tok, out_dir / QUILL_TOKENIZER)
     if not hf_tokenizer:
         return

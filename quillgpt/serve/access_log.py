@@ -44,6 +44,8 @@ def request_line(scope: dict, status: int | None, done: bool, seconds: float) ->
     if reply is not None:
         parts.append(f"{reply.prompt_tokens}+{reply.completion_tokens} tokens")
     parts.append(f"{seconds:.3f}s" if seconds < 1 else f"{seconds:.2f}s")
-    if status is not None and not done:
+    if reply is not None and reply.streamed and not reply.completed:
+        parts.append("(cut: the client left before the end of the stream)")
+    elif status is not None and not done:
         parts.append("(client left before the end)")
     return " ".join(parts)

@@ -33,6 +33,8 @@ class Reply:
     prompt_tokens: int
     include_usage: bool = False
     completion_tokens: int = 0  # so far: the access log's count (serve/access_log.py)
+    streamed: bool = False  # a stream was started...
+    completed: bool = False  # ...and its last event ([DONE]) was taken by the server: not cut
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 

@@ -418,6 +418,7 @@ class Routes:
         """SSE chunks as the engine produces text; a client that leaves cancels its jobs; a
         stream the shutdown drain cuts ends with an error event and [DONE]."""
         self.drain.running += 1
+        reply.streamed = True
         try:
             if reply.chat:
                 for job in jobs:
@@ -444,6 +445,7 @@ class Routes:
                 if reply.include_usage:
                     yield sse(reply.usage_chunk(sum(tokens.values())))
             yield DONE
+            reply.completed = True  # resumed after [DONE] was sent; a client that left cancels us before
         finally:
             self.drain.running -= 1
             for job in jobs:

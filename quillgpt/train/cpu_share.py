@@ -5,7 +5,9 @@ training threads fight it for both cores and a step of the quickstart takes 3.5Ã
 one thread takes 1.6Ã— (scripts/bench_contention.py). So about once a second the trainer looks at
 how much CPU the other processes used since its last look (the machine's busy time in /proc/stat
 less this process's own) and keeps torch's threads to the cores they leave: all of them on a
-quiet machine. A thread count the user chose (OMP_NUM_THREADS) is kept as it is.
+quiet machine. A count, once changed, is kept at least hold_s (15 s), so a neighbour that comes
+and goes does not flip it (and its line) every second. A thread count the user chose
+(OMP_NUM_THREADS) is kept as it is.
 
 The price: some of torch's CPU kernels split their sums by thread, so a run whose thread count
 changed rounds a little differently from one that kept it (the quickstart's model gives the same
@@ -17,13 +19,16 @@ busy machine.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 Sample = tuple[float, float, float]  # (wall seconds, CPU seconds of every process, CPU seconds of this one)
 
 
@@ -49,7 +54,9 @@ class CpuShare:
     sample: Callable[[], Sample]
     interval_s: float = 1.0
     clock: Callable[[], float] = time.monotonic  # the samples' wall clock: read every step, /proc only once due
+    hold_s: float = 15.0  # a count stays at least this long: a bursty neighbour does not flip it every second
     last: Sample = field(init=False)
+    changed_at: float = -math.inf
 
     def __post_init__(self) -> None:
         self.last = self.sample()
@@ -77,13 +84,31 @@ class CpuShare:
         others = self.others(now)
         self.last = now
         want = max(1, min(self.max_threads, round(self.cores - others)))
-        if want == torch.get_num_threads():
+        if want == torch.get_num_threads() or now[0] - self.changed_at < self.hold_s:
             return None
         torch.set_num_threads(want)
+        self.changed_at = now[0]
         return (
             f"threads: {want} of {self.max_threads} (other processes are using {others:.1f} of "
             f"{self.cores} cores; set OMP_NUM_THREADS to fix the count)"
         )
+
+
+def others_during(measure: Callable[[], T], sample: Callable[[], Sample] = read_proc) -> tuple[T, float]:
+    """`measure()` and the cores other processes used on average meanwhile (inf: no /proc to tell)."""
+    if not (os.path.exists("/proc/stat") and os.path.exists("/proc/self/stat")):
+        return measure(), math.inf
+    before = sample()
+    value = measure()
+    wall, busy, ours = (a - b for a, b in zip(sample(), before))
+    return value, (max(0.0, busy - ours) / wall if wall > 0 else math.inf)
+
+
+def measured_quietly(measure: Callable[[], float], sample: Callable[[], Sample] = read_proc, most: float = 0.25) -> float | None:
+    """`measure()` when other processes used at most `most` cores meanwhile, else None: a CPU
+    peak timed beside other work is too low, and an MFU divided by it too high (120% was seen)."""
+    value, others = others_during(measure, sample)
+    return value if others <= most else None
 
 
 @contextlib.contextmanager

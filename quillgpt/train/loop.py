@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from quillgpt import checkpoint as ckpt
-from quillgpt.config import Config, parse_duration
+from quillgpt.config import Config, TrainConfig, parse_duration
 from quillgpt.data.batches import BatchSampler, fixed_windows
 from quillgpt.data.chat_batches import ChatRows, ChatSampler
 from quillgpt.data.prefix_batches import PrefixLengths, PrefixSampler, separator_id
@@ -47,7 +47,7 @@ from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_state, add_lora, is_adapter
 from quillgpt.model.variants import variant_of
 from quillgpt.train import fsdp_checkpoint as sharded
-from quillgpt.train.cpu_share import sharing_cpu
+from quillgpt.train.cpu_share import measured_quietly, sharing_cpu
 from quillgpt.train.distributed import (
     Dist,
     full_weights,
@@ -79,6 +79,13 @@ class TrainResult:
     elapsed_s: float
     stopped: str  # "done" | "time_budget" | "interrupted" | "finished" (a resume of a run that had ended)
     reason: str = ""  # why, where it is not obvious (a time budget's end; how to extend a finished run)
+    session_s: float | None = None  # seconds this process trained (elapsed_s counts the runs it resumed too)
+
+    def time_text(self) -> str:
+        """'88s' for a run in one go; '30s (125s in all)' for one that continued an earlier run."""
+        if self.session_s is None or self.elapsed_s - self.session_s <= 0:  # nothing before this process
+            return f"{self.elapsed_s:.0f}s"
+        return f"{self.session_s:.0f}s ({self.elapsed_s:.0f}s in all)"
 
 
 # --- schedule, optimizer, devices -------------------------------------------------------------
@@ -216,9 +223,22 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
         budget_s=parse_duration(tc.time_budget) if tc.time_budget else None,
         horizon=tc.max_iters,
         lora_base=lora_base,
-        notes=notes + batch_notes,
+        notes=notes + batch_notes + warmup_warning(tc),
     )
     return t, state
+
+
+def warmup_warning(tc: TrainConfig) -> list[str]:
+    """A run of train.max_iters steps whose warmup is as long or longer never reaches its
+    learning rate (an imported model's config keeps its pretraining warmup for a 30-step fine-tune)."""
+    if tc.time_budget is not None or tc.warmup_iters < tc.max_iters:
+        return []  # (a time budget fits the schedule's end after the warmup: schedule.follow_budget)
+    reached = lr_at(tc.max_iters - 1, tc, tc.max_iters) / tc.learning_rate
+    return [
+        f"warning: train.warmup_iters={tc.warmup_iters} ≥ train.max_iters={tc.max_iters}: the learning rate never "
+        f"leaves its warmup (it reaches {reached:.0%} of train.learning_rate); set train.warmup_iters="
+        f"{max(1, tc.max_iters // 10)} (a tenth of the run), for instance"
+    ]
 
 
 def _check_combination(cfg: Config, strategy: str) -> None:
@@ -301,7 +321,7 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
     """Steps until the horizon, a stop signal or the time budget; evaluates and checkpoints."""
     tc, ddp = t.cfg.train, t.ddp
     tokens_per_step = tc.batch_size * tc.grad_accum * ddp.world_size * t.cfg.model.block_size
-    meter = Meter(t.raw_model.flops_per_token() * tokens_per_step / ddp.world_size, peak_flops(t.device, t.dtype))
+    meter = Meter(t.raw_model.flops_per_token() * tokens_per_step / ddp.world_size, run_peak(t.device, t.dtype))
     last_val, stopped = None, None
     t.t_start, t.first_step = time.time(), t.step
     meter.start(t.step)
@@ -340,7 +360,16 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
                 break
     bar.close()
     stopped = stopped or ("time_budget" if t.budget_ended else "done")
-    return TrainResult(t.out_dir, t.step, t.best_val, last_val, t.elapsed(), stopped, t.stop_reason if stopped == "time_budget" else "")
+    elapsed, reason = t.elapsed(), t.stop_reason if stopped == "time_budget" else ""
+    return TrainResult(t.out_dir, t.step, t.best_val, last_val, elapsed, stopped, reason, session_s=elapsed - t.elapsed_before)
+
+
+def run_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The peak MFU divides by: a GPU's datasheet figure; on a CPU one measured while no other
+    process was busy (None otherwise, and MFU is not shown)."""
+    if device.type == "cpu":
+        return measured_quietly(lambda: peak_flops(device, dtype) or math.nan)
+    return peak_flops(device, dtype)
 
 
 @dataclass
@@ -348,7 +377,7 @@ class Meter:
     """tokens/s and MFU between log lines, with evaluation time left out."""
 
     flops_per_step: float
-    peak: float
+    peak: float | None  # None: unknown, so no MFU
     t_log: float = 0.0
     step_at_log: int = 0
 
@@ -375,25 +404,23 @@ def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: Pr
     now = time.time()
     train_loss = _checked_loss(loss, t.step, t.ddp)
     dt, steps = max(now - meter.t_log, 1e-9), t.step - meter.step_at_log
-    tok_s, mfu = tokens_per_step * steps / dt, meter.flops_per_step * steps / dt / meter.peak
-    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
+    tok_s = tokens_per_step * steps / dt
+    mfu = meter.flops_per_step * steps / dt / meter.peak if meter.peak else None
+    if mfu is not None and not 0 < mfu <= 1:  # above the peak: the peak was mis-measured, not the step
+        mfu = None
+    shown = {"mfu": f"{mfu:.1%}"} if mfu is not None else {}
+    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", **shown)
     meter.start(t.step)
-    return {
-        "step": t.step,
-        "tokens": t.tokens_seen,
-        "train_loss": train_loss,
-        "lr": lr,
-        "tokens_per_sec": tok_s,
-        "mfu": mfu,
-        "elapsed_s": t.elapsed_before + now - t.t_start,
-    }
+    record = {"step": t.step, "tokens": t.tokens_seen, "train_loss": train_loss, "lr": lr, "tokens_per_sec": tok_s}
+    return {**record, **({"mfu": mfu} if mfu is not None else {}), "elapsed_s": t.elapsed_before + now - t.t_start}
 
 
 def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[str, Any], bar: Progress) -> float:
     """Val loss on the fixed windows, then metrics line, best.pt (if better) and ckpt.pt."""
     train_loss = _checked_loss(loss, t.step, t.ddp)  # before anything is saved
     eval_started = time.time()
-    losses = estimate_loss(t.raw_model, t.windows, t.cfg.train.batch_size, t.device, t.dtype)
+    with bar.evaluating():
+        losses = estimate_loss(t.raw_model, t.windows, t.cfg.train.batch_size, t.device, t.dtype)
     val = losses["val"]
     if not math.isfinite(val):  # weights went bad in this step: keep the last checkpoint
         raise QuillError(

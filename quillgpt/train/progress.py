@@ -8,6 +8,9 @@ fitted to the pace, and may still change with it (see schedule.follow_budget).
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,6 +65,20 @@ class Progress:
     def set_postfix(self, refresh: bool = True, **stats: str) -> None:
         self.stats = stats
         self.bar.set_postfix({"step": self.step, **stats} if self.timed else stats, refresh=refresh)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """'evaluating…' on the bar while the val loss is measured (a big model's takes a minute),
+        and that time left out of the bar's steps/s: its clock of the last redraw moves on by it."""
+        stats = dict(self.stats)
+        self.set_postfix(**{**stats, "now": "evaluating…"})
+        started = time.time()
+        try:
+            yield
+        finally:
+            if not self.bar.disable:  # tqdm's rate: steps over the time since its last redraw
+                self.bar.last_print_t += time.time() - started
+            self.set_postfix(refresh=False, **stats)
 
     def write(self, line: str) -> None:
         self.bar.write(line)

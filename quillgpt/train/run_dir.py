@@ -14,10 +14,12 @@ the first step has given a finite loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
 from quillgpt import runs
-from quillgpt.config import Config, LoraConfig, ModelConfig, TrainConfig, save_config, with_base_tokenizer
+from quillgpt.config import Config, DataConfig, LoraConfig, ModelConfig, TrainConfig, load_config, save_config, with_base_tokenizer
 from quillgpt.data.prepare import PreparedData, prepare
 from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
@@ -107,6 +109,8 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
             remove_stale_temps(out_dir)
             sharded.remove_stale(out_dir)
             resuming = _resuming(cfg.train, out_dir)
+            if resuming:
+                cfg.data = recorded_data(cfg, out_dir, tqdm.write)
             if cfg.train.tensorboard:
                 check_tensorboard()
             prepared = prepare(cfg.data, progress=progress)
@@ -114,9 +118,29 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
             failure = e
     if ddp.any(failure is not None):
         raise failure or QuillError("rank 0 could not start the run (its message says why)")
+    resuming = bool(ddp.broadcast_int(int(resuming)))
     if not ddp.master:
+        if resuming:
+            cfg.data = recorded_data(cfg, out_dir, None)
         prepared = prepare(cfg.data, progress=False)
-    return prepared, bool(ddp.broadcast_int(int(resuming)))
+    return prepared, resuming
+
+
+def recorded_data(cfg: Config, out_dir: Path, say: Callable[[str], None] | None) -> DataConfig:
+    """A resume reads the data the run recorded in its config.yaml (what it trained on), not what
+    the config given now would prepare (`--config configs/quickstart.yaml --resume` of a run
+    trained on data.path=mytext.txt); data keys given on the command line still apply."""
+    try:
+        recorded = load_config(out_dir / "config.yaml").data
+    except QuillError:
+        return cfg.data  # no readable config.yaml (an old or damaged run): the config given
+    given = {k.split(".", 1)[1] for k in cfg.overridden if k.startswith("data.")}
+    data = dataclasses.replace(recorded, **{k: getattr(cfg.data, k) for k in given if hasattr(cfg.data, k)})
+    changed = [k for k in ("path", "url", "out_dir", "tokenizer", "format") if getattr(data, k) != getattr(cfg.data, k)]
+    if changed and say is not None:
+        shown_keys = ", ".join(f"data.{k}={getattr(data, k)}" for k in changed)
+        say(f"resuming on the data the run recorded ({shown_keys}, from {out_dir / 'config.yaml'})")
+    return data
 
 
 def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
@@ -136,10 +160,19 @@ def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
     resuming = bool(tc.resume) and not tc.overwrite and saved
     if not resuming and not tc.overwrite and (saved or best.is_file()):
         raise QuillError(
-            f"{out_dir} already holds a run ({describe_run(out_dir)}); continue it with --resume "
-            "(train.resume=true), or replace it with --overwrite (train.overwrite=true)"
+            f"{out_dir} already holds a run ({describe_run(out_dir)}); start a new run beside it with "
+            f"train.out_dir={_free_name(out_dir)}, continue this one with --resume (train.resume=true), or replace it "
+            "with --overwrite (train.overwrite=true)"
         )
     return resuming
+
+
+def _free_name(out_dir: Path) -> Path:
+    """out/quickstart → out/quickstart-2 (the first such name not taken)."""
+    n = 2
+    while (out_dir.parent / f"{out_dir.name}-{n}").exists():
+        n += 1
+    return out_dir.parent / f"{out_dir.name}-{n}"
 
 
 def describe_run(out_dir: Path) -> str:

@@ -1,3 +1,4 @@
+import dataclasses
 import hashlib
 import io
 import json
@@ -96,9 +97,11 @@ def test_prepare_is_idempotent_and_rebuilds_on_any_change(tmp_path, small_text):
     assert not again.rebuilt and bins_mtime(out) == before  # nothing rewritten
 
     assert prepare(load_config(cfg_file).data, force=True, progress=False).rebuilt
-    for override in (["data.val_fraction=0.2"], ["data.tokenizer=gpt2"]):
-        assert prepare(load_config(cfg_file, override).data, progress=False).rebuilt
-    with open(small_text, "a", encoding="utf-8") as f:
+    for override in (["data.val_fraction=0.2"], ["data.tokenizer=gpt2"]):  # other data: only on purpose (--force)
+        with pytest.raises(QuillError, match="would replace it: give it a directory of its own with data.out_dir="):
+            prepare(load_config(cfg_file, override).data, progress=False)
+        assert prepare(load_config(cfg_file, override).data, force=True, progress=False).rebuilt
+    with open(small_text, "a", encoding="utf-8") as f:  # the same file, edited: rebuilt
         f.write("\nA new line of text.\n")
     result = prepare(load_config(cfg_file, ["data.tokenizer=gpt2"]).data, progress=False)
     assert result.rebuilt and result.meta["sources"][0]["bytes"] == small_text.stat().st_size
@@ -111,7 +114,9 @@ def test_prepare_bpe_tokenizer_changes_are_detected(tmp_path, small_text):
     cfg_file = write_config(tmp_path, path=str(small_text), tokenizer="bpe", bpe_vocab_size=300, out_dir=str(tmp_path / "o"))
     assert prepare(load_config(cfg_file).data, progress=False).rebuilt
     assert not prepare(load_config(cfg_file).data, progress=False).rebuilt
-    assert prepare(load_config(cfg_file, ["data.bpe_vocab_size=320"]).data, progress=False).rebuilt
+    assert prepare(load_config(cfg_file, ["data.bpe_vocab_size=320"]).data, force=True, progress=False).rebuilt
+    with pytest.raises(QuillError, match="would replace it"):
+        prepare(load_config(cfg_file).data, progress=False)
 
 
 # --- download --------------------------------------------------------------------------------
@@ -129,6 +134,10 @@ def test_download_file_url_once_then_reuse(tmp_path, small_text, monkeypatch):
     src.unlink()  # the second run must not need the "network"
     assert not prepare(cfg, progress=False).rebuilt
     assert not list(dest.parent.glob("*.part"))
+    dest.unlink()  # nor the download itself, once its data are prepared
+    assert not prepare(cfg, progress=False).rebuilt and not dest.exists()
+    with pytest.raises(QuillError, match=r"could not download .*remote.txt .*, or point data.path= at a copy you have"):
+        prepare(dataclasses.replace(cfg, val_fraction=0.2), force=True, progress=False)
 
 
 def test_download_checksum_mismatch_names_url_path_and_both_hashes(tmp_path, small_text):
@@ -206,8 +215,10 @@ def test_saved_tokenizer_file_is_used_and_its_gaps_reported(tmp_path, small_text
     meta = prepare(load_config(cfg_file).data, progress=False).meta
     assert meta["tokenizer"] == load_tokenizer(tmp_path / "bpe.json").spec()
     assert not prepare(load_config(cfg_file).data, progress=False).rebuilt
-    save_tokenizer(build_tokenizer("bpe", text, 280), tmp_path / "bpe.json")  # same path, new content
-    assert prepare(load_config(cfg_file).data, progress=False).rebuilt
+    save_tokenizer(build_tokenizer("bpe", text, 280), tmp_path / "bpe.json")  # same path, new content: other ids
+    with pytest.raises(QuillError, match=r"tokenizer file [0-9a-f]{8}.* data.out_dir=.*small_bpe"):
+        prepare(load_config(cfg_file).data, progress=False)
+    assert prepare(load_config(cfg_file).data, force=True, progress=False).rebuilt
 
     save_tokenizer(build_tokenizer("char", "abcdefghijklmnopqrstuvwxyz \n"), tmp_path / "char.json")
     cfg = data_cfg(tmp_path, path=str(small_text), tokenizer=str(tmp_path / "char.json"), out_dir=str(tmp_path / "c"))
@@ -523,3 +534,17 @@ def test_a_full_disk_during_prepare_names_the_file_system(tmp_path, small_text, 
     assert e.value.code == 2 and err.count("\n") == 1 and "OSError" not in err
     assert f"cannot write token shards to data.out_dir {tmp_path / 'out'}: no space left on /" in err
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_a_tokenizer_given_by_file_that_is_the_datas_own_neither_rebuilds_nor_is_refused(tmp_path, small_text):
+    """A fine-tune names its base's tokenizer.json over data the base prepared with `char`: the same
+    vocabulary, so the data stand as they are, for it and for `char` again."""
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="char", out_dir=str(tmp_path / "o"))
+    meta = prepare(cfg, progress=False).meta
+    save_tokenizer(load_prepared(tmp_path / "o")[1], tmp_path / "tokenizer.json")
+    as_file = prepare(dataclasses.replace(cfg, tokenizer=str(tmp_path / "tokenizer.json")), progress=False)
+    assert not as_file.rebuilt and as_file.meta == meta
+    assert not prepare(cfg, progress=False).rebuilt
+    save_tokenizer(build_tokenizer("char", "abcdefghijklmnopqrstuvwxyz \n!?.,;:'-ABCDEFGHIJKLMNOPQRSTUVWXYZ&$3"), tmp_path / "other.json")
+    with pytest.raises(QuillError, match="would replace it"):
+        prepare(dataclasses.replace(cfg, tokenizer=str(tmp_path / "other.json")), progress=False)

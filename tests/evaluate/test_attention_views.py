@@ -299,3 +299,16 @@ def test_a_trained_run_end_to_end(shakespeare_path, tmp_path, capsys):
     assert "run: step 6" in capsys.readouterr().out
     assert cli("attention", "--ckpt", run, "--which", "latest", "--prompt", "ROMEO:\nO, she", "--out", tmp_path / "attn.png") == 0
     assert (tmp_path / "attn.png").is_file() and (tmp_path / "attn.heads.json").is_file()
+
+
+def test_every_token_of_the_readmes_prompt_is_labelled_in_the_4x4_grid():
+    """The quickstart's `--layer all` figure: 4 layers × 4 heads, 'To be, or not to be: that is the
+    question.' (42 characters); only every second one was labelled."""
+    from quillgpt.evaluate.attention_views import SMALLEST_LABEL_PT, _layout, tick_labels
+
+    _, _, panel = _layout(42, 4, 4)
+    ticks, size = tick_labels(42, panel, 7)
+    assert ticks == list(range(42)) and SMALLEST_LABEL_PT <= size < 7
+    assert tick_labels(10, panel, 7) == (list(range(10)), 7)  # room to spare: the usual size
+    ticks, size = tick_labels(1000, 2.0, 7)  # far too many: every k-th, at the smallest size
+    assert size == SMALLEST_LABEL_PT and ticks[:2] == [0, ticks[1]] and 1 < ticks[1] and len(ticks) <= 2.0 * 72 / (size * 1.25) + 1

@@ -110,7 +110,8 @@ def test_the_chat_command_over_standard_input(quill_run):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "User:/Assistant: transcript" in done.stderr and "(conversation cleared)" in done.stdout
+    assert "a base model (step " in done.stderr and "User:/Assistant: transcript" in done.stderr and "(conversation cleared)" in done.stdout
+    assert done.stderr.count("tokens/s after the first") == 2  # a speed line after each reply
     assert done.stdout.count("> ") == 4  # three lines, then end of input
     bad = subprocess.run(
         [sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "--top-p", "2"],
@@ -178,3 +179,63 @@ def test_a_first_token_that_cannot_become_text_fails_the_reply(quill_run, monkey
     monkeypatch.setattr(text_mod.TextBatch, "_text", staticmethod(undecodable))
     with pytest.raises(QuillError, match=r"the reply failed: .*turning the token into text.*no text for id"):
         "".join(ChatSession(quill_run.model, quill_run.tokenizer, GREEDY).reply("Speak."))
+
+
+def test_a_reply_cut_by_its_length_drops_a_started_stop_string(quill_run):
+    """max_new_tokens ends the reply inside '\\nUser:': a chat reply drops the '\\nUse' it held back
+    (it printed ' GLOUCESTER' then a stray 'Use'); a plain continuation keeps it (it may be text)."""
+    from quillgpt.inference.driver import TextStream
+
+    tok = quill_run.tokenizer
+    for drop, want in ((True, " GLOUCESTER"), (False, " GLOUCESTER\nUse")):
+        stream = TextStream(tok, TRANSCRIPT_STOPS, drop_cut_stop=drop)
+        shown = "".join(stream.push(i) for i in tok.encode(" GLOUCESTER\nUse")) + stream.finish(cut=True)
+        assert shown == want
+        stream = TextStream(tok, TRANSCRIPT_STOPS, drop_cut_stop=drop)  # the model's own end: nothing dropped
+        assert "".join(stream.push(i) for i in tok.encode("A\nUse")) + stream.finish() == "A\nUse"
+
+
+def test_the_header_names_the_kind_of_run(quill_run, imported):
+    from quillgpt.inference.chat_session import run_kind
+
+    assert run_kind(quill_run.config, quill_run.tokenizer, 2).startswith("a base model (step 2, not trained to chat) through a User:")
+    assert run_kind(imported.config, imported.tokenizer, 0) == "a model with its own chat template (imported, step 0)"
+    tuned = copy.deepcopy(quill_run.config)
+    tuned.data.format, tuned.lora.rank = "chat", 4
+    assert run_kind(tuned, quill_run.tokenizer, 500) == (
+        "a chat fine-tune (LoRA rank 4 trained on conversations, step 500) through a User:/Assistant: transcript"
+    )
+
+
+def test_each_reply_ends_with_its_speed_and_stats_repeats_it(quill_run):
+    session = ChatSession(quill_run.model, quill_run.tokenizer, SamplingParams(max_new_tokens=8, temperature=0.0))
+    lines, out, notes = iter(["/stats", "Speak.", "/stats", "/quit"]), [], []
+    assert repl(session, lambda prompt: next(lines), out.append, notes.append) == 1
+    assert "(no reply yet)" in out[0] and len(notes) == 1
+    assert (
+        session.last.tokens == 8 and f"(8 token(s) in {session.last.seconds:.2f}s, " in notes[0] and "tokens/s after the first" in notes[0]
+    )
+    assert notes[0] + "\n" in out  # /stats: the same line
+
+
+def test_typing_during_a_reply_is_not_echoed_and_is_kept_for_the_next_line():
+    import os
+    import pty
+    import termios
+
+    from quillgpt.inference.chat_session import typing_kept
+
+    leader, follower = pty.openpty()
+    try:
+        before = termios.tcgetattr(follower)
+        assert before[3] & termios.ECHO
+        with typing_kept(follower):
+            assert not termios.tcgetattr(follower)[3] & termios.ECHO and termios.tcgetattr(follower)[3] & termios.ICANON
+            os.write(leader, b"next question\n")  # typed while the reply streams
+        assert termios.tcgetattr(follower) == before
+        assert os.read(follower, 100) == b"next question\n"  # kept for the next turn
+        with typing_kept(None):  # no terminal (a pipe, a test): nothing to do
+            pass
+    finally:
+        os.close(leader)
+        os.close(follower)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.cli import main  # noqa: E402
@@ -197,7 +197,16 @@ def test_exported_trained_checkpoint_loads_in_transformers(shakespeare_path, tmp
     ours = load_run(run)
     idx = torch.randint(0, ours.config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(hf_logits(hf, idx), quill_logits(ours.model, idx), atol=1e-4, rtol=0)
-    assert not (tmp_path / "hf" / "generation_config.json").exists()  # the char tokenizer has no end-of-text
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())  # the char tokenizer: no end-of-text
+    sample = ours.config.sample
+    assert generation == {
+        "max_new_tokens": sample.max_new_tokens,
+        "do_sample": True,
+        "temperature": sample.temperature,
+        "top_k": sample.top_k,
+        "top_p": 1.0,
+    }
+    GenerationConfig.from_pretrained(tmp_path / "hf")  # transformers reads it
 
     back = load_run(import_hf(tmp_path / "hf", tmp_path / "back").path)  # and home again, tokenizer included
     assert back.tokenizer.spec() == ours.tokenizer.spec()

@@ -252,7 +252,16 @@ def test_overlapping_requests_get_exactly_their_tokens_alone(server, http):
     assert len({c["text"] for c in alone[6]}) == 4  # two prompts × two seeds: four different texts
 
 
-def test_client_that_leaves_frees_its_row(server, http):
+def test_client_that_leaves_frees_its_row(server, http, monkeypatch):
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("uvicorn.error")  # (it does not propagate: caplog would not see it)
+    monkeypatch.setattr(log, "level", log.level)  # restored afterwards
+    log.setLevel(logging.INFO)  # (setLevel, not the attribute: it clears the logger's cache)
+    log.addHandler(handler)
+    with http.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "stream": True}) as r:
+        assert list(r.iter_lines())[-2:] == ["data: [DONE]", ""]  # a whole stream: logged as it is
     with http.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2000, "stream": True}) as r:
         for _ in r.iter_lines():
             if http.get("/health").json()["active"] == 1:
@@ -268,6 +277,10 @@ def test_client_that_leaves_frees_its_row(server, http):
     while (load := http.get("/health").json())["active"] or load["waiting"]:
         assert time.monotonic() < deadline, f"rows still held after the clients left: {load}"
         time.sleep(0.05)
+    log.removeHandler(handler)
+    lines = [line for line in seen if line.startswith("POST /v1/completions")]
+    assert lines[0].startswith("POST /v1/completions 200 ") and "cut" not in lines[0] and "left" not in lines[0]
+    assert "(cut: the client left before the end of the stream)" in lines[1], lines  # the stream the client left
 
 
 def test_engine_task_stop_ids_and_cancel(run_dir):

@@ -130,6 +130,9 @@ def test_write_stream_stop_attention_and_screenshot(server, browser, tmp_path):
     )  # char tokenizer: a token a char
     assert f"{min(n, 16)} tokens" in find("attn-status").text
     assert (f"the first {n - 16} tokens were cropped" in find("attn-status").text) == (n > 16)
+    pressed = [find(b).get_attribute("aria-pressed") for b in ("attn-run", "attn-run-all")]
+    highlighted = ["primary" in find(b).get_attribute("class") for b in ("attn-run", "attn-run-all")]
+    assert pressed == ["false", "true"] and highlighted == [False, True]  # the continuation's button is the selected one
 
     shot = tmp_path / "serve.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000

@@ -40,7 +40,7 @@ def threads():
 def test_threads_follow_the_cores_other_processes_leave(threads):
     torch.set_num_threads(4)
     proc = FakeProc()
-    share = CpuShare(max_threads=4, cores=4, sample=proc, clock=lambda: proc.wall)
+    share = CpuShare(max_threads=4, cores=4, sample=proc, clock=lambda: proc.wall, hold_s=0.0)
     proc.advance(0.5, others=3.0)
     assert share.update() is None and torch.get_num_threads() == 4  # under a second: no look yet
     proc.advance(0.6, others=3.0)
@@ -56,6 +56,21 @@ def test_threads_follow_the_cores_other_processes_leave(threads):
     proc.advance(1.0, others=9.0)
     share.update()
     assert torch.get_num_threads() == 1  # never fewer than one
+
+
+def test_a_thread_count_holds_for_hold_s_after_a_change(threads):
+    torch.set_num_threads(2)
+    proc = FakeProc()
+    share = CpuShare(max_threads=2, cores=2, sample=proc, clock=lambda: proc.wall, hold_s=10.0)
+    proc.advance(1.0, others=1.0)
+    assert "threads: 1 of 2" in share.update()  # the first change: at once
+    lines = []
+    for second in range(1, 10):  # a neighbour busy every other second
+        proc.advance(1.0, others=1.0 if second % 2 == 0 else 0.0)
+        lines.append(share.update())
+    assert lines == [None] * 9 and torch.get_num_threads() == 1  # held: no flips, no lines
+    proc.advance(1.0, others=0.0)
+    assert "threads: 2 of 2" in share.update()  # 10 s on, the cores it frees are taken back
 
 
 def test_a_users_thread_count_cuda_and_ddp_are_left_alone(monkeypatch):
@@ -117,3 +132,18 @@ def test_a_run_whose_threads_change_mid_way_trains_as_one_that_kept_them(shakesp
     fixed, gave_way = runs["fixed"], runs["gave_way"]
     assert [r[0] for r in fixed] == [r[0] for r in gave_way]
     assert torch.allclose(torch.tensor([r[1] for r in fixed]), torch.tensor([r[1] for r in gave_way]), rtol=1e-3)
+
+
+def test_a_cpu_peak_is_kept_only_when_measured_on_a_quiet_machine():
+    from quillgpt.device import gpu_peak
+
+    proc = FakeProc()
+
+    def measure(others):
+        proc.advance(1.0, others=others)
+        return 5e10
+
+    assert cpu_share.measured_quietly(lambda: measure(0.1), proc) == 5e10
+    assert cpu_share.measured_quietly(lambda: measure(1.0), proc) is None  # one core busy elsewhere: no MFU
+    assert gpu_peak("NVIDIA H200", torch.bfloat16) == 989e12 and gpu_peak("NVIDIA H200", torch.float32) == 989e12 / 2
+    assert gpu_peak("Some Future GPU", torch.bfloat16) is None  # not guessed

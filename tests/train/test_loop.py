@@ -1,6 +1,7 @@
 """The trainer: schedule, exact resume, DDP equivalence, and faults that keep work safe."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def test_lr_schedule_shapes():
     assert lr_at(99, const, 100) == 0.3
 
 
-def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path):
+def test_training_writes_a_complete_run(shakespeare_path, data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "run_peak", lambda device, dtype: 1e12)  # a peak measured on a quiet machine
     result = train(tiny_config(shakespeare_path, data_dir, tmp_path / "run"), progress=False)
     run = tmp_path / "run"
     assert result.step == 8 and result.stopped == "done"
@@ -259,7 +261,7 @@ def test_a_second_train_never_replaces_a_run_unasked(shakespeare_path, data_dir,
     assert code == 2
     line = one_error_line(err)
     best = load_checkpoint(run / "best.pt")["val_loss"]
-    for part in (str(run), "step 2", f"best val loss {best:.4f}", "--resume", "--overwrite"):
+    for part in (str(run), "step 2", f"best val loss {best:.4f}", f"train.out_dir={run}-2", "--resume", "--overwrite"):
         assert part in line, line
     code, _, err = quill_train(capsys, args, "--resume", "--overwrite")
     assert code == 2 and "pass one of them" in one_error_line(err)
@@ -281,6 +283,48 @@ def test_a_second_train_never_replaces_a_run_unasked(shakespeare_path, data_dir,
     assert f"replaced the run in {run} (step 2" in out and "done: step 3" in out
     assert load_config(run / "config.yaml").train.overwrite is False  # reusing the run's config replaces nothing
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_other_data_never_replaces_the_data_a_run_trained_on(shakespeare_path, tmp_path, capsys):
+    """Two runs, one data.out_dir: the second run's other text is refused in one line naming both
+    sources and a data.out_dir of its own; the first run's data stay, so its eval still works."""
+    from quillgpt.data.prepare import load_prepared
+    from quillgpt.evaluate.scores import evaluate_checkpoint
+
+    shared = tmp_path / "data" / "shakespeare_char"
+    first = train(tiny_config(shakespeare_path, shared, tmp_path / "first", "train.max_iters=2"), progress=False)
+    meta = (shared / "meta.json").read_bytes()
+    mine = tmp_path / "mytext.txt"
+    mine.write_text(shakespeare_path.read_text(encoding="utf-8")[:20_000].upper(), encoding="utf-8")
+    args = tiny_overrides(shakespeare_path, shared, tmp_path / "mine", "train.max_iters=2", f"data.path={mine}")
+    code, _, err = quill_train(capsys, args)
+    line = one_error_line(err)
+    assert code == 2 and str(shakespeare_path) in line and str(mine) in line
+    assert f"data.out_dir={tmp_path / 'data' / 'mytext_char'}" in line and "--force" in line
+    assert (shared / "meta.json").read_bytes() == meta and not (tmp_path / "mine" / "ckpt.pt").exists()
+    assert evaluate_checkpoint(first.out_dir, device="cpu")[0].tokens > 0  # the first run's data, still its own
+    code, _, err = quill_train(capsys, [*args, f"data.out_dir={tmp_path / 'data' / 'mytext_char'}"])
+    assert code == 0, err
+    assert load_prepared(tmp_path / "data" / "mytext_char")[0]["sources"][0]["path"] == str(mine)
+    copy = tmp_path / "copy.txt"  # the same bytes under another name are the same data
+    copy.write_bytes(shakespeare_path.read_bytes())
+    assert train(tiny_config(shakespeare_path, shared, tmp_path / "third", "train.max_iters=1", f"data.path={copy}"), progress=False)
+
+
+def test_resume_reads_the_runs_recorded_data_and_needs_no_network(shakespeare_path, tmp_path, capsys, monkeypatch):
+    """`--config <the recipe> --resume` of a run trained on data.path=X: the recipe's download
+    (here a URL nothing answers) is never tried; the run's recorded data.path and data.out_dir are used."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mytext.txt"
+    mine.write_text(shakespeare_path.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    run = tmp_path / "run"
+    code, _, err = quill_train(capsys, tiny_overrides(mine, tmp_path / "mine_char", run, "train.max_iters=2"))
+    assert code == 0, err
+    recipe_args = [a for a in tiny_overrides(mine, "unused", run, "train.max_iters=4") if not a.startswith("data.")]
+    code, out, err = quill_train(capsys, [*recipe_args, "data.url=http://127.0.0.1:9/input.txt", "data.sha256=null"], "--resume")
+    assert code == 0, err
+    assert f"resuming on the data the run recorded (data.path={mine}, data.out_dir={tmp_path / 'mine_char'}" in out
+    assert "done: step 4" in out and not (tmp_path / "data").exists()  # nothing downloaded, no default data.out_dir
 
 
 def test_best_pt_holds_weights_only_and_loads_for_inference(finished):
@@ -327,7 +371,8 @@ def test_wandb_is_refused_by_name_but_old_runs_still_load(finished, tmp_path):
     assert load_run(tmp_path / "old.pt").step == 2
 
 
-def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path):
+def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "run_peak", lambda device, dtype: 1e12)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
@@ -343,6 +388,24 @@ def test_tensorboard_gets_the_runs_scalars(shakespeare_path, data_dir, tmp_path)
 
 
 # --- time budget: the horizon is fitted once and checkpointed ------------------------------------
+
+
+@pytest.mark.parametrize("peak", [None, 1.0])  # unknown (a busy CPU, an unlisted GPU); one a step exceeds
+def test_mfu_is_shown_only_against_a_known_peak(shakespeare_path, data_dir, tmp_path, monkeypatch, peak):
+    monkeypatch.setattr(train_mod, "run_peak", lambda device, dtype: peak)
+    train(tiny_config(shakespeare_path, data_dir, tmp_path / "run", "train.max_iters=2"), progress=False)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records and all("mfu" not in r and r["tokens_per_sec"] > 0 for r in records)
+
+
+def test_warmup_as_long_as_the_run_is_a_warning(shakespeare_path, data_dir, tmp_path, capsys):
+    code, out, _ = quill_train(
+        capsys, tiny_overrides(shakespeare_path, data_dir, tmp_path / "a", "train.max_iters=3", "train.warmup_iters=30")
+    )
+    assert code == 0 and "warning: train.warmup_iters=30 ≥ train.max_iters=3: the learning rate never leaves its warmup" in out
+    assert "(it reaches 10% of train.learning_rate); set train.warmup_iters=1" in out  # lr_at(2) = 3/31 of the peak
+    code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, tmp_path / "b", "train.max_iters=3"))
+    assert code == 0 and "warning:" not in out
 
 
 def test_fit_horizon_counts_evaluations_and_stays_in_range():
@@ -462,6 +525,10 @@ def test_train_says_what_it_is_about_to_do_and_how_to_go_on_once_finished(shakes
     code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=4"), "--resume")
     assert code == 0 and f"resuming {run} from step 2: " in out and " thread(s), 64 tokens/step, 4 steps" in out
     assert out.splitlines()[-1].startswith("done: step 4")
+    session, total = map(
+        int, re.search(r", (\d+)s \((\d+)s in all\) → ", out.splitlines()[-1]).groups()
+    )  # this process's time, then the run's
+    assert total >= session and total >= load_checkpoint(run / "ckpt.pt")["elapsed_s"] - 1
     fresh = tmp_path / "fresh"
     code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, fresh, "train.max_iters=1"))
     params = load_checkpoint(fresh / "ckpt.pt")

@@ -246,6 +246,11 @@ async function showAttention(withContinuation) {
     const response = await fetch("/v1/attention", { method: "POST", headers: headers(), body: JSON.stringify(body) });
     if (!response.ok) { setStatus(status, await errorText(response), true); return; }
     state.attn = await response.json();
+    // the button of what is shown is the highlighted one (it was always the prompt's)
+    $("attn-run").classList.toggle("primary", !withContinuation);
+    $("attn-run-all").classList.toggle("primary", withContinuation);
+    $("attn-run").setAttribute("aria-pressed", String(!withContinuation));
+    $("attn-run-all").setAttribute("aria-pressed", String(withContinuation));
     state.focus = [state.attn.n_layer - 1, 0];
     drawGrid();
     drawFocus();
