@@ -155,6 +155,13 @@ class ChatSampler:
         """Batches in an epoch (token budget), or conversations / batch_size rounded up."""
         return len(self.plan) if self.batch_tokens else -(-len(self.rows) // self.batch_size)
 
+    def padded_per_epoch(self) -> int:
+        """Tokens an epoch runs, padding included (without a token budget: as many rows as
+        conversations, each as long as the longest)."""
+        if self.batch_tokens is None:
+            return len(self.rows) * self.rows.longest
+        return sum(len(b) * (int(self.rows.width[b].max()) - 1) for b in self.plan)
+
     def largest_batch(self) -> tuple[int, int, int]:
         """(rows, T, scored) bounding a micro-batch's activations: rows × T tokens, the assistant's
         `scored` among them. Drawn at random: batch_size rows, each as long and as scored as the

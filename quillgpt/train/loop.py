@@ -233,7 +233,8 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
     sampler, windows, batch_notes = _batches(cfg, ddp, device, prepared, tokenizer)
     if strategy != "fsdp":  # FSDP holds a 1/world_size share of the state per device
         autocast_on = resolve_dtype(tc.dtype, device) != torch.float32
-        check_train_memory(cfg, device, _micro_batch_shape(cfg, sampler), autocast_on)  # before anything big is allocated
+        shape = _micro_batch_shape(cfg, sampler)
+        check_train_memory(cfg, device, shape, autocast_on, eval_rows(cfg, shape[1]))  # before anything big is allocated
 
     # Each rank its own stream; DDP copies rank 0's initial weights to all. FSDP shards what every
     # rank built alike (from train.seed, on the CPU: only the shards go to the device), then the
@@ -272,6 +273,12 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
         notes=notes + batch_notes,
     )
     return t, state
+
+
+def eval_rows(cfg: Config, T: int) -> int:
+    """Rows of an evaluation batch: train.batch_size, or under a token budget as many rows of T tokens as it holds."""
+    tc = cfg.train
+    return tc.batch_size if tc.batch_tokens is None else max(1, min(tc.batch_size, tc.batch_tokens // T))
 
 
 def _micro_batch_shape(cfg: Config, sampler: Any) -> tuple[int, int, int]:
@@ -466,7 +473,8 @@ def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[st
     """Val loss on the fixed windows, then metrics line, best.pt (if better) and ckpt.pt."""
     train_loss = _checked_loss(loss, t.step, t.ddp)  # before anything is saved
     eval_started = time.time()
-    losses = estimate_loss(t.raw_model, t.windows, t.cfg.train.batch_size, t.device, t.dtype)
+    rows = eval_rows(t.cfg, t.sampler.rows.longest) if isinstance(t.sampler, ChatSampler) else t.cfg.train.batch_size
+    losses = estimate_loss(t.raw_model, t.windows, rows, t.device, t.dtype)
     val = losses["val"]
     if not math.isfinite(val):  # weights went bad in this step: keep the last checkpoint
         raise QuillError(

@@ -72,11 +72,13 @@ def estimate_train_bytes(
     shape: tuple[int, int, int] | None = None,
     lora: LoraConfig | None = None,
     autocast: bool = False,
+    eval_rows: int | None = None,
 ) -> TrainMemory:
     """Bytes one training process needs at its peak for micro-batches of `shape` = (rows, T,
     scored: the targets the head runs on), default batch_size windows of block_size, all scored.
     frozen (LoRA): the base's weights only, plus weights, gradients and AdamW moments of
-    `lora`'s adapters. autocast: activations in 2 bytes (bf16/fp16), else 4."""
+    `lora`'s adapters. autocast: activations in 2 bytes (bf16/fp16), else 4. eval_rows: rows of
+    an evaluation batch (of T tokens; default batch_size)."""
     V = vocab_size or model_cfg.vocab_size or 256
     rows, T, scored = shape or (train_cfg.batch_size, model_cfg.block_size, train_cfg.batch_size * model_cfg.block_size)
     act = 2 if autocast else 4
@@ -96,16 +98,18 @@ def estimate_train_bytes(
     logits = scored * V * (2 * act + 8)  # logits, fp32 log-softmax kept, and their gradients
     wide = (6 if model_cfg.mlp == "swiglu" else 4) * model_cfg.hidden_dim
     backward = 4 * rows * T * (3 * model_cfg.n_embd + wide)  # one block's gradients at a time, fp32
-    eval_rows = min(rows, train_cfg.batch_size)
-    eval_logits = 2 * 4 * eval_rows * T * V  # evaluation: all-position logits and their log-softmax, fp32
-    return TrainMemory(params, trained, state, layers + embed + logits + backward, eval_logits)
+    # evaluation (no autograd): one block's widest tensors at a time, all-position logits and their log-softmax, fp32
+    eval_bytes = (eval_rows or train_cfg.batch_size) * T * (4 * (3 * model_cfg.n_embd + wide) + 2 * 4 * V)
+    return TrainMemory(params, trained, state, layers + embed + logits + backward, eval_bytes)
 
 
-def check_train_memory(cfg: Config, device: torch.device, shape: tuple[int, int, int], autocast: bool = False) -> TrainMemory:
+def check_train_memory(
+    cfg: Config, device: torch.device, shape: tuple[int, int, int], autocast: bool = False, eval_rows: int | None = None
+) -> TrainMemory:
     """Refuse a run that cannot fit on `device`, before anything is allocated: the numbers, and
     the knobs that bring them down."""
     frozen = bool(cfg.lora.rank)
-    need = estimate_train_bytes(cfg.model, cfg.train, frozen=frozen, shape=shape, lora=cfg.lora, autocast=autocast)
+    need = estimate_train_bytes(cfg.model, cfg.train, frozen=frozen, shape=shape, lora=cfg.lora, autocast=autocast, eval_rows=eval_rows)
     free = available_bytes(device)
     if free is not None and need.total > free:
         rows, T, _ = shape
