@@ -79,13 +79,12 @@ def hf_worker(args: argparse.Namespace) -> float:
     import transformers
 
     work = batches(args.data, args.rows, args.warmup + args.steps)
-    rows = [
-        {"input_ids": x[r, : (y[r] != -1).nonzero().max() + 1].tolist(), "labels": y[r, : (y[r] != -1).nonzero().max() + 1].tolist()}
-        for x, y, _ in work
-        for r in range(x.shape[0])
-    ]  # each row cut after its last scored target: the collator pads it back to the batch's longest
-    for row in rows:
-        row["labels"] = [t if t != -1 else -100 for t in row["labels"]]
+    rows = []  # HF shifts labels itself: a row's ids through its last scored target, labels unshifted (-100: not scored)
+    for x, y, _ in work:
+        for r in range(x.shape[0]):
+            k = int((y[r] != -1).nonzero().max())
+            ids, targets = x[r, : k + 1].tolist() + [int(y[r, k])], y[r, : k + 1].tolist()
+            rows.append({"input_ids": ids, "labels": [-100] + [t if t != -1 else -100 for t in targets]})
     real = [n for _, _, n in work]
     model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32, attn_implementation="sdpa")
     model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS_HF))
@@ -117,7 +116,16 @@ def hf_worker(args: argparse.Namespace) -> float:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    collate = transformers.DataCollatorForSeq2Seq(None, padding="longest", label_pad_token_id=-100)
+
+    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:  # right padding to the batch's longest row, as quill's
+        T = max(len(r["input_ids"]) for r in rows)
+        pad = [T - len(r["input_ids"]) for r in rows]
+        return {
+            "input_ids": torch.tensor([r["input_ids"] + [0] * n for r, n in zip(rows, pad)]),
+            "labels": torch.tensor([r["labels"] + [-100] * n for r, n in zip(rows, pad)]),
+            "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * n for r, n in zip(rows, pad)]),
+        }
+
     InOrder(model=model, args=targs, train_dataset=rows, data_collator=collate, callbacks=[Clock()]).train()
     timed = times[args.warmup :]
     return sum(real[args.warmup :]) / sum(timed)
