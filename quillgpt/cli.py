@@ -171,6 +171,31 @@ def train(
         raise typer.Exit(130)
 
 
+@app.command("finetune")
+def finetune_cmd(
+    base: Path = typer.Argument(..., help="The run to fine-tune: a quill run directory or a `quill import-hf` output."),
+    data: Path = typer.Option(..., "--data", "-d", help="Conversations, one JSON object a line (messages, or prompt + completion)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write (the prepared data goes into OUT/data)."),
+    full: bool = typer.Option(False, "--full", help="Train every weight instead of LoRA adapters (rank 8 on every linear)."),
+    epochs: int = typer.Option(3, "--epochs", help="Passes over the conversations."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in --out."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    overrides: list[str] | None = OVERRIDES_ARG,
+) -> None:
+    """Fine-tune a run on conversations with settings sized from the data: block size from the
+    longest conversation, batches by a token budget, steps from --epochs, warmup as a fraction of
+    them, the last data.val_fraction held out. Prints the plan, then trains (as `quill train`)."""
+    from quillgpt.train.finetune import finetune
+
+    extra = [*(overrides or []), *(["train.overwrite=true"] if overwrite else [])]
+    _, result = finetune(base, data, out, full=full, epochs=epochs, overrides=extra, progress=not quiet)
+    val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
+    print(f"{result.stopped}: step {result.step}, held-out loss {val}, {result.elapsed_s:.0f}s → {result.out_dir}")
+    print(f"  chat with it: quill chat --ckpt {result.out_dir}; merge it: quill merge {result.out_dir} --out DIR")
+    if result.stopped == "interrupted":
+        raise typer.Exit(130)
+
+
 @app.command("sample")
 @with_sampling_flags
 def sample_cmd(

@@ -247,7 +247,9 @@ class TrainConfig:
 
     out_dir: str = "out/run"  # run directory: config.yaml, ckpt.pt, best.pt, metrics.jsonl
     max_iters: int = 5000  # optimizer steps
-    batch_size: int = 64  # sequences per micro-step
+    batch_size: int = 64  # sequences per micro-step (with batch_tokens: at most this many)
+    # chat data: a micro-step's token budget, rows × its longest row (padding included); rows of similar length go together
+    batch_tokens: int | None = None
     grad_accum: int = 1  # micro-steps per optimizer step
     learning_rate: float = 1e-3
     min_lr: float = 1e-4  # floor of the decay
@@ -283,6 +285,8 @@ class TrainConfig:
         for key in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval"):
             if getattr(self, key) < 1:
                 raise QuillError(f"train.{key} must be at least 1, got {getattr(self, key)}")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise QuillError(f"train.batch_tokens must be at least 1 (or null: train.batch_size rows a step), got {self.batch_tokens}")
         if self.warmup_iters < 0:
             raise QuillError(f"train.warmup_iters must be ≥ 0, got {self.warmup_iters}")
         if self.learning_rate <= 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
@@ -379,6 +383,8 @@ class Config:
         self.sample.validate()
         if self.lora.rank and not self.train.init_from:
             raise QuillError("lora.rank > 0 adapts a trained model: set train.init_from to the base run (or lora.rank=0)")
+        if self.train.batch_tokens is not None and self.data.format != "chat":
+            raise QuillError("train.batch_tokens batches conversations (data.format=chat); text trains train.batch_size windows")
         if self.lora.rank and self.train.optimizer != "adamw":
             raise QuillError("LoRA adapters train with AdamW: set train.optimizer=adamw (or lora.rank=0)")
 

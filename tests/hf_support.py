@@ -125,7 +125,7 @@ def make_hf_model(
     directory: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0, shard: str | None = None, **config: object
 ) -> Path:
     """A random `family` model saved by save_pretrained into `directory`, with its tokenizer files;
-    `config`: keys that replace or add to the family's (e.g. head_dim=24 on a qwen2)."""
+    `config`: keys that replace or add to the family's and the default shape's (e.g. head_dim=24 on a qwen2, hidden_size=256)."""
     import transformers
 
     model_type, extra, specials, bos, eos, template = FAMILIES[family]
@@ -133,17 +133,13 @@ def make_hf_model(
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos or specials[0], eos_token=eos)
     fast.chat_template = template
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[model_type])
+    shape = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=160)
     config = config_cls(
         vocab_size=tok.get_vocab_size() + 5,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=160,
         rms_norm_eps=1e-6,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
-        **{**extra, **config},
+        **{**shape, **extra, **config},
     )
     torch.manual_seed(seed)
     model = model_cls(config)

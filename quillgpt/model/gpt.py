@@ -195,6 +195,7 @@ class GPT(nn.Module):
         rows: Tensor | None = None,
         all_logits: bool = False,
         prefix_len: Tensor | None = None,
+        scored_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) → logits (B, T, V) with targets or all_logits, else (B, 1, V); loss or None.
 
@@ -202,9 +203,15 @@ class GPT(nn.Module):
         from make_cache, extended by these T tokens at `pos` (required with a cache) in its `rows`
         (B,) (default: all). The loss is the mean cross-entropy over targets != -1.
         prefix_len (B,): a prefix-LM's prefixes (positions < prefix_len attend both ways,
-        variants/prefix.py); None = no prefix (causal).
+        variants/prefix.py); None = no prefix (causal). scored_only (with targets): the head runs on
+        the positions whose target counts only, and the logits are those (N, V): the same loss,
+        without the head's matmul and the (B, T, V) logits where chat data scores nothing.
         """
         x, _ = self._hidden(idx, pos, cache, rows, prefix_len, need_weights=False)
+        if targets is not None and scored_only:
+            scored = targets != -1  # (B, T)
+            logits = self.head(x[scored])  # (N, V)
+            return logits, F.cross_entropy(logits, targets[scored])
         if targets is not None:
             logits = self.head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

@@ -63,18 +63,14 @@ class LoRALinear(nn.Module):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
-        """x (…, in) → W x + b + scale · [0 | B(A x) on each slot's rows | 0] (…, out)."""
+        """x (…, in) → W x + b + scale · B(A x) added onto each slot's rows (…, out), in place: no
+        zero blocks, concatenation or scaled copy of the whole output (the base's linear needs
+        its input and weight for backward, not its output)."""
         y = F.linear(x, self.weight, self.bias)
         h = self.lora_dropout(x)
-        parts, at = [], 0
         for name, (lo, hi) in self.slots.items():
-            if lo > at:
-                parts.append(y.new_zeros(*y.shape[:-1], lo - at))
-            parts.append(F.linear(F.linear(h, self.lora_A[name]), self.lora_B[name]))  # (…, hi - lo)
-            at = hi
-        if at < self.out_features:
-            parts.append(y.new_zeros(*y.shape[:-1], self.out_features - at))
-        return y + self.scale * torch.cat(parts, dim=-1)
+            y[..., lo:hi].add_(F.linear(F.linear(h, self.lora_A[name]), self.lora_B[name]), alpha=self.scale)
+        return y
 
 
 def add_lora(model: nn.Module, lora: LoraConfig) -> None:

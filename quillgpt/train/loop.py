@@ -185,8 +185,11 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
     strategy = resolve_strategy(tc, cfg.model, ddp, device)
     _check_combination(cfg, strategy)
     state = load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy, lora_base) if resuming else None
+    sampler, windows, batch_notes = _batches(cfg, ddp, device, prepared, tokenizer)
     if strategy != "fsdp":  # FSDP holds a 1/world_size share of the state per device
-        check_train_memory(cfg.model, tc, device, frozen=bool(cfg.lora.rank))  # before anything big is allocated
+        autocast_on = resolve_dtype(tc.dtype, device) != torch.float32
+        shape = _micro_batch_shape(cfg, sampler)
+        check_train_memory(cfg, device, shape, autocast_on, eval_rows(cfg, shape[1]))  # before anything big is allocated
 
     # Each rank its own stream; DDP copies rank 0's initial weights to all. FSDP shards what every
     # rank built alike (from train.seed, on the CPU: only the shards go to the device), then the
@@ -207,7 +210,6 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
         seed_rank(tc.seed, ddp)
     dtype = resolve_dtype(tc.dtype, device)
     model = prepare_model(model, tc, strategy, ddp, dtype)  # activation checkpointing, FSDP
-    sampler, windows, batch_notes = _batches(cfg, ddp, device, prepared, tokenizer)
     t = Trainer(
         cfg,
         ddp,
@@ -241,8 +243,24 @@ def warmup_warning(tc: TrainConfig) -> list[str]:
     ]
 
 
+def eval_rows(cfg: Config, T: int) -> int:
+    """Rows of an evaluation batch: train.batch_size, or under a token budget as many rows of T tokens as it holds."""
+    tc = cfg.train
+    return tc.batch_size if tc.batch_tokens is None else max(1, min(tc.batch_size, tc.batch_tokens // T))
+
+
+def _micro_batch_shape(cfg: Config, sampler: Any) -> tuple[int, int, int]:
+    """(rows, T, scored targets) of the largest micro-batch one process runs: chat rows as long as
+    the data's longest conversation (or a token budget's batches), else batch_size windows of block_size."""
+    if isinstance(sampler, ChatSampler):
+        return sampler.largest_batch()
+    return cfg.train.batch_size, cfg.model.block_size, cfg.train.batch_size * cfg.model.block_size
+
+
 def _check_combination(cfg: Config, strategy: str) -> None:
     """What the model (the base's, under init_from) cannot be trained with."""
+    if cfg.train.batch_tokens is not None and strategy != "single":
+        raise QuillError("train.batch_tokens batches conversations in one process: unset it (train.batch_size rows) under torchrun")
     if cfg.lora.rank and strategy == "fsdp":
         raise QuillError("LoRA trains under DDP or in one process, not FSDP: set train.strategy=ddp")
     if cfg.data.format == "chat" and variant_of(cfg.model).bidirectional_prefix:
@@ -263,7 +281,8 @@ def _batches(
     if cfg.data.format == "chat":  # one conversation a row, the loss on the assistant's tokens
         rows = {split: ChatRows.prepared(prepared.out_dir, split, block) for split in ("train", "val")}
         notes = [note for r in rows.values() if (note := r.describe())]
-        return ChatSampler(rows["train"], batch, tc.seed, device), {s: (r, r.fixed(n_eval)) for s, r in rows.items()}, notes
+        sampler = ChatSampler(rows["train"], batch, tc.seed, device, tc.batch_tokens)
+        return sampler, {s: (r, r.fixed(n_eval)) for s, r in rows.items()}, notes
     train_tokens, val_tokens = load_tokens(prepared.out_dir, "train"), load_tokens(prepared.out_dir, "val")
     sampler = BatchSampler(train_tokens, block, batch, tc.seed, device)
     if variant_of(cfg.model).bidirectional_prefix:  # batches also carry each row's prefix length
@@ -320,8 +339,11 @@ def extend_hint(t: Trainer) -> str:
 def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
     """Steps until the horizon, a stop signal or the time budget; evaluates and checkpoints."""
     tc, ddp = t.cfg.train, t.ddp
-    tokens_per_step = tc.batch_size * tc.grad_accum * ddp.world_size * t.cfg.model.block_size
-    meter = Meter(t.raw_model.flops_per_token() * tokens_per_step / ddp.world_size, run_peak(t.device, t.dtype))
+    tokens_per_step = f"{tc.batch_size * tc.grad_accum * ddp.world_size * t.cfg.model.block_size:,}"
+    if isinstance(t.sampler, ChatSampler):  # rows as long as the batch's longest conversation
+        rows, T, _ = _micro_batch_shape(t.cfg, t.sampler)
+        tokens_per_step = f"≤ {rows * T * tc.grad_accum * ddp.world_size:,}"
+    meter = Meter(t.raw_model.flops_per_token() / ddp.world_size, run_peak(t.device, t.dtype))
     last_val, stopped = None, None
     t.t_start, t.first_step = time.time(), t.step
     meter.start(t.step)
@@ -338,7 +360,8 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
             loss = train_step(t.model, t) if verified else _first_compiled_step(t)
             verified = True
             t.step += 1
-            t.tokens_seen += tokens_per_step
+            t.tokens_seen += t.step_tokens[0]
+            meter.count(*t.step_tokens)
             if t.step == t.first_step + 1 and not _started(t, loss, stop, resumed, bar):
                 t.step, stopped = t.first_step, "interrupted"  # the step is not kept: nothing was saved
                 break
@@ -346,7 +369,7 @@ def loop(t: Trainer, progress: bool, resumed: bool) -> TrainResult:
             if share is not None and (change := share.update()):
                 bar.write(change)
             bar.update(t)
-            record = _log_record(t, loss, lr, meter, bar, tokens_per_step) if t.step % tc.log_interval == 0 or t.step == t.horizon else {}
+            record = _log_record(t, loss, lr, meter, bar) if t.step % tc.log_interval == 0 or t.step == t.horizon else {}
             if t.step % tc.eval_interval == 0 or t.step == t.horizon:
                 eval_started = time.time()
                 last_val = evaluate_and_save(t, loss, lr, record, bar)
@@ -374,15 +397,20 @@ def run_peak(device: torch.device, dtype: torch.dtype) -> float | None:
 
 @dataclass
 class Meter:
-    """tokens/s and MFU between log lines, with evaluation time left out."""
+    """tokens/s (the data's tokens: chat padding left out) and MFU (every token the model ran,
+    padding included) between log lines, with evaluation time left out."""
 
-    flops_per_step: float
+    flops_per_token: float
     peak: float | None  # None: unknown, so no MFU
     t_log: float = 0.0
-    step_at_log: int = 0
+    real: int = 0  # tokens since the last log line
+    padded: int = 0
 
     def start(self, step: int) -> None:
-        self.t_log, self.step_at_log = time.time(), step
+        self.t_log, self.real, self.padded = time.time(), 0, 0
+
+    def count(self, real: int, padded: int) -> None:
+        self.real, self.padded = self.real + real, self.padded + padded
 
     def exclude(self, seconds: float) -> None:
         self.t_log += seconds
@@ -399,13 +427,13 @@ def _started(t: Trainer, loss: torch.Tensor, stop: StopFlag, resumed: bool, bar:
     return True
 
 
-def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: Progress, tokens_per_step: int) -> dict[str, Any]:
+def _log_record(t: Trainer, loss: torch.Tensor, lr: float, meter: Meter, bar: Progress) -> dict[str, Any]:
     """A metrics line for this step (reading the loss waits for the device: only at log steps)."""
     now = time.time()
     train_loss = _checked_loss(loss, t.step, t.ddp)
-    dt, steps = max(now - meter.t_log, 1e-9), t.step - meter.step_at_log
-    tok_s = tokens_per_step * steps / dt
-    mfu = meter.flops_per_step * steps / dt / meter.peak if meter.peak else None
+    dt = max(now - meter.t_log, 1e-9)
+    tok_s = meter.real / dt
+    mfu = meter.flops_per_token * meter.padded / dt / meter.peak if meter.peak else None
     if mfu is not None and not 0 < mfu <= 1:  # above the peak: the peak was mis-measured, not the step
         mfu = None
     shown = {"mfu": f"{mfu:.1%}"} if mfu is not None else {}
@@ -419,8 +447,9 @@ def evaluate_and_save(t: Trainer, loss: torch.Tensor, lr: float, record: dict[st
     """Val loss on the fixed windows, then metrics line, best.pt (if better) and ckpt.pt."""
     train_loss = _checked_loss(loss, t.step, t.ddp)  # before anything is saved
     eval_started = time.time()
+    rows = eval_rows(t.cfg, t.sampler.rows.longest) if isinstance(t.sampler, ChatSampler) else t.cfg.train.batch_size
     with bar.evaluating():
-        losses = estimate_loss(t.raw_model, t.windows, t.cfg.train.batch_size, t.device, t.dtype)
+        losses = estimate_loss(t.raw_model, t.windows, rows, t.device, t.dtype)
     val = losses["val"]
     if not math.isfinite(val):  # weights went bad in this step: keep the last checkpoint
         raise QuillError(
@@ -521,7 +550,10 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
     whatever the micro-batches and ranks, as for text, where each micro-batch's mean counts 1/grad_accum."""
     tc, ddp = t.cfg.train, t.ddp
     total = torch.zeros((), device=t.device)
+    real_before = getattr(t.sampler, "real", None)  # chat: the conversations' tokens, padding left out
     batches = [t.sampler.next() for _ in range(tc.grad_accum)]  # the same draws as one at a time
+    padded = sum(x.numel() for x, *_ in batches)
+    t.step_tokens = (padded if real_before is None else t.sampler.real - real_before, padded)
     scored = sum((y != -1).sum() for _, y, *_ in batches) if t.cfg.data.format == "chat" else None
     for micro, (x, y, *prefix) in enumerate(batches):  # a prefix-LM's batches add each row's prefix length
         if ddp.enabled:  # this rank's slice of the global batch
@@ -532,14 +564,16 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
         with grad_sync(model, t.raw_model, sync=last):
             try:
                 with autocast(t.device, t.dtype):
-                    _, loss = model(x, y, prefix_len=prefix[0]) if prefix else model(x, y)
+                    # chat: the head runs only where the assistant's tokens are scored (the same loss)
+                    _, loss = model(x, y, prefix_len=prefix[0]) if prefix else model(x, y, scored_only=scored is not None)
                 # DDP averages the ranks' gradients: × world_size makes chat's share a sum over ranks
                 loss = loss / tc.grad_accum if scored is None else loss * ((y != -1).sum() * ddp.world_size / scored)
                 t.scaler.scale(loss).backward()
             except torch.OutOfMemoryError:
                 raise QuillError(
-                    f"out of memory at train.batch_size={tc.batch_size}, model.block_size={x.shape[1]}: "
-                    "lower train.batch_size (raise train.grad_accum to keep the batch) or the model size"
+                    f"out of memory at {x.shape[0]} rows × {x.shape[1]} tokens: lower train.batch_size or "
+                    "train.batch_tokens (raise train.grad_accum to keep the batch), set train.activation_checkpointing=true, "
+                    "or lower model.block_size"
                 ) from None
         total += loss.detach()
     if tc.grad_clip > 0:

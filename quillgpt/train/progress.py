@@ -19,7 +19,7 @@ from tqdm import tqdm
 from quillgpt.train.state import Trainer
 
 
-def startup_line(t: Trainer, tokens_per_step: int, resumed: bool) -> str:
+def startup_line(t: Trainer, tokens_per_step: str, resumed: bool) -> str:
     """One line of what is about to happen: the model, the hardware, the budget."""
     tc = t.cfg.train
     params = t.raw_model.num_params(non_embedding=False)
@@ -33,7 +33,7 @@ def startup_line(t: Trainer, tokens_per_step: int, resumed: bool) -> str:
     else:
         budget = f"{tc.max_iters:,} step" + "s" * (tc.max_iters != 1)
     start = f"resuming {t.out_dir} from step {t.step:,}" if resumed else f"training {t.out_dir}"
-    return f"{start}: {params / 1e6:.2f}M parameters, {where}, {tokens_per_step:,} tokens/step, {budget}"
+    return f"{start}: {params / 1e6:.2f}M parameters, {where}, {tokens_per_step} tokens/step, {budget}"
 
 
 class Progress:

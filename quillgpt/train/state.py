@@ -57,6 +57,7 @@ class Trainer:
     lora_base: dict[str, str] | None = None  # LoRA: the base's checkpoint file and weights checksum
     notes: list[str] = dataclasses.field(default_factory=list)  # printed when the loop starts (rank 0)
     stop_reason: str = ""  # time budget: why the run ended where it did
+    step_tokens: tuple[int, int] = (0, 0)  # the last step's (data tokens, tokens run with padding), global
 
     @property
     def fit_step(self) -> int:

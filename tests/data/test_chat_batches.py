@@ -78,3 +78,52 @@ def test_the_sampler_draws_seeded_conversations_and_resumes():
     b.load_state_dict(state)
     assert all(torch.equal(u, v) for u, v in zip(ahead, b.next()))
     assert ChatRows(*stored(CONVERSATIONS), BLOCK).fixed(100).tolist() == [0, 1, 2]
+
+
+def test_a_batch_is_as_long_as_its_longest_row():
+    rows = ChatRows(*stored(CONVERSATIONS), BLOCK)
+    x, y = rows.batch(np.array([0, 0]))
+    assert x.shape == y.shape == (2, 5)  # conversation 0: 6 tokens, not block_size
+    assert rows.longest == BLOCK and rows.real_tokens(np.array([0, 1])) == 5 + 16
+
+
+def test_padded_batches_give_one_conversation_at_a_times_loss_and_gradients():
+    """The step's loss (mean over every assistant token of the batch, the head on scored targets only)
+    and its gradients = those summed conversation by conversation, each alone and unpadded."""
+    model = random_model("rope").train()
+    rows = ChatRows(*stored(CONVERSATIONS), BLOCK)
+    picks = np.array([0, 2, 1])
+    x, y = rows.batch(picks)
+    _, loss = model(x, y, scored_only=True)
+    loss.backward()
+    batched = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    total, count = 0.0, int((y != -1).sum())
+    for r in picks:
+        xr, yr = rows.batch(np.array([r]))
+        _, alone = model(xr, yr)
+        (alone * (yr != -1).sum() / count).backward()
+        total += alone.item() * int((yr != -1).sum()) / count
+    assert loss.item() == pytest.approx(total, abs=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(batched[n], p.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_token_budget_groups_similar_lengths_and_covers_each_epoch_once():
+    lengths = [3, 40, 5, 41, 4, 39, 6, 42, 3, 38]
+    conversations = [(list(range(1, n + 1)), [0] * (n - 2) + [1, 1]) for n in lengths]
+    rows = ChatRows(*stored(conversations), 64)
+    sampler = ChatSampler(rows, 8, seed=1, batch_tokens=90)
+    seen = []
+    for _ in range(sampler.batches_per_epoch()):
+        x, _ = sampler.next()
+        seen.append(x)
+        assert x.numel() <= 90 or x.shape[0] == 1
+    assert sum(x.shape[0] for x in seen) == len(lengths)
+    assert max(x.shape[1] for x in seen if x.shape[1] < 10) < 10  # the short ones are batched together, not with the long
+    assert sampler.real == sum(n - 1 for n in lengths)
+    state = sampler.state_dict()
+    ahead = [sampler.next() for _ in range(3)]  # into the next epoch
+    again = ChatSampler(rows, 8, seed=1, batch_tokens=90)
+    again.load_state_dict(state)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(ahead, [again.next() for _ in range(3)]))

@@ -1,0 +1,154 @@
+"""`quill finetune BASE --data FILE.jsonl -o OUT`: the fine-tuning recipe as one command.
+
+It reads the base run's config, prepares the conversations with the base's tokenizer (val: the
+last data.val_fraction of the lines, held out), and sizes the run from the data: model.block_size
+= the longest conversation (capped by the base's), batches by a token budget with rows of
+similar length together, steps = epochs × batches an epoch, and the learning rate's warmup as a
+fraction of those steps. It prints that plan with an estimated time, then trains as `quill train`
+would with those settings (every one of them can be overridden with section.key=value, which
+`quill train` also takes). LoRA by default (rank 8 on every linear), `full=True` for every weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from quillgpt.config import Config, load_config
+from quillgpt.data.chat_batches import ChatRows, ChatSampler
+from quillgpt.data.prepare import prepare
+from quillgpt.device import peak_flops, resolve_device, resolve_dtype
+from quillgpt.errors import QuillError
+from quillgpt.files import check_input
+from quillgpt.train.loop import TrainResult, train
+from quillgpt.train.memory import count_params
+
+# The recipe's defaults (docs/finetuning.md has the runs they come from).
+LORA_LR, FULL_LR = 1e-3, 5e-5  # peak learning rates: adapters start at zero and move fast; full weights move little
+WARMUP_FRAC = 0.05  # of the run's steps
+MIN_BATCHES = 16  # an epoch of a small set still has this many steps (batches), when the data allows
+MAX_BATCH_TOKENS = 4096  # a micro-batch's token budget (rows × the longest), at most
+MAX_ROWS = 64  # conversations a batch, at most
+EST_MFU = 0.15  # the share of the matmul peak a CPU fine-tune reaches, for the plan's time (measured: docs/finetuning.md)
+
+
+@dataclass
+class Plan:
+    """What a fine-tune will do, from the data: printed before it starts."""
+
+    train_conversations: int
+    val_conversations: int
+    train_tokens: int  # the train split's conversation tokens (x tokens: padding not counted)
+    longest: int
+    block_size: int
+    batch_tokens: int
+    steps: int
+    epochs: int
+    learning_rate: float
+    warmup_iters: int
+    est_seconds: float
+
+    def describe(self, cfg: Config) -> str:
+        what = "full fine-tuning" if not cfg.lora.rank else f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}"
+        return (
+            f"plan: {what} of {cfg.train.init_from} on {self.train_conversations:,} conversations "
+            f"({self.train_tokens:,} tokens, the longest {self.longest:,}; {self.val_conversations:,} held out), "
+            f"model.block_size={self.block_size:,}, train.batch_tokens={self.batch_tokens:,}, {self.epochs} epoch(s) = "
+            f"{self.steps:,} steps, learning rate {self.learning_rate:.0e} after {self.warmup_iters} warmup step(s), "
+            f"about {_duration(self.est_seconds)} here → {cfg.train.out_dir}"
+        )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def finetune_config(base: Path, data: Path, out: Path, full: bool = False, epochs: int = 3, overrides: list[str] | None = None) -> Config:
+    """The base run's config set to fine-tune it on `data` into `out` (before the data is sized):
+    chat format, the base's tokenizer, LoRA or full, then the user's overrides."""
+    base, out = Path(base), Path(out)
+    if not (base / "config.yaml").is_file():
+        raise QuillError(f"{base} is not a run directory (no config.yaml): pass a quill run or a `quill import-hf` output")
+    if epochs < 1:
+        raise QuillError(f"--epochs must be at least 1, got {epochs}")
+    try:
+        check_input(data, "--data")
+    except FileNotFoundError:
+        raise QuillError(f"--data {data}: no such file (conversations, one JSON object a line)") from None
+    recipe = [
+        f"data.path={data}",
+        "data.format=chat",
+        "data.tokenizer=null",  # the base's own (train.init_from's tokenizer.json)
+        f"data.out_dir={out / 'data'}",
+        f"train.out_dir={out}",
+        f"train.init_from={base}",
+        "train.optimizer=adamw",
+        "train.lr_schedule=cosine",
+        "train.grad_accum=1",
+        "train.weight_decay=0.0",
+        f"train.learning_rate={FULL_LR if full else LORA_LR}",
+        *(["lora.rank=0"] if full else ["lora.rank=8", "lora.alpha=16", "lora.targets=[q,k,v,o,mlp]"]),
+    ]
+    return load_config(base / "config.yaml", recipe + list(overrides or []))
+
+
+def plan_finetune(cfg: Config, epochs: int, given: frozenset[str] = frozenset()) -> Plan:
+    """Prepare the data and size the run from it, setting cfg's block size, batches, steps,
+    schedule and evaluation (except the keys the user gave: `given`)."""
+    prepared = prepare(cfg.data, progress=False)
+    base_block = cfg.model.block_size
+    rows = {split: ChatRows.prepared(prepared.out_dir, split, base_block) for split in ("train", "val")}
+    longest = max(r.longest for r in rows.values())
+    tc = cfg.train
+
+    def put(key: str, value: object) -> None:
+        section, name = key.split(".")
+        if key not in given:
+            setattr(getattr(cfg, section), name, value)
+
+    put("model.block_size", longest)
+    train_tokens = rows["train"].real_tokens(np.arange(len(rows["train"])))
+    put("train.batch_tokens", max(longest, min(MAX_BATCH_TOKENS, train_tokens // MIN_BATCHES)))
+    put("train.batch_size", MAX_ROWS)
+    train_rows = ChatRows.prepared(prepared.out_dir, "train", cfg.model.block_size)
+    sampler = ChatSampler(train_rows, tc.batch_size, tc.seed, "cpu", tc.batch_tokens)
+    steps = epochs * math.ceil(sampler.batches_per_epoch() / tc.grad_accum)
+    put("train.max_iters", steps)
+    put("train.warmup_iters", max(1, round(WARMUP_FRAC * tc.max_iters)))
+    put("train.min_lr", tc.learning_rate / 10)
+    put("train.eval_interval", max(1, tc.max_iters // epochs))  # each epoch's end
+    put("train.eval_iters", math.ceil(len(rows["val"]) / tc.batch_size))  # every held-out conversation
+    put("train.log_interval", max(1, tc.max_iters // 20))
+    put("train.time_budget", None)
+    cfg.validate()
+    device = resolve_device(tc.device, "train.device")
+    params = count_params(cfg.model, cfg.model.vocab_size)
+    flops = (4 if cfg.lora.rank else 6) * params * sampler.padded_per_epoch() * epochs  # frozen: no weight gradients
+    seconds = flops / (peak_flops(device, resolve_dtype(tc.dtype, device)) * EST_MFU) if device.type == "cpu" else float("nan")
+    return Plan(
+        len(rows["train"]),
+        len(rows["val"]),
+        train_tokens,
+        longest,
+        cfg.model.block_size,
+        tc.batch_tokens,
+        tc.max_iters,
+        epochs,
+        tc.learning_rate,
+        tc.warmup_iters,
+        seconds,
+    )
+
+
+def finetune(
+    base: Path, data: Path, out: Path, full: bool = False, epochs: int = 3, overrides: list[str] | None = None, progress: bool = True
+) -> tuple[Plan, TrainResult]:
+    """Plan the fine-tune (printing it), then train it."""
+    cfg = finetune_config(base, data, out, full, epochs, overrides)
+    given = frozenset(item.split("=", 1)[0].strip() for item in overrides or [])
+    plan = plan_finetune(cfg, epochs, given)
+    print(plan.describe(cfg), flush=True)
+    return plan, train(cfg, progress=progress)
