@@ -1,0 +1,172 @@
+"""`quill eval --tasks` (lm-eval's evaluator over quill's model class) against lm-eval's own
+Hugging Face backend on the same weights: an imported random SmolLM2-like model, and small local
+tasks (multiple choice, generate_until, rolling loglikelihood) written here as YAML + jsonl."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+lm_eval = pytest.importorskip("lm_eval")
+
+from hf_support import CORPUS, make_hf_model  # noqa: E402
+
+from quillgpt.checkpoint import load_run  # noqa: E402
+from quillgpt.cli import main  # noqa: E402
+from quillgpt.evaluate.harness import QuillLM, evaluate_tasks  # noqa: E402
+from quillgpt.evaluate.scores import evaluate_tokens  # noqa: E402
+from quillgpt.interop.convert import import_hf  # noqa: E402
+
+TASKS = ["tiny_mc", "tiny_gen", "tiny_roll"]
+MC = [
+    ("ROMEO: But, soft! what light through yonder", [" window", " door", " wall", " sun"], 0),
+    ("JULIET: O Romeo, Romeo! wherefore art thou", [" Romeo?", " here", " gone", " there"], 0),
+    ("The quick brown fox jumps over the", [" lazy dog.", " cat", " moon", " fence"], 0),
+    ("KING HENRY: Once more unto the breach, dear", [" friends", " foes", " sir", " lords"], 1),
+    ("Ça va? Très bien,", [" merci.", " non", " oui", " déjà vu"], 2),
+    ("It is the east, and Juliet is the", [" sun.", " moon.", " east.", " night."], 0),
+]
+GEN = [("ROMEO: But, soft!", " what"), ("JULIET: O Romeo,", " Romeo!"), ("The quick brown", " fox"), ("Or close the wall", " up")]
+
+
+def write_tasks(directory):
+    """Three lm-eval tasks over local jsonl files (dataset_path: json): nothing is downloaded."""
+    directory.mkdir()
+    cache = directory / "hf_cache"
+    (directory / "mc.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "label": a}) + "\n" for q, c, a in MC))
+    (directory / "gen.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in GEN))
+    (directory / "roll.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    common = f"dataset_path: json\ntest_split: train\ndataset_kwargs:\n  cache_dir: {cache}\n  data_files:\n    train: "
+    (directory / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\n{common}{directory / 'mc.jsonl'}\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_target: "{{label}}"\ndoc_to_choice: "{{choices}}"\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    (directory / "tiny_gen.yaml").write_text(
+        f"task: tiny_gen\n{common}{directory / 'gen.jsonl'}\noutput_type: generate_until\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["\\n", "!"]\n  max_gen_toks: 10\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    (directory / "tiny_roll.yaml").write_text(
+        f"task: tiny_roll\n{common}{directory / 'roll.jsonl'}\noutput_type: loglikelihood_rolling\n"
+        'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"
+    )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(HF directory with a short context, so rolling windows overlap; quill run; task folder)."""
+    root = tmp_path_factory.mktemp("harness")
+    hf_dir = make_hf_model(root / "hf", "smollm2")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))  # RoPE: the weights do not change
+    import_hf(hf_dir, root / "run")
+    return hf_dir, root / "run", write_tasks(root / "tasks")
+
+
+def responses(results):
+    """task → each request's response, in document order."""
+    out = {}
+    for task, samples in results["samples"].items():
+        out[task] = [r for s in sorted(samples, key=lambda s: s["doc_id"]) for r in s["resps"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def both(setup):
+    hf_dir, run_dir, tasks = setup
+    from lm_eval.tasks import TaskManager
+
+    ours = evaluate_tasks(run_dir, TASKS, which="latest", batch_size=3, include_path=tasks, log_samples=True)
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={hf_dir},dtype=float32",
+        tasks=TASKS,
+        batch_size=3,
+        task_manager=TaskManager(include_path=str(tasks)),
+        device="cpu",
+        bootstrap_iters=0,
+    )
+    return ours, theirs
+
+
+def test_tasks_give_lm_eval_hf_backends_results_request_by_request(both):
+    ours, theirs = both
+    mine, ref = responses(ours), responses(theirs)
+    for task in ("tiny_mc", "tiny_roll"):
+        got = np.array([r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in mine[task]], dtype=float)
+        want = np.array([r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in ref[task]], dtype=float)
+        assert len(got) == len(want) > 0
+        assert np.abs(got - want).max() <= 1e-4, task
+    assert [r[0][1] for r in mine["tiny_mc"]] == [r[0][1] for r in ref["tiny_mc"]]  # is-greedy
+    assert mine["tiny_gen"] == ref["tiny_gen"] and any(r[0] for r in mine["tiny_gen"])
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_mc"][metric] == theirs["results"]["tiny_mc"][metric]
+    assert ours["results"]["tiny_gen"]["exact_match,none"] == theirs["results"]["tiny_gen"]["exact_match,none"]
+    roll = ours["results"]["tiny_roll"]["bits_per_byte,none"]
+    assert roll == pytest.approx(theirs["results"]["tiny_roll"]["bits_per_byte,none"], rel=1e-5)
+
+
+def test_rolling_loglikelihood_is_quill_evals_loss_over_the_same_windows(setup):
+    """lm-eval's disjoint windows of block_size = quill eval's sliding pass at stride block_size
+    over the prefix token and the text's ids: the same summed nats."""
+    _, run_dir, _ = setup
+    run = load_run(run_dir, which="latest")
+    lm = QuillLM(run.model, run.tokenizer, batch_size=2)
+    text = " ".join(CORPUS)
+    request = type("Request", (), {"args": (text,)})()
+    (rolling,) = lm.loglikelihood_rolling([request])
+    ids = [lm.prefix_token_id] + lm.tok_encode(text)
+    assert len(ids) > 3 * run.model.config.block_size  # several windows, the last one partial
+    ref = evaluate_tokens(run.model, np.array(ids), batch_size=4)
+    assert -rolling == pytest.approx(ref.nats, rel=1e-5)
+
+
+def test_quill_eval_tasks_prints_the_table_and_writes_the_results(setup, tmp_path, capsys):
+    _, run_dir, tasks = setup
+    out = tmp_path / "results.json"
+    args = ["eval", "--ckpt", str(run_dir), "--which", "latest", "--tasks", "tiny_mc", "--include-path", str(tasks)]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--limit", "4", "--batch-size", "8", "--output-path", str(out)])
+    assert e.value.code == 0
+    table = capsys.readouterr().out
+    assert "tiny_mc" in table and "acc_norm" in table
+    saved = json.loads(out.read_text())
+    assert saved["results"]["tiny_mc"]["acc,none"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert saved["config"]["model"] == "quill"
+
+
+def test_quill_eval_tasks_refuses_in_one_line(setup, tmp_path, capsys):
+    _, run_dir, tasks = setup
+    for extra, expected in (
+        (["--tasks", "no_such_task", "--include-path", str(tasks)], "no task 'no_such_task'"),
+        (["--tasks", "tiny_mc", "--include-path", str(tmp_path / "missing")], "not a directory"),
+        (["--tasks", "tiny_mc", "--include-path", str(tasks), "--batch-size", "0"], "--batch-size"),
+        (["--tasks", "tiny_mc", "--include-path", str(tasks), "--text", str(tmp_path)], "--tasks"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["eval", "--ckpt", str(run_dir), "--which", "latest", *extra])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and len(err.splitlines()) == 1, err
+
+
+def test_bos_tokenizers_encode_as_autotokenizer(tmp_path):
+    """A Llama 3-like tokenizer (BOS from its post-processor): tok_encode and the prefix token are
+    AutoTokenizer's, with and without the BOS already in the text."""
+    import transformers
+
+    hf_dir = make_hf_model(tmp_path / "hf", "llama3")
+    import_hf(hf_dir, tmp_path / "run")
+    run = load_run(tmp_path / "run", which="latest")
+    lm, auto = QuillLM(run.model, run.tokenizer), transformers.AutoTokenizer.from_pretrained(hf_dir)
+    for text in (CORPUS[0], "<|begin_of_text|>" + CORPUS[1]):
+        assert lm.tok_encode(text) == auto.encode(text, add_special_tokens=not text.startswith(auto.bos_token))
+    assert lm.prefix_token_id == auto.bos_token_id
+    assert lm.tok_encode(CORPUS[3], add_special_tokens=False) == auto.encode(CORPUS[3], add_special_tokens=False)
+    assert torch.equal(torch.tensor(lm.tok_encode(CORPUS[3])[1:]), torch.tensor(lm.tok_encode(CORPUS[3], add_special_tokens=False)))
