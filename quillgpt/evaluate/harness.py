@@ -157,25 +157,56 @@ class QuillLM(TemplateLM):
         return collator.get_original(results)
 
     def _score_chunk(self, chunk: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One forward of a batch: per request, the (1, n, V) log-softmax at its n continuation
-        positions and their argmax tokens."""
+        """One batch: per request, the (1, n, V) log-softmax at its n continuation positions and
+        their argmax tokens."""
         inputs, conts = [], []
         for _, context, cont in chunk:
             if not context or not cont or len(cont) > self.max_length:
                 raise QuillError(f"a request's continuation has {len(cont)} tokens; it needs 1 to block_size ({self.max_length})")
             inputs.append((context + cont)[-(self.max_length + 1) :][:-1])
             conts.append(len(cont))
+        prefixes = [tuple(ids[: len(ids) - n]) for ids, n in zip(inputs, conts)]
+        shared = len(set(prefixes)) < len(prefixes) and all(prefixes) and self.model.variant.static_cache
+        logits = self._shared_logits(inputs, conts, prefixes) if shared else self._plain_logits(inputs, conts)
+        out = []
+        for lg in logits:
+            logp = F.log_softmax(lg.to(torch.promote_types(lg.dtype, torch.float32)), dim=-1)  # (n, V)
+            out.append((logp[None], logp.argmax(-1)))
+        return out
+
+    def _plain_logits(self, inputs: list[list[int]], conts: list[int]) -> list[torch.Tensor]:
+        """Each request's whole input, right-padded (causal: padding changes nothing before it)."""
         width = max(map(len, inputs))
         idx = torch.zeros(len(inputs), width, dtype=torch.long)
         for i, ids in enumerate(inputs):
-            idx[i, : len(ids)] = torch.tensor(ids)  # right padding: causal, so it changes nothing before it
+            idx[i, : len(ids)] = torch.tensor(ids)
         hidden, _ = self.model._hidden(idx.to(self._device))  # (B, T, C): the head only where scored
-        out = []
-        for i, (ids, n) in enumerate(zip(inputs, conts)):
-            logits = self.model.head(hidden[i, len(ids) - n : len(ids)])  # (n, V)
-            logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-            out.append((logp[None], logp.argmax(-1)))
-        return out
+        return [self.model.head(hidden[i, len(ids) - n : len(ids)]) for i, (ids, n) in enumerate(zip(inputs, conts))]
+
+    def _shared_logits(self, inputs: list[list[int]], conts: list[int], prefixes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Requests that share a context (a multiple-choice question's choices) run it once: each
+        distinct prefix (the tokens before the scored ones) into a KV cache row, left-padded at
+        negative positions (masked), then each request's scored tokens over a copy of its row."""
+        unique = list(dict.fromkeys(prefixes))
+        width, most = max(map(len, unique)), max(conts)
+        dev = self._device
+        cache = self.model.make_cache(len(unique), width + most)
+        idx = torch.zeros(len(unique), width, dtype=torch.long)
+        pos = torch.arange(width)[None].repeat(len(unique), 1)
+        for u, p in enumerate(unique):
+            idx[u, width - len(p) :] = torch.tensor(p)
+            pos[u] -= width - len(p)  # the real tokens at 0..len-1, the padding before them negative
+        self.model(idx.to(dev), pos=pos.to(dev), cache=cache)
+        rows = torch.tensor([unique.index(p) for p in prefixes], device=dev)
+        mine = self.model.make_cache(len(inputs), width + most)
+        mine.k, mine.v, mine.pos = [k[rows] for k in cache.k], [v[rows] for v in cache.v], cache.pos[rows]
+        idx = torch.zeros(len(inputs), most, dtype=torch.long)
+        pos = torch.zeros(len(inputs), most, dtype=torch.long)
+        for i, (ids, n, p) in enumerate(zip(inputs, conts, prefixes)):
+            idx[i, :n] = torch.tensor(ids[len(p) :])
+            pos[i] = torch.arange(len(p), len(p) + most)  # right padding after: causal, unseen by the real tokens
+        logits, _ = self.model(idx.to(dev), pos=pos.to(dev), cache=mine, all_logits=True)  # (B, most, V)
+        return [logits[i, :n] for i, n in enumerate(conts)]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         windows, counts = [], []

@@ -124,3 +124,23 @@ def test_bos_tokenizers_encode_as_autotokenizer(tmp_path):
     assert lm.prefix_token_id == auto.bos_token_id
     assert lm.tok_encode(CORPUS[3], add_special_tokens=False) == auto.encode(CORPUS[3], add_special_tokens=False)
     assert torch.equal(torch.tensor(lm.tok_encode(CORPUS[3])[1:]), torch.tensor(lm.tok_encode(CORPUS[3], add_special_tokens=False)))
+
+
+def test_shared_contexts_score_as_each_request_alone(setup):
+    """The fast path (each distinct context once into a KV cache, left-padded, then every choice
+    over a copy of its row) = each request's whole input through the plain forward."""
+    _, run_dir, _ = setup
+    run = load_run(run_dir, which="latest")
+    lm = QuillLM(run.model, run.tokenizer, batch_size=8)
+    chunk = []
+    for context in (CORPUS[0][:30], CORPUS[1][:12]):
+        for cont in (" window", " breaks? It is", " O"):
+            chunk.append((None, *lm._encode_pair(context, cont)))
+    inputs = [(c + k)[:-1] for _, c, k in chunk]
+    conts = [len(k) for _, _, k in chunk]
+    prefixes = [tuple(ids[: len(ids) - n]) for ids, n in zip(inputs, conts)]
+    assert len(set(prefixes)) == 2 and len(set(map(len, prefixes))) == 2  # two contexts, padded to one width
+    with torch.no_grad():
+        fast, plain = lm._shared_logits(inputs, conts, prefixes), lm._plain_logits(inputs, conts)
+    for a, b in zip(fast, plain):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-4
