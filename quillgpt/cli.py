@@ -472,7 +472,7 @@ def _eval_tasks(
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if output_path is not None:
-        check_output_file(output_path, "--output-path", fresh=False)
+        check_output_file(output_path, "--output-path", kind="lm-eval-results")  # a results file of ours may be replaced
     from quillgpt.evaluate.harness import evaluate_tasks, format_results, results_json  # QuillError without lm-eval
 
     runs = []

@@ -101,7 +101,8 @@ def main() -> None:
             r = res["results"]["bench_mc"]
             scores[name] = (r["acc,none"], r["acc_norm,none"])
     requests = 4 * args.questions
-    print(f"{requests} loglikelihood requests ({args.questions} questions x 4 choices), {args.reps} reps, torch threads {torch.get_num_threads()}")
+    threads = torch.get_num_threads()
+    print(f"{requests} loglikelihood requests ({args.questions} questions x 4 choices), {args.reps} reps, torch threads {threads}")
     print(f"{'row':28} {'requests/s':>12} {'min-max':>14} {'vs hf':>7} {'acc':>6} {'acc_norm':>8}")
     for name, ts in times.items():
         rate = requests / statistics.median(ts)

@@ -3,6 +3,7 @@ Hugging Face backend on the same weights: an imported random SmolLM2-like model,
 tasks (multiple choice, generate_until, rolling loglikelihood) written here as YAML + jsonl."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -94,6 +95,20 @@ def test_quill_eval_tasks_prints_the_table_and_writes_the_results(setup, tmp_pat
     saved = json.loads(out.read_text())
     assert saved["results"]["tiny_mc"]["acc,none"] in (0.0, 0.25, 0.5, 0.75, 1.0)
     assert saved["config"]["model"] == "quill"
+    other = tmp_path / "notes.json"
+    other.write_text('{"mine": 1}')
+    with pytest.raises(SystemExit) as e:  # a file that is not lm-eval's results is not replaced
+        main([*args, "--limit", "1", "--output-path", str(other)])
+    assert e.value.code == 2 and "--output-path" in capsys.readouterr().err and other.read_text() == '{"mine": 1}'
+
+
+def test_without_lm_eval_tasks_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    monkeypatch.delitem(sys.modules, "quillgpt.evaluate.harness")
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--ckpt", str(tmp_path), "--tasks", "hellaswag"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and '.[eval]"' in err and len(err.splitlines()) == 1
 
 
 def test_quill_eval_tasks_refuses_in_one_line(setup, tmp_path, capsys):
