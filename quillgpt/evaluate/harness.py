@@ -8,8 +8,9 @@ lm-eval's Hugging Face backend (lm_eval/models/huggingface.py) does, so that ids
   an empty context, the first token of a rolling window) is BOS, else end-of-text. TemplateLM
   splits context and continuation as the HF backend does (trailing spaces move to the
   continuation; the continuation is the whole text's ids after the context's).
-* loglikelihood: requests sorted by length, longest first, in batches of `batch_size` (lm-eval's
-  Collator, one-token continuations of one context share a forward), each input cropped on the
+* loglikelihood: requests sorted by context length, longest first, one context's requests
+  together, in batches of `batch_size` (lm-eval's Collator; one-token continuations of one context
+  share a forward, and a context shared in a batch runs once), each input cropped on the
   left to block_size + 1 tokens and its last dropped, right-padded; log-softmax over the
   continuation's positions only (the head runs on those alone: most of a multiple-choice
   request's positions are context). Exact match: every continuation token is the argmax.
@@ -139,7 +140,7 @@ class QuillLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **_: Any) -> list[tuple[float, bool]]:
         collator = Collator(
             requests,
-            sort_fn=lambda req: (-len(req[1] + req[2]), tuple(req[1] + req[2])),
+            sort_fn=lambda req: (-len(req[1]), tuple(req[1]), -len(req[2]), tuple(req[2])),  # longest first, a context's requests together
             group_by="contexts",
             group_fn=lambda req: req[-2] + req[-1][:-1],
         )

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 lm_eval = pytest.importorskip("lm_eval")
 
-from harness_support import TASKS, responses, write_tasks  # noqa: E402
+from harness_support import MC, TASKS, responses, write_tasks  # noqa: E402
 from hf_support import CORPUS, make_hf_model  # noqa: E402
 
 from quillgpt.checkpoint import load_run  # noqa: E402
@@ -159,3 +159,31 @@ def test_shared_contexts_score_as_each_request_alone(setup):
         fast, plain = lm._shared_logits(inputs, conts, prefixes), lm._plain_logits(inputs, conts)
     for a, b in zip(fast, plain):
         assert a.shape == b.shape and (a - b).abs().max() < 1e-4
+
+
+def test_a_char_run_scores_each_choice_as_its_own_log_softmax(setup, tmp_path):
+    """A quill-trained kind of run (char vocabulary, learned positions): every choice's
+    loglikelihood is the summed log-softmax of its characters after the question's."""
+    from quillgpt.checkpoint import write_run
+    from quillgpt.config import Config, ModelConfig
+    from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.model.gpt import GPT
+
+    _, _, tasks = setup
+    tok = CharTokenizer.from_text("".join(CORPUS) + "".join(c for _, cs, _ in MC for c in cs))
+    torch.manual_seed(0)
+    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    (tmp_path / "char").mkdir()
+    write_run(tmp_path / "char", cfg, tok, GPT(cfg.model).state_dict())
+    got = evaluate_tasks(tmp_path / "char", ["tiny_mc"], which="latest", batch_size=5, include_path=tasks, log_samples=True)
+    run = load_run(tmp_path / "char", which="latest")
+    want = []
+    for question, choices, _ in MC:
+        for choice in choices:
+            ids = tok.encode(question + " " + choice)  # lm-eval's target_delimiter: " "
+            with torch.no_grad():
+                logp = torch.log_softmax(run.model(torch.tensor([ids]), all_logits=True)[0][0], dim=-1)
+            n = len(tok.encode(question))
+            want.append(sum(logp[i - 1, ids[i]].item() for i in range(n, len(ids))))
+    mine = [r[0][0] for r in responses(got)["tiny_mc"]]
+    assert mine == pytest.approx(want, abs=1e-4)
