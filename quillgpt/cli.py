@@ -431,16 +431,39 @@ def eval_cmd(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
+    tasks: str | None = typer.Option(
+        None, "--tasks", help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag,arc_easy): scored by lm-eval's evaluator."
+    ),
+    num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="--tasks: examples in each prompt (default: the task's own)."),
+    limit: float | None = typer.Option(
+        None, "--limit", help="--tasks: score only the first N documents of each task (below 1: that fraction)."
+    ),
+    include_path: Path | None = typer.Option(None, "--include-path", help="--tasks: a folder of task YAML files (local tasks, offline)."),
+    chat_template: bool = typer.Option(False, "--apply-chat-template", help="--tasks: put each prompt through the model's chat template."),
+    output_path: Path | None = typer.Option(None, "--output-path", help="--tasks: write lm-eval's results JSON to this file."),
+    dtype: str = typer.Option("float32", "--dtype", help="--tasks: float32, bfloat16 or float16 weights."),
 ) -> None:
     """Score every token of a split or text once: loss, perplexity, bits per token/byte/char.
 
     Bits per byte and per character compare models with different tokenizers on the same text.
     Chat data (a run trained on it, or --format chat) counts the assistant's tokens only.
+    With --tasks: lm-evaluation-harness tasks instead (accuracy and the tasks' own metrics).
     """
     import json
 
     from quillgpt.evaluate.scores import evaluate_checkpoint, format_table
 
+    if tasks is not None:
+        if text or split != "val" or stride is not None or text_format != "text":
+            raise QuillError("--tasks scores lm-eval tasks: --text, --split, --stride and --format do not apply")
+        _eval_tasks(
+            ckpt, which, tasks, num_fewshot, limit, batch_size, include_path, chat_template, device, dtype, quant, output_path, as_json
+        )
+        return
+    task_flags = {"--num-fewshot": num_fewshot, "--limit": limit, "--include-path": include_path, "--output-path": output_path}
+    used = [name for name, value in task_flags.items() if value is not None] + (["--apply-chat-template"] if chat_template else [])
+    if used or dtype != "float32":
+        raise QuillError(f"{(used or ['--dtype'])[0]} applies to lm-eval tasks: add --tasks T1,T2")
     results = []
     for path in ckpt:
         results += evaluate_checkpoint(
@@ -461,6 +484,54 @@ def eval_cmd(
         print(json.dumps(rows[0] if len(rows) == 1 else rows))
     else:
         print(format_table(results))
+
+
+def _eval_tasks(
+    ckpt: list[Path],
+    which: str,
+    tasks: str,
+    num_fewshot: int | None,
+    limit: float | None,
+    batch_size: int,
+    include_path: Path | None,
+    chat_template: bool,
+    device: str,
+    dtype: str,
+    quant: str,
+    output_path: Path | None,
+    as_json: bool,
+) -> None:
+    """quill eval --tasks: each checkpoint through lm-eval's evaluator; its table, or its JSON."""
+    from quillgpt.files import atomic_write_text
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if output_path is not None:
+        check_output_file(output_path, "--output-path", kind="lm-eval-results")  # a results file of ours may be replaced
+    from quillgpt.evaluate.harness import evaluate_tasks, format_results, results_json  # QuillError without lm-eval
+
+    runs = []
+    for path in ckpt:
+        results = evaluate_tasks(
+            path,
+            names,
+            which=which,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            batch_size=batch_size,
+            include_path=include_path,
+            apply_chat_template=chat_template,
+            device=device,
+            dtype=dtype,
+            quantize=quant,
+        )
+        runs.append(results)
+        if not as_json:
+            print(f"{path}{f' ({quant})' if quant != 'none' else ''}:\n{format_results(results)}")
+    text = results_json(runs[0] if len(runs) == 1 else runs)
+    if output_path is not None:
+        atomic_write_text(output_path, text + "\n")
+    if as_json:
+        print(text)
 
 
 @app.command("attention")

@@ -253,6 +253,7 @@ OUTPUT_KINDS: dict[str, tuple[str, Callable[[bytes], bool]]] = {  # kind → (wh
     "config": ("a quill config", lambda head: re.search(rb"^(?:data|model|train|sample):", head, re.M) is not None),
     "metrics": ("a metrics log", lambda head: head.lstrip().startswith(b"{")),
     "checkpoint": ("a checkpoint", lambda head: head.startswith(b"PK\x03\x04")),
+    "lm-eval-results": ("lm-eval's results of quill eval --tasks", lambda head: _json_head(head, b'"results":')),
     "manifest": ("a prepared dataset's meta.json", lambda head: _json_head(head, b'"shards"') or _json_head(head, b'"train_tokens"')),
 }
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import Finish, RowFailed, Rows, RowToken
+from quillgpt.inference.engine import Finish, RowFailed, Rows, RowToken, TokenLogprob
 from quillgpt.sampling_params import SamplingParams
 
 
@@ -147,6 +147,7 @@ class Piece:
     finish: Finish | None
     tokens: int
     error: RowFailed | None = None
+    logprob: TokenLogprob | None = None  # joined with logprobs=N: the token's logprob and the top N
 
 
 @dataclass
@@ -173,13 +174,21 @@ class TextBatch:
         return self.engine.free_rows()
 
     def join(
-        self, key: Hashable, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (), stream: TextStream | None = None
+        self,
+        key: Hashable,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop_ids: Iterable[int] = (),
+        stream: TextStream | None = None,
+        logprobs: int | None = None,
     ) -> Piece:
         """Prefill a prompt into a free row of the engine as `key`; its first token's Piece. The
-        text goes through `stream` (default: a new TextStream with params.stop)."""
+        text goes through `stream` (default: a new TextStream with params.stop); with `logprobs`
+        = N every Piece carries its token's logprob and the top N."""
         if key in self._where:
             raise ValueError(f"row {key!r} is already generating")
-        first = self.engine.add(prompt_ids, params, stop_ids)
+        extra = () if logprobs is None else (logprobs,)
+        first = self.engine.add(prompt_ids, params, stop_ids, *extra)
         if stream is None and self.tokenizer is not None:
             stream = TextStream(self.tokenizer, params.stop)
         self._rows[first.row], self._where[key] = _Text(key, stream), first.row
@@ -211,7 +220,7 @@ class TextBatch:
         if finish is not None:
             del self._rows[rt.row]
             del self._where[text_row.key]
-        return Piece(text_row.key, rt.token, text, finish, text_row.tokens, error)
+        return Piece(text_row.key, rt.token, text, finish, text_row.tokens, error, rt.logprob)
 
     @staticmethod
     def _text(stream: TextStream | None, token: int, finish: Finish | None) -> tuple[str, Finish | None]:

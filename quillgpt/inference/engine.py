@@ -73,6 +73,34 @@ class RowToken:
     token: int
     finish: Finish | None = None
     error: RowFailed | None = None
+    logprob: TokenLogprob | None = None  # with add(logprobs=N): the token's log-probability and the top N
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (its raw next-token distribution:
+    before temperature, filters and penalties) and the `top` most likely (id, logprob), best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, n: int) -> list[TokenLogprob]:
+    """(R, V) logits and the (R,) tokens drawn from them → each token's logprob and the top n."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+    values, ids = logp.topk(n, dim=-1) if n > 0 else (logp[:, :0], logp[:, :0].long())
+    return [TokenLogprob(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
+@torch.inference_mode()
+def prompt_logprobs(model: GPT, ids: list[int], n: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    """Each prompt token with its logprob given the tokens before it (the first has none) and the
+    top n: one forward over the prompt (at most block_size tokens)."""
+    idx = torch.tensor([ids], dtype=torch.long, device=model.device)
+    logits, _ = model(idx, all_logits=True)  # (1, T, V)
+    found = token_logprobs(logits[0, :-1], idx[0, 1:], n) if len(ids) > 1 else []
+    return [(ids[0], None, None)] + [(t, f.logprob, f.top) for t, f in zip(ids[1:], found)]
 
 
 @dataclass
@@ -84,6 +112,7 @@ class _Row:
     length: int  # tokens in the row: prompt + generated
     new: int = 0  # generated so far
     refill: bool = False  # learned positions past block_size: every step re-prefills
+    logprobs: int | None = None  # report each token's logprob and the top N (None: not asked)
     cache: Cache | None = field(default=None, repr=False)  # a row's own cache (variants without the static cache)
 
 
@@ -185,9 +214,10 @@ class Rows:
         self._rows[row] = None
 
     @torch.inference_mode()
-    def add(self, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = ()) -> RowToken:
+    def add(self, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (), logprobs: int | None = None) -> RowToken:
         """Put `prompt_ids` into a free row; return its first new token. The row gets its own
-        position, length, params and generator (seeded from params.seed)."""
+        position, length, params and generator (seeded from params.seed); with `logprobs` = N each
+        of its tokens carries its logprob and the top N (TokenLogprob)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.max_new_tokens < 1:
@@ -206,6 +236,7 @@ class Rows:
         self._rows[r] = row = _Row(
             params, row_generator(params, self.device), frozenset(stop_ids), deque(ids, maxlen=self._keep()), len(prompt_ids)
         )
+        row.logprobs = logprobs
         try:  # from here on the row is claimed: whatever fails, it is released
             if params.repetition_penalty != 1.0:
                 seen = self._seen_rows()
@@ -221,8 +252,11 @@ class Rows:
             if bad[0]:
                 raise RowFailed(NOT_FINITE)
             tok = toks[0]
+            lp = None if logprobs is None else token_logprobs(logits[None], torch.tensor([tok], device=self.device), logprobs)[0]
             self._started(r, row, tok)
-            return self._advance(r, tok)
+            rt = self._advance(r, tok)
+            rt.logprob = lp
+            return rt
         except BaseException:
             self.release(r)
             raise
@@ -239,8 +273,22 @@ class Rows:
         except Exception as e:  # the shared step failed: it fails the rows in it, the engine goes on
             error = RowFailed.of("the decode step", e)
             return [self._fail(r, error) for r in active]
+        lps = self._step_logprobs(logits, nxt, active)
         self._after_step(nxt)
-        return [self._fail(r, RowFailed(NOT_FINITE)) if bad[r] else self._advance(r, ids[r]) for r in active]
+        out = [self._fail(r, RowFailed(NOT_FINITE)) if bad[r] else self._advance(r, ids[r]) for r in active]
+        for rt in out:
+            rt.logprob = lps.get(rt.row) if rt.finish != "error" else None
+        return out
+
+    def _step_logprobs(self, logits: Tensor, nxt: Tensor, active: list[int]) -> dict[int, TokenLogprob]:
+        """The logprobs of this step's tokens for the rows that asked for them (one top-N for all)."""
+        asked = [r for r in active if self._rows[r].logprobs is not None]
+        if not asked:
+            return {}
+        n = max(self._rows[r].logprobs for r in asked)
+        at = torch.tensor(asked, device=logits.device)
+        found = token_logprobs(logits.index_select(0, at), nxt.index_select(0, at), n)
+        return {r: TokenLogprob(f.logprob, f.top[: self._rows[r].logprobs]) for r, f in zip(asked, found)}
 
     def _fail(self, r: int, error: RowFailed) -> RowToken:
         self.release(r)

@@ -27,7 +27,7 @@ from quillgpt.inference.driver import Piece, TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
 
 if TYPE_CHECKING:
-    from quillgpt.inference.engine import Engine
+    from quillgpt.inference.engine import Engine, TokenLogprob
     from quillgpt.sampling_params import SamplingParams
 
 log = logging.getLogger("quillgpt.serve")
@@ -42,6 +42,7 @@ class Event:
     finish: Literal["stop", "length", "error"] | None = None  # OpenAI's reasons, or "error" (then text is the message)
     tokens: int = 0  # completion tokens so far
     status: int = 500  # with finish "error": the HTTP status it maps to
+    logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # a job with logprobs: its new tokens since the last event
 
 
 @dataclass
@@ -54,7 +55,9 @@ class Job:
     stream: TextStream
     emit: Callable[[Event], None]  # thread-safe: called on the engine thread
     stop_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # report each token's logprob and the top N
     tokens: int = 0
+    pending: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # logprobs not yet emitted (text held back)
     cancelled: threading.Event = field(default_factory=threading.Event)
     admitted: bool = False  # prefilled into a row (set under the batcher's lock)
 
@@ -205,7 +208,7 @@ class Batcher:
                 job.admitted = True
                 self._queued -= 1
             try:
-                first = self._batch.join(id(job), job.prompt_ids, job.params, job.stop_ids, job.stream)
+                first = self._batch.join(id(job), job.prompt_ids, job.params, job.stop_ids, job.stream, job.logprobs)
             except (QuillError, ValueError) as e:
                 job.emit(Event(job.index, str(e), "error", status=400))
                 continue
@@ -234,5 +237,8 @@ class Batcher:
         finish = None if piece.finish is None else "length" if piece.finish == "length" else "stop"
         if finish is not None:
             del self._rows[piece.key]
+        if piece.logprob is not None and piece.finish != "eot":  # a stop token is not part of the text
+            job.pending.append((piece.token, piece.logprob))
         if piece.text or finish:
-            job.emit(Event(job.index, piece.text, finish, job.tokens))
+            logprobs, job.pending = job.pending, []
+            job.emit(Event(job.index, piece.text, finish, job.tokens, logprobs=logprobs))

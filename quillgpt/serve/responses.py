@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# One token's logprob entry: (token id, its logprob or None (the first prompt token), top (id, logprob) or None)
+Entry = tuple[int, float | None, list[tuple[int, float]] | None]
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -52,15 +56,18 @@ class Reply:
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
 
-    def chunk(self, index: int, text: str = "", finish: str | None = None, role: bool = False) -> dict[str, Any]:
-        """One streamed piece of choice `index` (role=True: the chat stream's opening chunk)."""
+    def chunk(
+        self, index: int, text: str = "", finish: str | None = None, role: bool = False, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One streamed piece of choice `index` (role=True: the chat stream's opening chunk), with
+        the logprobs of its tokens when asked for."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         out = {**self._head(True), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
@@ -70,13 +77,49 @@ class Reply:
         """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
         return {**self._head(True), "choices": [], "usage": self.usage(completion_tokens)}
 
-    def full(self, texts: list[str], finishes: list[str], completion_tokens: int) -> dict[str, Any]:
-        """The non-streamed response: every choice whole, and the usage."""
+    def full(
+        self, texts: list[str], finishes: list[str], completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None
+    ) -> dict[str, Any]:
+        """The non-streamed response: every choice whole (with its logprobs when asked for), and the usage."""
+        lps = logprobs or [None] * len(texts)
         if self.chat:
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
-                for i, (t, f) in enumerate(zip(texts, finishes))
+                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
+                for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))
             ]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finishes))]
+            choices = [
+                {"index": i, "text": t, "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))
+            ]
         return {**self._head(False), "choices": choices, "usage": self.usage(completion_tokens)}
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text; a piece of a character as OpenAI writes it: bytes:\\xNN..."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def completion_logprobs(entries: list[Entry], token_bytes: Callable[[int], bytes], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions shape: tokens, token_logprobs, top_logprobs ({token: logprob}) and
+    text_offset (each token's start in the choice's text, from `offset`, counting token strings).
+    Two alternatives with one text (ids outside the tokenizer's vocabulary) share one key."""
+    tokens = [token_text(token_bytes(i)) for i, _, _ in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    top = [None if alt is None else {token_text(token_bytes(i)): lp for i, lp in alt} for _, _, alt in entries]
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[Entry], token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
+    """OpenAI's chat shape: content, one {token, logprob, bytes, top_logprobs} a token."""
+
+    def one(i: int, lp: float | None) -> dict[str, Any]:
+        raw = token_bytes(i)
+        return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
+
+    return {"content": [{**one(i, lp), "top_logprobs": [one(j, alt_lp) for j, alt_lp in alt or []]} for i, lp, alt in entries]}

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,18 +29,19 @@ from fastapi.staticfiles import StaticFiles
 from quillgpt.errors import QuillError
 from quillgpt.inference.chat_session import chat_prompt_ids, fitting
 from quillgpt.inference.driver import TextStream, encode_prompt
-from quillgpt.inference.engine import check_room
+from quillgpt.inference.engine import check_prompt, check_room, prompt_logprobs
 from quillgpt.inference.generate import row_params
 from quillgpt.sampling_params import InvalidParam, SamplingParams
 from quillgpt.serve.access_log import AccessLog
 from quillgpt.serve.batcher import Batcher, Busy, Event, Job
 from quillgpt.serve.errors import APIError, install_handlers
-from quillgpt.serve.responses import DONE, Reply, sse
+from quillgpt.serve.responses import DONE, Entry, Reply, chat_logprobs, completion_logprobs, sse
 from quillgpt.serve.schemas import (
     AttentionRequest,
     ChatRequest,
     CompletionRequest,
     SamplingFields,
+    logprob_count,
     parse_body,
     reject_unsupported,
     stop_strings,
@@ -270,11 +271,22 @@ class Routes:
 
     async def completions(self, request: Request) -> Any:
         req = parse_body(await request.body(), CompletionRequest)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompt = req.prompt
+        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not prompts:
             raise APIError(400, "prompt is an empty list; give at least one prompt", param="prompt")
-        ids = [self._encode(p, "prompt") for p in prompts]
-        return await self._generate(request, req, ids, stops=(), default_max=16, chat=False)
+        ids = [self._encode(p, "prompt") if isinstance(p, str) else self._token_prompt(p) for p in prompts]
+        texts = [p if isinstance(p, str) else self.run.tokenizer.decode(p) for p in prompts]
+        out = Output(False, logprob_count(req), texts if req.echo else None)
+        return await self._generate(request, req, ids, stops=(), default_max=16, out=out)
+
+    def _token_prompt(self, ids: list[int]) -> list[int]:
+        """A prompt sent as token ids (lm-eval's local-completions sends them): used as they are."""
+        try:
+            check_prompt(ids, self.run.model.config.vocab_size)
+        except QuillError as e:
+            raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
+        return self._checked(ids, "prompt")
 
     async def chat(self, request: Request) -> Any:
         req = parse_body(await request.body(), ChatRequest)
@@ -285,8 +297,9 @@ class Routes:
             ids, stops = chat_prompt_ids(self.run.tokenizer, messages)  # the model's template, or the transcript
         except QuillError as e:
             raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
+        out = Output(True, logprob_count(req))
         return await self._generate(
-            request, req, [self._checked(ids, "messages")], stops=stops, default_max=self.options.max_tokens, chat=True
+            request, req, [self._checked(ids, "messages")], stops=stops, default_max=self.options.max_tokens, out=out
         )  # _max_tokens fits the room
 
     async def attention(self, request: Request) -> dict[str, Any]:
@@ -350,19 +363,20 @@ class Routes:
             param = OPENAI_NAMES.get(e.param, e.param)
             raise APIError(400, e.message(param), param=param, code="invalid_value") from None
 
-    def _max_tokens(self, req: SamplingFields, default: int, ids: list[list[int]]) -> int:
+    def _max_tokens(self, req: SamplingFields, default: int, ids: list[list[int]], least: int = 1) -> int:
         """The request's max_tokens, or a default that fits every prompt's room (a prefix-LM's
         prompt + reply must fit block_size); a prompt it cannot continue is refused here,
-        before any reply starts, naming the HTTP field."""
+        before any reply starts, naming the HTTP field. 0 (least=0) with echo: score the prompt only."""
         cap, model = self.options.max_tokens, self.run.model
         if req.max_tokens is None:
             n = min(fitting(model, len(p), min(default, cap)) for p in ids)
         else:
             n = req.max_tokens
-        if not 1 <= n <= cap:
+        if not least <= n <= cap:
             raise APIError(
                 400,
-                f"max_tokens must be between 1 and {cap:,} (the server's --max-tokens), got {n}",
+                f"max_tokens must be between {least} and {cap:,} (the server's --max-tokens), got {n}"
+                + ("; 0 scores the prompt only, with echo: true" if n == 0 else ""),
                 param="max_tokens",
                 code="invalid_value",
             )
@@ -374,7 +388,7 @@ class Routes:
         return n
 
     async def _generate(
-        self, request: Request, req: SamplingFields, ids: list[list[int]], stops: tuple[str, ...], default_max: int, chat: bool
+        self, request: Request, req: SamplingFields, ids: list[list[int]], stops: tuple[str, ...], default_max: int, out: Output
     ) -> Any:
         """Check the request, queue one job per choice, answer with SSE or the whole reply."""
         self._check_model(req.model)
@@ -388,14 +402,21 @@ class Routes:
                 code="invalid_value",
             )
         stops = stops + stop_strings(req.stop)
-        max_tokens = self._max_tokens(req, default_max, ids)
-        first = self._params(req, max_tokens, req.seed, stops)  # checks the seed as the client sent it
+        max_tokens = self._max_tokens(req, default_max, ids, least=0 if out.echo is not None else 1)
+        first = self._params(req, max(max_tokens, 1), req.seed, stops)  # checks the seed as the client sent it
         params = [row_params(first, k) for k in range(n)]  # choice k: seed + k (wrapping), as quill sample's rows
+        if out.echo is not None:
+            await self._echo(out, ids, n)
+        reply = Reply(out.chat, self.options.model_id, sum(map(len, ids)), bool(req.stream_options and req.stream_options.include_usage))
+        request.state.reply = reply
+        if max_tokens == 0:  # echo alone: the prompt scored, nothing generated
+            return self._echo_only(reply, out, len(ids) * n, bool(req.stream))
         events: asyncio.Queue[Event] = asyncio.Queue()
         relay = self._relay(asyncio.get_running_loop())
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
+        tok = self.run.tokenizer
         jobs = [
-            Job(i * n + k, ids[i], params[k], TextStream(self.run.tokenizer, stops), emit, stop_ids=self.run.tokenizer.stop_ids)
+            Job(i * n + k, ids[i], params[k], TextStream(tok, stops), emit, stop_ids=tok.stop_ids, logprobs=out.logprobs)
             for i in range(len(ids))
             for k in range(n)
         ]
@@ -403,18 +424,42 @@ class Routes:
             self.batcher.submit(jobs)
         except Busy as e:
             raise APIError(503, str(e), code="server_busy") from None
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        reply = Reply(chat, self.options.model_id, sum(map(len, ids)), include_usage)
-        request.state.reply = reply
+        out.per_choice = n
         if req.stream:
             return StreamingResponse(
-                self._stream(reply, jobs, events),
+                self._stream(reply, jobs, events, out),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await self._collect(request, reply, jobs, events)
+        return await self._collect(request, reply, jobs, events, out)
 
-    async def _stream(self, reply: Reply, jobs: list[Job], events: asyncio.Queue) -> AsyncIterator[str]:
+    async def _echo(self, out: Output, ids: list[list[int]], n: int) -> None:
+        """With logprobs, each prompt's tokens scored (one forward on the engine thread, the
+        engine's weights); echo without logprobs needs only the text."""
+        out.per_choice = n
+        if out.logprobs is None:
+            return
+        block = self.run.model.config.block_size
+        if any(len(p) > block for p in ids):
+            raise APIError(
+                400,
+                f"echo with logprobs scores at most block_size ({block}) prompt tokens; shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        model, k = self.batcher.engine.model, out.logprobs
+        out.echo_entries = await self._on_engine(lambda: [prompt_logprobs(model, p, k) for p in ids])
+
+    def _echo_only(self, reply: Reply, out: Output, choices: int, stream: bool) -> Any:
+        """max_tokens 0 with echo: each choice is its prompt (and the prompt's logprobs)."""
+        firsts = [out.first(self.run.tokenizer, i) for i in range(choices)]
+        if not stream:
+            return reply.full([t for t, _ in firsts], ["length"] * choices, 0, [lp for _, lp in firsts])
+        chunks = [sse(reply.chunk(i, t, "length", logprobs=lp)) for i, (t, lp) in enumerate(firsts)]
+        usage = [sse(reply.usage_chunk(0))] if reply.include_usage else []
+        return StreamingResponse(iter([*chunks, *usage, DONE]), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _stream(self, reply: Reply, jobs: list[Job], events: asyncio.Queue, out: Output) -> AsyncIterator[str]:
         """SSE chunks as the engine produces text; a client that leaves cancels its jobs; a
         stream the shutdown drain cuts ends with an error event and [DONE]."""
         self.drain.running += 1
@@ -423,6 +468,10 @@ class Routes:
             if reply.chat:
                 for job in jobs:
                     yield sse(reply.chunk(job.index, role=True))
+            elif out.echo is not None:
+                for job in jobs:
+                    text, lp = out.first(self.run.tokenizer, job.index)
+                    yield sse(reply.chunk(job.index, text, logprobs=lp))
             left, tokens = len(jobs), {}
             while left:
                 first = await self.drain.next_event(events)
@@ -436,8 +485,9 @@ class Routes:
                 merged: dict[int, Event] = {}
                 for e in batch:
                     m = merged.setdefault(e.index, Event(e.index))
-                    m.text, m.finish, m.tokens = m.text + e.text, e.finish, e.tokens
-                yield "".join(sse(reply.chunk(m.index, m.text, m.finish)) for m in merged.values())
+                    m.text, m.finish, m.tokens, m.logprobs = m.text + e.text, e.finish, e.tokens, m.logprobs + e.logprobs
+                tok = self.run.tokenizer
+                yield "".join(sse(reply.chunk(m.index, m.text, m.finish, logprobs=out.more(tok, m))) for m in merged.values())
                 tokens.update((m.index, m.tokens) for m in merged.values())
                 reply.completion_tokens = sum(tokens.values())
                 left -= sum(m.finish is not None for m in merged.values())
@@ -451,9 +501,10 @@ class Routes:
             for job in jobs:
                 self.batcher.cancel(job)
 
-    async def _collect(self, request: Request, reply: Reply, jobs: list[Job], events: asyncio.Queue) -> Any:
+    async def _collect(self, request: Request, reply: Reply, jobs: list[Job], events: asyncio.Queue, out: Output) -> Any:
         """Wait for every choice to finish (or the client to leave) and build the whole reply."""
         texts: list[list[str]] = [[] for _ in jobs]
+        entries: list[list[tuple]] = [[] for _ in jobs]
         finishes: list[str | None] = [None] * len(jobs)
         tokens = [0] * len(jobs)
         gone = asyncio.ensure_future(_disconnected(request))
@@ -469,6 +520,7 @@ class Routes:
                 if event.finish == "error":
                     raise APIError(event.status, event.text, code="generation_failed")
                 texts[event.index].append(event.text)
+                entries[event.index] += event.logprobs
                 tokens[event.index] = event.tokens
                 reply.completion_tokens = sum(tokens)
                 finishes[event.index] = event.finish
@@ -477,7 +529,48 @@ class Routes:
             gone.cancel()
             for job in jobs:
                 self.batcher.cancel(job)
-        return reply.full(["".join(t) for t in texts], finishes, sum(tokens))
+        whole = [out.whole(self.run.tokenizer, i, "".join(t), entries[i]) for i, t in enumerate(texts)]
+        return reply.full([t for t, _ in whole], finishes, sum(tokens), [lp for _, lp in whole])
+
+
+@dataclass
+class Output:
+    """What a request asked to see besides the text: `logprobs` N alternatives per token (None:
+    no logprobs), and (completions) `echo`: each prompt's text, its tokens scored in echo_entries."""
+
+    chat: bool
+    logprobs: int | None = None
+    echo: list[str] | None = None
+    echo_entries: list[list[Entry]] | None = None
+    per_choice: int = 1  # choices per prompt (n)
+    offsets: dict[int, int] = field(default_factory=dict)  # choice → characters of text so far (text_offset)
+
+    def _shape(self, tok: Any, index: int, entries: list[Entry]) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, lambda i: tok.decode_bytes([i]))
+        shaped = completion_logprobs(entries, lambda i: tok.decode_bytes([i]), self.offsets.get(index, 0))
+        self.offsets[index] = sum(map(len, shaped["tokens"])) + self.offsets.get(index, 0)
+        return shaped
+
+    def first(self, tok: Any, index: int) -> tuple[str, dict[str, Any] | None]:
+        """Choice `index`'s echo: its prompt's text and logprobs (the start of its text_offset)."""
+        prompt = index // self.per_choice
+        entries = self.echo_entries[prompt] if self.echo_entries is not None else []
+        return self.echo[prompt], self._shape(tok, index, entries)
+
+    def more(self, tok: Any, event: Event) -> dict[str, Any] | None:
+        """The logprobs of a streamed chunk's tokens."""
+        return self._shape(tok, event.index, [(t, lp.logprob, lp.top) for t, lp in event.logprobs])
+
+    def whole(self, tok: Any, index: int, text: str, generated: list) -> tuple[str, dict[str, Any] | None]:
+        """A finished choice: its text (after the echo) and all its tokens' logprobs."""
+        head, entries = "", []
+        if self.echo is not None:
+            prompt = index // self.per_choice
+            head, entries = self.echo[prompt], list(self.echo_entries[prompt]) if self.echo_entries is not None else []
+        return head + text, self._shape(tok, index, entries + [(t, lp.logprob, lp.top) for t, lp in generated])
 
 
 def _shutdown_event() -> Event:

@@ -4,7 +4,8 @@ The body is read by hand (UTF-8, JSON, an object) and then validated by pydantic
 (no "5" for 5, no NaN, no unknown fields), so every way a body can be wrong maps to one
 `APIError`: 400 for a body that is not a JSON object, 422 for a field of the wrong type or an
 unknown field. Value ranges of the sampling settings are checked once, by `SamplingParams`.
-OpenAI fields quill does not implement are accepted only at their neutral value.
+OpenAI fields quill does not implement are accepted only at their neutral value. Logprobs are
+OpenAI's: `logprobs` N ≤ 5 and `echo` for completions, `logprobs` + `top_logprobs` N ≤ 20 for chat.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # neutral only (empty)
 
 
+MAX_LOGPROBS = {"completions": 5, "chat": 20}  # OpenAI's limits on the alternatives per token
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
-    echo: bool | None = None  # neutral only (false)
-    logprobs: int | None = None  # neutral only (null)
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (as lm-eval sends them)
+    echo: bool | None = None  # the prompt's tokens (and with logprobs their logprobs) before the completion
+    logprobs: int | None = None  # each token's logprob and the top N alternatives (0..5)
     suffix: str | None = None  # neutral only (null)
     best_of: int | None = None  # neutral only (null or n)
 
@@ -77,8 +81,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    logprobs: bool | None = None  # neutral only (false)
-    top_logprobs: int | None = None  # neutral only (null)
+    logprobs: bool | None = None  # each reply token's logprob
+    top_logprobs: int | None = None  # and the top N alternatives (0..20; needs logprobs: true)
 
 
 class AttentionRequest(BaseModel):
@@ -155,15 +159,27 @@ def reject_unsupported(req: SamplingFields) -> None:
             raise APIError(400, f"{name} is not supported by quill (use repetition_penalty)", param=name, code="unsupported")
     checks = {
         "logit_bias": any(bias != 0 for bias in (req.logit_bias or {}).values()),  # {"1": 0} changes nothing
-        "logprobs": bool(getattr(req, "logprobs", None)),
-        "top_logprobs": bool(getattr(req, "top_logprobs", None)),
-        "echo": bool(getattr(req, "echo", None)),
         "suffix": bool(getattr(req, "suffix", None)),
         "best_of": getattr(req, "best_of", None) not in (None, req.n or 1),
     }
     for name, used in checks.items():
         if used:
             raise APIError(400, f"{name} is not supported by quill", param=name, code="unsupported")
+
+
+def logprob_count(req: CompletionRequest | ChatRequest) -> int | None:
+    """How many alternatives each token reports (None: no logprobs), checked against OpenAI's limits."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        name, n = "top_logprobs", (req.top_logprobs or 0) if req.logprobs else None
+        got = req.top_logprobs
+    else:
+        name, n, got = "logprobs", req.logprobs, req.logprobs
+    most = MAX_LOGPROBS["chat" if isinstance(req, ChatRequest) else "completions"]
+    if got is not None and not 0 <= got <= most:
+        raise APIError(400, f"{name} must be between 0 and {most}, got {got}", param=name, code="invalid_value")
+    return n
 
 
 def stop_strings(stop: str | list[str] | None, max_count: int = 4, max_chars: int = 256) -> tuple[str, ...]:

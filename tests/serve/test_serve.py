@@ -375,7 +375,8 @@ HOSTILE = [  # (body bytes or JSON object, expected status, expected param)
     ({}, 422, "prompt"),
     ({"prompt": 5}, 422, "prompt"),
     ({"prompt": None}, 422, "prompt"),
-    ({"prompt": [1, 2, 3]}, 422, "prompt.0"),
+    ({"prompt": [1.5, 2.5]}, 422, "prompt.0"),  # token ids are integers
+    ({"prompt": [1, 10**9]}, 400, "prompt"),  # outside the vocabulary
     ({"prompt": {"a": 1}}, 422, "prompt"),
     ({"prompt": "a", "max_tokens": "10"}, 422, "max_tokens"),
     ({"prompt": "a", "max_tokens": 1.5}, 422, "max_tokens"),
@@ -407,8 +408,8 @@ HOSTILE = [  # (body bytes or JSON object, expected status, expected param)
     ({"prompt": "日本語"}, 400, "prompt"),  # not in the char vocabulary
     ({"prompt": "a", "stop": [""]}, 400, "stop"),
     ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"prompt": "a", "logprobs": 5}, 400, "logprobs"),
-    ({"prompt": "a", "echo": True}, 400, "echo"),
+    ({"prompt": "a", "logprobs": 6}, 400, "logprobs"),  # OpenAI's limit: 5
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ({"prompt": "a", "presence_penalty": 1.0}, 400, "presence_penalty"),
     ({"prompt": "a", "model": "../../etc/passwd"}, 404, "model"),
 ]

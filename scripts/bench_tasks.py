@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""lm-eval task speed: `quill eval --tasks` (quill's model class) vs `lm_eval --model hf`, one run.
+
+    python scripts/bench_tasks.py --quill out/smollm2-quill --hf /work/models/smollm2-hf
+    python scripts/bench_tasks.py --quill RUN --hf HF_DIR --questions 20 --reps 1 --batch 1,8
+
+A local multiple-choice task is written to a temporary folder (YAML + jsonl, nothing downloaded):
+--questions passages of Tiny Shakespeare (../shared/data/tinyshakespeare.txt or --text), each two
+lines as the context and four candidate third lines (the true one and three others), so 4
+loglikelihood requests a question. Each row is lm-eval's evaluator (`simple_evaluate`) over that
+task with one model object loaded before the clock starts: quill fp32, quill --quantize int8, and
+lm-eval's HF backend, at each --batch size. The reps of all rows are interleaved so load bursts
+hit them alike; it prints the median requests/s with min-max, the ratio to the HF backend at the
+same batch, each row's acc and acc_norm (quill fp32 and HF must agree), and the load average
+before and after. Compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def write_task(folder: Path, text: str, questions: int, seed: int = 0) -> None:
+    lines = [line for line in text.split("\n") if len(line) > 20]
+    rng = random.Random(seed)
+    starts = rng.sample(range(len(lines) - 3), questions)
+    rows = []
+    for s in starts:
+        others = [lines[rng.randrange(len(lines))] for _ in range(3)]
+        rows.append({"context": lines[s] + "\n" + lines[s + 1] + "\n", "choices": [lines[s + 2], *others], "label": 0})
+    (folder / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "bench_mc.yaml").write_text(
+        f"task: bench_mc\ndataset_path: json\ntest_split: train\ndataset_kwargs:\n  cache_dir: {folder / 'cache'}\n"
+        f"  data_files:\n    train: {folder / 'bench.jsonl'}\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\ndoc_to_target: "{{label}}"\ndoc_to_choice: "{{choices}}"\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+
+
+def models(args: argparse.Namespace, batch: int) -> dict:
+    """Row name → an lm-eval model object, loaded (not timed)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from quillgpt.evaluate.harness import QuillLM
+    from quillgpt.runs import load_run
+
+    out = {}
+    run = load_run(args.quill, which=args.which)
+    out[f"quill fp32, batch {batch}"] = QuillLM(run.model, run.tokenizer, batch_size=batch)
+    if not args.no_int8:
+        q = load_run(args.quill, which=args.which, quantize="int8", rows=batch)
+        out[f"quill int8, batch {batch}"] = QuillLM(q.model, q.tokenizer, batch_size=batch)
+    out[f"lm-eval hf fp32, batch {batch}"] = HFLM(pretrained=str(args.hf), dtype="float32", batch_size=batch, device="cpu")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quill", type=Path, required=True, help="a quill run (e.g. quill import-hf of --hf)")
+    parser.add_argument("--hf", type=Path, required=True, help="the same weights as a Hugging Face directory")
+    parser.add_argument("--which", default="best")
+    parser.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
+    parser.add_argument("--questions", type=int, default=40)
+    parser.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--no-int8", action="store_true", help="skip the --quantize int8 rows")
+    args = parser.parse_args()
+
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    torch.manual_seed(0)
+    before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    folder = Path(tempfile.mkdtemp(prefix="bench_tasks_"))
+    write_task(folder, args.text.read_text(encoding="utf-8"), args.questions)
+    manager = TaskManager(include_path=str(folder), include_defaults=False)
+    rows = {}
+    for batch in [int(b) for b in args.batch.split(",")]:
+        rows.update(models(args, batch))
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    scores: dict[str, tuple[float, float]] = {}
+    for _ in range(args.reps):
+        for name, lm in rows.items():
+            t0 = time.perf_counter()
+            res = lm_eval.simple_evaluate(model=lm, tasks=["bench_mc"], task_manager=manager, bootstrap_iters=0, verbosity="ERROR")
+            times[name].append(time.perf_counter() - t0)
+            r = res["results"]["bench_mc"]
+            scores[name] = (r["acc,none"], r["acc_norm,none"])
+    requests = 4 * args.questions
+    threads = torch.get_num_threads()
+    print(f"{requests} loglikelihood requests ({args.questions} questions x 4 choices), {args.reps} reps, torch threads {threads}")
+    print(f"{'row':28} {'requests/s':>12} {'min-max':>14} {'vs hf':>7} {'acc':>6} {'acc_norm':>8}")
+    for name, ts in times.items():
+        rate = requests / statistics.median(ts)
+        ref = requests / statistics.median(times[f"lm-eval hf fp32, batch {name.rsplit(' ', 1)[1]}"])
+        span = f"{requests / max(ts):.1f}-{requests / min(ts):.1f}"
+        print(f"{name:28} {rate:12.1f} {span:>14} {rate / ref:6.2f}x {scores[name][0]:6.3f} {scores[name][1]:8.3f}")
+    print(f"load average before: {before}; after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
