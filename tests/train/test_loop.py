@@ -19,6 +19,7 @@ from quillgpt.runs import load_run
 from quillgpt.train.loop import train
 from quillgpt.train.run_dir import RunLock
 from quillgpt.train.schedule import lr_at
+from quillgpt.train.state import FIT_AFTER_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -423,7 +424,7 @@ def test_budgeted_run_resumes_on_its_saved_horizon(shakespeare_path, data_dir, t
     monkeypatch.setattr(schedule, "fit_horizon", lambda step, cfg, pace, left, world=1: real_fit(step, cfg, 0.1, 0.8, world))
     extra = ("train.max_iters=1000", "train.time_budget=1h", "train.eval_interval=4", "train.log_interval=2")
     straight = train(tiny_config(shakespeare_path, data_dir, tmp_path / "a", *extra), progress=False)
-    fit_step = max(schedule.FIT_AFTER_STEPS, 2)
+    fit_step = max(FIT_AFTER_STEPS, 2)
     horizon = real_fit(fit_step, tiny_config(shakespeare_path, data_dir, "x", *extra).train, 0.1, 0.8)
     assert straight.stopped == "time_budget" and straight.step == horizon > fit_step + 2
     saved = load_checkpoint(tmp_path / "a" / "ckpt.pt")
@@ -543,13 +544,13 @@ def test_a_budgeted_run_says_where_it_ends_and_extends_on_a_larger_budget(shakes
     run = tmp_path / "timed"
     args = tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=1000", "train.time_budget=1h")
     code, out, _ = quill_train(capsys, args)
-    first_end = schedule.FIT_AFTER_STEPS + 6
+    first_end = FIT_AFTER_STEPS + 6
     assert code == 0 and f"the schedule ends at step {first_end}" in out
     assert f"time_budget: step {first_end}" in out and "it reached the schedule's end, fitted at step 10" in out
     code, out, _ = quill_train(capsys, args, "--resume")
     assert "already ended at step" in out and "--resume train.time_budget=10m" in out
     code, out, _ = quill_train(capsys, [*args, "train.time_budget=2h"], "--resume")
-    refit_at = first_end + schedule.FIT_AFTER_STEPS // 2  # after a few steps of the resumed process's own pace
+    refit_at = first_end + FIT_AFTER_STEPS // 2  # after a few steps of the resumed process's own pace
     assert code == 0 and f"resuming {run} from step {first_end}" in out
     assert f"the schedule ends at step {refit_at + 20}" in out and f"time_budget: step {refit_at + 20}" in out
 
