@@ -323,6 +323,8 @@ def chat_cmd(
     )
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     SampleConfig().params(**flags)  # a bad flag fails before the checkpoint loads
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise QuillError(f"--max-new-tokens {max_new_tokens}: a reply needs at least 1 token")
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
     how = "its chat template" if run.tokenizer.chat_template else "a User:/Assistant: transcript (a base model)"
@@ -332,6 +334,8 @@ def chat_cmd(
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    if hasattr(sys.stdin, "reconfigure"):  # an invalid byte becomes a lone surrogate: that message's error line, not the end
+        sys.stdin.reconfigure(errors="surrogateescape")
     repl(session, input, write)
 
 
@@ -445,7 +449,9 @@ def attention_cmd(
         "-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."
     ),
     head: int | None = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
-    out: Path | None = typer.Option(None, "--out", "-o", parser=_out_path, help="Image to write, .png or .svg; without it a text view is printed."),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", parser=_out_path, help="Image to write, .png or .svg; without it a text view is printed."
+    ),
     fmt: str | None = typer.Option(
         None,
         "--format",
@@ -573,7 +579,11 @@ def import_hf_cmd(
 def export_hf_cmd(
     run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
     out: Path = typer.Option(
-        ..., "--out", "-o", parser=_out_path, help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files."
+        ...,
+        "--out",
+        "-o",
+        parser=_out_path,
+        help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files.",
     ),
     which: str = WHICH_OPT,
     force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
@@ -665,7 +675,9 @@ app.add_typer(tokenizer_app, name="tokenizer")
 def tokenizer_train_cmd(
     input_path: Path = typer.Option(..., "--input", "-i", help="UTF-8 text file to learn the BPE merges from."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
-    out: Path = typer.Option(Path("tokenizer.json"), "--out", "-o", parser=_out_path, help="Where to write the tokenizer JSON (a new file unless --force)."),
+    out: Path = typer.Option(
+        Path("tokenizer.json"), "--out", "-o", parser=_out_path, help="Where to write the tokenizer JSON (a new file unless --force)."
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite --out when it exists."),
 ) -> None:
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
