@@ -99,6 +99,13 @@ def with_sampling_flags(command: Callable[..., None]) -> Callable[..., None]:
     return with_flags
 
 
+def _out_path(text: str) -> Path:
+    """--out as typed: empty or whitespace is refused here (as Path it would be the current directory)."""
+    from quillgpt.files import output_path
+
+    return output_path(text, "--out")
+
+
 # --- commands (each: parse → one library call → print) ------------------------------------
 
 
@@ -347,6 +354,9 @@ def chat_cmd(
     from quillgpt.model.quant import parse_quantize, weights_note
 
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
+    n = flags["max_new_tokens"]
+    if n is not None and n < 1:
+        raise QuillError(f"--max-new-tokens {n}: a reply needs at least 1 token")
     run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system)
     kind = run_kind(run.config, run.tokenizer, run.step)
@@ -355,6 +365,9 @@ def chat_cmd(
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+    if hasattr(sys.stdin, "reconfigure"):  # an invalid byte becomes a lone surrogate: that message's error line, not the end
+        sys.stdin.reconfigure(errors="surrogateescape")
 
     def note(line: str) -> None:
         print(line, file=sys.stderr)
@@ -543,7 +556,9 @@ def attention_cmd(
         "-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."
     ),
     head: int | None = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Image to write, .png or .svg; without it a text view is printed."),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", parser=_out_path, help="Image to write, .png or .svg; without it a text view is printed."
+    ),
     fmt: str | None = typer.Option(
         None,
         "--format",
@@ -628,7 +643,7 @@ def _attention_outputs(
 @app.command("plot")
 def plot_cmd(
     run_dirs: list[Path] = typer.Argument(..., help="One or more run directories (each with metrics.jsonl)."),
-    out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="Image to write, .png or .svg."),
+    out: Path = typer.Option(Path("curves.png"), "--out", "-o", parser=_out_path, help="Image to write, .png or .svg."),
     x: str = typer.Option("step", "--x", help="x axis: step, tokens (step × batch_size·grad_accum·block_size) or time (elapsed_s)."),
     log: bool = typer.Option(False, "--log", help="Log-scale loss axis."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out that is not an earlier plot image (e.g. a run's file)."),
@@ -652,7 +667,7 @@ def import_hf_cmd(
         ...,
         help="Hugging Face model directory (config.json, model.safetensors or pytorch_model.bin, tokenizer files) of GPT-2, Llama, Qwen2, Qwen3 or Mistral, or a hub name such as gpt2.",
     ),
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
+    out: Path = typer.Option(..., "--out", "-o", parser=_out_path, help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
     """Import a Hugging Face model (GPT-2 or the Llama family) as a quill run: sample, chat, eval, fine-tune it."""
@@ -671,7 +686,11 @@ def import_hf_cmd(
 def export_hf_cmd(
     run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
     out: Path = typer.Option(
-        ..., "--out", "-o", help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files."
+        ...,
+        "--out",
+        "-o",
+        parser=_out_path,
+        help="Directory to write: config.json, model.safetensors, generation_config.json and tokenizer files.",
     ),
     which: str = WHICH_OPT,
     force: bool = typer.Option(False, "--force", help="Overwrite a model already in --out."),
@@ -689,7 +708,7 @@ def export_hf_cmd(
 @app.command("merge")
 def merge_cmd(
     run: Path = typer.Argument(..., help="A LoRA run directory (lora.rank > 0) or its .pt file."),
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
+    out: Path = typer.Option(..., "--out", "-o", parser=_out_path, help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt."),
     which: str = WHICH_OPT,
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
@@ -763,7 +782,9 @@ app.add_typer(tokenizer_app, name="tokenizer")
 def tokenizer_train_cmd(
     input_path: Path = typer.Option(..., "--input", "-i", help="UTF-8 text file to learn the BPE merges from."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
-    out: Path = typer.Option(Path("tokenizer.json"), "--out", "-o", help="Where to write the tokenizer JSON (a new file unless --force)."),
+    out: Path = typer.Option(
+        Path("tokenizer.json"), "--out", "-o", parser=_out_path, help="Where to write the tokenizer JSON (a new file unless --force)."
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite --out when it exists."),
 ) -> None:
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""

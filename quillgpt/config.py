@@ -377,7 +377,15 @@ class Config:
         if self.data.tokenizer is None and self.train.init_from is None:
             self.data.tokenizer = "char"  # with train.init_from: the base run's, read by with_base_tokenizer
         self.data.validate()
-        self.model.validate()
+        try:
+            self.model.validate()
+        except QuillError as e:  # e.g. model.n_embd=128 against the default n_head: not the point when fine-tuning
+            if self.train.init_from is None:
+                raise
+            raise QuillError(
+                f"train.init_from={self.train.init_from} takes its architecture from the base run, so these model "
+                f"settings do not apply ({e}); drop the model.* keys that set the shape"
+            ) from None
         self.train.validate()
         self.lora.validate()
         self.sample.validate()

@@ -179,6 +179,14 @@ def read_json_object(path: str | Path, what: str = "file", limit: int = 1 << 26)
     return data
 
 
+def output_path(path: str | Path, what: str) -> Path:
+    """An output's path as the user gave it, refused when it is empty or only whitespace (Path("")
+    is the current directory: `-o ''` would write there). Every output check starts here."""
+    if isinstance(path, str) and not path.strip():
+        raise QuillError(f"{what} is {'empty' if not path else 'only whitespace'}; give a file or directory name")
+    return Path(path)
+
+
 def probe_writable(directory: str | Path, what: str = "output directory", create: bool = True) -> Path:
     """Create `directory` if needed and prove a file can be written there, before long work starts.
 
@@ -186,7 +194,7 @@ def probe_writable(directory: str | Path, what: str = "output directory", create
     With create=False a missing directory is not made: its nearest existing parent is probed
     instead, and the names still to be made are checked for length (a failed command leaves nothing).
     """
-    directory = Path(directory)
+    directory = output_path(directory, what)
     try:
         if create:
             directory.mkdir(parents=True, exist_ok=True)
@@ -306,7 +314,7 @@ def check_output_file(
     directory that cannot be written; and without `force`, an existing file of a run, a dataset
     or an HF model, one that is not of the output's `kind` (None: any existing file), or with
     `fresh` any existing file. Creates the directory."""
-    path = Path(path)
+    path = output_path(path, what)
     try:
         exists = path.exists() or path.is_symlink()
         if path.is_dir():
@@ -333,7 +341,7 @@ def check_output_dir(
     model's tokenizer.json given as a run's), or, in a directory not yet marked as `own`, a file
     that is not of its kind. `writes`: the names the command writes (regular expressions) →
     their output kind (None: told by the directory only). `how`: the user's way to force it."""
-    directory = Path(directory)
+    directory = output_path(directory, what)
     if force or not os.path.isdir(directory):
         return
     marks = OWNERS[own][0]

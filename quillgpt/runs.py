@@ -25,7 +25,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
-from quillgpt.files import made_dir, shown
+from quillgpt.files import made_dir, output_path, shown
 from quillgpt.model import quant
 from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_shapes, merge_adapters
@@ -194,7 +194,7 @@ def with_base(state: dict[str, Any], ckpt: Path, dtype: torch.dtype | None = Non
 def merge_run(path: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Path:
     """A LoRA run → a plain quill run in `out_dir` (config.yaml with lora off, tokenizer.json and
     ckpt.pt holding the merged weights in the base's dtype), usable like any imported model."""
-    ckpt, out_dir = resolve_checkpoint(path, which), Path(out_dir)
+    ckpt, out_dir = resolve_checkpoint(path, which), output_path(out_dir, "--out")
     state = load_checkpoint(ckpt)
     if "lora_base" not in state:
         raise QuillError(f"{shown(ckpt)} is not a LoRA run (its lora.rank is 0): its weights are plain already, use it as it is")

@@ -204,7 +204,9 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
     def pick(values: list, good: object = None) -> object:  # with `good`: that value half the time
         return good if good is not None and r.random() < 0.5 else r.choice(values)
 
-    kind = pick(["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve"])
+    kind = pick(["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve", "hfcfg"])
+    if kind == "hfcfg":
+        return hostile_hf_dir(w, r)
     if kind == "sample":
         flags = {
             "-p": pick(PROMPTS),
@@ -319,6 +321,44 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
             [["--api-key", ""], ["--max-batch", "0"], ["--port", "70000"], ["--dtype", "int8"], ["--max-tokens", "0"], ["--api-key", " "]]
         ),
     ]
+
+
+HOSTILE_TEMPLATES = [
+    "{{ 1/0 }}",
+    "{{ 10|divisibleby(0) }}",
+    "{{ range(10**9)|list }}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "{% include 'x' %}",
+    "{{ strftime_now(None) }}",
+    "{{ ['a'] * 10**9 }}",
+    "{% for %}",
+    "{{ raise_exception('no') }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+]
+HOSTILE_FIELDS = {
+    "n_embd": ["64", None, 0, -3, 10**40, 63, 1.5, True],
+    "n_head": [0, "4", None, 3, 10**40],
+    "n_layer": [0, 1, 99, "2", None],
+    "vocab_size": [None, 1, 10**40, "65", -1],
+    "n_positions": [0, None, "16", 10**40],
+    "n_inner": [1, 129, "x", 0],
+    "layer_norm_epsilon": [-1, "x", None, 0, 1e400],
+    "tie_word_embeddings": ["yes", 2, None],
+    "model_type": ["llama", 3, None, "qwen2"],
+}
+
+
+def hostile_hf_dir(w: dict, r: random.Random) -> list[str]:
+    """import-hf of a copy of the HF export with a hostile config.json field and/or chat template."""
+    src = w["scratch"] / f"hfsrc_{r.randrange(1 << 30)}"
+    shutil.copytree(w["hf"], src)
+    config = json.loads((src / "config.json").read_text())
+    for field in r.sample(sorted(HOSTILE_FIELDS), r.randint(0, 2)):
+        config[field] = r.choice(HOSTILE_FIELDS[field])
+    (src / "config.json").write_text(json.dumps(config))
+    if r.random() < 0.5:
+        (src / "chat_template.jinja").write_text(r.choice(HOSTILE_TEMPLATES))
+    return ["import-hf", str(src), "--out", str(w["scratch"] / f"hfout_{r.randrange(1 << 30)}")]
 
 
 def run_cli(w: dict, r: random.Random, tally: Tally) -> None:

@@ -209,3 +209,12 @@ def test_a_leading_tilde_in_a_path_is_the_home_directory(monkeypatch, tmp_path):
     assert cfg.data.path == f"{tmp_path}/corpus.txt" and cfg.train.init_from == f"{tmp_path}/runs/base"
     assert cfg.data.out_dir == f"{tmp_path}/data" and cfg.data.tokenizer == f"{tmp_path}/tok.json"
     assert load_config(None, ["data.path=a~b"]).data.path == "a~b"  # only a leading ~
+
+
+def test_a_shape_key_under_init_from_says_the_architecture_comes_from_the_base_run():
+    """model.n_embd=128 against the default n_head fails validation; with train.init_from the
+    message says why the key cannot apply, not how to make it divisible."""
+    with pytest.raises(QuillError, match=r"train.init_from=base takes its architecture from the base run.*model.n_embd \(128\)"):
+        load_config(None, ["train.init_from=base", "model.n_embd=128"])
+    with pytest.raises(QuillError, match=r"^model.n_embd \(128\) must be divisible"):
+        load_config(None, ["model.n_embd=128"])

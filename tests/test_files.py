@@ -142,3 +142,24 @@ def test_read_json_object_wants_an_object_and_a_size_limit(tmp_path):
     (tmp_path / "big.json").write_text('{"a": "' + "x" * 2000 + '"}')
     with pytest.raises(QuillError, match="big.json"):
         read_json(tmp_path / "big.json", limit=1000)
+
+
+@pytest.mark.parametrize("path", ["", " ", "\t\n"])
+def test_an_empty_or_whitespace_output_path_is_refused_by_every_output_check(path, tmp_path, monkeypatch, capsys):
+    """Path("") is the current directory: `-o ''` must not write there."""
+    from quillgpt.cli import main
+    from quillgpt.files import check_output_dir, check_output_file, output_path, probe_writable
+
+    monkeypatch.chdir(tmp_path)
+    for check in (
+        lambda: output_path(path, "--out"),
+        lambda: check_output_file(path, "--out"),
+        lambda: check_output_dir(path, "--out", "run", {}, False),
+        lambda: probe_writable(path, "--out"),
+    ):
+        with pytest.raises(QuillError, match=r"^--out is (empty|only whitespace); give a file or directory name$"):
+            check()
+    with pytest.raises(SystemExit) as e:
+        main(["merge", str(tmp_path / "nowhere"), "-o", path])
+    assert e.value.code == 2
+    assert "--out is" in capsys.readouterr().err and list(tmp_path.iterdir()) == []

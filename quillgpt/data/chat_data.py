@@ -67,6 +67,8 @@ def _messages(value: Any) -> list[Message]:
         role, content = m.get("role"), m.get("content")
         if role is None:
             raise QuillError(f"message {n} has no 'role' (one of {', '.join(ROLE_NAMES)})")
+        if not isinstance(role, str):  # a list or object: unhashable, never a role
+            raise QuillError(f"message {n} has a {type(role).__name__} 'role', not text (one of {', '.join(ROLE_NAMES)})")
         if role not in ROLE_NAMES:
             raise QuillError(f"message {n} has role {str(role)[:40]!r}; roles are {', '.join(ROLE_NAMES)}")
         if not isinstance(content, str):

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
@@ -43,12 +45,34 @@ from typing import TYPE_CHECKING, Any
 from quillgpt.errors import QuillError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from quillgpt.data.tokenizer import Tokenizer
 
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 TRANSCRIPT_STOPS = ("\nUser:", "\nSystem:")
 Message = dict[str, str]  # {"role": ..., "content": ...}
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+TEMPLATE_NAME = "the model's chat template"
+RENDER_SECONDS = 10.0  # a rendering past this is stopped (a template's loop that never ends)
+RENDER_CHARS = 1 << 24  # a rendering longer than this is stopped, and so is any `*` that would make a longer value
+TRACE_EVERY = 64  # the time limit is checked every this many of the template's lines and calls
+
+
+class TemplateRefused(QuillError):
+    """The template refused the conversation (raise_exception, a field it needs): the messages' fault."""
+
+
+class TemplateFailed(QuillError):
+    """The template itself fails (syntax, an exception, a loop past the time or size limit): the model's fault."""
+
+
+class _Stopped(Exception):
+    """Raised inside a rendering that passed its time or size limit."""
+
+
+class _Refused(Exception):
+    """What a template's raise_exception() raises."""
 
 
 def transcript(messages: list[Message], add_generation_prompt: bool = True) -> str:
@@ -57,8 +81,29 @@ def transcript(messages: list[Message], add_generation_prompt: bool = True) -> s
     return turns + ("Assistant:" if add_generation_prompt else "")
 
 
+def _compiled(template: str, name: str = TEMPLATE_NAME) -> Any:
+    """The template compiled, or one TemplateFailed naming it and what is wrong (syntax, or any
+    other failure of the compiler: recursion on a deeply nested expression, memory)."""
+    try:
+        return _compile(template)
+    except Exception as e:  # noqa: BLE001 - untrusted code: every failure is the template's
+        raise TemplateFailed(f"{name} does not compile: {_what(e)}; fix or replace the template") from None
+
+
+def _what(e: BaseException) -> str:
+    """An exception as one short line: its type (the plain ones need it: ZeroDivisionError) and message."""
+    import jinja2
+
+    text = " ".join(str(e).split())[:200]
+    if isinstance(e, _Stopped):
+        return text
+    if isinstance(e, jinja2.TemplateSyntaxError) and e.lineno:
+        text = f"{text} (line {e.lineno})"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 @lru_cache(maxsize=8)
-def _compiled(template: str) -> Any:
+def _compile(template: str) -> Any:
     """The template compiled in transformers' sandbox (see the module docstring)."""
     import jinja2
     from jinja2 import nodes
@@ -105,9 +150,19 @@ def _compiled(template: str) -> Any:
             return dict.fromkeys(*args, **kwargs)
 
     def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
+        raise _Refused(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, with `*` and `**` checked first: a value too big to render
+        (['a'] * 10**9, 9 ** 9 ** 9) is refused before it is built, not built out of memory."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -117,27 +172,94 @@ def _compiled(template: str) -> Any:
     return env.from_string(template)
 
 
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse a `*` that repeats a sequence past RENDER_CHARS, and a `**` whose result has more
+    than RENDER_CHARS bits (Python would compute either in C, past any time limit)."""
+    ints = [isinstance(v, int) and not isinstance(v, bool) for v in (left, right)]
+    if operator == "*" and ints[0] != ints[1]:
+        seq, times = (right, left) if ints[0] else (left, right)
+        if isinstance(seq, (str, list, tuple)) and len(seq) * max(times, 0) > RENDER_CHARS:
+            raise _Stopped(f"`*` would make a value of {len(seq):,} × {times:,} items (the limit is {RENDER_CHARS:,})")
+    if operator == "**" and all(ints) and right > 0 and abs(left) > 1 and abs(left).bit_length() * right > RENDER_CHARS:
+        raise _Stopped(f"`**` would make a number of about {abs(left).bit_length() * right:,} bits")
+
+
+def guarded(template: str, run: Callable[[Any], list[str]], name: str = TEMPLATE_NAME, seconds: float | None = None) -> str:
+    """run(compiled template) → its text, as one guard around untrusted code: the template is
+    compiled, and rendered under a line tracer (this thread's) that stops it past `seconds`, even
+    in a loop that calls nothing and writes nothing. Every failure is one QuillError naming the
+    template and the error: TemplateRefused when the template refused the conversation
+    (raise_exception, a value it needs), TemplateFailed for anything else."""
+    import jinja2
+
+    compiled = _compiled(template, name)
+    seconds = RENDER_SECONDS if seconds is None else seconds
+    deadline, count = time.monotonic() + seconds, 0
+
+    def on_line(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        count += 1
+        if count % TRACE_EVERY == 0 and time.monotonic() > deadline:
+            raise _Stopped(f"the rendering took longer than {seconds:g} s")
+        return on_line
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:  # the template's own frames are traced line by line
+        on_line(frame, event, arg)
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    before = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return "".join(run(compiled))
+    except (jinja2.UndefinedError, _Refused) as e:
+        raise TemplateRefused(f"{name} refused the conversation: {' '.join(str(e).split())[:200]}") from None
+    except Exception as e:  # noqa: BLE001 - untrusted code: every failure is the template's
+        raise TemplateFailed(f"{name} failed while rendering: {_what(e)}; fix or replace the template") from None
+    finally:
+        sys.settrace(before)
+
+
+def _capped(pieces: Any, out: list[str]) -> list[str]:
+    """A rendering's pieces appended to `out` as they come (the {% generation %} tracker reads
+    it), stopped once they pass `limit` characters."""
+    size, limit = 0, RENDER_CHARS
+    for piece in pieces:
+        size += len(piece)
+        if size > limit:
+            raise _Stopped(f"the rendering is longer than {limit:,} characters")
+        out.append(piece)
+    return out
+
+
 def render(
-    template: str, messages: list[Message], add_generation_prompt: bool = True, bos_token: str | None = None, eos_token: str | None = None
+    template: str,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    name: str = TEMPLATE_NAME,
 ) -> str:
     """The conversation as the model's template writes it (what apply_chat_template(tokenize=False) gives)."""
-    return render_spans(template, messages, add_generation_prompt, bos_token, eos_token)[0]
+    return render_spans(template, messages, add_generation_prompt, bos_token, eos_token, name)[0]
 
 
 def render_spans(
-    template: str, messages: list[Message], add_generation_prompt: bool = True, bos_token: str | None = None, eos_token: str | None = None
+    template: str,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    name: str = TEMPLATE_NAME,
 ) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered text, the [start, end) characters of each {% generation %} block in it),
     tracked as transformers tracks them: by the text rendered before each block."""
-    import jinja2
-
-    compiled = _compiled(template)
     blocks: list[str] = []
     spans: list[tuple[int, int, str]] = []
-    token = compiled.environment.generation_spans.set((blocks, spans))
-    try:
-        blocks.extend(
-            compiled.generate(
+
+    def run(compiled: Any) -> list[str]:
+        token = compiled.environment.generation_spans.set((blocks, spans))
+        try:
+            pieces = compiled.generate(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos_token,
@@ -145,11 +267,11 @@ def render_spans(
                 tools=None,
                 documents=None,
             )
-        )
-    except jinja2.TemplateError as e:
-        raise QuillError(f"the model's chat template refused the conversation: {str(e)[:200]}") from None
-    finally:
-        compiled.environment.generation_spans.reset(token)
+            return _capped(pieces, blocks)
+        finally:
+            compiled.environment.generation_spans.reset(token)
+
+    guarded(template, run, name)
     text = "".join(blocks)
     if any(text[start:end] != block for start, end, block in spans):  # rendered inside a buffer (a macro, a set block)
         raise QuillError(

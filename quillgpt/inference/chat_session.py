@@ -75,6 +75,8 @@ class ChatSession:
     """The messages so far and the settings every reply is sampled with."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None) -> None:
+        if params.max_new_tokens < 1:
+            raise QuillError(f"a reply needs max_new_tokens of at least 1 (it is {params.max_new_tokens}); pass -n 1 or more")
         self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
         self.messages: list[Message] = []
         self.last = ReplyStats()  # the last reply's speed (/stats)
@@ -87,8 +89,8 @@ class ChatSession:
     def reply(self, text: str) -> Iterator[str]:
         """Add the user's message and stream the assistant's reply, piece by piece; the reply (all
         of it, or as much as was read before the caller stopped) joins the conversation."""
-        self.messages.append({"role": "user", "content": text})
-        ids, stops = chat_prompt_ids(self.tokenizer, self.messages)
+        ids, stops = chat_prompt_ids(self.tokenizer, [*self.messages, {"role": "user", "content": text}])
+        self.messages.append({"role": "user", "content": text})  # (a message that cannot be read is not kept)
         params = dataclasses.replace(
             self.params, stop=self.params.stop + stops, max_new_tokens=fitting(self.model, len(ids), self.params.max_new_tokens)
         )
@@ -179,12 +181,26 @@ def repl(
         if not command:
             continue
         with typing_kept(tty):
-            try:
-                for piece in session.reply(line):
-                    write(piece)
-            except KeyboardInterrupt:
-                write(" [stopped]")
-        write("\n")
-        if note is not None:
+            made = _turn(session, line, write)
+        if made and note is not None:
             note(session.last.line())
-        replies += 1
+        replies += made
+
+
+def _turn(session: ChatSession, line: str, write: Callable[[str], None]) -> int:
+    """One message and its reply; a message the model cannot read (not UTF-8, a character outside
+    its vocabulary, a template that refuses it) is one error line, and the conversation goes on."""
+    try:
+        line.encode("utf-8")  # a terminal's invalid byte arrives as a lone surrogate
+        for piece in session.reply(line):
+            write(piece)
+    except UnicodeEncodeError:
+        write("error: the message is not UTF-8 text (an invalid byte); type it again\n")
+        return 0
+    except QuillError as e:
+        write(f"error: {e}\n")
+        return 0
+    except KeyboardInterrupt:
+        write(" [stopped]")
+    write("\n")
+    return 1

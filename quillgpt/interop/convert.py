@@ -24,6 +24,7 @@ from quillgpt.errors import QuillError
 from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_json_object
 from quillgpt.interop import gpt2, llama
 from quillgpt.interop.families import GPT2, Family, export_family, family_of_config
+from quillgpt.interop.hf_config import check_fields, check_weights
 from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, require, resolve_source, write_json
 
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
@@ -68,6 +69,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     check_out_dir(out_dir, RUN_FILES + HF_FILES, force, "a run's or a model's files")
     path = resolve_source(src)
     hf_config = read_hf_config(path)
+    check_fields(hf_config, str(path / "config.json"))  # typed and ranged before any family reads it
     family = family_of_config(hf_config)
     codec = CODECS[family.codec]
     model_cfg = codec.model_config(hf_config, str(path / "config.json"))
@@ -78,6 +80,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
             f"ids of its tokenizer ({tokenizer.name}); is it the model's own tokenizer?"
         )
     state = codec.quill_state(load_hf_weights(path), model_cfg, hf_config)  # read one tensor at a time
+    check_weights(state, model_cfg, str(path))  # every shape as the config makes it: the run loads
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
     with made_dir(out_dir):  # a failed write leaves no --out it made
         _write_run(out_dir, model_cfg, tokenizer, state, str(src))

@@ -26,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from quillgpt.data.chat_template import TemplateFailed
 from quillgpt.errors import QuillError
 from quillgpt.inference.chat_session import chat_prompt_ids, fitting
 from quillgpt.inference.driver import TextStream, encode_prompt
@@ -293,8 +294,10 @@ class Routes:
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        try:
-            ids, stops = chat_prompt_ids(self.run.tokenizer, messages)  # the model's template, or the transcript
+        try:  # the model's template (untrusted code, time-limited) in a worker thread: a slow one holds up no other request
+            ids, stops = await asyncio.to_thread(chat_prompt_ids, self.run.tokenizer, messages)
+        except TemplateFailed as e:  # the template's own failure, not the messages'
+            raise APIError(500, str(e), code="chat_template_failed") from None
         except QuillError as e:
             raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
         out = Output(True, logprob_count(req))

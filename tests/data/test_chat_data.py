@@ -119,6 +119,14 @@ def test_a_template_that_is_not_prefix_stable_is_refused(hf_chatml):
 BAD_LINES = {
     "not JSON": ("{'messages': oops", "line 2: not a JSON object"),
     "missing role": (line([{"content": "hi"}, {"role": "assistant", "content": "ROMEO"}]), "line 2: message 1 has no 'role'"),
+    "list role": (
+        line([{"role": ["user"], "content": "hi"}, {"role": "assistant", "content": "x"}]),
+        "line 2: message 1 has a list 'role'",
+    ),
+    "object role": (
+        line([{"role": {"a": 1}, "content": "hi"}, {"role": "assistant", "content": "x"}]),
+        "line 2: message 1 has a dict 'role'",
+    ),
     "unknown role": (line([{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "x"}]), "line 2: message 1 has role 'bot'"),
     "empty reply": (
         line([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]),
@@ -245,3 +253,17 @@ def test_a_killed_chat_prepare_resumes_to_the_same_shards(tmp_path, char_tokeniz
             assert np.array_equal(np.asarray(load_tokens(out, split, flags)), np.asarray(load_tokens(tmp_path / "whole", split, flags)))
     assert result.meta["chat"] == whole.meta["chat"] and result.meta["shards"] == whole.meta["shards"]
     assert result.meta["chat"]["train"]["skipped"] == 1
+
+
+@pytest.mark.parametrize("role", [["user"], {"role": "user"}, 3, True])
+def test_a_role_that_is_not_text_is_skipped_with_skip_bad_lines(role):
+    """An unhashable role (a list, an object) is a bad line like any other, never a TypeError."""
+    from quillgpt.data.chat_data import encode_lines
+
+    tok = CharTokenizer.from_text("hi ROMEO User: Assistant:\n")
+    bad = json.dumps({"messages": [{"role": role, "content": "hi"}, {"role": "assistant", "content": "ROMEO"}]})
+    good = json.dumps({"prompt": "hi", "completion": "ROMEO"})
+    (ids, flags), stats = encode_lines(tok, [bad, good], ["f line 1", "f line 2"], np.dtype(np.uint16), skip_bad=True)
+    assert stats.conversations == 1 and stats.skipped == 1 and "f line 1: message 1 has a" in stats.first_skipped
+    with pytest.raises(QuillError, match="f line 1: message 1 has a"):
+        encode_lines(tok, [bad, good], ["f line 1", "f line 2"], np.dtype(np.uint16), skip_bad=False)

@@ -239,3 +239,30 @@ def test_typing_during_a_reply_is_not_echoed_and_is_kept_for_the_next_line():
     finally:
         os.close(leader)
         os.close(follower)
+
+
+def test_a_message_the_model_cannot_read_is_one_error_line_and_the_chat_goes_on(quill_run):
+    """A character outside the char vocabulary, or an invalid byte (a lone surrogate, as
+    surrogateescape reads it), is an error line; the message is not kept and the next one is answered."""
+    session = ChatSession(quill_run.model, quill_run.tokenizer, GREEDY)
+    lines = iter(["日本", "bad \udcff byte", "Speak.", "/quit"])
+    out: list[str] = []
+    assert repl(session, lambda prompt: next(lines), out.append) == 1
+    errors = [t for t in out if t.startswith("error: ")]
+    assert len(errors) == 2 and "not in the char vocabulary" in errors[0] and "not UTF-8" in errors[1]
+    assert all(t.count("\n") == 1 and t.endswith("\n") for t in errors)
+    assert [m["content"] for m in session.messages][:1] == ["Speak."] and len(session.messages) == 2
+
+
+def test_chat_refuses_zero_new_tokens_and_reads_invalid_utf8_as_an_error_line(quill_run):
+    run_dir = quill_run.path.parent
+    chat = [sys.executable, "-m", "quillgpt", "chat", "--ckpt", str(run_dir), "--temperature", "0"]
+    zero = subprocess.run([*chat, "-n", "0"], input=b"", capture_output=True, cwd=ROOT, timeout=120)
+    assert zero.returncode == 2 and zero.stderr.decode().strip().splitlines() == [
+        "error: --max-new-tokens 0: a reply needs at least 1 token"
+    ]
+    with pytest.raises(Exception, match="at least 1"):
+        ChatSession(quill_run.model, quill_run.tokenizer, SamplingParams(max_new_tokens=0))
+    done = subprocess.run([*chat, "-n", "5"], input=b"\xff\xfe\nSpeak.\n", capture_output=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    assert done.stdout.count(b"error: the message is not UTF-8") == 1 and done.stdout.count(b"> ") == 3

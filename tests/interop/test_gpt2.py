@@ -276,12 +276,13 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path, change, message):
         (dict(vocab_size=1000), "vocab_size=1000, fewer than the 50257 ids"),
         (dict(n_layer=3), r"missing: transformer\.h\.2\."),  # config.json and weights disagree
         (dict(n_head=5), r"n_embd \(64\) must be divisible by model.n_head \(5\)"),
-        (dict(n_embd="wide"), "model.n_embd must be int, got 'wide'"),
-        (dict(n_embd=float("inf")), "model.n_embd must be int, got inf"),  # json.dumps writes Infinity
-        (dict(n_layer=10**7), "model.n_layer must be between 1 and 1,024, got 10000000"),
-        (dict(n_positions=-1), "model.block_size must be between 1 and"),
-        (dict(layer_norm_epsilon="nan"), "model.norm_eps must be a finite number"),
-        (dict(n_inner=[1] * 10_000), r"model.mlp_hidden must be int or null, got \[1, 1, 1"),
+        (dict(n_embd="wide"), "config.json: n_embd is 'wide', not an integer"),  # interop/hf_config.py
+        (dict(n_embd=float("inf")), "config.json: n_embd is inf, not an integer"),  # json.dumps writes Infinity
+        (dict(n_layer=10**7), "config.json: n_layer=10000000 is out of range"),
+        (dict(n_layer=2000), "model.n_layer must be between 1 and 1,024, got 2000"),
+        (dict(n_positions=-1), "config.json: n_positions=-1 is out of range"),
+        (dict(layer_norm_epsilon="nan"), "config.json: layer_norm_epsilon is 'nan'; it must be a finite number"),
+        (dict(n_inner=[1] * 10_000), r"config.json: n_inner is \[1, 1, 1"),
     ],
 )
 def test_import_refuses_what_quill_cannot_run_exactly(hf_dir, tmp_path, change, message):

@@ -1,0 +1,95 @@
+"""The chat template guard: an untrusted template fails only as one QuillError naming it, within a
+time and size limit; a good template renders exactly as plain Jinja renders it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import quillgpt.data.chat_template as ct
+from quillgpt.data.chat_template import TemplateFailed, TemplateRefused, render, render_spans
+
+HI = [{"role": "user", "content": "hi"}]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 1/0 }}",
+        "{{ 10|divisibleby(0) }}",
+        "{{ range(10**9)|list }}",
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+        "{% include 'x' %}",
+        "{% import 'x' as y %}",
+        "{% extends 'x' %}",
+        "{{ strftime_now(None) }}",
+        "{{ 1 + 'a' }}",
+        "{{ {1: 2, 'a': 3}|tojson(sort_keys=true) }}",
+        "{{ ['a'] * 10**9 }}",
+        "{{ 'a' * 10**9 }}",
+        "{{ 7 ** 100000000 }}",
+        "{% for %}",
+        "{{ x",
+    ],
+)
+def test_every_failure_of_a_template_is_one_quill_error_naming_it(template):
+    with pytest.raises(TemplateFailed, match=r"^the model's chat template (does not compile|failed while rendering): \S+"):
+        render(template, HI)
+
+
+def test_raise_exception_is_a_refusal_of_the_conversation():
+    with pytest.raises(TemplateRefused, match="refused the conversation: no system message"):
+        render("{{ raise_exception('no system message') }}", HI)
+
+
+@pytest.mark.parametrize("body", ["", "{{ 'x' }}"])
+def test_a_loop_that_never_ends_is_stopped_at_the_time_limit(monkeypatch, body):
+    """Nested loops that call nothing and write nothing are stopped too (the line tracer)."""
+    monkeypatch.setattr(ct, "RENDER_SECONDS", 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TemplateFailed, match="took longer than 0.3 s"):
+        render(NESTED.replace("{% endfor %}{% endfor %}", body + "{% endfor %}{% endfor %}"), HI)
+    assert time.monotonic() - t0 < 3
+
+
+def test_a_rendering_past_the_size_limit_is_stopped(monkeypatch):
+    monkeypatch.setattr(ct, "RENDER_CHARS", 1000)
+    with pytest.raises(TemplateFailed, match="longer than 1,000 characters"):
+        render("{% for i in range(2000) %}x{% endfor %}", HI)
+    assert render("{% for i in range(1000) %}x{% endfor %}", HI) == "x" * 1000
+
+
+def test_the_tracer_before_a_rendering_is_put_back():
+    import sys
+
+    seen = []
+
+    def tracer(frame, event, arg):
+        seen.append(event)
+
+    sys.settrace(tracer)
+    try:
+        render(CHATML, HI)
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
+
+
+def test_a_good_template_renders_as_plain_jinja_does():
+    """The guarded rendering against the template rendered plainly in the same sandbox."""
+    messages = [{"role": r, "content": f"turn {i} ü"} for i, r in enumerate(["system", "user", "assistant", "user"])]
+    for prompt in (True, False):
+        plain = "".join(ct._compile(CHATML).generate(messages=messages, add_generation_prompt=prompt))
+        assert render(CHATML, messages, prompt) == plain
+
+
+def test_generation_spans_are_still_found_while_the_rendering_is_capped():
+    template = "{% for m in messages %}{{ m.role }}: {% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}"
+    text, spans = render_spans(template, [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cde"}], False)
+    assert [text[a:b] for a, b in spans] == ["ab", "cde"]
