@@ -992,7 +992,7 @@ def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * model.dtype.itemsize
     flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_size * ctx
     plan = plan_of(model)
-    low = model.dtype == torch.bfloat16 or (plan is not None and KERNELS[plan.pick(B)][1])  # its kernel's activations
+    low = model.dtype == torch.bfloat16 or (plan is not None and KERNELS[plan.pick(B)].bf16)  # its kernel's activations
     # without bf16 units torch converts bf16 and multiplies in fp32: the fp32 peak bounds it
     peak = matmul_peak(torch.bfloat16 if low and cpu_has_bf16() else torch.float32)
     bw = read_bandwidth(int(weights))

@@ -47,19 +47,47 @@ def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
 
 
 def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-    return torch._weight_int8pack_mm(x.to(scale.dtype), weight, scale)
+    x = x.to(scale.dtype).contiguous()
+    if x.data_ptr() % 64:  # its bf16/fp16 SIMD loads are aligned: a view into a larger tensor gets a fresh copy
+        x = x.clone()
+    return torch._weight_int8pack_mm(x, weight, scale)
 
 
 def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     return F.linear(x.to(scale.dtype), weight.to(scale.dtype)) * scale
 
 
-# name → (matmul, whether it takes bf16 activations: the bf16 scales); "/model": the model's dtype
-KERNELS: dict[str, tuple[Callable[[Tensor, Tensor, Tensor], Tensor], bool]] = {
-    "int8pack_mm/bf16": (int8pack_mm, True),
-    "int8pack_mm/model": (int8pack_mm, False),
-    "dequant/bf16": (dequant_linear, True),
-    "dequant/model": (dequant_linear, False),
+def int8pack_fits(out_features: int, in_features: int) -> bool:
+    """Whether torch._weight_int8pack_mm can take the shape: its bf16/fp16 path reads each row of
+    x and of the weight in aligned SIMD blocks of 8 (AVX2, NEON) or 16 (AVX-512) values with no
+    tail loop, so in_features must be a multiple of 16, else it reads past the row or faults on a
+    misaligned load (a segfault). Its fp32 path is a plain loop, but a model converted to bf16
+    after quantizing would take the other, so the rule holds for both."""
+    return in_features % 16 == 0
+
+
+def any_shape(out_features: int, in_features: int) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A matmul, whether it takes bf16 activations (the bf16 scales; else the model's dtype), and
+    which (out_features, in_features) it can take: a layer it cannot take runs `fallback` instead,
+    decided when the layer is made, before any call (a kernel given a bad shape can crash the process)."""
+
+    matmul: Callable[[Tensor, Tensor, Tensor], Tensor]
+    bf16: bool
+    fits: Callable[[int, int], bool]
+    fallback: str
+
+
+# name → Kernel; "/bf16": bf16 activations, "/model": the model's dtype
+KERNELS: dict[str, Kernel] = {
+    "int8pack_mm/bf16": Kernel(int8pack_mm, True, int8pack_fits, "dequant/bf16"),
+    "int8pack_mm/model": Kernel(int8pack_mm, False, int8pack_fits, "dequant/model"),
+    "dequant/bf16": Kernel(dequant_linear, True, any_shape, "dequant/bf16"),
+    "dequant/model": Kernel(dequant_linear, False, any_shape, "dequant/model"),
 }
 
 
@@ -103,6 +131,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale_low", scale.to(low))  # the same scales for the "/bf16" kernels
         self.register_buffer("bias", bias)
         self.plan = plan
+        self.runs = {k: k if kern.fits(*weight.shape) else kern.fallback for k, kern in KERNELS.items()}  # kernel → what runs
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan) -> Int8Linear:
@@ -124,9 +153,9 @@ class Int8Linear(nn.Module):
         return self.linear(x2, self.plan.pick(x2.shape[0])).view(*x.shape[:-1], self.out_features)
 
     def linear(self, x: Tensor, kernel: str) -> Tensor:
-        """(M, in) → (M, out) in x's dtype through `kernel`."""
-        matmul, bf16 = KERNELS[kernel]
-        y = matmul(x, self.weight, self.scale_low if bf16 else self.scale)
+        """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
+        kern = KERNELS[self.runs[kernel]]
+        y = kern.matmul(x, self.weight, self.scale_low if kern.bf16 else self.scale)
         return y.to(x.dtype) if self.bias is None else self.bias + y  # the bias add casts too
 
     def extra_repr(self) -> str:
@@ -226,7 +255,7 @@ def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.
 def _candidates(q: Int8Linear) -> list[str]:
     """The kernels worth timing: the "/bf16" ones only on a float32 model (else they are the "/model" ones)."""
     distinct = q.scale_low.dtype != q.scale.dtype
-    return [k for k, (_, bf16) in KERNELS.items() if distinct or not bf16]
+    return [k for k, kern in KERNELS.items() if distinct or not kern.bf16]
 
 
 def _sync(device: torch.device) -> None:

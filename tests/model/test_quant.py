@@ -32,7 +32,7 @@ def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel,
     lin = nn.Linear(64, 48, bias=bias)
     q = Int8Linear.from_linear(lin, fixed(kernel))
     x = torch.randn(*shape, 64)
-    _, bf16 = KERNELS[kernel]
+    bf16 = KERNELS[kernel].bf16
     x_in = x.bfloat16().float() if bf16 else x  # what the kernel multiplies: x rounded to its activations
     want = F.linear(x_in, q.dequantized(), lin.bias)
     got = q(x)
@@ -96,7 +96,7 @@ class Bf16Activations(nn.Module):
 
 def float_reference(model, kernel):
     ref = copy.deepcopy(model)
-    if KERNELS[kernel][1]:
+    if KERNELS[kernel].bf16:
         for parent in list(ref.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
