@@ -20,6 +20,7 @@ fuses the dequantization into the matmul), which the engine's compile=True does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,32 +30,54 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.errors import QuillError
+from quillgpt.model import kernel_cache
 from quillgpt.model.gpt import GPT
 
-SCHEMES = ("int8",)
+# scheme → weights per scale (0: one per output channel). int8 keeps one scale per 64 weights of a
+# row: on SmolLM2-135M one scale per row (576-1536 weights) lost its greedy answers (3 of 10 chat
+# prompts kept their first 40 tokens); scripts/quant_quality.py --real measures the choice.
+SCHEMES = {"int8": 64, "int8-channel": 0}
 
 
 def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
-    """A scheme a user names: int8, or none / None for the float weights."""
+    """A scheme a user names: int8, int8-channel, or none / None for the float weights."""
     if name is None or name == "none":
         return None
     if name not in SCHEMES:
-        raise QuillError(f"{setting} must be int8 or none, got {str(name)[:60]!r}")
+        raise QuillError(f"{setting} must be {', '.join(SCHEMES)} or none, got {str(name)[:60]!r}")
     return name
 
 
-# --- kernels: (x (M, K), weight int8 (N, K), scale (N,)) → (M, N), x cast to the scale's dtype ---
+# --- kernels: (x (M, K), weight int8 (N, K), scale (N,) or (N, K/G)) → (M, N), x cast to the scale's dtype ---
 
 
 def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-    x = x.to(scale.dtype).contiguous()
+    """torch's int8 × bf16/fp16/fp32 matmul with one scale per output channel. Group-wise scales
+    (N, K/G): the kernel multiplies x spread over K/G rows, row g keeping only group g's inputs,
+    by the weight with unit scales (one pass over the weight, K/G times the multiply-adds), and
+    each group's partial sums are scaled and added."""
+    x = x.to(scale.dtype)
+    if scale.dim() == 1:
+        return _int8pack(x, weight, scale)
+    (m, k), groups = x.shape, scale.shape[1]
+    spread = (x.view(m, 1, groups, k // groups) * torch.eye(groups, dtype=x.dtype, device=x.device)[:, :, None]).view(m * groups, k)
+    parts = _int8pack(spread, weight, torch.ones_like(scale[:, 0])).view(m, groups, -1)
+    return torch.einsum("mgn,ng->mn", parts.float(), scale.float()).to(scale.dtype)
+
+
+def _int8pack(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+    x = x.contiguous()
     if x.data_ptr() % 64:  # its bf16/fp16 SIMD loads are aligned: a view into a larger tensor gets a fresh copy
         x = x.clone()
     return torch._weight_int8pack_mm(x, weight, scale)
 
 
 def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-    return F.linear(x.to(scale.dtype), weight.to(scale.dtype)) * scale
+    if scale.dim() == 1:
+        return F.linear(x.to(scale.dtype), weight.to(scale.dtype)) * scale
+    n, k = weight.shape
+    w = (weight.view(n, scale.shape[1], -1).to(scale.dtype) * scale[:, :, None]).view(n, k)
+    return F.linear(x.to(scale.dtype), w)
 
 
 def int8pack_fits(out_features: int, in_features: int) -> bool:
@@ -101,6 +124,7 @@ class KernelPlan:
     kernels: tuple[str, ...]
     rows: int = 1  # the decode batch the plan was checked at
     ms: tuple[dict[str, float], ...] = ()
+    source: str = ""  # how the plan was had: "measured in 2.1 s", "cached"; "" fixed by the caller
 
     def pick(self, m: int) -> str:
         for size, kernel in zip(self.sizes, self.kernels):  # a loop torch.compile can trace; small m exit first
@@ -108,25 +132,29 @@ class KernelPlan:
                 return kernel
         return self.kernels[-1]
 
-    def describe(self) -> str:
-        """A few words for the stats line: the decode step's kernel and what it was measured against."""
+    def describe(self, scales: str = "") -> str:
+        """A few words for the stats line: the decode step's kernel and what it was measured against
+        (`scales`: a note on the weights' scales, after "int8 weights")."""
         kernel = self.pick(self.rows)
         if not self.ms:
-            return f"int8 weights, {kernel}"
+            return f"int8 weights{scales}, {kernel}"
         ms = self.ms[self.sizes.index(self.rows)]
         slower = " (slower here: a model this small, or a busy machine while it was measured)" if ms[kernel] >= ms["float"] else ""
-        return f"int8 weights, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}"
+        how = f"; {self.source}" if self.source else ""
+        return f"int8 weights{scales}, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}{how}"
 
 
 class Int8Linear(nn.Module):
-    """y = x·(q·s)ᵀ + b: int8 q (out, in), per-output-channel scales s, the float bias b.
+    """y = x·(q·s)ᵀ + b: int8 q (out, in), scales s per output channel (out,) or per group of
+    `group` inputs of each output channel (out, in / group), the float bias b.
     The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # (out, in) int8
-        self.register_buffer("scale", scale)  # (out,) in the model's dtype
+        self.register_buffer("scale", scale)  # (out,) or (out, in / group) in the model's dtype
+        self.group = self.in_features // scale.shape[1] if scale.dim() == 2 else 0  # 0: per output channel
         low = torch.bfloat16 if scale.dtype == torch.float32 else scale.dtype  # bf16/fp16 models: their own
         self.register_buffer("scale_low", scale.to(low))  # the same scales for the "/bf16" kernels
         self.register_buffer("bias", bias)
@@ -134,17 +162,22 @@ class Int8Linear(nn.Module):
         self.runs = {k: k if kern.fits(*weight.shape) else kern.fallback for k, kern in KERNELS.items()}  # kernel → what runs
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, plan: KernelPlan) -> Int8Linear:
-        """Symmetric per-row quantization: s = max|w| / 127, q = round(w / s) in [-127, 127]."""
+    def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
+        """Symmetric quantization per row (group 0, or a group that does not divide in_features)
+        or per `group` weights of a row: s = max|w| / 127, q = round(w / s) in [-127, 127]."""
         w = linear.weight.detach()
-        scale = w.abs().amax(dim=1).float() / 127
-        q = torch.round(w.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+        out, inp = w.shape
+        groups = inp // group if group and inp % group == 0 and group < inp else 1
+        wg = w.float().view(out, groups, inp // groups)
+        scale = wg.abs().amax(dim=2) / 127
+        q = torch.round(wg / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, :, None]).clamp_(-127, 127).view(out, inp)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
+        return cls(q.to(torch.int8), (scale[:, 0] if groups == 1 else scale).to(w.dtype), bias, plan)
 
     def dequantized(self) -> Tensor:
         """(out, in) float32 q·s: the weight this layer multiplies by (to rounding)."""
-        return self.weight.float() * self.scale.float()[:, None]
+        s = self.scale.float().view(self.out_features, -1)
+        return (self.weight.float().view(self.out_features, s.shape[1], -1) * s[:, :, None]).view(self.out_features, self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 2:  # (M, in): the decode step
@@ -159,17 +192,19 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype) if self.bias is None else self.bias + y  # the bias add casts too
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+        scales = f"{self.group} weights per scale" if self.group else "per-channel scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8, {scales}"
 
 
 # --- choosing the kernels and swapping the layers ----------------------------------------------
 
 
-def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None) -> GPT:
+def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None, cache: bool = False) -> GPT:
     """Swap every nn.Linear of `model` (the blocks' and the head) for an Int8Linear, in place,
     and return it; scheme None returns the model unchanged. `rows`: the decode batch (one
     token per row) the kernels are measured at (measure_plan); `kernel` (a KERNELS name) fixes
-    one kernel for every input instead (tests, reproducing a run)."""
+    one kernel for every input instead (tests, reproducing a run). `cache`: take the plan
+    measured before on this machine for this shape, and keep a new one (model/kernel_cache.py)."""
     scheme = parse_quantize(scheme, "scheme")
     if scheme is None:
         return model
@@ -180,16 +215,39 @@ def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None =
     places = [
         (parent, name, child) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)
     ]
-    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows)) for _, _, lin in places]
+    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows), SCHEMES[scheme]) for _, _, lin in places]
     if kernel is None:
         first = {id(m) for m in model.transformer.h[0].modules()}
         pairs = [(lin, q) for (_, _, lin), q in zip(places, layers)]
-        plan = measure_plan(pairs, [p for p in pairs if id(p[0]) in first], rows)
+        plan = cached_plan(pairs, [p for p in pairs if id(p[0]) in first], rows, cache)
         for q in layers:
             q.plan = plan
     for (parent, name, _), q in zip(places, layers):
         setattr(parent, name, q)
     return model
+
+
+def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:
+    """measure_plan's plan, or (cache) the one stored for this machine and these layers' shapes."""
+    w = every[0][0].weight
+    shape = {
+        "dtype": str(w.dtype),
+        "rows": rows,
+        "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
+        "block": [(q.out_features, q.in_features, q.group) for _, q in block],
+    }
+    k = kernel_cache.key(w.device, shape) if cache else ""
+    if cache and (hit := kernel_cache.lookup(k)) is not None:
+        try:
+            return KernelPlan(tuple(hit["sizes"]), tuple(hit["kernels"]), hit["rows"], tuple(hit["ms"]), source="cached")
+        except (KeyError, TypeError):
+            pass  # an entry of another layout: measure again
+    start = time.perf_counter()
+    plan = measure_plan(every, block, rows)
+    plan = dataclasses.replace(plan, source=f"measured in {time.perf_counter() - start:.1f} s")
+    if cache and kernel_cache.store(k, {"sizes": plan.sizes, "kernels": plan.kernels, "rows": plan.rows, "ms": plan.ms}):
+        plan = dataclasses.replace(plan, source=plan.source + ", cached for the next load")
+    return plan
 
 
 def plan_of(model: GPT) -> KernelPlan | None:
@@ -199,8 +257,10 @@ def plan_of(model: GPT) -> KernelPlan | None:
 
 def weights_note(model: GPT, sep: str = ", ") -> str:
     """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float weights."""
-    plan = plan_of(model)
-    return "" if plan is None else f"{sep}{plan.describe()}"
+    layer = next((m for m in model.modules() if isinstance(m, Int8Linear)), None)
+    if layer is None:
+        return ""
+    return f"{sep}{layer.plan.describe(f' ({layer.group} per scale)' if layer.group else ' (per-channel scales)')}"
 
 
 Pair = tuple[nn.Linear, Int8Linear]  # a float layer and its int8 copy
