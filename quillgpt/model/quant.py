@@ -33,10 +33,11 @@ from quillgpt.errors import QuillError
 from quillgpt.model import kernel_cache
 from quillgpt.model.gpt import GPT
 
-# scheme → weights per scale (0: one per output channel). int8 keeps one scale per 64 weights of a
-# row: on SmolLM2-135M one scale per row (576-1536 weights) lost its greedy answers (3 of 10 chat
-# prompts kept their first 40 tokens); scripts/quant_quality.py --real measures the choice.
-SCHEMES = {"int8": 64, "int8-channel": 0}
+# scheme → weights per scale (0: one per output channel, symmetric; else a scale and an offset per
+# group). On SmolLM2-135M-Instruct one scale per row (576-1536 weights) lost greedy answers (3 of
+# 10 chat prompts kept their first 40 tokens, the sleeping-tips one not); scripts/quant_real.py
+# measures the choice.
+SCHEMES = {"int8": 32, "int8-channel": 0}
 
 
 def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
@@ -48,21 +49,28 @@ def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
     return name
 
 
-# --- kernels: (x (M, K), weight int8 (N, K), scale (N,) or (N, K/G)) → (M, N), x cast to the scale's dtype ---
+# --- kernels: (x (M, K), weight int8 (N, K), scale (N,) or (N, K/G), offset None or (N, K/G)) → (M, N),
+# x cast to the scale's dtype; W = q·s per output channel, or q·s + offset per group of G inputs ---
+
+Offset = Tensor | None
 
 
-def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
     """torch's int8 × bf16/fp16/fp32 matmul with one scale per output channel. Group-wise scales
     (N, K/G): the kernel multiplies x spread over K/G rows, row g keeping only group g's inputs,
-    by the weight with unit scales (one pass over the weight, K/G times the multiply-adds), and
-    each group's partial sums are scaled and added."""
+    by the weight with unit scales (one pass over the weight, K/G times the multiply-adds); each
+    group's partial sums are scaled and added, and each group's offset times its inputs' sum."""
     x = x.to(scale.dtype)
     if scale.dim() == 1:
         return _int8pack(x, weight, scale)
     (m, k), groups = x.shape, scale.shape[1]
-    spread = (x.view(m, 1, groups, k // groups) * torch.eye(groups, dtype=x.dtype, device=x.device)[:, :, None]).view(m * groups, k)
+    xg = x.view(m, 1, groups, k // groups)
+    spread = (xg * torch.eye(groups, dtype=x.dtype, device=x.device)[:, :, None]).view(m * groups, k)
     parts = _int8pack(spread, weight, torch.ones_like(scale[:, 0])).view(m, groups, -1)
-    return torch.einsum("mgn,ng->mn", parts.float(), scale.float()).to(scale.dtype)
+    y = torch.einsum("mgn,ng->mn", parts.float(), scale.float())
+    if offset is not None:
+        y = y + xg[:, 0].float().sum(-1) @ offset.float().t()
+    return y.to(scale.dtype)
 
 
 def _int8pack(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
@@ -72,12 +80,14 @@ def _int8pack(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     return torch._weight_int8pack_mm(x, weight, scale)
 
 
-def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
     if scale.dim() == 1:
         return F.linear(x.to(scale.dtype), weight.to(scale.dtype)) * scale
     n, k = weight.shape
-    w = (weight.view(n, scale.shape[1], -1).to(scale.dtype) * scale[:, :, None]).view(n, k)
-    return F.linear(x.to(scale.dtype), w)
+    w = weight.view(n, scale.shape[1], -1).to(scale.dtype) * scale[:, :, None]
+    if offset is not None:
+        w = w + offset[:, :, None]
+    return F.linear(x.to(scale.dtype), w.view(n, k))
 
 
 def int8pack_fits(out_features: int, in_features: int) -> bool:
@@ -99,7 +109,7 @@ class Kernel:
     which (out_features, in_features) it can take: a layer it cannot take runs `fallback` instead,
     decided when the layer is made, before any call (a kernel given a bad shape can crash the process)."""
 
-    matmul: Callable[[Tensor, Tensor, Tensor], Tensor]
+    matmul: Callable[[Tensor, Tensor, Tensor, Offset], Tensor]
     bf16: bool
     fits: Callable[[int, int], bool]
     fallback: str
@@ -145,39 +155,49 @@ class KernelPlan:
 
 
 class Int8Linear(nn.Module):
-    """y = x·(q·s)ᵀ + b: int8 q (out, in), scales s per output channel (out,) or per group of
-    `group` inputs of each output channel (out, in / group), the float bias b.
-    The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
+    """y = x·Wᵀ + b with W from int8 q (out, in): W = q·s with one scale per output channel (out,),
+    or W = q·s + o with a scale and an offset per group of `group` inputs of each output channel
+    (out, in / group) — a group's 256 levels then span exactly its weights' range. The float bias
+    b. The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
 
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan) -> None:
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # (out, in) int8
         self.register_buffer("scale", scale)  # (out,) or (out, in / group) in the model's dtype
+        self.register_buffer("offset", offset)  # None, or (out, in / group) as the scales
         self.group = self.in_features // scale.shape[1] if scale.dim() == 2 else 0  # 0: per output channel
         low = torch.bfloat16 if scale.dtype == torch.float32 else scale.dtype  # bf16/fp16 models: their own
         self.register_buffer("scale_low", scale.to(low))  # the same scales for the "/bf16" kernels
+        self.register_buffer("offset_low", None if offset is None else offset.to(low))
         self.register_buffer("bias", bias)
         self.plan = plan
         self.runs = {k: k if kern.fits(*weight.shape) else kern.fallback for k, kern in KERNELS.items()}  # kernel → what runs
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
-        """Symmetric quantization per row (group 0, or a group that does not divide in_features)
-        or per `group` weights of a row: s = max|w| / 127, q = round(w / s) in [-127, 127]."""
+        """Symmetric quantization per row (group 0, or a group that does not divide in_features):
+        s = max|w| / 127, q = round(w / s) in [-127, 127]; or per `group` weights of a row, over
+        the group's range: s = (max - min) / 255, q = round((w - min) / s) - 128, o = min + 128·s."""
         w = linear.weight.detach()
         out, inp = w.shape
-        groups = inp // group if group and inp % group == 0 and group < inp else 1
-        wg = w.float().view(out, groups, inp // groups)
-        scale = wg.abs().amax(dim=2) / 127
-        q = torch.round(wg / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, :, None]).clamp_(-127, 127).view(out, inp)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q.to(torch.int8), (scale[:, 0] if groups == 1 else scale).to(w.dtype), bias, plan)
+        tiny = torch.finfo(torch.float32).tiny
+        if not (group and inp % group == 0 and group < inp):
+            scale = w.float().abs().amax(dim=1) / 127
+            q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
+            return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
+        wg = w.float().view(out, inp // group, group)
+        low, high = wg.amin(dim=2), wg.amax(dim=2)
+        scale = ((high - low) / 255).to(w.dtype).float()  # the steps as stored, so q rounds to what is multiplied
+        q = (torch.round((wg - low[:, :, None]) / scale.clamp(min=tiny)[:, :, None]).clamp_(0, 255) - 128).view(out, inp)
+        return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan, (low + 128 * scale).to(w.dtype))
 
     def dequantized(self) -> Tensor:
-        """(out, in) float32 q·s: the weight this layer multiplies by (to rounding)."""
-        s = self.scale.float().view(self.out_features, -1)
-        return (self.weight.float().view(self.out_features, s.shape[1], -1) * s[:, :, None]).view(self.out_features, self.in_features)
+        """(out, in) float32 q·s (+ o): the weight this layer multiplies by (to rounding)."""
+        n, s = self.out_features, self.scale.float().view(self.out_features, -1)
+        w = self.weight.float().view(n, s.shape[1], -1) * s[:, :, None]
+        return (w if self.offset is None else w + self.offset.float()[:, :, None]).view(n, self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 2:  # (M, in): the decode step
@@ -188,7 +208,7 @@ class Int8Linear(nn.Module):
     def linear(self, x: Tensor, kernel: str) -> Tensor:
         """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
         kern = KERNELS[self.runs[kernel]]
-        y = kern.matmul(x, self.weight, self.scale_low if kern.bf16 else self.scale)
+        y = kern.matmul(x, self.weight, *((self.scale_low, self.offset_low) if kern.bf16 else (self.scale, self.offset)))
         return y.to(x.dtype) if self.bias is None else self.bias + y  # the bias add casts too
 
     def extra_repr(self) -> str:
@@ -199,12 +219,15 @@ class Int8Linear(nn.Module):
 # --- choosing the kernels and swapping the layers ----------------------------------------------
 
 
-def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None, cache: bool = False) -> GPT:
+def quantize(
+    model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None, cache: bool = False, group: int | None = None
+) -> GPT:
     """Swap every nn.Linear of `model` (the blocks' and the head) for an Int8Linear, in place,
     and return it; scheme None returns the model unchanged. `rows`: the decode batch (one
     token per row) the kernels are measured at (measure_plan); `kernel` (a KERNELS name) fixes
     one kernel for every input instead (tests, reproducing a run). `cache`: take the plan
-    measured before on this machine for this shape, and keep a new one (model/kernel_cache.py)."""
+    measured before on this machine for this shape, and keep a new one (model/kernel_cache.py).
+    `group`: weights per scale instead of the scheme's (0: per output channel; measuring schemes)."""
     scheme = parse_quantize(scheme, "scheme")
     if scheme is None:
         return model
@@ -215,7 +238,8 @@ def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None =
     places = [
         (parent, name, child) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)
     ]
-    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows), SCHEMES[scheme]) for _, _, lin in places]
+    group = SCHEMES[scheme] if group is None else group
+    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows), group) for _, _, lin in places]
     if kernel is None:
         first = {id(m) for m in model.transformer.h[0].modules()}
         pairs = [(lin, q) for (_, _, lin), q in zip(places, layers)]
@@ -257,10 +281,11 @@ def plan_of(model: GPT) -> KernelPlan | None:
 
 def weights_note(model: GPT, sep: str = ", ") -> str:
     """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float weights."""
-    layer = next((m for m in model.modules() if isinstance(m, Int8Linear)), None)
-    if layer is None:
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if not layers:
         return ""
-    return f"{sep}{layer.plan.describe(f' ({layer.group} per scale)' if layer.group else ' (per-channel scales)')}"
+    group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
+    return f"{sep}{layers[0].plan.describe(f' ({group} per scale)' if group else ' (per-channel scales)')}"
 
 
 Pair = tuple[nn.Linear, Int8Linear]  # a float layer and its int8 copy

@@ -67,7 +67,8 @@ def test_group_wise_scales_round_each_weight_to_its_groups_nearest_step(group):
     q = Int8Linear.from_linear(lin, fixed("dequant/model"), group)
     step = q.scale.repeat_interleave(group, dim=1)
     assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + 1e-7).all())
-    assert bool((q.weight.view(40, -1, group).abs().amax(-1) == 127).all())  # every group spans the full range
+    qg = q.weight.view(40, -1, group)
+    assert bool((qg.amin(-1) == -128).all() and (qg.amax(-1) == 127).all())  # every group spans the full range
     per_row = Int8Linear.from_linear(lin, fixed("dequant/model"))
     tail = slice(group, None)
     assert (q.dequantized() - lin.weight)[:, tail].abs().max() * 50 < (per_row.dequantized() - lin.weight)[:, tail].abs().max()
@@ -90,15 +91,20 @@ def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
 
 
 def exactly_representable(model):
-    """Every linear's weights made q·s: integers up to ±127 times a power of two per row."""
-    g = torch.Generator().manual_seed(1)
+    """Every linear's weights made exactly what int8 stores: per row (a width the scheme's group
+    does not divide), integers up to ±127 with a ±127 times a power of two; per group, integers
+    -128…127 with both ends in each group times a power of two (the offset 0)."""
+    g, group = torch.Generator().manual_seed(1), quant.SCHEMES["int8"]
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Linear):
                 out, inp = m.weight.shape
-                q = torch.randint(-127, 128, (out, inp), generator=g).float()
-                sign = torch.randint(0, 2, q[:, ::64].shape, generator=g).float() * 2 - 1
-                q[:, ::64] = 127 * sign  # each row's (and each group's) max |q| is 127, so its scale is exactly s
+                if inp % group == 0 and group < inp:
+                    q = torch.randint(-128, 128, (out, inp), generator=g).float()
+                    q[:, ::group], q[:, 1::group] = -128.0, 127.0
+                else:
+                    q = torch.randint(-127, 128, (out, inp), generator=g).float()
+                    q[:, 0] = 127  # each row's max |q| is 127, so its scale is exactly s
                 m.weight.copy_(q * 2.0 ** -torch.randint(8, 10, (out, 1), generator=g))  # std ~0.3, as random_model
     return model
 
