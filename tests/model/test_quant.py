@@ -271,3 +271,24 @@ def test_cuda_int8_equals_its_dequantized_model_and_the_engine_equals_recompute(
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     cached = torch.stack(list(generate_tokens(model, prompts, 40)), 1)
     assert torch.equal(cached, torch.stack(list(generate_tokens(model, prompts, 40, use_cache=False)), 1))
+
+
+def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUILL_CACHE_DIR", str(tmp_path / "cache"))
+    table = {2**i: {"float": 1.0, "int8pack_mm/bf16": 0.3, "dequant/bf16": 0.5} for i in range(9)}
+    timings, calls = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    first = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))
+    assert first.source.startswith("measured in ") and first.source.endswith(", cached for the next load") and len(calls) == 9
+    assert (tmp_path / "cache" / "kernel_plans.json").is_file()
+    again = plan_of(quantize(random_model("mha-learned", seed=1), "int8", cache=True))  # other weights, the same shapes
+    assert len(calls) == 9 and again.source == "cached"
+    assert (again.sizes, again.kernels, again.ms) == (first.sizes, first.kernels, first.ms)
+    plan_of(quantize(random_model("gqa"), "int8", cache=True))  # other shapes: measured
+    plan_of(quantize(random_model("mha-learned"), "int8-channel", cache=True))  # other scales: measured
+    plan_of(quantize(random_model("mha-learned"), "int8", rows=4, cache=True))  # another decode batch: measured
+    assert len(calls) == 36
+    plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
+    assert len(calls) == 45
+    (tmp_path / "cache" / "kernel_plans.json").write_text("not json")
+    assert plan_of(quantize(random_model("mha-learned"), "int8", cache=True)).source.startswith("measured in ")  # a bad file: ignored
