@@ -976,7 +976,8 @@ def step_weight_bytes(model: GPT) -> int:
             total += m.weight[0].nbytes
         elif isinstance(m, (nn.Linear, Int8Linear)):
             total += m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
-            total += m.scale.nbytes if isinstance(m, Int8Linear) else 0
+            if isinstance(m, Int8Linear):  # the scales (and offsets) of the kernel's activations
+                total += m.scale_low.nbytes + (m.offset_low.nbytes if m.offset_low is not None else 0)
         else:
             total += sum(p.nbytes for p in m.parameters(recurse=False))
     return total
