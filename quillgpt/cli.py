@@ -58,7 +58,7 @@ WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run dire
 QUANT_OPT = typer.Option(
     "none",
     "--quantize",
-    help="int8: weight-only int8 linears (a scale and an offset per 32 weights), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-channel: one scale per output channel (less exact, a faster kernel); none: the float weights.",
+    help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-g32: a scale and an offset per 32 weights (closer to the float weights, slow kernels); none: the float weights.",
 )
 
 
@@ -350,7 +350,7 @@ def serve_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8: weight-only int8 linears (a scale and an offset per 32 weights), quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-channel: one scale per output channel; none: the float weights.",
+        help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-g32: a scale and an offset per 32 weights; none: the float weights.",
     ),
     cors: str | None = typer.Option(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."

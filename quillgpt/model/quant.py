@@ -34,14 +34,15 @@ from quillgpt.model import kernel_cache
 from quillgpt.model.gpt import GPT
 
 # scheme → weights per scale (0: one per output channel, symmetric; else a scale and an offset per
-# group). On SmolLM2-135M-Instruct one scale per row (576-1536 weights) lost greedy answers (3 of
-# 10 chat prompts kept their first 40 tokens, the sleeping-tips one not); scripts/quant_real.py
-# measures the choice.
-SCHEMES = {"int8": 32, "int8-channel": 0}
+# group). On SmolLM2-135M-Instruct one scale per row (576-1536 weights) lost greedy answers (the
+# sleeping-tips prompt: "1. **1.1.1.1…"); int8-g32 keeps a scale and an offset per 32 weights
+# (scripts/quant_real.py measures both), but its kernels are slow in eager mode (many times the
+# float linears), so int8 stays per channel, the fast path, and int8-g32 is asked for by name.
+SCHEMES = {"int8": 0, "int8-g32": 32}
 
 
 def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
-    """A scheme a user names: int8, int8-channel, or none / None for the float weights."""
+    """A scheme a user names: int8, int8-g32, or none / None for the float weights."""
     if name is None or name == "none":
         return None
     if name not in SCHEMES:

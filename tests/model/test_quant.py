@@ -90,16 +90,16 @@ def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
         quantize(model, "int8")
 
 
-def exactly_representable(model):
+def exactly_representable(model, scheme="int8"):
     """Every linear's weights made exactly what int8 stores: per row (a width the scheme's group
     does not divide), integers up to ±127 with a ±127 times a power of two; per group, integers
     -128…127 with both ends in each group times a power of two (the offset 0)."""
-    g, group = torch.Generator().manual_seed(1), quant.SCHEMES["int8"]
+    g, group = torch.Generator().manual_seed(1), quant.SCHEMES[scheme]
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Linear):
                 out, inp = m.weight.shape
-                if inp % group == 0 and group < inp:
+                if group and inp % group == 0 and group < inp:
                     q = torch.randint(-128, 128, (out, inp), generator=g).float()
                     q[:, ::group], q[:, 1::group] = -128.0, 127.0
                 else:
@@ -128,28 +128,29 @@ class Bf16Activations(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def float_reference(model, kernel):
+def float_reference(model, kernel, scheme):
     ref = copy.deepcopy(model)
-    group = quant.SCHEMES["int8"]
+    group = quant.SCHEMES[scheme]
     if KERNELS[kernel].bf16:
         for parent in list(ref.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     inp = child.in_features
-                    packed_groups = inp // group if kernel.startswith("int8pack") and inp % group == 0 and group < inp else 1
+                    packed_groups = inp // group if group and kernel.startswith("int8pack") and inp % group == 0 and group < inp else 1
                     setattr(parent, name, Bf16Activations(child, packed_groups))
     return ref
 
 
 @kernels
 @pytest.mark.parametrize("variant", ["mha-learned", "rmsnorm-swiglu"])
-def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, variant):
+@pytest.mark.parametrize("scheme", ["int8", "int8-g32"])
+def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, variant, scheme):
     """The float model's greedy tokens (with the kernel's activation rounding), past block_size,
     from the quantized model's engine."""
-    model = exactly_representable(random_model(variant))
+    model = exactly_representable(random_model(variant), scheme)
     weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    want = torch.stack(list(generate_tokens(float_reference(model, kernel), PROMPTS, 30)), 1)
-    quantize(model, "int8", kernel=kernel)
+    want = torch.stack(list(generate_tokens(float_reference(model, kernel, scheme), PROMPTS, 30)), 1)
+    quantize(model, scheme, kernel=kernel)
     for name, m in model.named_modules():
         if isinstance(m, Int8Linear):
             assert torch.equal(m.dequantized(), weights[name]), name  # nothing lost
@@ -237,7 +238,7 @@ def test_the_real_timings_cover_every_kernel_that_runs_here():
 
 
 def test_unknown_schemes_and_kernels_are_refused():
-    with pytest.raises(QuillError, match="--quantize must be int8, int8-channel or none, got 'int5'"):
+    with pytest.raises(QuillError, match="--quantize must be int8, int8-g32 or none, got 'int5'"):
         quant.parse_quantize("int5")
     assert quant.parse_quantize("none") is None and quant.parse_quantize("int8") == "int8"
     with pytest.raises(ValueError, match="kernel must be one of"):
@@ -285,7 +286,7 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     assert len(calls) == 9 and again.source == "cached"
     assert (again.sizes, again.kernels, again.ms) == (first.sizes, first.kernels, first.ms)
     plan_of(quantize(random_model("gqa"), "int8", cache=True))  # other shapes: measured
-    plan_of(quantize(random_model("mha-learned"), "int8-channel", cache=True))  # other scales: measured
+    plan_of(quantize(random_model("mha-learned"), "int8-g32", cache=True))  # other scales: measured
     plan_of(quantize(random_model("mha-learned"), "int8", rows=4, cache=True))  # another decode batch: measured
     assert len(calls) == 36
     plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
