@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -72,7 +73,7 @@ WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run dire
 QUANT_OPT = typer.Option(
     "none",
     "--quantize",
-    help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here; none: the float weights.",
+    help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-g32: a scale and an offset per 32 weights (closer to the float weights, slow kernels); none: the float weights.",
 )
 
 
@@ -245,9 +246,11 @@ def sample_cmd(
     """
     text = _sample_prompt(prompt, prompt_file)
     stops = tuple(_unescape(s) for s in stop or [])
+    loading = time.perf_counter()
     run, gen, params = _open_generation(
         ckpt, which, device, dtype, quant, text, num_samples, flags, stops, use_cache=not no_kv_cache, compile=compile
     )
+    loaded = time.perf_counter()  # loading, quantizing (and any kernel probe): apart from the stats line's tokens/s
     settings = {k: getattr(params, k) for k in flags}
     out = sys.stdout
     try:
@@ -264,7 +267,8 @@ def sample_cmd(
         from quillgpt.model.quant import weights_note
 
         how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
-        print(f"{gen.stats.line()} ({how}, {run.model.device.type}, {dtype}{weights_note(gen.engine.model)})", file=sys.stderr)
+        load = f"load {loaded - loading:.1f} s, not in tokens/s"
+        print(f"{gen.stats.line()} ({how}, {run.model.device.type}, {dtype}{weights_note(gen.engine.model)}; {load})", file=sys.stderr)
 
 
 def _open_generation(
@@ -393,7 +397,7 @@ def serve_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8: weight-only int8 linears, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; none: the float weights.",
+        help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-g32: a scale and an offset per 32 weights; none: the float weights.",
     ),
     cors: str | None = typer.Option(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."

@@ -136,7 +136,7 @@ def load_run(
     except QuillError as e:
         raise QuillError(f"{shown(ckpt)}: {e}") from None
     model.eval()
-    quant.quantize(model, quantize, rows=rows)
+    quant.quantize(model, quantize, rows=rows, cache=True)  # the kernel plan measured once per machine and shape
     return LoadedRun(model, tokenizer, config, state["step"], ckpt)
 
 

@@ -977,7 +977,8 @@ def step_weight_bytes(model: GPT) -> int:
             total += m.weight[0].nbytes
         elif isinstance(m, (nn.Linear, Int8Linear)):
             total += m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
-            total += m.scale.nbytes if isinstance(m, Int8Linear) else 0
+            if isinstance(m, Int8Linear):  # the scales (and offsets) of the kernel's activations
+                total += m.scale_low.nbytes + (m.offset_low.nbytes if m.offset_low is not None else 0)
         else:
             total += sum(p.nbytes for p in m.parameters(recurse=False))
     return total
@@ -993,7 +994,7 @@ def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     kv = B * 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * ctx * model.dtype.itemsize
     flops = 2 * matmul + 4 * cfg.n_layer * cfg.n_head * cfg.head_size * ctx
     plan = plan_of(model)
-    low = model.dtype == torch.bfloat16 or (plan is not None and KERNELS[plan.pick(B)][1])  # its kernel's activations
+    low = model.dtype == torch.bfloat16 or (plan is not None and KERNELS[plan.pick(B)].bf16)  # its kernel's activations
     # without bf16 units torch converts bf16 and multiplies in fp32: the fp32 peak bounds it
     peak = matmul_peak(torch.bfloat16 if low and cpu_has_bf16() else torch.float32)
     bw = read_bandwidth(int(weights))

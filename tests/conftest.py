@@ -39,6 +39,13 @@ def checkout_stays_clean():
     assert not new, f"tests left files in {ROOT}: {new}"
 
 
+@pytest.fixture(autouse=True)
+def kernel_cache_in_tmp(monkeypatch, tmp_path_factory):
+    """--quantize keeps its measured kernel plans under the user's cache directory
+    (model/kernel_cache.py): each test gets an empty one of its own, never the user's."""
+    monkeypatch.setenv("QUILL_CACHE_DIR", str(tmp_path_factory.mktemp("quill_cache")))
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test: the bf16 int8 kernels open a parallel region per call,

@@ -20,6 +20,7 @@ fuses the dequantization into the matmul), which the engine's compile=True does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,37 +30,98 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.errors import QuillError
+from quillgpt.model import kernel_cache
 from quillgpt.model.gpt import GPT
 
-SCHEMES = ("int8",)
+# scheme → weights per scale (0: one per output channel, symmetric; else a scale and an offset per
+# group). On SmolLM2-135M-Instruct one scale per row (576-1536 weights) lost greedy answers (the
+# sleeping-tips prompt: "1. **1.1.1.1…"); int8-g32 keeps a scale and an offset per 32 weights
+# (scripts/quant_real.py measures both), but its kernels are slow in eager mode (many times the
+# float linears), so int8 stays per channel, the fast path, and int8-g32 is asked for by name.
+SCHEMES = {"int8": 0, "int8-g32": 32}
 
 
 def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
-    """A scheme a user names: int8, or none / None for the float weights."""
+    """A scheme a user names: int8, int8-g32, or none / None for the float weights."""
     if name is None or name == "none":
         return None
     if name not in SCHEMES:
-        raise QuillError(f"{setting} must be int8 or none, got {str(name)[:60]!r}")
+        raise QuillError(f"{setting} must be {', '.join(SCHEMES)} or none, got {str(name)[:60]!r}")
     return name
 
 
-# --- kernels: (x (M, K), weight int8 (N, K), scale (N,)) → (M, N), x cast to the scale's dtype ---
+# --- kernels: (x (M, K), weight int8 (N, K), scale (N,) or (N, K/G), offset None or (N, K/G)) → (M, N),
+# x cast to the scale's dtype; W = q·s per output channel, or q·s + offset per group of G inputs ---
+
+Offset = Tensor | None
 
 
-def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-    return torch._weight_int8pack_mm(x.to(scale.dtype), weight, scale)
+def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
+    """torch's int8 × bf16/fp16/fp32 matmul with one scale per output channel. Group-wise scales
+    (N, K/G): the kernel multiplies x spread over K/G rows, row g keeping only group g's inputs,
+    by the weight with unit scales (one pass over the weight, K/G times the multiply-adds); each
+    group's partial sums are scaled and added, and each group's offset times its inputs' sum."""
+    x = x.to(scale.dtype)
+    if scale.dim() == 1:
+        return _int8pack(x, weight, scale)
+    (m, k), groups = x.shape, scale.shape[1]
+    xg = x.view(m, 1, groups, k // groups)
+    spread = (xg * torch.eye(groups, dtype=x.dtype, device=x.device)[:, :, None]).view(m * groups, k)
+    parts = _int8pack(spread, weight, torch.ones_like(scale[:, 0])).view(m, groups, -1)
+    y = torch.einsum("mgn,ng->mn", parts.float(), scale.float())
+    if offset is not None:
+        y = y + xg[:, 0].float().sum(-1) @ offset.float().t()
+    return y.to(scale.dtype)
 
 
-def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-    return F.linear(x.to(scale.dtype), weight.to(scale.dtype)) * scale
+def _int8pack(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+    x = x.contiguous()
+    if x.data_ptr() % 64:  # its bf16/fp16 SIMD loads are aligned: a view into a larger tensor gets a fresh copy
+        x = x.clone()
+    return torch._weight_int8pack_mm(x, weight, scale)
 
 
-# name → (matmul, whether it takes bf16 activations: the bf16 scales); "/model": the model's dtype
-KERNELS: dict[str, tuple[Callable[[Tensor, Tensor, Tensor], Tensor], bool]] = {
-    "int8pack_mm/bf16": (int8pack_mm, True),
-    "int8pack_mm/model": (int8pack_mm, False),
-    "dequant/bf16": (dequant_linear, True),
-    "dequant/model": (dequant_linear, False),
+def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
+    if scale.dim() == 1:
+        return F.linear(x.to(scale.dtype), weight.to(scale.dtype)) * scale
+    n, k = weight.shape
+    w = weight.view(n, scale.shape[1], -1).to(scale.dtype) * scale[:, :, None]
+    if offset is not None:
+        w = w + offset[:, :, None]
+    return F.linear(x.to(scale.dtype), w.view(n, k))
+
+
+def int8pack_fits(out_features: int, in_features: int) -> bool:
+    """Whether torch._weight_int8pack_mm can take the shape: its bf16/fp16 path reads each row of
+    x and of the weight in aligned SIMD blocks of 8 (AVX2, NEON) or 16 (AVX-512) values with no
+    tail loop, so in_features must be a multiple of 16, else it reads past the row or faults on a
+    misaligned load (a segfault). Its fp32 path is a plain loop, but a model converted to bf16
+    after quantizing would take the other, so the rule holds for both."""
+    return in_features % 16 == 0
+
+
+def any_shape(out_features: int, in_features: int) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A matmul, whether it takes bf16 activations (the bf16 scales; else the model's dtype), and
+    which (out_features, in_features) it can take: a layer it cannot take runs `fallback` instead,
+    decided when the layer is made, before any call (a kernel given a bad shape can crash the process)."""
+
+    matmul: Callable[[Tensor, Tensor, Tensor, Offset], Tensor]
+    bf16: bool
+    fits: Callable[[int, int], bool]
+    fallback: str
+
+
+# name → Kernel; "/bf16": bf16 activations, "/model": the model's dtype
+KERNELS: dict[str, Kernel] = {
+    "int8pack_mm/bf16": Kernel(int8pack_mm, True, int8pack_fits, "dequant/bf16"),
+    "int8pack_mm/model": Kernel(int8pack_mm, False, int8pack_fits, "dequant/model"),
+    "dequant/bf16": Kernel(dequant_linear, True, any_shape, "dequant/bf16"),
+    "dequant/model": Kernel(dequant_linear, False, any_shape, "dequant/model"),
 }
 
 
@@ -73,6 +135,7 @@ class KernelPlan:
     kernels: tuple[str, ...]
     rows: int = 1  # the decode batch the plan was checked at
     ms: tuple[dict[str, float], ...] = ()
+    source: str = ""  # how the plan was had: "measured in 2.1 s", "cached"; "" fixed by the caller
 
     def pick(self, m: int) -> str:
         for size, kernel in zip(self.sizes, self.kernels):  # a loop torch.compile can trace; small m exit first
@@ -80,42 +143,62 @@ class KernelPlan:
                 return kernel
         return self.kernels[-1]
 
-    def describe(self) -> str:
-        """A few words for the stats line: the decode step's kernel and what it was measured against."""
+    def describe(self, scales: str = "") -> str:
+        """A few words for the stats line: the decode step's kernel and what it was measured against
+        (`scales`: a note on the weights' scales, after "int8 weights")."""
         kernel = self.pick(self.rows)
         if not self.ms:
-            return f"int8 weights, {kernel}"
+            return f"int8 weights{scales}, {kernel}"
         ms = self.ms[self.sizes.index(self.rows)]
         slower = " (slower here: a model this small, or a busy machine while it was measured)" if ms[kernel] >= ms["float"] else ""
-        return f"int8 weights, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}"
+        how = f"; {self.source}" if self.source else ""
+        return f"int8 weights{scales}, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}{how}"
 
 
 class Int8Linear(nn.Module):
-    """y = x·(q·s)ᵀ + b: int8 q (out, in), per-output-channel scales s, the float bias b.
-    The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
+    """y = x·Wᵀ + b with W from int8 q (out, in): W = q·s with one scale per output channel (out,),
+    or W = q·s + o with a scale and an offset per group of `group` inputs of each output channel
+    (out, in / group) — a group's 256 levels then span exactly its weights' range. The float bias
+    b. The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
 
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan) -> None:
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # (out, in) int8
-        self.register_buffer("scale", scale)  # (out,) in the model's dtype
+        self.register_buffer("scale", scale)  # (out,) or (out, in / group) in the model's dtype
+        self.register_buffer("offset", offset)  # None, or (out, in / group) as the scales
+        self.group = self.in_features // scale.shape[1] if scale.dim() == 2 else 0  # 0: per output channel
         low = torch.bfloat16 if scale.dtype == torch.float32 else scale.dtype  # bf16/fp16 models: their own
         self.register_buffer("scale_low", scale.to(low))  # the same scales for the "/bf16" kernels
+        self.register_buffer("offset_low", None if offset is None else offset.to(low))
         self.register_buffer("bias", bias)
         self.plan = plan
+        self.runs = {k: k if kern.fits(*weight.shape) else kern.fallback for k, kern in KERNELS.items()}  # kernel → what runs
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, plan: KernelPlan) -> Int8Linear:
-        """Symmetric per-row quantization: s = max|w| / 127, q = round(w / s) in [-127, 127]."""
+    def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
+        """Symmetric quantization per row (group 0, or a group that does not divide in_features):
+        s = max|w| / 127, q = round(w / s) in [-127, 127]; or per `group` weights of a row, over
+        the group's range: s = (max - min) / 255, q = round((w - min) / s) - 128, o = min + 128·s."""
         w = linear.weight.detach()
-        scale = w.abs().amax(dim=1).float() / 127
-        q = torch.round(w.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+        out, inp = w.shape
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
+        tiny = torch.finfo(torch.float32).tiny
+        if not (group and inp % group == 0 and group < inp):
+            scale = w.float().abs().amax(dim=1) / 127
+            q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
+            return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
+        wg = w.float().view(out, inp // group, group)
+        low, high = wg.amin(dim=2), wg.amax(dim=2)
+        scale = ((high - low) / 255).to(w.dtype).float()  # the steps as stored, so q rounds to what is multiplied
+        q = (torch.round((wg - low[:, :, None]) / scale.clamp(min=tiny)[:, :, None]).clamp_(0, 255) - 128).view(out, inp)
+        return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan, (low + 128 * scale).to(w.dtype))
 
     def dequantized(self) -> Tensor:
-        """(out, in) float32 q·s: the weight this layer multiplies by (to rounding)."""
-        return self.weight.float() * self.scale.float()[:, None]
+        """(out, in) float32 q·s (+ o): the weight this layer multiplies by (to rounding)."""
+        n, s = self.out_features, self.scale.float().view(self.out_features, -1)
+        w = self.weight.float().view(n, s.shape[1], -1) * s[:, :, None]
+        return (w if self.offset is None else w + self.offset.float()[:, :, None]).view(n, self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 2:  # (M, in): the decode step
@@ -124,23 +207,28 @@ class Int8Linear(nn.Module):
         return self.linear(x2, self.plan.pick(x2.shape[0])).view(*x.shape[:-1], self.out_features)
 
     def linear(self, x: Tensor, kernel: str) -> Tensor:
-        """(M, in) → (M, out) in x's dtype through `kernel`."""
-        matmul, bf16 = KERNELS[kernel]
-        y = matmul(x, self.weight, self.scale_low if bf16 else self.scale)
+        """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
+        kern = KERNELS[self.runs[kernel]]
+        y = kern.matmul(x, self.weight, *((self.scale_low, self.offset_low) if kern.bf16 else (self.scale, self.offset)))
         return y.to(x.dtype) if self.bias is None else self.bias + y  # the bias add casts too
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+        scales = f"{self.group} weights per scale" if self.group else "per-channel scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8, {scales}"
 
 
 # --- choosing the kernels and swapping the layers ----------------------------------------------
 
 
-def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None) -> GPT:
+def quantize(
+    model: GPT, scheme: str | None, rows: int = 1, kernel: str | None = None, cache: bool = False, group: int | None = None
+) -> GPT:
     """Swap every nn.Linear of `model` (the blocks' and the head) for an Int8Linear, in place,
     and return it; scheme None returns the model unchanged. `rows`: the decode batch (one
     token per row) the kernels are measured at (measure_plan); `kernel` (a KERNELS name) fixes
-    one kernel for every input instead (tests, reproducing a run)."""
+    one kernel for every input instead (tests, reproducing a run). `cache`: take the plan
+    measured before on this machine for this shape, and keep a new one (model/kernel_cache.py).
+    `group`: weights per scale instead of the scheme's (0: per output channel; measuring schemes)."""
     scheme = parse_quantize(scheme, "scheme")
     if scheme is None:
         return model
@@ -151,16 +239,40 @@ def quantize(model: GPT, scheme: str | None, rows: int = 1, kernel: str | None =
     places = [
         (parent, name, child) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)
     ]
-    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows)) for _, _, lin in places]
+    group = SCHEMES[scheme] if group is None else group
+    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows), group) for _, _, lin in places]
     if kernel is None:
         first = {id(m) for m in model.transformer.h[0].modules()}
         pairs = [(lin, q) for (_, _, lin), q in zip(places, layers)]
-        plan = measure_plan(pairs, [p for p in pairs if id(p[0]) in first], rows)
+        plan = cached_plan(pairs, [p for p in pairs if id(p[0]) in first], rows, cache)
         for q in layers:
             q.plan = plan
     for (parent, name, _), q in zip(places, layers):
         setattr(parent, name, q)
     return model
+
+
+def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:
+    """measure_plan's plan, or (cache) the one stored for this machine and these layers' shapes."""
+    w = every[0][0].weight
+    shape = {
+        "dtype": str(w.dtype),
+        "rows": rows,
+        "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
+        "block": [(q.out_features, q.in_features, q.group) for _, q in block],
+    }
+    k = kernel_cache.key(w.device, shape) if cache else ""
+    if cache and (hit := kernel_cache.lookup(k)) is not None:
+        try:
+            return KernelPlan(tuple(hit["sizes"]), tuple(hit["kernels"]), hit["rows"], tuple(hit["ms"]), source="cached")
+        except (KeyError, TypeError):
+            pass  # an entry of another layout: measure again
+    start = time.perf_counter()
+    plan = measure_plan(every, block, rows)
+    plan = dataclasses.replace(plan, source=f"measured in {time.perf_counter() - start:.1f} s")
+    if cache and kernel_cache.store(k, {"sizes": plan.sizes, "kernels": plan.kernels, "rows": plan.rows, "ms": plan.ms}):
+        plan = dataclasses.replace(plan, source=plan.source + ", cached for the next load")
+    return plan
 
 
 def plan_of(model: GPT) -> KernelPlan | None:
@@ -170,8 +282,11 @@ def plan_of(model: GPT) -> KernelPlan | None:
 
 def weights_note(model: GPT, sep: str = ", ") -> str:
     """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float weights."""
-    plan = plan_of(model)
-    return "" if plan is None else f"{sep}{plan.describe()}"
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if not layers:
+        return ""
+    group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
+    return f"{sep}{layers[0].plan.describe(f' ({group} per scale)' if group else ' (per-channel scales)')}"
 
 
 Pair = tuple[nn.Linear, Int8Linear]  # a float layer and its int8 copy
@@ -226,7 +341,7 @@ def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.
 def _candidates(q: Int8Linear) -> list[str]:
     """The kernels worth timing: the "/bf16" ones only on a float32 model (else they are the "/model" ones)."""
     distinct = q.scale_low.dtype != q.scale.dtype
-    return [k for k, (_, bf16) in KERNELS.items() if distinct or not bf16]
+    return [k for k, kern in KERNELS.items() if distinct or not kern.bf16]
 
 
 def _sync(device: torch.device) -> None:

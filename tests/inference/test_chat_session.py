@@ -135,11 +135,11 @@ def test_chat_quantize_int8_replies_with_the_int8_model(imported, fixed_int8_ker
     with pytest.raises(SystemExit) as e:
         main(["chat", "--ckpt", str(imported.path), "-n", "12", "--temperature", "0", "--quantize", "int8"])
     out, err = capsys.readouterr()
-    assert e.value.code == 0 and f"int8 weights, {fixed_int8_kernel}" in err
+    assert e.value.code == 0 and f"int8 weights (per-channel scales), {fixed_int8_kernel}" in err
     assert out == f"> {want}\n> \n"
     with pytest.raises(SystemExit) as e:
         main(["chat", "--ckpt", str(imported.path), "--quantize", "int4"])
-    assert e.value.code == 2 and "--quantize must be int8 or none, got 'int4'" in capsys.readouterr().err
+    assert e.value.code == 2 and "--quantize must be int8, int8-g32 or none, got 'int4'" in capsys.readouterr().err
 
 
 def test_a_failed_reply_is_one_error_and_a_hostile_top_p_replies_greedily(quill_run, monkeypatch):

@@ -21,7 +21,7 @@ from quillgpt.evaluate.scores import evaluate_text  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
 from quillgpt.model.attention import rope_inv_freq  # noqa: E402
-from quillgpt.model.quant import KERNELS, Int8Linear, KernelPlan, quantize  # noqa: E402
+from quillgpt.model.quant import KERNELS, SCHEMES, Int8Linear, KernelPlan, quantize  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
 families = pytest.mark.parametrize("family", list(FAMILIES))
@@ -153,7 +153,8 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
     """--quantize int8 on an import whose heads are not n_embd/n_head wide (4 heads of 24 in a
     48-wide model) and whose q/k/v have biases: every linear becomes int8 (a bias kept in float),
     and the model is transformers' with each of its own linears rounded to the same int8 steps
-    (per-output-channel scales do not mind that quill fuses q/k/v, and gate/up, into one matrix):
+    (scales per output channel, or per group of its inputs, do not mind that quill fuses q/k/v,
+    and gate/up, into one matrix):
     logits equal, 30 greedy tokens equal; for every kernel the engine's decode step gives the full
     forward's logits (and, with float32 activations, recompute's tokens)."""
     hf_dir = make_hf_model(tmp_path / "hf", "qwen2", head_dim=24)
@@ -165,8 +166,8 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
     with torch.no_grad():
         for m in hf.modules():
             if isinstance(m, torch.nn.Linear):
-                m.weight.copy_(Int8Linear.from_linear(m, KernelPlan((1,), ("dequant/model",))).dequantized())
-    quantize(model, "int8", kernel="dequant/model")  # float32 activations, as transformers multiplies
+                m.weight.copy_(Int8Linear.from_linear(m, KernelPlan((1,), ("dequant/model",)), SCHEMES["int8-g32"]).dequantized())
+    quantize(model, "int8-g32", kernel="dequant/model")  # float32 activations, as transformers multiplies
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(layers) == 4 * cfg.n_layer + 1 and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert model.transformer.h[0].attn.c_attn.bias is not None and model.transformer.h[0].attn.c_proj.in_features == 96
@@ -183,7 +184,7 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
             pad_token_id=0,
         )[0, len(prompt) :]
     assert torch.stack(list(generate_tokens(model, [prompt], 30))).T[0].tolist() == want.tolist()
-    for kernel, (_, bf16) in KERNELS.items():  # each decode step over the cache = the full forward
+    for kernel, bf16 in ((k, kern.bf16) for k, kern in KERNELS.items()):  # each decode step over the cache = the full forward
         for m in layers:
             m.plan = KernelPlan((1,), (kernel,))
         with torch.no_grad():

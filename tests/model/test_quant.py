@@ -27,18 +27,23 @@ def fixed(kernel: str) -> KernelPlan:
 @kernels
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(5,), (2, 7)], ids=["2d", "3d"])
-def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel, bias, shape):
+@pytest.mark.parametrize("group", [0, 16, 32])
+def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel, bias, shape, group):
     torch.manual_seed(0)
     lin = nn.Linear(64, 48, bias=bias)
-    q = Int8Linear.from_linear(lin, fixed(kernel))
+    q = Int8Linear.from_linear(lin, fixed(kernel), group)
+    assert q.group == group and q.scale.shape == ((48, 64 // group) if group else (48,))
     x = torch.randn(*shape, 64)
-    _, bf16 = KERNELS[kernel]
+    bf16 = KERNELS[kernel].bf16
     x_in = x.bfloat16().float() if bf16 else x  # what the kernel multiplies: x rounded to its activations
     want = F.linear(x_in, q.dequantized(), lin.bias)
     got = q(x)
     assert got.shape == (*shape, 48) and got.dtype == torch.float32
     step = 2**-8 if bf16 else 1e-6  # bf16 kernels round their output to 8 bits
-    torch.testing.assert_close(got, want, rtol=step, atol=step * want.abs().max().item())
+    scale = want.abs().max().item()
+    if group and bf16:  # each group's partial sum is rounded: bounded by the sum of |x|·|w|
+        scale = F.linear(x_in.abs(), q.dequantized().abs()).max().item()
+    torch.testing.assert_close(got, want, rtol=step, atol=step * scale)
 
 
 def test_quantization_rounds_each_weight_to_its_nearest_step():
@@ -51,6 +56,23 @@ def test_quantization_rounds_each_weight_to_its_nearest_step():
     assert q.weight.dtype == torch.int8 and int(q.weight.abs().max()) == 127
     assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + 1e-7).all())
     assert torch.equal(q.dequantized()[3], torch.zeros(96))
+
+
+@pytest.mark.parametrize("group", [16, 32])
+def test_group_wise_scales_round_each_weight_to_its_groups_nearest_step(group):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    with torch.no_grad():
+        lin.weight[:, :group] *= 100  # an outlier group: the other groups keep their finer steps
+    q = Int8Linear.from_linear(lin, fixed("dequant/model"), group)
+    step = q.scale.repeat_interleave(group, dim=1)
+    assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + 1e-7).all())
+    qg = q.weight.view(40, -1, group)
+    assert bool((qg.amin(-1) == -128).all() and (qg.amax(-1) == 127).all())  # every group spans the full range
+    per_row = Int8Linear.from_linear(lin, fixed("dequant/model"))
+    tail = slice(group, None)
+    assert (q.dequantized() - lin.weight)[:, tail].abs().max() * 50 < (per_row.dequantized() - lin.weight)[:, tail].abs().max()
+    assert Int8Linear.from_linear(nn.Linear(40, 8), fixed("dequant/model"), 64).group == 0  # 64 does not divide 40: per row
 
 
 def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
@@ -68,51 +90,67 @@ def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
         quantize(model, "int8")
 
 
-def exactly_representable(model):
-    """Every linear's weights made q·s: integers up to ±127 times a power of two per row."""
-    g = torch.Generator().manual_seed(1)
+def exactly_representable(model, scheme="int8"):
+    """Every linear's weights made exactly what int8 stores: per row (a width the scheme's group
+    does not divide), integers up to ±127 with a ±127 times a power of two; per group, integers
+    -128…127 with both ends in each group times a power of two (the offset 0)."""
+    g, group = torch.Generator().manual_seed(1), quant.SCHEMES[scheme]
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Linear):
                 out, inp = m.weight.shape
-                q = torch.randint(-127, 128, (out, inp), generator=g).float()
-                q[:, 0] = 127  # each row's max |q| is 127, so its scale is exactly s
+                if group and inp % group == 0 and group < inp:
+                    q = torch.randint(-128, 128, (out, inp), generator=g).float()
+                    q[:, ::group], q[:, 1::group] = -128.0, 127.0
+                else:
+                    q = torch.randint(-127, 128, (out, inp), generator=g).float()
+                    q[:, 0] = 127  # each row's max |q| is 127, so its scale is exactly s
                 m.weight.copy_(q * 2.0 ** -torch.randint(8, 10, (out, 1), generator=g))  # std ~0.3, as random_model
     return model
 
 
 class Bf16Activations(nn.Module):
-    """A float linear that rounds its input and its product to bf16 as the "/bf16" kernels do:
-    the reference that differs from them only in how the weights are stored."""
+    """A float linear that rounds its input and its product to bf16 as the "/bf16" kernels do
+    (the grouped int8pack_mm: each group's partial product, summed in fp32 and rounded): the
+    reference that differs from them only in how the weights are stored."""
 
-    def __init__(self, lin: nn.Linear) -> None:
+    def __init__(self, lin: nn.Linear, groups: int) -> None:
         super().__init__()
-        self.weight, self.bias = lin.weight, lin.bias
+        self.weight, self.bias, self.groups = lin.weight, lin.bias, groups
 
     def forward(self, x):
-        y = F.linear(x.bfloat16().float(), self.weight).bfloat16().float()
+        x = x.bfloat16().float()
+        if self.groups == 1:
+            y = F.linear(x, self.weight).bfloat16().float()
+        else:
+            xs, ws = x.chunk(self.groups, -1), self.weight.chunk(self.groups, -1)
+            y = sum(F.linear(xg, wg).bfloat16().float() for xg, wg in zip(xs, ws)).bfloat16().float()
         return y if self.bias is None else y + self.bias
 
 
-def float_reference(model, kernel):
+def float_reference(model, kernel, scheme):
     ref = copy.deepcopy(model)
-    if KERNELS[kernel][1]:
+    group = quant.SCHEMES[scheme]
+    if KERNELS[kernel].bf16:
         for parent in list(ref.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, Bf16Activations(child))
+                    inp = child.in_features
+                    packed_groups = inp // group if group and kernel.startswith("int8pack") and inp % group == 0 and group < inp else 1
+                    setattr(parent, name, Bf16Activations(child, packed_groups))
     return ref
 
 
 @kernels
 @pytest.mark.parametrize("variant", ["mha-learned", "rmsnorm-swiglu"])
-def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, variant):
+@pytest.mark.parametrize("scheme", ["int8", "int8-g32"])
+def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, variant, scheme):
     """The float model's greedy tokens (with the kernel's activation rounding), past block_size,
     from the quantized model's engine."""
-    model = exactly_representable(random_model(variant))
+    model = exactly_representable(random_model(variant), scheme)
     weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    want = torch.stack(list(generate_tokens(float_reference(model, kernel), PROMPTS, 30)), 1)
-    quantize(model, "int8", kernel=kernel)
+    want = torch.stack(list(generate_tokens(float_reference(model, kernel, scheme), PROMPTS, 30)), 1)
+    quantize(model, scheme, kernel=kernel)
     for name, m in model.named_modules():
         if isinstance(m, Int8Linear):
             assert torch.equal(m.dequantized(), weights[name]), name  # nothing lost
@@ -183,9 +221,9 @@ def test_where_no_int8_kernel_beats_the_float_linears_the_fastest_runs_and_says_
     monkeypatch.setattr(quant, "_timings", timings)
     plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=8))
     assert plan.pick(8) == "dequant/model"  # asked for int8: it runs, with the fastest int8 kernel
-    assert plan.describe() == (
+    assert plan.describe().startswith(
         "int8 weights, dequant/model: a step's linears 0.20 ms vs 0.10 ms float (slower here: "
-        "a model this small, or a busy machine while it was measured)"
+        "a model this small, or a busy machine while it was measured); measured in "
     )
     table[8]["dequant/model"] = 0.05
     assert "slower" not in plan_of(quantize(random_model("mha-learned"), "int8", rows=8)).describe()
@@ -200,8 +238,8 @@ def test_the_real_timings_cover_every_kernel_that_runs_here():
 
 
 def test_unknown_schemes_and_kernels_are_refused():
-    with pytest.raises(QuillError, match="--quantize must be int8 or none, got 'int4'"):
-        quant.parse_quantize("int4")
+    with pytest.raises(QuillError, match="--quantize must be int8, int8-g32 or none, got 'int5'"):
+        quant.parse_quantize("int5")
     assert quant.parse_quantize("none") is None and quant.parse_quantize("int8") == "int8"
     with pytest.raises(ValueError, match="kernel must be one of"):
         quantize(random_model(), "int8", kernel="fast")
@@ -234,3 +272,24 @@ def test_cuda_int8_equals_its_dequantized_model_and_the_engine_equals_recompute(
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     cached = torch.stack(list(generate_tokens(model, prompts, 40)), 1)
     assert torch.equal(cached, torch.stack(list(generate_tokens(model, prompts, 40, use_cache=False)), 1))
+
+
+def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUILL_CACHE_DIR", str(tmp_path / "cache"))
+    table = {2**i: {"float": 1.0, "int8pack_mm/bf16": 0.3, "dequant/bf16": 0.5} for i in range(9)}
+    timings, calls = scripted(table)
+    monkeypatch.setattr(quant, "_timings", timings)
+    first = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))
+    assert first.source.startswith("measured in ") and first.source.endswith(", cached for the next load") and len(calls) == 9
+    assert (tmp_path / "cache" / "kernel_plans.json").is_file()
+    again = plan_of(quantize(random_model("mha-learned", seed=1), "int8", cache=True))  # other weights, the same shapes
+    assert len(calls) == 9 and again.source == "cached"
+    assert (again.sizes, again.kernels, again.ms) == (first.sizes, first.kernels, first.ms)
+    plan_of(quantize(random_model("gqa"), "int8", cache=True))  # other shapes: measured
+    plan_of(quantize(random_model("mha-learned"), "int8-g32", cache=True))  # other scales: measured
+    plan_of(quantize(random_model("mha-learned"), "int8", rows=4, cache=True))  # another decode batch: measured
+    assert len(calls) == 36
+    plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
+    assert len(calls) == 45
+    (tmp_path / "cache" / "kernel_plans.json").write_text("not json")
+    assert plan_of(quantize(random_model("mha-learned"), "int8", cache=True)).source.startswith("measured in ")  # a bad file: ignored

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""What --quantize costs on a real (imported) chat model: loss and teacher-forced top-1 agreement
+with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first greedy tokens.
+
+    python scripts/quant_real.py --ckpt out/smollm2 --text ../shared/data/tinyshakespeare.txt \\
+        --scheme int8 --scheme int8-g32 --group 64
+
+Each scheme's int8 weights are dequantized into float32 linears (fp32 activations: the weights'
+error alone, at float speed; the group-wise kernels are slow in eager mode). Prints one markdown
+table and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
+from quillgpt.inference.generate import generate_tokens  # noqa: E402
+from quillgpt.model.gpt import GPT  # noqa: E402
+from quillgpt.model.quant import Int8Linear, quantize  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
+
+PROMPTS = [
+    "Give me three tips for sleeping better.",
+    "What is the capital of France?",
+    "How do I boil an egg?",
+    "Write a short poem about the sea.",
+    "What are the benefits of drinking water?",
+    "Explain what a computer is to a child.",
+    "Suggest a name for a pet cat.",
+    "How can I save money on groceries?",
+    "What should I pack for a beach trip?",
+    "Why is the sky blue?",
+]
+
+
+@torch.no_grad()
+def scored(model: GPT, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    logits = model(ids[:, :-1], all_logits=True)[0]
+    return F.cross_entropy(logits.flatten(0, 1), ids[0, 1:]).item(), logits.argmax(-1)
+
+
+def dequantized(model: GPT) -> GPT:
+    """Each Int8Linear replaced by an nn.Linear of its dequantized weights (and its bias)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    lin.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(parent, name, lin)
+    return model
+
+
+def greedy(model: GPT, prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [torch.cat(list(generate_tokens(model, [p], n))).tolist() for p in prompts]
+
+
+def shared(a: list[int], b: list[int]) -> int:
+    return next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", type=Path, required=True)
+    p.add_argument("--text", type=Path, required=True, help="scored on its last --positions tokens")
+    p.add_argument("--positions", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=40, help="greedy tokens compared per prompt")
+    p.add_argument("--scheme", action="append", default=[], help="a --quantize scheme (repeatable)")
+    p.add_argument("--group", type=int, action="append", default=[], help="int8 with this many weights per scale (repeatable)")
+    args = p.parse_args()
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    run = load_run(args.ckpt)
+    tok = run.tokenizer
+    ids = torch.tensor(tok.encode(args.text.read_text())[-args.positions - 1 :])[None]
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}])[0] for q in PROMPTS]
+    base_loss, base_top = scored(run.model, ids)
+    base = greedy(run.model, prompts, args.tokens)
+    print(f"fp32 loss {base_loss:.4f}; fp32 sleeping tips: {tok.decode(base[0])!r}\n", flush=True)
+    print("| weights | activations | loss | Δ loss | top-1 agreement | prompts keeping 40 greedy tokens | tokens kept per prompt |")
+    print("|---|---|---|---|---|---|---|")
+    cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
+    for scheme, group in cases:
+        for kernel in ["dequant/model"]:
+            t = time.perf_counter()
+            model = dequantized(quantize(copy.deepcopy(run.model), scheme, kernel=kernel, group=group))
+            loss, top = scored(model, ids)
+            kept = [shared(a, b) for a, b in zip(greedy(model, prompts, args.tokens), base)]
+            name = scheme if group is None else f"int8, {group or 'per-row'} per scale"
+            print(
+                f"| {name} | {kernel.split('/')[1].replace('model', 'fp32')} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
+                f"| {100 * float((top == base_top).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |"
+                f" <!-- {time.perf_counter() - t:.0f} s -->",
+                flush=True,
+            )
+    print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

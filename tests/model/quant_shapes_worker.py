@@ -1,0 +1,60 @@
+"""Run every int8 kernel on tiny tied models of the given shapes (a child process of
+test_quant_shapes.py, so a kernel that crashes on a shape fails that test, not the suite).
+
+    python quant_shapes_worker.py '[[n_embd, n_head], ...]'
+
+For each shape and kernel: the quantized model's logits at 1, 3 and 8 positions against the same
+model with its linears replaced by their dequantized weights. Prints one JSON line per shape:
+{"shape": [...], "err": {kernel: relative error}}.
+"""
+
+import copy
+import json
+import sys
+
+import torch
+from torch import nn
+
+from quillgpt.config import ModelConfig
+from quillgpt.model.gpt import GPT
+from quillgpt.model.quant import KERNELS, Int8Linear, quantize
+
+
+def dequantized_copy(model: GPT) -> GPT:
+    ref = copy.deepcopy(model)
+    for parent in list(ref.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    lin.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(parent, name, lin)
+    return ref
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for n_embd, n_head in json.loads(sys.argv[1]):
+        torch.manual_seed(n_embd * 31 + n_head)
+        cfg = ModelConfig(vocab_size=29, block_size=16, n_layer=1, n_head=n_head, n_embd=n_embd, tie_embeddings=True)
+        base = GPT(cfg).eval()
+        err = {}
+        for kernel in KERNELS:
+            model = quantize(copy.deepcopy(base), "int8", kernel=kernel)
+            ref = dequantized_copy(model)
+            for t in (1, 3, 8):
+                ids = torch.randint(0, 29, (2, t))
+                with torch.no_grad():
+                    got, want = model(ids, all_logits=True)[0], ref(ids, all_logits=True)[0]
+                e = float((got - want).norm() / want.norm().clamp(min=1e-12))
+                err[kernel] = max(err.get(kernel, 0.0), e)
+        measured = quantize(copy.deepcopy(base), "int8")  # the probe itself times every candidate on this shape
+        with torch.no_grad():
+            measured(torch.randint(0, 29, (1, 5)))
+        print(json.dumps({"shape": [n_embd, n_head], "err": err}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
