@@ -13,6 +13,7 @@ pipeline from tokenizer.ggml.*), with the pre-tokenizer llama.cpp names in token
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
@@ -250,6 +251,9 @@ def gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
     if d.get("pre_tokenizer_type") in PRE_TOKENIZERS:
         backend.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[d["pre_tokenizer_type"]])
     tokens = d["tokens"]
+    data = json.loads(backend.to_str())  # transformers' GPT2Tokenizer adds an <|endoftext|> the file may lack: only the file's ids stay
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if t["id"] < len(tokens)]
+    backend = type(backend).from_str(json.dumps(data))
     token = lambda key: tokens[i] if isinstance(i := f.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens) else None  # noqa: E731
     bos, eos, eot = token("bos_token_id"), token("eos_token_id"), token("eot_token_id")
     if f.get("tokenizer.ggml.add_bos_token", d["tokenizer_type"] == "llama") and bos is not None:
