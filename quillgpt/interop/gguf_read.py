@@ -243,9 +243,9 @@ def gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
     from tokenizers import processors
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    d = _tokenizer_dict(f)
+    d, arch = _tokenizer_dict(f), f.family.arch
     try:
-        backend, _ = convert_gguf_tokenizer(f.family.arch, d)
+        backend, _ = convert_gguf_tokenizer(arch, d)
     except Exception as e:  # noqa: BLE001 — the converter and the Rust tokenizer raise their own types
         raise QuillError(f"{shown(f.path)}: its tokenizer cannot be rebuilt ({type(e).__name__}: {str(e)[:100]})") from None
     if d.get("pre_tokenizer_type") in PRE_TOKENIZERS:
@@ -278,6 +278,7 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False) -> co
     out_dir = Path(out_dir)
     check_out_dir(out_dir, convert.RUN_FILES + convert.HF_FILES, force, "a run's or a model's files")
     f = GGUFFile(src)
+    hf_config(f)  # the architecture and its keys, before the tokenizer
     tokenizer = gguf_tokenizer(f)
     cfg, state = model_of(f)
     if cfg.vocab_size < tokenizer.vocab_size:
