@@ -303,7 +303,7 @@ def test_smollm2_import_equals_transformers_gguf_load(smollm2):
 
 def _llama_cpp_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=2, verbose=False, logits_all=True)
     out = []
     llm.eval(prompt)
     for _ in range(n):
@@ -335,4 +335,7 @@ def test_llama_cpp_greedy_equals_quill_for_tiny_runs(tmp_path, shape):
     run = load_run(make_run(tmp_path / "run", shape), which="latest")
     path = export_gguf(tmp_path / "run", tmp_path / "m.gguf", which="latest").path
     prompt = run.tokenizer.encode("ROMEO: But, soft!")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    vocab = llama_cpp.Llama(model_path=str(path), verbose=False, vocab_only=True)
+    assert vocab.tokenize(TEXT.encode(), add_bos=False, special=False) == run.tokenizer.encode(TEXT)
     assert _llama_cpp_greedy(path, prompt, 48) == _quill_greedy(run, prompt, 48)
