@@ -709,6 +709,42 @@ def export_hf_cmd(
     )
 
 
+@app.command("import-gguf")
+def import_gguf_cmd(
+    src: Path = typer.Argument(..., help="GGUF file of llama.cpp's llama (Llama, Mistral, SmolLM...), qwen2, qwen3 or gpt2."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt (fp32)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
+) -> None:
+    """Import a GGUF file (dequantized) as a quill run: sample, chat, eval, fine-tune it."""
+    from quillgpt.interop.gguf_read import import_gguf
+
+    done = import_gguf(src, out, force=force)
+    m = done.model
+    print(
+        f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
+        f"{m.n_embd} wide, block_size {m.block_size:,}, vocab {m.vocab_size:,}; fine-tune with `quill train ... train.init_from={done.path}`"
+    )
+
+
+@app.command("export-gguf")
+def export_gguf_cmd(
+    run: Path = typer.Argument(..., help="Run directory or .pt file to export."),
+    out: Path = typer.Option(..., "--out", "-o", help="GGUF file to write."),
+    kind: str = typer.Option("f32", "--type", help="The matrices' type: f32, f16, bf16 or q8_0 (norms and biases stay f32)."),
+    which: str = WHICH_OPT,
+    ollama: bool = typer.Option(False, "--ollama", help="Also write an Ollama Modelfile beside the file."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+) -> None:
+    """Export a run as one GGUF file for llama.cpp, Ollama, LM Studio and transformers (gguf_file=)."""
+    from quillgpt.interop.gguf_write import export_gguf
+
+    done = export_gguf(run, out, kind=kind, which=which, force=force, ollama=ollama)
+    size = done.path.stat().st_size / 1e6
+    print(f"exported {run} ({which}) → {done.path} ({done.arch}, {done.type}, {size:.1f} MB): run it with `llama-cli -m {done.path}`")
+    if done.modelfile is not None:
+        print(f"wrote {done.modelfile}; then: cd {done.modelfile.parent} && ollama create {done.path.stem} -f Modelfile")
+
+
 @app.command("merge")
 def merge_cmd(
     run: Path = typer.Argument(..., help="A LoRA run directory (lora.rank > 0) or its .pt file."),

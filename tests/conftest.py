@@ -70,6 +70,11 @@ def fixed_int8_kernel(monkeypatch, one_thread):
 
 
 def pytest_collection_modifyitems(config, items):
+    if "gguf_slow" not in (config.getoption("-m") or ""):  # minutes each: run by `pytest -m gguf_slow`
+        slow = pytest.mark.skip(reason="a real model or llama.cpp, minutes: run with pytest -m gguf_slow")
+        for item in items:
+            if item.get_closest_marker("gguf_slow"):
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU)")

@@ -83,11 +83,12 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     check_weights(state, model_cfg, str(path))  # every shape as the config makes it: the run loads
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(path))  # finite weights
     with made_dir(out_dir):  # a failed write leaves no --out it made
-        _write_run(out_dir, model_cfg, tokenizer, state, str(src))
+        write_imported_run(out_dir, model_cfg, tokenizer, state, str(src))
     return Converted(out_dir, model_cfg, tokenizer.name, family.architecture)
 
 
-def _write_run(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, state: dict, source: str) -> None:
+def write_imported_run(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, state: dict, source: str) -> None:
+    """A run directory at step 0 of an imported model (import-hf, import-gguf): its config.yaml fine-tunes it."""
     cfg = Config(model=model_cfg)
     tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
     cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")

@@ -1,0 +1,79 @@
+"""The GGUF side of each family, in one table: llama.cpp's architecture names, the metadata keys
+that carry each config.json key, the tensor types quill dequantizes, and llama.cpp's
+pre-tokenizer names. Import reads a file's metadata into a config.json-like dict through this
+table (so the Hugging Face converters in interop/llama.py and gpt2.py decide, and refuse, as they
+do for a directory); export writes it back the same way. Tensor names are the `gguf` package's
+own map (gguf.TensorNameMap), between Hugging Face's names and llama.cpp's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LLAMA_KEYS = {  # GGUF key (after "<arch>.") → config.json key
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+GPT2_KEYS = {
+    "context_length": "n_positions",
+    "block_count": "n_layer",
+    "feed_forward_length": "n_inner",
+    "embedding_length": "n_embd",
+    "attention.head_count": "n_head",
+    "attention.layer_norm_epsilon": "layer_norm_epsilon",
+    "vocab_size": "vocab_size",
+}
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    """One llama.cpp architecture: the config.json model_type it reads as, its keys, and whether
+    llama.cpp's converter permuted q/k rows for its interleaved RoPE (llama: yes; qwen: NEOX RoPE, no)."""
+
+    arch: str
+    model_type: str
+    keys: dict[str, str]
+    permuted_qk: bool
+
+
+FAMILIES = {
+    f.arch: f
+    for f in (
+        GGUFFamily("llama", "llama", LLAMA_KEYS, True),  # Llama 1-3, Mistral, SmolLM, TinyLlama: all "llama" in llama.cpp
+        GGUFFamily("qwen2", "qwen2", LLAMA_KEYS, False),
+        GGUFFamily("qwen3", "qwen3", LLAMA_KEYS, False),
+        GGUFFamily("gpt2", "gpt2", GPT2_KEYS, False),
+    )
+}
+
+# ggml tensor types quill dequantizes (with gguf.quants, ggml's own reference code); others are refused by name
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) → the split a `tokenizers` pipeline makes:
+# ("bytelevel",) is GPT-2's own regex; ("digits", "bytelevel") splits every digit off first
+# (llama.cpp's smollm); a regex string is a Split before a regex-free ByteLevel. transformers knows
+# more of them (integrations.gguf's GGUF_PRE_TOKENIZER_SPLITS), tried after this table.
+GPT2_REGEX = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""  # tiktoken's gpt2
+GPT4_REGEX = (  # tiktoken's cl100k_base = quill's GPT4_SPLIT_PATTERN = llama.cpp's llama-bpe (Llama 3)
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "gpt-2": ("bytelevel",),
+    "smollm": ("digits", "bytelevel"),
+}
+# what export writes for a split it meets: the llama.cpp name that splits text the same way
+PRE_NAMES: dict[tuple[str, ...], str] = {
+    ("bytelevel",): "gpt-2",
+    (GPT2_REGEX,): "gpt-2",
+    ("digits", "bytelevel"): "smollm",
+    (GPT4_REGEX,): "llama-bpe",
+}

@@ -1,0 +1,296 @@
+"""`quill export-gguf`: a quill run → a GGUF file that llama.cpp, Ollama and transformers load.
+
+The run goes through the Hugging Face converters first (interop/llama.py, gpt2.py: what a family
+cannot express is refused there, by name), then into llama.cpp's tensor names (gguf.TensorNameMap)
+and metadata keys (interop/gguf_family.py's table), written with the `gguf` package's GGUFWriter.
+Which llama.cpp architecture: GPT-2 for learned positions + LayerNorm + GELU; for RoPE + RMSNorm +
+SwiGLU qwen3 with QK-norm, qwen2 with q/k/v biases, else llama (whose q/k rows are permuted for
+llama.cpp's interleaved RoPE, as its own converter does). Matrices are written in --type
+(q8_0: rows whose length is not a multiple of 32 stay f16, as llama.cpp's converter does), norms
+and biases in f32. The tokenizer is written as llama.cpp's byte-level BPE ("gpt2"): tiktoken and
+trained BPE with their split, Hugging Face byte-level tokenizers with theirs, and a char
+tokenizer of ASCII characters as a vocabulary of single bytes without merges (same ids); any other
+is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from quillgpt import runs
+from quillgpt.config import ModelConfig
+from quillgpt.data.tokenizer import Tokenizer
+from quillgpt.errors import QuillError
+from quillgpt.files import check_output_file, os_error, write_file
+from quillgpt.interop import gpt2, llama
+from quillgpt.interop.families import BY_MODEL_TYPE, export_family
+from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily
+from quillgpt.interop.gguf_read import _gguf
+
+
+@dataclass
+class Exported:
+    """What export-gguf wrote: the file, its llama.cpp architecture and type, and the Modelfile if any."""
+
+    path: Path
+    arch: str
+    type: str
+    modelfile: Path | None = None
+
+
+def gguf_family_of(cfg: ModelConfig) -> GGUFFamily:
+    """The llama.cpp architecture a run is written as; what none of them computes is refused by name."""
+    as_gpt2, as_llama = gpt2.gpt2_incompatibilities(cfg), llama.llama_incompatibilities(cfg)
+    if not as_gpt2:
+        return FAMILIES["gpt2"]
+    if as_llama:
+        raise QuillError(f"cannot export as GGUF: as GPT-2, {'; '.join(as_gpt2)}; as the Llama family, {'; '.join(as_llama)}")
+    problems = []
+    if cfg.window is not None:
+        problems.append(f"model.window={cfg.window} (llama.cpp's llama, qwen2 and qwen3 attend to the whole context)")
+    if cfg.rope_scaling == "llama3":
+        problems.append("model.rope_scaling=llama3 (written as rope_freqs factors, which this export does not write)")
+    if cfg.qk_norm and cfg.qkv_bias:
+        problems.append("model.qk_norm with model.qkv_bias (llama.cpp's qwen3 has no q/k/v biases)")
+    if problems:
+        raise QuillError("cannot export as GGUF: " + "; ".join(problems))
+    return FAMILIES[export_family(cfg, qwen_tokenizer=True).gguf_arch]  # the family record's llama.cpp name
+
+
+def permute(w: Tensor, heads: int) -> Tensor:
+    """llama.cpp's q/k row permutation: (2i, 2i + 1) RoPE pairs from quill's (i, i + d/2) ones."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(state: dict[str, Tensor], cfg: ModelConfig, fam: GGUFFamily) -> dict[str, np.ndarray]:
+    """quill state dict → llama.cpp's tensors (fp32 numpy, PyTorch shape order), by llama.cpp's names."""
+    gguf = _gguf()
+    if fam.model_type == "gpt2":
+        hf = {k: v.t() if k.endswith(gpt2.CONV1D_WEIGHTS) else v for k, v in gpt2.quill_to_hf_state(state, cfg).items()}
+    else:
+        hf = llama.quill_to_llama_state(state, cfg, BY_MODEL_TYPE[fam.model_type])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.n_layer)
+    out = {}
+    for name, t in hf.items():
+        if fam.permuted_qk and ".q_proj." in name:
+            t = permute(t, cfg.n_head)
+        elif fam.permuted_qk and ".k_proj." in name:
+            t = permute(t, cfg.kv_heads)
+        g = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if g is None:
+            raise QuillError(f"cannot export as GGUF: llama.cpp's {fam.arch} has no tensor for {name}")
+        out[g] = t.detach().float().contiguous().numpy()
+    return out
+
+
+def _add_tensor(writer: Any, name: str, a: np.ndarray, kind: str) -> None:
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    if a.ndim == 1 or kind == "f32":
+        writer.add_tensor(name, a)
+    elif kind == "q8_0" and a.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] == 0:
+        writer.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+    elif kind == "bf16":
+        writer.add_tensor(name, gguf.quants.quantize(a, Q.BF16), raw_dtype=Q.BF16)
+    else:
+        writer.add_tensor(name, a.astype(np.float16))
+
+
+def _add_config(writer: Any, cfg: ModelConfig, fam: GGUFFamily, name: str, kind: str) -> None:
+    gguf = _gguf()
+    writer.add_name(name)
+    types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+    writer.add_file_type(gguf.LlamaFileType[types[kind]])
+    writer.add_context_length(cfg.block_size)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_block_count(cfg.n_layer)
+    writer.add_feed_forward_length(cfg.hidden_dim)
+    writer.add_head_count(cfg.n_head)
+    writer.add_vocab_size(cfg.vocab_size)
+    if fam.model_type == "gpt2":
+        writer.add_layer_norm_eps(cfg.norm_eps)
+        return
+    writer.add_head_count_kv(cfg.kv_heads)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_rope_dimension_count(cfg.head_size)
+    writer.add_key_length(cfg.head_size)
+    writer.add_value_length(cfg.head_size)
+    if cfg.rope_scaling == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_factor)
+
+
+def _byte_level(text: str) -> str:
+    from quillgpt.data.hf_tokenizer import byte_decoder
+
+    to_char = {b: c for c, b in byte_decoder().items()}
+    return "".join(to_char[b] for b in text.encode("utf-8"))
+
+
+def _pre_name(pre: Any) -> str | None:
+    """llama.cpp's name for a tokenizer.json pre_tokenizer (see gguf_family.PRE_NAMES), or None."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    shape = []
+    for s in steps:
+        kind = s.get("type") if isinstance(s, dict) else None
+        if kind == "ByteLevel":
+            shape += ["bytelevel"] if s.get("use_regex", True) else []
+        elif kind == "Digits" and s.get("individual_digits"):
+            shape.append("digits")
+        elif kind == "Split" and s.get("behavior") == "Isolated" and "Regex" in s.get("pattern", {}):
+            shape.append(s["pattern"]["Regex"])
+        else:
+            return None
+    names = {**{(regex,): name for name, regex in reversed(GGUF_PRE_TOKENIZER_SPLITS.items())}, **PRE_NAMES}
+    return names.get(tuple(shape))
+
+
+def tokenizer_fields(tok: Tokenizer, vocab_size: int) -> dict[str, Any]:
+    """llama.cpp's byte-level BPE vocabulary with the same ids as `tok`: tokens, types, merges, split."""
+    spec = tok.spec()
+    if spec["type"] == "char":
+        wide = [c for c in tok.chars if ord(c) > 127]
+        if wide:
+            raise QuillError(
+                f"cannot export the char tokenizer exactly: {''.join(wide[:5])!r} are not ASCII, and llama.cpp's "
+                "byte-level vocabulary has no token for a character of several bytes without its bytes"
+            )
+        tokens, merges, pre, added = [_byte_level(c) for c in tok.chars], [], "gpt-2", {}
+    else:
+        from quillgpt.data.hf_tokenizer import hf_files_of
+
+        data = json.loads(hf_files_of(tok)[0])
+        model, pre = data.get("model") or {}, _pre_name(data.get("pre_tokenizer"))
+        if model.get("type") != "BPE" or model.get("byte_fallback") or data.get("normalizer") or pre is None:
+            what = "a SentencePiece-style or normalizing" if model.get("type") != "BPE" or data.get("normalizer") else "this split's"
+            raise QuillError(f"cannot export {tok.name}'s tokenizer exactly: llama.cpp has no equivalent of {what} tokenizer here")
+        added = {t["id"]: t for t in data.get("added_tokens", [])}
+        by_id = {i: t for t, i in model["vocab"].items()} | {i: t["content"] for i, t in added.items()}
+        if sorted(by_id) != list(range(len(by_id))):
+            raise QuillError(f"cannot export {tok.name}'s tokenizer: its ids are not 0..{len(by_id) - 1} without gaps")
+        tokens = [by_id[i] for i in range(len(by_id))]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    types = [(3 if added[i].get("special") else 4) if i in added else 1 for i in range(len(tokens))]
+    if vocab_size < len(tokens):
+        raise QuillError(f"cannot export: the model has {vocab_size} token rows for a tokenizer of {len(tokens)}")
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # rows no token reaches, as llama.cpp pads
+    types += [5] * (vocab_size - len(types))
+    stops = [i for i in tok.stop_ids if i != tok.eot_id]
+    return {
+        "tokens": tokens,
+        "types": types,
+        "merges": merges,
+        "pre": pre,
+        "bos": tok.bos_id,
+        "eos": tok.eot_id,
+        "eot": stops[0] if stops else None,
+        "chat_template": tok.chat_template,
+    }
+
+
+def _add_tokenizer(writer: Any, t: dict[str, Any]) -> None:
+    gguf = _gguf()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(t["pre"])
+    writer.add_token_list(t["tokens"])
+    writer.add_token_types(t["types"])
+    # an empty merge list is written too: llama.cpp needs the key (see _writer)
+    writer.add_key_value(gguf.Keys.Tokenizer.MERGES, t["merges"], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+    writer.add_add_bos_token(t["bos"] is not None)
+    writer.add_add_eos_token(False)
+    for key, value in (("bos", t["bos"]), ("eos", t["eos"]), ("eot", t["eot"])):
+        if value is not None:
+            getattr(writer, f"add_{key}_token_id")(value)
+    if t["chat_template"] is not None:
+        writer.add_chat_template(t["chat_template"])
+
+
+def _writer(path: Path, arch: str) -> Any:
+    """gguf.GGUFWriter, writing an empty array as GGUF allows (a count of 0; GGUFWriter refuses one):
+    a char vocabulary has no merges, and llama.cpp needs the key all the same."""
+    gguf = _gguf()
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
+            if vtype == gguf.GGUFValueType.ARRAY and isinstance(val, list) and not val:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + self._pack("I", sub_type or gguf.GGUFValueType.STRING) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer(path, arch)
+
+
+def _write(out: Path, fam: GGUFFamily, cfg: ModelConfig, tensors: dict[str, np.ndarray], tok: dict[str, Any], kind: str, name: str) -> None:
+    """The GGUF file, written beside `out` and renamed over it once whole (a failure leaves no file)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        writer = _writer(tmp, fam.arch)
+        _add_config(writer, cfg, fam, name, kind)
+        _add_tokenizer(writer, tok)
+        for tensor_name, a in tensors.items():
+            _add_tensor(writer, tensor_name, a, kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise os_error(e, out, "write", "-o") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+CHATML_OLLAMA = """{{- range .Messages }}<|im_start|>{{ .Role }}
+{{ .Content }}<|im_end|>
+{{ end }}<|im_start|>assistant
+"""
+
+
+def modelfile_text(gguf_path: Path, tok: Tokenizer) -> str:
+    """An Ollama Modelfile for the file: FROM, its stop tokens, and a TEMPLATE where one is exact
+    (none: the prompt as it is; ChatML: Ollama's ChatML); any other chat template is left to Ollama,
+    which reads tokenizer.chat_template from the file."""
+    lines = [f"FROM ./{gguf_path.name}"]
+    if tok.chat_template is None:
+        lines.append('TEMPLATE """{{ .Prompt }}"""')
+    elif "<|im_start|>" in tok.chat_template and "<|im_end|>" in tok.chat_template:
+        lines.append(f'TEMPLATE """{CHATML_OLLAMA}"""')
+    else:
+        lines.append("# TEMPLATE: Ollama takes the chat template from the file's tokenizer.chat_template")
+    for i in tok.stop_ids:
+        lines.append(f"PARAMETER stop {json.dumps(tok.decode([i]))}")
+    lines.append("PARAMETER temperature 0")
+    return "\n".join(lines) + "\n"
+
+
+def export_gguf(
+    run: str | Path, out: str | Path, kind: str = "f32", which: str = "best", force: bool = False, ollama: bool = False
+) -> Exported:
+    """A quill run (or .pt; a LoRA run merged) → one GGUF file of llama.cpp's llama, qwen2, qwen3 or
+    gpt2, matrices in `kind` (f32, f16, bf16, q8_0); with `ollama`, a Modelfile beside it."""
+    if kind not in WRITE_TYPES:
+        raise QuillError(f"--type {kind!r} is not a GGUF type export writes; choose one of {', '.join(WRITE_TYPES)}")
+    out = check_output_file(out, "-o", force=force)
+    modelfile = out.with_name("Modelfile") if ollama else None
+    if modelfile is not None:
+        check_output_file(modelfile, "the Modelfile", force=force)
+    loaded = runs.load_run(run, which=which)
+    cfg, tok = loaded.config.model, loaded.tokenizer
+    fam = gguf_family_of(cfg)
+    fields = tokenizer_fields(tok, cfg.vocab_size)
+    tensors = gguf_tensors(loaded.model.state_dict(), cfg, fam)
+    _write(out, fam, cfg, tensors, fields, kind, Path(loaded.path).name)
+    if modelfile is not None:
+        text = modelfile_text(out, tok).encode()
+        write_file(modelfile, lambda f: f.write(text), "the Modelfile")
+    return Exported(out, fam.arch, kind, modelfile)

