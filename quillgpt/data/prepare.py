@@ -327,6 +327,8 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
     if state is None:  # an empty or too short text is refused here, before any output changes
         plan = _plan(cfg, sources, progress)
         tok = _learn_tokenizer(cfg, sources, plan, progress)
+        if not force:  # after the input's own defects (empty, not text, characters the tokenizer lacks) are named
+            _check_same_data(cfg, out_dir, want)
         cursor = {"source": 0, "record": 0, "piece": 0, "skip_tokens": 0}
         state = {
             "want": want,
@@ -401,8 +403,6 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
         want = _same_tokenizer_as_prepared(cfg, out_dir, want)
         rebuilt = force or (meta := _up_to_date(out_dir, want)) is None
         if rebuilt:
-            if not force:
-                _check_same_data(cfg, out_dir, want)
             meta = _build(cfg, sources, want, out_dir, force, progress)
     return PreparedData(out_dir, meta, rebuilt=rebuilt, seconds=time.perf_counter() - t0)
 

@@ -185,11 +185,12 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
     strategy = resolve_strategy(tc, cfg.model, ddp, device)
     _check_combination(cfg, strategy)
     state = load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy, lora_base) if resuming else None
+    chat = cfg.data.format == "chat"  # its batches' shape comes from the conversations, known once they are read
+    if strategy != "fsdp" and not chat:  # FSDP holds a 1/world_size share of the state per device
+        _check_memory(cfg, device, None)  # before anything big is allocated, windows included
     sampler, windows, batch_notes = _batches(cfg, ddp, device, prepared, tokenizer)
-    if strategy != "fsdp":  # FSDP holds a 1/world_size share of the state per device
-        autocast_on = resolve_dtype(tc.dtype, device) != torch.float32
-        shape = _micro_batch_shape(cfg, sampler)
-        check_train_memory(cfg, device, shape, autocast_on, eval_rows(cfg, shape[1]))  # before anything big is allocated
+    if strategy != "fsdp" and chat:
+        _check_memory(cfg, device, sampler)
 
     # Each rank its own stream; DDP copies rank 0's initial weights to all. FSDP shards what every
     # rank built alike (from train.seed, on the CPU: only the shards go to the device), then the
@@ -247,6 +248,13 @@ def eval_rows(cfg: Config, T: int) -> int:
     """Rows of an evaluation batch: train.batch_size, or under a token budget as many rows of T tokens as it holds."""
     tc = cfg.train
     return tc.batch_size if tc.batch_tokens is None else max(1, min(tc.batch_size, tc.batch_tokens // T))
+
+
+def _check_memory(cfg: Config, device: torch.device, sampler: ChatSampler | None) -> None:
+    """Refuse a run whose largest micro-batch (chat: of its conversations) cannot fit on `device`."""
+    autocast_on = resolve_dtype(cfg.train.dtype, device) != torch.float32
+    shape = _micro_batch_shape(cfg, sampler)
+    check_train_memory(cfg, device, shape, autocast_on, eval_rows(cfg, shape[1]))
 
 
 def _micro_batch_shape(cfg: Config, sampler: Any) -> tuple[int, int, int]:

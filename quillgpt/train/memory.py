@@ -37,10 +37,11 @@ class TrainMemory:
     state_bytes: int  # weights, the trained ones' gradients and AdamW moments
     activation_bytes: int  # what one micro-batch keeps for backward, its logits included
     eval_bytes: int  # an evaluation batch's logits (the activations are gone by then)
+    windows_bytes: int = 0  # the fixed evaluation windows' starts: eval_iters × batch_size per split
 
     @property
     def total(self) -> int:
-        return RUNTIME_BYTES + self.state_bytes + max(self.activation_bytes, self.eval_bytes)
+        return RUNTIME_BYTES + self.state_bytes + self.windows_bytes + max(self.activation_bytes, self.eval_bytes)
 
 
 def count_params(cfg: ModelConfig, vocab_size: int) -> int:
@@ -100,7 +101,8 @@ def estimate_train_bytes(
     backward = 4 * rows * T * (3 * model_cfg.n_embd + wide)  # one block's gradients at a time, fp32
     # evaluation (no autograd): one block's widest tensors at a time, all-position logits and their log-softmax, fp32
     eval_bytes = (eval_rows or train_cfg.batch_size) * T * (4 * (3 * model_cfg.n_embd + wide) + 2 * 4 * V)
-    return TrainMemory(params, trained, state, layers + embed + logits + backward, eval_bytes)
+    windows = 2 * 16 * train_cfg.eval_iters * train_cfg.batch_size  # train and val: float64 spacing, then int64 starts
+    return TrainMemory(params, trained, state, layers + embed + logits + backward, eval_bytes, windows)
 
 
 def check_train_memory(
@@ -113,12 +115,13 @@ def check_train_memory(
     free = available_bytes(device)
     if free is not None and need.total > free:
         rows, T, _ = shape
-        weights = "the frozen base's weights and the adapters' AdamW state" if frozen else "weights, gradients and AdamW (16 bytes each)"
+        weights = "× 4 bytes of frozen base, plus the adapters' AdamW state" if frozen else "× 16 bytes for weights, gradients and AdamW"
         raise QuillError(
-            f"this run needs about {need.total / GB:,.1f} GB on {device} but {free / GB:,.1f} GB is free: "
-            f"{need.state_bytes / GB:,.1f} GB for {need.params:,} parameters ({weights}), plus "
-            f"{need.activation_bytes / GB:,.1f} GB of activations for {rows} rows × {T} tokens a micro-batch; "
-            "lower train.batch_tokens or train.batch_size (raise train.grad_accum to keep the batch), lower "
-            "model.block_size (longer conversations are cut), or set train.activation_checkpointing=true"
+            f"this run needs at least {need.total / GB:,.1f} GB on {device} ({need.params:,} parameters {weights} = "
+            f"{need.state_bytes / GB:,.1f} GB, plus {need.activation_bytes / GB:,.1f} GB of activations for {rows} rows × "
+            f"{T} tokens a micro-batch, plus {need.windows_bytes / GB:,.1f} GB of evaluation windows for "
+            f"train.eval_iters={cfg.train.eval_iters}), but {free / GB:,.1f} GB is free; lower train.batch_size or "
+            "train.batch_tokens (raise train.grad_accum to keep the batch), train.eval_iters, model.block_size (longer "
+            "conversations are cut) or the model's size, or set train.activation_checkpointing=true"
         )
     return need
