@@ -5,7 +5,7 @@
     python scripts/bench_tasks.py --quill RUN --hf HF_DIR --questions 20 --reps 1 --batch 1,8
 
 A local multiple-choice task is written to a temporary folder (YAML + jsonl, nothing downloaded):
---questions passages of Tiny Shakespeare (../shared/data/tinyshakespeare.txt or --text), each two
+--questions passages of Tiny Shakespeare (data/downloads/input.txt, the README's download, or --data-path), each two
 lines as the context and four candidate third lines (the true one and three others), so 4
 loglikelihood requests a question. Each row is lm-eval's evaluator (`simple_evaluate`) over that
 task with one model object loaded before the clock starts: quill fp32, quill --quantize int8, and
@@ -72,12 +72,16 @@ def main() -> None:
     parser.add_argument("--quill", type=Path, required=True, help="a quill run (e.g. quill import-hf of --hf)")
     parser.add_argument("--hf", type=Path, required=True, help="the same weights as a Hugging Face directory")
     parser.add_argument("--which", default="best")
-    parser.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
+    parser.add_argument(
+        "--text", "--data-path", type=Path, default=ROOT / "data" / "downloads" / "input.txt", help="the text the questions come from"
+    )
     parser.add_argument("--questions", type=int, default=40)
     parser.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--no-int8", action="store_true", help="skip the --quantize int8 rows")
     args = parser.parse_args()
+    if not args.text.is_file():
+        raise SystemExit(f"error: no text at {args.text}: run the README's quickstart first, or pass --data-path FILE")
 
     import lm_eval
     import torch
