@@ -75,6 +75,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gguf_slow"):
                 item.add_marker(slow)
+    if "memory_calibration" not in (config.getoption("-m") or ""):
+        alone = pytest.mark.skip(reason="measures peak RSS, which earlier tests of a session shift: pytest -m memory_calibration")
+        for item in items:
+            if item.get_closest_marker("memory_calibration"):
+                item.add_marker(alone)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU)")

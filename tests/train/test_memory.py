@@ -75,13 +75,16 @@ def overrides(root, *extra):
     ]
 
 
+@pytest.mark.memory_calibration  # in a full suite run the same runs measured 1.5-3x more (an earlier test's state; not found)
 @pytest.mark.parametrize(
     "shape",
     [("lora.rank=8", "train.batch_size=16"), ("lora.rank=8", "train.batch_tokens=4000"), ("train.batch_size=8",)],
     ids=["lora-rows", "lora-budget", "full"],
 )
 def test_the_estimate_is_within_a_quarter_of_the_measured_peak(imported, shape):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a clean environment: what libraries imported by earlier tests set in os.environ must not change the run
+    keep = ("PATH", "HOME", "OMP_NUM_THREADS", "TIKTOKEN_CACHE_DIR", "QUILL_CACHE_DIR", "TMPDIR")
+    env = {**{k: os.environ[k] for k in keep if k in os.environ}, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", MEASURE, str(imported / "run" / "config.yaml"), *overrides(imported, *shape)],
         capture_output=True,
