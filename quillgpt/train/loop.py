@@ -168,10 +168,8 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         teardown_distributed(ddp)
 
 
-def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, resuming: bool) -> tuple[Trainer, dict[str, Any] | None]:
-    """Build everything a run needs (and check a resume fits it) without writing anything."""
-    tc = cfg.train
-    _, tokenizer = load_prepared(prepared.out_dir)
+def _fit_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
+    """model.vocab_size: the tokenizer's when unset; one that cannot hold its ids is refused."""
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tokenizer.vocab_size
     elif cfg.model.vocab_size < tokenizer.vocab_size:
@@ -179,6 +177,13 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
             "remove model.vocab_size to use the tokenizer's"
         )
+
+
+def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, resuming: bool) -> tuple[Trainer, dict[str, Any] | None]:
+    """Build everything a run needs (and check a resume fits it) without writing anything."""
+    tc = cfg.train
+    _, tokenizer = load_prepared(prepared.out_dir)
+    _fit_vocab(cfg, tokenizer)
     init_state, lora_base = None, None
     if tc.init_from:
         cfg, init_state, lora_base = init_from_run(cfg, tokenizer.spec())
