@@ -75,6 +75,7 @@ from quillgpt.inference.engine import in_dtype  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.model.quant import KERNELS, Int8Linear, plan_of, quantize  # noqa: E402
+from quillgpt.model.int4 import Int4Linear  # noqa: E402
 from quillgpt.train.distributed import Dist  # noqa: E402
 from quillgpt.train.loop import Trainer, lr_at, train_step  # noqa: E402
 from quillgpt.train.optim import (  # noqa: E402
@@ -968,13 +969,15 @@ def read_bandwidth(nbytes: int) -> float:
 
 
 def step_weight_bytes(model: GPT) -> int:
-    """Bytes of the weights one decode step reads: every linear's weight (int8: + its scales) and
+    """Bytes of the weights one decode step reads: every linear's weight (int8: + its scales; int4: codes, scales, zeros) and
     bias, the norms' gains, and one row of each embedding (a lookup, not a matmul; a tied head's
     matmul is the lm_head linear)."""
     total = 0
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             total += m.weight[0].nbytes
+        elif isinstance(m, Int4Linear):  # its codes, bf16 scales and zeros, bias
+            total += m.codes.nbytes + m.scales_zeros.nbytes + (m.bias.nbytes if m.bias is not None else 0)
         elif isinstance(m, (nn.Linear, Int8Linear)):
             total += m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
             if isinstance(m, Int8Linear):  # the scales (and offsets) of the kernel's activations

@@ -3,10 +3,11 @@
 with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first greedy tokens.
 
     python scripts/quant_real.py --ckpt out/smollm2 --text ../shared/data/tinyshakespeare.txt \\
-        --scheme int8 --scheme int8-g32 --group 64
+        --scheme int8 --scheme int8-g32 --scheme int4 --scheme int4-g64 --group 64
 
-Each scheme's int8 weights are dequantized into float32 linears (fp32 activations: the weights'
-error alone, at float speed; the group-wise kernels are slow in eager mode). Prints one markdown
+Each scheme's weights are dequantized into float32 linears (fp32 activations: the weights'
+error alone, at float speed; the group-wise int8 kernels are slow in eager mode); an int4 scheme
+is also run through its own kernel (bf16 activations), as --quantize runs it. Prints one markdown
 table and the load average before and after.
 """
 
@@ -28,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.model.quant import Int8Linear, quantize  # noqa: E402
+from quillgpt.model.int4 import Bf16Linear, Int4Linear  # noqa: E402
+from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, quantize  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
 PROMPTS = [
@@ -55,7 +57,7 @@ def dequantized(model: GPT) -> GPT:
     """Each Int8Linear replaced by an nn.Linear of its dequantized weights (and its bias)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, Int8Linear):
+            if isinstance(child, (Int8Linear, Int4Linear, Bf16Linear)):
                 lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
                 with torch.no_grad():
                     lin.weight.copy_(child.dequantized())
@@ -94,9 +96,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
-        for kernel in ["dequant/model"]:
+        for kernel in ["dequant/model"] + (["kernel/bf16"] if scheme in INT4_SCHEMES else []):
             t = time.perf_counter()
-            model = dequantized(quantize(copy.deepcopy(run.model), scheme, kernel=kernel, group=group))
+            model = quantize(copy.deepcopy(run.model), scheme, kernel=None if scheme in INT4_SCHEMES else kernel, group=group)
+            model = model if kernel == "kernel/bf16" else dequantized(model)
             loss, top = scored(model, ids)
             kept = [shared(a, b) for a, b in zip(greedy(model, prompts, args.tokens), base)]
             name = scheme if group is None else f"int8, {group or 'per-row'} per scale"

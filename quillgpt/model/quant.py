@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.errors import QuillError
-from quillgpt.model import kernel_cache
+from quillgpt.model import int4, kernel_cache
 from quillgpt.model.gpt import GPT
+from quillgpt.model.int4 import Int4Linear
 
 # scheme → weights per scale (0: one per output channel, symmetric; else a scale and an offset per
 # group). On SmolLM2-135M-Instruct one scale per row (576-1536 weights) lost greedy answers (the
@@ -39,14 +40,16 @@ from quillgpt.model.gpt import GPT
 # (scripts/quant_real.py measures both), but its kernels are slow in eager mode (many times the
 # float linears), so int8 stays per channel, the fast path, and int8-g32 is asked for by name.
 SCHEMES = {"int8": 0, "int8-g32": 32}
+# int4 scheme → weights per scale and zero (model/int4.py): chosen by scripts/quant_real.py on SmolLM2
+INT4_SCHEMES = {"int4": 32, "int4-g64": 64, "int4-g128": 128}
 
 
 def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
-    """A scheme a user names: int8, int8-g32, or none / None for the float weights."""
+    """A scheme a user names: int8, int8-g32, int4, int4-g64, int4-g128, or none / None for the float weights."""
     if name is None or name == "none":
         return None
-    if name not in SCHEMES:
-        raise QuillError(f"{setting} must be {', '.join(SCHEMES)} or none, got {str(name)[:60]!r}")
+    if name not in SCHEMES and name not in INT4_SCHEMES:
+        raise QuillError(f"{setting} must be {', '.join([*SCHEMES, *INT4_SCHEMES])} or none, got {str(name)[:60]!r}")
     return name
 
 
@@ -232,8 +235,10 @@ def quantize(
     scheme = parse_quantize(scheme, "scheme")
     if scheme is None:
         return model
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
         raise ValueError("the model is already quantized")
+    if scheme in INT4_SCHEMES:
+        return quantize_int4(model, INT4_SCHEMES[scheme] if group is None else group)
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     places = [
@@ -249,6 +254,20 @@ def quantize(
             q.plan = plan
     for (parent, name, _), q in zip(places, layers):
         setattr(parent, name, q)
+    return model
+
+
+def quantize_int4(model: GPT, group: int) -> GPT:
+    """Every nn.Linear of the blocks whose in_features a kernel group (≤ `group`) divides → an
+    Int4Linear, in place; the others keep their float weights (weights_note counts them). The head
+    gets bf16 weights instead: in int4 it alone cost SmolLM2 most of its loss (llama.cpp's Q4
+    files keep it at 6-8 bits too)."""
+    for parent in list(model.transformer.h.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and (g := int4.group_for(child.in_features, group)):
+                setattr(parent, name, Int4Linear(child, g))
+    if isinstance(model.lm_head, nn.Linear):
+        model.lm_head = int4.Bf16Linear(model.lm_head)
     return model
 
 
@@ -282,6 +301,11 @@ def plan_of(model: GPT) -> KernelPlan | None:
 
 def weights_note(model: GPT, sep: str = ", ") -> str:
     """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float weights."""
+    if fours := [m for m in model.modules() if isinstance(m, Int4Linear)]:
+        kernels = sorted({"int4pack_mm" if m.kernel else "dequantize (slow)" for m in fours})
+        floats = sum(isinstance(m, nn.Linear) for m in model.modules())
+        kept = f", {floats} linears kept float (no group divides their width)" if floats else ""
+        return f"{sep}int4 weights ({max(m.group for m in fours)} per scale), {' + '.join(kernels)}{kept}"
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if not layers:
         return ""

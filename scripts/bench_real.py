@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Decode speed on a real (imported) model, quill beside transformers and llama.cpp on the same
+weights, in one run, batch 1, greedy:
+
+    python scripts/bench_real.py --ckpt out/smollm2 --hf path/to/hf-dir --tokens 128 --reps 2
+    python scripts/bench_real.py --ckpt out/smollm2 --compile          # + the compiled decode step
+
+Rows: quill fp32 / bf16 / --quantize int8 / int4 (as `quill sample` runs them: generate_tokens
+over the engine's static cache), transformers fp32 `generate` (--hf), and llama.cpp Q8_0 and Q4_0
+(llama-cpp-python, where installed: `Llama.eval` one token at a time and the argmax of its
+logits — llama.cpp's own loop with the least Python around it). The GGUF files are quill's own
+export of the run (`quill export-gguf --type q8_0`, and f16 requantized to Q4_0 by llama.cpp's
+`llama_model_quantize`), so every engine decodes the same weights from the same prompt ids.
+
+Each row: median tokens/s over --reps (interleaved, so load bursts hit all alike), the weight
+bytes one token reads in that engine's format, and the fraction of the weight-streaming bound
+(read bandwidth of a buffer that size, measured in the same run, / those bytes). Prefill and
+loading are not timed. Prints one markdown table, the CPU and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see scripts/bench_sample.py
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench import read_bandwidth, step_weight_bytes  # noqa: E402
+
+from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
+from quillgpt.inference.generate import generate_tokens  # noqa: E402
+from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
+from quillgpt.model.quant import quantize, weights_note  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
+
+PROMPT = "Give me three tips for sleeping better."
+Decode = Callable[[], float]  # one timed generation → tokens/s
+
+
+def quill_row(model, ids: list[int], n: int, compile: bool = False) -> Decode:
+    def run() -> float:
+        gen = generate_tokens(model, [ids], n, temperature=0.0, compile=compile)
+        next(gen)  # the prompt's forward: not timed
+        t = time.perf_counter()
+        steps = sum(1 for _ in gen)
+        return steps / (time.perf_counter() - t)
+
+    return run
+
+
+def hf_row(path: Path, ids: list[int], n: int) -> tuple[Decode, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+
+    def run() -> float:
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False)  # prefill's share
+            t = time.perf_counter()
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return n / (time.perf_counter() - t)
+
+    return run, sum(p.nbytes for p in model.parameters())
+
+
+def llama_row(path: Path, ids: list[int], n: int, threads: int) -> Decode:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_threads=threads, n_ctx=len(ids) + n + 8, verbose=False)
+
+    def run() -> float:
+        llm.reset()
+        llm.eval(ids)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return (n - 1) / (time.perf_counter() - t)
+
+    return run
+
+
+def gguf_files(ckpt: Path, work: Path) -> dict[str, Path]:
+    """{"Q8_0": file, "Q4_0": file} of the run, exported by quill (Q4_0 requantized by llama.cpp)."""
+    import llama_cpp
+
+    q8, f16, q4 = work / "q8_0.gguf", work / "f16.gguf", work / "q4_0.gguf"
+    export_gguf(ckpt, q8, kind="q8_0", which="latest")
+    export_gguf(ckpt, f16, kind="f16", which="latest")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, 2
+    if llama_cpp.llama_model_quantize(str(f16).encode(), str(q4).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit("llama_model_quantize failed")
+    return {"Q8_0": q8, "Q4_0": q4}
+
+
+def cpu_name() -> str:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads"
+
+
+def rows_of(args: argparse.Namespace, work: Path) -> dict[str, tuple[Decode, int, str]]:
+    """name → (timed generation, weight bytes per token, a note)."""
+    run = load_run(args.ckpt, which="latest")
+    ids = chat_prompt_ids(run.tokenizer, [{"role": "user", "content": PROMPT}])[0]
+    n, rows = args.tokens, {}
+    for name in args.quill:
+        model = run.model if name == "fp32" else copy.deepcopy(run.model)
+        if name == "bf16":
+            model = model.to(torch.bfloat16)
+        elif name != "fp32":
+            quantize(model, name, cache=True)
+        bytes_ = step_weight_bytes(model)
+        rows[f"quill {name}"] = (quill_row(model, ids, n), bytes_, weights_note(model, "").split(":")[0])
+        if args.compile:
+            rows[f"quill {name}, compiled"] = (quill_row(model, ids, n, compile=True), bytes_, "torch.compile'd decode step")
+    if args.hf:
+        fn, bytes_ = hf_row(args.hf, ids, n)
+        rows["transformers fp32"] = (fn, bytes_, "generate, use_cache")
+    try:
+        files = gguf_files(args.ckpt, work)
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp rows (pip install llama-cpp-python)")
+        return rows
+    for kind, path in files.items():
+        rows[f"llama.cpp {kind}"] = (llama_row(path, ids, n, torch.get_num_threads()), path.stat().st_size, "quill export-gguf")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", type=Path, required=True, help="a quill run of the model (quill import-hf / import-gguf)")
+    p.add_argument("--hf", type=Path, help="the same model as a Hugging Face directory: adds transformers' row")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--quill", nargs="+", default=["fp32", "int8", "int4"], help="quill rows: fp32, bf16 or a --quantize scheme")
+    p.add_argument("--compile", action="store_true", help="also time each quill row with the compiled decode step")
+    args = p.parse_args()
+    print(f"{cpu_name()}; load average before: {os.getloadavg()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = rows_of(args, Path(tmp))
+        for fn, _, _ in rows.values():
+            fn()  # warm-up (and compile) outside the timings
+        speeds: dict[str, list[float]] = {name: [] for name in rows}
+        for _ in range(args.reps):
+            for name, (fn, _, _) in rows.items():
+                speeds[name].append(fn())
+    print(f"\n{args.tokens} new tokens, batch 1, greedy, median of {args.reps}\n")
+    print("| engine | tokens/s | MB read per token | read bandwidth GB/s | of the bound | note |")
+    print("|---|---|---|---|---|---|")
+    for name, (_, nbytes, note) in rows.items():
+        tps, bw = statistics.median(speeds[name]), read_bandwidth(nbytes)
+        print(f"| {name} | {tps:.1f} | {nbytes / 1e6:.0f} | {bw / 1e9:.1f} | {tps * nbytes / bw:.0%} | {note} |")
+    print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
