@@ -339,3 +339,33 @@ def test_llama_cpp_greedy_equals_quill_for_tiny_runs(tmp_path, shape):
     vocab = llama_cpp.Llama(model_path=str(path), verbose=False, vocab_only=True)
     assert vocab.tokenize(TEXT.encode(), add_bos=False, special=False) == run.tokenizer.encode(TEXT)
     assert _llama_cpp_greedy(path, prompt, 48) == _quill_greedy(run, prompt, 48)
+
+
+@pytest.mark.gguf_slow
+def test_llama_cpp_greedy_equals_quill_for_a_lora_fine_tune_merged(tmp_path):
+    pytest.importorskip("llama_cpp")
+    import json
+
+    from hf_support import make_hf_model
+
+    from quillgpt.config import load_config
+    from quillgpt.interop.convert import import_hf
+    from quillgpt.train.loop import train
+
+    import_hf(make_hf_model(tmp_path / "hf", "smollm2"), tmp_path / "base")  # byte-level BPE, 160 positions
+    chats = [{"messages": [{"role": "user", "content": "Who is Romeo?"}, {"role": "assistant", "content": "A Montague."}]}] * 8
+    (tmp_path / "chat.jsonl").write_text("\n".join(map(json.dumps, chats)) + "\n")
+    overrides = [f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat", f"data.out_dir={tmp_path / 'data'}"]
+    # block_size 128 holds the prompt and 40 new tokens: quill crops a longer context, llama.cpp does not
+    overrides += [f"train.out_dir={tmp_path / 'lora'}", "lora.rank=4", "lora.alpha=8", "model.block_size=128", "train.batch_size=4"]
+    overrides += ["train.max_iters=8", "train.eval_interval=8", "train.eval_iters=1", "train.warmup_iters=0", "train.learning_rate=2e-2"]
+    train(load_config(tmp_path / "base" / "config.yaml", [*overrides, "train.device=cpu", "train.dtype=float32"]), progress=False)
+    with pytest.raises(SystemExit) as e:
+        main(["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "merged"), "--which", "latest"])
+    assert e.value.code == 0
+    merged, base = load_run(tmp_path / "merged", which="latest"), load_run(tmp_path / "base", which="latest")
+    prompt = merged.tokenizer.encode("ROMEO: But, soft! what light")
+    want = _quill_greedy(merged, prompt, 40)
+    assert want != _quill_greedy(base, prompt, 40)  # the fine-tune changed the continuation: a skipped merge fails below
+    path = export_gguf(tmp_path / "merged", tmp_path / "merged.gguf", which="latest").path
+    assert _llama_cpp_greedy(path, prompt, 40) == want
