@@ -39,14 +39,19 @@ def make_run(out: Path, shape: str, n_embd: int = 64, n_head: int = 4, block_siz
     torch.manual_seed(seed)
     keys = {**SHAPES[shape][0], **extra}
     cfg = ModelConfig(vocab_size=len(CHARS), block_size=block_size, n_layer=2, n_head=n_head, n_embd=n_embd, **keys)
+    out.mkdir(parents=True, exist_ok=True)
+    write_run(out, Config(model=cfg), CharTokenizer(CHARS), random_weights(cfg))
+    return out
+
+
+def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A model of `cfg` with large random weights (decisive logits: greedy text has no near-ties)."""
     model = GPT(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             gain = name.endswith("weight") and p.dim() == 1
             p.normal_(1.0 if gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
-    out.mkdir(parents=True, exist_ok=True)
-    write_run(out, Config(model=cfg), CharTokenizer(CHARS), model.state_dict())
-    return out
+    return model.state_dict()
 
 
 def logits(run, ids):
@@ -369,3 +374,28 @@ def test_llama_cpp_greedy_equals_quill_for_a_lora_fine_tune_merged(tmp_path):
     assert want != _quill_greedy(base, prompt, 40)  # the fine-tune changed the continuation: a skipped merge fails below
     path = export_gguf(tmp_path / "merged", tmp_path / "merged.gguf", which="latest").path
     assert _llama_cpp_greedy(path, prompt, 40) == want
+
+
+@pytest.mark.gguf_slow
+def test_llama_cpp_greedy_equals_quill_for_the_quickstart_model(tmp_path, shakespeare_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import dataclasses
+
+    from quillgpt.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")  # its model as it is: 4 x 128, block 64
+    tok = CharTokenizer.from_text(shakespeare_path.read_text())  # its char tokenizer: 65 characters, \n $ & 3 among them
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    (tmp_path / "run").mkdir()
+    write_run(tmp_path / "run", cfg, tok, random_weights(cfg.model))
+    run = load_run(tmp_path / "run", which="latest")
+    done = export_gguf(tmp_path / "run", tmp_path / "quickstart.gguf", which="latest")
+    assert done.arch == "qwen3"
+    text = "".join(tok.chars) + TEXT
+    vocab = llama_cpp.Llama(model_path=str(done.path), verbose=False, vocab_only=True)
+    assert vocab.tokenize(text.encode(), add_bos=False, special=False) == run.tokenizer.encode(text)
+    prompt = run.tokenizer.encode("ROMEO:\nBut, soft! what light ")  # + 32 new tokens fits block_size 64
+    want = _quill_greedy(run, prompt, 32)
+    assert len(set(want)) >= 8  # a varied continuation, not one token repeated
+    assert _llama_cpp_greedy(done.path, prompt, 32) == want
