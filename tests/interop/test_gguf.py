@@ -399,3 +399,85 @@ def test_llama_cpp_greedy_equals_quill_for_the_quickstart_model(tmp_path, shakes
     want = _quill_greedy(run, prompt, 32)
     assert len(set(want)) >= 8  # a varied continuation, not one token repeated
     assert _llama_cpp_greedy(done.path, prompt, 32) == want
+
+
+# --- SentencePiece ("llama") vocabularies -----------------------------------------------------
+
+
+def _sentencepiece_gguf(tmp_path: Path, monkeypatch, tokens, scores, types, add_space_prefix: bool = True) -> Path:
+    """A tiny llama GGUF whose tokenizer.ggml.* is the SentencePiece vocabulary given (model "llama"),
+    written as llama.cpp's converter writes one (tokens, scores, token types, BOS/EOS/UNK ids)."""
+
+    def add(writer, _fields):
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(add_space_prefix)
+
+    monkeypatch.setattr(gguf_write, "_add_tokenizer", add)
+    monkeypatch.setattr(gguf_write, "tokenizer_fields", lambda tok, vocab_size: {})
+    cfg = ModelConfig(vocab_size=len(tokens), block_size=64, n_layer=1, n_head=4, n_embd=64, **SHAPES["llama"][0])
+    (tmp_path / "run").mkdir()
+    write_run(tmp_path / "run", Config(model=cfg), CharTokenizer(CHARS), random_weights(cfg))
+    return export_gguf(tmp_path / "run", tmp_path / "sp.gguf", which="latest").path
+
+
+def _trained_sentencepiece():
+    """A 400-piece SentencePiece BPE with byte fallback and a user-defined <think>, as llama.cpp's
+    converter lists it: each piece, its score and its type (1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    text = (TEXT + "\n" + MIXED + "\n").splitlines() * 20 + [CHARS, "the other thing there then those these"] * 20
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, user_defined_symbols=["<think>"], num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    ids = range(sp.get_piece_size())
+    kind = lambda i: (
+        2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 4 if sp.id_to_piece(i) == "<think>" else 1
+    )  # noqa: E731
+    return [sp.id_to_piece(i) for i in ids], [sp.get_score(i) for i in ids], [kind(i) for i in ids]
+
+
+SPM_TEXTS = [
+    MIXED,
+    " a leading space",
+    "  two  spaces\n\nand newlines",
+    "<think>why</think> ROMEO</s><s> x",
+    " ",
+    "caf\u00e9 \U0001f389 12345",
+]
+
+
+@pytest.mark.gguf_slow
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_sentencepiece_import_tokenizes_as_llama_cpp(tmp_path, monkeypatch, add_space_prefix):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = _sentencepiece_gguf(tmp_path, monkeypatch, *_trained_sentencepiece(), add_space_prefix=add_space_prefix)
+    import_gguf(path, tmp_path / "back")
+    tok = load_run(tmp_path / "back", which="latest").tokenizer
+    assert tok.bos_id == 1 and tok.eot_id == 2
+    llm = llama_cpp.Llama(model_path=str(path), verbose=False, vocab_only=True)
+    for text in SPM_TEXTS:  # special=True: quill's encode reads the control tokens a chat template writes
+        assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True), text
+    assert tok.decode(tok.encode(MIXED)) == MIXED
+    if add_space_prefix:  # transformers' own GGUF conversion agrees where the text starts with no space and has no added token
+        hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+        assert tok.encode(MIXED) == hf(MIXED, add_special_tokens=False).input_ids
+
+
+def test_sentencepiece_without_byte_tokens_is_refused_by_name(tmp_path, monkeypatch):
+    tokens = ["<unk>", "<s>", "</s>", *CHARS.replace(" ", "\u2581")]
+    path = _sentencepiece_gguf(tmp_path, monkeypatch, tokens, [0.0] * len(tokens), [2, 3, 3] + [1] * len(CHARS))
+    with pytest.raises(QuillError, match="lacks byte tokens <0x00>..<0xFF>"):
+        import_gguf(path, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
