@@ -30,7 +30,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.files import check_output_file, os_error, write_file
 from quillgpt.interop import gpt2, llama
-from quillgpt.interop.families import BY_MODEL_TYPE, export_family
+from quillgpt.interop.families import export_family
 from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily
 from quillgpt.interop.gguf_read import _gguf
 
@@ -75,7 +75,7 @@ def gguf_tensors(state: dict[str, Tensor], cfg: ModelConfig, fam: GGUFFamily) ->
     if fam.model_type == "gpt2":
         hf = {k: v.t() if k.endswith(gpt2.CONV1D_WEIGHTS) else v for k, v in gpt2.quill_to_hf_state(state, cfg).items()}
     else:
-        hf = llama.quill_to_llama_state(state, cfg, BY_MODEL_TYPE[fam.model_type])
+        hf = llama.quill_to_llama_state(state, cfg, fam.family)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.n_layer)
     out = {}
     for name, t in hf.items():
