@@ -147,14 +147,126 @@ def test_char_tokenizer_beyond_ascii_is_refused_in_one_line(tmp_path):
         export_gguf(run, tmp_path / "m.gguf", which="latest")
 
 
+def parse_modelfile(text: str) -> list[tuple[str, str]]:
+    """(command, argument) of each instruction, read as Ollama's parser reads a Modelfile: a known
+    command, then a \"\"\"multi-line\"\"\" argument, a "quoted" one or the rest of the line; # comments."""
+    out, rest = [], text
+    while rest := rest.lstrip("\n"):
+        line, _, after = rest.partition("\n")
+        if line.startswith("#"):
+            rest = after
+            continue
+        command, _, arg = line.partition(" ")
+        assert command.upper() in ("FROM", "TEMPLATE", "SYSTEM", "PARAMETER", "ADAPTER", "LICENSE", "MESSAGE"), line
+        rest = rest[len(command) + 1 :]
+        if rest.startswith('"""'):
+            end = rest.index('"""', 3)
+            arg, rest = rest[3:end], rest[end + 3 :]
+        else:
+            arg, rest = arg, after
+        out.append((command.upper(), arg))
+    return out
+
+
 def test_ollama_modelfile(tmp_path, capsys):
     make_run(tmp_path / "run", "quickstart")
     with pytest.raises(SystemExit) as e:
         main(["export-gguf", str(tmp_path / "run"), "-o", str(tmp_path / "m.gguf"), "--which", "latest", "--ollama"])
     assert e.value.code == 0
     text = (tmp_path / "Modelfile").read_text()
-    assert text.startswith("FROM ./m.gguf\n") and 'TEMPLATE """{{ .Prompt }}"""' in text
+    assert parse_modelfile(text) == [("FROM", "./m.gguf"), ("TEMPLATE", "{{ .Prompt }}"), ("PARAMETER", "temperature 0")]
     assert "ollama create" in capsys.readouterr().out
+
+
+SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's tokenizer.chat_template, as its GGUF file has it
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+GO_RENDER = """package main
+
+import (
+\t"encoding/json"
+\t"os"
+\t"text/template"
+)
+
+func main() {
+\tsrc, _ := os.ReadFile(os.Args[1])
+\ttmpl := template.Must(template.New("modelfile").Parse(string(src)))
+\tvar cases []map[string]any
+\tif err := json.NewDecoder(os.Stdin).Decode(&cases); err != nil {
+\t\tpanic(err)
+\t}
+\tfor _, data := range cases {
+\t\tif err := tmpl.Execute(os.Stdout, data); err != nil {
+\t\t\tpanic(err)
+\t\t}
+\t\tos.Stdout.WriteString("\\x00")
+\t}
+}
+"""
+
+
+def go_render(tmp_path: Path, template: str, cases: list[dict]) -> list[str]:
+    """`template` executed by Go's text/template (Ollama's template engine) on each case's data."""
+    import json
+    import shutil
+    import subprocess
+
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("no Go toolchain to run Ollama's template engine (text/template): apt-get install golang-go")
+    (tmp_path / "render.go").write_text(GO_RENDER)
+    (tmp_path / "template.txt").write_text(template)
+    env = {**os.environ, "GOCACHE": str(tmp_path / "gocache"), "GOPATH": str(tmp_path / "gopath"), "GO111MODULE": "off"}
+    done = subprocess.run(
+        [go, "run", str(tmp_path / "render.go"), str(tmp_path / "template.txt")],
+        input=json.dumps(cases), capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    return done.stdout.split("\x00")[:-1]
+
+
+def test_ollama_modelfile_of_a_smollm2_chat_template_renders_as_its_jinja(tmp_path):
+    from hf_support import make_hf_model
+
+    from quillgpt.data.chat_template import render
+    from quillgpt.data.hf_tokenizer import HFTokenizer
+    from quillgpt.interop.convert import import_hf
+
+    import_hf(make_hf_model(tmp_path / "hf", "smollm2"), tmp_path / "run")
+    run = load_run(tmp_path / "run", which="latest")
+    spec = run.tokenizer.spec()
+    tok = HFTokenizer(spec["tokenizer_json"], spec["name"], spec["bos_token"], spec["eos_token"], spec["stop_tokens"], SMOLLM2_TEMPLATE)
+    write_run(tmp_path / "run", run.config, tok, run.model.state_dict())
+    done = export_gguf(tmp_path / "run", tmp_path / "smol.gguf", which="latest", ollama=True)
+    parsed = parse_modelfile(done.modelfile.read_text())
+    commands = dict(parsed[:3])
+    assert [c for c, _ in parsed] == ["FROM", "TEMPLATE", "SYSTEM", "PARAMETER", "PARAMETER"]
+    assert (
+        commands["FROM"] == "./smol.gguf" and commands["SYSTEM"] == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    )
+    assert parsed[3:] == [("PARAMETER", 'stop "<|im_end|>"'), ("PARAMETER", "temperature 0")]
+    # Ollama runs TEMPLATE with text/template on .Messages, its SYSTEM first where a conversation has no system message
+    chats = [*gguf_write.PROBES, [{"role": "user", "content": "Tabs\tand\nnewlines, <b>tags</b> & {{ braces }}"}]]
+    data = [
+        {"Messages": [{"Role": m["role"], "Content": m["content"]} for m in ([] if c[0]["role"] == "system" else [
+            {"role": "system", "content": commands["SYSTEM"]}]) + c], "System": commands["SYSTEM"]}
+        for c in chats
+    ]  # fmt: skip
+    assert go_render(tmp_path, commands["TEMPLATE"], data) == [render(SMOLLM2_TEMPLATE, c) for c in chats]
+
+
+def test_ollama_modelfile_leaves_a_template_it_cannot_write_exactly_to_ollama(tmp_path):
+    from hf_support import CHATML, LLAMA3
+
+    tok = load_run(make_run(tmp_path / "run", "llama"), which="latest").tokenizer
+    smollm2 = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    for template, want in ((CHATML, ""), (SMOLLM2_TEMPLATE, smollm2), (LLAMA3, None), (CHATML.replace("\\n", " "), None)):
+        tok.chat_template = template
+        assert gguf_write.ollama_system(tok) == want, template
+    assert "# TEMPLATE: Ollama takes the chat template" in gguf_write.modelfile_text(tmp_path / "m.gguf", tok)
 
 
 # --- bad files: one line, exit 2, nothing written --------------------------------------------
