@@ -2,10 +2,12 @@
 read, so adding a Llama-shaped family is one record and a test, not a branch in every converter.
 
 A record says what a family is called in each format (config.json's model_type and architecture,
-llama.cpp's general.architecture), transformers' defaults for the config.json keys it may leave
-out, and which of the decoder's features it has: where q/k/v biases come from, QK-norm, how its
-config states a sliding window. The codec (gpt2.py or llama.py) maps the weights and config keys
-the way every family of its shape shares; `export_family` picks the record a run is written as.
+llama.cpp's general.architecture and whether llama.cpp's converter permuted its q/k rows:
+interop/gguf_family.py derives its GGUF table from the records), transformers' defaults for the
+config.json keys it may leave out, and which of the decoder's features it has: where q/k/v biases
+come from, QK-norm, how its config states a sliding window. The codec (gpt2.py or llama.py) maps
+the weights and config keys the way every family of its shape shares; `export_family` picks the
+record a run is written as.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Family:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    # llama.cpp's gguf_arch rotates (2i, 2i + 1) pairs: its converter permuted q/k rows (llama: yes; qwen: NEOX RoPE, no)
+    gguf_permuted_qk: bool = False
 
     def defaults(self) -> dict[str, Any]:
         """transformers' values for the config.json keys this family may leave out."""
@@ -80,7 +84,7 @@ class Family:
 
 
 GPT2 = Family("gpt2", "GPT2LMHeadModel", "GPT-2", "gpt2", "gpt2", 1024, qkv_bias="never", o_bias=False, tiktoken="gpt2")
-LLAMA = Family("llama", "LlamaForCausalLM", "Llama", "llama", "llama", 2048, mlp_bias_key=True)
+LLAMA = Family("llama", "LlamaForCausalLM", "Llama", "llama", "llama", 2048, mlp_bias_key=True, gguf_permuted_qk=True)
 QWEN2 = Family(
     "qwen2",
     "Qwen2ForCausalLM",
@@ -95,7 +99,17 @@ QWEN2 = Family(
 )
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "Qwen3", "llama", "qwen3", 32768, qk_norm=True, qwen_windows=True)
 MISTRAL = Family(
-    "mistral", "MistralForCausalLM", "Mistral", "llama", "llama", 131072, window=4096, qkv_bias="never", o_bias=False, exports_window=True
+    "mistral",
+    "MistralForCausalLM",
+    "Mistral",
+    "llama",
+    "llama",
+    131072,
+    window=4096,
+    qkv_bias="never",
+    o_bias=False,
+    exports_window=True,
+    gguf_permuted_qk=True,
 )
 
 FAMILIES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL)

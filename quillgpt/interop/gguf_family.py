@@ -1,14 +1,18 @@
-"""The GGUF side of each family, in one table: llama.cpp's architecture names, the metadata keys
-that carry each config.json key, the tensor types quill dequantizes, and llama.cpp's
-pre-tokenizer names. Import reads a file's metadata into a config.json-like dict through this
-table (so the Hugging Face converters in interop/llama.py and gpt2.py decide, and refuse, as they
-do for a directory); export writes it back the same way. Tensor names are the `gguf` package's
-own map (gguf.TensorNameMap), between Hugging Face's names and llama.cpp's.
+"""The GGUF side of each family: llama.cpp's architecture names (derived from the family records
+in interop/families.py, so each family is defined once), the metadata keys that carry each
+config.json key, the tensor types quill dequantizes, and llama.cpp's pre-tokenizer names. Import
+reads a file's metadata into a config.json-like dict through this table (so the Hugging Face
+converters in interop/llama.py and gpt2.py decide, and refuse, as they do for a directory); export
+writes it back the same way. Tensor names are the `gguf` package's own map (gguf.TensorNameMap),
+between Hugging Face's names and llama.cpp's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from quillgpt.interop import families
+from quillgpt.interop.families import Family
 
 LLAMA_KEYS = {  # GGUF key (after "<arch>.") → config.json key
     "context_length": "max_position_embeddings",
@@ -33,26 +37,43 @@ GPT2_KEYS = {
 }
 
 
+KEYS = {"llama": LLAMA_KEYS, "gpt2": GPT2_KEYS}  # by the family's codec
+
+
 @dataclass(frozen=True)
 class GGUFFamily:
-    """One llama.cpp architecture: the config.json model_type it reads as, its keys, and whether
-    llama.cpp's converter permuted q/k rows for its interleaved RoPE (llama: yes; qwen: NEOX RoPE, no)."""
+    """A family record (interop/families.Family) as llama.cpp names it: its architecture, the
+    config.json model_type it reads as, its metadata keys, and whether q/k rows were permuted."""
 
-    arch: str
-    model_type: str
-    keys: dict[str, str]
-    permuted_qk: bool
+    family: Family
+
+    @property
+    def arch(self) -> str:
+        return self.family.gguf_arch
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def keys(self) -> dict[str, str]:
+        return KEYS[self.family.codec]
+
+    @property
+    def permuted_qk(self) -> bool:
+        return self.family.gguf_permuted_qk
 
 
-FAMILIES = {
-    f.arch: f
-    for f in (
-        GGUFFamily("llama", "llama", LLAMA_KEYS, True),  # Llama 1-3, Mistral, SmolLM, TinyLlama: all "llama" in llama.cpp
-        GGUFFamily("qwen2", "qwen2", LLAMA_KEYS, False),
-        GGUFFamily("qwen3", "qwen3", LLAMA_KEYS, False),
-        GGUFFamily("gpt2", "gpt2", GPT2_KEYS, False),
-    )
-}
+def _by_arch() -> dict[str, GGUFFamily]:
+    """One entry per llama.cpp architecture: the first record that names it (Mistral is written
+    as llama.cpp's "llama", which reads back as Llama: a GGUF states no sliding window)."""
+    table: dict[str, GGUFFamily] = {}
+    for f in families.FAMILIES:
+        table.setdefault(f.gguf_arch, GGUFFamily(f))
+    return table
+
+
+FAMILIES = _by_arch()
 
 # ggml tensor types quill dequantizes (with gguf.quants, ggml's own reference code); others are refused by name
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

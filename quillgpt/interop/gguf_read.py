@@ -226,6 +226,11 @@ def _tokenizer_dict(f: GGUFFile) -> dict[str, Any]:
         raise QuillError(f"{shown(f.path)}: its BPE vocabulary has no tokenizer.ggml.merges, so its tokenization cannot be rebuilt")
     if kind == "llama" and "merges" not in d and len(d.get("scores") or []) != len(tokens):
         raise QuillError(f"{shown(f.path)}: its SentencePiece vocabulary has neither merges nor a score per token")
+    if kind == "llama" and not {f"<0x{b:02X}>" for b in range(256)} <= set(tokens):
+        raise QuillError(
+            f"{shown(f.path)}: its SentencePiece vocabulary lacks byte tokens <0x00>..<0xFF>; without byte fallback llama.cpp's "
+            "tokenization of a character outside the vocabulary is not one quill can rebuild"
+        )
     if kind == "gpt2" and pre not in PRE_TOKENIZERS and pre not in GGUF_PRE_TOKENIZER_SPLITS:
         known = sorted(set(PRE_TOKENIZERS) | set(GGUF_PRE_TOKENIZER_SPLITS))
         raise QuillError(f"{shown(f.path)}: tokenizer.ggml.pre={shown_value(pre)} is a split quill does not know ({', '.join(known)})")
@@ -233,6 +238,24 @@ def _tokenizer_dict(f: GGUFFile) -> dict[str, Any]:
         if key in d and len(d[key]) != len(tokens):
             raise QuillError(f"{shown(f.path)}: tokenizer.ggml.{key} has {len(d[key])} entries for {len(tokens)} tokens")
     return d
+
+
+def _as_llama_cpp_spm(backend: Any, d: dict[str, Any]) -> None:
+    """A SentencePiece vocabulary split as llama.cpp splits it: with tokenizer.ggml.add_space_prefix
+    (default true) a "▁" before the text and after each added token (a normalizer: `tokenizers`
+    normalizes each piece between added tokens apart), every space a "▁", and <unk> where the file
+    names one. transformers' Metaspace adds no "▁" to a text that starts with a space, and llama.cpp
+    does."""
+    from tokenizers import decoders, normalizers
+
+    prefix = d.get("add_prefix_space", True)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581")] * prefix + [normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * prefix)
+    unk = d.get("unk_token_id")
+    if isinstance(unk, int) and 0 <= unk < len(d["tokens"]):
+        backend.model.unk_token = d["tokens"][unk]
 
 
 def gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
@@ -248,7 +271,9 @@ def gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
         backend, _ = convert_gguf_tokenizer(arch, d)
     except Exception as e:  # noqa: BLE001 — the converter and the Rust tokenizer raise their own types
         raise QuillError(f"{shown(f.path)}: its tokenizer cannot be rebuilt ({type(e).__name__}: {str(e)[:100]})") from None
-    if d.get("pre_tokenizer_type") in PRE_TOKENIZERS:
+    if d["tokenizer_type"] == "llama":
+        _as_llama_cpp_spm(backend, d)
+    elif d.get("pre_tokenizer_type") in PRE_TOKENIZERS:
         backend.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[d["pre_tokenizer_type"]])
     tokens = d["tokens"]
     data = json.loads(backend.to_str())  # transformers' GPT2Tokenizer adds an <|endoftext|> the file may lack: only the file's ids stay

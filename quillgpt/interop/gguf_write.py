@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.files import check_output_file, os_error, write_file
 from quillgpt.interop import gpt2, llama
-from quillgpt.interop.families import BY_MODEL_TYPE, export_family
+from quillgpt.interop.families import export_family
 from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily
 from quillgpt.interop.gguf_read import _gguf
 
@@ -75,7 +76,7 @@ def gguf_tensors(state: dict[str, Tensor], cfg: ModelConfig, fam: GGUFFamily) ->
     if fam.model_type == "gpt2":
         hf = {k: v.t() if k.endswith(gpt2.CONV1D_WEIGHTS) else v for k, v in gpt2.quill_to_hf_state(state, cfg).items()}
     else:
-        hf = llama.quill_to_llama_state(state, cfg, BY_MODEL_TYPE[fam.model_type])
+        hf = llama.quill_to_llama_state(state, cfg, fam.family)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.n_layer)
     out = {}
     for name, t in hf.items():
@@ -254,17 +255,50 @@ CHATML_OLLAMA = """{{- range .Messages }}<|im_start|>{{ .Role }}
 {{ .Content }}<|im_end|>
 {{ end }}<|im_start|>assistant
 """
+# conversations a ChatML template must render as CHATML_OLLAMA does before the Modelfile says so
+PROBES: tuple[list[dict[str, str]], ...] = (
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Why?"}],
+)
+
+
+def chatml_as_ollama(messages: list[dict[str, str]], system: str) -> str:
+    """What CHATML_OLLAMA renders in Ollama, which puts the Modelfile's SYSTEM first when a
+    conversation has no system message."""
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def ollama_system(tok: Tokenizer) -> str | None:
+    """The SYSTEM ("" for none) with which Ollama's ChatML writes every probe conversation as the
+    run's chat template does (SmolLM2's adds a default system prompt), or None where none does."""
+    from quillgpt.data.chat_template import render
+
+    bos, eos = getattr(tok, "bos_token", None), getattr(tok, "eos_token", None)
+    try:
+        texts = [render(tok.chat_template, list(p), True, bos, eos) for p in PROBES]
+    except QuillError:
+        return None
+    m = re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n", texts[0], re.S)
+    system = m.group(1) if m else ""
+    exact = '"""' not in system and all(t == chatml_as_ollama(list(p), system) for p, t in zip(PROBES, texts))
+    return system if exact else None
 
 
 def modelfile_text(gguf_path: Path, tok: Tokenizer) -> str:
     """An Ollama Modelfile for the file: FROM, its stop tokens, and a TEMPLATE where one is exact
-    (none: the prompt as it is; ChatML: Ollama's ChatML); any other chat template is left to Ollama,
-    which reads tokenizer.chat_template from the file."""
+    (none: the prompt as it is; a template that writes the probe conversations as Ollama's ChatML
+    does: that ChatML, with its default system prompt as SYSTEM); any other chat template is left
+    to Ollama, which reads tokenizer.chat_template from the file."""
     lines = [f"FROM ./{gguf_path.name}"]
+    system = None if tok.chat_template is None else ollama_system(tok)
     if tok.chat_template is None:
         lines.append('TEMPLATE """{{ .Prompt }}"""')
-    elif "<|im_start|>" in tok.chat_template and "<|im_end|>" in tok.chat_template:
+    elif system is not None:
         lines.append(f'TEMPLATE """{CHATML_OLLAMA}"""')
+        lines += [f'SYSTEM """{system}"""'] if system else []
     else:
         lines.append("# TEMPLATE: Ollama takes the chat template from the file's tokenizer.chat_template")
     for i in tok.stop_ids:

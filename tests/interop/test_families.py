@@ -84,3 +84,20 @@ def test_a_records_defaults_are_what_an_import_fills_in(tmp_path, monkeypatch):
     monkeypatch.setitem(families.BY_MODEL_TYPE, "llama", record)
     model = import_hf(hf_dir, tmp_path / "run").model
     assert (model.block_size, model.norm_eps) == (96, 1e-5)
+
+
+def test_the_gguf_table_is_the_family_records():
+    """interop/gguf_family's table is derived from the records: each llama.cpp architecture reads
+    as the first record that names it, and records sharing one agree on what llama.cpp computes."""
+    from quillgpt.interop import gguf_family
+
+    assert {a: g.family for a, g in gguf_family.FAMILIES.items()} == {
+        "gpt2": families.GPT2,
+        "llama": LLAMA,  # Mistral writes "llama" too, and a GGUF states no window: it reads back as Llama
+        "qwen2": QWEN2,
+        "qwen3": QWEN3,
+    }
+    for f in families.FAMILIES:
+        g = gguf_family.FAMILIES[f.gguf_arch]
+        assert (f.codec, f.gguf_permuted_qk) == (g.family.codec, g.permuted_qk), f.name
+    assert gguf_family.FAMILIES["llama"].permuted_qk and not gguf_family.FAMILIES["qwen2"].permuted_qk

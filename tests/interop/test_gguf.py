@@ -39,14 +39,19 @@ def make_run(out: Path, shape: str, n_embd: int = 64, n_head: int = 4, block_siz
     torch.manual_seed(seed)
     keys = {**SHAPES[shape][0], **extra}
     cfg = ModelConfig(vocab_size=len(CHARS), block_size=block_size, n_layer=2, n_head=n_head, n_embd=n_embd, **keys)
+    out.mkdir(parents=True, exist_ok=True)
+    write_run(out, Config(model=cfg), CharTokenizer(CHARS), random_weights(cfg))
+    return out
+
+
+def random_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A model of `cfg` with large random weights (decisive logits: greedy text has no near-ties)."""
     model = GPT(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             gain = name.endswith("weight") and p.dim() == 1
             p.normal_(1.0 if gain else 0.0, 0.3 if p.dim() > 1 else 0.1)
-    out.mkdir(parents=True, exist_ok=True)
-    write_run(out, Config(model=cfg), CharTokenizer(CHARS), model.state_dict())
-    return out
+    return model.state_dict()
 
 
 def logits(run, ids):
@@ -142,14 +147,126 @@ def test_char_tokenizer_beyond_ascii_is_refused_in_one_line(tmp_path):
         export_gguf(run, tmp_path / "m.gguf", which="latest")
 
 
+def parse_modelfile(text: str) -> list[tuple[str, str]]:
+    """(command, argument) of each instruction, read as Ollama's parser reads a Modelfile: a known
+    command, then a \"\"\"multi-line\"\"\" argument, a "quoted" one or the rest of the line; # comments."""
+    out, rest = [], text
+    while rest := rest.lstrip("\n"):
+        line, _, after = rest.partition("\n")
+        if line.startswith("#"):
+            rest = after
+            continue
+        command, _, arg = line.partition(" ")
+        assert command.upper() in ("FROM", "TEMPLATE", "SYSTEM", "PARAMETER", "ADAPTER", "LICENSE", "MESSAGE"), line
+        rest = rest[len(command) + 1 :]
+        if rest.startswith('"""'):
+            end = rest.index('"""', 3)
+            arg, rest = rest[3:end], rest[end + 3 :]
+        else:
+            arg, rest = arg, after
+        out.append((command.upper(), arg))
+    return out
+
+
 def test_ollama_modelfile(tmp_path, capsys):
     make_run(tmp_path / "run", "quickstart")
     with pytest.raises(SystemExit) as e:
         main(["export-gguf", str(tmp_path / "run"), "-o", str(tmp_path / "m.gguf"), "--which", "latest", "--ollama"])
     assert e.value.code == 0
     text = (tmp_path / "Modelfile").read_text()
-    assert text.startswith("FROM ./m.gguf\n") and 'TEMPLATE """{{ .Prompt }}"""' in text
+    assert parse_modelfile(text) == [("FROM", "./m.gguf"), ("TEMPLATE", "{{ .Prompt }}"), ("PARAMETER", "temperature 0")]
     assert "ollama create" in capsys.readouterr().out
+
+
+SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's tokenizer.chat_template, as its GGUF file has it
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+GO_RENDER = """package main
+
+import (
+\t"encoding/json"
+\t"os"
+\t"text/template"
+)
+
+func main() {
+\tsrc, _ := os.ReadFile(os.Args[1])
+\ttmpl := template.Must(template.New("modelfile").Parse(string(src)))
+\tvar cases []map[string]any
+\tif err := json.NewDecoder(os.Stdin).Decode(&cases); err != nil {
+\t\tpanic(err)
+\t}
+\tfor _, data := range cases {
+\t\tif err := tmpl.Execute(os.Stdout, data); err != nil {
+\t\t\tpanic(err)
+\t\t}
+\t\tos.Stdout.WriteString("\\x00")
+\t}
+}
+"""
+
+
+def go_render(tmp_path: Path, template: str, cases: list[dict]) -> list[str]:
+    """`template` executed by Go's text/template (Ollama's template engine) on each case's data."""
+    import json
+    import shutil
+    import subprocess
+
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("no Go toolchain to run Ollama's template engine (text/template): apt-get install golang-go")
+    (tmp_path / "render.go").write_text(GO_RENDER)
+    (tmp_path / "template.txt").write_text(template)
+    env = {**os.environ, "GOCACHE": str(tmp_path / "gocache"), "GOPATH": str(tmp_path / "gopath"), "GO111MODULE": "off"}
+    done = subprocess.run(
+        [go, "run", str(tmp_path / "render.go"), str(tmp_path / "template.txt")],
+        input=json.dumps(cases), capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    return done.stdout.split("\x00")[:-1]
+
+
+def test_ollama_modelfile_of_a_smollm2_chat_template_renders_as_its_jinja(tmp_path):
+    from hf_support import make_hf_model
+
+    from quillgpt.data.chat_template import render
+    from quillgpt.data.hf_tokenizer import HFTokenizer
+    from quillgpt.interop.convert import import_hf
+
+    import_hf(make_hf_model(tmp_path / "hf", "smollm2"), tmp_path / "run")
+    run = load_run(tmp_path / "run", which="latest")
+    spec = run.tokenizer.spec()
+    tok = HFTokenizer(spec["tokenizer_json"], spec["name"], spec["bos_token"], spec["eos_token"], spec["stop_tokens"], SMOLLM2_TEMPLATE)
+    write_run(tmp_path / "run", run.config, tok, run.model.state_dict())
+    done = export_gguf(tmp_path / "run", tmp_path / "smol.gguf", which="latest", ollama=True)
+    parsed = parse_modelfile(done.modelfile.read_text())
+    commands = dict(parsed[:3])
+    assert [c for c, _ in parsed] == ["FROM", "TEMPLATE", "SYSTEM", "PARAMETER", "PARAMETER"]
+    assert (
+        commands["FROM"] == "./smol.gguf" and commands["SYSTEM"] == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    )
+    assert parsed[3:] == [("PARAMETER", 'stop "<|im_end|>"'), ("PARAMETER", "temperature 0")]
+    # Ollama runs TEMPLATE with text/template on .Messages, its SYSTEM first where a conversation has no system message
+    chats = [*gguf_write.PROBES, [{"role": "user", "content": "Tabs\tand\nnewlines, <b>tags</b> & {{ braces }}"}]]
+    data = [
+        {"Messages": [{"Role": m["role"], "Content": m["content"]} for m in ([] if c[0]["role"] == "system" else [
+            {"role": "system", "content": commands["SYSTEM"]}]) + c], "System": commands["SYSTEM"]}
+        for c in chats
+    ]  # fmt: skip
+    assert go_render(tmp_path, commands["TEMPLATE"], data) == [render(SMOLLM2_TEMPLATE, c) for c in chats]
+
+
+def test_ollama_modelfile_leaves_a_template_it_cannot_write_exactly_to_ollama(tmp_path):
+    from hf_support import CHATML, LLAMA3
+
+    tok = load_run(make_run(tmp_path / "run", "llama"), which="latest").tokenizer
+    smollm2 = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    for template, want in ((CHATML, ""), (SMOLLM2_TEMPLATE, smollm2), (LLAMA3, None), (CHATML.replace("\\n", " "), None)):
+        tok.chat_template = template
+        assert gguf_write.ollama_system(tok) == want, template
+    assert "# TEMPLATE: Ollama takes the chat template" in gguf_write.modelfile_text(tmp_path / "m.gguf", tok)
 
 
 # --- bad files: one line, exit 2, nothing written --------------------------------------------
@@ -339,3 +456,140 @@ def test_llama_cpp_greedy_equals_quill_for_tiny_runs(tmp_path, shape):
     vocab = llama_cpp.Llama(model_path=str(path), verbose=False, vocab_only=True)
     assert vocab.tokenize(TEXT.encode(), add_bos=False, special=False) == run.tokenizer.encode(TEXT)
     assert _llama_cpp_greedy(path, prompt, 48) == _quill_greedy(run, prompt, 48)
+
+
+@pytest.mark.gguf_slow
+def test_llama_cpp_greedy_equals_quill_for_a_lora_fine_tune_merged(tmp_path):
+    pytest.importorskip("llama_cpp")
+    import json
+
+    from hf_support import make_hf_model
+
+    from quillgpt.config import load_config
+    from quillgpt.interop.convert import import_hf
+    from quillgpt.train.loop import train
+
+    import_hf(make_hf_model(tmp_path / "hf", "smollm2"), tmp_path / "base")  # byte-level BPE, 160 positions
+    chats = [{"messages": [{"role": "user", "content": "Who is Romeo?"}, {"role": "assistant", "content": "A Montague."}]}] * 8
+    (tmp_path / "chat.jsonl").write_text("\n".join(map(json.dumps, chats)) + "\n")
+    overrides = [f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat", f"data.out_dir={tmp_path / 'data'}"]
+    # block_size 128 holds the prompt and 40 new tokens: quill crops a longer context, llama.cpp does not
+    overrides += [f"train.out_dir={tmp_path / 'lora'}", "lora.rank=4", "lora.alpha=8", "model.block_size=128", "train.batch_size=4"]
+    overrides += ["train.max_iters=8", "train.eval_interval=8", "train.eval_iters=1", "train.warmup_iters=0", "train.learning_rate=2e-2"]
+    train(load_config(tmp_path / "base" / "config.yaml", [*overrides, "train.device=cpu", "train.dtype=float32"]), progress=False)
+    with pytest.raises(SystemExit) as e:
+        main(["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "merged"), "--which", "latest"])
+    assert e.value.code == 0
+    merged, base = load_run(tmp_path / "merged", which="latest"), load_run(tmp_path / "base", which="latest")
+    prompt = merged.tokenizer.encode("ROMEO: But, soft! what light")
+    want = _quill_greedy(merged, prompt, 40)
+    assert want != _quill_greedy(base, prompt, 40)  # the fine-tune changed the continuation: a skipped merge fails below
+    path = export_gguf(tmp_path / "merged", tmp_path / "merged.gguf", which="latest").path
+    assert _llama_cpp_greedy(path, prompt, 40) == want
+
+
+@pytest.mark.gguf_slow
+def test_llama_cpp_greedy_equals_quill_for_the_quickstart_model(tmp_path, shakespeare_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import dataclasses
+
+    from quillgpt.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")  # its model as it is: 4 x 128, block 64
+    tok = CharTokenizer.from_text(shakespeare_path.read_text())  # its char tokenizer: 65 characters, \n $ & 3 among them
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    (tmp_path / "run").mkdir()
+    write_run(tmp_path / "run", cfg, tok, random_weights(cfg.model))
+    run = load_run(tmp_path / "run", which="latest")
+    done = export_gguf(tmp_path / "run", tmp_path / "quickstart.gguf", which="latest")
+    assert done.arch == "qwen3"
+    text = "".join(tok.chars) + TEXT
+    vocab = llama_cpp.Llama(model_path=str(done.path), verbose=False, vocab_only=True)
+    assert vocab.tokenize(text.encode(), add_bos=False, special=False) == run.tokenizer.encode(text)
+    prompt = run.tokenizer.encode("ROMEO:\nBut, soft! what light ")  # + 32 new tokens fits block_size 64
+    want = _quill_greedy(run, prompt, 32)
+    assert len(set(want)) >= 8  # a varied continuation, not one token repeated
+    assert _llama_cpp_greedy(done.path, prompt, 32) == want
+
+
+# --- SentencePiece ("llama") vocabularies -----------------------------------------------------
+
+
+def _sentencepiece_gguf(tmp_path: Path, monkeypatch, tokens, scores, types, add_space_prefix: bool = True) -> Path:
+    """A tiny llama GGUF whose tokenizer.ggml.* is the SentencePiece vocabulary given (model "llama"),
+    written as llama.cpp's converter writes one (tokens, scores, token types, BOS/EOS/UNK ids)."""
+
+    def add(writer, _fields):
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(add_space_prefix)
+
+    monkeypatch.setattr(gguf_write, "_add_tokenizer", add)
+    monkeypatch.setattr(gguf_write, "tokenizer_fields", lambda tok, vocab_size: {})
+    cfg = ModelConfig(vocab_size=len(tokens), block_size=64, n_layer=1, n_head=4, n_embd=64, **SHAPES["llama"][0])
+    (tmp_path / "run").mkdir()
+    write_run(tmp_path / "run", Config(model=cfg), CharTokenizer(CHARS), random_weights(cfg))
+    return export_gguf(tmp_path / "run", tmp_path / "sp.gguf", which="latest").path
+
+
+def _trained_sentencepiece():
+    """A 400-piece SentencePiece BPE with byte fallback and a user-defined <think>, as llama.cpp's
+    converter lists it: each piece, its score and its type (1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    text = (TEXT + "\n" + MIXED + "\n").splitlines() * 20 + [CHARS, "the other thing there then those these"] * 20
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, user_defined_symbols=["<think>"], num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    ids = range(sp.get_piece_size())
+    kind = lambda i: (
+        2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 4 if sp.id_to_piece(i) == "<think>" else 1
+    )  # noqa: E731
+    return [sp.id_to_piece(i) for i in ids], [sp.get_score(i) for i in ids], [kind(i) for i in ids]
+
+
+SPM_TEXTS = [
+    MIXED,
+    " a leading space",
+    "  two  spaces\n\nand newlines",
+    "<think>why</think> ROMEO</s><s> x",
+    " ",
+    "caf\u00e9 \U0001f389 12345",
+]
+
+
+@pytest.mark.gguf_slow
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_sentencepiece_import_tokenizes_as_llama_cpp(tmp_path, monkeypatch, add_space_prefix):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = _sentencepiece_gguf(tmp_path, monkeypatch, *_trained_sentencepiece(), add_space_prefix=add_space_prefix)
+    import_gguf(path, tmp_path / "back")
+    tok = load_run(tmp_path / "back", which="latest").tokenizer
+    assert tok.bos_id == 1 and tok.eot_id == 2
+    llm = llama_cpp.Llama(model_path=str(path), verbose=False, vocab_only=True)
+    for text in SPM_TEXTS:  # special=True: quill's encode reads the control tokens a chat template writes
+        assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True), text
+    assert tok.decode(tok.encode(MIXED)) == MIXED
+    if add_space_prefix:  # transformers' own GGUF conversion agrees where the text starts with no space and has no added token
+        hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+        assert tok.encode(MIXED) == hf(MIXED, add_special_tokens=False).input_ids
+
+
+def test_sentencepiece_without_byte_tokens_is_refused_by_name(tmp_path, monkeypatch):
+    tokens = ["<unk>", "<s>", "</s>", *CHARS.replace(" ", "\u2581")]
+    path = _sentencepiece_gguf(tmp_path, monkeypatch, tokens, [0.0] * len(tokens), [2, 3, 3] + [1] * len(CHARS))
+    with pytest.raises(QuillError, match="lacks byte tokens <0x00>..<0xFF>"):
+        import_gguf(path, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
