@@ -73,7 +73,7 @@ WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run dire
 QUANT_OPT = typer.Option(
     "none",
     "--quantize",
-    help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-g32: a scale and an offset per 32 weights (closer to the float weights, slow kernels); none: the float weights.",
+    help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-g32: a scale and an offset per 32 weights (closer to the float weights, slow kernels); int4 (int4-g64, int4-g128): 4-bit weights with a bf16 scale and zero per 32 (64, 128) weights, the head in bf16; none: the float weights.",
 )
 
 
@@ -397,7 +397,7 @@ def serve_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-g32: a scale and an offset per 32 weights; none: the float weights.",
+        help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-g32: a scale and an offset per 32 weights; int4 (int4-g64, int4-g128): 4-bit weights, a bf16 scale and zero per 32 (64, 128) weights; none: the float weights.",
     ),
     cors: str | None = typer.Option(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."
@@ -444,7 +444,7 @@ def eval_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8: score the model with weight-only int8 linears, as quill sample --quantize int8 runs it, to see what int8 costs in loss; none: the float weights.",
+        help="int8 (int8-g32, int4, int4-g64, int4-g128): score the model with those weights, as quill sample --quantize runs it, to see what they cost in loss; none: the float weights.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
@@ -576,7 +576,7 @@ def attention_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8: the attention of the model with weight-only int8 linears (as quill sample --quantize int8 runs it); none: the float weights.",
+        help="int8 (int8-g32, int4, int4-g64, int4-g128): the attention of the model with those weights (as quill sample --quantize runs it); none: the float weights.",
     ),
     force: bool = typer.Option(
         False,

@@ -74,8 +74,8 @@ from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.engine import in_dtype  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.model.quant import KERNELS, Int8Linear, plan_of, quantize  # noqa: E402
 from quillgpt.model.int4 import Int4Linear  # noqa: E402
+from quillgpt.model.quant import KERNELS, Int8Linear, plan_of, quantize  # noqa: E402
 from quillgpt.train.distributed import Dist  # noqa: E402
 from quillgpt.train.loop import Trainer, lr_at, train_step  # noqa: E402
 from quillgpt.train.optim import (  # noqa: E402

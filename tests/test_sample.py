@@ -182,6 +182,17 @@ def test_int8_sample_is_the_int8_models_text(quill, decisive_ckpt, fixed_int8_ke
     )
 
 
+def test_int4_sample_is_the_int4_models_text(quill, decisive_ckpt):
+    args = ("-p", "ROMEO:", "--temperature", 0, "-n", 40)
+    got = sample_json(quill, decisive_ckpt, *args, "--quantize", "int4")
+    run = load_run(decisive_ckpt)
+    quantize(run.model, "int4")
+    want, _ = generate_text(run.model, run.tokenizer, "ROMEO:", 40, temperature=0)
+    assert got["samples"] == want and len(set(want[0])) > 5 and got["settings"]["quantize"] == "int4"
+    code, _, err = quill("sample", "--ckpt", decisive_ckpt, *args, "--quantize", "int4")
+    assert code == 0 and "int4 weights (32 per scale)" in err and "head in bf16" in err
+
+
 def test_int8_runs_where_no_kernel_beats_the_float_linears_and_says_so(quill, run_dir, monkeypatch):
     """A tiny model, or a busy machine while the kernels were timed: int8 was asked for, so it runs."""
     monkeypatch.setattr(quant, "_timings", lambda pairs, kernels, m, **budget: {"float": 0.1, **dict.fromkeys(kernels, 0.5)})
@@ -240,7 +251,7 @@ BAD = {
     "nan top-p": (["--top-p", "nan"], r"--top-p must be in \(0, 1\], got nan"),
     "huge max-new-tokens": (["-n", str(10**30)], "--max-new-tokens must be at most"),
     "unknown dtype": (["--dtype", "float8"], "--dtype must be float32, bfloat16 or float16"),
-    "unknown quantization": (["--quantize", "int4"], "--quantize must be int8, int8-g32 or none, got 'int4'"),
+    "unknown quantization": (["--quantize", "int5"], "--quantize must be int8, int8-g32, int4, int4-g64, int4-g128 or none, got 'int5'"),
     "unknown device": (["--device", "tpu"], "--device must be"),
     "empty stop string": (["--stop", ""], "stop string must not be empty"),
     "two prompts": (["-p", "a", "--prompt-file", "{tmp}/latin1.txt"], "--prompt or --prompt-file, not both"),

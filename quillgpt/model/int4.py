@@ -94,7 +94,8 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         how = "int4pack_mm" if self.kernel else "dequantize"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4, {self.group} per scale, {how}"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"{shape}, int4, {self.group} per scale, {how}"
 
 
 class Bf16Linear(nn.Module):

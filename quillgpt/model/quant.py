@@ -305,7 +305,8 @@ def weights_note(model: GPT, sep: str = ", ") -> str:
         kernels = sorted({"int4pack_mm" if m.kernel else "dequantize (slow)" for m in fours})
         floats = sum(isinstance(m, nn.Linear) for m in model.modules())
         kept = f", {floats} linears kept float (no group divides their width)" if floats else ""
-        return f"{sep}int4 weights ({max(m.group for m in fours)} per scale), {' + '.join(kernels)}{kept}"
+        head = ", head in bf16" if isinstance(model.lm_head, int4.Bf16Linear) else ""
+        return f"{sep}int4 weights ({max(m.group for m in fours)} per scale), {' + '.join(kernels)}{head}{kept}"
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if not layers:
         return ""

@@ -138,8 +138,9 @@ def test_chat_quantize_int8_replies_with_the_int8_model(imported, fixed_int8_ker
     assert e.value.code == 0 and f"int8 weights (per-channel scales), {fixed_int8_kernel}" in err
     assert out == f"> {want}\n> \n"
     with pytest.raises(SystemExit) as e:
-        main(["chat", "--ckpt", str(imported.path), "--quantize", "int4"])
-    assert e.value.code == 2 and "--quantize must be int8, int8-g32 or none, got 'int4'" in capsys.readouterr().err
+        main(["chat", "--ckpt", str(imported.path), "--quantize", "int5"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--quantize must be int8, int8-g32, int4, int4-g64, int4-g128 or none, got 'int5'" in err
 
 
 def test_a_failed_reply_is_one_error_and_a_hostile_top_p_replies_greedily(quill_run, monkeypatch):

@@ -97,6 +97,7 @@ def test_weights_exactly_representable_in_int4_give_the_same_tokens(variant):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and int4.kernel_fits(child.out_features, child.in_features, 32):
                 setattr(parent, name, Bf16Reference(child))
+    ref.lm_head = Bf16Reference(ref.lm_head)  # the head runs in bf16 (its weights exact there)
     weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     want = torch.stack(list(generate_tokens(ref, PROMPTS, 30)), 1)
     quantize(model, "int4")
@@ -107,19 +108,22 @@ def test_weights_exactly_representable_in_int4_give_the_same_tokens(variant):
     assert len(set(want.flatten().tolist())) > 5
 
 
-def test_quantize_int4_keeps_float_the_linears_no_group_divides_and_says_so():
-    model = random_model("mha-learned")  # n_embd 32: every width a multiple of 32
-    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
-    quantize(model, "int4-g64")  # 32-wide inputs take groups of 32
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == n_linear
+def test_quantize_int4_swaps_the_blocks_linears_keeps_the_head_in_bf16_and_says_what_stayed_float():
+    model = random_model("mha-learned")  # n_embd 32: every width a multiple of 32; a tied head
+    wte = model.transformer.wte.weight.detach().clone()
+    n_block = sum(isinstance(m, nn.Linear) for m in model.transformer.h.modules())
+    quantize(model, "int4-g64")
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == n_block
     groups = {m.in_features: m.group for m in model.modules() if isinstance(m, Int4Linear)}
     assert groups == {32: 32, 128: 64}  # the largest kernel group up to 64 that divides each width
-    assert "int4 weights" in weights_note(model) and "kept float" not in weights_note(model)
+    assert isinstance(model.lm_head, int4.Bf16Linear) and torch.equal(model.lm_head.weight, wte.bfloat16())
+    assert torch.equal(model.transformer.wte.weight, wte)  # the lookup keeps the float embedding
+    note = weights_note(model)
+    assert "int4 weights (64 per scale)" in note and "head in bf16" in note and "kept float" not in note
     with pytest.raises(ValueError, match="already quantized"):
         quantize(model, "int4")
-    odd = nn.Sequential(nn.Linear(40, 64))
-    fake = random_model("mha-learned")
-    fake.transformer.h[0].mlp.c_fc = odd[0]  # a 40-wide input: no group divides it
-    quantize(fake, "int4")
-    assert isinstance(fake.transformer.h[0].mlp.c_fc, nn.Linear)
-    assert "1 linears kept float" in weights_note(fake)
+    odd = random_model("mha-learned")
+    odd.transformer.h[0].mlp.c_fc = nn.Linear(40, 128)  # a 40-wide input: no group divides it (not run)
+    quantize(odd, "int4")
+    assert isinstance(odd.transformer.h[0].mlp.c_fc, nn.Linear)
+    assert "1 linears kept float" in weights_note(odd)

@@ -559,7 +559,7 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         (["--ckpt", tmp_path / "nothing"], "checkpoint not found"),
         (["--ckpt", tmp_path, "--max-batch", "0"], "--max-batch"),
         (["--ckpt", tmp_path, "--dtype", "int8"], "--dtype"),
-        (["--ckpt", tmp_path, "--quantize", "int4"], "--quantize must be int8, int8-g32 or none"),
+        (["--ckpt", tmp_path, "--quantize", "int5"], "--quantize must be int8, int8-g32, int4, int4-g64, int4-g128 or none"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(["serve", *map(str, args)])
