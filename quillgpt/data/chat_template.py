@@ -339,9 +339,12 @@ def _transcript_through(tokenizer: Tokenizer, messages: list[Message], i: int) -
     return _bos(tokenizer) + tokenizer.encode(transcript(messages[: i + 1], False) + _turn_end(messages, i))
 
 
-def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
+def conversation_tokens(tokenizer: Tokenizer, messages: list[Message], limit: int | None = None) -> tuple[list[int], list[bool]]:
     """(ids of the whole conversation, True for each id that is the assistant's): see the module
-    docstring. One QuillError when the assistant's tokens cannot be found exactly."""
+    docstring. One QuillError when the assistant's tokens cannot be found exactly. With `limit`,
+    only the first `limit` ids' flags are found (a training row is cut there): the assistant turns
+    that start at or past it are neither rendered on their own nor marked, so the time is linear in
+    the conversation's length, not quadratic (each turn's check renders the conversation up to it)."""
     template = tokenizer.chat_template
     if template is not None and GENERATION_TAG.search(template):
         return _tagged_tokens(tokenizer, messages)
@@ -354,6 +357,8 @@ def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[
     mask = [False] * len(ids)
     for n, i in enumerate(turns, 1):
         before = conversation_ids(tokenizer, messages[:i], True)
+        if limit is not None and len(before) >= limit and before[:limit] == ids[:limit]:  # this turn and later ones start past it
+            break
         if i == len(messages) - 1:  # the last turn: through it is the whole conversation
             through = ids
         elif template is None:
