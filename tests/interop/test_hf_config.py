@@ -153,3 +153,25 @@ def test_a_tokenizer_file_that_is_not_an_object_is_refused_and_good_fields_pass(
         "t.json",
     )
     assert import_hf(hf_dir, tmp_path / "good").path.is_dir()  # the unedited files import
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype", "shown"), [("safetensors", "float8_e4m3fn", "F8_E4M3 (fp8)"), ("bin", "float8_e5m2", "float8_e5m2 (fp8)")]
+)
+def test_fp8_weights_are_refused_by_name(hf_dir, tmp_path, fmt, dtype, shown):
+    import safetensors.torch
+    import torch
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    tensors = safetensors.torch.load_file(src / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    tensors[name] = tensors[name].to(getattr(torch, dtype))
+    if fmt == "safetensors":
+        safetensors.torch.save_file(tensors, src / "model.safetensors")
+    else:
+        (src / "model.safetensors").unlink()
+        torch.save(tensors, src / "pytorch_model.bin")
+    with pytest.raises(QuillError, match=re.escape(f"{name} is stored as {shown}, which import-hf does not convert")) as e:
+        import_hf(src, tmp_path / "run")
+    assert "\n" not in str(e.value) and "bf16 or fp16 release" in str(e.value) and not (tmp_path / "run").exists()
