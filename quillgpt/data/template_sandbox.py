@@ -183,19 +183,24 @@ def _checked_filters() -> dict[str, Any]:
         bounded(_replaced(str(s), str(old), str(new)), "replace")
         return f.do_replace(eval_ctx, s, old, new, count)
 
-    def written(name: str) -> Any:  # string, pprint: the value written out, as its size says
-        def run(value: Any, *args: Any, **kwargs: Any) -> Any:
-            bounded(size(value), name)
-            return f.FILTERS[name](value, *args, **kwargs)
-
-        return run
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-        bounded((size(x) + 1) * (1 + (_width_of(indent) if indent is not None else 0)), "tojson")
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
     checked = dict(indent=indent, wordwrap=wordwrap, join=join, sum=sum, batch=batch, slice=slice, center=center, format=format)
-    return checked | dict(replace=replace, string=written("string"), pprint=written("pprint"), tojson=tojson)
+    return checked | dict(replace=replace, string=_written_as("string"), pprint=_written_as("pprint"), tojson=_tojson)
+
+
+def _written_as(name: str) -> Any:
+    """A filter that writes its value out (string, pprint), checked by the value's size first."""
+
+    def run(value: Any, *args: Any, **kwargs: Any) -> Any:
+        bounded(size(value), name)
+        return jinja_filters.FILTERS[name](value, *args, **kwargs)
+
+    return run
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    """transformers' tojson (json.dumps, not Jinja's HTML-safe one), its indent's growth checked first."""
+    bounded((size(x) + 1) * (1 + (_width_of(indent) if indent is not None else 0)), "tojson")
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
