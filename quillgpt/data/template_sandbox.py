@@ -21,7 +21,7 @@ from typing import Any
 from jinja2 import filters as jinja_filters
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import generate_lorem_ipsum
+from jinja2.utils import Namespace, generate_lorem_ipsum
 
 MAX_CHARS = 1 << 24  # the largest value (and rendering) a template may make, in characters
 DIGITS = re.compile(r"\d+")
@@ -43,7 +43,8 @@ def size(value: Any, limit: int = MAX_CHARS) -> int:
         if isinstance(v, (str, bytes)):
             total += len(v)
             continue
-        v = getattr(v, "_Namespace__attrs", v)  # a namespace() writes out its attributes
+        if isinstance(v, Namespace):  # it writes out its attributes (read past its own __getattribute__)
+            v = object.__getattribute__(v, "_Namespace__attrs")
         if isinstance(v, dict):
             total += len(v) + 1
             if total <= limit:

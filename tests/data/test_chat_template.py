@@ -144,7 +144,8 @@ CHECKED = (  # every checked filter, method and operator, on values of an ordina
     "{{ 'aXa'|replace('X', '--') }}|{{ [1, 'b']|join('+') }}|{{ '/'.join(['p', 'q']) }}|{{ 'one two three'|wordwrap(5) }}|"
     "{{ [[1], [2]]|sum(start=[]) }}|{{ [1, 2, 3]|batch(2, 0)|list }}|{{ [1, 2, 3]|slice(2)|list }}|{{ [1, {'a': 'b'}]|string }}|"
     "{{ {'k': [1, 2]}|tojson(indent=2) }}|{{ {'k': 1}|pprint }}|{{ 'a' ~ 1 ~ none }}|{{ 'a' + 'b' }}{{ [1] + [2] }}|"
-    "{% macro m(x) %}<{{ x }}>{% endmacro %}{{ m('z') }}|{% set b %}{{ 'in' }}{% endset %}{{ b }}|{{ lipsum(1, false, 3, 4)|length > 0 }}"
+    "{% macro m(x) %}<{{ x }}>{% endmacro %}{{ m('z') }}|{% set b %}{{ 'in' }}{% endset %}{{ b }}|{{ lipsum(1, false, 3, 4)|length > 0 }}|"
+    "{{ undefined }}{{ undefined ~ 'u' }}{{ [undefined]|length }}{{ undefined|default('d') }}|{% set ns = namespace(a=1) %}{{ ns.a }}"
 )
 
 
