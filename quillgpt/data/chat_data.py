@@ -93,10 +93,11 @@ def encode_conversation(
     tok: Tokenizer, messages: list[Message], dtype: np.dtype, limit: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids (n,) in dtype, flags (n,) uint8) of one conversation; with `limit`, the ASSISTANT flags
-    are found for its first `limit` ids only (the rows' length: conversation_tokens)."""
+    are found for its first `limit` ids only (the rows' length: conversation_tokens), and one
+    whose assistant turns all start past them is kept (training counts it as untrained)."""
     ids, mine = conversation_tokens(tok, messages, limit)
     flags = np.where(np.asarray(mine, dtype=bool), ASSISTANT, 0).astype(FLAGS_DTYPE)
-    if not flags.any():
+    if not flags.any() and (limit is None or len(ids) < limit):  # (else its turns start past a row: trained on none, counted)
         raise QuillError("no token of the assistant's after rendering (the chat template drops its replies?)")
     flags[0] |= START
     return np.asarray(ids, dtype=dtype), flags

@@ -329,3 +329,18 @@ def test_prepared_flags_serve_rows_as_long_as_they_were_found_for(tmp_path, char
     assert np.asarray(load_tokens(cfg.out_dir, "train"))[: len(ids)].tolist() == ids  # stored whole
     assert (flags[:257] & ASSISTANT).astype(bool).tolist() == mine[:257]
     assert prepare(cfg, progress=False).rebuilt  # every token's flags asked for: found again, all of them
+
+
+def test_a_conversation_whose_replies_start_past_the_row_is_kept_and_counted_untrained(tmp_path, char_tokenizer):
+    """As with every token's flags found: stored, and training counts it (not a bad line)."""
+    from quillgpt.data.chat_batches import ChatRows
+
+    long_prompt = line([{"role": "user", "content": "Who speaks? " * 10}, {"role": "assistant", "content": "ROMEO"}])
+    cfg = chat_cfg(tmp_path, char_tokenizer, [long_prompt, conversation(1), conversation(2), conversation(3)], val_fraction=0.25)
+    prepare(cfg, progress=False, chat_tokens=65)
+    rows = ChatRows.prepared(cfg.out_dir, "train", 64)
+    assert rows.untrained == 1 and len(rows) == 2
+    whole = chat_cfg(tmp_path, char_tokenizer, [long_prompt, conversation(1), conversation(2), conversation(3)], val_fraction=0.25, out="w")
+    prepare(whole, progress=False)
+    assert np.array_equal(np.asarray(load_tokens(cfg.out_dir, "train")), np.asarray(load_tokens(whole.out_dir, "train")))
+    assert ChatRows.prepared(whole.out_dir, "train", 64).untrained == 1
