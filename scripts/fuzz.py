@@ -131,6 +131,8 @@ def workspace(root: Path) -> dict:
         "data": root / "data",
         "run": root / "run",
         "hf": root / "hf",
+        "run_llama": root / "run_llama",
+        "hf_llama": root / "hf_llama",  # a Llama-family export: its tokenizer files are import-hf's to read
         "scratch": root / "scratch",
     }
     build(w)
@@ -382,11 +384,13 @@ HOSTILE_FIELDS = {
 
 
 def hostile_hf_dir(w: dict, r: random.Random) -> list[str]:
-    """import-hf of a copy of the HF export with a hostile config.json field and/or chat template."""
+    """import-hf of a copy of an HF export (GPT-2's, or the Llama family's with its tokenizer
+    files) with hostile config.json, generation_config.json or tokenizer_config.json fields, a
+    hostile chat template, and/or an fp8 weight."""
     src = w["scratch"] / f"hfsrc_{r.randrange(1 << 30)}"
-    shutil.copytree(w["hf"], src)
+    shutil.copytree(w["hf"] if r.random() < 0.4 else w["hf_llama"], src)
     config = json.loads((src / "config.json").read_text())
-    for field in r.sample(sorted(HOSTILE_FIELDS), r.randint(0, 2)):
+    for field in r.sample(sorted(HOSTILE_FIELDS), r.choice([0, 0, 1, 2])):  # (none half the time: what comes after is read)
         config[field] = r.choice(HOSTILE_FIELDS[field])
     (src / "config.json").write_text(json.dumps(config))
     if r.random() < 0.5:  # the directory's own tokenizer files are read, not the one quill saved beside them
@@ -476,7 +480,13 @@ def rebuilt_dataset(argv: list[str], path: Path) -> bool:
 def build(w: dict) -> None:
     """Write the workspace's text, then train its run (and dataset) and export its HF model."""
     w["text"].write_text(TEXT.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
-    for argv in (["train", "--config", str(CONFIG), "-q", *tiny(w)], ["export-hf", str(w["run"]), "--out", str(w["hf"])]):
+    llama = ["model.pos=rope", "model.norm=rmsnorm", "model.mlp=swiglu", f"train.out_dir={w['run_llama']}"]
+    for argv in (
+        ["train", "--config", str(CONFIG), "-q", *tiny(w)],
+        ["export-hf", str(w["run"]), "--out", str(w["hf"])],
+        ["train", "--config", str(CONFIG), "-q", *tiny(w, *llama)],
+        ["export-hf", str(w["run_llama"]), "--out", str(w["hf_llama"])],
+    ):
         code, _, err = quill(argv, limit=600)
         if code != 0:
             sys.exit(f"could not build the workspace: quill {' '.join(argv)}: {err}")
@@ -485,7 +495,7 @@ def build(w: dict) -> None:
 
 def rebuild(w: dict) -> None:
     """The workspace as built, after a case changed it (the text included)."""
-    for d in (w["run"], w["data"], w["hf"]):
+    for d in (w["run"], w["data"], w["hf"], w["run_llama"], w["hf_llama"]):
         shutil.rmtree(d, ignore_errors=True)
     build(w)
 
