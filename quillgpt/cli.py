@@ -122,7 +122,7 @@ def prepare_cmd(
     from quillgpt.data.prepare import prepare
 
     cfg = load_config(config, overrides)
-    result = prepare(cfg.data, force=force)
+    result = prepare(cfg.data, force=force, chat_tokens=cfg.model.block_size + 1)
     meta = result.meta
     if not result.rebuilt:
         print(f"up to date: {result.out_dir} ({meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens; --force rebuilds)")

@@ -166,8 +166,9 @@ def read_json(path: str | Path, what: str = "file", limit: int = 1 << 26, kind: 
     text = read_text(path, what, hint, limit)
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError is a ValueError; so is an integer of over 4,300 digits)
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
+        why = why if isinstance(e, (json.JSONDecodeError, RecursionError)) else f"a number too long to read: {why[:60]}"
         raise QuillError(f"{shown(path)} is not {kind} ({why})") from None
 
 

@@ -6,7 +6,10 @@ generated cases at two surfaces, round-robin:
 
   cli    `quill` commands run in this process (sample, chat, eval, attention, plot, tokenizer train,
          prepare, train, import-hf, export-hf, serve's flags) with hostile flags, overrides,
-         input paths (FIFOs, /dev/zero, loops) and output paths (the run's own files...)
+         input paths (FIFOs, /dev/zero, loops) and output paths (the run's own files...); import-hf
+         of damaged HF directories (config.json, generation_config.json and tokenizer_config.json
+         fields, chat templates that fail, loop or build huge values, fp8 weights); prepare of a
+         conversation of 5,000 or 10,000 turns
   http   `quill serve` in a subprocess on 127.0.0.1: generated bodies, hostile sampling values,
          content types, auth headers, streams dropped mid-way, half-sent heads, stalled bodies,
          concurrent requests, and /health between them
@@ -128,6 +131,8 @@ def workspace(root: Path) -> dict:
         "data": root / "data",
         "run": root / "run",
         "hf": root / "hf",
+        "run_llama": root / "run_llama",
+        "hf_llama": root / "hf_llama",  # a Llama-family export: its tokenizer files are import-hf's to read
         "scratch": root / "scratch",
     }
     build(w)
@@ -204,9 +209,13 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
     def pick(values: list, good: object = None) -> object:  # with `good`: that value half the time
         return good if good is not None and r.random() < 0.5 else r.choice(values)
 
-    kind = pick(["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve", "hfcfg"])
+    kind = pick(
+        ["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve", "hfcfg", "longchat"]
+    )
     if kind == "hfcfg":
         return hostile_hf_dir(w, r)
+    if kind == "longchat":
+        return long_chat(w, r)
     if kind == "sample":
         flags = {
             "-p": pick(PROMPTS),
@@ -334,7 +343,33 @@ HOSTILE_TEMPLATES = [
     "{% for %}",
     "{{ raise_exception('no') }}",
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    # memory bombs: a huge value built in one expression, in C
+    "{% set ns = namespace(x='x') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x }}",
+    "{{ 'x'|center(10**9) }}",
+    "{{ '%999999999s'|format('x') }}",
+    "{{ '%*s' % (999999999, 'x') }}",
+    "{{ '{:>{w}}'.format('x', w=10**9) }}",
+    "{{ 'x'.ljust(10**9) }}",
+    "{{ (['y' * 1000000] * 1000)|join }}",
+    "{{ ['y' * 1000000] * 1000 }}",
+    "{{ [1]|tojson(indent=10**9) }}",
+    "{% set b %}{% for i in range(1000) %}{{ 'y' * 1000000 }}{% endfor %}{% endset %}{{ b }}",
 ]
+# fields of the tokenizer files import-hf reads (once quill_tokenizer.json is gone)
+HOSTILE_TOKENIZER_FIELDS = {
+    "generation_config.json": {
+        "eos_token_id": [[999999, -3], "2", [], 10**40, True, [1.5], {"a": 1}],
+        "bos_token_id": [-1, "x", 10**6, 2**64],
+        "pad_token_id": [{}, -5],
+    },
+    "tokenizer_config.json": {
+        "eos_token": [7, {"content": 5}, [], ""],
+        "bos_token": [{"content": None}, 1.5],
+        "chat_template": [{"a": 1}, [{"name": "default"}], 5, [1]],
+        "added_tokens_decoder": [[], {"-1": {"content": "x"}}, {"0": "x"}, {"99999999": {"content": "x"}}],
+        "model_max_length": ["x", 0, -1, float("nan")],
+    },
+}
 HOSTILE_FIELDS = {
     "n_embd": ["64", None, 0, -3, 10**40, 63, 1.5, True],
     "n_head": [0, "4", None, 3, 10**40],
@@ -349,16 +384,60 @@ HOSTILE_FIELDS = {
 
 
 def hostile_hf_dir(w: dict, r: random.Random) -> list[str]:
-    """import-hf of a copy of the HF export with a hostile config.json field and/or chat template."""
+    """import-hf of a copy of an HF export (GPT-2's, or the Llama family's with its tokenizer
+    files) with hostile config.json, generation_config.json or tokenizer_config.json fields, a
+    hostile chat template, and/or an fp8 weight."""
     src = w["scratch"] / f"hfsrc_{r.randrange(1 << 30)}"
-    shutil.copytree(w["hf"], src)
+    shutil.copytree(w["hf"] if r.random() < 0.4 else w["hf_llama"], src)
     config = json.loads((src / "config.json").read_text())
-    for field in r.sample(sorted(HOSTILE_FIELDS), r.randint(0, 2)):
+    for field in r.sample(sorted(HOSTILE_FIELDS), r.choice([0, 0, 1, 2])):  # (none half the time: what comes after is read)
         config[field] = r.choice(HOSTILE_FIELDS[field])
     (src / "config.json").write_text(json.dumps(config))
+    if r.random() < 0.5:  # the directory's own tokenizer files are read, not the one quill saved beside them
+        (src / "quill_tokenizer.json").unlink()
     if r.random() < 0.5:
         (src / "chat_template.jinja").write_text(r.choice(HOSTILE_TEMPLATES))
+    for name in r.sample(sorted(HOSTILE_TOKENIZER_FIELDS), r.randint(0, 2)):
+        data = json.loads((src / name).read_text()) if (src / name).is_file() else {}
+        field = r.choice(sorted(HOSTILE_TOKENIZER_FIELDS[name]))
+        data[field] = r.choice(HOSTILE_TOKENIZER_FIELDS[name][field])
+        (src / name).write_text(json.dumps(data) if r.random() < 0.9 else json.dumps(list(data)))  # sometimes not an object
+    if r.random() < 0.2:
+        fp8_weight(src / "model.safetensors", r)
     return ["import-hf", str(src), "--out", str(w["scratch"] / f"hfout_{r.randrange(1 << 30)}")]
+
+
+def fp8_weight(path: Path, r: random.Random) -> None:
+    """One tensor of a safetensors file stored as fp8 (which import-hf must refuse by name)."""
+    import safetensors.torch
+    import torch
+
+    tensors = safetensors.torch.load_file(path)
+    name = r.choice(sorted(tensors))
+    tensors[name] = tensors[name].to(r.choice([torch.float8_e4m3fn, torch.float8_e5m2]))
+    safetensors.torch.save_file(tensors, path)
+
+
+def long_chat(w: dict, r: random.Random) -> list[str]:
+    """`quill prepare` of chat data holding one conversation of 5,000 or 10,000 turns (it must
+    prepare in time linear in its length, not hang)."""
+    turns = r.choice([5000, 10000])
+    says = ["What say you?", "ROMEO, sir."]
+    messages = [{"role": ["user", "assistant"][i % 2], "content": says[i % 2]} for i in range(turns)]
+    path = w["scratch"] / f"long_{r.randrange(1 << 30)}.jsonl"
+    lines = [{"messages": messages}, {"prompt": "Who?", "completion": "ROMEO"}, {"prompt": "And?", "completion": "JULIET"}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return [
+        "prepare",
+        "--config",
+        str(CONFIG),
+        *tiny(w),
+        f"data.path={path}",
+        "data.format=chat",
+        "data.val_fraction=0.4",
+        f"data.tokenizer={w['run'] / 'tokenizer.json'}",
+        f"data.out_dir={w['scratch'] / f'longchat_{r.randrange(1 << 30)}'}",
+    ]
 
 
 def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
@@ -401,7 +480,13 @@ def rebuilt_dataset(argv: list[str], path: Path) -> bool:
 def build(w: dict) -> None:
     """Write the workspace's text, then train its run (and dataset) and export its HF model."""
     w["text"].write_text(TEXT.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
-    for argv in (["train", "--config", str(CONFIG), "-q", *tiny(w)], ["export-hf", str(w["run"]), "--out", str(w["hf"])]):
+    llama = ["model.pos=rope", "model.norm=rmsnorm", "model.mlp=swiglu", f"train.out_dir={w['run_llama']}"]
+    for argv in (
+        ["train", "--config", str(CONFIG), "-q", *tiny(w)],
+        ["export-hf", str(w["run"]), "--out", str(w["hf"])],
+        ["train", "--config", str(CONFIG), "-q", *tiny(w, *llama)],
+        ["export-hf", str(w["run_llama"]), "--out", str(w["hf_llama"])],
+    ):
         code, _, err = quill(argv, limit=600)
         if code != 0:
             sys.exit(f"could not build the workspace: quill {' '.join(argv)}: {err}")
@@ -410,7 +495,7 @@ def build(w: dict) -> None:
 
 def rebuild(w: dict) -> None:
     """The workspace as built, after a case changed it (the text included)."""
-    for d in (w["run"], w["data"], w["hf"]):
+    for d in (w["run"], w["data"], w["hf"], w["run_llama"], w["hf_llama"]):
         shutil.rmtree(d, ignore_errors=True)
     build(w)
 

@@ -30,7 +30,7 @@ import torch
 
 from quillgpt.data.batches import SeededSampler
 from quillgpt.data.chat_data import ASSISTANT, START
-from quillgpt.data.prepare import load_tokens
+from quillgpt.data.prepare import flags_through, load_tokens
 from quillgpt.errors import QuillError
 
 
@@ -57,6 +57,12 @@ class ChatRows:
     @classmethod
     def prepared(cls, out_dir: str | Path, split: str, block_size: int) -> ChatRows:
         """The rows of a chat dataset's prepared split (its token and flag shards)."""
+        through = flags_through(out_dir)
+        if through is not None and through < block_size + 1:
+            raise QuillError(
+                f"{out_dir} was prepared for rows of {through} tokens (its conversations' assistant tokens are found that far), "
+                f"shorter than model.block_size={block_size} + 1: prepare it again with this config (`quill prepare --config ...`)"
+            )
         return cls(load_tokens(out_dir, split), load_tokens(out_dir, split, flags=True), block_size, split)
 
     def __len__(self) -> int:

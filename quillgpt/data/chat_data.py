@@ -89,11 +89,15 @@ def _pair(record: dict[str, Any]) -> list[Message]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
 
 
-def encode_conversation(tok: Tokenizer, messages: list[Message], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(ids (n,) in dtype, flags (n,) uint8) of one conversation."""
-    ids, mine = conversation_tokens(tok, messages)
+def encode_conversation(
+    tok: Tokenizer, messages: list[Message], dtype: np.dtype, limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (n,) in dtype, flags (n,) uint8) of one conversation; with `limit`, the ASSISTANT flags
+    are found for its first `limit` ids only (the rows' length: conversation_tokens), and one
+    whose assistant turns all start past them is kept (training counts it as untrained)."""
+    ids, mine = conversation_tokens(tok, messages, limit)
     flags = np.where(np.asarray(mine, dtype=bool), ASSISTANT, 0).astype(FLAGS_DTYPE)
-    if not flags.any():
+    if not flags.any() and (limit is None or len(ids) < limit):  # (else its turns start past a row: trained on none, counted)
         raise QuillError("no token of the assistant's after rendering (the chat template drops its replies?)")
     flags[0] |= START
     return np.asarray(ids, dtype=dtype), flags
@@ -114,14 +118,15 @@ class ChatStats:
 
 
 def encode_lines(
-    tok: Tokenizer, lines: list[str], wheres: list[str], dtype: np.dtype, skip_bad: bool
+    tok: Tokenizer, lines: list[str], wheres: list[str], dtype: np.dtype, skip_bad: bool, limit: int | None = None
 ) -> tuple[tuple[np.ndarray, np.ndarray], ChatStats]:
     """((ids, flags) of the lines' conversations in order, their stats). A bad line raises a
-    QuillError naming it (`wheres`: "path line N"), or with skip_bad is counted and left out."""
+    QuillError naming it (`wheres`: "path line N"), or with skip_bad is counted and left out.
+    `limit`: flags for each conversation's first `limit` ids only (encode_conversation)."""
     ids, flags, stats = [np.zeros(0, dtype)], [np.zeros(0, FLAGS_DTYPE)], ChatStats()
     for line, where in zip(lines, wheres):
         try:
-            i, f = encode_conversation(tok, parse_conversation(line), dtype)
+            i, f = encode_conversation(tok, parse_conversation(line), dtype, limit)
         except QuillError as e:
             if not skip_bad:
                 raise QuillError(f"{where}: {e}; {SKIP_HINT}") from None

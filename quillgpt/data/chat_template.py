@@ -33,7 +33,6 @@ or "System:"): what makes a reply stop at inference is part of what the assistan
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -55,7 +54,7 @@ Message = dict[str, str]  # {"role": ..., "content": ...}
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 TEMPLATE_NAME = "the model's chat template"
 RENDER_SECONDS = 10.0  # a rendering past this is stopped (a template's loop that never ends)
-RENDER_CHARS = 1 << 24  # a rendering longer than this is stopped, and so is any `*` that would make a longer value
+RENDER_CHARS = 1 << 24  # a rendering longer than this is stopped (a value inside it: template_sandbox.MAX_CHARS)
 TRACE_EVERY = 64  # the time limit is checked every this many of the template's lines and calls
 
 
@@ -65,10 +64,6 @@ class TemplateRefused(QuillError):
 
 class TemplateFailed(QuillError):
     """The template itself fails (syntax, an exception, a loop past the time or size limit): the model's fault."""
-
-
-class _Stopped(Exception):
-    """Raised inside a rendering that passed its time or size limit."""
 
 
 class _Refused(Exception):
@@ -94,8 +89,10 @@ def _what(e: BaseException) -> str:
     """An exception as one short line: its type (the plain ones need it: ZeroDivisionError) and message."""
     import jinja2
 
+    from quillgpt.data.template_sandbox import Stopped
+
     text = " ".join(str(e).split())[:200]
-    if isinstance(e, _Stopped):
+    if isinstance(e, Stopped):
         return text
     if isinstance(e, jinja2.TemplateSyntaxError) and e.lineno:
         text = f"{text} (line {e.lineno})"
@@ -108,7 +105,8 @@ def _compile(template: str) -> Any:
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from quillgpt.data.template_sandbox import Sandbox
 
     class Generation(Extension):
         """`{% generation %}…{% endgeneration %}` marks the assistant's text; rendered as is. While
@@ -152,36 +150,11 @@ def _compile(template: str) -> Any:
     def raise_exception(message: str) -> None:
         raise _Refused(message)
 
-    class Sandbox(ImmutableSandboxedEnvironment):
-        """transformers' sandbox, with `*` and `**` checked first: a value too big to render
-        (['a'] * 10**9, 9 ** 9 ** 9) is refused before it is built, not built out of memory."""
-
-        intercepted_binops = frozenset({"*", "**"})
-
-        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            _check_binop(operator, left, right)
-            return super().call_binop(context, operator, left, right)
-
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])  # tojson: its own
     env.globals.update(
         raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt), dict=Dict(), namespace=Namespace
     )
     return env.from_string(template)
-
-
-def _check_binop(operator: str, left: Any, right: Any) -> None:
-    """Refuse a `*` that repeats a sequence past RENDER_CHARS, and a `**` whose result has more
-    than RENDER_CHARS bits (Python would compute either in C, past any time limit)."""
-    ints = [isinstance(v, int) and not isinstance(v, bool) for v in (left, right)]
-    if operator == "*" and ints[0] != ints[1]:
-        seq, times = (right, left) if ints[0] else (left, right)
-        if isinstance(seq, (str, list, tuple)) and len(seq) * max(times, 0) > RENDER_CHARS:
-            raise _Stopped(f"`*` would make a value of {len(seq):,} × {times:,} items (the limit is {RENDER_CHARS:,})")
-    if operator == "**" and all(ints) and right > 0 and abs(left) > 1 and abs(left).bit_length() * right > RENDER_CHARS:
-        raise _Stopped(f"`**` would make a number of about {abs(left).bit_length() * right:,} bits")
 
 
 def guarded(template: str, run: Callable[[Any], list[str]], name: str = TEMPLATE_NAME, seconds: float | None = None) -> str:
@@ -192,6 +165,8 @@ def guarded(template: str, run: Callable[[Any], list[str]], name: str = TEMPLATE
     (raise_exception, a value it needs), TemplateFailed for anything else."""
     import jinja2
 
+    from quillgpt.data.template_sandbox import Stopped
+
     compiled = _compiled(template, name)
     seconds = RENDER_SECONDS if seconds is None else seconds
     deadline, count = time.monotonic() + seconds, 0
@@ -200,7 +175,7 @@ def guarded(template: str, run: Callable[[Any], list[str]], name: str = TEMPLATE
         nonlocal count
         count += 1
         if count % TRACE_EVERY == 0 and time.monotonic() > deadline:
-            raise _Stopped(f"the rendering took longer than {seconds:g} s")
+            raise Stopped(f"the rendering took longer than {seconds:g} s")
         return on_line
 
     def on_call(frame: Any, event: str, arg: Any) -> Any:  # the template's own frames are traced line by line
@@ -222,11 +197,13 @@ def guarded(template: str, run: Callable[[Any], list[str]], name: str = TEMPLATE
 def _capped(pieces: Any, out: list[str]) -> list[str]:
     """A rendering's pieces appended to `out` as they come (the {% generation %} tracker reads
     it), stopped once they pass `limit` characters."""
+    from quillgpt.data.template_sandbox import Stopped
+
     size, limit = 0, RENDER_CHARS
     for piece in pieces:
         size += len(piece)
         if size > limit:
-            raise _Stopped(f"the rendering is longer than {limit:,} characters")
+            raise Stopped(f"the rendering is longer than {limit:,} characters")
         out.append(piece)
     return out
 
@@ -339,9 +316,12 @@ def _transcript_through(tokenizer: Tokenizer, messages: list[Message], i: int) -
     return _bos(tokenizer) + tokenizer.encode(transcript(messages[: i + 1], False) + _turn_end(messages, i))
 
 
-def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
+def conversation_tokens(tokenizer: Tokenizer, messages: list[Message], limit: int | None = None) -> tuple[list[int], list[bool]]:
     """(ids of the whole conversation, True for each id that is the assistant's): see the module
-    docstring. One QuillError when the assistant's tokens cannot be found exactly."""
+    docstring. One QuillError when the assistant's tokens cannot be found exactly. With `limit`,
+    only the first `limit` ids' flags are found (a training row is cut there): the assistant turns
+    that start at or past it are neither rendered on their own nor marked, so the time is linear in
+    the conversation's length, not quadratic (each turn's check renders the conversation up to it)."""
     template = tokenizer.chat_template
     if template is not None and GENERATION_TAG.search(template):
         return _tagged_tokens(tokenizer, messages)
@@ -354,6 +334,8 @@ def conversation_tokens(tokenizer: Tokenizer, messages: list[Message]) -> tuple[
     mask = [False] * len(ids)
     for n, i in enumerate(turns, 1):
         before = conversation_ids(tokenizer, messages[:i], True)
+        if limit is not None and len(before) >= limit and before[:limit] == ids[:limit]:  # this turn and later ones start past it
+            break
         if i == len(messages) - 1:  # the last turn: through it is the whole conversation
             through = ids
         elif template is None:

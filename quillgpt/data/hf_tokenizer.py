@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from quillgpt.data.chat_template import end_of_turn
+from quillgpt.data.hf_tokenizer_files import check_generation_config, check_tokenizer_config, read_json_file
 from quillgpt.data.tokenizer import Tokenizer, find_safe_cut
 from quillgpt.errors import QuillError
 
@@ -178,15 +179,6 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _json_file(path: Any, what: str) -> dict[str, Any]:
-    from quillgpt.files import input_file, read_json
-
-    if not input_file(path, what):  # a FIFO or device there is refused by name
-        return {}
-    data = read_json(path, what, limit=1 << 28)
-    return data if isinstance(data, dict) else {}
-
-
 def chat_template_of(directory: Any, config: dict[str, Any]) -> str | None:
     """The model's chat template: chat_template.jinja, else tokenizer_config.json's chat_template
     (a string, or a list of named templates: the "default" one)."""
@@ -217,15 +209,17 @@ def load_hf_tokenizer(directory: Any, name: str = "hf") -> HFTokenizer:
             "(download it with the model: hf download REPO --local-dir DIR)"
         )
     text = read_text(path, "tokenizer.json", limit=1 << 28)
-    config = _json_file(directory / "tokenizer_config.json", "tokenizer_config.json")
-    generation = _json_file(directory / "generation_config.json", "generation_config.json")
-    tok = HFTokenizer(
+    config = read_json_file(directory / "tokenizer_config.json", "tokenizer_config.json")
+    generation = read_json_file(directory / "generation_config.json", "generation_config.json")
+    tok = HFTokenizer(  # (what it reads of a bad field is nothing: the checks below name the field)
         text,
         name,
         _token_text(config.get("bos_token")),
         _token_text(config.get("eos_token")),
         chat_template=chat_template_of(directory, config),
     )
+    check_tokenizer_config(config, tok.vocab_size, str(directory / "tokenizer_config.json"))
+    check_generation_config(generation, tok.vocab_size, str(directory / "generation_config.json"))
     eos = generation.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     stops = [tok.tk.id_to_token(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)]

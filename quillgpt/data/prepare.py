@@ -97,7 +97,7 @@ def _tokenizer_request(cfg: DataConfig) -> dict[str, Any]:
     return {"name": "file", "fingerprint": build_tokenizer(cfg.tokenizer).fingerprint()}
 
 
-def _want(cfg: DataConfig, sources: list[Source]) -> dict[str, Any]:
+def _want(cfg: DataConfig, sources: list[Source], chat_tokens: int | None = None) -> dict[str, Any]:
     """Everything the shards are made from: same inputs → nothing to do (sizes and mtimes stand
     for the files' content, so a corpus of many gigabytes is not hashed on every run)."""
     want = {
@@ -110,7 +110,22 @@ def _want(cfg: DataConfig, sources: list[Source]) -> dict[str, Any]:
     }
     if cfg.format == "chat":  # (text data's manifest stays as it was: no spurious rebuilds)
         want.update(data_format="chat", skip_bad_lines=cfg.skip_bad_lines)
+        if chat_tokens is not None:  # (absent: every conversation's flags whole, as data prepared before the key)
+            want["chat_tokens"] = chat_tokens
     return want
+
+
+def _flags_cover(meta: dict[str, Any], chat_tokens: int | None) -> bool:
+    """Chat data whose flags were found for rows of meta's chat_tokens serve rows that long or
+    shorter (a fine-tune sized from its data asks for shorter ones); none recorded: every token's."""
+    have = meta.get("chat_tokens")
+    return have is None or (chat_tokens is not None and have >= chat_tokens)
+
+
+def flags_through(out_dir: str | Path) -> int | None:
+    """How many of each prepared conversation's first ids have their ASSISTANT flags found (None: all)."""
+    value = _read_meta(Path(out_dir)).get("chat_tokens")
+    return value if isinstance(value, int) else None
 
 
 def _read_meta(out_dir: Path) -> dict[str, Any]:
@@ -150,7 +165,7 @@ def _up_to_date(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
     """meta.json when it was made from exactly `want` and every shard is complete, else None."""
     try:
         meta = _read_meta(out_dir)
-        if any(meta.get(k) != v for k, v in want.items()):
+        if any(meta.get(k) != v for k, v in want.items() if k != "chat_tokens") or not _flags_cover(meta, want.get("chat_tokens")):
             return None
         if _shards_complete(out_dir, meta["shards"], np.dtype(meta["dtype"]).itemsize):
             return meta
@@ -295,7 +310,7 @@ def _save_state(out_dir: Path, state: dict[str, Any]) -> None:
 def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok: Tokenizer, out_dir: Path, progress: bool) -> None:
     """Write the shards from state["cursor"] on, saving the state after each finished shard."""
     start = state["cursor"]
-    encoding = Encoding(token_dtype(tok.vocab_size).name, cfg.format == "chat", cfg.skip_bad_lines)
+    encoding = Encoding(token_dtype(tok.vocab_size).name, cfg.format == "chat", cfg.skip_bad_lines, state["want"].get("chat_tokens"))
     done = sum(s.size for s in sources[: start["source"]])
     if encoding.chat:  # whole conversations, one a line
         pieces = iter_lines(sources, state["plan"]["records"], state["plan"]["val_from"], start)
@@ -383,9 +398,11 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
     return meta
 
 
-def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> PreparedData:
+def prepare(cfg: DataConfig, force: bool = False, progress: bool = True, chat_tokens: int | None = None) -> PreparedData:
     """Tokenize the configured corpus into token shards under cfg.out_dir, unless meta.json shows
-    they are up to date; a killed prepare of the same inputs resumes at its last finished shard."""
+    they are up to date; a killed prepare of the same inputs resumes at its last finished shard.
+    chat_tokens (chat data; the model's block_size + 1, a row's length): each conversation's flags
+    are found for its first chat_tokens ids only, in time linear in its length (None: all of them)."""
     t0 = time.perf_counter()
     if cfg.tokenizer is None:  # a DataConfig built in code: the default a config file gets
         cfg = dataclasses.replace(cfg, tokenizer="char")
@@ -394,10 +411,10 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> Prep
     _check_chat_tokenizer(cfg)
     out_dir = probe_writable(cfg.out_dir, "data.out_dir")
     check_output_dir(out_dir, "data.out_dir", "dataset", DATASET_WRITES, force, how="run `quill prepare --force`")
-    if not force and (meta := _downloaded_and_prepared(cfg, out_dir)) is not None:
+    if not force and (meta := _downloaded_and_prepared(cfg, out_dir, chat_tokens)) is not None:
         return PreparedData(out_dir, meta, rebuilt=False, seconds=time.perf_counter() - t0)
     sources = find_sources(cfg.path if cfg.path is not None else source_path(cfg, progress))
-    want = _want(cfg, sources)
+    want = _want(cfg, sources, chat_tokens)
     with _prepare_lock(out_dir):
         _remove_stale_temps(out_dir)
         want = _same_tokenizer_as_prepared(cfg, out_dir, want)
@@ -491,7 +508,7 @@ def _dataset_name(cfg: DataConfig, want: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stem}_{tokenizer}") or "mydata"
 
 
-def _downloaded_and_prepared(cfg: DataConfig, out_dir: Path) -> dict[str, Any] | None:
+def _downloaded_and_prepared(cfg: DataConfig, out_dir: Path, chat_tokens: int | None) -> dict[str, Any] | None:
     """Data from data.url whose download is gone but whose shards are complete in out_dir: the
     manifest, so a resume or a second run never needs the network for data it already has."""
     if cfg.path is not None or cfg.url is None:
@@ -503,7 +520,7 @@ def _downloaded_and_prepared(cfg: DataConfig, out_dir: Path) -> dict[str, Any] |
         meta = _read_meta(out_dir)
         ok = [s["path"] for s in meta["sources"]] == [str(dest)] and meta["tokenizer_request"] == _tokenizer_request(cfg)
         ok = ok and all(meta.get(k) == v for k, v in (("val_fraction", cfg.val_fraction), ("text_field", cfg.text_field)))
-        ok = ok and meta.get("data_format", "text") == cfg.format and meta.get("format") == FORMAT
+        ok = ok and meta.get("data_format", "text") == cfg.format and meta.get("format") == FORMAT and _flags_cover(meta, chat_tokens)
         if ok and _shards_complete(out_dir, meta["shards"], np.dtype(meta["dtype"]).itemsize):
             return meta
     except (QuillError, KeyError, TypeError):

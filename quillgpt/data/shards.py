@@ -74,11 +74,12 @@ class Encoding:
     dtype: str
     chat: bool = False
     skip_bad_lines: bool = False
+    chat_tokens: int | None = None  # chat: the flags of each conversation's first this many ids (None: all)
 
     def __call__(self, tok: Tokenizer, pieces: list[str], starts: list[bool], wheres: list[str], bulk: bool = True) -> Encoded:
         dtype = np.dtype(self.dtype)
         if self.chat:
-            return Encoded(*encode_lines(tok, pieces, wheres, dtype, self.skip_bad_lines))
+            return Encoded(*encode_lines(tok, pieces, wheres, dtype, self.skip_bad_lines, self.chat_tokens))
         return Encoded((encode_task(tok, pieces, starts, dtype, bulk),))
 
 

@@ -258,7 +258,9 @@ def chat_rows(tokenizer: Tokenizer, text: str, block_size: int, name: str) -> Ch
     if not lines:
         raise QuillError(f"{name} holds no conversations (one JSON object a line)")
     dtype = token_dtype(tokenizer.vocab_size)
-    (ids, flags), _ = encode_lines(tokenizer, [line for _, line in lines], [f"{name} line {n}" for n, _ in lines], dtype, False)
+    (ids, flags), _ = encode_lines(
+        tokenizer, [line for _, line in lines], [f"{name} line {n}" for n, _ in lines], dtype, False, block_size + 1
+    )
     return ChatRows(ids, flags, block_size, name)
 
 

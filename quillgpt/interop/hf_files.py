@@ -66,12 +66,16 @@ class HFWeights(Mapping[str, Tensor]):
 
     def __getitem__(self, name: str) -> Tensor:
         handle, path = self._where[name]
+        if hasattr(handle, "get_slice"):  # safetensors: the header's dtype, before torch is asked to read it
+            _check_dtype(path, name, _stored_dtype(handle, name))
         try:
             t = handle.get_tensor(name)
         except Exception as e:  # noqa: BLE001 — a truncated file fails here, with the library's own type
             raise QuillError(f"{shown(path)}: cannot read {name[:100]} ({type(e).__name__}: {str(e)[:100]}); download it again") from None
         if not isinstance(t, Tensor):
             raise QuillError(f"{shown(path)}: {name[:100]} is not a tensor; is it a model's weights file?")
+        if t.is_floating_point():
+            _check_dtype(path, name, str(t.dtype).removeprefix("torch."))
         return t
 
     def __iter__(self) -> Iterator[str]:
@@ -79,6 +83,31 @@ class HFWeights(Mapping[str, Tensor]):
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+# The weight dtypes import-hf converts (as torch and safetensors name them); the integer and bool
+# types pass too (GPT-2's attention-mask buffers; a weight of them is refused by its codec by name).
+FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "F32", "F16", "BF16", "F64"})
+OTHER_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
+
+
+def _stored_dtype(handle: Any, name: str) -> str:
+    try:
+        return str(handle.get_slice(name).get_dtype())
+    except Exception:  # noqa: BLE001 — left to get_tensor, which names what is wrong with the file
+        return "F32"
+
+
+def _check_dtype(path: Path, name: str, dtype: str) -> None:
+    """Refuse by name a weight in a dtype quill does not convert (fp8, fp4, ...): one line, not a
+    traceback later or weights silently read as something else."""
+    if dtype in FLOAT_DTYPES or dtype in OTHER_DTYPES:
+        return
+    fp8 = " (fp8)" if dtype.upper().startswith(("F8", "FLOAT8")) else ""
+    raise QuillError(
+        f"{shown(path)}: {name[:100]} is stored as {dtype[:40]}{fp8}, which import-hf does not convert; it reads "
+        "float32, float16 and bfloat16 weights: use the model's bf16 or fp16 release (or dequantize it to one first)"
+    )
 
 
 def load_hf_weights(src: Path) -> HFWeights:

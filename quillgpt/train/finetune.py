@@ -98,8 +98,8 @@ def finetune_config(base: Path, data: Path, out: Path, full: bool = False, epoch
 def plan_finetune(cfg: Config, epochs: int, given: frozenset[str] = frozenset()) -> Plan:
     """Prepare the data and size the run from it, setting cfg's block size, batches, steps,
     schedule and evaluation (except the keys the user gave: `given`)."""
-    prepared = prepare(cfg.data, progress=False)
     base_block = cfg.model.block_size
+    prepared = prepare(cfg.data, progress=False, chat_tokens=base_block + 1)
     rows = {split: ChatRows.prepared(prepared.out_dir, split, base_block) for split in ("train", "val")}
     longest = max(r.longest for r in rows.values())
     tc = cfg.train

@@ -113,7 +113,7 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
                 cfg.data = recorded_data(cfg, out_dir, tqdm.write)
             if cfg.train.tensorboard:
                 check_tensorboard()
-            prepared = prepare(cfg.data, progress=progress)
+            prepared = prepare(cfg.data, progress=progress, chat_tokens=cfg.model.block_size + 1)
         except QuillError as e:
             failure = e
     if ddp.any(failure is not None):
@@ -122,7 +122,7 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
     if not ddp.master:
         if resuming:
             cfg.data = recorded_data(cfg, out_dir, None)
-        prepared = prepare(cfg.data, progress=False)
+        prepared = prepare(cfg.data, progress=False, chat_tokens=cfg.model.block_size + 1)
     return prepared, resuming
 
 

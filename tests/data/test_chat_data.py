@@ -267,3 +267,80 @@ def test_a_role_that_is_not_text_is_skipped_with_skip_bad_lines(role):
     assert stats.conversations == 1 and stats.skipped == 1 and "f line 1: message 1 has a" in stats.first_skipped
     with pytest.raises(QuillError, match="f line 1: message 1 has a"):
         encode_lines(tok, [bad, good], ["f line 1", "f line 2"], np.dtype(np.uint16), skip_bad=False)
+
+
+def _long_chat(turns):
+    says = ["Who speaks?", "ROMEO, sir.", "And now?", "JULIET."]
+    return [{"role": ["user", "assistant"][i % 2], "content": f"{says[i % 4]} {'I' * (i % 5)}"} for i in range(turns)]
+
+
+def _tokenizers(hf_chatml):
+    from hf_support import CHATML
+
+    from quillgpt.data.hf_tokenizer import HFTokenizer
+
+    tk, _ = hf_chatml
+    return CharTokenizer(CHARS), HFTokenizer(tk.to_str(), eos_token="<|im_end|>", chat_template=CHATML)
+
+
+def test_flags_found_up_to_a_limit_are_the_whole_conversations_flags_there(hf_chatml):
+    """The fast path (turns past the row's end not rendered on their own) against the plain one."""
+    for tok in _tokenizers(hf_chatml):
+        for messages in (CHAT, _long_chat(24)):
+            ids, mine = conversation_tokens(tok, messages)  # the plain computation: every turn
+            for limit in (1, 5, len(ids) // 3, len(ids) // 2 + 7, len(ids), len(ids) + 50):
+                fast_ids, fast_mine = conversation_tokens(tok, messages, limit)
+                assert fast_ids == ids and fast_mine[:limit] == mine[:limit]
+                assert all(m for f, m in zip(fast_mine, mine) if f)  # past it, only turns begun before it are marked
+
+
+def test_a_conversation_of_5000_turns_is_encoded_in_linear_time(hf_chatml):
+    import time
+
+    for tok in _tokenizers(hf_chatml):
+        messages, encoded = _long_chat(5000), []
+        real = tok.encode
+        tok.encode = lambda text, real=real, encoded=encoded: encoded.append(len(text)) or real(text)  # what is tokenized (chars)
+        t0 = time.perf_counter()
+        ids, mine = conversation_tokens(tok, messages, 257)
+        seconds = time.perf_counter() - t0
+        plain_ids, plain_mine = conversation_tokens(tok, messages[:40])  # the first rows' worth, the plain way
+        assert ids[: len(plain_ids) - 8] == plain_ids[:-8] and mine[:257] == plain_mine[:257]
+        assert sum(encoded) < 2 * max(encoded)  # the whole conversation once, plus prefixes within the row (quadratic: ~2500×)
+        assert seconds < 5, f"{type(tok).__name__}: {seconds:.1f} s for 5,000 turns"
+
+
+def test_prepared_flags_serve_rows_as_long_as_they_were_found_for(tmp_path, char_tokenizer):
+    from quillgpt.data.chat_batches import ChatRows
+
+    lines = [line(_long_chat(60))] + [conversation(i) for i in range(5)]
+    cfg = chat_cfg(tmp_path, char_tokenizer, lines, val_fraction=0.3)
+    first = prepare(cfg, progress=False, chat_tokens=129)
+    assert first.rebuilt and first.meta["chat_tokens"] == 129
+    assert not prepare(cfg, progress=False, chat_tokens=65).rebuilt  # shorter rows: the same flags serve
+    assert ChatRows.prepared(cfg.out_dir, "train", 128).targets.sum() > 0
+    with pytest.raises(QuillError, match="prepared for rows of 129 tokens.*block_size=256.*quill prepare"):
+        ChatRows.prepared(cfg.out_dir, "train", 256)
+    again = prepare(cfg, progress=False, chat_tokens=257)  # longer rows: found again, that far
+    assert again.rebuilt and ChatRows.prepared(cfg.out_dir, "train", 256).targets.sum() > 0
+    tok = CharTokenizer(CHARS)
+    ids, mine = conversation_tokens(tok, _long_chat(60))
+    flags = np.asarray(load_tokens(cfg.out_dir, "train", flags=True))
+    assert np.asarray(load_tokens(cfg.out_dir, "train"))[: len(ids)].tolist() == ids  # stored whole
+    assert (flags[:257] & ASSISTANT).astype(bool).tolist() == mine[:257]
+    assert prepare(cfg, progress=False).rebuilt  # every token's flags asked for: found again, all of them
+
+
+def test_a_conversation_whose_replies_start_past_the_row_is_kept_and_counted_untrained(tmp_path, char_tokenizer):
+    """As with every token's flags found: stored, and training counts it (not a bad line)."""
+    from quillgpt.data.chat_batches import ChatRows
+
+    long_prompt = line([{"role": "user", "content": "Who speaks? " * 10}, {"role": "assistant", "content": "ROMEO"}])
+    cfg = chat_cfg(tmp_path, char_tokenizer, [long_prompt, conversation(1), conversation(2), conversation(3)], val_fraction=0.25)
+    prepare(cfg, progress=False, chat_tokens=65)
+    rows = ChatRows.prepared(cfg.out_dir, "train", 64)
+    assert rows.untrained == 1 and len(rows) == 2
+    whole = chat_cfg(tmp_path, char_tokenizer, [long_prompt, conversation(1), conversation(2), conversation(3)], val_fraction=0.25, out="w")
+    prepare(whole, progress=False)
+    assert np.array_equal(np.asarray(load_tokens(cfg.out_dir, "train")), np.asarray(load_tokens(whole.out_dir, "train")))
+    assert ChatRows.prepared(whole.out_dir, "train", 64).untrained == 1

@@ -93,3 +93,70 @@ def test_generation_spans_are_still_found_while_the_rendering_is_capped():
     template = "{% for m in messages %}{{ m.role }}: {% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}"
     text, spans = render_spans(template, [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cde"}], False)
     assert [text[a:b] for a, b in spans] == ["ab", "cde"]
+
+
+BOMBS = [  # each builds a huge value inside one expression, in C, before any output
+    "{% set ns = namespace(x='x') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x|length }}",
+    "{% set ns = namespace(x=['x']) %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}{% endfor %}{{ ns.x|length }}",
+    "{{ 'x'|center(10**9) }}",
+    "{{ 'x'|center(width=10**9) }}",
+    "{{ '%999999999s'|format('x') }}",
+    "{{ '%*s' % (999999999, 'x') }}",
+    "{{ '{:>999999999}'.format('x') }}",
+    "{{ '{:>{w}}'.format('x', w=999999999) }}",
+    "{{ 'x'.ljust(10**9) }}",
+    "{{ '\t'.expandtabs(10**9) }}",
+    "{{ ('x' * 10000).replace('', 'y' * 10000) }}",
+    "{{ ('x' * 10000)|replace('x', 'y' * 10000) }}",
+    "{{ (['y' * 1000000] * 1000)|join }}",
+    "{{ ''.join(['y' * 1000000] * 1000) }}",
+    "{{ ['y' * 1000000] * 1000 }}",
+    "{{ (['y' * 1000000] * 1000)|tojson }}",
+    "{{ [1]|tojson(indent=10**9) }}",
+    "{{ 'a\nb'|indent(10**9) }}",
+    "{{ [1]|batch(10**9, 0)|list }}",
+    "{{ lipsum(10**6) }}",
+    "{% set b %}{% for i in range(1000) %}{{ 'y' * 1000000 }}{% endfor %}{% endset %}{{ b|length }}",
+    "{% set ns = namespace(a='y' * 1000000) %}{{ [ns] * 1000 }}",
+]
+
+
+@pytest.mark.parametrize("template", BOMBS)
+def test_a_value_too_big_to_build_is_refused_before_it_is_built(template):
+    """One TemplateFailed within the limits, and the memory never near the value's size (the
+    values above would take 1 to 10**9 GB; a list of 16M items, the largest allowed, takes 128 MB)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TemplateFailed, match="would make a value of over 16,777,216 characters; fix or replace"):
+            render(template, HI)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 300 << 20 and time.monotonic() - t0 < 5
+
+
+CHECKED = (  # every checked filter, method and operator, on values of an ordinary size
+    "{{ 'ab'|center(9) }}|{{ 'a\nb'|indent(2, first=true) }}|{{ '%5s-%.2f'|format('x', 1.5) }}|{{ '%-4d' % 7 }}|"
+    "{{ '{:>6}{}'.format('r', 1) }}|{{ 'x'.ljust(4) }}{{ 'y'.zfill(3) }}|{{ 'a\tb'.expandtabs(4) }}|{{ 'aXa'.replace('a', 'bb') }}|"
+    "{{ 'aXa'|replace('X', '--') }}|{{ [1, 'b']|join('+') }}|{{ '/'.join(['p', 'q']) }}|{{ 'one two three'|wordwrap(5) }}|"
+    "{{ [[1], [2]]|sum(start=[]) }}|{{ [1, 2, 3]|batch(2, 0)|list }}|{{ [1, 2, 3]|slice(2)|list }}|{{ [1, {'a': 'b'}]|string }}|"
+    "{{ {'k': [1, 2]}|tojson(indent=2) }}|{{ {'k': 1}|pprint }}|{{ 'a' ~ 1 ~ none }}|{{ 'a' + 'b' }}{{ [1] + [2] }}|"
+    "{% macro m(x) %}<{{ x }}>{% endmacro %}{{ m('z') }}|{% set b %}{{ 'in' }}{% endset %}{{ b }}|{{ lipsum(1, false, 3, 4)|length > 0 }}|"
+    "{{ undefined }}{{ undefined ~ 'u' }}{{ [undefined]|length }}{{ undefined|default('d') }}|{% set ns = namespace(a=1) %}{{ ns.a }}"
+)
+
+
+def test_the_checked_operations_give_what_plain_jinja_gives():
+    """The sandbox's checks against transformers' plain sandbox (the same tojson) on ordinary values."""
+    import json
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    plain.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    assert render(CHECKED, HI) == plain.from_string(CHECKED).render(messages=HI)
