@@ -38,9 +38,10 @@ def batches(data: Path, rows: int, n: int):
     """The first n batches of `rows` conversations of the prepared train split, as (x, y) and the real token count."""
     import numpy as np
 
-    from quillgpt.data.chat_batches import ChatRows
+    from quillgpt.data.chat_batches import ChatRows, flags_through
 
-    split = ChatRows.prepared(data, "train", 1 << 20)
+    through = flags_through(data)  # the row length the data was prepared for (None: any)
+    split = ChatRows.prepared(data, "train", (1 << 20) if through is None else through - 1)
     out = []
     for i in range(n):
         picks = np.arange(i * rows, (i + 1) * rows) % len(split)

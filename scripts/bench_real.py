@@ -166,11 +166,12 @@ def main() -> None:
             for name, (fn, _, _) in rows.items():
                 speeds[name].append(fn())
     print(f"\n{args.tokens} new tokens, batch 1, greedy, median of {args.reps}\n")
-    print("| engine | tokens/s | MB read per token | read bandwidth GB/s | of the bound | note |")
+    print("| engine | tokens/s (min–max) | MB read per token | read bandwidth GB/s | of the bound | note |")
     print("|---|---|---|---|---|---|")
     for name, (_, nbytes, note) in rows.items():
         tps, bw = statistics.median(speeds[name]), read_bandwidth(nbytes)
-        print(f"| {name} | {tps:.1f} | {nbytes / 1e6:.0f} | {bw / 1e9:.1f} | {tps * nbytes / bw:.0%} | {note} |")
+        spread = f"{min(speeds[name]):.1f}–{max(speeds[name]):.1f}"
+        print(f"| {name} | {tps:.1f} ({spread}) | {nbytes / 1e6:.0f} | {bw / 1e9:.1f} | {tps * nbytes / bw:.0%} | {note} |")
     print(f"\nload average after: {os.getloadavg()}")
 
 

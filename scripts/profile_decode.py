@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Where a decode step's time goes: torch.profiler over the engine's cached greedy steps, op by
-op, grouped by what the op does, for float32, bf16 and int8 weights.
+op, grouped by what the op does, for float32, bf16, int8 and int4 weights.
 
     python scripts/profile_decode.py                      # 6L/6H/384, block 1,024, batch 1
     python scripts/profile_decode.py --batch 8 --threads 1 --top 12
+    python scripts/profile_decode.py --ckpt out/smollm2 --context 40 --tokens 20   # a real (imported) model
 
 The model is scripts/bench.py's sample model (random init, 65-character vocabulary, biases as
 GPT-2). Each weights kind generates --warmup tokens, then --tokens more under the profiler,
@@ -34,9 +35,10 @@ from quillgpt.inference.engine import in_dtype  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.model.quant import plan_of, quantize  # noqa: E402
+from quillgpt.runs import load_run  # noqa: E402
 
 GROUPS = {  # aten op (its name without "aten::" and leading "_") → what it does in a decode step
-    "linear matmuls": ("addmm", "mm", "weight_int8pack_mm", "linear", "matmul", "bmm"),
+    "linear matmuls": ("addmm", "mm", "weight_int8pack_mm", "weight_int4pack_mm_for_cpu", "linear", "matmul", "bmm"),
     "attention": ("scaled_dot_product", "softmax"),
     "KV cache writes": ("index_put",),
     "norms": ("layer_norm", "native_layer_norm", "rms_norm", "fused_rms_norm"),
@@ -82,7 +84,7 @@ def model_of(block: int) -> GPT:
 
 def profile_kind(model: GPT, args: argparse.Namespace) -> tuple[dict[str, float], list[tuple[str, float, int]], float]:
     """({group: ms/token}, [(op, ms/token, calls/token)], wall ms/token) of args.tokens decode steps."""
-    prompts = [[(7 * i + r) % 65 for i in range(args.context)] for r in range(args.batch)]
+    prompts = [[(7 * i + r) % 65 for i in range(args.context)] for r in range(args.batch)]  # ids every vocabulary has
     steps = iter(generate_tokens(model, prompts, args.warmup + args.tokens))
     for _ in range(args.warmup):
         next(steps)
@@ -109,17 +111,20 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--top", type=int, default=8, help="single ops listed per kind")
+    p.add_argument("--ckpt", type=Path, help="profile this run's model (an imported one: a real model) instead of the random 6L/384")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = model_of(args.block)
+    model = load_run(args.ckpt, which="latest").model if args.ckpt else model_of(args.block)
     kinds = {
         "float32": model,
         "bf16 weights": in_dtype(model, torch.bfloat16),
-        "int8 weights": quantize(copy.deepcopy(model), "int8", rows=args.batch),
+        "int8 weights": quantize(copy.deepcopy(model), "int8", rows=args.batch, cache=True),
+        "int4 weights": quantize(copy.deepcopy(model), "int4"),
     }  # shown even if slower
+    shape = f"{args.ckpt}" if args.ckpt else f"6L/6H/384 (block {args.block:,})"
     print(
-        f"decode steps of 6L/6H/384 (block {args.block:,}), batch {args.batch}, ~{args.context} keys a layer; "
+        f"decode steps of {shape}, batch {args.batch}, ~{args.context} keys a layer; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {plan_of(kinds['int8 weights']).describe()}"
     )

@@ -121,10 +121,12 @@ class GenerationStats:
     steps: int = 0
     prefill_ms: float = 0.0  # time to the first new token: the forward pass over the prompt
     total_s: float = 0.0
+    compile_s: float = 0.0  # of total_s: compiling the decode step (--compile), not counted in tokens/s
 
     @property
     def tokens_per_s(self) -> float:
-        return sum(self.new_tokens) / self.total_s if self.total_s > 0 else 0.0
+        generating = self.total_s - self.compile_s
+        return sum(self.new_tokens) / generating if generating > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s}
@@ -135,7 +137,8 @@ class GenerationStats:
             prompt = f"prompt {n[0]} tokens" + (f" x {rows} samples" if rows > 1 else "")
         else:
             prompt = f"prompts {'/'.join(map(str, n))} tokens"
-        return f"{prompt}, {sum(self.new_tokens)} new tokens, {self.tokens_per_s:.1f} tokens/s, prefill {self.prefill_ms:.1f} ms"
+        compiling = f", compile {self.compile_s:.1f} s (not in tokens/s)" if self.compile_s else ""
+        return f"{prompt}, {sum(self.new_tokens)} new tokens, {self.tokens_per_s:.1f} tokens/s, prefill {self.prefill_ms:.1f} ms{compiling}"
 
 
 class Generation:
@@ -203,6 +206,7 @@ class Generation:
             pieces = [self._join(batch, r, ids, eot) for r, ids in enumerate(self.prompt_ids)]
             while True:
                 stats.total_s += time.perf_counter() - t0
+                stats.compile_s = self.engine.compile_s
                 if stats.steps == 0:
                     stats.prefill_ms = 1000 * stats.total_s  # time to the first new token
                 stats.steps += 1

@@ -79,7 +79,9 @@ def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None)
 
 def _int8pack(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     x = x.contiguous()
-    if x.data_ptr() % 64:  # its bf16/fp16 SIMD loads are aligned: a view into a larger tensor gets a fresh copy
+    # its bf16/fp16 SIMD loads are aligned: a view into a larger tensor gets a fresh copy (compiled: no
+    # address to test while tracing, so always; a decode step's x is one row per sequence)
+    if torch.compiler.is_compiling() or x.data_ptr() % 64:
         x = x.clone()
     return torch._weight_int8pack_mm(x, weight, scale)
 

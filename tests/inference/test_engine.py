@@ -170,13 +170,20 @@ def test_a_huge_max_new_tokens_allocates_nothing_by_count(use_cache):
     not os.environ.get("QUILL_TEST_COMPILE"),
     reason="torch.compile takes ~1 min on CPU: set QUILL_TEST_COMPILE=1 (scripts/bench.py --suite sample checks it at the bench shape)",
 )
-@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "int8"])
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "int8", "int4"])
 def test_compiled_decode_equals_eager(variant):
-    model = quantize(random_model(), "int8", kernel="int8pack_mm/bf16") if variant == "int8" else random_model(variant)
-    params = replace(GREEDY, max_new_tokens=40)
+    if variant in ("int8", "int4"):
+        model = quantize(random_model(), variant, kernel="int8pack_mm/bf16" if variant == "int8" else None)
+    else:
+        model = random_model(variant)
+    params = replace(GREEDY, max_new_tokens=100)
     eager = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=False)), 1)
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
     assert torch.equal(compiled, eager)
+    engine = Engine(model, 1, compile=True)
+    engine.add(PROMPTS[0], replace(GREEDY, max_new_tokens=3))
+    engine.step()
+    assert engine.compiled and engine.compile_s > 0  # the first call's time: compiling (the stats line's)
 
 
 RECIPE_OPTIONS = {"relu2-qknorm-softcap-rope": {"mlp": "relu2", "qk_norm": True, "logit_softcap": 5.0, "pos": "rope"}}

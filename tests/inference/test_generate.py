@@ -257,3 +257,12 @@ def test_generation_stats_and_zero_tokens():
     assert generate_text(model, tok, "ab", 0)[0] == [""]
     with pytest.raises(QuillError, match="top_p"):
         Generation(model, tok, ["ab"], 5, top_p=0.0)
+
+
+def test_compile_time_is_on_the_stats_line_and_not_in_tokens_per_s():
+    from quillgpt.inference.generate import GenerationStats
+
+    stats = GenerationStats(prompt_tokens=[4], new_tokens=[30], steps=30, prefill_ms=2.0, total_s=4.0, compile_s=3.0)
+    assert stats.tokens_per_s == 30.0 and "30.0 tokens/s" in stats.line() and "compile 3.0 s (not in tokens/s)" in stats.line()
+    eager = GenerationStats(prompt_tokens=[4], new_tokens=[30], steps=30, total_s=4.0)
+    assert eager.tokens_per_s == 7.5 and "compile" not in eager.line()
