@@ -16,6 +16,11 @@ Each row: median tokens/s over --reps (interleaved, so load bursts hit all alike
 bytes one token reads in that engine's format, and the fraction of the weight-streaming bound
 (read bandwidth of a buffer that size, measured in the same run, / those bytes). Prefill and
 loading are not timed. Prints one markdown table, the CPU and the load average before and after.
+
+OpenMP's wait policy is left as the user has it (unset: threads spin a while before they sleep,
+as `quill sample` runs). torch and llama.cpp both read OMP_WAIT_POLICY once at start; measured
+here, PASSIVE (scripts/bench_sample.py's choice for shared machines) slowed llama.cpp from ~90
+to ~15-40 tokens/s and quill's int8 from ~25 to ~13, so compare rows only under one policy.
 """
 
 from __future__ import annotations
@@ -31,9 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see scripts/bench_sample.py
-
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -156,7 +159,8 @@ def main() -> None:
     p.add_argument("--quill", nargs="+", default=["fp32", "int8", "int4"], help="quill rows: fp32, bf16 or a --quantize scheme")
     p.add_argument("--compile", action="store_true", help="also time each quill row with the compiled decode step")
     args = p.parse_args()
-    print(f"{cpu_name()}; load average before: {os.getloadavg()}", flush=True)
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    print(f"{cpu_name()}, OMP_WAIT_POLICY {policy}; load average before: {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = rows_of(args, Path(tmp))
         for fn, _, _ in rows.values():

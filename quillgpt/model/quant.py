@@ -1,4 +1,6 @@
-"""Weight-only int8: every linear layer of the blocks and the head stores int8 weights with one
+"""--quantize: int8 here, int4 in model/int4.py (quantize() swaps in either).
+
+Weight-only int8: every linear layer of the blocks and the head stores int8 weights with one
 scale per output channel, W ≈ q·s, so a decode step streams a quarter of fp32's weight bytes.
 
 `quantize(model, "int8")` swaps each nn.Linear for an `Int8Linear` once, from the model's own
