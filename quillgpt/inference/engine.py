@@ -386,6 +386,9 @@ class Engine(Rows):
         self._compiled = None
         if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: one graph, dynamic in n_keys
             mode = "reduce-overhead" if self._all_slots else None
+            # every model and batch size compiled in one process is one more graph of decode_over's
+            # code; past dynamo's limit (8) the step would fail rather than run eager (fullgraph)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._compiled = torch.compile(decode_over, mode=mode, fullgraph=True, dynamic=False)
 
     def release(self, row: int) -> None:
