@@ -14,6 +14,7 @@ pipeline from tokenizer.ggml.*), with the pre-tokenizer llama.cpp names in token
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
@@ -88,6 +89,24 @@ class GGUFFile:
             raise QuillError(f"{shown(self.path)}: cannot dequantize {name} ({t.tensor_type.name}: {str(e)[:100]})") from None
 
 
+REAL_KEYS = ("epsilon", "freq_base")  # metadata keys that hold a positive real; the others a count or a length
+MAX_METADATA_INT = 2**24  # a count or length beyond this is no model quill can hold (block_size's own bound)
+
+
+def _checked(f: GGUFFile, key: str, value: Any) -> int | float:
+    """A shape or norm value of the metadata, typed and ranged before any arithmetic uses it."""
+    real = key.endswith(REAL_KEYS)
+    ok = isinstance(value, (int, float) if real else int) and not isinstance(value, bool)
+    if ok and real:
+        ok = math.isfinite(value) and value > 0
+    elif ok:
+        ok = 1 <= value <= MAX_METADATA_INT
+    if not ok:
+        want = "a positive finite number" if real else f"an integer from 1 to {MAX_METADATA_INT:,}"
+        raise QuillError(f"{shown(f.path)}: {key} must be {want}, got {shown_value(value)[:60]}: the file's metadata is damaged")
+    return value
+
+
 def hf_config(f: GGUFFile) -> dict[str, Any]:
     """The config.json the file's metadata describes (the keys llama.py / gpt2.py read)."""
     fam, arch = f.family, f.family.arch
@@ -97,7 +116,7 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         if isinstance(value, list):
             raise QuillError(f"{shown(f.path)}: {arch}.{key} differs per layer ({shown_value(value)[:60]}); quill's layers share one shape")
         if value is not None:
-            hf[hf_key] = value
+            hf[hf_key] = _checked(f, f"{arch}.{key}", value)
     hf.setdefault("vocab_size", len(f.get("tokenizer.ggml.tokens") or []) or None)
     hf["tie_word_embeddings"] = "output.weight" not in f.tensors
     if fam.model_type == "gpt2":

@@ -184,6 +184,14 @@ def test_corrupt_zstd_is_one_line(tmp_path):
 # --- compressed readers end at a frame end --------------------------------------------------------
 
 
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 @settings(max_examples=60, deadline=None, database=None, derandomize=True)
 @given(
     docs=st.lists(st.text(max_size=3000), min_size=1, max_size=4),
@@ -216,6 +224,9 @@ def test_a_compressed_file_cut_short_is_refused_naming_it(tmp_path_factory, docs
     try:
         got = "".join(texts(source).values()) if kind == "txt" else texts(source)
     except QuillError as e:
+        if at in ends and not _is_utf8(ends[at]):  # the frames split a character: its whole frames are not text
+            assert str(path) in str(e) and "not UTF-8" in str(e), str(e)
+            return
         assert at not in ends and str(path) in str(e) and "not valid" in str(e), str(e)
         return
     assert at in ends, f"{at} of {len(blob)} bytes read quietly"

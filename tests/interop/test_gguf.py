@@ -272,15 +272,19 @@ def test_ollama_modelfile_leaves_a_template_it_cannot_write_exactly_to_ollama(tm
 # --- bad files: one line, exit 2, nothing written --------------------------------------------
 
 
-def _rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = None) -> Path:
-    """A copy of a GGUF file with another architecture name or without one metadata key."""
+def _rewrite(src: Path, dst: Path, arch: str | None = None, drop: str | None = None, put: dict | None = None) -> Path:
+    """A copy of a GGUF file with another architecture name, without one metadata key, or with
+    `put`'s keys as {key: (value, GGUFValueType)} instead."""
     r = gguf.GGUFReader(src)
     w = gguf_write._writer(dst, arch or r.fields["general.architecture"].contents())
+    put = put or {}
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key == drop:
             continue
         value = f.contents()
         vtype = f.types[0]
+        if key in put:
+            value, vtype = put[key]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(
             key.replace(r.fields["general.architecture"].contents() + ".", (arch or "") + ".", 1) if arch else key,
@@ -352,7 +356,18 @@ def _unknown_quant(good, tmp):
     w.close()
 
 
+def _put(key, value, vtype):
+    return lambda good, tmp: _rewrite(good, tmp / "bad.gguf", put={key: (value, vtype)})
+
+
+T = gguf.GGUFValueType
 BAD = {
+    "width a string": (_put("llama.embedding_length", "64", T.STRING), "llama.embedding_length"),
+    "no heads": (_put("llama.attention.head_count", 0, T.UINT32), "llama.attention.head_count"),
+    "heads not dividing": (_put("llama.attention.head_count", 5, T.UINT32), "model.n_kv_head (2) must divide model.n_head (5)"),
+    "layers beyond the weights": (_put("llama.block_count", 3, T.UINT32), "weights do not match a 3-layer model"),
+    "a huge context": (_put("llama.context_length", 2**40, T.UINT64), "llama.context_length"),
+    "a float layer count": (_put("llama.block_count", 2.5, T.FLOAT32), "llama.block_count"),
     "truncated": (_truncated, "not a readable GGUF file"),
     "lying offset": (_lying_offset, "not a readable GGUF file"),
     "lying count": (_lying_count, "not a readable GGUF file"),
