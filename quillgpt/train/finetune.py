@@ -32,7 +32,9 @@ WARMUP_FRAC = 0.05  # of the run's steps
 MIN_BATCHES = 16  # an epoch of a small set still has this many steps (batches), when the data allows
 MAX_BATCH_TOKENS = 4096  # a micro-batch's token budget (rows × the longest), at most
 MAX_ROWS = 64  # conversations a batch, at most
-EST_MFU = 0.15  # the share of the matmul peak a CPU fine-tune reaches, for the plan's time (measured: docs/finetuning.md)
+# the share of the matmul peak a CPU fine-tune reaches, for the plan's time: SmolLM2 LoRA on 2 quiet
+# AVX2 cores ran at 0.68 of it by this count (docs/finetuning.md), 0.15 on a machine at load 13-16
+EST_MFU = 0.5
 
 
 @dataclass
