@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import typer
 
@@ -24,6 +24,9 @@ from quillgpt.checkpoint import resolve_checkpoint
 from quillgpt.errors import QuillError
 from quillgpt.files import check_input, check_output_file
 from quillgpt.runs import load_run, merge_run
+
+if TYPE_CHECKING:
+    from quillgpt.interop.convert import Converted
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
 # from typer's own copy of click (typer._click, no click dependency) in newer typer.
@@ -677,7 +680,11 @@ def import_hf_cmd(
     """Import a Hugging Face model (GPT-2 or the Llama family) as a quill run: sample, chat, eval, fine-tune it."""
     from quillgpt.interop.convert import import_hf
 
-    done = import_hf(src, out, force=force)
+    _print_imported(src, import_hf(src, out, force=force))
+
+
+def _print_imported(src: str | Path, done: Converted) -> None:
+    """import-hf's and import-gguf's one line: what was written, its shape, and the next command."""
     m = done.model
     print(
         f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
@@ -712,18 +719,15 @@ def export_hf_cmd(
 @app.command("import-gguf")
 def import_gguf_cmd(
     src: Path = typer.Argument(..., help="GGUF file of llama.cpp's llama (Llama, Mistral, SmolLM...), qwen2, qwen3 or gpt2."),
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt (fp32)."),
+    out: Path = typer.Option(
+        ..., "--out", "-o", parser=_out_path, help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt (fp32)."
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
     """Import a GGUF file (dequantized) as a quill run: sample, chat, eval, fine-tune it."""
     from quillgpt.interop.gguf_read import import_gguf
 
-    done = import_gguf(src, out, force=force)
-    m = done.model
-    print(
-        f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
-        f"{m.n_embd} wide, block_size {m.block_size:,}, vocab {m.vocab_size:,}; fine-tune with `quill train ... train.init_from={done.path}`"
-    )
+    _print_imported(src, import_gguf(src, out, force=force))
 
 
 @app.command("export-gguf")

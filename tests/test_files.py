@@ -159,7 +159,8 @@ def test_an_empty_or_whitespace_output_path_is_refused_by_every_output_check(pat
     ):
         with pytest.raises(QuillError, match=r"^--out is (empty|only whitespace); give a file or directory name$"):
             check()
-    with pytest.raises(SystemExit) as e:
-        main(["merge", str(tmp_path / "nowhere"), "-o", path])
-    assert e.value.code == 2
-    assert "--out is" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+    for cmd in (["merge", str(tmp_path / "nowhere")], ["import-gguf", str(tmp_path / "nowhere.gguf")]):
+        with pytest.raises(SystemExit) as e:
+            main([*cmd, "-o", path])
+        assert e.value.code == 2
+        assert "--out is" in capsys.readouterr().err and list(tmp_path.iterdir()) == []

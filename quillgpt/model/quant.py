@@ -242,6 +242,8 @@ def quantize(
     if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
         raise ValueError("the model is already quantized")
     if scheme in INT4_SCHEMES:
+        if kernel is not None:
+            raise ValueError(f"kernel names an int8 kernel; {scheme} takes its one kernel per shape (model/int4.py)")
         return quantize_int4(model, INT4_SCHEMES[scheme] if group is None else group)
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
