@@ -133,6 +133,14 @@ def _batch_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, prefix
     return nats.double().sum().item()
 
 
+def _scored_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """_batch_nats for chat rows, as training computes them: the head on the scored targets only,
+    and the rows' common prefix (a system prompt) run once."""
+    logits, _ = model(x, y, scored_only=True, share_prefix=True)  # (N, V), in the order of y[y != -1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, y[y != -1], reduction="none").double().sum().item()
+
+
 def _is_prefix_lm(model: torch.nn.Module) -> bool:
     return model.variant.bidirectional_prefix
 
@@ -241,7 +249,7 @@ def evaluate_rows(
     with evaluating(model):
         for i in range(0, len(picks), batch_size):
             x, y = rows.batch(picks[i : i + batch_size], device)
-            total += _batch_nats(model, x, y)
+            total += _scored_nats(model, x, y)
             targets = y[y != -1]
             scored += len(targets)
             if tokenizer is not None:

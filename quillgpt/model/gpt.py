@@ -28,8 +28,10 @@ from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
-from quillgpt.model.kv_cache import Cache, KVCache
+from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, shared_prefix_len
 from quillgpt.model.variants import Variant, variant_of
+
+MIN_SHARED_PREFIX = 8  # a shared prefix shorter than this runs in every row (not worth a second pass)
 
 
 @contextlib.contextmanager
@@ -196,6 +198,7 @@ class GPT(nn.Module):
         all_logits: bool = False,
         prefix_len: Tensor | None = None,
         scored_only: bool = False,
+        share_prefix: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) → logits (B, T, V) with targets or all_logits, else (B, 1, V); loss or None.
 
@@ -206,18 +209,43 @@ class GPT(nn.Module):
         variants/prefix.py); None = no prefix (causal). scored_only (with targets): the head runs on
         the positions whose target counts only, and the logits are those (N, V): the same loss,
         without the head's matmul and the (B, T, V) logits where chat data scores nothing.
+        share_prefix (with scored_only, training): the leading tokens all rows hold alike (a chat
+        template's system prompt) run once, as one row (_after_shared_prefix): the same loss
+        and gradients to rounding at a fraction of the prefix's cost.
         """
-        x, _ = self._hidden(idx, pos, cache, rows, prefix_len, need_weights=False)
         if targets is not None and scored_only:
-            scored = targets != -1  # (B, T)
+            P = self._shareable_prefix(idx, targets, pos, cache, prefix_len) if share_prefix else 0
+            x = self._after_shared_prefix(idx, P) if P else self._hidden(idx, pos, cache, rows, prefix_len)[0]
+            scored = targets[:, P:] != -1  # (B, T - P)
             logits = self.head(x[scored])  # (N, V)
-            return logits, F.cross_entropy(logits, targets[scored])
+            return logits, F.cross_entropy(logits, targets[:, P:][scored])
+        x, _ = self._hidden(idx, pos, cache, rows, prefix_len, need_weights=False)
         if targets is not None:
             logits = self.head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
             return logits, loss
         # only the last position's logits when sampling: skips most of the big head matmul
         return self.head(x if all_logits else x[:, -1:, :]), None
+
+    def _shareable_prefix(self, idx: Tensor, targets: Tensor, *plain: object) -> int:
+        """The shared prefix's length, or 0 where sharing does not apply: one row, a variant whose
+        tokens depend on more than the tokens before them, dropout (one mask for every row), explicit
+        positions/cache/prefix, or a prefix too short to pay for the second pass."""
+        if idx.shape[0] < 2 or not self.variant.shares_prefix_keys or any(p is not None for p in plain):
+            return 0
+        if self.training and self.config.dropout > 0:
+            return 0
+        P = shared_prefix_len(idx, targets)
+        return P if P >= MIN_SHARED_PREFIX else 0
+
+    def _after_shared_prefix(self, idx: Tensor, P: int) -> Tensor:
+        """Final hidden states (B, T - P, C) of positions P.. of rows whose first P tokens are
+        equal: the prefix runs as one row into a PrefixKV, and every row's later tokens attend
+        over its keys and their own. The prefix's gradient is then the sum of every row's."""
+        T, dev = idx.shape[1], idx.device
+        keys = PrefixKV()
+        self._hidden(idx[:1, :P], torch.arange(P, device=dev), keys)
+        return self._hidden(idx[:, P:], torch.arange(P, T, device=dev), keys)[0]
 
     def head(self, x: Tensor) -> Tensor:
         """Final hidden states (…, C) → logits (…, V); model.logit_softcap=c bounds them as c·tanh(z/c)."""

@@ -136,3 +136,53 @@ class KVCache:
         ks[rows, :, slots] = k[:, :, 0] if k.dtype == ks.dtype else k[:, :, 0].to(ks.dtype)  # (R, KV, hd)
         vs[rows, :, slots] = v[:, :, 0] if v.dtype == vs.dtype else v[:, :, 0].to(vs.dtype)
         return ks[:, :, :n_keys], vs[:, :, :n_keys]
+
+
+@dataclass(frozen=True)
+class PrefixWrite:
+    """A forward through a PrefixKV: store its keys (the shared prefix), or attend over them."""
+
+    key_pos: Tensor  # (1, S): positions of the keys the tokens attend over, [prefix | new]
+    store: bool
+
+
+class PrefixKV:
+    """The keys and values of one prefix that every row of a training batch shares, kept in the
+    autograd graph: the prefix runs once, as one row, and each row's later tokens attend over
+    its keys, so their gradient is the sum over the rows, as if each row had run it (GPT.forward's
+    share_prefix). The first forward stores; every later one attends over [prefix | its own]."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, Tensor] = {}
+        self.v: dict[int, Tensor] = {}
+        self.pos: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in [*self.k.values(), *self.v.values()])
+
+    def reset(self, row: int | None = None) -> None:
+        self.k, self.v, self.pos = {}, {}, None
+
+    def plan(self, pos: Tensor, rows: Tensor | None = None) -> PrefixWrite:
+        if self.pos is None:
+            self.pos = pos
+            return PrefixWrite(pos, store=True)
+        return PrefixWrite(torch.cat([self.pos, pos], dim=1), store=False)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, plan: PrefixWrite) -> tuple[Tensor, Tensor]:
+        if plan.store:
+            self.k[layer], self.v[layer] = k, v
+            return k, v
+        B = k.shape[0]
+        pk, pv = self.k[layer].expand(B, -1, -1, -1), self.v[layer].expand(B, -1, -1, -1)
+        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+
+
+def shared_prefix_len(idx: Tensor, targets: Tensor) -> int:
+    """How many leading tokens every row of idx (B, T) holds alike with no target scored
+    (targets != -1) among them, at most T - 1: the prefix PrefixKV can share (a system prompt)."""
+    same = (idx == idx[:1]).all(dim=0) & (targets == -1).all(dim=0)  # (T,)
+    differs = (~same).nonzero()
+    P = int(differs[0]) if len(differs) else idx.shape[1]
+    return min(P, idx.shape[1] - 1)

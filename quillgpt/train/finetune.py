@@ -23,6 +23,8 @@ from quillgpt.data.prepare import prepare
 from quillgpt.device import peak_flops, resolve_device, resolve_dtype
 from quillgpt.errors import QuillError
 from quillgpt.files import check_input
+from quillgpt.model.gpt import MIN_SHARED_PREFIX
+from quillgpt.model.kv_cache import shared_prefix_len
 from quillgpt.train.loop import TrainResult, train
 from quillgpt.train.memory import count_params
 
@@ -97,6 +99,19 @@ def finetune_config(base: Path, data: Path, out: Path, full: bool = False, epoch
     return load_config(base / "config.yaml", recipe + list(overrides or []))
 
 
+def epoch_tokens(sampler: ChatSampler) -> int:
+    """Tokens an epoch's steps run: the padding included, and a batch's shared prefix (a system
+    prompt every conversation opens with) once, as GPT.forward's share_prefix runs it."""
+    if sampler.batch_tokens is None:
+        return sampler.padded_per_epoch()
+    total = 0
+    for picks in sampler.plan:
+        x, y = sampler.rows.batch(picks)
+        P = shared_prefix_len(x, y) if len(picks) > 1 else 0
+        total += x.numel() - (len(picks) - 1) * (P if P >= MIN_SHARED_PREFIX else 0)
+    return total
+
+
 def plan_finetune(cfg: Config, epochs: int, given: frozenset[str] = frozenset()) -> Plan:
     """Prepare the data and size the run from it, setting cfg's block size, batches, steps,
     schedule and evaluation (except the keys the user gave: `given`)."""
@@ -128,7 +143,7 @@ def plan_finetune(cfg: Config, epochs: int, given: frozenset[str] = frozenset())
     cfg.validate()
     device = resolve_device(tc.device, "train.device")
     params = count_params(cfg.model, cfg.model.vocab_size)
-    flops = (4 if cfg.lora.rank else 6) * params * sampler.padded_per_epoch() * epochs  # frozen: no weight gradients
+    flops = (4 if cfg.lora.rank else 6) * params * epoch_tokens(sampler) * epochs  # frozen: no weight gradients
     seconds = flops / (peak_flops(device, resolve_dtype(tc.dtype, device)) * EST_MFU) if device.type == "cpu" else float("nan")
     return Plan(
         len(rows["train"]),

@@ -568,6 +568,7 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
     padded = sum(x.numel() for x, *_ in batches)
     t.step_tokens = (padded if real_before is None else t.sampler.real - real_before, padded)
     scored = sum((y != -1).sum() for _, y, *_ in batches) if t.cfg.data.format == "chat" else None
+    share = scored is not None and shares_prefix(t)
     for micro, (x, y, *prefix) in enumerate(batches):  # a prefix-LM's batches add each row's prefix length
         if ddp.enabled:  # this rank's slice of the global batch
             x = x[ddp.rank * tc.batch_size : (ddp.rank + 1) * tc.batch_size]
@@ -577,8 +578,11 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
         with grad_sync(model, t.raw_model, sync=last):
             try:
                 with autocast(t.device, t.dtype):
-                    # chat: the head runs only where the assistant's tokens are scored (the same loss)
-                    _, loss = model(x, y, prefix_len=prefix[0]) if prefix else model(x, y, scored_only=scored is not None)
+                    # chat: the head runs only where the assistant's tokens are scored, and the rows'
+                    # common first tokens (a system prompt) once (the same loss and gradients)
+                    _, loss = (
+                        model(x, y, prefix_len=prefix[0]) if prefix else model(x, y, scored_only=scored is not None, share_prefix=share)
+                    )
                 # DDP averages the ranks' gradients: × world_size makes chat's share a sum over ranks
                 loss = loss / tc.grad_accum if scored is None else loss * ((y != -1).sum() * ddp.world_size / scored)
                 t.scaler.scale(loss).backward()
@@ -596,6 +600,13 @@ def train_step(model: torch.nn.Module, t: Trainer) -> torch.Tensor:
     t.scaler.update()
     t.optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def shares_prefix(t: Trainer) -> bool:
+    """Whether chat steps run the rows' common prefix once (GPT.forward's share_prefix): not when
+    compiled (each prefix length would be a new graph) nor under FSDP (a second pass through its
+    sharded blocks); activation checkpointing and DDP take it as they take any forward."""
+    return not t.cfg.train.compile and not is_sharded(t.raw_model)
 
 
 def _checked_loss(loss: torch.Tensor, step: int, ddp: Dist) -> float:

@@ -243,3 +243,27 @@ def test_missing_prepared_data_says_run_prepare(run, tmp_path):
     save_checkpoint(state, tmp_path / "moved" / "best.pt")
     with pytest.raises(QuillError, match=r"no prepared val split in .*gone.*quill prepare --config"):
         evaluate_checkpoint(tmp_path / "moved")
+
+
+def test_chat_rows_that_share_a_system_prompt_score_as_each_conversation_alone():
+    """evaluate_rows runs the rows' common prefix once (share_prefix): the summed nats equal each
+    conversation's own full forward."""
+    from support import random_model
+
+    from quillgpt.data.chat_batches import ChatRows
+    from quillgpt.data.chat_data import ASSISTANT, START
+    from quillgpt.evaluate.scores import evaluate_rows
+
+    system = [3, 1, 4, 1, 5, 9, 2, 6, 5]  # 9 tokens ≥ MIN_SHARED_PREFIX
+    convs = [(system + [7, 8, 10, 11], 3), (system + [12, 13, 14], 2), (system + [15, 16, 17, 18, 19], 4)]
+    ids = np.concatenate([np.asarray(c) for c, _ in convs])
+    flags = np.concatenate([np.r_[np.zeros(len(c) - n), np.full(n, ASSISTANT)] for c, n in convs]).astype(np.uint8)
+    flags[np.cumsum([0] + [len(c) for c, _ in convs[:-1]])] |= START
+    model = random_model("rope")
+    got = evaluate_rows(model, ChatRows(ids, flags, 16), batch_size=3)
+    want = 0.0
+    for c, n in convs:
+        logits, _ = model(torch.tensor([c[:-1]]), all_logits=True)
+        want += F.cross_entropy(logits[0, -n:], torch.tensor(c[-n:]), reduction="sum").item()
+    assert got.tokens == sum(n for _, n in convs)
+    assert got.nats == pytest.approx(want, rel=1e-5)

@@ -7,6 +7,7 @@ from support import BLOCK, VARIANTS, V
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.gpt import GPT
+from quillgpt.model.kv_cache import shared_prefix_len
 
 ROPE = [k for k, v in VARIANTS.items() if v.get("pos") == "rope"]
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
@@ -173,6 +174,68 @@ def test_left_padding_never_changes_a_row(variant):
         alone_steps, _ = model(torch.cat([row, nxt[r]])[None], all_logits=True)
         for i in range(3):
             torch.testing.assert_close(steps[i][r, 0], alone_steps[0, len(row) + i], atol=1e-5, rtol=1e-5)
+
+
+def shared_prefix_batch(P: int, widths: list[int], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that share their first P tokens, then differ, right-padded, scored after the prefix."""
+    torch.manual_seed(1)
+    prefix, T = torch.randint(1, V, (P,)), max(widths)
+    x = torch.full((len(widths), T), pad)
+    y = torch.full((len(widths), T), -1)
+    for r, w in enumerate(widths):
+        tail = torch.randint(1, V, (w - P,))
+        tail[0] = 1 + (tail[0] + r) % (V - 1)  # rows differ right after the prefix
+        x[r, :w] = torch.cat([prefix, tail])
+        y[r, P + 1 : w - 1] = x[r, P + 2 : w]  # the tokens after the first past the prefix
+    return x, y
+
+
+@variants
+def test_a_shared_prefix_gives_the_same_loss_and_gradients(variant):
+    """share_prefix runs the rows' common first tokens once: the loss and every gradient equal
+    the full batch's (each row runs its own copy)."""
+    model = random_model(variant).train()
+    x, y = shared_prefix_batch(9, [BLOCK, BLOCK - 3, 12])
+    assert shared_prefix_len(x, y) == 9
+    grads = []
+    for share in (False, True):
+        model.zero_grad()
+        _, loss = model(x, y, scored_only=True, share_prefix=share)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (full, g_full), (shared, g_shared) = grads
+    torch.testing.assert_close(shared, full, atol=1e-6, rtol=1e-6)
+    for n, g in g_full.items():
+        torch.testing.assert_close(g_shared[n], g, atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_prefix_under_activation_checkpointing_gives_the_same_gradients():
+    """Recomputing a block in backward runs its PrefixKV store again: the gradients still equal."""
+    from torch.distributed._composable import checkpoint
+
+    x, y = shared_prefix_batch(9, [BLOCK, BLOCK - 3, 12])
+    grads = []
+    for share, recompute in ((False, False), (True, True)):
+        model = random_model("rope-window-gqa").train()
+        for block in model.transformer.h if recompute else []:
+            checkpoint(block)
+        model(x, y, scored_only=True, share_prefix=share)[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_prefix_is_only_taken_where_it_is_exact():
+    x, y = shared_prefix_batch(9, [BLOCK, BLOCK - 3, 12])
+    y2 = y.clone()
+    y2[1, 4] = 3  # a scored target inside the common tokens ends the prefix there
+    assert shared_prefix_len(x, y2) == 4
+    assert shared_prefix_len(x[:1], y[:1]) == 10  # one row: up to its first scored target
+    model = random_model("rope").train()
+    assert model._shareable_prefix(x, y2) == 0  # shorter than MIN_SHARED_PREFIX
+    assert model._shareable_prefix(x[:1], y[:1]) == 0  # one row
+    assert model._shareable_prefix(x, y) == 9
+    assert random_model("rope", dropout=0.1).train()._shareable_prefix(x, y) == 0  # one dropout mask for all rows
 
 
 @variants

@@ -15,11 +15,13 @@ import pytest
 import torch
 from support import CPU_CONFIG, ROOT, assert_same_state, interrupt_after, losses, tiny
 
+import quillgpt.train.loop as loop_mod
 from quillgpt.checkpoint import load_checkpoint, save_checkpoint, weights_checksum
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint
+from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_shapes, is_adapter
 from quillgpt.runs import load_run
 from quillgpt.train.distributed import Dist
@@ -278,4 +280,28 @@ def test_a_chat_step_is_the_mean_over_its_assistant_tokens_however_it_is_split(b
     finetune(base, tmp_path / "one", "lora.rank=4", "train.max_iters=3")
     finetune(base, tmp_path / "two", "lora.rank=4", "train.max_iters=3", "train.batch_size=2", "train.grad_accum=2")
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [a for _, a, _ in one] == pytest.approx([b for _, b, _ in two], abs=1e-5)
+
+
+def test_a_shared_system_prompt_runs_once_and_trains_the_same(base, tmp_path, monkeypatch):
+    """Conversations that open with the same system prompt: their steps run it once per batch
+    (GPT.forward's share_prefix), and the run's losses equal those of every row running it."""
+    rows = [json.loads(line) for line in (base / "chat.jsonl").read_text().splitlines()]
+    system = {"role": "system", "content": "Who?"}  # "System: Who?" and a newline, 13 characters
+    short = [[{**m, "content": m["content"][:8]} for m in r["messages"]] for r in rows]  # within block 48
+    (tmp_path / "sys.jsonl").write_text("".join(json.dumps({"messages": [system, *m]}) + "\n" for m in short))
+    shared = {"n": 0}
+    original = GPT._after_shared_prefix
+
+    def counted(self, idx, P):
+        shared["n"] += 1
+        return original(self, idx, P)
+
+    monkeypatch.setattr(GPT, "_after_shared_prefix", counted)
+    common = ["lora.rank=4", "train.max_iters=3", f"data.path={tmp_path / 'sys.jsonl'}", f"data.out_dir={tmp_path / 'data'}"]
+    finetune(base, tmp_path / "shared", *common)
+    assert shared["n"] >= 3  # every training step (and the evaluations) took the shared prefix
+    monkeypatch.setattr(loop_mod, "shares_prefix", lambda t: False)
+    finetune(base, tmp_path / "full", *common)
+    one, two = losses(tmp_path / "shared"), losses(tmp_path / "full")
     assert [a for _, a, _ in one] == pytest.approx([b for _, b, _ in two], abs=1e-5)

@@ -28,6 +28,7 @@ class Variant:
     static_cache = True  # rows decode in the engine's static KVCache (one fixed-shape step for all)
     bidirectional_prefix = False  # the prompt / a window's context attends both ways
     hf_exportable = True  # a transformers architecture computes exactly this
+    shares_prefix_keys = True  # a token's keys depend only on the tokens up to it (training may share a prefix's)
 
     def attention(self, cfg: ModelConfig) -> nn.Module:
         """One block's attention module (its parameter names are what checkpoints store)."""

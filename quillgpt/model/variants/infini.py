@@ -255,6 +255,7 @@ def is_gate(name: str) -> bool:
 class Infini(Variant):
     name = "infini"
     static_cache = False  # each row keeps its own memory
+    shares_prefix_keys = False  # a segment's memory is per row
     hf_exportable = False
 
     def attention(self, cfg: ModelConfig) -> nn.Module:

@@ -35,6 +35,7 @@ def eval_prefix_len(cfg: ModelConfig) -> int:
 class Prefix(Variant):
     name = "prefix"
     bidirectional_prefix = True
+    shares_prefix_keys = False  # a prefix token sees the tokens after it
     hf_exportable = False  # no transformers decoder reads its prompt both ways
 
     def mask(self, q_pos: Tensor, k_pos: Tensor, span: int, prefix_len: Tensor | None) -> Tensor:
