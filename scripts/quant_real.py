@@ -7,8 +7,10 @@ with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first 
 
 Each scheme's weights are dequantized into float32 linears (fp32 activations: the weights'
 error alone, at float speed; the group-wise int8 kernels are slow in eager mode); an int4 scheme
-is also run through its own kernel (bf16 activations), as --quantize runs it. Prints one markdown
-table and the load average before and after.
+is also run through its own kernel (bf16 activations), as --quantize runs it; --gguf FILE adds
+llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights, e.g.
+`quill export-gguf --type q8_0`). Prints one markdown table and the load
+average before and after.
 """
 
 from __future__ import annotations
@@ -67,6 +69,28 @@ def dequantized(model: GPT) -> GPT:
     return model
 
 
+def llama_scored(path: Path, ids: torch.Tensor, prompts: list[list[int]], n: int) -> tuple[float, torch.Tensor, list[list[int]]]:
+    """scored() and greedy() through llama.cpp (llama-cpp-python) on a GGUF file of the same
+    model: the loss and top-1 of its logits for the same ids, teacher-forced, and each prompt's
+    first n greedy tokens (the argmax of its logits, a token at a time)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=ids.shape[1] + 8, logits_all=True, n_threads=torch.get_num_threads(), verbose=False)
+    llm.eval(ids[0, :-1].tolist())
+    logits = torch.from_numpy(llm.scores[: ids.shape[1] - 1].copy()).float()
+    texts = []
+    for prompt in prompts:
+        llm.reset()
+        llm.eval(prompt)
+        out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        while len(out) < n:
+            llm.eval(out[-1:])
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        texts.append(out)
+    return F.cross_entropy(logits, ids[0, 1:]).item(), logits.argmax(-1), texts
+
+
 def greedy(model: GPT, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [torch.cat(list(generate_tokens(model, [p], n))).tolist() for p in prompts]
 
@@ -83,6 +107,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=40, help="greedy tokens compared per prompt")
     p.add_argument("--scheme", action="append", default=[], help="a --quantize scheme (repeatable)")
     p.add_argument("--group", type=int, action="append", default=[], help="int8 with this many weights per scale (repeatable)")
+    p.add_argument("--gguf", type=Path, action="append", default=[], help="the same model as a GGUF file: llama.cpp's row (repeatable)")
     args = p.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
     run = load_run(args.ckpt)
@@ -109,6 +134,14 @@ def main() -> None:
                 f" <!-- {time.perf_counter() - t:.0f} s -->",
                 flush=True,
             )
+    for path in args.gguf:
+        loss, top, texts = llama_scored(path, ids, prompts, args.tokens)
+        kept = [shared(a, b) for a, b in zip(texts, base)]
+        print(
+            f"| llama.cpp {path.name} | its own | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
+            f"| {100 * float((top == base_top[0]).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |",
+            flush=True,
+        )
     print(f"\nload average after: {os.getloadavg()}")
 
 
