@@ -128,17 +128,20 @@ def _batch_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, prefix
         logits, _ = model(x, all_logits=True, prefix_len=prefix_len)  # (B, T, V)
     else:
         logits, _ = model(x, all_logits=True)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    nats = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-    return nats.double().sum().item()
+    return _nats(logits.flatten(0, 1), y.flatten())
 
 
 def _scored_nats(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """_batch_nats for chat rows, as training computes them: the head on the scored targets only,
     and the rows' common prefix (a system prompt) run once."""
     logits, _ = model(x, y, scored_only=True, share_prefix=True)  # (N, V), in the order of y[y != -1]
+    return _nats(logits, y[y != -1])
+
+
+def _nats(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Summed cross-entropy of (N, V) logits at least in fp32, targets -1 left out, summed in float64."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits, y[y != -1], reduction="none").double().sum().item()
+    return F.cross_entropy(logits, targets, ignore_index=-1, reduction="none").double().sum().item()
 
 
 def _is_prefix_lm(model: torch.nn.Module) -> bool:

@@ -28,10 +28,8 @@ from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
-from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, shared_prefix_len
+from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, prefix_worth_sharing
 from quillgpt.model.variants import Variant, variant_of
-
-MIN_SHARED_PREFIX = 8  # a shared prefix shorter than this runs in every row (not worth a second pass)
 
 
 @contextlib.contextmanager
@@ -231,12 +229,11 @@ class GPT(nn.Module):
         """The shared prefix's length, or 0 where sharing does not apply: one row, a variant whose
         tokens depend on more than the tokens before them, dropout (one mask for every row), explicit
         positions/cache/prefix, or a prefix too short to pay for the second pass."""
-        if idx.shape[0] < 2 or not self.variant.shares_prefix_keys or any(p is not None for p in plain):
+        if not self.variant.shares_prefix_keys or any(p is not None for p in plain):
             return 0
         if self.training and self.config.dropout > 0:
             return 0
-        P = shared_prefix_len(idx, targets)
-        return P if P >= MIN_SHARED_PREFIX else 0
+        return prefix_worth_sharing(idx, targets)
 
     def _after_shared_prefix(self, idx: Tensor, P: int) -> Tensor:
         """Final hidden states (B, T - P, C) of positions P.. of rows whose first P tokens are

@@ -179,6 +179,15 @@ class PrefixKV:
         return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
 
 
+MIN_SHARED_PREFIX = 8  # a shared prefix shorter than this runs in every row (not worth a second pass)
+
+
+def prefix_worth_sharing(idx: Tensor, targets: Tensor) -> int:
+    """shared_prefix_len where sharing pays (2 or more rows, at least MIN_SHARED_PREFIX tokens), else 0."""
+    P = shared_prefix_len(idx, targets) if idx.shape[0] > 1 else 0
+    return P if P >= MIN_SHARED_PREFIX else 0
+
+
 def shared_prefix_len(idx: Tensor, targets: Tensor) -> int:
     """How many leading tokens every row of idx (B, T) holds alike with no target scored
     (targets != -1) among them, at most T - 1: the prefix PrefixKV can share (a system prompt)."""

@@ -23,8 +23,7 @@ from quillgpt.data.prepare import prepare
 from quillgpt.device import peak_flops, resolve_device, resolve_dtype
 from quillgpt.errors import QuillError
 from quillgpt.files import check_input
-from quillgpt.model.gpt import MIN_SHARED_PREFIX
-from quillgpt.model.kv_cache import shared_prefix_len
+from quillgpt.model.kv_cache import prefix_worth_sharing
 from quillgpt.train.loop import TrainResult, train
 from quillgpt.train.memory import count_params
 
@@ -107,8 +106,7 @@ def epoch_tokens(sampler: ChatSampler) -> int:
     total = 0
     for picks in sampler.plan:
         x, y = sampler.rows.batch(picks)
-        P = shared_prefix_len(x, y) if len(picks) > 1 else 0
-        total += x.numel() - (len(picks) - 1) * (P if P >= MIN_SHARED_PREFIX else 0)
+        total += x.numel() - (len(picks) - 1) * prefix_worth_sharing(x, y)
     return total
 
 
