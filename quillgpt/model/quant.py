@@ -59,6 +59,8 @@ def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
 # x cast to the scale's dtype; W = q·s per output channel, or q·s + offset per group of G inputs ---
 
 Offset = Tensor | None
+FUSED_ROWS = 8  # group-wise layers of a compiled step with this many rows or fewer: grouped_sum (at 16 rows inductor
+# chose a loop order ~100x slower; up to 8 it beat dequantize + F.linear 3-16x on SmolLM2's shapes)
 
 
 def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
@@ -96,6 +98,23 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
     if offset is not None:
         w = w + offset[:, :, None]
     return F.linear(x.to(scale.dtype), w.view(n, k))
+
+
+def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
+    """Σ_k x·(q·s + o) written as one elementwise product and a sum over each output's inputs: no
+    kernel of its own, but inside a compiled step inductor fuses it into one loop that reads each
+    int8 weight once and dequantizes it in registers, at about the speed of int8pack_mm for one or
+    two rows (eager, it would build an (M, N, K) product: never taken there)."""
+    n, k = weight.shape
+    groups = scale.shape[1]
+    w = weight.view(n, groups, k // groups).float() * scale.float()[:, :, None]
+    if offset is not None:
+        w = w + offset.float()[:, :, None]
+    x = x.float()
+    # as_strided makes inductor store x once: else it recomputes x's producer (an RMSNorm's rsqrt
+    # among it) inside this loop for every weight, which measured 2-3x slower
+    x = torch.as_strided(x, x.shape, x.stride())
+    return (w * x.view(-1, 1, groups, k // groups)).sum((-1, -2))
 
 
 def int8pack_fits(out_features: int, in_features: int) -> bool:
@@ -208,6 +227,12 @@ class Int8Linear(nn.Module):
         return (w if self.offset is None else w + self.offset.float()[:, :, None]).view(n, self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.group and x.dim() == 2 and torch.compiler.is_compiling():
+            # the compiled decode step: one fused loop for a few rows; int8pack_mm's group-wise form
+            # crashes inductor's lowering (its spread input is computed), so dequantize for more
+            few = x.shape[0] <= FUSED_ROWS
+            y = (grouped_sum if few else dequant_linear)(x, self.weight, self.scale, self.offset)
+            return y.to(x.dtype) if self.bias is None else (self.bias + y).to(x.dtype)
         if x.dim() == 2:  # (M, in): the decode step
             return self.linear(x, self.plan.pick(x.shape[0]))
         x2 = x.reshape(-1, x.shape[-1])

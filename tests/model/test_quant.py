@@ -46,6 +46,34 @@ def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel,
     torch.testing.assert_close(got, want, rtol=step, atol=step * scale)
 
 
+@pytest.mark.parametrize("rows", [1, 3, quant.FUSED_ROWS])
+def test_grouped_sum_equals_the_dequantized_fp32_computation(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    q = Int8Linear.from_linear(lin, fixed("dequant/model"), 16)
+    x = torch.randn(rows, 64)
+    got = quant.grouped_sum(x, q.weight, q.scale, q.offset)
+    torch.testing.assert_close(got, F.linear(x, q.dequantized()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_group_wise_layer_takes_grouped_sum_for_a_few_rows_and_keeps_its_result(monkeypatch):
+    """Inside torch.compile a group-wise Int8Linear of ≤ FUSED_ROWS rows runs grouped_sum (fused
+    by inductor), where its plan's kernel would multiply K/G times the rows; the result is the
+    eager layer's to fp32 rounding, the bias included."""
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(nn.Linear(64, 48), fixed("int8pack_mm/model"), 32)
+    taken = []
+    real = quant.grouped_sum
+    monkeypatch.setattr(quant, "grouped_sum", lambda *a: taken.append(a[0].shape[0]) or real(*a))
+    compiled = torch.compile(q, fullgraph=True, dynamic=False)
+    for rows in (1, quant.FUSED_ROWS + 1):
+        x = torch.randn(rows, 64)
+        want = F.linear(x, q.dequantized(), q.bias)
+        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5 if rows == 1 else 2**-8 * want.abs().max().item())
+    assert taken == [1]  # traced once, for the one-row input only
+    torch._dynamo.reset()
+
+
 def test_quantization_rounds_each_weight_to_its_nearest_step():
     torch.manual_seed(0)
     lin = nn.Linear(96, 40)
