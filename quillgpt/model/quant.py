@@ -39,8 +39,9 @@ from quillgpt.model.int4 import Int4Linear
 # scheme → weights per scale (0: one per output channel, symmetric; else a scale and an offset per
 # group). On SmolLM2-135M-Instruct one scale per row (576-1536 weights) lost greedy answers (the
 # sleeping-tips prompt: "1. **1.1.1.1…"); int8-g32 keeps a scale and an offset per 32 weights
-# (scripts/quant_real.py measures both), but its kernels are slow in eager mode (many times the
-# float linears), so int8 stays per channel, the fast path, and int8-g32 is asked for by name.
+# (scripts/quant_real.py measures both); its kernels are slow in eager mode (many times the float
+# linears) but the fastest at batch 1 in a compiled step (grouped_sum), so int8 stays per channel,
+# the fast eager and batched path, and int8-g32 is asked for by name.
 SCHEMES = {"int8": 0, "int8-g32": 32}
 # int4 scheme → weights per scale and zero (model/int4.py): chosen by scripts/quant_real.py on SmolLM2
 INT4_SCHEMES = {"int4": 32, "int4-g64": 64, "int4-g128": 128}
@@ -330,8 +331,9 @@ def plan_of(model: GPT) -> KernelPlan | None:
     return next((m.plan for m in model.modules() if isinstance(m, Int8Linear)), None)
 
 
-def weights_note(model: GPT, sep: str = ", ") -> str:
-    """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float weights."""
+def weights_note(model: GPT, sep: str = ", ", compiled: bool = False) -> str:
+    """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float
+    weights. `compiled`: the decode step ran compiled (group-wise layers then run grouped_sum)."""
     if fours := [m for m in model.modules() if isinstance(m, Int4Linear)]:
         kernels = sorted({"int4pack_mm" if m.kernel else "dequantize (slow)" for m in fours})
         floats = sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -342,6 +344,8 @@ def weights_note(model: GPT, sep: str = ", ") -> str:
     if not layers:
         return ""
     group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
+    if group and compiled:
+        return f"{sep}int8 weights ({group} per scale), grouped_sum fused into the compiled step (up to {FUSED_ROWS} rows)"
     return f"{sep}{layers[0].plan.describe(f' ({group} per scale)' if group else ' (per-channel scales)')}"
 
 

@@ -321,3 +321,10 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     assert len(calls) == 45
     (tmp_path / "cache" / "kernel_plans.json").write_text("not json")
     assert plan_of(quantize(random_model("mha-learned"), "int8", cache=True)).source.startswith("measured in ")  # a bad file: ignored
+
+
+def test_the_stats_note_says_a_compiled_group_wise_step_runs_grouped_sum():
+    grouped = quantize(random_model(), "int8-g32", kernel="dequant/model")
+    per_row = quantize(random_model(), "int8", kernel="dequant/model")
+    assert "grouped_sum" in quant.weights_note(grouped, compiled=True)
+    assert "grouped_sum" not in quant.weights_note(grouped) and "grouped_sum" not in quant.weights_note(per_row, compiled=True)
