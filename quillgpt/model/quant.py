@@ -104,8 +104,8 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
 def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
     """Σ_k x·(q·s + o) written as one elementwise product and a sum over each output's inputs: no
     kernel of its own, but inside a compiled step inductor fuses it into one loop that reads each
-    int8 weight once and dequantizes it in registers, at about the speed of int8pack_mm for one or
-    two rows (eager, it would build an (M, N, K) product: never taken there)."""
+    int8 weight once and dequantizes it in registers: at one row about int8pack_mm's per-channel
+    speed (eager, it would build an (M, N, K) product: never taken there)."""
     n, k = weight.shape
     groups = scale.shape[1]
     w = weight.view(n, groups, k // groups).float() * scale.float()[:, :, None]
