@@ -26,6 +26,7 @@ from quillgpt.files import check_input, check_output_file
 from quillgpt.runs import load_run, merge_run
 
 if TYPE_CHECKING:
+    from quillgpt.inference.generate import Generation
     from quillgpt.interop.convert import Converted
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
@@ -267,14 +268,16 @@ def sample_cmd(
         os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return
     if not quiet:
-        from quillgpt.model.quant import weights_note
+        print(_stats_line(gen, run.model.device.type, dtype, not no_kv_cache, loaded - loading), file=sys.stderr)
 
-        how = "compiled kv cache" if gen.compiled else "kv cache" if not no_kv_cache else "no kv cache"
-        load = f"load {loaded - loading:.1f} s, not in tokens/s"
-        print(
-            f"{gen.stats.line()} ({how}, {run.model.device.type}, {dtype}{weights_note(gen.engine.model, compiled=gen.compiled)}; {load})",
-            file=sys.stderr,
-        )
+
+def _stats_line(gen: Generation, device: str, dtype: str, kv_cache: bool, load_s: float) -> str:
+    """The stats line `quill sample` ends with: speeds, then how the step ran and what loading took."""
+    from quillgpt.model.quant import weights_note
+
+    how = "compiled kv cache" if gen.compiled else "kv cache" if kv_cache else "no kv cache"
+    note = weights_note(gen.engine.model, compiled=gen.compiled)
+    return f"{gen.stats.line()} ({how}, {device}, {dtype}{note}; load {load_s:.1f} s, not in tokens/s)"
 
 
 def _open_generation(

@@ -232,8 +232,7 @@ class Int8Linear(nn.Module):
             # the compiled decode step: one fused loop for a few rows; int8pack_mm's group-wise form
             # crashes inductor's lowering (its spread input is computed), so dequantize for more
             few = x.shape[0] <= FUSED_ROWS
-            y = (grouped_sum if few else dequant_linear)(x, self.weight, self.scale, self.offset)
-            return y.to(x.dtype) if self.bias is None else (self.bias + y).to(x.dtype)
+            return self._out((grouped_sum if few else dequant_linear)(x, self.weight, self.scale, self.offset), x)
         if x.dim() == 2:  # (M, in): the decode step
             return self.linear(x, self.plan.pick(x.shape[0]))
         x2 = x.reshape(-1, x.shape[-1])
@@ -242,8 +241,11 @@ class Int8Linear(nn.Module):
     def linear(self, x: Tensor, kernel: str) -> Tensor:
         """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
         kern = KERNELS[self.runs[kernel]]
-        y = kern.matmul(x, self.weight, *((self.scale_low, self.offset_low) if kern.bf16 else (self.scale, self.offset)))
-        return y.to(x.dtype) if self.bias is None else self.bias + y  # the bias add casts too
+        return self._out(kern.matmul(x, self.weight, *((self.scale_low, self.offset_low) if kern.bf16 else (self.scale, self.offset))), x)
+
+    def _out(self, y: Tensor, x: Tensor) -> Tensor:
+        """A kernel's output + the bias, in x's dtype."""
+        return (y if self.bias is None else self.bias + y).to(x.dtype)
 
     def extra_repr(self) -> str:
         scales = f"{self.group} weights per scale" if self.group else "per-channel scales"
