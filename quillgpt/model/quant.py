@@ -23,6 +23,7 @@ fuses the dequantization into the matmul), which the engine's compile=True does.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,20 +103,49 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
 
 
 def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
-    """Σ_k x·(q·s + o) written as one elementwise product and a sum over each output's inputs: no
+    """Σ_k x·(q·s + o) written as elementwise products and a sum over each output's inputs: no
     kernel of its own, but inside a compiled step inductor fuses it into one loop that reads each
-    int8 weight once and dequantizes it in registers: at one row about int8pack_mm's per-channel
-    speed (eager, it would build an (M, N, K) product: never taken there)."""
+    int8 weight once and dequantizes it in registers (eager, it would build an (M, N, K) product:
+    never taken there). Two forms of one sum: on AVX-512 int8 lanes load directly; elsewhere
+    the int8 weights are read four to a 32-bit word (_packed_sum)."""
+    x = x.float()
+    # as_strided makes inductor store x once: else it recomputes x's producer (an RMSNorm's rsqrt
+    # among it) inside this loop for every weight, which measured 2-3x slower
+    x = torch.as_strided(x, x.shape, x.stride())
+    if PACKED_LOADS and (weight.shape[1] // scale.shape[1]) % 4 == 0:  # whole words per group
+        return _packed_sum(x, weight, scale.float(), offset)
     n, k = weight.shape
     groups = scale.shape[1]
     w = weight.view(n, groups, k // groups).float() * scale.float()[:, :, None]
     if offset is not None:
         w = w + offset.float()[:, :, None]
-    x = x.float()
-    # as_strided makes inductor store x once: else it recomputes x's producer (an RMSNorm's rsqrt
-    # among it) inside this loop for every weight, which measured 2-3x slower
-    x = torch.as_strided(x, x.shape, x.stride())
     return (w * x.view(-1, 1, groups, k // groups)).sum((-1, -2))
+
+
+# Whether grouped_sum reads int8 weights four to a 32-bit word. Inductor loads a vector of int8
+# weights (8 of a 32-lane register on AVX2) as a partial load, which AVX-512 masks but AVX2's at::vec
+# copies through the stack: measured on SmolLM2 (2-core EPYC, AVX2) the int8 form ran at 1 GB/s of
+# weights, 6.9 tokens/s where per-channel int8pack_mm gave 30; the packed form gave 39. On AVX-512
+# the int8 form measured 94 tokens/s (0.71x llama.cpp Q8_0); the packed form is not measured there.
+PACKED_LOADS = sys.byteorder == "little" and torch.backends.cpu.get_cpu_capability() != "AVX512"
+
+
+def _packed_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset) -> Tensor:
+    """grouped_sum with weight (N, K) int8 read as (N, K/4) words: loaded as float bits (a full
+    vector load; int32's partial load is AVX2's slow path), cast to int32 in registers, and byte j
+    of word i (weight[4i + j], little-endian) sign-extended by two shifts. x is regrouped to match:
+    xt[j, g, i] = x[g·G + 4i + j]; the offset term Σ_i o·Σ_j xt rides in the same sum."""
+    n, k = weight.shape
+    groups = scale.shape[1]
+    per = k // groups // 4  # words per group
+    words = weight.view(torch.float32).view(n, groups, per).view(torch.int32)
+    xt = x.view(-1, groups, per, 4).permute(0, 3, 1, 2).contiguous()  # (M, 4, groups, per)
+    xt = torch.as_strided(xt, xt.shape, xt.stride())
+    part = sum(((words << (24 - 8 * j)) >> 24).float() * xt[:, j, None] for j in range(4))  # (M, N, groups, per)
+    part = part * scale[:, :, None]
+    if offset is not None:
+        part = part + offset.float()[:, :, None] * xt.sum(1)[:, None]
+    return part.sum((-1, -2))
 
 
 def int8pack_fits(out_features: int, in_features: int) -> bool:

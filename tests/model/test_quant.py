@@ -46,14 +46,32 @@ def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel,
     torch.testing.assert_close(got, want, rtol=step, atol=step * scale)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["int8-lanes", "packed-words"])
 @pytest.mark.parametrize("rows", [1, 3, quant.FUSED_ROWS])
-def test_grouped_sum_equals_the_dequantized_fp32_computation(rows):
+def test_grouped_sum_equals_the_dequantized_fp32_computation(rows, packed, monkeypatch):
+    """Both forms (int8 lanes; four int8 to a word, byte order and sign extension included)."""
+    monkeypatch.setattr(quant, "PACKED_LOADS", packed)
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     q = Int8Linear.from_linear(lin, fixed("dequant/model"), 16)
+    assert q.weight.min() == -128 or q.weight.max() == 127  # the extreme bytes are exercised
     x = torch.randn(rows, 64)
     got = quant.grouped_sum(x, q.weight, q.scale, q.offset)
     torch.testing.assert_close(got, F.linear(x, q.dequantized()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["int8-lanes", "packed-words"])
+def test_grouped_sum_compiled_equals_eager(packed, monkeypatch):
+    """The form inductor fuses gives the eager sum's result (every byte value, both signs)."""
+    monkeypatch.setattr(quant, "PACKED_LOADS", packed)
+    torch.manual_seed(0)
+    weight = torch.arange(-128, 128, dtype=torch.int8).repeat(24, 1)[:, torch.randperm(256)].contiguous()  # (24, 256)
+    scale, offset = torch.rand(24, 8), torch.randn(24, 8)
+    x = torch.randn(2, 256)
+    want = quant.grouped_sum(x, weight, scale, offset)
+    got = torch.compile(quant.grouped_sum, fullgraph=True, dynamic=False)(x, weight, scale, offset)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch._dynamo.reset()
 
 
 def test_a_compiled_group_wise_layer_takes_grouped_sum_for_a_few_rows_and_keeps_its_result(monkeypatch):
