@@ -26,8 +26,10 @@ from quillgpt.files import check_input, check_output_file
 from quillgpt.runs import load_run, merge_run
 
 if TYPE_CHECKING:
+    from quillgpt.evaluate.attention_views import Attention
     from quillgpt.inference.generate import Generation
     from quillgpt.interop.convert import Converted
+    from quillgpt.runs import LoadedRun
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
 # from typer's own copy of click (typer._click, no click dependency) in newer typer.
@@ -475,10 +477,6 @@ def eval_cmd(
     Chat data (a run trained on it, or --format chat) counts the assistant's tokens only.
     With --tasks: lm-evaluation-harness tasks instead (accuracy and the tasks' own metrics).
     """
-    import json
-
-    from quillgpt.evaluate.scores import evaluate_checkpoint, format_table
-
     if tasks is not None:
         if text or split != "val" or stride is not None or text_format != "text":
             raise QuillError("--tasks scores lm-eval tasks: --text, --split, --stride and --format do not apply")
@@ -490,6 +488,27 @@ def eval_cmd(
     used = [name for name, value in task_flags.items() if value is not None] + (["--apply-chat-template"] if chat_template else [])
     if used or dtype != "float32":
         raise QuillError(f"{(used or ['--dtype'])[0]} applies to lm-eval tasks: add --tasks T1,T2")
+    _eval_texts(ckpt, which, split, text, text_format, stride, batch_size, device, skip_unknown, quant, as_json)
+
+
+def _eval_texts(
+    ckpt: list[Path],
+    which: str,
+    split: str,
+    text: list[Path] | None,
+    text_format: str,
+    stride: int | None,
+    batch_size: int,
+    device: str,
+    skip_unknown: bool,
+    quant: str,
+    as_json: bool,
+) -> None:
+    """quill eval without --tasks: every checkpoint's scores of a split or texts, a table or JSON."""
+    import json
+
+    from quillgpt.evaluate.scores import evaluate_checkpoint, format_table
+
     results = []
     for path in ckpt:
         results += evaluate_checkpoint(
@@ -614,6 +633,24 @@ def attention_cmd(
             f"note: the prompt is longer than block_size={mcfg.block_size}; kept its last {len(attn.ids)} tokens (dropped {attn.cropped})",
             file=sys.stderr,
         )
+    _show_attention(run, attn, prompt, view, out, layers, heads, top_k, summary_json, force)
+
+
+def _show_attention(
+    run: LoadedRun,
+    attn: Attention,
+    prompt: str,
+    view: str,
+    out: Path | None,
+    layers: list[int],
+    heads: list[int],
+    top_k: int,
+    summary_json: Path | None,
+    force: bool,
+) -> None:
+    """quill attention's output: the text view or the image, the per-head table, the saved summary."""
+    from quillgpt.evaluate import attention_views as viz
+
     summary = viz.head_summary(attn.weights)
     if view == "text":
         print(viz.render_text(attn.tokens, attn.weights, layers, heads, top_k, prefix=attn.prefix))
