@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.errors import QuillError
-from quillgpt.model import int4, kernel_cache
+from quillgpt.model import group_gemv, int4, kernel_cache
 from quillgpt.model.gpt import GPT
 from quillgpt.model.int4 import Int4Linear
 
@@ -61,8 +61,8 @@ def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
 # x cast to the scale's dtype; W = q·s per output channel, or q·s + offset per group of G inputs ---
 
 Offset = Tensor | None
-FUSED_ROWS = 8  # group-wise layers of a compiled step with this many rows or fewer: grouped_sum (at 16 rows inductor
-# chose a loop order ~100x slower; up to 8 it beat dequantize + F.linear 3-16x on SmolLM2's shapes)
+FUSED_ROWS = 8  # group-wise layers of a compiled step with this many rows or fewer: group_gemv where it builds, else
+# grouped_sum (at 16 rows inductor chose a loop order ~100x slower; up to 8 it beat dequantize + F.linear 3-16x on SmolLM2)
 
 
 def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
@@ -70,7 +70,7 @@ def int8pack_mm(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None)
     (N, K/G): the kernel multiplies x spread over K/G rows, row g keeping only group g's inputs,
     by the weight with unit scales (one pass over the weight, K/G times the multiply-adds); each
     group's partial sums are scaled and added, and each group's offset times its inputs' sum."""
-    x = x.to(scale.dtype)
+    x = x.to(scale.dtype).contiguous()  # .to keeps x's strides: a transposed x's spread would not view
     if scale.dim() == 1:
         return _int8pack(x, weight, scale)
     (m, k), groups = x.shape, scale.shape[1]
@@ -100,6 +100,13 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
     if offset is not None:
         w = w + offset[:, :, None]
     return F.linear(x.to(scale.dtype), w.view(n, k))
+
+
+def gemv_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
+    """model/group_gemv.py's C++ kernel: group-wise weights (a group a multiple of 32), x rounded to
+    int16 per 32 inputs and multiplied in integer pairs; float32 out."""
+    assert offset is not None and scale.dim() == 2, "group_gemv takes group-wise scales and offsets"
+    return group_gemv.group_gemv(x.float(), weight, scale.float(), offset.float())
 
 
 def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
@@ -148,7 +155,7 @@ def _packed_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset) -> Ten
     return part.sum((-1, -2))
 
 
-def int8pack_fits(out_features: int, in_features: int) -> bool:
+def int8pack_fits(out_features: int, in_features: int, group: int = 0) -> bool:
     """Whether torch._weight_int8pack_mm can take the shape: its bf16/fp16 path reads each row of
     x and of the weight in aligned SIMD blocks of 8 (AVX2, NEON) or 16 (AVX-512) values with no
     tail loop, so in_features must be a multiple of 16, else it reads past the row or faults on a
@@ -157,8 +164,14 @@ def int8pack_fits(out_features: int, in_features: int) -> bool:
     return in_features % 16 == 0
 
 
-def any_shape(out_features: int, in_features: int) -> bool:
+def any_shape(out_features: int, in_features: int, group: int = 0) -> bool:
     return True
+
+
+def gemv_fits(out_features: int, in_features: int, group: int = 0) -> bool:
+    """group_gemv takes group-wise layers whose group is a multiple of 32, where its C++ kernel
+    builds on this machine (the first call builds it: tens of seconds, then cached by torch)."""
+    return group > 0 and group % group_gemv.BLOCK == 0 and in_features % group == 0 and group_gemv.available()
 
 
 @dataclass(frozen=True)
@@ -169,16 +182,18 @@ class Kernel:
 
     matmul: Callable[[Tensor, Tensor, Tensor, Offset], Tensor]
     bf16: bool
-    fits: Callable[[int, int], bool]
+    fits: Callable[[int, int, int], bool]  # (out_features, in_features, group: 0 per channel)
     fallback: str
+    rounding: float = 1e-6  # the relative error of its activations' rounding (bf16: 2**-8)
 
 
 # name → Kernel; "/bf16": bf16 activations, "/model": the model's dtype
 KERNELS: dict[str, Kernel] = {
-    "int8pack_mm/bf16": Kernel(int8pack_mm, True, int8pack_fits, "dequant/bf16"),
+    "int8pack_mm/bf16": Kernel(int8pack_mm, True, int8pack_fits, "dequant/bf16", 2**-8),
     "int8pack_mm/model": Kernel(int8pack_mm, False, int8pack_fits, "dequant/model"),
-    "dequant/bf16": Kernel(dequant_linear, True, any_shape, "dequant/bf16"),
+    "dequant/bf16": Kernel(dequant_linear, True, any_shape, "dequant/bf16", 2**-8),
     "dequant/model": Kernel(dequant_linear, False, any_shape, "dequant/model"),
+    "group_gemv": Kernel(gemv_linear, False, gemv_fits, "dequant/model", 1e-4),  # x to int16 per 32: ~2e-5
 }
 
 
@@ -230,7 +245,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("offset_low", None if offset is None else offset.to(low))
         self.register_buffer("bias", bias)
         self.plan = plan
-        self.runs = {k: k if kern.fits(*weight.shape) else kern.fallback for k, kern in KERNELS.items()}  # kernel → what runs
+        fits = {k: kern.fits(*weight.shape, self.group) for k, kern in KERNELS.items()}
+        self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}  # kernel → what runs
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
@@ -259,10 +275,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.group and x.dim() == 2 and torch.compiler.is_compiling():
-            # the compiled decode step: one fused loop for a few rows; int8pack_mm's group-wise form
-            # crashes inductor's lowering (its spread input is computed), so dequantize for more
+            # the compiled decode step, a few rows: group_gemv (one extern kernel), else one fused loop;
+            # int8pack_mm's group-wise form crashes inductor's lowering (its spread input is computed),
+            # so dequantize for more rows
             few = x.shape[0] <= FUSED_ROWS
-            return self._out((grouped_sum if few else dequant_linear)(x, self.weight, self.scale, self.offset), x)
+            kernel = gemv_linear if few and self.runs["group_gemv"] == "group_gemv" else grouped_sum if few else dequant_linear
+            return self._out(kernel(x, self.weight, self.scale, self.offset), x)
         if x.dim() == 2:  # (M, in): the decode step
             return self.linear(x, self.plan.pick(x.shape[0]))
         x2 = x.reshape(-1, x.shape[-1])
@@ -343,6 +361,7 @@ def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) ->
         "rows": rows,
         "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
         "block": [(q.out_features, q.in_features, q.group) for _, q in block],
+        "candidates": _candidates(every[0][1]),  # a kernel added (or one that now builds) measures again
     }
     k = kernel_cache.key(w.device, shape) if cache else ""
     if cache and (hit := kernel_cache.lookup(k)) is not None:
@@ -365,7 +384,7 @@ def plan_of(model: GPT) -> KernelPlan | None:
 
 def weights_note(model: GPT, sep: str = ", ", compiled: bool = False) -> str:
     """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float
-    weights. `compiled`: the decode step ran compiled (group-wise layers then run grouped_sum)."""
+    weights. `compiled`: the decode step ran compiled (group-wise layers then run group_gemv or grouped_sum)."""
     if fours := [m for m in model.modules() if isinstance(m, Int4Linear)]:
         kernels = sorted({"int4pack_mm" if m.kernel else "dequantize (slow)" for m in fours})
         floats = sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -377,7 +396,9 @@ def weights_note(model: GPT, sep: str = ", ", compiled: bool = False) -> str:
         return ""
     group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
     if group and compiled:
-        return f"{sep}int8 weights ({group} per scale), grouped_sum fused into the compiled step (up to {FUSED_ROWS} rows)"
+        gemv = any(m.runs["group_gemv"] == "group_gemv" for m in layers)
+        how = "group_gemv in the compiled step" if gemv else "grouped_sum fused into the compiled step"
+        return f"{sep}int8 weights ({group} per scale), {how} (up to {FUSED_ROWS} rows)"
     return f"{sep}{layers[0].plan.describe(f' ({group} per scale)' if group else ' (per-channel scales)')}"
 
 
@@ -431,9 +452,10 @@ def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.
 
 
 def _candidates(q: Int8Linear) -> list[str]:
-    """The kernels worth timing: the "/bf16" ones only on a float32 model (else they are the "/model" ones)."""
+    """The kernels worth timing: the "/bf16" ones only on a float32 model (else they are the "/model"
+    ones); group_gemv only where it runs (else it is dequant/model again)."""
     distinct = q.scale_low.dtype != q.scale.dtype
-    return [k for k, kern in KERNELS.items() if distinct or not kern.bf16]
+    return [k for k, kern in KERNELS.items() if (distinct or not kern.bf16) and (k != "group_gemv" or q.runs[k] == k)]
 
 
 def _sync(device: torch.device) -> None:

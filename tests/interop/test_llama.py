@@ -192,7 +192,7 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
             cache = model.make_cache(1)
             model(ids[:, :6], pos=torch.arange(6), cache=cache)
             steps = torch.stack([model.decode(ids[:, t], torch.tensor([t]), cache)[0] for t in range(6, ids.shape[1])])
-        assert rel_err(steps, full) < (1e-2 if bf16 else 1e-5), kernel  # bf16 activations: to their rounding
+        assert rel_err(steps, full) < (1e-2 if bf16 else max(1e-5, KERNELS[kernel].rounding)), kernel  # to their activations' rounding
         if not bf16:  # (bf16's greedy tokens may part at a near-tie: this model has one 0.4% apart)
             prompts = [prompt, ids[0, :17].tolist()]
             cached = torch.stack(list(generate_tokens(model, prompts, 20)), 1)

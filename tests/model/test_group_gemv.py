@@ -1,0 +1,133 @@
+"""group_gemv (model/group_gemv.py) against the plain computation: x rounded to int16 per block of
+32 the way the kernel rounds it, times the dequantized weights, in float64. Each instruction-set
+path (AVX-512BW, AVX2+FMA, the plain loop) is built and checked in a subprocess of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quillgpt.model import group_gemv, quant
+from quillgpt.model.quant import Int8Linear, KernelPlan
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel multiplies it: per block of 32, round(x / step) · step, step = max|x| / 32767."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 32767
+    return (torch.round(blocks / step.clamp(min=1e-300)) * step).view(x.shape)
+
+
+def case(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    q[0, :256] = torch.arange(-128, 128, dtype=torch.int8)[: min(256, k)]  # every byte value, both signs
+    s, o = torch.rand(n, k // group, generator=g) / 50, torch.randn(n, k // group, generator=g) / 10
+    x = torch.randn(rows, k, generator=g)
+    x[:, 5] *= 300.0  # an outlier channel, as real models have
+    if k >= 64:
+        x[0, 32:64] = 0.0  # a block of zeros: its step is 0
+    return x, q, s, o
+
+
+def reference(x, q, s, o) -> torch.Tensor:
+    n, k = q.shape
+    w = (q.double().view(n, s.shape[1], -1) * s.double()[:, :, None] + o.double()[:, :, None]).view(n, k)
+    return (rounded(x) @ w.t()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 64, 32), (40, 256, 64), (33, 96, 96), (576, 1536, 32)])
+def test_group_gemv_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(rows, n, k, group):
+    x, q, s, o = case(n, k, group, rows)
+    got = group_gemv.group_gemv(x, q, s, o)
+    want = reference(x, q, s, o)
+    assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
+    bound = (rounded(x).abs() @ (q.double().abs() * 0.02 + 1).t()).float()  # the float sums' scale
+    torch.testing.assert_close(got, want, rtol=0, atol=float(1e-5 * bound.max()))  # float32 sums of int16 · int8 products
+    # and the int16 rounding itself is far below bf16's: against x unrounded
+    plain = F.linear(x.double(), (reference(torch.eye(k), q, s, o).t()).double()).float()
+    assert ((got - plain).norm() / plain.norm()) < 1e-4
+
+
+@needs_kernel
+def test_group_gemv_refuses_shapes_it_cannot_take():
+    x, q, s, o = case(16, 64, 32, 1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        group_gemv.group_gemv(x[:, :48], q[:, :48].contiguous(), s[:, :1].contiguous(), o[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="group must be a multiple of 32"):
+        group_gemv.group_gemv(x, q, torch.rand(16, 4), torch.rand(16, 4))  # groups of 16
+
+
+@needs_kernel
+def test_int8_linear_takes_group_gemv_for_group_wise_layers_only():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    plan = KernelPlan((1,), ("group_gemv",))
+    assert Int8Linear.from_linear(lin, plan, 32).runs["group_gemv"] == "group_gemv"
+    assert Int8Linear.from_linear(lin, plan, 16).runs["group_gemv"] == "dequant/model"  # a group it cannot take
+    assert Int8Linear.from_linear(lin, plan, 0).runs["group_gemv"] == "dequant/model"  # per channel
+    q = Int8Linear.from_linear(lin, plan, 32)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(q(x), F.linear(x, q.dequantized(), lin.bias), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_group_gemv_compiled_equals_eager():
+    """In a compiled step the kernel is one extern call: the same numbers as eager."""
+    x, q, s, o = case(96, 128, 32, 2)
+    fn = lambda x, q, s, o: quant.gemv_linear(torch.relu(x) + 1, q, s, o).sum(-1)
+    want = fn(x, q, s, o)
+    got = torch.compile(fn, fullgraph=True, dynamic=False)(x, q, s, o)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_without_a_build_the_layers_fall_back(monkeypatch):
+    monkeypatch.setattr(group_gemv, "_built", None)
+    monkeypatch.setattr(group_gemv, "_error", None)
+    monkeypatch.setenv("QUILL_NO_CPP_KERNELS", "1")
+    assert not group_gemv.available() and "QUILL_NO_CPP_KERNELS" in group_gemv.why_not()
+    q = Int8Linear.from_linear(nn.Linear(64, 48), KernelPlan((1,), ("group_gemv",)), 32)
+    assert q.runs["group_gemv"] == "dequant/model"
+    assert "group_gemv" not in quant._candidates(q)
+
+
+WORKER = """
+import json, sys, torch
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from quillgpt.model import group_gemv
+from test_group_gemv import case, reference
+assert group_gemv.available(), group_gemv.why_not()
+errs = []
+for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2)]:
+    x, q, s, o = case(n, k, group, rows)
+    got, want = group_gemv.group_gemv(x, q, s, o), reference(x, q, s, o)
+    errs.append(float((got - want).abs().max() / want.abs().max()))
+print(json.dumps(errs))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="x86-64 paths")
+@pytest.mark.parametrize("isa", ["avx2", "plain"])
+def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
+    """The AVX2 and plain-loop paths, built here with -march=haswell / x86-64 (a build each, cached)."""
+    if not group_gemv.available():
+        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
+    code = WORKER.format(root=str(ROOT), tests=str(Path(__file__).parent))
+    env = {**os.environ, "QUILL_GEMV_ISA": isa}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert max(json.loads(out.stdout.strip().splitlines()[-1])) < 1e-5
