@@ -39,9 +39,10 @@ from torch import Tensor
 
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
+from quillgpt.inference.compiled_step import compiled_step
 from quillgpt.inference.sampling import row_generator, sample_rows
 from quillgpt.model.gpt import GPT
-from quillgpt.model.kv_cache import Cache, KVCache
+from quillgpt.model.kv_cache import Cache
 from quillgpt.sampling_params import SamplingParams
 
 # max_new_tokens reached; a stop string; a stop token (end of text / turn); the row failed (RowFailed)
@@ -355,12 +356,6 @@ class Rows:
         pass
 
 
-def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: KVCache, key_pos: Tensor) -> Tensor:
-    """model.decode over the slots whose positions key_pos (rows, n_keys) views: what the engine
-    compiles, n_keys then a size torch.compile can keep dynamic."""
-    return model.decode(idx, pos, cache, key_pos.shape[1])
-
-
 class Engine(Rows):
     """Rows of generation over one model and one static cache (see the module docstring)."""
 
@@ -385,11 +380,7 @@ class Engine(Rows):
         self._all_slots = self.compiled and self.device.type == "cuda"  # else attend over the filled slots
         self._compiled = None
         if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: one graph, dynamic in n_keys
-            mode = "reduce-overhead" if self._all_slots else None
-            # every model and batch size compiled in one process is one more graph of decode_over's
-            # code; past dynamo's limit (8) the step would fail rather than run eager (fullgraph)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-            self._compiled = torch.compile(decode_over, mode=mode, fullgraph=True, dynamic=False)
+            self._compiled = compiled_step(self.model, cuda=self._all_slots)
 
     def release(self, row: int) -> None:
         super().release(row)

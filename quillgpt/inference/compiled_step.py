@@ -1,0 +1,81 @@
+"""The engine's compiled decode step: `decode_over` through torch.compile, one compiled function
+per model (and per structure of it), with dynamo's guards on the model left out on the CPU.
+
+Why: at each call dynamo checks every guard of the graphs it keeps for the compiled code before it
+runs one. For a model passed as an argument those pin the whole module tree: on SmolLM2-135M
+~3,300 checks a call (1,017 type matches, 684 constants, 491 tensors, 435 attribute absences,
+250 duplicate-input checks, ...), ~1.5 ms of a 12 ms int8 step. Here each model gets a copy of
+`decode_over` with a code object of its own, so the graphs dynamo keeps for that copy serve that
+model alone, and what the dropped guards pinned is this module's key instead, computed once per
+engine (`structure_key`: the config, every module's type and plain attributes, every tensor's
+name, dtype and shape; a model changed in place, e.g. quantized, gets a new key and a new
+compile). The guards that stay: the tensors that are not the model's (the inputs, the cache), the
+dynamic n_keys, and global state (grad mode, default device, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from quillgpt.model.gpt import GPT
+from quillgpt.model.kv_cache import KVCache
+
+# the guards kept on a model's own step (besides tensors that are not parameters): cheap, one each
+KEPT = {"SHAPE_ENV", "GLOBAL_STATE", "GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE"}
+KEPT |= {"AUTOGRAD_SAVED_TENSORS_HOOKS"}
+
+_steps: weakref.WeakKeyDictionary[GPT, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
+
+
+def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: KVCache, key_pos: Tensor) -> Tensor:
+    """model.decode over the slots whose positions key_pos (rows, n_keys) views: what the engine
+    compiles, n_keys then a size torch.compile can keep dynamic."""
+    return model.decode(idx, pos, cache, key_pos.shape[1])
+
+
+def compiled_step(model: GPT, cuda: bool) -> Callable[..., Tensor]:
+    """decode_over compiled for `model` as it is now (see the module docstring). CUDA: fixed shapes
+    over every slot, for CUDA graphs ("reduce-overhead"), dynamo's guards as they are."""
+    # every model, structure and batch size is one more graph; past dynamo's limit (8) the step
+    # would fail rather than run eager (fullgraph)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    if cuda:
+        return torch.compile(decode_over, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    key = structure_key(model)
+    own = _steps.setdefault(model, {})
+    if key not in own:
+        code = decode_over.__code__.replace(co_name=f"decode_over_{id(model):x}_{len(own)}")
+        fn = types.FunctionType(code, decode_over.__globals__, code.co_name)
+        own[key] = torch.compile(fn, fullgraph=True, dynamic=False, options={"guard_filter_fn": model_guards_dropped})
+    return own[key]
+
+
+def model_guards_dropped(entries: list[Any]) -> list[bool]:
+    """dynamo's guard filter: keep the KEPT kinds and the tensor guards but those on the model's own
+    tensors (its weights: their names, dtypes and shapes are in the structure key)."""
+    return [e.guard_type in KEPT or (e.guard_type == "TENSOR_MATCH" and not _in_model(e)) for e in entries]
+
+
+def _in_model(entry: Any) -> bool:
+    """A tensor reached through decode_over's `model` argument (dynamo names it model._modules[...])."""
+    return isinstance(entry.value, nn.Parameter) or str(entry.name).split(".")[0] == "model"
+
+
+def structure_key(model: GPT) -> str:
+    """What the dropped guards pinned, as one digest: the config, each module's name, type and plain
+    attributes (an Int8Linear's kernel plan among them), each parameter's and buffer's name, dtype,
+    shape and device."""
+    parts = [repr(model.config)]
+    for name, m in model.named_modules():
+        plain = {k: v for k, v in vars(m).items() if not k.startswith("_") and not isinstance(v, (Tensor, nn.Module))}
+        parts.append(f"{name}:{type(m).__qualname__}:{plain!r}")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        parts.append(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device}")
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
