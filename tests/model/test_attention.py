@@ -17,6 +17,7 @@ from quillgpt.model.attention import (
     HeadNorm,
     apply_rope,
     attend,
+    attend_one,
     attention_mask,
     mask_to_bias,
     rope_cos_sin,
@@ -276,3 +277,19 @@ def test_sdpa_model_equals_math_model_on_cuda_in_bf16(variant):
             rounded, _ = plain(ids, all_logits=True)
         want, _ = plain.double()(ids, all_logits=True)
     assert rel_err(got, want) < max(2 * rel_err(rounded, want), 1e-3)
+
+
+@pytest.mark.parametrize("kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bias"])
+def test_attend_one_equals_attend_for_one_query_per_row(kv, mask_kind):
+    """The compiled CPU decode step's attention (products and sums) against attend's SDPA."""
+    torch.manual_seed(0)
+    R, H, S, hd = 3, 4, 11, 8
+    q, k, v = torch.randn(R, H, 1, hd), torch.randn(R, kv, S, hd), torch.randn(R, kv, S, hd)
+    mask = None
+    if mask_kind != "none":
+        mask = torch.rand(R, 1, 1, S) > 0.3
+        mask[..., 0] = True  # every row sees a key
+        mask = mask if mask_kind == "bool" else mask_to_bias(mask, torch.float32)
+    want, _ = attend(q, k, v, mask)
+    torch.testing.assert_close(attend_one(q, k, v, mask), want, rtol=1e-5, atol=1e-5)
