@@ -6,8 +6,8 @@ with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first 
         --scheme int8 --scheme int8-g32 --scheme int4 --scheme int4-g64 --group 64
 
 Each scheme's weights are dequantized into float32 linears (fp32 activations: the weights'
-error alone, at float speed; the group-wise int8 kernels are slow in eager mode); an int4 scheme
-is also run through its own kernel (bf16 activations), as --quantize runs it; --gguf FILE adds
+error alone, at float speed); each is also run as --quantize runs it (an int8 scheme through the
+kernels its plan picks on this machine, an int4 scheme through its own kernel, bf16 activations); --gguf FILE adds
 llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights, e.g.
 `quill export-gguf --type q8_0`). Prints one markdown table and the load
 average before and after.
@@ -32,7 +32,7 @@ from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.model.int4 import Bf16Linear, Int4Linear  # noqa: E402
-from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, quantize  # noqa: E402
+from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, quantize, weights_note  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
 PROMPTS = [
@@ -121,15 +121,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
-        for kernel in ["dequant/model"] + (["kernel/bf16"] if scheme in INT4_SCHEMES else []):
+        for kernel in ["dequant/model", "kernel/bf16" if scheme in INT4_SCHEMES else "plan"]:
             t = time.perf_counter()
-            model = quantize(copy.deepcopy(run.model), scheme, kernel=None if scheme in INT4_SCHEMES else kernel, group=group)
-            model = model if kernel == "kernel/bf16" else dequantized(model)
+            fixed = None if kernel in ("kernel/bf16", "plan") else kernel  # "plan": the kernels --quantize picks here
+            model = quantize(copy.deepcopy(run.model), scheme, kernel=fixed, group=group, cache=fixed is None)
+            model = dequantized(model) if kernel == "dequant/model" else model
             loss, top = scored(model, ids)
             kept = [shared(a, b) for a, b in zip(greedy(model, prompts, args.tokens), base)]
             name = scheme if group is None else f"int8, {group or 'per-row'} per scale"
+            run_as = f"as run: {weights_note(model, '').split(',')[-1].split(':')[0].strip()}"
+            acts = {"dequant/model": "fp32", "kernel/bf16": "bf16", "plan": run_as}[kernel]
             print(
-                f"| {name} | {kernel.split('/')[1].replace('model', 'fp32')} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
+                f"| {name} | {acts} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
                 f"| {100 * float((top == base_top).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |"
                 f" <!-- {time.perf_counter() - t:.0f} s -->",
                 flush=True,

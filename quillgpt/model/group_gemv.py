@@ -39,9 +39,27 @@ SOURCE = r"""
 
 constexpr int64_t MAX_BLOCKS = 1024;  // K up to 32,768 inputs
 
+// Σ_b d_b · c_b over the blocks, d_b and c_b from part(b), in two accumulators: one fma chain
+// would wait on its own latency every block.
+template <class Vec, class Part, class Fma>
+static std::pair<Vec, Vec> two_chains(int64_t blocks, Vec zero, Part part, Fma fma) {
+  Vec acc0 = zero, acc1 = zero;
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    auto [d0, c0] = part(b);
+    auto [d1, c1] = part(b + 1);
+    acc0 = fma(d0, c0, acc0);
+    acc1 = fma(d1, c1, acc1);
+  }
+  if (b < blocks) {
+    auto [d0, c0] = part(b);
+    acc0 = fma(d0, c0, acc0);
+  }
+  return {acc0, acc1};
+}
+
 // Row n of W (K int8 weights; per-group scale s and offset o) dotted with one activation row
 // rounded to int16 per block of 32 (xq, the step of each block xs, the float sum of each group xg).
-// Two accumulators: one fma chain would wait on its own latency every block.
 static float row_dot(const int8_t* q, const float* s, const float* o, const int16_t* xq,
                      const float* xs, const float* xg, int64_t groups, int64_t per_group) {
   float c[MAX_BLOCKS];  // each block's scale: s of its group times its activations' step
@@ -58,18 +76,7 @@ static float row_dot(const int8_t* q, const float* s, const float* o, const int1
     __m512i d = _mm512_madd_epi16(w, _mm512_loadu_si512((const void*)(xq + 32 * b)));
     return std::make_pair(_mm512_cvtepi32_ps(d), _mm512_set1_ps(c[b]));
   };
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < blocks; b += 2) {
-    auto [d0, c0] = part(b);
-    auto [d1, c1] = part(b + 1);
-    acc0 = _mm512_fmadd_ps(d0, c0, acc0);
-    acc1 = _mm512_fmadd_ps(d1, c1, acc1);
-  }
-  if (b < blocks) {
-    auto [d0, c0] = part(b);
-    acc0 = _mm512_fmadd_ps(d0, c0, acc0);
-  }
+  auto [acc0, acc1] = two_chains(blocks, _mm512_setzero_ps(), part, [](__m512 d, __m512 c, __m512 acc) { return _mm512_fmadd_ps(d, c, acc); });
   __m512 off = _mm512_setzero_ps();  // Σ_g o·Σx, 16 groups at a time (a scalar chain cost ~4 cycles a group)
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 m = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
@@ -84,18 +91,7 @@ static float row_dot(const int8_t* q, const float* s, const float* o, const int1
                                  _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 32 * b + 16))));
     return std::make_pair(_mm256_cvtepi32_ps(d), _mm256_set1_ps(c[b]));
   };
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < blocks; b += 2) {
-    auto [d0, c0] = part(b);
-    auto [d1, c1] = part(b + 1);
-    acc0 = _mm256_fmadd_ps(d0, c0, acc0);
-    acc1 = _mm256_fmadd_ps(d1, c1, acc1);
-  }
-  if (b < blocks) {
-    auto [d0, c0] = part(b);
-    acc0 = _mm256_fmadd_ps(d0, c0, acc0);
-  }
+  auto [acc0, acc1] = two_chains(blocks, _mm256_setzero_ps(), part, [](__m256 d, __m256 c, __m256 acc) { return _mm256_fmadd_ps(d, c, acc); });
   __m256 off = _mm256_setzero_ps();  // Σ_g o·Σx, 8 groups at a time
   for (int64_t g = 0; g < groups; g += 8) {
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(groups - g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

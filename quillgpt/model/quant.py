@@ -452,10 +452,12 @@ def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.
 
 
 def _candidates(q: Int8Linear) -> list[str]:
-    """The kernels worth timing: the "/bf16" ones only on a float32 model (else they are the "/model"
-    ones); group_gemv only where it runs (else it is dequant/model again)."""
-    distinct = q.scale_low.dtype != q.scale.dtype
-    return [k for k, kern in KERNELS.items() if (distinct or not kern.bf16) and (k != "group_gemv" or q.runs[k] == k)]
+    """The kernels worth timing: the "/bf16" ones only on a per-channel float32 model (else they are
+    the "/model" ones; group-wise scales are asked for their quality, and a bf16 prefill parted
+    SmolLM2's greedy answer from fp32's where group_gemv's decode alone kept it); group_gemv only
+    where it runs (else it is dequant/model again)."""
+    bf16 = q.scale_low.dtype != q.scale.dtype and not q.group
+    return [k for k, kern in KERNELS.items() if (bf16 or not kern.bf16) and (k != "group_gemv" or q.runs[k] == k)]
 
 
 def _sync(device: torch.device) -> None:
