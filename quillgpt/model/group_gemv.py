@@ -76,7 +76,8 @@ static float row_dot(const int8_t* q, const float* s, const float* o, const int1
     __m512i d = _mm512_madd_epi16(w, _mm512_loadu_si512((const void*)(xq + 32 * b)));
     return std::make_pair(_mm512_cvtepi32_ps(d), _mm512_set1_ps(c[b]));
   };
-  auto [acc0, acc1] = two_chains(blocks, _mm512_setzero_ps(), part, [](__m512 d, __m512 c, __m512 acc) { return _mm512_fmadd_ps(d, c, acc); });
+  auto fma = [](__m512 d, __m512 c, __m512 acc) { return _mm512_fmadd_ps(d, c, acc); };
+  auto [acc0, acc1] = two_chains(blocks, _mm512_setzero_ps(), part, fma);
   __m512 off = _mm512_setzero_ps();  // Σ_g o·Σx, 16 groups at a time (a scalar chain cost ~4 cycles a group)
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 m = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
@@ -91,7 +92,8 @@ static float row_dot(const int8_t* q, const float* s, const float* o, const int1
                                  _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 32 * b + 16))));
     return std::make_pair(_mm256_cvtepi32_ps(d), _mm256_set1_ps(c[b]));
   };
-  auto [acc0, acc1] = two_chains(blocks, _mm256_setzero_ps(), part, [](__m256 d, __m256 c, __m256 acc) { return _mm256_fmadd_ps(d, c, acc); });
+  auto fma = [](__m256 d, __m256 c, __m256 acc) { return _mm256_fmadd_ps(d, c, acc); };
+  auto [acc0, acc1] = two_chains(blocks, _mm256_setzero_ps(), part, fma);
   __m256 off = _mm256_setzero_ps();  // Σ_g o·Σx, 8 groups at a time
   for (int64_t g = 0; g < groups; g += 8) {
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(groups - g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
