@@ -395,6 +395,13 @@ def weights_note(model: GPT, sep: str = ", ", compiled: bool = False) -> str:
     if not layers:
         return ""
     group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
+    if group and group_gemv.why_not():  # asked for, but the C++ kernel did not build: say why, once per line
+        return _int8_note(layers, group, sep, compiled) + f" (group_gemv did not build: {group_gemv.why_not()})"
+    return _int8_note(layers, group, sep, compiled)
+
+
+def _int8_note(layers: list[Int8Linear], group: int, sep: str, compiled: bool) -> str:
+    """weights_note for int8 layers: the compiled step's few-rows kernel, or the plan's words."""
     if group and compiled:
         gemv = any(m.runs["group_gemv"] == "group_gemv" for m in layers)
         how = "group_gemv in the compiled step" if gemv else "grouped_sum fused into the compiled step"

@@ -131,3 +131,15 @@ def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert max(json.loads(out.stdout.strip().splitlines()[-1])) < 1e-5
+
+
+def test_the_stats_note_says_why_the_kernel_did_not_build(monkeypatch):
+    from support import random_model
+
+    from quillgpt.model.quant import quantize, weights_note
+
+    monkeypatch.setattr(group_gemv, "_built", None)
+    monkeypatch.setattr(group_gemv, "_error", "CalledProcessError: g++ not found")
+    model = quantize(random_model(), "int8-g32", kernel="dequant/model")
+    assert weights_note(model).endswith("(group_gemv did not build: CalledProcessError: g++ not found)")
+    assert "did not build" not in weights_note(quantize(random_model(), "int8", kernel="dequant/model"))
