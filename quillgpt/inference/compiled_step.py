@@ -28,8 +28,15 @@ from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import KVCache
 
 # the guards kept on a model's own step (besides tensors that are not parameters): cheap, one each
-KEPT = {"SHAPE_ENV", "GLOBAL_STATE", "GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE"}
-KEPT |= {"AUTOGRAD_SAVED_TENSORS_HOOKS"}
+KEPT = {
+    "SHAPE_ENV",
+    "GLOBAL_STATE",
+    "GRAD_MODE",
+    "DETERMINISTIC_ALGORITHMS",
+    "TORCH_FUNCTION_STATE",
+    "DEFAULT_DEVICE",
+    "AUTOGRAD_SAVED_TENSORS_HOOKS",
+}
 
 _steps: weakref.WeakKeyDictionary[GPT, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
 

@@ -110,6 +110,8 @@ def attend(
     `impl="math"` (or need_weights) spells it out and returns the (B, H, T, S) weights.
     """
     T, S = q.shape[2], k.shape[2]
+    if impl == "sdpa" and not need_weights and T == 1 and dropout_p == 0 and q.device.type == "cpu" and torch.compiler.is_compiling():
+        return attend_one(q, k, v, mask), None  # one query per row, compiled on a CPU (the decode step)
     if impl == "sdpa" and not need_weights:
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             # torch's CPU attention kernels are far slower in bf16 than in fp32 (backward ~4.5×,
@@ -147,16 +149,17 @@ def attend(
 
 def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """attend for one query per row, q (R, H, 1, hd), k, v (R, KV, S, hd), as products and sums in
-    fp32, query heads grouped over their K/V head: inside a compiled CPU decode step inductor fuses
-    it into a few loops, where SDPA's CPU kernel cost ~50 us a call (30 a SmolLM2 token; 9% of the
-    step measured end to end, same tokens). mask: bool (True = attend) or additive, (R, 1, 1, S)."""
+    fp32, query heads grouped over their K/V head: inside a compiled CPU step inductor fuses it into
+    a few loops, where SDPA's CPU kernel cost ~50 us a call (30 a SmolLM2 token; 9% of the decode
+    step measured end to end, same tokens). mask: as attend's (None: every key is visible)."""
     R, H, _, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
     qg = q.reshape(R, KV, H // KV, 1, hd).float()
     scores = (qg * k.view(R, KV, 1, S, hd).float()).sum(-1) * (1.0 / math.sqrt(hd))  # (R, KV, H/KV, S)
-    if mask is not None:
-        m = mask.reshape(R, 1, 1, S)
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    if mask is not None:  # broadcast over (R, H, 1, S), as attend's
+        per_head = scores.view(R, H, 1, S)
+        per_head = per_head.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else per_head + mask.float()
+        scores = per_head.view(R, KV, H // KV, S)
     p = scores.softmax(-1)
     y = (p[..., None] * v.view(R, KV, 1, S, hd).float()).sum(-2)  # (R, KV, H/KV, hd)
     return y.reshape(R, H, 1, hd).to(q.dtype)
@@ -267,8 +270,5 @@ class CausalSelfAttention(SelfAttention):
         k, v = cache.write_one(layer, k, v, at, n_keys)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if torch.compiler.is_compiling() and q.device.type == "cpu" and self.impl == "sdpa":
-            y = attend_one(q, k, v, mask)  # fused by inductor (SDPA's CPU call costs more than its work here)
-        else:
-            y, _ = attend(q, k, v, mask, self.impl)  # (R, H, 1, hd)
+        y, _ = attend(q, k, v, mask, self.impl)  # (R, H, 1, hd)
         return self.c_proj.forward(y.reshape(R, H * hd))

@@ -245,8 +245,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("offset_low", None if offset is None else offset.to(low))
         self.register_buffer("bias", bias)
         self.plan = plan
-        fits = {k: kern.fits(*weight.shape, self.group) for k, kern in KERNELS.items()}
-        self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}  # kernel → what runs
+        # kernel → what runs
+        self.runs = {k: k if kern.fits(*weight.shape, self.group) else kern.fallback for k, kern in KERNELS.items()}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
@@ -278,8 +278,10 @@ class Int8Linear(nn.Module):
             # the compiled decode step, a few rows: group_gemv (one extern kernel), else one fused loop;
             # int8pack_mm's group-wise form crashes inductor's lowering (its spread input is computed),
             # so dequantize for more rows
-            few = x.shape[0] <= FUSED_ROWS
-            kernel = gemv_linear if few and self.runs["group_gemv"] == "group_gemv" else grouped_sum if few else dequant_linear
+            if x.shape[0] > FUSED_ROWS:
+                kernel = dequant_linear
+            else:
+                kernel = gemv_linear if self.runs["group_gemv"] == "group_gemv" else grouped_sum
             return self._out(kernel(x, self.weight, self.scale, self.offset), x)
         if x.dim() == 2:  # (M, in): the decode step
             return self.linear(x, self.plan.pick(x.shape[0]))

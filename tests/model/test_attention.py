@@ -280,7 +280,7 @@ def test_sdpa_model_equals_math_model_on_cuda_in_bf16(variant):
 
 
 @pytest.mark.parametrize("kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "bias"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bias", "broadcast"])
 def test_attend_one_equals_attend_for_one_query_per_row(kv, mask_kind):
     """The compiled CPU decode step's attention (products and sums) against attend's SDPA."""
     torch.manual_seed(0)
@@ -288,8 +288,8 @@ def test_attend_one_equals_attend_for_one_query_per_row(kv, mask_kind):
     q, k, v = torch.randn(R, H, 1, hd), torch.randn(R, kv, S, hd), torch.randn(R, kv, S, hd)
     mask = None
     if mask_kind != "none":
-        mask = torch.rand(R, 1, 1, S) > 0.3
+        mask = torch.rand(1 if mask_kind == "broadcast" else R, 1, 1, S) > 0.3  # broadcast: one mask for all rows
         mask[..., 0] = True  # every row sees a key
-        mask = mask if mask_kind == "bool" else mask_to_bias(mask, torch.float32)
+        mask = mask_to_bias(mask, torch.float32) if mask_kind == "bias" else mask
     want, _ = attend(q, k, v, mask)
     torch.testing.assert_close(attend_one(q, k, v, mask), want, rtol=1e-5, atol=1e-5)
