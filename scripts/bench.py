@@ -980,9 +980,8 @@ def step_weight_bytes(model: GPT) -> int:
             total += m.codes.nbytes + m.scales_zeros.nbytes + (m.bias.nbytes if m.bias is not None else 0)
         elif isinstance(m, (nn.Linear, Int8Linear)):
             total += m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
-            if isinstance(m, Int8Linear):  # the scales (and offsets) its one-row kernel reads (bf16 or the model's)
-                low = KERNELS[m.runs[m.plan.pick(1)]].bf16
-                scale, offset = (m.scale_low, m.offset_low) if low else (m.scale, m.offset)
+            if isinstance(m, Int8Linear):  # the scales (and offsets) its one-row kernel reads (bf16, fp16 or the model's)
+                scale, offset = m.scales_for(KERNELS[m.runs[m.plan.pick(1)]])
                 total += scale.nbytes + (offset.nbytes if offset is not None else 0)
         else:
             total += sum(p.nbytes for p in m.parameters(recurse=False))

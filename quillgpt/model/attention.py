@@ -155,6 +155,7 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     R, H, _, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
     qg = q.reshape(R, KV, H // KV, 1, hd).float()
+    qg = torch.as_strided(qg, qg.shape, qg.stride())
     scores = (qg * k.view(R, KV, 1, S, hd).float()).sum(-1) * (1.0 / math.sqrt(hd))  # (R, KV, H/KV, S)
     if mask is not None:  # broadcast over (R, H, 1, S), as attend's
         per_head = scores.view(R, H, 1, S)

@@ -8,7 +8,9 @@ activations are rounded to int16 per block of 32 (a step of max|x|/32767: a rela
 ~1e-5, far below bf16's 4e-3) and multiplied with the int8 weights in integer pairs
 (`vpmaddwd`: 32 weights in one instruction on AVX-512, two on AVX2); each block's 16 (8) int32
 partial sums are scaled into a float accumulator by s·step, and the offsets add o·Σx per group.
-No horizontal sum until the row's end. `-march=native` picks AVX-512BW, AVX2+FMA or the plain
+No horizontal sum until the row's end. The scales and offsets are read as fp16 (36 bytes per 32
+weights where fp32 took 40: the kernel streams at the machine's read bandwidth, so bytes are time;
+llama.cpp's Q8_0 reads 34). `-march=native` picks AVX-512BW, AVX2+FMA or the plain
 loop; the build is cached by torch per source and CPU (`TORCH_EXTENSIONS_DIR`).
 
 `available()` builds it once (tens of seconds; False, with the reason in `why_not()`, where no
@@ -58,19 +60,35 @@ static std::pair<Vec, Vec> two_chains(int64_t blocks, Vec zero, Part part, Fma f
   return {acc0, acc1};
 }
 
-// Row n of W (K int8 weights; per-group scale s and offset o) dotted with one activation row
+// n fp16 values (their bits) to float
+static void halves_to_float(const uint16_t* h, float* f, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
+#else
+  for (; i < n; ++i) f[i] = float(c10::Half(h[i], c10::Half::from_bits()));
+#endif
+}
+
+// Row n of W (K int8 weights; per-group fp16 scale s and offset o) dotted with one activation row
 // rounded to int16 per block of 32 (xq, the step of each block xs, the float sum of each group xg).
-static float row_dot(const int8_t* q, const float* s, const float* o, const int16_t* xq,
+static float row_dot(const int8_t* q, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
                      const float* xs, const float* xg, int64_t groups, int64_t per_group) {
   float c[MAX_BLOCKS];  // each block's scale: s of its group times its activations' step
-  if (per_group == 1) {
-    for (int64_t b = 0; b < groups; ++b) c[b] = s[b] * xs[b];  // (vectorized)
+  const int64_t blocks = groups * per_group;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  auto mask = [](int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); };
+  if (per_group == 1) {  // 16 blocks at a time
+    for (int64_t b = 0; b < blocks; b += 16) {
+      const __mmask16 m = mask(blocks - b);
+      __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s16 + b));
+      _mm512_mask_storeu_ps(c + b, m, _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(m, xs + b)));
+    }
   } else {
     for (int64_t g = 0, b = 0; g < groups; ++g)
-      for (int64_t j = 0; j < per_group; ++j, ++b) c[b] = s[g] * xs[b];
+      for (int64_t j = 0; j < per_group; ++j, ++b) c[b] = _cvtsh_ss(s16[g]) * xs[b];
   }
-  const int64_t blocks = groups * per_group;
-#if defined(__AVX512BW__)
   auto part = [&](int64_t b) {  // block b's 32 products as 16 int32 pair sums, to float, times c[b]
     __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + 32 * b)));
     __m512i d = _mm512_madd_epi16(w, _mm512_loadu_si512((const void*)(xq + 32 * b)));
@@ -80,11 +98,17 @@ static float row_dot(const int8_t* q, const float* s, const float* o, const int1
   auto [acc0, acc1] = two_chains(blocks, _mm512_setzero_ps(), part, fma);
   __m512 off = _mm512_setzero_ps();  // Σ_g o·Σx, 16 groups at a time (a scalar chain cost ~4 cycles a group)
   for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 m = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
-    off = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, o + g), _mm512_maskz_loadu_ps(m, xg + g), off);
+    const __mmask16 m = mask(groups - g);
+    off = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, o16 + g)), _mm512_maskz_loadu_ps(m, xg + g), off);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), off));
-#elif defined(__AVX2__) && defined(__FMA__)
+#else
+  float s[MAX_BLOCKS], o[MAX_BLOCKS];  // the row's scales and offsets as float
+  halves_to_float(s16, s, groups);
+  halves_to_float(o16, o, groups);
+  for (int64_t g = 0, b = 0; g < groups; ++g)
+    for (int64_t j = 0; j < per_group; ++j, ++b) c[b] = s[g] * xs[b];
+#if defined(__AVX2__) && defined(__FMA__)
   auto part = [&](int64_t b) {  // block b's 32 products as 8 int32 sums, to float, times c[b]
     __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 32 * b)));
     __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 32 * b + 16)));
@@ -113,17 +137,18 @@ static float row_dot(const int8_t* q, const float* s, const float* o, const int1
     total += float(d) * c[b];
   }
   return total + offsets;
-#endif
+#endif  // AVX2
+#endif  // AVX-512
 }
 
-// x (M, K) float32, q (N, K) int8, s and o (N, K / group) float32 -> (M, N) float32.
+// x (M, K) float32, q (N, K) int8, s and o (N, K / group) float16 -> (M, N) float32.
 torch::Tensor group_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor o) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (M, K) float32");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "q: contiguous (N, K) int8");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(q.size(1) == K && K % 32 == 0 && K / 32 <= MAX_BLOCKS, "K must match, be a multiple of 32 and at most 32,768");
-  TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N, "s: (N, G) float32");
-  TORCH_CHECK(o.sizes() == s.sizes() && o.scalar_type() == torch::kFloat && o.is_contiguous(), "o: as s");
+  TORCH_CHECK(s.scalar_type() == torch::kHalf && s.is_contiguous() && s.dim() == 2 && s.size(0) == N, "s: (N, G) float16");
+  TORCH_CHECK(o.sizes() == s.sizes() && o.scalar_type() == torch::kHalf && o.is_contiguous(), "o: as s");
   const int64_t G = s.size(1), blocks = K / 32;
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "the group must be a multiple of 32");
   const int64_t per_group = (K / G) / 32;
@@ -145,8 +170,8 @@ torch::Tensor group_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s, torc
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  const float* op = o.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
+  const uint16_t* op = reinterpret_cast<const uint16_t*>(o.data_ptr<at::Half>());
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m)  // one weight row, read once, for every activation row
@@ -221,6 +246,6 @@ def _(x: Tensor, q: Tensor, s: Tensor, o: Tensor) -> Tensor:
 
 
 def group_gemv(x: Tensor, q: Tensor, s: Tensor, o: Tensor) -> Tensor:
-    """(M, K) float32 x · Wᵀ for W = q·s + o per group of K / s.shape[1] inputs (a multiple of 32):
-    (M, N) float32. available() must have returned True (it registers the CPU kernel)."""
+    """(M, K) float32 x · Wᵀ for W = q·s + o per group of K / s.shape[1] inputs (a multiple of 32),
+    s and o float16: (M, N) float32. available() must have returned True (it registers the CPU kernel)."""
     return torch.ops.quill.group_gemv(x.contiguous(), q, s, o)

@@ -103,10 +103,11 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
 
 
 def gemv_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
-    """model/group_gemv.py's C++ kernel: group-wise weights (a group a multiple of 32), x rounded to
-    int16 per 32 inputs and multiplied in integer pairs; float32 out."""
-    assert offset is not None and scale.dim() == 2, "group_gemv takes group-wise scales and offsets"
-    return group_gemv.group_gemv(x.float(), weight, scale.float(), offset.float())
+    """model/group_gemv.py's C++ kernel: group-wise weights (a group a multiple of 32) with fp16
+    scales and offsets (Int8Linear's scale_half, offset_half), x rounded to int16 per 32 inputs and
+    multiplied in integer pairs; float32 out."""
+    assert offset is not None and scale.dtype == torch.float16, "group_gemv takes group-wise fp16 scales and offsets"
+    return group_gemv.group_gemv(x.float(), weight, scale, offset)
 
 
 def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
@@ -185,6 +186,7 @@ class Kernel:
     fits: Callable[[int, int, int], bool]  # (out_features, in_features, group: 0 per channel)
     fallback: str
     rounding: float = 1e-6  # the relative error of its activations' rounding (bf16: 2**-8)
+    half: bool = False  # takes the fp16 copies of group-wise scales and offsets (scale_half, offset_half)
 
 
 # name → Kernel; "/bf16": bf16 activations, "/model": the model's dtype
@@ -193,7 +195,7 @@ KERNELS: dict[str, Kernel] = {
     "int8pack_mm/model": Kernel(int8pack_mm, False, int8pack_fits, "dequant/model"),
     "dequant/bf16": Kernel(dequant_linear, True, any_shape, "dequant/bf16", 2**-8),
     "dequant/model": Kernel(dequant_linear, False, any_shape, "dequant/model"),
-    "group_gemv": Kernel(gemv_linear, False, gemv_fits, "dequant/model", 1e-4),  # x to int16 per 32: ~2e-5
+    "group_gemv": Kernel(gemv_linear, False, gemv_fits, "dequant/model", 1e-4, half=True),  # x to int16 per 32: ~2e-5
 }
 
 
@@ -230,7 +232,8 @@ class KernelPlan:
 class Int8Linear(nn.Module):
     """y = x·Wᵀ + b with W from int8 q (out, in): W = q·s with one scale per output channel (out,),
     or W = q·s + o with a scale and an offset per group of `group` inputs of each output channel
-    (out, in / group) — a group's 256 levels then span exactly its weights' range. The float bias
+    (out, in / group) — a group's 256 levels then span its weights' range, s and o fp16 values
+    (kept in the model's dtype, and as fp16 for group_gemv, which streams them). The float bias
     b. The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
@@ -243,6 +246,8 @@ class Int8Linear(nn.Module):
         low = torch.bfloat16 if scale.dtype == torch.float32 else scale.dtype  # bf16/fp16 models: their own
         self.register_buffer("scale_low", scale.to(low))  # the same scales for the "/bf16" kernels
         self.register_buffer("offset_low", None if offset is None else offset.to(low))
+        self.register_buffer("scale_half", None if offset is None else scale.half())  # group_gemv's
+        self.register_buffer("offset_half", None if offset is None else offset.half())
         self.register_buffer("bias", bias)
         self.plan = plan
         # kernel → what runs
@@ -252,20 +257,24 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
         """Symmetric quantization per row (group 0, or a group that does not divide in_features):
         s = max|w| / 127, q = round(w / s) in [-127, 127]; or per `group` weights of a row, over
-        the group's range: s = (max - min) / 255, q = round((w - min) / s) - 128, o = min + 128·s."""
+        the group's range: s = (max - min) / 255 and o = min + 128·s rounded to fp16 values, then
+        q = round((w - o) / s) in [-128, 127] against those. A layer whose range fp16 cannot hold
+        (|w| past 65504) keeps per-row scales."""
         w = linear.weight.detach()
         out, inp = w.shape
         bias = None if linear.bias is None else linear.bias.detach().clone()
         tiny = torch.finfo(torch.float32).tiny
-        if not (group and inp % group == 0 and group < inp):
-            scale = w.float().abs().amax(dim=1) / 127
-            q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
-            return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
-        wg = w.float().view(out, inp // group, group)
-        low, high = wg.amin(dim=2), wg.amax(dim=2)
-        scale = ((high - low) / 255).to(w.dtype).float()  # the steps as stored, so q rounds to what is multiplied
-        q = (torch.round((wg - low[:, :, None]) / scale.clamp(min=tiny)[:, :, None]).clamp_(0, 255) - 128).view(out, inp)
-        return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan, (low + 128 * scale).to(w.dtype))
+        if group and inp % group == 0 and group < inp:
+            wg = w.float().view(out, inp // group, group)
+            low, high = wg.amin(dim=2), wg.amax(dim=2)
+            scale = _stored((high - low) / 255, w.dtype)  # as stored, so q rounds to what is multiplied
+            offset = _stored(low + 128 * scale, w.dtype)
+            if scale.isfinite().all() and offset.isfinite().all():
+                q = torch.round((wg - offset[:, :, None]) / scale.clamp(min=tiny)[:, :, None]).clamp_(-128, 127).view(out, inp)
+                return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan, offset.to(w.dtype))
+        scale = w.float().abs().amax(dim=1) / 127
+        q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
+        return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
 
     def dequantized(self) -> Tensor:
         """(out, in) float32 q·s (+ o): the weight this layer multiplies by (to rounding)."""
@@ -278,10 +287,9 @@ class Int8Linear(nn.Module):
             # the compiled decode step, a few rows: group_gemv (one extern kernel), else one fused loop;
             # int8pack_mm's group-wise form crashes inductor's lowering (its spread input is computed),
             # so dequantize for more rows
-            if x.shape[0] > FUSED_ROWS:
-                kernel = dequant_linear
-            else:
-                kernel = gemv_linear if self.runs["group_gemv"] == "group_gemv" else grouped_sum
+            if x.shape[0] <= FUSED_ROWS and self.runs["group_gemv"] == "group_gemv":
+                return self.linear(x, "group_gemv")
+            kernel = grouped_sum if x.shape[0] <= FUSED_ROWS else dequant_linear
             return self._out(kernel(x, self.weight, self.scale, self.offset), x)
         if x.dim() == 2:  # (M, in): the decode step
             return self.linear(x, self.plan.pick(x.shape[0]))
@@ -291,7 +299,13 @@ class Int8Linear(nn.Module):
     def linear(self, x: Tensor, kernel: str) -> Tensor:
         """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
         kern = KERNELS[self.runs[kernel]]
-        return self._out(kern.matmul(x, self.weight, *((self.scale_low, self.offset_low) if kern.bf16 else (self.scale, self.offset))), x)
+        return self._out(kern.matmul(x, self.weight, *self.scales_for(kern)), x)
+
+    def scales_for(self, kern: Kernel) -> tuple[Tensor, Offset]:
+        """The copy of the scales and offsets `kern` takes: bf16, fp16 (group_gemv) or the model's dtype."""
+        if kern.bf16:
+            return self.scale_low, self.offset_low
+        return (self.scale_half, self.offset_half) if kern.half else (self.scale, self.offset)
 
     def _out(self, y: Tensor, x: Tensor) -> Tensor:
         """A kernel's output + the bias, in x's dtype."""
@@ -300,6 +314,12 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         scales = f"{self.group} weights per scale" if self.group else "per-channel scales"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8, {scales}"
+
+
+def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t (float32) as a group-wise scale or offset is stored: an fp16 value (group_gemv reads fp16),
+    held in the model's dtype; inf where fp16 cannot hold it."""
+    return t.half().to(dtype).float()
 
 
 # --- choosing the kernels and swapping the layers ----------------------------------------------

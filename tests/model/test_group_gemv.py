@@ -34,6 +34,7 @@ def case(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.Te
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     q[0, :256] = torch.arange(-128, 128, dtype=torch.int8)[: min(256, k)]  # every byte value, both signs
     s, o = torch.rand(n, k // group, generator=g) / 50, torch.randn(n, k // group, generator=g) / 10
+    s, o = s.half(), o.half()  # as Int8Linear keeps them for the kernel
     x = torch.randn(rows, k, generator=g)
     x[:, 5] *= 300.0  # an outlier channel, as real models have
     if k >= 64:
@@ -68,7 +69,9 @@ def test_group_gemv_refuses_shapes_it_cannot_take():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         group_gemv.group_gemv(x[:, :48], q[:, :48].contiguous(), s[:, :1].contiguous(), o[:, :1].contiguous())
     with pytest.raises(RuntimeError, match="group must be a multiple of 32"):
-        group_gemv.group_gemv(x, q, torch.rand(16, 4), torch.rand(16, 4))  # groups of 16
+        group_gemv.group_gemv(x, q, torch.rand(16, 4).half(), torch.rand(16, 4).half())  # groups of 16
+    with pytest.raises(RuntimeError, match="float16"):
+        group_gemv.group_gemv(x, q, s.float(), o.float())
 
 
 @needs_kernel
@@ -82,6 +85,19 @@ def test_int8_linear_takes_group_gemv_for_group_wise_layers_only():
     q = Int8Linear.from_linear(lin, plan, 32)
     x = torch.randn(2, 64)
     torch.testing.assert_close(q(x), F.linear(x, q.dequantized(), lin.bias), rtol=1e-4, atol=1e-4)
+
+
+def test_group_wise_scales_are_fp16_values_and_q_rounds_against_them():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 32)
+    q = Int8Linear.from_linear(lin, KernelPlan((1,), ("dequant/model",)), 32)
+    assert torch.equal(q.scale_half.float(), q.scale) and torch.equal(q.offset_half.float(), q.offset)
+    # each weight within half a step of what is multiplied (the step and offset as stored)
+    err = (q.dequantized() - lin.weight.detach()).view(32, 8, 32).abs().amax(-1)
+    assert (err <= q.scale * 0.5 + 1e-7).all()
+    lin.weight.data[3, 7] = 1e6  # a range fp16 cannot hold: this layer keeps per-row scales
+    wide = Int8Linear.from_linear(lin, KernelPlan((1,), ("dequant/model",)), 32)
+    assert wide.group == 0 and wide.scale_half is None and torch.isfinite(wide.dequantized()).all()
 
 
 @needs_kernel
