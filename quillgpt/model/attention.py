@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
+from quillgpt.model.fusion import stored
 from quillgpt.model.kv_cache import Cache, KVCache, KVWrite
 
 
@@ -154,8 +155,7 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     step measured end to end, same tokens). mask: as attend's (None: every key is visible)."""
     R, H, _, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
-    qg = q.reshape(R, KV, H // KV, 1, hd).float()
-    qg = torch.as_strided(qg, qg.shape, qg.stride())
+    qg = stored(q.reshape(R, KV, H // KV, 1, hd).float())  # else its RoPE is recomputed for every key
     scores = (qg * k.view(R, KV, 1, S, hd).float()).sum(-1) * (1.0 / math.sqrt(hd))  # (R, KV, H/KV, S)
     if mask is not None:  # broadcast over (R, H, 1, S), as attend's
         per_head = scores.view(R, H, 1, S)

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
+from quillgpt.model.fusion import stored
 from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, prefix_worth_sharing
 from quillgpt.model.variants import Variant, variant_of
 
@@ -262,11 +263,12 @@ class GPT(nn.Module):
         mask = None
         if masked:
             mask = attention_mask(pos[:, None], cache.pos[:, :n_keys], self.span)  # (R, 1, 1, S)
-            mask = mask_to_bias(mask, self.dtype)
+            mask = stored(mask_to_bias(mask, self.dtype))  # once, not in each layer's attention
         x = self.transformer.wte(idx)  # (R, C)
         if self.config.pos == "learned":
             x = x + self.transformer.wpe(pos)
         rope = self._rope(pos[:, None], T=1)  # (R, 1, 1, hd): over heads
+        rope = rope and (stored(rope[0]), stored(rope[1]))  # cos/sin once, not in each layer
         for i, block in enumerate(self.transformer.h):
             x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
         return self.head(self.transformer.ln_f(x))  # (R, V)

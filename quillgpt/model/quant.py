@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from quillgpt.errors import QuillError
 from quillgpt.model import group_gemv, int4, kernel_cache
+from quillgpt.model.fusion import stored
 from quillgpt.model.gpt import GPT
 from quillgpt.model.int4 import Int4Linear
 
@@ -117,9 +118,7 @@ def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None)
     never taken there). Two forms of one sum: on AVX-512 int8 lanes load directly; elsewhere
     the int8 weights are read four to a 32-bit word (_packed_sum)."""
     x = x.float()
-    # as_strided makes inductor store x once: else it recomputes x's producer (an RMSNorm's rsqrt
-    # among it) inside this loop for every weight, which measured 2-3x slower
-    x = torch.as_strided(x, x.shape, x.stride())
+    x = stored(x)  # else inductor recomputes x's producer (an RMSNorm) for every weight: 2-3x slower
     if PACKED_LOADS and (weight.shape[1] // scale.shape[1]) % 4 == 0:  # whole words per group
         return _packed_sum(x, weight, scale.float(), offset)
     n, k = weight.shape
@@ -148,7 +147,7 @@ def _packed_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset) -> Ten
     per = k // groups // 4  # words per group
     words = weight.view(torch.float32).view(n, groups, per).view(torch.int32)
     xt = x.view(-1, groups, per, 4).permute(0, 3, 1, 2).contiguous()  # (M, 4, groups, per)
-    xt = torch.as_strided(xt, xt.shape, xt.stride())
+    xt = stored(xt)
     part = sum(((words << (24 - 8 * j)) >> 24).float() * xt[:, j, None] for j in range(4))  # (M, N, groups, per)
     part = part * scale[:, :, None]
     if offset is not None:
