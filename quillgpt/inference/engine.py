@@ -326,8 +326,12 @@ class Rows:
     def _draw(self, logits: Tensor, rows: list[int | None]) -> tuple[Tensor, list[int], list[bool]]:
         """(n, V) logits → (n,) device tokens, the same as ints, and which rows' logits were not
         finite (their token is meaningless): the step's one wait for the device."""
-        bad = ~torch.isfinite(logits).all(dim=-1)  # (n,)
-        nxt = self._sample(logits.masked_fill(bad[:, None], 0.0), rows)  # a bad row draws harmlessly
+        # a non-finite logit makes its row's sum non-finite (as do logits past ~1e34, as broken): one
+        # vectorized pass where isfinite().all() took ~100 us over SmolLM2's 49,152 logits
+        bad = ~logits.sum(dim=-1).isfinite()  # (n,)
+        if any(r is not None and not self._rows[r].params.greedy for r in rows):
+            logits = logits.masked_fill(bad[:, None], 0.0)  # a bad row draws harmlessly (argmax takes any row)
+        nxt = self._sample(logits, rows)
         ids, flags = torch.stack([nxt, bad.long()]).tolist()
         return nxt, ids, [bool(b) for b in flags]
 
