@@ -5,7 +5,9 @@ over the same values (an RMSNorm's rsqrt inside a matmul's loop over weights, Ro
 inside attention's loop over keys, the decode step's mask inside each of 30 layers) the
 recomputation costs more than a store: measured on SmolLM2's compiled decode step, attention's
 kernel went from 74 to 34 us a layer when its query was stored once. An as_strided view is the
-barrier (inductor realizes its input); eager, it is a free view.
+barrier (inductor realizes its input) of a contiguous tensor: given a view's own strides (a query
+sliced from q/k/v, rows 3·C apart), inductor applied them to a buffer it had laid out afresh and
+read past row 0 (tests/model/test_fusion.py). Eager, it is a free view of a contiguous t.
 """
 
 from __future__ import annotations
@@ -15,5 +17,6 @@ from torch import Tensor
 
 
 def stored(t: Tensor) -> Tensor:
-    """t itself (a view of it): in a compiled graph, computed once and read from memory."""
+    """t's values (a view of t where t is contiguous): in a compiled graph, computed once and read from memory."""
+    t = t.contiguous()
     return torch.as_strided(t, t.shape, t.stride())
