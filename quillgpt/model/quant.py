@@ -169,9 +169,10 @@ def any_shape(out_features: int, in_features: int, group: int = 0) -> bool:
 
 
 def gemv_fits(out_features: int, in_features: int, group: int = 0) -> bool:
-    """group_gemv takes group-wise layers whose group is a multiple of 32, where its C++ kernel
-    builds on this machine (the first call builds it: tens of seconds, then cached by torch)."""
-    return group > 0 and group % group_gemv.BLOCK == 0 and in_features % group == 0 and group_gemv.available()
+    """group_gemv takes layers whose group (per channel: the whole row) is a multiple of 32, where
+    its C++ kernel builds on this machine (the first call builds it: tens of seconds, then cached by torch)."""
+    width = group or in_features
+    return width % group_gemv.BLOCK == 0 and in_features % width == 0 and group_gemv.available()
 
 
 @dataclass(frozen=True)
@@ -245,12 +246,16 @@ class Int8Linear(nn.Module):
         low = torch.bfloat16 if scale.dtype == torch.float32 else scale.dtype  # bf16/fp16 models: their own
         self.register_buffer("scale_low", scale.to(low))  # the same scales for the "/bf16" kernels
         self.register_buffer("offset_low", None if offset is None else offset.to(low))
-        self.register_buffer("scale_half", None if offset is None else scale.half())  # group_gemv's
-        self.register_buffer("offset_half", None if offset is None else offset.half())
+        # group_gemv's copies (per channel: one group of the whole row, offsets 0); None where the
+        # scales are not fp16 values (a range fp16 cannot hold)
+        halves = (scale.half(), offset.half()) if offset is not None else (scale.half()[:, None], scale.new_zeros(len(scale), 1, dtype=torch.float16))
+        exact = bool(torch.equal(halves[0].to(scale.dtype), scale.view_as(halves[0])))
+        self.register_buffer("scale_half", halves[0] if exact else None)
+        self.register_buffer("offset_half", halves[1] if exact else None)
         self.register_buffer("bias", bias)
         self.plan = plan
         # kernel → what runs
-        self.runs = {k: k if kern.fits(*weight.shape, self.group) else kern.fallback for k, kern in KERNELS.items()}
+        self.runs = {k: k if kern.fits(*weight.shape, self.group) and (exact or not kern.half) else kern.fallback for k, kern in KERNELS.items()}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
@@ -272,6 +277,8 @@ class Int8Linear(nn.Module):
                 q = torch.round((wg - offset[:, :, None]) / scale.clamp(min=tiny)[:, :, None]).clamp_(-128, 127).view(out, inp)
                 return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan, offset.to(w.dtype))
         scale = w.float().abs().amax(dim=1) / 127
+        if (half := _stored(scale, w.dtype)).isfinite().all():  # fp16 values where they hold (group_gemv reads fp16)
+            scale = half
         q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
         return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
 

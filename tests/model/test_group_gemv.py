@@ -75,16 +75,21 @@ def test_group_gemv_refuses_shapes_it_cannot_take():
 
 
 @needs_kernel
-def test_int8_linear_takes_group_gemv_for_group_wise_layers_only():
+def test_int8_linear_takes_group_gemv_where_its_group_is_whole_blocks():
+    """Groups of 32 and per-channel rows a multiple of 32 wide (one group of the whole row, offsets
+    0) run group_gemv; a group of 16 or a row of 48 cannot. Each equals its dequantized weights."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     plan = KernelPlan((1,), ("group_gemv",))
     assert Int8Linear.from_linear(lin, plan, 32).runs["group_gemv"] == "group_gemv"
     assert Int8Linear.from_linear(lin, plan, 16).runs["group_gemv"] == "dequant/model"  # a group it cannot take
-    assert Int8Linear.from_linear(lin, plan, 0).runs["group_gemv"] == "dequant/model"  # per channel
-    q = Int8Linear.from_linear(lin, plan, 32)
+    assert Int8Linear.from_linear(lin, plan, 0).runs["group_gemv"] == "group_gemv"  # per channel, 64 wide
+    assert Int8Linear.from_linear(nn.Linear(48, 16), plan, 0).runs["group_gemv"] == "dequant/model"
     x = torch.randn(2, 64)
-    torch.testing.assert_close(q(x), F.linear(x, q.dequantized(), lin.bias), rtol=1e-4, atol=1e-4)
+    for group in (32, 0):
+        q = Int8Linear.from_linear(lin, plan, group)
+        assert torch.equal(q.scale_half.float().view(q.scale.shape), q.scale)  # the scales are fp16 values
+        torch.testing.assert_close(q(x), F.linear(x, q.dequantized(), lin.bias), rtol=1e-4, atol=1e-4)
 
 
 def test_group_wise_scales_are_fp16_values_and_q_rounds_against_them():
@@ -95,9 +100,13 @@ def test_group_wise_scales_are_fp16_values_and_q_rounds_against_them():
     # each weight within half a step of what is multiplied (the step and offset as stored)
     err = (q.dequantized() - lin.weight.detach()).view(32, 8, 32).abs().amax(-1)
     assert (err <= q.scale * 0.5 + 1e-7).all()
-    lin.weight.data[3, 7] = 1e6  # a range fp16 cannot hold: this layer keeps per-row scales
+    lin.weight.data[3, 7] = 1e6  # a range fp16 cannot hold per group: this layer keeps per-row scales
     wide = Int8Linear.from_linear(lin, KernelPlan((1,), ("dequant/model",)), 32)
-    assert wide.group == 0 and wide.scale_half is None and torch.isfinite(wide.dequantized()).all()
+    assert wide.group == 0 and torch.isfinite(wide.dequantized()).all()
+    lin.weight.data[3, 7] = 1e7  # nor per row (1e7 / 127 > 65504): fp32 scales, and no group_gemv
+    wider = Int8Linear.from_linear(lin, KernelPlan((1,), ("dequant/model",)), 32)
+    assert wider.scale_half is None and wider.runs["group_gemv"] == "dequant/model"
+    assert wider.scale[3] == torch.tensor(1e7 / 127)
 
 
 @needs_kernel
