@@ -10,9 +10,9 @@ own int8 copy for the matmul. The blocks call an Int8Linear exactly as they call
 
 Which kernel multiplies is measured, not assumed: at quantize time each candidate (quill's C++
 group_gemv where it builds, int8 matmul `torch._weight_int8pack_mm`, or dequantize then F.linear;
-activations in bf16, int16 per 32 or the model's dtype) is timed against the F.linear it replaces — at the decode batch `rows` on every layer
-(what a decode step streams), and at 1, 2, 4, … 256 rows on the first block's layers. An input
-of m rows then runs the kernel that was fastest at the smallest measured size ≥ m, so a
+activations in bf16, int16 per 32 or the model's dtype) is timed against the F.linear it replaces
+— at the decode batch `rows` on every layer (what a decode step streams), and at 1, 2, 4, … 256
+rows on the first block's layers. An input of m rows then runs the kernel that was fastest at the smallest measured size ≥ m, so a
 one-token decode step and a 512-token prompt may take different kernels (their results agree
 to bf16 rounding). Where no int8 kernel beats the float linears at the decode batch (a tiny
 model, or a burst of load during the measurement) the fastest int8 kernel still runs, as asked,
@@ -249,14 +249,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("offset_low", None if offset is None else offset.to(low))
         # group_gemv's copies (per channel: one group of the whole row, offsets 0); None where the
         # scales are not fp16 values (a range fp16 cannot hold)
-        halves = (scale.half(), offset.half()) if offset is not None else (scale.half()[:, None], scale.new_zeros(len(scale), 1, dtype=torch.float16))
+        halves = (scale.half()[:, None], scale.new_zeros(len(scale), 1, dtype=torch.float16))
+        if offset is not None:
+            halves = (scale.half(), offset.half())
         exact = bool(torch.equal(halves[0].to(scale.dtype), scale.view_as(halves[0])))
         self.register_buffer("scale_half", halves[0] if exact else None)
         self.register_buffer("offset_half", halves[1] if exact else None)
         self.register_buffer("bias", bias)
         self.plan = plan
         # kernel → what runs
-        self.runs = {k: k if kern.fits(*weight.shape, self.group) and (exact or not kern.half) else kern.fallback for k, kern in KERNELS.items()}
+        fits = {k: kern.fits(*weight.shape, self.group) and (exact or not kern.half) for k, kern in KERNELS.items()}
+        self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
