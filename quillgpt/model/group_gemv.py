@@ -1,5 +1,6 @@
-"""A CPU kernel for group-wise int8 weights at a few rows (the decode step): y = x·Wᵀ with
-W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group, in C++ built on first use.
+"""A CPU kernel for int8 weights at a few rows (the decode step): y = x·Wᵀ with
+W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one group a row, o = 0),
+in C++ built on first use.
 
 Why a kernel of its own: written as torch ops (quant.grouped_sum) inductor dequantizes each
 weight to fp32 and multiplies it, ~7 vector instructions per 16 weights, so on SmolLM2 the

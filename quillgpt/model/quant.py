@@ -9,14 +9,14 @@ weights (no new checkpoint format). A tied head keeps its embedding for the look
 own int8 copy for the matmul. The blocks call an Int8Linear exactly as they call nn.Linear.
 
 Which kernel multiplies is measured, not assumed: at quantize time each candidate (quill's C++
-group_gemv where it builds, int8 matmul `torch._weight_int8pack_mm`, or dequantize then F.linear;
-activations in bf16, int16 per 32 or the model's dtype) is timed against the F.linear it replaces
-— at the decode batch `rows` on every layer (what a decode step streams), and at 1, 2, 4, … 256
-rows on the first block's layers. An input of m rows then runs the kernel that was fastest at the smallest measured size ≥ m, so a
-one-token decode step and a 512-token prompt may take different kernels (their results agree
-to bf16 rounding). Where no int8 kernel beats the float linears at the decode batch (a tiny
-model, or a burst of load during the measurement) the fastest int8 kernel still runs, as asked,
-and the stats line says it measured slower. On CUDA
+group_gemv where it builds, int8 matmul `torch._weight_int8pack_mm`, or dequantize then
+F.linear; activations in bf16, int16 per 32 or the model's dtype) is timed against the F.linear
+it replaces — at the decode batch `rows` on every layer (what a decode step streams), and at 1,
+2, 4, … 256 rows on the first block's layers. An input of m rows then runs the kernel that was
+fastest at the smallest measured size ≥ m, so a one-token decode step and a 512-token prompt may
+take different kernels (their results agree to bf16 rounding). Where no int8 kernel beats the
+float linears at the decode batch (a tiny model, or a burst of load during the measurement) the
+fastest int8 kernel still runs, as asked, and the stats line says it measured slower. On CUDA
 the dequantize form is gpt-fast's; it pays there once the decode step is compiled (inductor
 fuses the dequantization into the matmul), which the engine's compile=True does.
 """
