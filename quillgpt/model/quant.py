@@ -105,10 +105,10 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
 
 
 def gemv_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
-    """model/group_gemv.py's C++ kernel: group-wise weights (a group a multiple of 32) with fp16
-    scales and offsets (Int8Linear's scale_half, offset_half), x rounded to int16 per 32 inputs and
-    multiplied in integer pairs; float32 out."""
-    assert offset is not None and scale.dtype == torch.float16, "group_gemv takes group-wise fp16 scales and offsets"
+    """model/group_gemv.py's C++ kernel: weights in groups of a multiple of 32 (per channel: one
+    group a row, offsets 0) with fp16 scales and offsets (Int8Linear's scale_half, offset_half), x
+    rounded to int16 per 32 inputs and multiplied in integer pairs; float32 out."""
+    assert offset is not None and scale.dtype == torch.float16, "group_gemv takes (out, groups) fp16 scales and offsets"
     return group_gemv.group_gemv(x.float(), weight, scale, offset)
 
 
@@ -249,12 +249,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("offset_low", None if offset is None else offset.to(low))
         # group_gemv's copies (per channel: one group of the whole row, offsets 0); None where the
         # scales are not fp16 values (a range fp16 cannot hold)
-        halves = (scale.half()[:, None], scale.new_zeros(len(scale), 1, dtype=torch.float16))
-        if offset is not None:
-            halves = (scale.half(), offset.half())
-        exact = bool(torch.equal(halves[0].to(scale.dtype), scale.view_as(halves[0])))
-        self.register_buffer("scale_half", halves[0] if exact else None)
-        self.register_buffer("offset_half", halves[1] if exact else None)
+        groups = scale if offset is not None else scale[:, None]  # (out, in / group)
+        half = groups.half()
+        exact = bool(torch.equal(half.to(scale.dtype), groups))
+        self.register_buffer("scale_half", half if exact else None)
+        self.register_buffer("offset_half", (torch.zeros_like(half) if offset is None else offset.half()) if exact else None)
         self.register_buffer("bias", bias)
         self.plan = plan
         # kernel → what runs
@@ -275,13 +274,13 @@ class Int8Linear(nn.Module):
         if group and inp % group == 0 and group < inp:
             wg = w.float().view(out, inp // group, group)
             low, high = wg.amin(dim=2), wg.amax(dim=2)
-            scale = _stored((high - low) / 255, w.dtype)  # as stored, so q rounds to what is multiplied
-            offset = _stored(low + 128 * scale, w.dtype)
+            scale = _fp16_values((high - low) / 255, w.dtype)  # as stored, so q rounds to what is multiplied
+            offset = _fp16_values(low + 128 * scale, w.dtype)
             if scale.isfinite().all() and offset.isfinite().all():
                 q = torch.round((wg - offset[:, :, None]) / scale.clamp(min=tiny)[:, :, None]).clamp_(-128, 127).view(out, inp)
                 return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan, offset.to(w.dtype))
         scale = w.float().abs().amax(dim=1) / 127
-        if (half := _stored(scale, w.dtype)).isfinite().all():  # fp16 values where they hold (group_gemv reads fp16)
+        if (half := _fp16_values(scale, w.dtype)).isfinite().all():  # fp16 values where they hold (group_gemv reads fp16)
             scale = half
         q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
         return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
@@ -326,9 +325,9 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8, {scales}"
 
 
-def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """t (float32) as a group-wise scale or offset is stored: an fp16 value (group_gemv reads fp16),
-    held in the model's dtype; inf where fp16 cannot hold it."""
+def _fp16_values(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t (float32) as a scale or offset is stored: an fp16 value (group_gemv reads fp16), held in the
+    model's dtype; inf where fp16 cannot hold it."""
     return t.half().to(dtype).float()
 
 
