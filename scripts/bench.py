@@ -976,8 +976,8 @@ def step_weight_bytes(model: GPT) -> int:
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             total += m.weight[0].nbytes
-        elif isinstance(m, Int4Linear):  # its codes, bf16 scales and zeros, bias
-            total += m.codes.nbytes + m.scales_zeros.nbytes + (m.bias.nbytes if m.bias is not None else 0)
+        elif isinstance(m, Int4Linear):  # its codes, scales and zeros (or offsets), bias
+            total += sum(b.nbytes for b in m.buffers())
         elif isinstance(m, (nn.Linear, Int8Linear)):
             total += m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
             if isinstance(m, Int8Linear):  # the scales (and offsets) its one-row kernel reads (bf16, fp16 or the model's)

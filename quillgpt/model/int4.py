@@ -1,13 +1,21 @@
 """Weight-only int4: each group of G weights along a row keeps 16 levels between its own minimum
-and maximum, W ≈ (q - 8)·s + z with one bf16 scale s and zero z per group (gpt-fast's and torch's
-"tinygemm" layout), so a decode step streams about a seventh of fp32's weight bytes.
+and maximum, so a decode step streams about a sixth of fp32's weight bytes. Three layouts, the
+first that fits a layer on this machine:
 
-On the CPU the matmul is torch's `_weight_int4pack_mm_for_cpu` (bf16 activations, the weight
-repacked once by `_convert_weight_to_int4pack_for_cpu`); it takes out_features a multiple of 16
-and G in 32/64/128/256 dividing in_features, and it measured the fastest weight-only kernel on
-an AVX2 EPYC (scripts/bench_real.py). Elsewhere, or for a shape it cannot take, the layer keeps
-its 4-bit codes two to a byte and dequantizes them before F.linear (slow, exact to the same
-rounding). A layer whose width no group divides is not quantized (quant.quantize keeps it float).
+- "group_gemv4": W = q·s + o with q in [0, 15], an fp16 scale s = (max - min) / 15 and offset
+  o = min per group (llama.cpp's Q4_1), through quill's C++ kernel (model/group_gemv.py: x rounded
+  to int16 per 32, 20 bytes per 32 weights) for inputs up to GEMV_ROWS rows; beyond, the weight
+  is dequantized once for the call and F.linear multiplies (a prompt's forward). It takes K a
+  multiple of 64 and G of 32 where the kernel builds. On SmolLM2 (2-core EPYC, AVX-512) its decode
+  step was ~1.5x torch's int4pack_mm's (scripts/bench_real.py).
+- "int4pack_mm": W ≈ (q - 8)·s + z with one bf16 scale s and zero z per group (gpt-fast's and
+  torch's "tinygemm" layout) through torch's `_weight_int4pack_mm_for_cpu` (bf16 activations,
+  the weight repacked once by `_convert_weight_to_int4pack_for_cpu`); out_features a multiple
+  of 16 and G in 32/64/128/256 dividing in_features.
+- "dequantize": the same codes two to a byte, dequantized before F.linear (slow, exact to the
+  same rounding), for any other shape or device.
+
+A layer whose width no group divides is not quantized (quant.quantize keeps it float).
 """
 
 from __future__ import annotations
@@ -16,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-GROUPS = (32, 64, 128, 256)  # what the kernel takes
+from quillgpt.model import group_gemv
+
+GROUPS = (32, 64, 128, 256)  # what the kernels take
+# group_gemv4 up to this many input rows, dequantize + F.linear beyond: on a (3072, 576) layer
+# (2-core EPYC, AVX-512) the kernel took 1.1 ms at 32 rows against 1.8, 2.2 against 2.4 at 64,
+# 4.4 against 3.7 at 128 (it multiplies in int16 pairs, ~100 GFLOP/s; the dequantization is paid
+# once a call)
+GEMV_ROWS = 64
 
 
 def group_for(in_features: int, group: int) -> int:
@@ -27,6 +42,26 @@ def group_for(in_features: int, group: int) -> int:
 def kernel_fits(out_features: int, in_features: int, group: int) -> bool:
     """Whether `_weight_int4pack_mm_for_cpu` takes the shape (it raises otherwise: checked first)."""
     return out_features % 16 == 0 and group in GROUPS and in_features % group == 0
+
+
+def gemv_fits(out_features: int, in_features: int, group: int) -> bool:
+    """Whether group_gemv4 takes the shape (its first call builds the C++ kernel: tens of seconds once)."""
+    return in_features % 64 == 0 and group % 32 == 0 and in_features % group == 0 and group_gemv.available()
+
+
+def gemv_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(q (out, in) uint8 in [0, 15], s, o (out, in / group) fp16) with w ≈ q·s + o per group:
+    s = (max - min) / 15 and o = min rounded to fp16 values first, q rounded against them. None
+    where fp16 cannot hold a group's range (weights past ±65504)."""
+    out, inp = w.shape
+    wg = w.detach().float().view(out, inp // group, group)
+    low, high = wg.amin(dim=2), wg.amax(dim=2)
+    s, o = ((high - low) / 15).half(), low.half()
+    if not (s.isfinite().all() and o.isfinite().all()):
+        return None
+    step = s.float().clamp(min=torch.finfo(torch.float32).tiny)[:, :, None]
+    q = torch.round((wg - o.float()[:, :, None]) / step).clamp_(0, 15)
+    return q.view(out, inp).to(torch.uint8), s, o
 
 
 def int4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
@@ -52,21 +87,33 @@ def dequantize(q: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
 
 
 class Int4Linear(nn.Module):
-    """y = x·Wᵀ + b with W from 4-bit codes and a bf16 scale and zero per `group` inputs of a row.
-    The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
+    """y = x·Wᵀ + b with W from 4-bit codes and a scale and zero (or offset) per `group` inputs of a
+    row, in the first of the module docstring's layouts that fits (`kernel`). The same call as
+    nn.Linear: (…, in) → (…, out) in x's dtype."""
 
     def __init__(self, linear: nn.Linear, group: int) -> None:
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         self.group = group
-        q, scales_zeros = int4_codes(linear.weight, group)
-        self.kernel = linear.weight.device.type == "cpu" and kernel_fits(self.out_features, self.in_features, group)
-        if self.kernel:
-            codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)  # the kernel's own layout
+        cpu = linear.weight.device.type == "cpu"
+        gemv = gemv_codes(linear.weight, group) if cpu and gemv_fits(self.out_features, self.in_features, group) else None
+        scale = offset = scales_zeros = None
+        if gemv is not None:
+            self.kernel = "group_gemv4"
+            q, scale, offset = gemv
+            codes = group_gemv.pack4(q)
         else:
-            codes = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # two codes a byte, low nibble first
+            q, scales_zeros = int4_codes(linear.weight, group)
+            if cpu and kernel_fits(self.out_features, self.in_features, group):
+                self.kernel = "int4pack_mm"
+                codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)  # the kernel's own layout
+            else:
+                self.kernel = "dequantize"
+                codes = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # two codes a byte, low nibble first
         self.register_buffer("codes", codes)
-        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("scales_zeros", scales_zeros)  # int4pack_mm, dequantize: (in / group, out, 2) bf16
+        self.register_buffer("scale", scale)  # group_gemv4: (out, in / group) fp16 each
+        self.register_buffer("offset", offset)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def _scales_zeros(self) -> Tensor:
@@ -74,9 +121,13 @@ class Int4Linear(nn.Module):
         return sz if sz.dtype == torch.bfloat16 else sz.to(torch.bfloat16)
 
     def dequantized(self) -> Tensor:
-        """(out, in) float32: the weight this layer multiplies by (read back through the kernel
-        on the identity where the codes are in its layout: exact, bf16 values)."""
-        if self.kernel:
+        """(out, in) float32: the weight this layer multiplies by (int4pack_mm's layout is read back
+        through the kernel on the identity: exact, bf16 values)."""
+        if self.kernel == "group_gemv4":
+            n, groups = self.out_features, self.scale.shape[1]
+            q = group_gemv.unpack4(self.codes).float().view(n, groups, -1)
+            return (q * self.scale.float()[:, :, None] + self.offset.float()[:, :, None]).view(n, self.in_features)
+        if self.kernel == "int4pack_mm":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.codes.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.codes, self.group, self._scales_zeros()).float().t()
         low, high = self.codes & 15, self.codes >> 4
@@ -85,7 +136,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel:
+        if self.kernel == "group_gemv4" and x2.shape[0] <= GEMV_ROWS:
+            y = group_gemv.group_gemv4(x2.float(), self.codes, self.scale.half(), self.offset.half())
+        elif self.kernel == "int4pack_mm":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.codes, self.group, self._scales_zeros())
         else:
             y = F.linear(x2.float(), self.dequantized().to(x2.device))
@@ -93,9 +146,8 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        how = "int4pack_mm" if self.kernel else "dequantize"
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-        return f"{shape}, int4, {self.group} per scale, {how}"
+        return f"{shape}, int4, {self.group} per scale, {self.kernel}"
 
 
 class Bf16Linear(nn.Module):

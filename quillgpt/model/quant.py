@@ -373,15 +373,23 @@ def quantize(
 def quantize_int4(model: GPT, group: int) -> GPT:
     """Every nn.Linear of the blocks whose in_features a kernel group (≤ `group`) divides → an
     Int4Linear, in place; the others keep their float weights (weights_note counts them). The head
-    gets bf16 weights instead: in int4 it alone cost SmolLM2 most of its loss (llama.cpp's Q4
-    files keep it at 6-8 bits too)."""
+    stays at 8 bits or more: in int4 it alone cost SmolLM2 most of its loss (llama.cpp's Q4 files
+    keep it at 6-8 bits too). It is int8 with a scale and an offset per 32 weights through
+    group_gemv where that kernel takes it (36 bytes per 32 weights; the loss of int8-g32 is
+    ~0.01%), else bf16 weights (64 bytes per 32)."""
     for parent in list(model.transformer.h.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (g := int4.group_for(child.in_features, group)):
                 setattr(parent, name, Int4Linear(child, g))
     if isinstance(model.lm_head, nn.Linear):
-        model.lm_head = int4.Bf16Linear(model.lm_head)
+        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, SCHEMES["int8-g32"])
+        model.lm_head = head if head.runs["group_gemv"] == "group_gemv" else int4.Bf16Linear(model.lm_head)
     return model
+
+
+# an int4 model's int8 head: group_gemv up to int4.GEMV_ROWS rows (a decode step), the weight
+# dequantized for more (a prompt scored at every position)
+HEAD_PLAN = KernelPlan((int4.GEMV_ROWS,), ("group_gemv", "dequant/model"))
 
 
 def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:
@@ -409,7 +417,9 @@ def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) ->
 
 
 def plan_of(model: GPT) -> KernelPlan | None:
-    """The kernel plan of a quantized model (None: float weights)."""
+    """The kernel plan of an int8 model (None: float or int4 weights; an int4 model's int8 head has a fixed plan)."""
+    if any(isinstance(m, Int4Linear) for m in model.modules()):
+        return None
     return next((m.plan for m in model.modules() if isinstance(m, Int8Linear)), None)
 
 
@@ -417,10 +427,17 @@ def weights_note(model: GPT, sep: str = ", ", compiled: bool = False) -> str:
     """`sep` + the plan's few words for a quantized model's start-up or stats line; "" for float
     weights. `compiled`: the decode step ran compiled (group-wise layers then run group_gemv or grouped_sum)."""
     if fours := [m for m in model.modules() if isinstance(m, Int4Linear)]:
-        kernels = sorted({"int4pack_mm" if m.kernel else "dequantize (slow)" for m in fours})
+        kernels = sorted({m.kernel if m.kernel != "dequantize" else "dequantize (slow)" for m in fours})
+        if "group_gemv4" in kernels:
+            kernels[kernels.index("group_gemv4")] = f"group_gemv4 (up to {int4.GEMV_ROWS} rows)"
         floats = sum(isinstance(m, nn.Linear) for m in model.modules())
         kept = f", {floats} linears kept float (no group divides their width)" if floats else ""
-        head = ", head in bf16" if isinstance(model.lm_head, int4.Bf16Linear) else ""
+        head = ""
+        if isinstance(model.lm_head, int4.Bf16Linear):
+            head = ", head in bf16"
+        elif isinstance(model.lm_head, Int8Linear):
+            group = model.lm_head.group
+            head = f", head int8 ({f'{group} per scale' if group else 'per-channel scales'}, group_gemv)"
         return f"{sep}int4 weights ({max(m.group for m in fours)} per scale), {' + '.join(kernels)}{head}{kept}"
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if not layers:

@@ -43,9 +43,12 @@ def case(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.Te
 
 
 def reference(x, q, s, o) -> torch.Tensor:
+    """Σ q·s·x̃ + o·Σx per group in float64: x̃ rounded as the kernel rounds it, the offsets times x's own sums."""
     n, k = q.shape
-    w = (q.double().view(n, s.shape[1], -1) * s.double()[:, :, None] + o.double()[:, :, None]).view(n, k)
-    return (rounded(x) @ w.t()).float()
+    groups = s.shape[1]
+    scaled = (q.double().view(n, groups, -1) * s.double()[:, :, None]).view(n, k)
+    sums = x.double().view(x.shape[0], groups, -1).sum(-1)  # (rows, groups)
+    return (rounded(x) @ scaled.t() + sums @ o.double().t()).float()
 
 
 @needs_kernel
@@ -63,6 +66,34 @@ def test_group_gemv_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(rows
     assert ((got - plain).norm() / plain.norm()) < 1e-4
 
 
+def case4(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """case()'s x, s and o with 4-bit codes (every value in row 0) instead of int8 weights."""
+    x, _, s, o = case(n, k, group, rows, seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed + 1))
+    q[0, :16] = torch.arange(16, dtype=torch.uint8)
+    return x, q, s, o
+
+
+def test_pack4_keeps_every_code_and_pairs_blocks_in_nibbles():
+    q = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    packed = group_gemv.pack4(q)
+    assert packed.shape == (3, 64) and packed.dtype == torch.uint8 and torch.equal(group_gemv.unpack4(packed), q)
+    assert torch.equal(packed[:, :32] & 15, q[:, :32]) and torch.equal(packed[:, :32] >> 4, q[:, 32:64])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 64, 32), (40, 256, 64), (33, 128, 128), (576, 1536, 32)])
+def test_group_gemv4_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(rows, n, k, group):
+    """4-bit codes: the same sums over their unpacked weights (33 rows: a remainder past 4-row steps)."""
+    x, q, s, o = case4(n, k, group, rows)
+    got = group_gemv.group_gemv4(x, group_gemv.pack4(q), s, o)
+    want = reference(x, q, s, o)
+    assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
+    bound = (rounded(x).abs() @ (q.double() * 0.02 + 1).t()).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=float(1e-5 * bound.max()))
+
+
 @needs_kernel
 def test_group_gemv_refuses_shapes_it_cannot_take():
     x, q, s, o = case(16, 64, 32, 1)
@@ -72,6 +103,11 @@ def test_group_gemv_refuses_shapes_it_cannot_take():
         group_gemv.group_gemv(x, q, torch.rand(16, 4).half(), torch.rand(16, 4).half())  # groups of 16
     with pytest.raises(RuntimeError, match="float16"):
         group_gemv.group_gemv(x, q, s.float(), o.float())
+    x, q, s, o = case4(16, 96, 32, 1)  # 4-bit codes: K a multiple of 64
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        group_gemv.group_gemv4(x, torch.zeros(16, 48, dtype=torch.uint8), s, o)
+    with pytest.raises(RuntimeError, match="uint8"):
+        group_gemv.group_gemv4(x[:, :64], q[:, :32].to(torch.int8), s[:, :2].contiguous(), o[:, :2].contiguous())
 
 
 @needs_kernel
@@ -134,12 +170,15 @@ WORKER = """
 import json, sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from quillgpt.model import group_gemv
-from test_group_gemv import case, reference
+from test_group_gemv import case, case4, reference
 assert group_gemv.available(), group_gemv.why_not()
 errs = []
-for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2)]:
+for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2), (33, 128, 128, 2)]:
     x, q, s, o = case(n, k, group, rows)
     got, want = group_gemv.group_gemv(x, q, s, o), reference(x, q, s, o)
+    errs.append(float((got - want).abs().max() / want.abs().max()))
+    x, q, s, o = case4(n, k, group, rows)  # and 4-bit codes
+    got, want = group_gemv.group_gemv4(x, group_gemv.pack4(q), s, o), reference(x, q, s, o)
     errs.append(float((got - want).abs().max() / want.abs().max()))
 print(json.dumps(errs))
 """
@@ -148,7 +187,7 @@ print(json.dumps(errs))
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="x86-64 paths")
 @pytest.mark.parametrize("isa", ["avx2", "plain"])
 def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
-    """The AVX2 and plain-loop paths, built here with -march=haswell / x86-64 (a build each, cached)."""
+    """The AVX2 and plain-loop paths, int8 and int4, built here with -march=haswell / x86-64 (a build each, cached)."""
     if not group_gemv.available():
         pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
     code = WORKER.format(root=str(ROOT), tests=str(Path(__file__).parent))

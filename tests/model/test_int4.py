@@ -1,7 +1,8 @@
-"""Weight-only int4 (model/int4.py): the kernel equals the dequantized computation to bf16
-rounding; the two-codes-a-byte path equals it exactly; codes round each weight to its group's
-nearest level; weights exactly representable in int4 give the float model's tokens; quantize
-swaps the linears a group divides and says which it kept float."""
+"""Weight-only int4 (model/int4.py): each layout equals its dequantized computation (group_gemv4
+to the int16 rounding of x, int4pack_mm to bf16 rounding, the two-codes-a-byte path exactly);
+codes round each weight to its group's nearest level; weights exactly representable in int4 give
+the float model's tokens; quantize swaps the linears a group divides, gives the head 8 bits or
+more and says which it kept float."""
 
 import copy
 
@@ -12,33 +13,80 @@ from support import PROMPTS, random_model
 from torch import nn
 
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.model import int4
+from quillgpt.model import group_gemv, int4
 from quillgpt.model.int4 import Int4Linear
-from quillgpt.model.quant import quantize, weights_note
+from quillgpt.model.quant import Int8Linear, quantize, weights_note
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
 
 
-@pytest.mark.parametrize("out_features", [48, 37], ids=["kernel", "two-a-byte"])
+@pytest.fixture
+def no_cpp(monkeypatch):
+    """As on a machine where quill's C++ kernels do not build: torch's int4 kernel, a bf16 head."""
+    monkeypatch.setattr(group_gemv, "_built", None)
+    monkeypatch.setattr(group_gemv, "_error", "QUILL_NO_CPP_KERNELS is set")
+
+
+@pytest.mark.parametrize(("out_features", "kernel"), [(48, "int4pack_mm"), (37, "dequantize")])
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("shape", [(5,), (2, 7)], ids=["2d", "3d"])
-def test_int4_linear_equals_its_dequantized_computation_to_rounding(out_features, group, shape):
+def test_torch_layouts_equal_their_dequantized_computation_to_rounding(no_cpp, out_features, kernel, group, shape):
     torch.manual_seed(0)
     lin = nn.Linear(128, out_features)
     q = Int4Linear(lin, group)
-    assert q.kernel == (out_features % 16 == 0)
+    assert q.kernel == kernel
     x = torch.randn(*shape, 128)
     q_codes, sz = int4.int4_codes(lin.weight, group)
     w = int4.dequantize(q_codes, sz, group)
     # the kernel's layout read back (its bf16 output) = the codes' weights, to bf16 rounding there
-    assert torch.equal(q.dequantized(), w.bfloat16().float() if q.kernel else w)
+    assert torch.equal(q.dequantized(), w.bfloat16().float() if kernel == "int4pack_mm" else w)
     got = q(x)
     assert got.shape == (*shape, out_features) and got.dtype == torch.float32
-    if q.kernel:  # bf16 activations, a bf16 product
+    if kernel == "int4pack_mm":  # bf16 activations, a bf16 product
         want = F.linear(x.bfloat16().float(), w) + lin.bias
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
     else:
         torch.testing.assert_close(got, F.linear(x, w, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features", [48, 37])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5, int4.GEMV_ROWS + 6], ids=["1", "5", "past-gemv-rows"])
+def test_group_gemv4_layout_equals_its_dequantized_computation(out_features, group, rows):
+    """x rounded to int16 per 32 (group_gemv4, up to GEMV_ROWS rows) or not (F.linear beyond): the
+    dequantized weights, q·s + o with the fp16 s and o gemv_codes made."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, out_features)
+    q = Int4Linear(lin, group)
+    assert q.kernel == "group_gemv4" and q.codes.shape == (out_features, 64) and q.scale.dtype == torch.float16
+    codes, s, o = int4.gemv_codes(lin.weight, group)
+    w = (codes.float().view(out_features, -1, group) * s.float()[:, :, None] + o.float()[:, :, None]).view(out_features, 128)
+    assert torch.equal(q.dequantized(), w)
+    x = torch.randn(rows, 128)
+    got, want = q(x), F.linear(x, w, lin.bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_gemv_codes_round_each_weight_to_its_groups_nearest_level():
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    w[2, :32] = 0.25  # a constant group: scale 0, every weight exact
+    q, s, o = int4.gemv_codes(w, 32)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and s.dtype == o.dtype == torch.float16
+    wq = (q.float().view(16, 4, 32) * s.float()[:, :, None] + o.float()[:, :, None]).view(16, 128)
+    err = (wq - w).view(16, 4, 32).abs().amax(-1)
+    assert bool((err <= s.float() * 0.5 + (s.float() + o.float().abs()) * 2**-10).all())  # half a level + fp16 rounding
+    assert torch.equal(wq[2, :32], torch.full((32,), 0.25))
+    w[5, 7] = 1e6  # past fp16: no group_gemv4 layout
+    assert int4.gemv_codes(w, 32) is None
+    if group_gemv.available():
+        assert Int4Linear(nn.Linear(128, 48), 32).kernel == "group_gemv4"
+        big = nn.Linear(128, 48)
+        big.weight.data[0, 0] = 1e6
+        assert Int4Linear(big, 32).kernel == "int4pack_mm"
 
 
 def test_codes_round_each_weight_to_its_groups_nearest_level():
@@ -78,7 +126,7 @@ def exactly_representable(model, group=32):
 
 
 class Bf16Reference(nn.Module):
-    """The float linear rounding its input and product to bf16, as the int4 kernel does."""
+    """The float linear rounding its input and product to bf16, as the int4pack kernel does."""
 
     def __init__(self, lin: nn.Linear) -> None:
         super().__init__()
@@ -89,26 +137,66 @@ class Bf16Reference(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Int16Reference(nn.Module):
+    """A group_gemv4 layer (or an int8 head through group_gemv) computed in float64 from its
+    dequantized weights: up to GEMV_ROWS rows Σ q·s·x̃ + o·Σx, with x̃ x rounded to int16 per block
+    of 32 in float32 as the kernel rounds it (the offsets take x's float sums); beyond, float x."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        w = layer.dequantized().double()
+        offset = getattr(layer, "offset", None)  # (out, in / group), or None (per channel: 0)
+        o = torch.zeros_like(w) if offset is None else offset.double().repeat_interleave(w.shape[1] // offset.shape[1], 1)
+        self.scaled, self.offsets, self.whole, self.bias = w - o, o, w, layer.bias
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > int4.GEMV_ROWS:
+            y = F.linear(x2.double(), self.whole)
+        else:
+            blocks = x2.float().view(x2.shape[0], -1, 32)
+            amax = blocks.abs().amax(-1, keepdim=True)
+            inv = torch.where(amax > 0, 32767 / amax, 0.0)  # in float32, as the kernel computes them
+            xr = (torch.round(blocks * inv).double() * (amax / 32767).double()).view(x2.shape)
+            y = F.linear(xr, self.scaled) + F.linear(x2.double(), self.offsets)
+        y = y.float() if self.bias is None else (y + self.bias.double()).float()
+        return y.view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("kernels", ["cpp", "torch"])
 @pytest.mark.parametrize("variant", ["mha-learned", "rmsnorm-swiglu"])
-def test_weights_exactly_representable_in_int4_give_the_same_tokens(variant):
+def test_weights_exactly_representable_in_int4_give_the_same_tokens(request, variant, kernels):
+    """cpp: group_gemv4 blocks and an int8 head through group_gemv; torch (no C++ kernels):
+    int4pack_mm blocks and a bf16 head. The reference rounds as each of them rounds."""
+    if kernels == "torch":
+        request.getfixturevalue("no_cpp")
+    elif not group_gemv.available():
+        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
     model = exactly_representable(random_model(variant))
     ref = copy.deepcopy(model)
-    for parent in list(ref.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and int4.kernel_fits(child.out_features, child.in_features, 32):
-                setattr(parent, name, Bf16Reference(child))
-    ref.lm_head = Bf16Reference(ref.lm_head)  # the head runs in bf16 (its weights exact there)
     weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    want = torch.stack(list(generate_tokens(ref, PROMPTS, 30)), 1)
     quantize(model, "int4")
     fours = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
     assert fours and all(torch.equal(m.dequantized(), weights[n]) for n, m in fours.items())  # nothing lost
+    assert ("group_gemv4" in {m.kernel for m in fours.values()}) == (kernels == "cpp")
+    for name, layer in [*fours.items(), ("lm_head", model.lm_head)]:
+        parent, _, leaf = name.rpartition(".")
+        float_layer = getattr(ref.get_submodule(parent), leaf)
+        gemv = isinstance(layer, Int8Linear) or getattr(layer, "kernel", "") == "group_gemv4"
+        setattr(ref.get_submodule(parent), leaf, Int16Reference(layer) if gemv else Bf16Reference(float_layer))
+    assert isinstance(model.lm_head, Int8Linear) == (kernels == "cpp")
+    want = torch.stack(list(generate_tokens(ref, PROMPTS, 30)), 1)
     got = torch.stack(list(generate_tokens(model, PROMPTS, 30)), 1)
     assert torch.equal(got, want)
     assert len(set(want.flatten().tolist())) > 5
 
 
-def test_quantize_int4_swaps_the_blocks_linears_keeps_the_head_in_bf16_and_says_what_stayed_float():
+@pytest.mark.parametrize("kernels", ["cpp", "torch"])
+def test_quantize_int4_swaps_the_blocks_linears_gives_the_head_8_bits_or_more_and_says_what_stayed_float(request, kernels):
+    if kernels == "torch":
+        request.getfixturevalue("no_cpp")
+    elif not group_gemv.available():
+        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
     model = random_model("mha-learned")  # n_embd 32: every width a multiple of 32; a tied head
     wte = model.transformer.wte.weight.detach().clone()
     n_block = sum(isinstance(m, nn.Linear) for m in model.transformer.h.modules())
@@ -116,10 +204,16 @@ def test_quantize_int4_swaps_the_blocks_linears_keeps_the_head_in_bf16_and_says_
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == n_block
     groups = {m.in_features: m.group for m in model.modules() if isinstance(m, Int4Linear)}
     assert groups == {32: 32, 128: 64}  # the largest kernel group up to 64 that divides each width
-    assert isinstance(model.lm_head, int4.Bf16Linear) and torch.equal(model.lm_head.weight, wte.bfloat16())
-    assert torch.equal(model.transformer.wte.weight, wte)  # the lookup keeps the float embedding
     note = weights_note(model)
-    assert "int4 weights (64 per scale)" in note and "head in bf16" in note and "kept float" not in note
+    if kernels == "cpp":  # an int8 head, a scale and an offset per 32 weights
+        assert isinstance(model.lm_head, Int8Linear) and model.lm_head.group == 0  # a 32-wide row: one group
+        torch.testing.assert_close(model.lm_head.dequantized(), wte, rtol=0, atol=float(wte.abs().max()) / 200)
+        assert "group_gemv4 (up to 64 rows) + int4pack_mm" in note and "head int8 (per-channel scales, group_gemv)" in note
+    else:
+        assert isinstance(model.lm_head, int4.Bf16Linear) and torch.equal(model.lm_head.weight, wte.bfloat16())
+        assert "int4pack_mm" in note and "head in bf16" in note
+    assert torch.equal(model.transformer.wte.weight, wte)  # the lookup keeps the float embedding
+    assert "int4 weights (64 per scale)" in note and "kept float" not in note
     with pytest.raises(ValueError, match="already quantized"):
         quantize(model, "int4")
     odd = random_model("mha-learned")
