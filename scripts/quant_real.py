@@ -7,7 +7,7 @@ with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first 
 
 Each scheme's weights are dequantized into float32 linears (fp32 activations: the weights'
 error alone, at float speed); each is also run as --quantize runs it (an int8 scheme through the
-kernels its plan picks on this machine, an int4 scheme through its own kernel, bf16 activations); --gguf FILE adds
+kernels its plan picks on this machine, an int4 scheme through its layers' kernels); --gguf FILE adds
 llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights, e.g.
 `quill export-gguf --type q8_0`). Prints one markdown table and the load
 average before and after.
@@ -121,16 +121,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
-        for kernel in ["dequant/model", "kernel/bf16" if scheme in INT4_SCHEMES else "plan"]:
+        for kernel in ["dequant/model", "plan"]:  # "plan": the kernels --quantize picks here
             t = time.perf_counter()
-            fixed = None if kernel in ("kernel/bf16", "plan") else kernel  # "plan": the kernels --quantize picks here
+            fixed = kernel if kernel == "dequant/model" and scheme not in INT4_SCHEMES else None  # int4: one kernel a shape
             model = quantize(copy.deepcopy(run.model), scheme, kernel=fixed, group=group, cache=fixed is None)
+            fours = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
             model = dequantized(model) if kernel == "dequant/model" else model
             loss, top = scored(model, ids)
             kept = [shared(a, b) for a, b in zip(greedy(model, prompts, args.tokens), base)]
             name = scheme if group is None else f"int8, {group or 'per-row'} per scale"
-            run_as = f"as run: {weights_note(model, '').split(',')[-1].split(':')[0].strip()}"
-            acts = {"dequant/model": "fp32", "kernel/bf16": "bf16", "plan": run_as}[kernel]
+            run_as = f"as run: {', '.join(fours) if fours else weights_note(model, '').split(',')[-1].split(':')[0].strip()}"
+            acts = {"dequant/model": "fp32", "plan": run_as}[kernel]
             print(
                 f"| {name} | {acts} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
                 f"| {100 * float((top == base_top).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |"
