@@ -26,6 +26,18 @@ VARIANTS = {
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9], [(7 * i + 2) % V for i in range(22)]]  # 22 > block
 
 
+def kernel_rounded(x, levels: int = 32767):
+    """x (…, K) as group_gemv and group_gemv4 multiply it, in float64: per block of 32,
+    round(x · (levels / max|x|)) · (max|x| / levels), the product and its rounding in float32 as the
+    kernels compute them."""
+    import torch
+
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, levels / amax, 0.0)
+    return (torch.round(blocks * inv).double() * (amax / levels).double()).view(x.shape)
+
+
 def random_model(variant: str = "mha-learned", seed: int = 0):
     """Larger-than-init random weights: decisive logits, so greedy has no near-ties."""
     import torch

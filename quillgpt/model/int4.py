@@ -44,12 +44,12 @@ def kernel_fits(out_features: int, in_features: int, group: int) -> bool:
     return out_features % 16 == 0 and group in GROUPS and in_features % group == 0
 
 
-def gemv_fits(out_features: int, in_features: int, group: int) -> bool:
+def gemv4_fits(out_features: int, in_features: int, group: int) -> bool:
     """Whether group_gemv4 takes the shape (its first call builds the C++ kernel: tens of seconds once)."""
     return in_features % 64 == 0 and group % 32 == 0 and in_features % group == 0 and group_gemv.available()
 
 
-def gemv_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
+def gemv4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
     """(q (out, in) uint8 in [0, 15], s, o (out, in / group) fp16) with w ≈ q·s + o per group:
     s = (max - min) / 15 and o = min rounded to fp16 values first, q rounded against them. None
     where fp16 cannot hold a group's range (weights past ±65504)."""
@@ -96,7 +96,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = linear.weight.shape
         self.group = group
         cpu = linear.weight.device.type == "cpu"
-        gemv = gemv_codes(linear.weight, group) if cpu and gemv_fits(self.out_features, self.in_features, group) else None
+        gemv = gemv4_codes(linear.weight, group) if cpu and gemv4_fits(self.out_features, self.in_features, group) else None
         scale = offset = scales_zeros = None
         if gemv is not None:
             self.kernel = "group_gemv4"

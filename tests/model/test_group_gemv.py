@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support import kernel_rounded
 from torch import nn
 
 from quillgpt.model import group_gemv, quant
@@ -20,13 +21,6 @@ from quillgpt.model.quant import Int8Linear, KernelPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
-
-
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel multiplies it: per block of 32, round(x / step) · step, step = max|x| / 32767."""
-    blocks = x.double().view(x.shape[0], -1, 32)
-    step = blocks.abs().amax(-1, keepdim=True) / 32767
-    return (torch.round(blocks / step.clamp(min=1e-300)) * step).view(x.shape)
 
 
 def case(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -48,7 +42,7 @@ def reference(x, q, s, o) -> torch.Tensor:
     groups = s.shape[1]
     scaled = (q.double().view(n, groups, -1) * s.double()[:, :, None]).view(n, k)
     sums = x.double().view(x.shape[0], groups, -1).sum(-1)  # (rows, groups)
-    return (rounded(x) @ scaled.t() + sums @ o.double().t()).float()
+    return (kernel_rounded(x) @ scaled.t() + sums @ o.double().t()).float()
 
 
 @needs_kernel
@@ -59,7 +53,7 @@ def test_group_gemv_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(rows
     got = group_gemv.group_gemv(x, q, s, o)
     want = reference(x, q, s, o)
     assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
-    bound = (rounded(x).abs() @ (q.double().abs() * 0.02 + 1).t()).float()  # the float sums' scale
+    bound = (kernel_rounded(x).abs() @ (q.double().abs() * 0.02 + 1).t()).float()  # the float sums' scale
     torch.testing.assert_close(got, want, rtol=0, atol=float(1e-5 * bound.max()))  # float32 sums of int16 · int8 products
     # and the int16 rounding itself is far below bf16's: against x unrounded
     plain = F.linear(x.double(), (reference(torch.eye(k), q, s, o).t()).double()).float()
@@ -90,7 +84,7 @@ def test_group_gemv4_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(row
     got = group_gemv.group_gemv4(x, group_gemv.pack4(q), s, o)
     want = reference(x, q, s, o)
     assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
-    bound = (rounded(x).abs() @ (q.double() * 0.02 + 1).t()).float()
+    bound = (kernel_rounded(x).abs() @ (q.double() * 0.02 + 1).t()).float()
     torch.testing.assert_close(got, want, rtol=0, atol=float(1e-5 * bound.max()))
 
 
@@ -168,7 +162,7 @@ def test_without_a_build_the_layers_fall_back(monkeypatch):
 
 WORKER = """
 import json, sys, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + '/tests'); sys.path.insert(0, {tests!r})
 from quillgpt.model import group_gemv
 from test_group_gemv import case, case4, reference
 assert group_gemv.available(), group_gemv.why_not()

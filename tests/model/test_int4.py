@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from support import PROMPTS, random_model
+from support import PROMPTS, kernel_rounded, random_model
 from torch import nn
 
 from quillgpt.inference.generate import generate_tokens
@@ -56,12 +56,12 @@ def test_torch_layouts_equal_their_dequantized_computation_to_rounding(no_cpp, o
 @pytest.mark.parametrize("rows", [1, 5, int4.GEMV_ROWS + 6], ids=["1", "5", "past-gemv-rows"])
 def test_group_gemv4_layout_equals_its_dequantized_computation(out_features, group, rows):
     """x rounded to int16 per 32 (group_gemv4, up to GEMV_ROWS rows) or not (F.linear beyond): the
-    dequantized weights, q·s + o with the fp16 s and o gemv_codes made."""
+    dequantized weights, q·s + o with the fp16 s and o gemv4_codes made."""
     torch.manual_seed(0)
     lin = nn.Linear(128, out_features)
     q = Int4Linear(lin, group)
     assert q.kernel == "group_gemv4" and q.codes.shape == (out_features, 64) and q.scale.dtype == torch.float16
-    codes, s, o = int4.gemv_codes(lin.weight, group)
+    codes, s, o = int4.gemv4_codes(lin.weight, group)
     w = (codes.float().view(out_features, -1, group) * s.float()[:, :, None] + o.float()[:, :, None]).view(out_features, 128)
     assert torch.equal(q.dequantized(), w)
     x = torch.randn(rows, 128)
@@ -74,14 +74,14 @@ def test_gemv_codes_round_each_weight_to_its_groups_nearest_level():
     torch.manual_seed(0)
     w = torch.randn(16, 128)
     w[2, :32] = 0.25  # a constant group: scale 0, every weight exact
-    q, s, o = int4.gemv_codes(w, 32)
+    q, s, o = int4.gemv4_codes(w, 32)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and s.dtype == o.dtype == torch.float16
     wq = (q.float().view(16, 4, 32) * s.float()[:, :, None] + o.float()[:, :, None]).view(16, 128)
     err = (wq - w).view(16, 4, 32).abs().amax(-1)
     assert bool((err <= s.float() * 0.5 + (s.float() + o.float().abs()) * 2**-10).all())  # half a level + fp16 rounding
     assert torch.equal(wq[2, :32], torch.full((32,), 0.25))
     w[5, 7] = 1e6  # past fp16: no group_gemv4 layout
-    assert int4.gemv_codes(w, 32) is None
+    assert int4.gemv4_codes(w, 32) is None
     if group_gemv.available():
         assert Int4Linear(nn.Linear(128, 48), 32).kernel == "group_gemv4"
         big = nn.Linear(128, 48)
@@ -140,7 +140,7 @@ class Bf16Reference(nn.Module):
 class Int16Reference(nn.Module):
     """A group_gemv4 layer (or an int8 head through group_gemv) computed in float64 from its
     dequantized weights: up to GEMV_ROWS rows Σ q·s·x̃ + o·Σx, with x̃ x rounded to int16 per block
-    of 32 in float32 as the kernel rounds it (the offsets take x's float sums); beyond, float x."""
+    of 32 as the kernel rounds it (support.kernel_rounded), the offsets times x's float sums; beyond, float x."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -154,11 +154,7 @@ class Int16Reference(nn.Module):
         if x2.shape[0] > int4.GEMV_ROWS:
             y = F.linear(x2.double(), self.whole)
         else:
-            blocks = x2.float().view(x2.shape[0], -1, 32)
-            amax = blocks.abs().amax(-1, keepdim=True)
-            inv = torch.where(amax > 0, 32767 / amax, 0.0)  # in float32, as the kernel computes them
-            xr = (torch.round(blocks * inv).double() * (amax / 32767).double()).view(x2.shape)
-            y = F.linear(xr, self.scaled) + F.linear(x2.double(), self.offsets)
+            y = F.linear(kernel_rounded(x2), self.scaled) + F.linear(x2.double(), self.offsets)
         y = y.float() if self.bias is None else (y + self.bias.double()).float()
         return y.view(*x.shape[:-1], -1)
 
