@@ -137,7 +137,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "group_gemv4" and x2.shape[0] <= GEMV_ROWS:
-            y = group_gemv.group_gemv4(x2.float(), self.codes, self.scale.half(), self.offset.half())
+            y = group_gemv.group_gemv4(x2.float(), self.codes, self.scale, self.offset)  # fp16 as made
         elif self.kernel == "int4pack_mm":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.codes, self.group, self._scales_zeros())
         else:

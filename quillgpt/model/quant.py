@@ -382,8 +382,8 @@ def quantize_int4(model: GPT, group: int) -> GPT:
             if isinstance(child, nn.Linear) and (g := int4.group_for(child.in_features, group)):
                 setattr(parent, name, Int4Linear(child, g))
     if isinstance(model.lm_head, nn.Linear):
-        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, SCHEMES["int8-g32"])
-        model.lm_head = head if head.runs["group_gemv"] == "group_gemv" else int4.Bf16Linear(model.lm_head)
+        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, SCHEMES["int8-g32"]) if group_gemv.available() else None
+        model.lm_head = head if head is not None and head.runs["group_gemv"] == "group_gemv" else int4.Bf16Linear(model.lm_head)
     return model
 
 
