@@ -263,22 +263,21 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
         """Symmetric quantization per row (group 0, or a group that does not divide in_features):
-        s = max|w| / 127, q = round(w / s) in [-127, 127]; or per `group` weights of a row, over
-        the group's range: s = (max - min) / 255 and o = min + 128·s rounded to fp16 values, then
-        q = round((w - o) / s) in [-128, 127] against those. A layer whose range fp16 cannot hold
-        (|w| past 65504) keeps per-row scales."""
+        s = max|w| / 127, q = round(w / s) in [-127, 127]. Or per `group` weights of a row, each
+        group in whichever of two forms reconstructs it with less squared error: over its range,
+        s = (max - min) / 255 and o = min + 128·s, q in [-128, 127]; or symmetric, s = max|w| / 127,
+        o = 0, q in [-127, 127] (exact on weights that were Q8_0, as real models' embeddings often
+        are). s and o are rounded to fp16 values first, so q rounds to what is multiplied. A layer
+        whose range fp16 cannot hold (|w| past 65504) keeps per-row scales."""
         w = linear.weight.detach()
         out, inp = w.shape
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        tiny = torch.finfo(torch.float32).tiny
         if group and inp % group == 0 and group < inp:
             wg = w.float().view(out, inp // group, group)
-            low, high = wg.amin(dim=2), wg.amax(dim=2)
-            scale = _fp16_values((high - low) / 255, w.dtype)  # as stored, so q rounds to what is multiplied
-            offset = _fp16_values(low + 128 * scale, w.dtype)
+            q, scale, offset = _group_codes(wg, w.dtype)
             if scale.isfinite().all() and offset.isfinite().all():
-                q = torch.round((wg - offset[:, :, None]) / scale.clamp(min=tiny)[:, :, None]).clamp_(-128, 127).view(out, inp)
-                return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan, offset.to(w.dtype))
+                return cls(q.view(out, inp).to(torch.int8), scale.to(w.dtype), bias, plan, offset.to(w.dtype))
+        tiny = torch.finfo(torch.float32).tiny
         scale = w.float().abs().amax(dim=1) / 127
         if (half := _fp16_values(scale, w.dtype)).isfinite().all():  # fp16 values where they hold (group_gemv reads fp16)
             scale = half
@@ -323,6 +322,21 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         scales = f"{self.group} weights per scale" if self.group else "per-channel scales"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8, {scales}"
+
+
+def _group_codes(wg: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """int8 codes, scales and offsets of weights wg (out, groups, group), each group in the form
+    (range or symmetric, see Int8Linear.from_linear) with the smaller squared error."""
+    tiny = torch.finfo(torch.float32).tiny
+    low, high = wg.amin(dim=2), wg.amax(dim=2)
+    scale = _fp16_values((high - low) / 255, dtype)
+    offset = _fp16_values(low + 128 * scale, dtype)
+    q = torch.round((wg - offset[..., None]) / scale.clamp(min=tiny)[..., None]).clamp_(-128, 127)
+    sym = _fp16_values(torch.maximum(-low, high) / 127, dtype)
+    qs = torch.round(wg / sym.clamp(min=tiny)[..., None]).clamp_(-127, 127)
+    err = (q * scale[..., None] + offset[..., None] - wg).square_().sum(dim=2)
+    use = (qs * sym[..., None] - wg).square_().sum(dim=2) <= err
+    return torch.where(use[..., None], qs, q), torch.where(use, sym, scale), torch.where(use, 0.0, offset)
 
 
 def _fp16_values(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -123,12 +123,43 @@ def test_group_wise_scales_round_each_weight_to_its_groups_nearest_step(group):
     q = Int8Linear.from_linear(lin, fixed("dequant/model"), group)
     step = q.scale.repeat_interleave(group, dim=1)
     assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + 1e-7).all())
-    qg = q.weight.view(40, -1, group)
-    assert bool((qg.amin(-1) == -128).all() and (qg.amax(-1) == 127).all())  # every group spans the full range
+    qg, ranged = q.weight.view(40, -1, group), q.offset != 0
+    spans = (qg.amin(-1) == -128) & (qg.amax(-1) == 127)  # a group over its range spans all 256 codes
+    assert bool(spans[ranged].all()) and bool((qg.abs().amax(-1)[~ranged] == 127).all())  # a symmetric one reaches ±127
     per_row = Int8Linear.from_linear(lin, fixed("dequant/model"))
     tail = slice(group, None)
     assert (q.dequantized() - lin.weight)[:, tail].abs().max() * 50 < (per_row.dequantized() - lin.weight)[:, tail].abs().max()
     assert Int8Linear.from_linear(nn.Linear(40, 8), fixed("dequant/model"), 64).group == 0  # 64 does not divide 40: per row
+
+
+def test_each_group_takes_the_form_with_less_error_and_q8_0_weights_come_back_exactly():
+    """A group quantized symmetrically (o = 0) or over its range, whichever reconstructs it better:
+    weights that are Q8_0's (fp16 d times integers up to ±127, as SmolLM2's published embedding)
+    come back exactly, where the range form alone would move them; neither form is ever worse."""
+    g = torch.Generator().manual_seed(0)
+    q8 = torch.randint(-127, 128, (64, 128), generator=g).float()
+    q8[:, ::32] = 127.0 * torch.where(torch.rand(64, 4, generator=g) < 0.5, -1.0, 1.0)  # each group reaches ±127
+    d = (torch.rand(64, 4, generator=g) * 0.01 + 1e-3).half().float().repeat_interleave(32, dim=1)
+    lin = nn.Linear(128, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(q8 * d)
+    q = Int8Linear.from_linear(lin, fixed("dequant/model"), 32)
+    assert torch.equal(q.dequantized(), lin.weight) and bool((q.offset == 0).all())
+    wg = lin.weight.detach().view(64, 4, 32)
+    low, high = wg.amin(-1), wg.amax(-1)
+    s = ((high - low) / 255).half().float()
+    ranged = (torch.round((wg - (low + 128 * s).half().float()[..., None]) / s[..., None]).clamp(-128, 127) * s[..., None]
+              + (low + 128 * s).half().float()[..., None])
+    assert not torch.equal(ranged, wg)  # the range form alone would not have kept them
+    torch.manual_seed(1)
+    lin = nn.Linear(128, 64)
+    with torch.no_grad():
+        lin.weight[:32] += 0.05  # shifted groups: the range form is the better one there
+    q = Int8Linear.from_linear(lin, fixed("dequant/model"), 32)
+    err = (q.dequantized() - lin.weight).square().view(64, 4, 32).sum(-1)
+    sym = (lin.weight.abs().view(64, 4, 32).amax(-1, keepdim=True) / 127).half().float()
+    sym_err = ((torch.round(lin.weight.view(64, 4, 32) / sym) * sym - lin.weight.view(64, 4, 32)).square().sum(-1))
+    assert bool((err <= sym_err + 1e-12).all()) and bool((q.offset[:32] != 0).any()) and bool((q.offset[32:] == 0).any())
 
 
 def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
