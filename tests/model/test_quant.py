@@ -132,10 +132,22 @@ def test_group_wise_scales_round_each_weight_to_its_groups_nearest_step(group):
     assert Int8Linear.from_linear(nn.Linear(40, 8), fixed("dequant/model"), 64).group == 0  # 64 does not divide 40: per row
 
 
+def both_forms(w, group=32):
+    """Each group of w (out, in) rebuilt in int8's two forms, as the plain computation: over its
+    range (s = (max - min) / 255, o = min + 128·s) and symmetric (s = max|w| / 127), fp16 s and o."""
+    wg = w.detach().float().view(w.shape[0], -1, group)
+    low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    s = ((high - low) / 255).half().float()
+    o = (low + 128 * s).half().float()
+    ranged = (torch.round((wg - o) / s).clamp(-128, 127) * s + o).view_as(w)
+    s = (wg.abs().amax(-1, keepdim=True) / 127).half().float()
+    return ranged, (torch.round(wg / s) * s).view_as(w)
+
+
 def test_each_group_takes_the_form_with_less_error_and_q8_0_weights_come_back_exactly():
     """A group quantized symmetrically (o = 0) or over its range, whichever reconstructs it better:
     weights that are Q8_0's (fp16 d times integers up to ±127, as SmolLM2's published embedding)
-    come back exactly, where the range form alone would move them; neither form is ever worse."""
+    come back exactly, where the range form alone would move them; neither form is ever better."""
     g = torch.Generator().manual_seed(0)
     q8 = torch.randint(-127, 128, (64, 128), generator=g).float()
     q8[:, ::32] = 127.0 * torch.where(torch.rand(64, 4, generator=g) < 0.5, -1.0, 1.0)  # each group reaches ±127
@@ -145,21 +157,15 @@ def test_each_group_takes_the_form_with_less_error_and_q8_0_weights_come_back_ex
         lin.weight.copy_(q8 * d)
     q = Int8Linear.from_linear(lin, fixed("dequant/model"), 32)
     assert torch.equal(q.dequantized(), lin.weight) and bool((q.offset == 0).all())
-    wg = lin.weight.detach().view(64, 4, 32)
-    low, high = wg.amin(-1), wg.amax(-1)
-    s = ((high - low) / 255).half().float()
-    ranged = (torch.round((wg - (low + 128 * s).half().float()[..., None]) / s[..., None]).clamp(-128, 127) * s[..., None]
-              + (low + 128 * s).half().float()[..., None])
-    assert not torch.equal(ranged, wg)  # the range form alone would not have kept them
+    assert not torch.equal(both_forms(lin.weight)[0], lin.weight)  # the range form alone would not keep them
     torch.manual_seed(1)
     lin = nn.Linear(128, 64)
     with torch.no_grad():
         lin.weight[:32] += 0.05  # shifted groups: the range form is the better one there
     q = Int8Linear.from_linear(lin, fixed("dequant/model"), 32)
-    err = (q.dequantized() - lin.weight).square().view(64, 4, 32).sum(-1)
-    sym = (lin.weight.abs().view(64, 4, 32).amax(-1, keepdim=True) / 127).half().float()
-    sym_err = ((torch.round(lin.weight.view(64, 4, 32) / sym) * sym - lin.weight.view(64, 4, 32)).square().sum(-1))
-    assert bool((err <= sym_err + 1e-12).all()) and bool((q.offset[:32] != 0).any()) and bool((q.offset[32:] == 0).any())
+    err = [(w - lin.weight).square().view(64, 4, 32).sum(-1) for w in (q.dequantized(), *both_forms(lin.weight))]
+    assert bool((err[0] <= torch.minimum(err[1], err[2]) + 1e-12).all())
+    assert bool((q.offset[:32] != 0).any()) and bool((q.offset[32:] == 0).any())  # both forms taken
 
 
 def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
