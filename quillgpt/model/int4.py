@@ -50,18 +50,31 @@ def gemv4_fits(out_features: int, in_features: int, group: int) -> bool:
 
 
 def gemv4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
-    """(q (out, in) uint8 in [0, 15], s, o (out, in / group) fp16) with w ≈ q·s + o per group:
-    s = (max - min) / 15 and o = min rounded to fp16 values first, q rounded against them. None
-    where fp16 cannot hold a group's range (weights past ±65504)."""
+    """(q (out, in) uint8 in [0, 15], s, o (out, in / group) fp16) with w ≈ q·s + o per group, each
+    group in whichever of two forms reconstructs it with less squared error: over its range
+    (llama.cpp's Q4_1), s = (max - min) / 15 and o = min; or symmetric (Q4_0), s = -m / 8 for the
+    weight m of largest magnitude and o = -8·s. s and o are rounded to fp16 values first, q
+    against them, so weights that were either form come back exactly. None where fp16 cannot
+    hold a group's range (weights past ±65504)."""
     out, inp = w.shape
     wg = w.detach().float().view(out, inp // group, group)
     low, high = wg.amin(dim=2), wg.amax(dim=2)
     s, o = ((high - low) / 15).half(), low.half()
     if not (s.isfinite().all() and o.isfinite().all()):
         return None
-    step = s.float().clamp(min=torch.finfo(torch.float32).tiny)[:, :, None]
-    q = torch.round((wg - o.float()[:, :, None]) / step).clamp_(0, 15)
-    return q.view(out, inp).to(torch.uint8), s, o
+    q = _codes(wg, s, o)
+    s0 = torch.where(-low > high, low, high).div(-8).half()  # Q4_0: the largest magnitude maps to code 0
+    q0 = _codes(wg, s0, (-8 * s0.float()).half())
+    err = (q * s.float()[..., None] + o.float()[..., None] - wg).square_().sum(dim=2)
+    use = ((q0 - 8) * s0.float()[..., None] - wg).square_().sum(dim=2) < err
+    s, o = torch.where(use, s0, s), torch.where(use, (-8 * s0.float()).half(), o)
+    return torch.where(use[..., None], q0, q).view(out, inp).to(torch.uint8), s, o
+
+
+def _codes(wg: Tensor, s: Tensor, o: Tensor) -> Tensor:
+    """Codes in [0, 15] of weights wg (out, groups, group) against fp16 s and o (out, groups)."""
+    step = torch.where(s != 0, s.float(), 1.0)[:, :, None]  # Q4_0's s is negative where its largest weight is
+    return torch.round((wg - o.float()[:, :, None]) / step).clamp_(0, 15)
 
 
 def int4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor]:

@@ -70,16 +70,28 @@ def test_group_gemv4_layout_equals_its_dequantized_computation(out_features, gro
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def test_gemv_codes_round_each_weight_to_its_groups_nearest_level():
+def range_form(w, group=32):
+    """Each group of w rebuilt over its range (Q4_1: s = (max - min) / 15, o = min, fp16), plainly."""
+    wg = w.float().view(w.shape[0], -1, group)
+    low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    s, o = ((high - low) / 15).half().float(), low.half().float()
+    return (torch.round((wg - o) / torch.where(s > 0, s, 1.0)).clamp(0, 15) * s + o).view_as(w)
+
+
+def test_gemv_codes_take_the_better_of_two_forms_and_round_each_weight_to_a_level():
     torch.manual_seed(0)
     w = torch.randn(16, 128)
     w[2, :32] = 0.25  # a constant group: scale 0, every weight exact
     q, s, o = int4.gemv4_codes(w, 32)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and s.dtype == o.dtype == torch.float16
     wq = (q.float().view(16, 4, 32) * s.float()[:, :, None] + o.float()[:, :, None]).view(16, 128)
-    err = (wq - w).view(16, 4, 32).abs().amax(-1)
-    assert bool((err <= s.float() * 0.5 + (s.float() + o.float().abs()) * 2**-10).all())  # half a level + fp16 rounding
+    err = (wq - w).square().view(16, 4, 32).sum(-1)
+    assert bool((err <= (range_form(w) - w).square().view(16, 4, 32).sum(-1) + 1e-9).all())  # never worse than Q4_1
     assert torch.equal(wq[2, :32], torch.full((32,), 0.25))
+    wg = w.view(16, 4, 32)
+    ranged = s == ((wg.amax(-1) - wg.amin(-1)) / 15).half()  # the groups in Q4_1's form
+    half = (wq - w).view(16, 4, 32).abs().amax(-1) <= s.float().abs() * 0.5 + (s.float().abs() + o.float().abs()) * 2**-10
+    assert bool(half[ranged].all())  # half a level + fp16 rounding
     w[5, 7] = 1e6  # past fp16: no group_gemv4 layout
     assert int4.gemv4_codes(w, 32) is None
     if group_gemv.available():
@@ -87,6 +99,25 @@ def test_gemv_codes_round_each_weight_to_its_groups_nearest_level():
         big = nn.Linear(128, 48)
         big.weight.data[0, 0] = 1e6
         assert Int4Linear(big, 32).kernel == "int4pack_mm"
+
+
+def test_q4_0_and_q4_1_weights_come_back_exactly_in_the_gemv_layout():
+    """Weights that were llama.cpp's Q4_0 ((q - 8)·d, fp16 d) or Q4_1 (q·d + m) are rebuilt exactly:
+    each group takes the form that fits it (here no Q4_0 group uses code 15, so Q4_1's form alone
+    would move them)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 15, (32, 128), generator=g).float()
+    q[:, ::32] = 0  # the largest magnitude in each group, as Q4_0 makes it
+    d = (torch.randn(32, 4, generator=g) * 0.01).half().float().repeat_interleave(32, dim=1)
+    q4_0 = (q - 8) * d
+    q[:, 1::32] = 15
+    m = (torch.randn(32, 4, generator=g) * 0.05).half().float().repeat_interleave(32, dim=1)
+    q4_1 = q * d.abs() + m
+    for w in (q4_0, q4_1):
+        codes, s, o = int4.gemv4_codes(w, 32)
+        rebuilt = (codes.float().view(32, 4, 32) * s.float()[:, :, None] + o.float()[:, :, None]).view(32, 128)
+        assert torch.equal(rebuilt, w)
+    assert not torch.equal(range_form(q4_0), q4_0)
 
 
 def test_codes_round_each_weight_to_its_groups_nearest_level():
