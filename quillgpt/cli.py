@@ -79,7 +79,7 @@ WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run dire
 QUANT_OPT = typer.Option(
     "none",
     "--quantize",
-    help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-g32: a scale and an offset per 32 weights (closer to the float weights, slow kernels); int4 (int4-g64, int4-g128): 4-bit weights with a scale and a zero per 32 (64, 128) weights through quill's C++ kernel where it builds (else torch's int4pack), the head int8 (bf16 without the kernel); none: the float weights.",
+    help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-g32: a scale and an offset per 32 weights, each group symmetric or over its range, whichever is closer (through quill's C++ kernel group_gemv at a few rows); int4 (int4-g64, int4-g128): 4-bit weights with a scale and a zero per 32 (64, 128) weights through quill's C++ kernel where it builds (else torch's int4pack), the head int8 (bf16 without the kernel); none: the float weights.",
 )
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""What int8 weights cost in quality: `quill eval --quantize int8` against fp32 on trained runs.
+"""What quantized weights cost in quality: `quill eval --quantize SCHEME` against fp32 on trained runs.
 
     python scripts/quant_quality.py --ckpt out/shakespeare_char_3m --ckpt out/shakespeare_gpt2_small
+    python scripts/quant_quality.py --ckpt out/shakespeare_char_3m --scheme int8 --scheme int8-g32 --scheme int4
 
-For each run (its prepared val split, as `quill eval` scores it): the loss and bits per byte of
-the float model and of the same weights quantized at load (`--quantize int8`: the kernels
-measured fastest here), the loss difference (target ≤ 0.5%, at most 1%), and greedy agreement
+For each run and scheme (int8 unless --scheme is given; its prepared val split, as `quill eval`
+scores it): the loss and bits per byte of the float model and of the same weights quantized at
+load (`--quantize SCHEME`: the kernels it takes here), the loss difference, and greedy agreement
 over --tokens new tokens: how many leading greedy tokens int8 shares with fp32 from a prompt
 taken from the val text (greedy decoding parts for good at the first near-tie), and the top-1
 agreement of the two models on the val text itself, teacher-forced over --tokens positions
@@ -37,49 +38,49 @@ from quillgpt.data.prepare import load_tokens  # noqa: E402
 from quillgpt.evaluate.scores import EvalResult, evaluate_checkpoint  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT, evaluating  # noqa: E402
-from quillgpt.model.quant import plan_of, quantize  # noqa: E402
+from quillgpt.model.quant import quantize, weights_note  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
 
-def greedy_prefix(fp32: GPT, int8: GPT, prompt: list[int], n: int) -> int:
+def greedy_prefix(fp32: GPT, quant: GPT, prompt: list[int], n: int) -> int:
     """Leading greedy tokens the two models share after `prompt` (of n)."""
     a = torch.cat(list(generate_tokens(fp32, [prompt], n)))
-    b = torch.cat(list(generate_tokens(int8, [prompt], n)))
+    b = torch.cat(list(generate_tokens(quant, [prompt], n)))
     differ = (a != b).nonzero()
     return int(differ[0, 0]) if len(differ) else n
 
 
-def top1_agreement(fp32: GPT, int8: GPT, tokens: torch.Tensor, n: int) -> tuple[float, int]:
+def top1_agreement(fp32: GPT, quant: GPT, tokens: torch.Tensor, n: int) -> tuple[float, int]:
     """Fraction of positions where both models' most likely next token is the same, on the
     first whole block_size windows of the text covering n positions (teacher-forced); and how
     many positions that was."""
     block = fp32.config.block_size
     x = tokens[: -(-n // block) * block].view(-1, block)
-    with evaluating(fp32), evaluating(int8):
+    with evaluating(fp32), evaluating(quant):
         a = fp32(x, all_logits=True)[0].argmax(-1)
-        b = int8(x, all_logits=True)[0].argmax(-1)
+        b = quant(x, all_logits=True)[0].argmax(-1)
     return float((a == b).float().mean()), a.numel()
 
 
-def compare(path: Path, n: int) -> dict[str, object]:
+def compare(path: Path, n: int, scheme: str) -> dict[str, object]:
     fp32_eval: EvalResult = evaluate_checkpoint(path, device="cpu")[0]
-    int8_eval: EvalResult = evaluate_checkpoint(path, device="cpu", quantize="int8")[0]
+    quant_eval: EvalResult = evaluate_checkpoint(path, device="cpu", quantize=scheme)[0]
     run = load_run(path, device="cpu")
-    int8 = quantize(copy.deepcopy(run.model), "int8")  # as quill eval --quantize int8 runs it
-    plan = plan_of(int8)
+    quant = quantize(copy.deepcopy(run.model), scheme)  # as quill eval --quantize runs it
     val = torch.from_numpy(load_tokens(run.config.data.out_dir, "val")[: n + run.config.model.block_size].astype("int64"))
     prompt = val[:16].tolist()
-    agree, positions = top1_agreement(run.model, int8, val, n)
+    agree, positions = top1_agreement(run.model, quant, val, n)
     return {
         "run": f"{path.name} ({run.model.num_params() / 1e6:.2f}M, {run.tokenizer.name}, step {run.step})",
+        "scheme": scheme,
         "fp32 loss": f"{fp32_eval.loss:.4f}",
-        "int8 loss": f"{int8_eval.loss:.4f}",
-        "Δ loss": f"{100 * (int8_eval.loss - fp32_eval.loss) / fp32_eval.loss:+.2f}%",
+        "quantized loss": f"{quant_eval.loss:.4f}",
+        "Δ loss": f"{100 * (quant_eval.loss - fp32_eval.loss) / fp32_eval.loss:+.2f}%",
         "fp32 bits/byte": f"{fp32_eval.bits_per_byte:.4f}",
-        "int8 bits/byte": f"{int8_eval.bits_per_byte:.4f}",
-        f"greedy: same first tokens of {n:,}": f"{greedy_prefix(run.model, int8, prompt, n):,}",
+        "quantized bits/byte": f"{quant_eval.bits_per_byte:.4f}",
+        f"greedy: same first tokens of {n:,}": f"{greedy_prefix(run.model, quant, prompt, n):,}",
         "top-1 agreement on val": f"{100 * agree:.1f}% of {positions:,}",
-        "kernels (decode; long inputs)": f"{plan.pick(1)}; {plan.pick(10**6)}",
+        "kernels": weights_note(quant, sep=""),
     }
 
 
@@ -87,8 +88,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", type=Path, action="append", required=True, help="a trained run directory (repeatable)")
     p.add_argument("--tokens", type=int, default=1000, help="greedy tokens and val positions compared (default 1,000)")
+    p.add_argument("--scheme", action="append", default=[], help="a --quantize scheme (repeatable; default int8)")
     args = p.parse_args()
-    rows = [compare(path, args.tokens) for path in args.ckpt]
+    rows = [compare(path, args.tokens, scheme) for path in args.ckpt for scheme in args.scheme or ["int8"]]
     head = list(rows[0])
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
