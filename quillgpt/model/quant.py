@@ -233,8 +233,9 @@ class KernelPlan:
 class Int8Linear(nn.Module):
     """y = x·Wᵀ + b with W from int8 q (out, in): W = q·s with one scale per output channel (out,),
     or W = q·s + o with a scale and an offset per group of `group` inputs of each output channel
-    (out, in / group) — a group's 256 levels then span its weights' range, s and o fp16 values
-    (kept in the model's dtype, and as fp16 for group_gemv, which streams them). The float bias
+    (out, in / group) — each group symmetric (o = 0) or its 256 levels over its range, whichever
+    rebuilds it better (`from_linear`); s and o fp16 values (kept in the model's dtype, and as fp16
+    for group_gemv, which streams them). The float bias
     b. The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
