@@ -211,7 +211,8 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
     const __m512i x1 = _mm512_loadu_si512((const void*)(xq + 32 * b + 32));
     for (int r = 0; r < R; ++r) {
       const uint8_t* w = q + r * row_bytes;
-      if (!FOUR || b % 4 == 0) _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), FOUR ? _MM_HINT_T0 : _MM_HINT_T1);  // a line a row
+      if (!FOUR || b % 4 == 0)  // a line a row
+        _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), FOUR ? _MM_HINT_T0 : _MM_HINT_T1);
       if constexpr (FOUR) {  // 64 codes in 32 bytes: low nibbles block b, high nibbles block b + 1
         const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * b));
         add(r, _mm512_cvtepu8_epi16(_mm256_and_si256(v, low)), x0, b);

@@ -268,8 +268,9 @@ class Int8Linear(nn.Module):
         group in whichever of two forms reconstructs it with less squared error: over its range,
         s = (max - min) / 255 and o = min + 128·s, q in [-128, 127]; or symmetric, s = max|w| / 127,
         o = 0, q in [-127, 127] (exact on weights that were Q8_0, as real models' embeddings often
-        are). s and o are rounded to fp16 values first, so q rounds to what is multiplied. A layer
-        whose range fp16 cannot hold (|w| past 65504) keeps per-row scales."""
+        are). s and o are rounded to fp16 values first, so q rounds to what is multiplied. A group
+        whose offset fp16 cannot hold is kept symmetric; a layer with a group neither form holds
+        (|w| past 127 × 65504) keeps per-row scales, in fp32 where fp16 cannot hold them either."""
         w = linear.weight.detach()
         out, inp = w.shape
         bias = None if linear.bias is None else linear.bias.detach().clone()

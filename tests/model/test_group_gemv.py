@@ -130,10 +130,10 @@ def test_group_wise_scales_are_fp16_values_and_q_rounds_against_them():
     # each weight within half a step of what is multiplied (the step and offset as stored)
     err = (q.dequantized() - lin.weight.detach()).view(32, 8, 32).abs().amax(-1)
     assert (err <= q.scale * 0.5 + 1e-7).all()
-    lin.weight.data[3, 7] = 1e6  # a range fp16 cannot hold per group: this layer keeps per-row scales
+    lin.weight.data[3, 7] = 1e6  # an offset fp16 cannot hold (~5e5 + 128·s): that group is kept symmetric
     wide = Int8Linear.from_linear(lin, KernelPlan((1,), ("dequant/model",)), 32)
-    assert wide.group == 0 and torch.isfinite(wide.dequantized()).all()
-    lin.weight.data[3, 7] = 1e7  # nor per row (1e7 / 127 > 65504): fp32 scales, and no group_gemv
+    assert wide.group == 32 and wide.offset[3, 0] == 0 and torch.isfinite(wide.dequantized()).all()
+    lin.weight.data[3, 7] = 1e7  # neither form (1e7 / 127 > 65504), nor per row: fp32 scales, and no group_gemv
     wider = Int8Linear.from_linear(lin, KernelPlan((1,), ("dequant/model",)), 32)
     assert wider.scale_half is None and wider.runs["group_gemv"] == "dequant/model"
     assert wider.scale[3] == torch.tensor(1e7 / 127)
