@@ -331,8 +331,9 @@ def _isa() -> str:
     return isa
 
 
-def _name() -> str:
-    """Source, CPU and flags in the name: a build for AVX-512 must not be loaded on an AVX2 machine."""
+def build_name() -> str:
+    """Source, CPU and flags in the name: a build for AVX-512 must not be loaded on an AVX2 machine,
+    and a kernel plan measured with another build is measured again (quant.cached_plan)."""
     key = SOURCE + torch.backends.cpu.get_cpu_capability() + torch.__version__ + _isa()
     return f"quill_group_gemv_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
@@ -351,7 +352,7 @@ def available() -> bool:
         # a plain library registering quill::group_gemv's CPU kernel: torch.ops calls it from C++,
         # ~7 us a call less than a Python custom op (121 calls a SmolLM2 token)
         load_inline(
-            _name(),
+            build_name(),
             cpp_sources=[SOURCE],
             extra_cflags=["-O3", *ISA_FLAGS[_isa()], "-fopenmp"],
             extra_ldflags=["-fopenmp"],

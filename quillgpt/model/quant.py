@@ -417,6 +417,7 @@ def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) ->
         "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
         "block": [(q.out_features, q.in_features, q.group) for _, q in block],
         "candidates": _candidates(every[0][1]),  # a kernel added (or one that now builds) measures again
+        "group_gemv": group_gemv.build_name() if "group_gemv" in _candidates(every[0][1]) else None,  # a changed build too
     }
     k = kernel_cache.key(w.device, shape) if cache else ""
     if cache and (hit := kernel_cache.lookup(k)) is not None:

@@ -384,6 +384,9 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     assert len(calls) == 36
     plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
     assert len(calls) == 45
+    monkeypatch.setattr(quant.group_gemv, "build_name", lambda: "quill_group_gemv_another_build")
+    replan = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))  # the C++ kernel changed: measured
+    assert replan.source.startswith("measured in ") if quant.group_gemv.available() else replan.source == "cached"
     (tmp_path / "cache" / "kernel_plans.json").write_text("not json")
     assert plan_of(quantize(random_model("mha-learned"), "int8", cache=True)).source.startswith("measured in ")  # a bad file: ignored
 
