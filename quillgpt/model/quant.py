@@ -235,8 +235,8 @@ class Int8Linear(nn.Module):
     or W = q·s + o with a scale and an offset per group of `group` inputs of each output channel
     (out, in / group) — each group symmetric (o = 0) or its 256 levels over its range, whichever
     rebuilds it better (`from_linear`); s and o fp16 values (kept in the model's dtype, and as fp16
-    for group_gemv, which streams them). The float bias
-    b. The same call as nn.Linear: (…, in) → (…, out) in x's dtype."""
+    for group_gemv, which streams them). The float bias b. The same call as nn.Linear:
+    (…, in) → (…, out) in x's dtype."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
         super().__init__()
@@ -410,14 +410,14 @@ HEAD_PLAN = KernelPlan((int4.GEMV_ROWS,), ("group_gemv", "dequant/model"))
 
 def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:
     """measure_plan's plan, or (cache) the one stored for this machine and these layers' shapes."""
-    w = every[0][0].weight
+    w, candidates = every[0][0].weight, _candidates(every[0][1])
     shape = {
         "dtype": str(w.dtype),
         "rows": rows,
         "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
         "block": [(q.out_features, q.in_features, q.group) for _, q in block],
-        "candidates": _candidates(every[0][1]),  # a kernel added (or one that now builds) measures again
-        "group_gemv": group_gemv.build_name() if "group_gemv" in _candidates(every[0][1]) else None,  # a changed build too
+        "candidates": candidates,  # a kernel added (or one that now builds) measures again
+        "group_gemv": group_gemv.build_name() if "group_gemv" in candidates else None,  # a changed build too
     }
     k = kernel_cache.key(w.device, shape) if cache else ""
     if cache and (hit := kernel_cache.lookup(k)) is not None:
