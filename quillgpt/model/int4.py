@@ -1,9 +1,9 @@
-"""Weight-only int4: each group of G weights along a row keeps 16 levels between its own minimum
-and maximum, so a decode step streams about a sixth of fp32's weight bytes. Three layouts, the
-first that fits a layer on this machine:
+"""Weight-only int4: each group of G weights along a row keeps 16 levels, so a decode step streams
+about a sixth of fp32's weight bytes. Three layouts, the first that fits a layer on this machine:
 
-- "group_gemv4": W = q·s + o with q in [0, 15], an fp16 scale s = (max - min) / 15 and offset
-  o = min per group (llama.cpp's Q4_1), through quill's C++ kernel (model/group_gemv.py: x rounded
+- "group_gemv4": W = q·s + o with q in [0, 15] and an fp16 scale and offset per group, each group
+  over its range (llama.cpp's Q4_1) or symmetric (Q4_0), whichever rebuilds it better
+  (gemv4_codes), through quill's C++ kernel (model/group_gemv.py: x rounded
   to int16 per 32, 20 bytes per 32 weights) for inputs up to GEMV_ROWS rows; beyond, the weight
   is dequantized once for the call and F.linear multiplies (a prompt's forward). It takes K a
   multiple of 64 and G of 32 where the kernel builds. On SmolLM2 (2-core EPYC, AVX-512) its decode
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.model import group_gemv
+from quillgpt.model import group_codes, group_gemv
 
 GROUPS = (32, 64, 128, 256)  # what the kernels take
 # group_gemv4 up to this many input rows, dequantize + F.linear beyond: on a (3072, 576) layer
@@ -56,40 +56,28 @@ def gemv4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
     weight m of largest magnitude and o = -8·s. s and o are rounded to fp16 values first, q
     against them, so weights that were either form come back exactly. None where fp16 cannot
     hold a group's range (weights past ±65504)."""
-    out, inp = w.shape
-    wg = w.detach().float().view(out, inp // group, group)
-    low, high = wg.amin(dim=2), wg.amax(dim=2)
+    wg, low, high = group_codes.grouped(w, group)
     s, o = ((high - low) / 15).half(), low.half()
     if not (s.isfinite().all() and o.isfinite().all()):
         return None
-    q = _codes(wg, s, o)
     s0 = torch.where(-low > high, low, high).div(-8).half()  # Q4_0: the largest magnitude maps to code 0
-    q0 = _codes(wg, s0, (-8 * s0.float()).half())
-    err = (q * s.float()[..., None] + o.float()[..., None] - wg).square_().sum(dim=2)
-    use = ((q0 - 8) * s0.float()[..., None] - wg).square_().sum(dim=2) < err
-    s, o = torch.where(use, s0, s), torch.where(use, (-8 * s0.float()).half(), o)
-    return torch.where(use[..., None], q0, q).view(out, inp).to(torch.uint8), s, o
-
-
-def _codes(wg: Tensor, s: Tensor, o: Tensor) -> Tensor:
-    """Codes in [0, 15] of weights wg (out, groups, group) against fp16 s and o (out, groups)."""
-    step = torch.where(s != 0, s.float(), 1.0)[:, :, None]  # Q4_0's s is negative where its largest weight is
-    return torch.round((wg - o.float()[:, :, None]) / step).clamp_(0, 15)
+    o0 = (-8 * s0.float()).half()
+    ranged = (group_codes.codes(wg, s, o, 0, 15), s, o)
+    q, s, o = group_codes.better(wg, ranged, (group_codes.codes(wg, s0, o0, 0, 15), s0, o0))
+    return q.view(w.shape).to(torch.uint8), s, o
 
 
 def int4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """(q (out, in) int32 in [0, 15], scales_zeros (in / group, out, 2) bf16) with
     w ≈ (q - 8)·s + z per group: s = (max - min) / 15 and z = min + 8·s over each group's weights,
     both rounded to bf16 first so q rounds against the values the kernel multiplies by."""
-    out, inp = w.shape
-    wg = w.detach().float().view(out, inp // group, group)
-    low, high = wg.amin(dim=2), wg.amax(dim=2)
+    wg, low, high = group_codes.grouped(w, group)
     scale = ((high - low) / 15).to(torch.bfloat16).float()
     zero = (low + 8 * scale).to(torch.bfloat16).float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((wg - zero[:, :, None]) / safe[:, :, None] + 8).clamp_(0, 15)
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return q.view(out, inp).to(torch.int32), scales_zeros
+    return q.view(w.shape).to(torch.int32), scales_zeros
 
 
 def dequantize(q: Tensor, scales_zeros: Tensor, group: int) -> Tensor:

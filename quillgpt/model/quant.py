@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.errors import QuillError
-from quillgpt.model import group_gemv, int4, kernel_cache
+from quillgpt.model import group_codes, group_gemv, int4, kernel_cache
 from quillgpt.model.fusion import stored
 from quillgpt.model.gpt import GPT
+from quillgpt.model.group_codes import Form
 from quillgpt.model.int4 import Int4Linear
 
 # scheme → weights per scale (0: one per output channel, symmetric; else a scale and an offset per
@@ -275,8 +276,7 @@ class Int8Linear(nn.Module):
         out, inp = w.shape
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if group and inp % group == 0 and group < inp:
-            wg = w.float().view(out, inp // group, group)
-            q, scale, offset = _group_codes(wg, w.dtype)
+            q, scale, offset = _group_codes(w, group)
             if scale.isfinite().all() and offset.isfinite().all():
                 return cls(q.view(out, inp).to(torch.int8), scale.to(w.dtype), bias, plan, offset.to(w.dtype))
         tiny = torch.finfo(torch.float32).tiny
@@ -326,19 +326,16 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8, {scales}"
 
 
-def _group_codes(wg: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """int8 codes, scales and offsets of weights wg (out, groups, group), each group in the form
-    (range or symmetric, see Int8Linear.from_linear) with the smaller squared error."""
-    tiny = torch.finfo(torch.float32).tiny
-    low, high = wg.amin(dim=2), wg.amax(dim=2)
-    scale = _fp16_values((high - low) / 255, dtype)
-    offset = _fp16_values(low + 128 * scale, dtype)
-    q = torch.round((wg - offset[..., None]) / scale.clamp(min=tiny)[..., None]).clamp_(-128, 127)
-    sym = _fp16_values(torch.maximum(-low, high) / 127, dtype)
-    qs = torch.round(wg / sym.clamp(min=tiny)[..., None]).clamp_(-127, 127)
-    err = (q * scale[..., None] + offset[..., None] - wg).square_().sum(dim=2)
-    use = (qs * sym[..., None] - wg).square_().sum(dim=2) <= err
-    return torch.where(use[..., None], qs, q), torch.where(use, sym, scale), torch.where(use, 0.0, offset)
+def _group_codes(w: Tensor, group: int) -> Form:
+    """int8 codes, scales and offsets of w's groups, each in the form (symmetric or over its range,
+    see Int8Linear.from_linear) with the smaller squared error."""
+    wg, low, high = group_codes.grouped(w, group)
+    sym = _fp16_values(torch.maximum(-low, high) / 127, w.dtype)
+    symmetric = (group_codes.codes(wg, sym, torch.zeros_like(sym), -127, 127), sym, torch.zeros_like(sym))
+    scale = _fp16_values((high - low) / 255, w.dtype)
+    offset = _fp16_values(low + 128 * scale, w.dtype)
+    ranged = (group_codes.codes(wg, scale, offset, -128, 127), scale, offset)
+    return group_codes.better(wg, symmetric, ranged)
 
 
 def _fp16_values(t: Tensor, dtype: torch.dtype) -> Tensor:
