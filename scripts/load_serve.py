@@ -19,6 +19,7 @@ whole run is bounded by --time-limit.
 
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu --quantize int8   # int8 linears
+    python scripts/load_serve.py --ckpt out/smollm2 --quantize int8-g32 --compile --tokens 64 --max-batch 16
 """
 
 from __future__ import annotations
@@ -192,12 +193,16 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         "--quantize",
         args.quantize,
     ]
+    if args.compile:
+        cmd.append("--compile")
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    line = proc.stderr.readline()
-    found = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
+    seen: list[str] = []  # warnings and --compile's lines come before the one with the address
+    while not (found := re.search(r"(http://127\.0\.0\.1:\d+)/", line := proc.stderr.readline())) and line:
+        seen.append(line)
+        print(line.strip(), flush=True)
     if not found:
         proc.kill()
-        sys.exit(f"quill serve did not start: {line.strip()} {proc.stderr.read()[-2000:]}")
+        sys.exit(f"quill serve did not start: {''.join(seen)[-2000:]}")
     print(line.strip(), flush=True)
     return proc, found.group(1)
 
@@ -209,7 +214,8 @@ def main() -> None:
     where.add_argument("--url", help="a running server on a loopback address, e.g. http://127.0.0.1:8000")
     parser.add_argument("--max-batch", type=int, default=32, help="--max-batch of the server this script starts")
     parser.add_argument("--device", default="auto", help="--device of the server this script starts")
-    parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8 or none)")
+    parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8, int8-g32, int4 or none)")
+    parser.add_argument("--compile", action="store_true", help="start the server with --compile (its decode step compiled)")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument(
         "--tokens", type=int, default=None, help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)"

@@ -42,20 +42,28 @@ def tiny_run_dir(out: Path, shakespeare_path: Path, seed: int = 0, **model: obje
 
 @contextmanager
 def running_server(
-    run_dir: Path, max_batch: int = 4, engine=None, drain_s: float = 2.0, head_timeout_s: float = 10.0, **options
+    run_dir: Path,
+    max_batch: int = 4,
+    engine=None,
+    drain_s: float = 2.0,
+    head_timeout_s: float = 10.0,
+    compile: bool = False,
+    **options,
 ) -> Iterator[tuple[str, object]]:
     """Serve run_dir on 127.0.0.1:<free port> in a thread; yields (base URL, app); always stops.
-    `engine`: a function of the model that makes the engine (default: an Engine of max_batch
-    rows); app.state.server is the uvicorn server (set should_exit to start its shutdown)."""
-    from quillgpt.inference.engine import Engine
+    `engine`: a function of the model that makes the engine (default: make_app's, an Engine of
+    max_batch rows, `compile`d as quill serve --compile); app.state.server is the uvicorn server
+    (set should_exit to start its shutdown)."""
     from quillgpt.serve.batcher import Batcher
     from quillgpt.serve.routes import ServeOptions, create_app
-    from quillgpt.serve.server import listen, model_id, uvicorn_server
+    from quillgpt.serve.server import listen, make_app, model_id, uvicorn_server
 
     run = load_run(run_dir)
     opts = replace(ServeOptions(model_id=model_id(run_dir)), **options)
-    made = engine(run.model) if engine is not None else Engine(run.model, max_rows=max_batch)
-    app = create_app(run, Batcher(made, max_waiting=opts.max_waiting), opts)
+    if engine is None:
+        app = make_app(run, opts, max_batch, compile=compile)
+    else:
+        app = create_app(run, Batcher(engine(run.model), max_waiting=opts.max_waiting), opts)
     sock = listen("127.0.0.1", 0)
     server = uvicorn_server(app, drain_s=drain_s, log_level="warning", head_timeout_s=head_timeout_s)
     app.state.server = server

@@ -20,6 +20,7 @@ from typing import Any
 from quillgpt.data.chat_template import TRANSCRIPT_STOPS, Message, conversation_ids
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
+from quillgpt.inference.compiled_step import shared_capacity
 from quillgpt.inference.driver import TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
@@ -47,13 +48,16 @@ class ReplyStats:
     prompt_tokens: int = 0
     tokens: int = 0
     prefill_s: float = 0.0  # the prompt and the first token
-    seconds: float = 0.0  # the whole reply, prefill included
+    seconds: float = 0.0  # the whole reply, prefill and compiling included
+    compile_s: float = 0.0  # of seconds: compiling the decode step (compile=True, a new cache size)
 
     def line(self) -> str:
-        rest = self.seconds - self.prefill_s
+        rest = self.seconds - self.prefill_s - self.compile_s
         rate = f", {(self.tokens - 1) / rest:.1f} tokens/s after the first" if self.tokens > 1 and rest > 0 else ""
         prefill = f"prompt {self.prompt_tokens} tokens, {self.prefill_s * 1e3:.0f} ms to the first"
-        return f"({self.tokens} token(s) in {self.seconds:.2f}s{rate}; {prefill})"
+        # (a graph an earlier reply compiled: its first call takes milliseconds, not worth a word)
+        compiled = f"; compiling the decode step {self.compile_s:.1f}s" if self.compile_s >= 0.05 else ""
+        return f"({self.tokens} token(s) in {self.seconds:.2f}s{rate}; {prefill}{compiled})"
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], tuple[str, ...]]:
@@ -72,12 +76,14 @@ def fitting(model: GPT, prompt_len: int, max_new_tokens: int) -> int:
 
 
 class ChatSession:
-    """The messages so far and the settings every reply is sampled with."""
+    """The messages so far and the settings every reply is sampled with. compile: each reply's
+    decode step compiled (the cache sized by compiled_step.shared_capacity, so later replies reuse
+    the graph until the conversation outgrows it)."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None) -> None:
+    def __init__(self, model: GPT, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None, compile: bool = False) -> None:
         if params.max_new_tokens < 1:
             raise QuillError(f"a reply needs max_new_tokens of at least 1 (it is {params.max_new_tokens}); pass -n 1 or more")
-        self.model, self.tokenizer, self.params, self.system = model, tokenizer, params, system
+        self.model, self.tokenizer, self.params, self.system, self.compile = model, tokenizer, params, system, compile
         self.messages: list[Message] = []
         self.last = ReplyStats()  # the last reply's speed (/stats)
         self.reset()
@@ -94,12 +100,15 @@ class ChatSession:
         params = dataclasses.replace(
             self.params, stop=self.params.stop + stops, max_new_tokens=fitting(self.model, len(ids), self.params.max_new_tokens)
         )
-        batch = TextBatch(make_engine(self.model, 1, tokens=len(ids) + params.max_new_tokens), self.tokenizer)
+        tokens = len(ids) + params.max_new_tokens
+        engine = make_engine(self.model, 1, compile=self.compile, tokens=shared_capacity(tokens) if self.compile else tokens)
+        batch = TextBatch(engine, self.tokenizer)
         said: list[str] = []
         self.last = ReplyStats(prompt_tokens=len(ids))
         try:
             for piece in _pieces(batch, ids, params, self.last):
                 said.append(piece)
+                self.last.compile_s = engine.compile_s
                 yield piece
         finally:
             batch.leave(0)

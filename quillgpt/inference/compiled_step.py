@@ -64,6 +64,16 @@ def compiled_step(model: GPT, cuda: bool) -> Callable[..., Tensor]:
     return own[key]
 
 
+MIN_SHARED = 1024
+
+
+def shared_capacity(tokens: int) -> int:
+    """A cache size for `tokens` that engines made one after another can share, so they share the
+    compiled graph (its shapes include the cache's capacity; a new capacity is a new compile):
+    the next power of two, at least MIN_SHARED. quill chat's turns: one compile per doubling."""
+    return max(MIN_SHARED, 1 << max(0, tokens - 1).bit_length())
+
+
 def model_guards_dropped(entries: list[Any]) -> list[bool]:
     """dynamo's guard filter: keep the KEPT kinds and the tensor guards but those on the model's own
     tensors (its weights: their names, dtypes and shapes are in the structure key)."""

@@ -247,7 +247,7 @@ class Rows:
                 seen[r, torch.tensor(prompt_ids, device=self.device)] = True
             try:
                 logits = self._first_logits(r, row, ids)  # (V,)
-                _, toks, bad = self._draw(logits[None], [r])
+                _, toks, bad = self._draw(logits[None], [r], first=r)
             except QuillError:
                 raise
             except Exception as e:
@@ -270,9 +270,10 @@ class Rows:
         active = self.active_rows()
         if not active:
             return []
+        width = self._width(active)  # the step runs rows 0..width-1, every active row among them
         try:
-            logits = self._step_logits(active)  # (max_rows, V); idle rows' logits unused
-            nxt, ids, bad = self._draw(logits, [r if self._rows[r] is not None else None for r in range(self.max_rows)])
+            logits = self._step_logits(active, width)  # (width, V); idle rows' logits unused
+            nxt, ids, bad = self._draw(logits, [r if self._rows[r] is not None else None for r in range(width)])
         except Exception as e:  # the shared step failed: it fails the rows in it, the engine goes on
             error = RowFailed.of("the decode step", e)
             return [self._fail(r, error) for r in active]
@@ -309,7 +310,11 @@ class Rows:
     def _started(self, r: int, row: _Row, tok: int) -> None:
         pass
 
-    def _step_logits(self, active: list[int]) -> Tensor:
+    def _width(self, active: list[int]) -> int:
+        """How many rows (from row 0) a step runs: all of them, unless an engine knows better."""
+        return self.max_rows
+
+    def _step_logits(self, active: list[int], width: int) -> Tensor:
         raise NotImplementedError
 
     def _after_step(self, nxt: Tensor) -> None:
@@ -323,25 +328,25 @@ class Rows:
             self._seen = torch.zeros(self.max_rows, V, dtype=torch.bool, device=self.device)
         return self._seen
 
-    def _draw(self, logits: Tensor, rows: list[int | None]) -> tuple[Tensor, list[int], list[bool]]:
-        """(n, V) logits → (n,) device tokens, the same as ints, and which rows' logits were not
-        finite (their token is meaningless): the step's one wait for the device."""
+    def _draw(self, logits: Tensor, rows: list[int | None], first: int = 0) -> tuple[Tensor, list[int], list[bool]]:
+        """(n, V) logits of rows first..first+n-1 → (n,) device tokens, the same as ints, and which
+        rows' logits were not finite (their token is meaningless): the step's one wait for the device."""
         # a non-finite logit makes its row's sum non-finite (as do logits past ~1e34, as broken): one
         # vectorized pass where isfinite().all() took ~100 us over SmolLM2's 49,152 logits
         bad = ~logits.sum(dim=-1).isfinite()  # (n,)
         if any(r is not None and not self._rows[r].params.greedy for r in rows):
             logits = logits.masked_fill(bad[:, None], 0.0)  # a bad row draws harmlessly (argmax takes any row)
-        nxt = self._sample(logits, rows)
+        nxt = self._sample(logits, rows, first)
         ids, flags = torch.stack([nxt, bad.long()]).tolist()
         return nxt, ids, [bool(b) for b in flags]
 
-    def _sample(self, logits: Tensor, rows: list[int | None]) -> Tensor:
-        """(n, V) logits, row i belonging to row rows[i] (None: idle) → (n,) device tokens."""
+    def _sample(self, logits: Tensor, rows: list[int | None], first: int) -> Tensor:
+        """(n, V) logits, row i belonging to row rows[i] = first + i (None: idle) → (n,) device tokens."""
         live = [None if r is None else self._rows[r] for r in rows]
         params = [None if row is None else row.params for row in live]
         seen = None
         if any(p is not None and p.repetition_penalty != 1.0 for p in params):
-            seen = self._seen if len(rows) == self.max_rows else self._seen[rows[0] : rows[0] + 1]
+            seen = self._seen[first : first + len(rows)]
         return sample_rows(logits, params, [None if row is None else row.generator for row in live], seen)
 
     def _advance(self, r: int, tok: int) -> RowToken:
@@ -383,8 +388,31 @@ class Engine(Rows):
         self.compiled = bool(compile) and self.static
         self._all_slots = self.compiled and self.device.type == "cuda"  # else attend over the filled slots
         self._compiled = None
-        if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: one graph, dynamic in n_keys
+        # the widths a step may run (rows 0..width-1): eager, any (None: up to the last busy row, so
+        # one request on a 16-row server costs one row's step); compiled, each width is a graph of its
+        # own, so all rows until warm() has compiled the powers of two
+        self._widths: list[int] | None = None
+        self._compiled_widths: set[int] = set()
+        if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: dynamic in n_keys
             self._compiled = compiled_step(self.model, cuda=self._all_slots)
+            self._widths = [max_rows]
+
+    @torch.inference_mode()
+    def warm(self) -> float:
+        """Compile the decode step now (compile=True), not in a row's step: a server compiles before
+        it listens, so no request waits for it. On a CPU one graph per power-of-two width up to
+        max_rows, so a step runs the narrowest that holds its busy rows (CUDA: all rows, as ever).
+        One step over the idle rows each, whose cache is then forgotten. Returns compile_s."""
+        if self._compiled is None or self.capacity < 2:
+            return self.compile_s  # (n_keys 1 would be a graph of its own: dynamo specializes sizes 0 and 1)
+        if self.active_rows():
+            raise RuntimeError("warm() needs every row idle: it decodes them all once and forgets their cache")
+        widths = [self.max_rows] if self._all_slots else sorted({min(1 << i, self.max_rows) for i in range(self.max_rows.bit_length() + 1)})
+        for width in widths:
+            self._decode(2, masked=True, width=width)
+        self._widths = widths
+        self.cache.reset()
+        return self.compile_s
 
     def release(self, row: int) -> None:
         super().release(row)
@@ -419,12 +447,16 @@ class Engine(Rows):
         logits, _ = self.model(idx, pos=pos, cache=cache, rows=rows, prefix_len=prefix)  # the prompt: the prefix
         return logits[0, -1].float()
 
-    def _step_logits(self, active: list[int]) -> Tensor:
-        """(rows, V) float logits of every row's next token: one fixed-shape decode over all rows,
-        then a refill prefill for each learned-position row past block_size."""
+    def _width(self, active: list[int]) -> int:
+        need = max(active) + 1  # (add takes the lowest free row: busy rows gather at the start)
+        return need if self._widths is None else min(w for w in self._widths if w >= need)
+
+    def _step_logits(self, active: list[int], width: int) -> Tensor:
+        """(width, V) float logits of rows 0..width-1's next tokens: one fixed-shape decode over
+        those rows, then a refill prefill for each learned-position row past block_size."""
         rows = [self._rows[r] for r in active]
         if not self.static:  # each row its own cache, one token at its position
-            logits = torch.zeros(self.max_rows, self.model.config.vocab_size, device=self.device)
+            logits = torch.zeros(width, self.model.config.vocab_size, device=self.device)
             for r, row in zip(active, rows):
                 out, _ = self.model(self._tok[r].view(1, 1), pos=self._pos[r].view(1, 1), cache=row.cache)
                 logits[r] = out[0, -1].float()
@@ -436,33 +468,36 @@ class Engine(Rows):
             # rows of one length hold the same latest positions, all visible (capacity ≤ span): no mask
             # (eager only: compiled, the mask is fused and one graph serves every step)
             masked = self.compiled or len(lengths) > 1
-            logits = self._decode(n_keys, masked).float()
+            logits = self._decode(n_keys, masked, width).float()
         refills = [r for r, row in zip(active, rows) if row.refill]
         if refills:
             fresh = torch.stack([self.prefill(r, list(self._rows[r].tokens)) for r in refills])
             if logits is None:
-                logits = torch.zeros(self.max_rows, fresh.shape[1], device=self.device)
+                logits = torch.zeros(width, fresh.shape[1], device=self.device)
             logits = logits.index_copy(0, torch.tensor(refills, device=self.device), fresh)
         return logits
 
-    def _decode(self, n_keys: int | None, masked: bool) -> Tensor:
-        """GPT.decode of every row's newest token, eager or compiled (CPU: over a view of the filled
-        slots' positions whose length is marked dynamic, so one graph serves every n_keys)."""
+    def _decode(self, n_keys: int | None, masked: bool, width: int) -> Tensor:
+        """GPT.decode of rows 0..width-1's newest tokens, eager or compiled (CPU: over a view of the
+        filled slots' positions whose length is marked dynamic, so one graph serves every n_keys)."""
+        tok, pos = self._tok[:width], self._pos[:width]
         if self._compiled is None:
-            return self.model.decode(self._tok, self._pos, self.cache, n_keys, masked)
-        key_pos = self.cache.pos[:, :n_keys]
+            return self.model.decode(tok, pos, self.cache, n_keys, masked)
+        key_pos = self.cache.pos[:width, :n_keys]
         if n_keys is not None:
             torch._dynamo.maybe_mark_dynamic(key_pos, 1)  # a view of the whole buffer stays static
-        if self.compile_s:
-            return self._compiled(self.model, self._tok, self._pos, self.cache, key_pos)
-        start = time.perf_counter()  # the first call compiles (or loads inductor's cache of an earlier run)
-        logits = self._compiled(self.model, self._tok, self._pos, self.cache, key_pos)
-        self.compile_s = time.perf_counter() - start
+        if width in self._compiled_widths:
+            return self._compiled(self.model, tok, pos, self.cache, key_pos)
+        start = time.perf_counter()  # a width's first call compiles (or loads inductor's cache of an earlier run)
+        logits = self._compiled(self.model, tok, pos, self.cache, key_pos)
+        self.compile_s += time.perf_counter() - start
+        self._compiled_widths.add(width)
         return logits
 
     def _after_step(self, nxt: Tensor) -> None:
-        self._tok.copy_(nxt)  # next inputs stay on the device; idle rows keep position 0
-        self._pos += self._live
+        width = nxt.shape[0]  # next inputs stay on the device; idle rows keep position 0
+        self._tok[:width].copy_(nxt)
+        self._pos[:width] += self._live[:width]
 
     def _continue(self, r: int, row: _Row, tok: int) -> None:
         if self.crops and row.length > self.context and not row.refill:

@@ -37,8 +37,8 @@ class Recompute(Rows):
     def _first_logits(self, r: int, row: _Row, ids: list[int]) -> Tensor:
         return self._logits([r])[0]
 
-    def _step_logits(self, active: list[int]) -> Tensor:
-        logits = torch.zeros(self.max_rows, self.model.config.vocab_size, device=self.device)
+    def _step_logits(self, active: list[int], width: int) -> Tensor:
+        logits = torch.zeros(width, self.model.config.vocab_size, device=self.device)
         return logits.index_copy(0, torch.tensor(active, device=self.device), self._logits(active))
 
     def _logits(self, active: list[int]) -> Tensor:

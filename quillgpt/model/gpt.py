@@ -252,8 +252,8 @@ class GPT(nn.Module):
         return logits if c is None else c * torch.tanh(logits / c)
 
     def decode(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None = None, masked: bool = True) -> Tensor:
-        """One new token per row: idx, pos (R,) → next-token logits (R, V); each row's keys and
-        values go to its cache slot pos % capacity and it attends over the cache with the shared
+        """One new token per row: idx, pos (R,) → next-token logits (R, V), for the cache's first R
+        rows; each row's keys and values go to its slot pos % capacity and it attends over them with the shared
         mask rule. Fixed shapes, no host syncs, no checks (what the engine runs, and compiles): the
         caller keeps positions valid (learned: < block_size). n_keys: attend over the first n_keys
         slots only (they must hold every visible key; None = all, the compiled step's shape).
@@ -262,7 +262,7 @@ class GPT(nn.Module):
         at = cache.decode_slots(pos)  # (row, slot) of each new key
         mask = None
         if masked:
-            mask = attention_mask(pos[:, None], cache.pos[:, :n_keys], self.span)  # (R, 1, 1, S)
+            mask = attention_mask(pos[:, None], cache.pos[: len(pos), :n_keys], self.span)  # (R, 1, 1, S)
             mask = stored(mask_to_bias(mask, self.dtype))  # once, not in each layer's attention
         x = self.transformer.wte(idx)  # (R, C)
         if self.config.pos == "learned":

@@ -129,13 +129,14 @@ class KVCache:
         return at
 
     def write_one(self, layer: int, k: Tensor, v: Tensor, at: SlotIndex, n_keys: int | None = None) -> tuple[Tensor, Tensor]:
-        """One new token per row, k, v (R, KV, 1, hd), at `at`: the decode step's fixed-shape
-        write. Returns the (R, KV, n_keys or capacity, hd) buffers to attend over."""
+        """One new token per row, k, v (R, KV, 1, hd), at `at` (the cache's first R rows): the decode
+        step's fixed-shape write. Returns those rows' (R, KV, n_keys or capacity, hd) buffers to attend over."""
         ks, vs = self.k[layer], self.v[layer]
         rows, slots = at
         ks[rows, :, slots] = k[:, :, 0] if k.dtype == ks.dtype else k[:, :, 0].to(ks.dtype)  # (R, KV, hd)
         vs[rows, :, slots] = v[:, :, 0] if v.dtype == vs.dtype else v[:, :, 0].to(vs.dtype)
-        return ks[:, :, :n_keys], vs[:, :, :n_keys]
+        R = k.shape[0]
+        return ks[:R, :, :n_keys], vs[:R, :, :n_keys]
 
 
 @dataclass(frozen=True)

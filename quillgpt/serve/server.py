@@ -29,16 +29,22 @@ if TYPE_CHECKING:
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
-def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch.dtype | None = None) -> FastAPI:
-    """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows."""
+def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch.dtype | None = None, compile: bool = False) -> FastAPI:
+    """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows; compile: its
+    decode step compiled here (Engine.warm), before any request can wait for it."""
+    from quillgpt.device import release_thread_pool
     from quillgpt.inference.engine import Engine
     from quillgpt.serve.batcher import Batcher
     from quillgpt.serve.routes import create_app
 
     tokens = options.max_prompt_tokens + options.max_tokens  # the most a request's row can hold
     fix = "serve fewer rows at once (--max-batch) or use a smaller dtype (--dtype bfloat16)"
-    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens, memory_fix=fix)
-    return create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens, memory_fix=fix, compile=compile)
+    compile_s = engine.warm()
+    release_thread_pool()  # the batcher's thread runs the engine from here on
+    app = create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
+    app.state.compiled, app.state.compile_s = engine.compiled, compile_s
+    return app
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -103,6 +109,7 @@ def serve(
     dtype: str = "float32",
     quantize: str = "none",
     cors: str | None = None,
+    compile: bool = False,
     drain_s: float = 5.0,
     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
@@ -127,8 +134,12 @@ def serve(
         ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme, rows=max_batch
     )  # int8 kernels measured at the engine's decode batch
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
-    app = make_app(run, options, max_batch)
-    weights = quant.weights_note(run.model, "; ")
+    if compile:
+        announce("compiling the decode step (30-60 s the first time on a machine, seconds from inductor's cache)")
+    app = make_app(run, options, max_batch, compile=compile)
+    if app.state.compiled:
+        announce(f"compiled the decode step in {app.state.compile_s:.1f}s")
+    weights = quant.weights_note(run.model, "; ", compiled=app.state.compiled)
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host

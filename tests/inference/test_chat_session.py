@@ -143,6 +143,25 @@ def test_chat_quantize_int8_replies_with_the_int8_model(imported, fixed_int8_ker
     assert e.value.code == 2 and "--quantize must be int8, int8-g32, int4, int4-g64, int4-g128 or none, got 'int5'" in err
 
 
+def test_a_compiled_chat_replies_as_eager_and_later_replies_reuse_its_graph(imported, monkeypatch, capsys):
+    """quill chat --compile: each reply is the eager session's; the cache is sized by
+    shared_capacity, so the second (longer) reply runs the first one's graph: only the first
+    reply's speed line counts a compile."""
+    eager = ChatSession(imported.model, imported.tokenizer, GREEDY)
+    compiled = ChatSession(imported.model, imported.tokenizer, GREEDY, compile=True)
+    assert "".join(compiled.reply("Who is Romeo?")) == "".join(eager.reply("Who is Romeo?"))
+    first = compiled.last
+    assert first.compile_s > 0.05 and "; compiling the decode step" in first.line()
+    assert "".join(compiled.reply("And Juliet?")) == "".join(eager.reply("And Juliet?"))
+    assert compiled.last.compile_s < 0.05 and "compiling" not in compiled.last.line()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Who is Romeo?\n"))
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--ckpt", str(imported.path), "--which", "latest", "-n", "12", "--temperature", "0", "--compile"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and out == f"> {eager.messages[1]['content']}\n> \n"
+    assert "compiling the decode step" in err
+
+
 def test_a_failed_reply_is_one_error_and_a_hostile_top_p_replies_greedily(quill_run, monkeypatch):
     """The engine's row failures reach the chat as one QuillError (not a traceback), whether the
     prefill's logits are not finite or a later step's are; a top_p below float32's smallest value
@@ -161,7 +180,7 @@ def test_a_failed_reply_is_one_error_and_a_hostile_top_p_replies_greedily(quill_
     with pytest.raises(QuillError, match=r"the reply failed: .*not finite"):
         "".join(ChatSession(broken, quill_run.tokenizer, GREEDY).reply("Speak."))
     step = engine_mod.Engine._step_logits
-    monkeypatch.setattr(engine_mod.Engine, "_step_logits", lambda self, active: step(self, active) * float("nan"))
+    monkeypatch.setattr(engine_mod.Engine, "_step_logits", lambda self, active, width: step(self, active, width) * float("nan"))
     session = ChatSession(quill_run.model, quill_run.tokenizer, GREEDY)
     with pytest.raises(QuillError, match=r"the reply failed: .*not finite"):
         "".join(session.reply("Speak."))

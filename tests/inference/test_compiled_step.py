@@ -70,3 +70,8 @@ def test_a_model_keeps_its_step_and_a_changed_model_compiles_anew():
     assert Engine(model, 2, compile=True)._compiled is not first
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
     assert torch.equal(compiled, torch.stack(list(generate_tokens(model, PROMPTS, params=params)), 1))
+
+
+def test_shared_capacity_doubles_from_a_floor_and_always_holds_the_tokens():
+    assert [cs.shared_capacity(t) for t in (1, 2, 1024, 1025, 3000, 4096, 4097)] == [1024, 1024, 1024, 2048, 4096, 4096, 8192]
+    assert all(cs.shared_capacity(t) >= t for t in range(1, 20_000, 37))

@@ -187,6 +187,55 @@ def test_compiled_decode_equals_eager(variant):
     assert engine.compiled and engine.compile_s > 0  # the first call's time: compiling (the stats line's)
 
 
+def test_a_step_runs_the_rows_up_to_the_last_busy_one_and_each_row_decodes_as_alone(monkeypatch):
+    """One request on a many-row engine (a server's) costs a one-row step, not max_rows: the step
+    runs rows 0..last busy; rows joining and leaving keep their tokens (each as it decodes alone)."""
+    model = random_model("rope-window-gqa")
+    params = replace(GREEDY, max_new_tokens=8, repetition_penalty=1.3)
+    alone = [torch.stack(list(generate_tokens(model, [p], params=params)))[:, 0].tolist() for p in PROMPTS[:2]]
+    engine, widths = Engine(model, 8), []
+    decode = model.decode
+    monkeypatch.setattr(model, "decode", lambda idx, *a, **k: widths.append(len(idx)) or decode(idx, *a, **k))
+    got = {0: [engine.add(PROMPTS[0], params).token]}
+    got[0] += [t.token for t in engine.step()]
+    got[1] = [engine.add(PROMPTS[1], params).token]
+    for _ in range(7):
+        for t in engine.step():
+            got[t.row].append(t.token)
+    assert widths == [1] + [2] * 7  # after row 0 ends (its 8th token) row 1 is alone, in row 1: still 2 rows
+    assert got == {0: alone[0], 1: alone[1]}
+
+
+def test_warm_compiles_a_graph_per_width_before_any_row_and_rows_decode_as_eager():
+    """Engine.warm (quill serve --compile compiles before it listens): a graph for each power-of-two
+    width up to max_rows, so rows' steps compile nothing and run the narrowest graph that holds them;
+    their tokens are the eager engine's (warm's steps over idle rows leave no trace); a busy engine
+    refuses to warm; an eager one has nothing to warm."""
+    model = random_model("rope-window-gqa")
+    params = replace(GREEDY, max_new_tokens=12)
+    assert Engine(model, 3).warm() == 0.0
+    engine = Engine(model, 3, compile=True)
+    compile_s = engine.warm()
+    assert compile_s > 0 and engine._compiled_widths == {1, 2, 3} and engine.warm() == compile_s
+    tokens = {0: [engine.add(PROMPTS[0], params).token]}
+    tokens[0] += [t.token for t in engine.step()]  # one row: the one-row graph
+    tokens[1] = [engine.add(PROMPTS[1], params).token]
+    for _ in range(10):
+        for t in engine.step():
+            tokens[t.row].append(t.token)
+    assert engine.compile_s == compile_s  # the rows' steps ran warm graphs
+    eager = torch.stack(list(generate_tokens(model, PROMPTS[:2], params=params)), 1).tolist()
+    assert tokens[0] == eager[0] and tokens[1] == eager[1][:11]
+    with pytest.raises(RuntimeError, match="every row idle"):
+        _busy(model, params).warm()
+
+
+def _busy(model: GPT, params: SamplingParams) -> Engine:
+    engine = Engine(model, 1, compile=True)
+    engine.add(PROMPTS[0], params)
+    return engine
+
+
 RECIPE_OPTIONS = {"relu2-qknorm-softcap-rope": {"mlp": "relu2", "qk_norm": True, "logit_softcap": 5.0, "pos": "rope"}}
 
 
@@ -276,12 +325,12 @@ class Faults:
             logits = first(r, row, ids)
             return logits * float("nan") if fault == "nan" else logits
 
-        def step_logits(active):
+        def step_logits(active, width):
             fault, self.step = self.step, None
             if fault == "raise":
                 raise RuntimeError("injected decode failure")
-            logits = shared(active)
-            if fault is not None:
+            logits = shared(active, width)
+            if fault is not None and fault[1] < width:  # (a row past the step's width is idle: no logits)
                 logits = logits.clone()
                 logits[fault[1]] = float("inf") if fault[1] % 2 else float("nan")
             return logits

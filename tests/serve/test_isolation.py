@@ -44,8 +44,8 @@ class Poisoned:
                 self.mark[r] = (mark, 3)
             return logits
 
-        def step_logits(active):
-            logits = shared(active).clone()
+        def step_logits(active, width):
+            logits = shared(active, width).clone()
             for r in active:
                 if r in self.mark:
                     mark, left = self.mark[r]

@@ -283,6 +283,18 @@ def test_client_that_leaves_frees_its_row(server, http, monkeypatch):
     assert "(cut: the client left before the end of the stream)" in lines[1], lines  # the stream the client left
 
 
+def test_a_compiled_server_compiles_before_it_listens_and_answers_as_eager(run_dir):
+    """quill serve --compile: make_app compiles the engine's decode step (Engine.warm) before the
+    server starts; the batcher's thread then runs that graph, and the replies are the eager ones."""
+    run = load_run(run_dir)
+    want, _ = generate_text(run.model, run.tokenizer, "ROMEO:", 30)
+    with running_server(run_dir, max_batch=2, compile=True) as (url, app), httpx.Client(base_url=url, timeout=60) as http:
+        assert app.state.compiled and app.state.compile_s > 0
+        for _ in range(2):
+            got = complete(http, prompt="ROMEO:", max_tokens=30, temperature=0)
+            assert got["choices"][0]["text"] == want[0]
+
+
 def test_engine_task_stop_ids_and_cancel(run_dir):
     """The batcher alone: a stop id ends a row with finish "stop" (its text not included)."""
     run = load_run(run_dir)
