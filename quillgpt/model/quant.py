@@ -294,12 +294,14 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.group and x.dim() == 2 and torch.compiler.is_compiling():
-            # the compiled decode step, a few rows: group_gemv (one extern kernel), else one fused loop;
-            # int8pack_mm's group-wise form crashes inductor's lowering (its spread input is computed),
-            # so dequantize for more rows
-            if x.shape[0] <= FUSED_ROWS and self.runs["group_gemv"] == "group_gemv":
+            # the compiled decode step: group_gemv (one extern kernel) up to FUSED_ROWS rows, and past them
+            # where the plan measured it fastest (a 16-row server: dequantizing every weight each step
+            # cost more); else one fused loop for a few rows, and dequantize for more (int8pack_mm's
+            # group-wise form crashes inductor's lowering: its spread input is computed)
+            m, gemv = x.shape[0], self.runs["group_gemv"] == "group_gemv"
+            if gemv and (m <= FUSED_ROWS or self.plan.pick(m) == "group_gemv"):
                 return self.linear(x, "group_gemv")
-            kernel = grouped_sum if x.shape[0] <= FUSED_ROWS else dequant_linear
+            kernel = grouped_sum if m <= FUSED_ROWS else dequant_linear
             return self._out(kernel(x, self.weight, self.scale, self.offset), x)
         if x.dim() == 2:  # (M, in): the decode step
             return self.linear(x, self.plan.pick(x.shape[0]))
@@ -467,7 +469,8 @@ def _int8_note(layers: list[Int8Linear], group: int, sep: str, compiled: bool) -
     if group and compiled:
         gemv = any(m.runs["group_gemv"] == "group_gemv" for m in layers)
         how = "group_gemv in the compiled step" if gemv else "grouped_sum fused into the compiled step"
-        return f"{sep}int8 weights ({group} per scale), {how} (up to {FUSED_ROWS} rows)"
+        more = " and where measured fastest" if gemv and layers[0].plan.pick(layers[0].plan.rows) == "group_gemv" else ""
+        return f"{sep}int8 weights ({group} per scale), {how} (up to {FUSED_ROWS} rows{more})"
     return f"{sep}{layers[0].plan.describe(f' ({group} per scale)' if group else ' (per-channel scales)')}"
 
 
