@@ -16,7 +16,8 @@ The static cache holds `max_rows` rows of (kv_heads, capacity, head_dim) per lay
 once; `step` runs one fixed-shape decode over rows 0..w-1, idle ones among them, each writing one
 token at its own position: eagerly w is the last busy row + 1 (`add` takes the lowest free row),
 so one request on a 16-row server costs a one-row step; compiled, w is max_rows, or after
-`warm()` the narrowest of the power-of-two widths it compiled. Past block_size (model/gpt.py's semantics, the same in both engines):
+`warm()` the narrowest of the power-of-two widths it compiled. Past block_size (model/gpt.py's
+semantics, the same in both engines):
 * RoPE: absolute positions, the cache is a ring of the last span keys: decoding goes on as is.
   A prompt longer than the receptive field n_layer·(span-1)+1 is cropped to it (same logits).
 * learned positions: the context is the last block_size tokens at positions 0..block_size-1, so
