@@ -121,15 +121,8 @@ def serve(
     require_extra()
     from quillgpt.serve.routes import ServeOptions
 
-    if not 1 <= max_batch <= 1024:
-        raise QuillError(f"--max-batch must be between 1 and 1024, got {max_batch}")
-    if max_tokens < 1:
-        raise QuillError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if not 0 <= port <= 65535:
-        raise QuillError(f"--port must be between 0 and 65535, got {port}")
+    _check_settings(max_batch, max_tokens, port, api_key)
     torch_dtype, scheme = parse_dtype(dtype), quant.parse_quantize(quantize)
-    if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
-        raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
     run = load_run(
         ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme, rows=max_batch
     )  # int8 kernels measured at the engine's decode batch
@@ -149,14 +142,31 @@ def serve(
     )
     if host not in LOOPBACK and api_key is None:
         announce(f"warning: listening on {host} without an API key: anyone who can reach it can use the model")
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends like Ctrl-C: drained, exit 0
+    _run_until_stopped(app, sock, drain_s)
+    announce("stopped")
+
+
+def _check_settings(max_batch: int, max_tokens: int, port: int, api_key: str | None) -> None:
+    """The server's own settings, each wrong one as one line (before the checkpoint loads)."""
+    if not 1 <= max_batch <= 1024:
+        raise QuillError(f"--max-batch must be between 1 and 1024, got {max_batch}")
+    if max_tokens < 1:
+        raise QuillError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if not 0 <= port <= 65535:
+        raise QuillError(f"--port must be between 0 and 65535, got {port}")
+    if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
+        raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
+
+
+def _run_until_stopped(app: FastAPI, sock: socket.socket, drain_s: float) -> None:
+    """uvicorn on `sock` until SIGINT or SIGTERM (which ends like Ctrl-C: drained, exit 0)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn_server(app, drain_s).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once the drain is done
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-    announce("stopped")
 
 
 def _interrupt(signum: int, frame: object) -> None:
