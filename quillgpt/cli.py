@@ -79,7 +79,7 @@ WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run dire
 COMPILE_OPT = typer.Option(
     False,
     "--compile/--no-compile",
-    help="torch.compile the decode step: about twice the tokens/s with --quantize int8, int8-g32 or int4 on a CPU; compiling takes 30-60 s the first time on a machine, seconds from inductor's cache after that.",
+    help="torch.compile the decode step (quill serve: before it listens): about twice the tokens/s with --quantize int8, int8-g32 or int4 on a CPU; compiling takes 30-60 s the first time on a machine, seconds from inductor's cache after that.",
 )
 QUANT_OPT = typer.Option(
     "none",
@@ -416,11 +416,7 @@ def serve_cmd(
     cors: str | None = typer.Option(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."
     ),
-    compile: bool = typer.Option(
-        False,
-        "--compile/--no-compile",
-        help="torch.compile the decode step before listening: about twice the tokens/s with --quantize int8, int8-g32 or int4 on a CPU; compiling takes 30-60 s the first time on a machine, seconds from inductor's cache after that.",
-    ),
+    compile: bool = COMPILE_OPT,
 ) -> None:
     """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
 

@@ -333,7 +333,8 @@ def _group_codes(w: Tensor, group: int) -> Form:
     see Int8Linear.from_linear) with the smaller squared error."""
     wg, low, high = group_codes.grouped(w, group)
     sym = _fp16_values(torch.maximum(-low, high) / 127, w.dtype)
-    symmetric = (group_codes.codes(wg, sym, torch.zeros_like(sym), -127, 127), sym, torch.zeros_like(sym))
+    zero = torch.zeros_like(sym)
+    symmetric = (group_codes.codes(wg, sym, zero, -127, 127), sym, zero)
     scale = _fp16_values((high - low) / 255, w.dtype)
     offset = _fp16_values(low + 128 * scale, w.dtype)
     ranged = (group_codes.codes(wg, scale, offset, -128, 127), scale, offset)
