@@ -26,6 +26,7 @@ to ~15-40 tokens/s and quill's int8 from ~25 to ~13, so compare rows only under 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import os
@@ -47,6 +48,7 @@ from bench import read_bandwidth, step_weight_bytes  # noqa: E402
 from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
+from quillgpt.model import native_block  # noqa: E402
 from quillgpt.model.quant import quantize, weights_note  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
@@ -54,13 +56,14 @@ PROMPT = "Give me three tips for sleeping better."
 Decode = Callable[[], float]  # one timed generation → tokens/s
 
 
-def quill_row(model, ids: list[int], n: int, compile: bool = False) -> Decode:
+def quill_row(model, ids: list[int], n: int, compile: bool = False, native: bool = True) -> Decode:
     def run() -> float:
-        gen = generate_tokens(model, [ids], n, temperature=0.0, compile=compile)
-        next(gen)  # the prompt's forward: not timed
-        t = time.perf_counter()
-        steps = sum(1 for _ in gen)
-        return steps / (time.perf_counter() - t)
+        with contextlib.nullcontext() if native else native_block.off():
+            gen = generate_tokens(model, [ids], n, temperature=0.0, compile=compile)
+            next(gen)  # the prompt's forward: not timed
+            t = time.perf_counter()
+            steps = sum(1 for _ in gen)
+            return steps / (time.perf_counter() - t)
 
     return run
 
@@ -135,6 +138,8 @@ def rows_of(args: argparse.Namespace, work: Path) -> dict[str, tuple[Decode, int
             quantize(model, name, cache=True)
         bytes_ = step_weight_bytes(model)
         rows[f"quill {name}"] = (quill_row(model, ids, n), bytes_, weights_note(model, "").split(":")[0])
+        if args.op_by_op and name not in ("fp32", "bf16"):
+            rows[f"quill {name}, op by op"] = (quill_row(model, ids, n, native=False), bytes_, "without the native decode block")
         if args.compile:
             rows[f"quill {name}, compiled"] = (quill_row(model, ids, n, compile=True), bytes_, "torch.compile'd decode step")
     if args.hf:
@@ -158,6 +163,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--quill", nargs="+", default=["fp32", "int8", "int4"], help="quill rows: fp32, bf16 or a --quantize scheme")
     p.add_argument("--compile", action="store_true", help="also time each quill row with the compiled decode step")
+    p.add_argument("--op-by-op", action="store_true", help="also time each quantized row without the native decode block")
     args = p.parse_args()
     policy = os.environ.get("OMP_WAIT_POLICY", "unset")
     print(f"{cpu_name()}, OMP_WAIT_POLICY {policy}; load average before: {os.getloadavg()}", flush=True)

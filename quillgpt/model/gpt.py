@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
+from quillgpt.model import native_block
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
 from quillgpt.model.fusion import stored
 from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, prefix_worth_sharing
@@ -102,6 +103,11 @@ class Block(nn.Module):
         self.attn = variant.attention(cfg)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
+        self._native: dict = {}  # native_block.memo_arguments' memo
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Block:
+        self._native.clear()  # model.to() replaces the buffers the memo holds
+        return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor, inputs: LayerInputs, layer: int = 0) -> tuple[Tensor, Tensor | None]:
         a, weights = self.attn(self.ln_1(x), inputs, layer)
@@ -109,8 +115,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), weights
 
     def decode(self, x: Tensor, **attn_kwargs: Any) -> Tensor:
-        """forward for the decode step, x (R, C) in eval mode: the same ops without nn.Module
-        calls or the (identity) dropouts, whose overhead is ~10% of a one-token step."""
+        """forward for the decode step, x (R, C) in eval mode: one native call where the block
+        fits (model/native_block.py), else the same ops without nn.Module calls or the (identity)
+        dropouts, whose overhead is ~10% of a one-token step."""
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            cache = attn_kwargs["cache"]
+            args = native_block.memo_arguments(self, self._native, x.shape[0])
+            if args is not None and cache.k[attn_kwargs["layer"]].dtype == torch.float32:
+                return native_block.decode(x, args, **attn_kwargs)
         x = x + self.attn.decode(self.ln_1.forward(x), **attn_kwargs)
         mlp = self.mlp
         return x + mlp.c_proj.forward(mlp.act(mlp.c_fc.forward(self.ln_2.forward(x))))

@@ -135,6 +135,12 @@ class Int4Linear(nn.Module):
         q = torch.stack([low, high], dim=-1).view(self.out_features, self.in_features)
         return dequantize(q, self.scales_zeros, self.group)
 
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(4-bit codes, fp16 s, fp16 o) for native_block, where this layer runs group_gemv4 at `rows` rows."""
+        if self.kernel != "group_gemv4" or rows > GEMV_ROWS:
+            return None
+        return self.codes, self.scale, self.offset
+
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "group_gemv4" and x2.shape[0] <= GEMV_ROWS:

@@ -308,6 +308,12 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         return self.linear(x2, self.plan.pick(x2.shape[0])).view(*x.shape[:-1], self.out_features)
 
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(int8 q, fp16 s, fp16 o) for native_block, where this layer runs group_gemv at `rows` rows."""
+        if self.runs["group_gemv"] != "group_gemv" or self.plan.pick(rows) != "group_gemv":
+            return None
+        return self.weight, self.scale_half, self.offset_half
+
     def linear(self, x: Tensor, kernel: str) -> Tensor:
         """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
         kern = KERNELS[self.runs[kernel]]

@@ -1,0 +1,294 @@
+// One pre-norm decoder block's decode step in one call (model/native_block.py says when it runs):
+// x (R, C) one token per row → x + attn(norm1(x)), then + mlp(norm2(x)), with the four linears in
+// group_gemv's int8 or 4-bit layout. One OpenMP region runs the whole block: the threads split each
+// linear's output columns and the attention's heads, and meet at a barrier between phases, where
+// the op-by-op step pays a kernel launch (and, eager, Python) for each of ~15 ops. Compiled after
+// group_gemv.cpp, in the same library: it reuses round_x, Weights and gemv_columns.
+#include <cstring>
+#include <omp.h>
+
+// e^x for x ≤ 0 (0 below -87: masked keys), 2^n·p(r) with Cephes' polynomial, written so the loop
+// over keys vectorizes (std::exp does not: a scalar call a key)
+static inline float exp_le0(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (int32_t(std::max(n, -126.f)) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+// softmax(q·kᵀ/√hd + bias)·v for one query head over S keys (rows ks apart), p: S floats of scratch
+static void attend_head(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, int64_t hd,
+                        float* p, float* y) {
+  const float scale = 1.f / std::sqrt(float(hd));
+  float m = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) {
+    if (bias && bias[s] == -INFINITY) {
+      p[s] = -INFINITY;
+      continue;
+    }
+    const float* kr = k + s * ks;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < hd; ++d) acc += q[d] * kr[d];
+    p[s] = acc * scale + (bias ? bias[s] : 0.f);
+    m = std::max(m, p[s]);
+  }
+  float l = 0.f;
+#pragma omp simd reduction(+ : l)
+  for (int64_t s = 0; s < S; ++s) {
+    p[s] = exp_le0(p[s] - m);
+    l += p[s];
+  }
+  for (int64_t d = 0; d < hd; ++d) y[d] = 0.f;
+  for (int64_t s = 0; s < S; ++s) {
+    const float ps = p[s];
+    if (ps == 0.f) continue;
+    const float* vr = v + s * ks;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) y[d] += ps * vr[d];
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int64_t d = 0; d < hd; ++d) y[d] *= inv;
+}
+
+#if defined(__AVX512F__)
+// attend_head for hd = 16·V, the query and the output in registers: the portable loop's horizontal
+// sum a key and its stores of y a key cost ~4x (SmolLM2, 256 keys: 30 layers' attention ~1 ms a token)
+template <int V>
+static void attend_head512(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, float* p,
+                           float* y) {
+  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(float(16 * V)));
+  __m512 qv[V], acc[V];
+  for (int j = 0; j < V; ++j) qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * j), scale);
+  float m = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) {
+    if (bias && bias[s] == -INFINITY) {  // a masked slot (an empty one of the compiled step's whole cache)
+      p[s] = -INFINITY;
+      continue;
+    }
+    __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + s * ks));
+    for (int j = 1; j < V; ++j) dot = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + s * ks + 16 * j), dot);
+    p[s] = _mm512_reduce_add_ps(dot) + (bias ? bias[s] : 0.f);
+    m = std::max(m, p[s]);
+  }
+  float l = 0.f;
+#pragma omp simd reduction(+ : l)
+  for (int64_t s = 0; s < S; ++s) {
+    p[s] = exp_le0(p[s] - m);
+    l += p[s];
+  }
+  for (int j = 0; j < V; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    if (p[s] == 0.f) continue;
+    const __m512 ps = _mm512_set1_ps(p[s]);
+    for (int j = 0; j < V; ++j) acc[j] = _mm512_fmadd_ps(ps, _mm512_loadu_ps(v + s * ks + 16 * j), acc[j]);
+  }
+  const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+  for (int j = 0; j < V; ++j) _mm512_storeu_ps(y + 16 * j, _mm512_mul_ps(acc[j], inv));
+}
+#endif
+
+static void attend(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, int64_t hd, float* p,
+                   float* y) {
+#if defined(__AVX512F__)
+  if (hd == 64) return attend_head512<4>(q, k, v, ks, bias, S, p, y);
+  if (hd == 128) return attend_head512<8>(q, k, v, ks, bias, S, p, y);
+#endif
+  attend_head(q, k, v, ks, bias, S, hd, p, y);
+}
+
+// y = norm(x) over n values: RMSNorm (b null, layer false) or LayerNorm; w, b may be null (no gain, no bias)
+static void norm(const float* x, float* y, int64_t n, const float* w, const float* b, bool layer, float eps) {
+  float mean = 0.f, sq = 0.f;
+  if (layer) {
+    for (int64_t i = 0; i < n; ++i) mean += x[i];
+    mean /= float(n);
+  }
+  for (int64_t i = 0; i < n; ++i) sq += (x[i] - mean) * (x[i] - mean);
+  const float inv = 1.f / std::sqrt(sq / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - mean) * inv * (w ? w[i] : 1.f) + (b ? b[i] : 0.f);
+}
+
+// x rotated by RoPE in place: pairs (x[i], x[i + hd/2]) by the angles whose cos, sin are given (hd each)
+static void rope(float* x, const float* cos, const float* sin, int64_t hd) {
+  const int64_t h = hd / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = x[i], b = x[i + h];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + h] = b * cos[i + h] + a * sin[i + h];
+  }
+}
+
+enum Act : int64_t { GELU_TANH = 0, RELU2 = 1, SWIGLU = 2 };
+
+// c_fc's output f (R, F) → c_proj's input a (R, hidden); sigmoid and tanh through exp_le0 of a
+// value ≤ 0, so the loops vectorize (a scalar std::exp an element cost ~0.5 ms a SmolLM2 token)
+static void activate(const float* f, float* a, int64_t R, int64_t F, int64_t act) {
+  const int64_t hidden = act == SWIGLU ? F / 2 : F;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = f + r * F;
+    float* out = a + r * hidden;
+    if (act == SWIGLU) {
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) {  // silu(g)·u, sigmoid(g) = 1 / (1 + e^-g) or e^g / (1 + e^g)
+        const float g = row[i], e = exp_le0(-std::fabs(g));
+        out[i] = g * (g >= 0.f ? 1.f : e) / (1.f + e) * row[hidden + i];
+      }
+    } else if (act == RELU2) {
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) out[i] = row[i] > 0.f ? row[i] * row[i] : 0.f;
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) {  // GELU (tanh approximation), tanh|z| = (1 - e^-2|z|) / (1 + e^-2|z|)
+        const float g = row[i], z = 0.7978845608028654f * (g + 0.044715f * g * g * g), e = exp_le0(-2.f * std::fabs(z));
+        const float t = (1.f - e) / (1.f + e);
+        out[i] = 0.5f * g * (1.f + (z >= 0.f ? t : -t));
+      }
+    }
+  }
+}
+
+// y (R, N) = x (R, K) · Wᵀ + b, the columns split over the region's threads (a barrier at the end)
+static void linear_in_region(const Weights& w, const float* bias, const Rounded& xr, int64_t R, float* y) {
+  const int64_t chunks = (w.N + 15) / 16;
+#pragma omp for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = 16 * c, n1 = std::min(w.N, n0 + 16);
+    gemv_columns(w, xr, R, y, n0, n1);
+    if (bias)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t n = n0; n < n1; ++n) y[r * w.N + n] += bias[n];
+  }
+}
+
+struct Shape {
+  int64_t R, C, H, KV, hd, S, F;
+};
+
+// The attention half in the region: q/k/v, QK-norm and RoPE, the cache write at each row's slot,
+// each head over the first S slots, the output projection added to x
+static void attention_half(float* x, const Shape& d, const std::vector<Weights>& w, const std::vector<const float*>& bias,
+                           const std::vector<const float*>& nw, float eps, bool layer_norm, float* kc, float* vc,
+                           int64_t cap, const int64_t* slots, const float* cos, const float* sin, const float* mask,
+                           std::vector<float>& h, std::vector<float>& qkv, std::vector<float>& att, Rounded& xr) {
+  const int64_t R = d.R, C = d.C, H = d.H, KV = d.KV, hd = d.hd, width = (H + 2 * KV) * hd;
+#pragma omp single
+  {
+    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, nw[0], nw[1], layer_norm, eps);
+    xr = round_x(h.data(), R, C, w[0].G);
+  }
+  linear_in_region(w[0], bias[0], xr, R, qkv.data());
+#pragma omp single
+  for (int64_t r = 0; r < R; ++r) {  // per head: QK-norm, RoPE; k and v to the cache
+    float* row = qkv.data() + r * width;
+    for (int64_t j = 0; j < H + KV; ++j) {
+      float* head = row + j * hd;
+      if (nw[4]) norm(head, head, hd, j < H ? nw[4] : nw[5], nullptr, false, eps);
+      if (cos) rope(head, cos + r * hd, sin + r * hd, hd);
+    }
+    for (int64_t j = 0; j < KV; ++j) {
+      const int64_t at = ((r * KV + j) * cap + slots[r]) * hd;
+      std::memcpy(kc + at, row + (H + j) * hd, hd * sizeof(float));
+      std::memcpy(vc + at, row + (H + KV + j) * hd, hd * sizeof(float));
+    }
+  }
+  std::vector<float> p(d.S);
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < R * H; ++i) {
+    const int64_t r = i / H, j = i % H, kv = j / (H / KV);
+    const int64_t base = (r * KV + kv) * cap * hd;
+    attend(qkv.data() + r * width + j * hd, kc + base, vc + base, hd, mask ? mask + r * d.S : nullptr, d.S, hd, p.data(),
+                att.data() + i * hd);
+  }
+#pragma omp single
+  xr = round_x(att.data(), R, H * hd, w[1].G);
+  linear_in_region(w[1], bias[1], xr, R, h.data());
+#pragma omp single
+  for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
+}
+
+// The MLP half in the region: x += c_proj(act(c_fc(norm2(x))))
+static void mlp_half(float* x, const Shape& d, const std::vector<Weights>& w, const std::vector<const float*>& bias,
+                     const std::vector<const float*>& nw, float eps, bool layer_norm, int64_t act, std::vector<float>& h,
+                     std::vector<float>& f, std::vector<float>& a, Rounded& xr) {
+  const int64_t R = d.R, C = d.C, hidden = act == SWIGLU ? d.F / 2 : d.F;
+#pragma omp single
+  {
+    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, nw[2], nw[3], layer_norm, eps);
+    xr = round_x(h.data(), R, C, w[2].G);
+  }
+  linear_in_region(w[2], bias[2], xr, R, f.data());
+#pragma omp single
+  {
+    activate(f.data(), a.data(), R, d.F, act);
+    xr = round_x(a.data(), R, hidden, w[3].G);
+  }
+  linear_in_region(w[3], bias[3], xr, R, h.data());
+#pragma omp single
+  for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
+}
+
+static const float* floats_or_null(const torch::Tensor& t, int64_t n, const char* what) {
+  if (t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == n, what, ": float32, ", n, " values");
+  return t.data_ptr<float>();
+}
+
+// x (R, C) float32 → the block's output (a new tensor). lin: 4 × (q, s, o, bias or empty) for c_attn,
+// attn.c_proj, mlp.c_fc, mlp.c_proj; norms: ln_1 w, b, ln_2 w, b, q_norm w, k_norm w (empty: none);
+// k_cache, v_cache (rows, KV, capacity, hd) float32, this layer's; slots (R,) where each row's new
+// key goes; cos, sin (R, hd) or empty (no RoPE); mask (R, S) additive or empty (every slot visible);
+// ints: n_head, kv_heads, S (slots attended), layer_norm (0/1), act (GELU_TANH, RELU2, SWIGLU).
+torch::Tensor decode_block(torch::Tensor x, std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms, torch::Tensor k_cache,
+                           torch::Tensor v_cache, torch::Tensor slots, torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
+                           std::vector<int64_t> ints, double eps) {
+  TORCH_CHECK(lin.size() == 16 && norms.size() == 6 && ints.size() == 5, "decode_block: 16 linear tensors, 6 norms, 5 ints");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (R, C) float32");
+  const int64_t R = x.size(0), C = x.size(1), H = ints[0], KV = ints[1], S = ints[2], act = ints[4];
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == torch::kFloat && v_cache.is_contiguous() && k_cache.size(0) >= R && k_cache.size(1) == KV,
+              "k_cache, v_cache: contiguous (rows ≥ R, kv_heads, capacity, hd) float32");
+  const int64_t cap = k_cache.size(2), hd = k_cache.size(3);
+  TORCH_CHECK(H % KV == 0 && S >= 1 && S <= cap && hd % 2 == 0, "decode_block: bad heads or slots");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == R, "slots: (R,) int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < S, "slots: each row's slot must be among the S attended");
+  std::vector<Weights> w;
+  std::vector<const float*> bias;
+  const int64_t ins[4] = {C, H * hd, C, act == SWIGLU ? lin[8].size(0) / 2 : lin[8].size(0)};
+  for (int i = 0; i < 4; ++i) {
+    w.push_back(weights_of(lin[4 * i], lin[4 * i + 1], lin[4 * i + 2], ins[i], lin[4 * i].scalar_type() == torch::kByte));
+    bias.push_back(floats_or_null(lin[4 * i + 3], w.back().N, "a linear's bias"));
+  }
+  const int64_t F = w[2].N;
+  TORCH_CHECK(w[0].N == (H + 2 * KV) * hd && w[1].N == C && w[3].N == C, "decode_block: the linears' shapes do not match the block's");
+  const int64_t sizes[6] = {C, C, C, C, hd, hd};
+  std::vector<const float*> nw;
+  for (int i = 0; i < 6; ++i) nw.push_back(floats_or_null(norms[i], sizes[i], "a norm's weight"));
+  const float* cp = floats_or_null(cos, R * hd, "cos");
+  const float* sp = floats_or_null(sin, R * hd, "sin");
+  TORCH_CHECK((cp == nullptr) == (sp == nullptr), "cos and sin: both or neither");
+  const float* mp = floats_or_null(mask, R * S, "mask");
+  auto y = x.clone();
+  const Shape d{R, C, H, KV, hd, S, F};
+  std::vector<float> h(R * std::max(C, H * hd)), qkv(R * w[0].N), att(R * H * hd), f(R * F), a(R * F);
+  Rounded xr;
+  float *yp = y.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    attention_half(yp, d, w, bias, nw, float(eps), ints[3] != 0, kc, vc, cap, sl, cp, sp, mp, h, qkv, att, xr);
+    mlp_half(yp, d, w, bias, nw, float(eps), ints[3] != 0, act, h, f, a, xr);
+  }
+  return y;
+}
+
+TORCH_LIBRARY_IMPL(quill, CPU, m) { m.impl("decode_block", &decode_block); }

@@ -1,0 +1,301 @@
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <utility>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+constexpr int64_t MAX_BLOCKS = 1024;  // K up to 32,768 inputs
+// rows_dot asks for the weight bytes this far ahead: the hardware's prefetch alone left a SmolLM2
+// token's weights streaming at ~14 GB/s (int8) and ~15 (int4); 8 KB ahead, ~17 and ~21 (4 to 16 KB
+// measured alike; none of it faults past the end). int8 asks for them into L2 (_MM_HINT_T1): over
+// one 115 MB layer, 39 GB/s on two cores against 22 into L1, where int4, which reads half the bytes
+// a weight, measured 29 into L1 against 26 into L2 (T2 as T1, NTA as T0). The AVX2 build (measured on
+// the same AVX-512 machine, one row at a time): int8 16.4 GB/s without a prefetch, 20.0 into L1,
+// 16.8 into L2; its int4 loop is compute-bound (10.8) and a prefetch did not help it
+constexpr int64_t PREFETCH = 8192;
+
+// Σ_b d_b · c_b over the blocks, d_b and c_b from part(b), in two accumulators: one fma chain
+// would wait on its own latency every block.
+template <class Vec, class Part, class Fma>
+static std::pair<Vec, Vec> two_chains(int64_t blocks, Vec zero, Part part, Fma fma) {
+  Vec acc0 = zero, acc1 = zero;
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    auto [d0, c0] = part(b);
+    auto [d1, c1] = part(b + 1);
+    acc0 = fma(d0, c0, acc0);
+    acc1 = fma(d1, c1, acc1);
+  }
+  if (b < blocks) {
+    auto [d0, c0] = part(b);
+    acc0 = fma(d0, c0, acc0);
+  }
+  return {acc0, acc1};
+}
+
+// n fp16 values (their bits) to float
+static void halves_to_float(const uint16_t* h, float* f, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
+#else
+  for (; i < n; ++i) f[i] = float(c10::Half(h[i], c10::Half::from_bits()));
+#endif
+}
+
+// c[b] = s of block b's group times the step of block b's activations
+static void block_scales(float* c, const uint16_t* s16, const float* xs, int64_t groups, int64_t per_group) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (per_group == 1) {  // 16 blocks at a time
+    for (int64_t b = 0; b < groups; b += 16) {
+      const __mmask16 m = groups - b >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - b)) - 1);
+      __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s16 + b));
+      _mm512_mask_storeu_ps(c + b, m, _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(m, xs + b)));
+    }
+    return;
+  }
+#endif
+  float s[MAX_BLOCKS];
+  halves_to_float(s16, s, groups);
+  for (int64_t g = 0, b = 0; g < groups; ++g)
+    for (int64_t j = 0; j < per_group; ++j, ++b) c[b] = s[g] * xs[b];
+}
+
+// Σ_g o_g · Σx over group g: the offsets' share of a row's dot product
+static float offsets_dot(const uint16_t* o16, const float* xg, int64_t groups) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  __m512 off = _mm512_setzero_ps();  // 16 groups at a time (a scalar chain cost ~4 cycles a group)
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 m = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+    off = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, o16 + g)), _mm512_maskz_loadu_ps(m, xg + g), off);
+  }
+  return _mm512_reduce_add_ps(off);
+#else
+  float o[MAX_BLOCKS], total = 0.f;
+  halves_to_float(o16, o, groups);
+  for (int64_t g = 0; g < groups; ++g) total += o[g] * xg[g];
+  return total;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static float sum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
+// Row n of W (K int8 weights; per-group fp16 scale s and offset o) dotted with one activation row
+// rounded to int16 per block of 32 (xq, the step of each block xs, the float sum of each group xg).
+static float row_dot(const int8_t* q, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
+                     const float* xs, const float* xg, int64_t groups, int64_t per_group) {
+  float c[MAX_BLOCKS];
+  const int64_t blocks = groups * per_group;
+  block_scales(c, s16, xs, groups, per_group);
+#if defined(__AVX2__) && defined(__FMA__)
+  auto part = [&](int64_t b) {  // block b's 32 products as 8 int32 sums, to float, times c[b]
+    if (b % 2 == 0) _mm_prefetch((const char*)(q + 32 * b + PREFETCH), _MM_HINT_T0);  // a line; into L2 measured no faster here
+    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 32 * b)));
+    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 32 * b + 16)));
+    __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(xq + 32 * b))),
+                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 32 * b + 16))));
+    return std::make_pair(_mm256_cvtepi32_ps(d), _mm256_set1_ps(c[b]));
+  };
+  auto fma = [](__m256 d, __m256 c, __m256 acc) { return _mm256_fmadd_ps(d, c, acc); };
+  auto [acc0, acc1] = two_chains(blocks, _mm256_setzero_ps(), part, fma);
+  return sum8(_mm256_add_ps(acc0, acc1)) + offsets_dot(o16, xg, groups);
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t d = 0;
+    for (int64_t i = 0; i < 32; ++i) d += int32_t(q[32 * b + i]) * int32_t(xq[32 * b + i]);
+    total += float(d) * c[b];
+  }
+  return total + offsets_dot(o16, xg, groups);
+#endif
+}
+
+// The same dot for 4-bit codes in [0, 15], 64 to 32 bytes: byte j of pair p holds code 64p + j in
+// its low nibble and code 64p + 32 + j in its high one, so one 32-byte load, a mask and a shift
+// give two whole blocks of 32 in order (K a multiple of 64).
+static float row_dot4(const uint8_t* q, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
+                      const float* xs, const float* xg, int64_t groups, int64_t per_group) {
+  float c[MAX_BLOCKS];
+  const int64_t pairs = groups * per_group / 2;
+  block_scales(c, s16, xs, groups, per_group);
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  auto dot32 = [&](__m256i w, const int16_t* x) {  // 32 codes (bytes) · 32 int16 → 8 int32
+    __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), _mm256_loadu_si256((const __m256i*)x));
+    __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1)), _mm256_loadu_si256((const __m256i*)(x + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+  };
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * p));
+    acc0 = _mm256_fmadd_ps(dot32(_mm256_and_si256(v, low), xq + 64 * p), _mm256_set1_ps(c[2 * p]), acc0);
+    acc1 = _mm256_fmadd_ps(dot32(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), xq + 64 * p + 32), _mm256_set1_ps(c[2 * p + 1]), acc1);
+  }
+  return sum8(_mm256_add_ps(acc0, acc1)) + offsets_dot(o16, xg, groups);
+#else
+  float total = 0.f;
+  for (int64_t p = 0; p < pairs; ++p) {
+    int32_t d0 = 0, d1 = 0;
+    for (int64_t j = 0; j < 32; ++j) {
+      d0 += int32_t(q[32 * p + j] & 15) * int32_t(xq[64 * p + j]);
+      d1 += int32_t(q[32 * p + j] >> 4) * int32_t(xq[64 * p + 32 + j]);
+    }
+    total += float(d0) * c[2 * p] + float(d1) * c[2 * p + 1];
+  }
+  return total + offsets_dot(o16, xg, groups);
+#endif
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// AVX-512: R weight rows at once (row_dot's or row_dot4's sum for each): R independent fma chains,
+// each block of x loaded once for all of them. One row at a time left ~60 cycles a row of latency
+// (the chain, the horizontal sum) that no other work hid: over cached 576-wide rows one core ran
+// 15.6 G weights/s a row at a time, 22.6 four at a time.
+template <bool FOUR, int R>
+static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, const uint16_t* o16, int64_t groups,
+                     int64_t per_group, const int16_t* xq, const float* xs, const float* xg, float* y) {
+  const int64_t blocks = groups * per_group;
+  float c[R][MAX_BLOCKS];
+  for (int r = 0; r < R; ++r) block_scales(c[r], s16 + r * groups, xs, groups, per_group);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  auto add = [&](int r, __m512i w, __m512i x, int64_t b) {  // 32 products as 16 pair sums, times c[b]
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w, x)), _mm512_set1_ps(c[r][b]), acc[r]);
+  };
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    const __m512i x0 = _mm512_loadu_si512((const void*)(xq + 32 * b));
+    const __m512i x1 = _mm512_loadu_si512((const void*)(xq + 32 * b + 32));
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* w = q + r * row_bytes;
+      if (!FOUR || b % 4 == 0)  // a line a row
+        _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), FOUR ? _MM_HINT_T0 : _MM_HINT_T1);
+      if constexpr (FOUR) {  // 64 codes in 32 bytes: low nibbles block b, high nibbles block b + 1
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * b));
+        add(r, _mm512_cvtepu8_epi16(_mm256_and_si256(v, low)), x0, b);
+        add(r, _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low)), x1, b + 1);
+      } else {
+        add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * b))), x0, b);
+        add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * b + 32))), x1, b + 1);
+      }
+    }
+  }
+  if constexpr (!FOUR) {  // an odd block count (int4 rows are whole pairs)
+    if (b < blocks) {
+      const __m512i x0 = _mm512_loadu_si512((const void*)(xq + 32 * b));
+      for (int r = 0; r < R; ++r) add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + r * row_bytes + 32 * b))), x0, b);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]) + offsets_dot(o16 + r * groups, xg, groups);
+}
+#endif
+
+// x rounded per block of 32 to int16 (q), each block's step, and each group's float sum
+struct Rounded {
+  std::vector<int16_t> q;  // small buffers, no tensors (each costs a dispatch)
+  std::vector<float> step, sum;
+};
+
+static Rounded round_x(const float* x, int64_t M, int64_t K, int64_t G) {
+  const int64_t blocks = K / 32, per_group = blocks / G;
+  Rounded r{std::vector<int16_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * G, 0.f)};
+  for (int64_t b = 0; b < M * blocks; ++b) {
+    const float* v = x + 32 * b;
+    float amax = 0.f, total = 0.f;
+    for (int i = 0; i < 32; ++i) { amax = std::max(amax, std::fabs(v[i])); total += v[i]; }
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int i = 0; i < 32; ++i) r.q[32 * b + i] = int16_t(std::nearbyint(v[i] * inv));
+    r.step[b] = amax / 32767.f;
+    r.sum[(b / blocks) * G + (b % blocks) / per_group] += total;
+  }
+  return r;
+}
+
+// One layer's weights as the kernels read them: N rows of row_bytes (K int8 weights, or K / 2 bytes
+// of 4-bit codes), and per row G fp16 scales and offsets (their bits)
+struct Weights {
+  const uint8_t* q;
+  const uint16_t *s, *o;
+  int64_t N, K, G, row_bytes;
+  bool four;
+};
+
+// Output columns [n0, n1) of y (M, N) = x·Wᵀ for x rounded by round_x: a few weight rows, read
+// once, for every activation row. The decode block (decode_block.cpp) calls it inside its own
+// parallel region; gemv splits the columns over at::parallel_for.
+static void gemv_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1) {
+  const int64_t blocks = w.K / 32, per_group = blocks / w.G, K = w.K, G = w.G, N = w.N;
+  for (int64_t n = n0; n < n1;) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const int64_t rows = n + 4 <= n1 ? 4 : 1;
+    for (int64_t m = 0; m < M; ++m) {
+      auto run = w.four ? (rows == 4 ? rows_dot<true, 4> : rows_dot<true, 1>) : (rows == 4 ? rows_dot<false, 4> : rows_dot<false, 1>);
+      run(w.q + n * w.row_bytes, w.row_bytes, w.s + n * G, w.o + n * G, G, per_group, r.q.data() + m * K, r.step.data() + m * blocks,
+          r.sum.data() + m * G, y + m * N + n);
+    }
+    n += rows;
+#else
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* xq = r.q.data() + m * K;
+      const float *xs = r.step.data() + m * blocks, *xg = r.sum.data() + m * G;
+      y[m * N + n] = w.four ? row_dot4(w.q + n * w.row_bytes, w.s + n * G, w.o + n * G, xq, xs, xg, G, per_group)
+                            : row_dot(reinterpret_cast<const int8_t*>(w.q) + n * K, w.s + n * G, w.o + n * G, xq, xs, xg, G, per_group);
+    }
+    n += 1;
+#endif
+  }
+}
+
+// The weights of q, s, o, checked: (N, K) int8 or (N, K / 2) uint8 codes (FOUR), s and o (N, G) fp16
+static Weights weights_of(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& o, int64_t K, bool four) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q: contiguous (N, K) int8 or (N, K / 2) uint8");
+  const int64_t N = q.size(0), row_bytes = q.size(1);
+  if (four) {
+    TORCH_CHECK(q.scalar_type() == torch::kByte && 2 * row_bytes == K && K % 64 == 0, "int4: q (N, K / 2) uint8, K a multiple of 64");
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kChar && row_bytes == K, "int8: q (N, K) int8, K must match");
+  }
+  TORCH_CHECK(K % 32 == 0 && K / 32 <= MAX_BLOCKS, "K must be a multiple of 32 and at most 32,768");
+  TORCH_CHECK(s.scalar_type() == torch::kHalf && s.is_contiguous() && s.dim() == 2 && s.size(0) == N, "s: (N, G) float16");
+  TORCH_CHECK(o.sizes() == s.sizes() && o.scalar_type() == torch::kHalf && o.is_contiguous(), "o: as s");
+  const int64_t G = s.size(1);
+  TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "the group must be a multiple of 32");
+  return {reinterpret_cast<const uint8_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>()),
+          reinterpret_cast<const uint16_t*>(o.data_ptr<at::Half>()), N, K, G, row_bytes, four};
+}
+
+// (M, N) float32 from x (M, K) float32 and weight rows of K int8 weights, or (FOUR) K / 2 bytes of codes
+template <bool FOUR>
+static torch::Tensor gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor o) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (M, K) float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  const Weights w = weights_of(q, s, o, K, FOUR);
+  const Rounded r = round_x(x.data_ptr<float>(), M, K, w.G);
+  auto y = torch::empty({M, w.N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { gemv_columns(w, r, M, yp, n0, n1); });
+  return y;
+}
+
+// x (M, K) float32, q (N, K) int8, s and o (N, K / group) float16 -> (M, N) float32.
+torch::Tensor group_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor o) { return gemv<false>(x, q, s, o); }
+
+// x (M, K) float32, q (N, K / 2) uint8 (4-bit codes, row_dot4's layout), s and o as group_gemv's.
+torch::Tensor group_gemv4(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor o) { return gemv<true>(x, q, s, o); }
+
+TORCH_LIBRARY_IMPL(quill, CPU, m) {
+  m.impl("group_gemv", &group_gemv);
+  m.impl("group_gemv4", &group_gemv4);
+}

@@ -1,0 +1,155 @@
+"""The decode step's blocks as one native call each (csrc/decode_block.cpp), where a block's four
+linears are in group_gemv's int8 or 4-bit layout.
+
+Why: op by op, a block's decode step is ~15 kernel launches, and eager each is a Python call
+too: SmolLM2 (30 blocks) spent more of an int4 token between kernels than in them (77 tokens/s
+eager, 139 compiled, where its weights stream in ~5 ms). The native block runs norm → q/k/v →
+QK-norm, RoPE, the cache write → attention → output projection → norm → MLP in one OpenMP
+region: its threads split each linear's columns and the attention's heads and meet at a barrier
+between phases, and nothing else runs. It is the same arithmetic as Block.decode with these
+layers (group_gemv rounds each linear's input to int16 per 32 either way), so tokens equal the
+op-by-op step's and logits agree to float rounding (tests/model/test_native_block.py).
+
+`fits(block)` says once whether a block can run it: causal attention (its window or prefix mask
+comes in as the step's additive mask), RMSNorm or LayerNorm, a GELU, ReLU² or SwiGLU MLP, every
+linear offering `native_weights`. `decode` then also needs float32 activations and cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from quillgpt.model import group_gemv
+from quillgpt.model.kv_cache import KVCache, SlotIndex
+
+torch.library.define(
+    "quill::decode_block",
+    "(Tensor x, Tensor[] lin, Tensor[] norms, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor cos, "
+    "Tensor sin, Tensor mask, int[] ints, float eps) -> Tensor",
+)
+
+
+@torch.library.register_fake("quill::decode_block")
+def _(x, lin, norms, k_cache, v_cache, slots, cos, sin, mask, ints, eps):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape)
+
+
+class NativeLinear(Protocol):
+    """A linear layer decode_block can read: its weights in group_gemv's layout at `rows` input rows."""
+
+    bias: Tensor | None
+
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(q, s, o): int8 (out, in) or 4-bit (out, in / 2) codes and fp16 scales and offsets (out,
+        groups); None where this layer would not run group_gemv at `rows` rows."""
+        ...
+
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Decode op by op inside (the plain computation the tests and benchmarks compare with)."""
+    global _enabled
+    was, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = was
+
+
+ACTIVATIONS = {"gelu": 0, "relu2": 1, "swiglu": 2}  # decode_block.cpp's Act
+NONE = torch.empty(0)  # an absent optional tensor (decode_block takes empty for none)
+Args = tuple[list[Tensor], list[Tensor], list[int], float]  # arguments(): linears, norms, ints, eps
+
+
+def _norm_params(norm: nn.Module) -> tuple[Tensor, Tensor, float] | None:
+    """(weight, bias or NONE, eps) of an RMSNorm or LayerNorm with a gain; None for anything else."""
+    if type(norm) not in (nn.RMSNorm, nn.LayerNorm) or norm.weight is None:
+        return None
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    bias = getattr(norm, "bias", None)
+    return norm.weight, NONE if bias is None else bias, eps
+
+
+def fits(block: nn.Module) -> bool:
+    """Whether `block` (a gpt.Block) has the shape decode_block runs: see the module docstring."""
+    from quillgpt.model.attention import CausalSelfAttention  # attention imports kv_cache; kept local for the seam
+
+    attn, mlp = block.attn, block.mlp
+    norms = [_norm_params(n) for n in (block.ln_1, block.ln_2)]
+    if type(attn) is not CausalSelfAttention or mlp.kind not in ACTIVATIONS or None in norms:
+        return False
+    if norms[0][2] != norms[1][2] or type(block.ln_1) is not type(block.ln_2):
+        return False
+    if attn.q_norm is not None and (attn.q_norm.eps != norms[0][2] or attn.k_norm.eps != norms[0][2]):
+        return False
+    linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+    return all(hasattr(lin, "native_weights") for lin in linears) and group_gemv.available()
+
+
+def arguments(block: nn.Module, rows: int) -> Args | None:
+    """What decode_block takes from a block that fits, at `rows` rows: the linears' 16 tensors,
+    the 6 norm tensors, [n_head, kv_heads, layer_norm, activation] and eps; None where a linear
+    would not run group_gemv at this many rows."""
+    attn, mlp = block.attn, block.mlp
+    lin: list[Tensor] = []
+    for layer in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj):
+        weights = layer.native_weights(rows)
+        if weights is None:
+            return None
+        lin += [*weights, NONE if layer.bias is None else layer.bias]
+    (w1, b1, eps), (w2, b2, _) = _norm_params(block.ln_1), _norm_params(block.ln_2)
+    qk = [NONE, NONE] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+    ints = [attn.n_head, attn.kv_heads, int(type(block.ln_1) is nn.LayerNorm), ACTIVATIONS[mlp.kind]]
+    return lin, [w1, b1, w2, b2, *qk], ints, eps
+
+
+def _parts(block: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = block.attn, block.mlp
+    return block.ln_1, block.ln_2, attn, mlp, getattr(attn, "c_attn", None), getattr(attn, "c_proj", None), mlp.c_fc, mlp.c_proj
+
+
+def memo_arguments(block: nn.Module, memo: dict, rows: int) -> Args | None:
+    """arguments(block, rows), kept in `memo` (the block's) while the block's modules are the same
+    objects: quantize swaps linears in after a model may have decoded, and the block's _apply
+    (model.to) clears the memo where buffers are replaced. None: the block does not fit."""
+    if not _enabled:
+        return None
+    if torch.compiler.is_compiling():  # traced once: no memo (its checks would become guards)
+        return arguments(block, rows) if fits(block) else None
+    parts = _parts(block)
+    if memo.get("parts") is None or any(a is not b for a, b in zip(memo["parts"], parts)):
+        memo.clear()
+        memo.update(parts=parts, fits=fits(block))
+    if not memo["fits"]:
+        return None
+    if rows not in memo:
+        memo[rows] = arguments(block, rows)
+    return memo[rows]
+
+
+def decode(
+    x: Tensor,
+    args: Args,
+    rope: tuple[Tensor, Tensor] | None,
+    mask: Tensor | None,
+    cache: KVCache,
+    layer: int,
+    at: SlotIndex,
+    n_keys: int | None,
+) -> Tensor:
+    """Block.decode's result through decode_block: x (R, C) float32, the step's RoPE angles and
+    additive mask (R, 1, 1, S) as GPT.decode makes them, this layer's cache written at `at`."""
+    lin, norms, (n_head, kv_heads, layer_norm, act), eps = args
+    R, S = x.shape[0], n_keys or cache.capacity
+    cos, sin = (NONE, NONE) if rope is None else (rope[0].reshape(R, -1), rope[1].reshape(R, -1))
+    bias = NONE if mask is None else mask.reshape(R, S)
+    ints = [n_head, kv_heads, S, layer_norm, act]
+    return torch.ops.quill.decode_block(x, lin, norms, cache.k[layer], cache.v[layer], at[1], cos, sin, bias, ints, eps)

@@ -1,0 +1,96 @@
+"""The native decode block (model/native_block.py) against the op-by-op step it replaces: the
+same model, cache and tokens, with native_block.off() as the plain computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quillgpt.config import ModelConfig
+from quillgpt.model import group_gemv, native_block, quant
+from quillgpt.model.gpt import GPT
+
+needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
+
+SHAPES = {  # every norm, activation, bias, position and mask form the block takes
+    "llama": dict(norm="rmsnorm", mlp="swiglu", pos="rope", n_head=4, n_kv_head=2, qk_norm=True, bias=False),
+    "gpt2": dict(norm="layernorm", mlp="gelu", pos="learned", n_head=4, bias=True),
+    "window": dict(norm="rmsnorm", mlp="relu2", pos="rope", n_head=4, window=8, bias=False),
+}
+
+
+def model(shape: str, scheme: str, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    m = GPT(ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=97, **SHAPES[shape])).eval()
+    return quant.quantize(m, scheme)
+
+
+def greedy(m: GPT, steps: int, starts: list[int], masked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (steps, R, V) and tokens of greedy decoding, each row from its own start position."""
+    cache = m.make_cache(len(starts), 64)
+    idx, pos = torch.tensor([5, 17, 60][: len(starts)]), torch.tensor(starts)
+    logits = []
+    with torch.no_grad():
+        for t in range(steps):
+            lg = m.decode(idx, pos + t, cache, masked=masked)
+            logits.append(lg)
+            idx = lg.argmax(-1)
+    out = torch.stack(logits)
+    return out, out.argmax(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", ["int8-g32", "int4"])
+def test_native_step_equals_the_op_by_op_step(shape: str, scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = model(shape, scheme)
+    assert all(native_block.fits(b) for b in m.transformer.h)
+    calls = []
+    real = native_block.decode
+    monkeypatch.setattr(native_block, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fast, fast_tokens = greedy(m, 24, [0, 3, 9])  # rows at different positions; the window's band wraps
+    assert len(calls) == 24 * 2  # every block of every step ran natively
+    with native_block.off():
+        plain, plain_tokens = greedy(m, 24, [0, 3, 9])
+    assert len(calls) == 24 * 2
+    assert torch.equal(fast_tokens, plain_tokens)
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)  # group_gemv's int16 rounding of a slightly different input
+
+
+@needs_kernel
+def test_unmasked_step_and_one_row() -> None:
+    m = model("llama", "int4", seed=1)
+    fast, _ = greedy(m, 6, [0], masked=False)
+    with native_block.off():
+        plain, _ = greedy(m, 6, [0], masked=False)
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
+
+
+def test_fits_only_quantized_blocks_of_causal_attention() -> None:
+    torch.manual_seed(0)
+    float_model = GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=50)).eval()
+    assert not native_block.fits(float_model.transformer.h[0])  # nn.Linear: no group_gemv layout
+    infini = GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=50, attention="infini", segment_size=16)).eval()
+    assert not native_block.fits(quant.quantize(infini, "int8-g32").transformer.h[0])  # its own attention and memory
+
+
+@needs_kernel
+def test_memo_follows_swapped_layers_and_casts() -> None:
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(n_layer=1, n_embd=128, n_head=4, block_size=32, vocab_size=50, norm="rmsnorm", mlp="swiglu", pos="rope")).eval()
+    block = m.transformer.h[0]
+    assert native_block.memo_arguments(block, block._native, 1) is None  # float: decoded op by op
+    quant.quantize(m, "int4")  # swaps the linears in after the memo was made
+    assert native_block.memo_arguments(block, block._native, 1) is not None
+    m.to(torch.float64)  # replaces buffers: the memo is dropped, not read stale
+    assert block._native == {}
+
+
+@needs_kernel
+def test_a_bad_slot_is_an_error_not_a_write_out_of_bounds() -> None:
+    m = model("llama", "int8-g32")
+    block, cache = m.transformer.h[0], m.make_cache(1, 16)
+    args = native_block.arguments(block, 1)
+    x = torch.randn(1, 128)
+    with pytest.raises(RuntimeError, match="slot"):
+        native_block.decode(x, args, None, None, cache, 0, (torch.tensor([0]), torch.tensor([16])), None)
