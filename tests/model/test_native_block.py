@@ -16,6 +16,9 @@ SHAPES = {  # every norm, activation, bias, position and mask form the block tak
     "llama": dict(norm="rmsnorm", mlp="swiglu", pos="rope", n_head=4, n_kv_head=2, qk_norm=True, bias=False),
     "gpt2": dict(norm="layernorm", mlp="gelu", pos="learned", n_head=4, bias=True),
     "window": dict(norm="rmsnorm", mlp="relu2", pos="rope", n_head=4, window=8, bias=False),
+    # head sizes 64 and 128 attend in vector registers (csrc attend_lanes, AVX2 or AVX-512); 32 in the portable loop
+    "llama-hd64": dict(norm="rmsnorm", mlp="swiglu", pos="rope", n_head=2, n_kv_head=1, bias=False),
+    "gpt2-hd128": dict(norm="layernorm", mlp="gelu", pos="learned", n_head=1, bias=True),
 }
 
 

@@ -60,24 +60,47 @@ static void attend_head(const float* q, const float* k, const float* v, int64_t 
   for (int64_t d = 0; d < hd; ++d) y[d] *= inv;
 }
 
+// The vector lanes attend_lanes runs on: AVX-512's 16 floats, or AVX2's 8 (sum8 from group_gemv.cpp)
 #if defined(__AVX512F__)
-// attend_head for hd = 16·V, the query and the output in registers: the portable loop's horizontal
-// sum a key and its stores of y a key cost ~4x (SmolLM2, 256 keys: 30 layers' attention ~1 ms a token)
+#define QUILL_LANES 16
+using Lanes = __m512;
+static inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void lanes_store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
+static inline Lanes lanes_set1(float x) { return _mm512_set1_ps(x); }
+static inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+static inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float lanes_sum(Lanes v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QUILL_LANES 8
+using Lanes = __m256;
+static inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void lanes_store(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
+static inline Lanes lanes_set1(float x) { return _mm256_set1_ps(x); }
+static inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
+static inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float lanes_sum(Lanes v) { return sum8(v); }
+#endif
+
+#if defined(QUILL_LANES)
+// attend_head for hd = QUILL_LANES·V, the query and the output in registers: the portable loop's
+// horizontal sum a key and its stores of y a key cost ~4x (SmolLM2, 256 keys: 30 layers' attention
+// ~1 ms a token on AVX-512)
 template <int V>
-static void attend_head512(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, float* p,
-                           float* y) {
-  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(float(16 * V)));
-  __m512 qv[V], acc[V];
-  for (int j = 0; j < V; ++j) qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * j), scale);
+static void attend_lanes(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, float* p,
+                         float* y) {
+  const Lanes scale = lanes_set1(1.f / std::sqrt(float(QUILL_LANES * V)));
+  Lanes qv[V], acc[V];
+  for (int j = 0; j < V; ++j) qv[j] = lanes_mul(lanes_load(q + QUILL_LANES * j), scale);
   float m = -INFINITY;
   for (int64_t s = 0; s < S; ++s) {
     if (bias && bias[s] == -INFINITY) {  // a masked slot (an empty one of the compiled step's whole cache)
       p[s] = -INFINITY;
       continue;
     }
-    __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + s * ks));
-    for (int j = 1; j < V; ++j) dot = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + s * ks + 16 * j), dot);
-    p[s] = _mm512_reduce_add_ps(dot) + (bias ? bias[s] : 0.f);
+    const float* kr = k + s * ks;
+    Lanes dot = lanes_mul(qv[0], lanes_load(kr));
+    for (int j = 1; j < V; ++j) dot = lanes_fma(qv[j], lanes_load(kr + QUILL_LANES * j), dot);
+    p[s] = lanes_sum(dot) + (bias ? bias[s] : 0.f);
     m = std::max(m, p[s]);
   }
   float l = 0.f;
@@ -86,22 +109,22 @@ static void attend_head512(const float* q, const float* k, const float* v, int64
     p[s] = exp_le0(p[s] - m);
     l += p[s];
   }
-  for (int j = 0; j < V; ++j) acc[j] = _mm512_setzero_ps();
+  for (int j = 0; j < V; ++j) acc[j] = lanes_set1(0.f);
   for (int64_t s = 0; s < S; ++s) {
     if (p[s] == 0.f) continue;
-    const __m512 ps = _mm512_set1_ps(p[s]);
-    for (int j = 0; j < V; ++j) acc[j] = _mm512_fmadd_ps(ps, _mm512_loadu_ps(v + s * ks + 16 * j), acc[j]);
+    const Lanes ps = lanes_set1(p[s]);
+    for (int j = 0; j < V; ++j) acc[j] = lanes_fma(ps, lanes_load(v + s * ks + QUILL_LANES * j), acc[j]);
   }
-  const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-  for (int j = 0; j < V; ++j) _mm512_storeu_ps(y + 16 * j, _mm512_mul_ps(acc[j], inv));
+  const Lanes inv = lanes_set1(l > 0.f ? 1.f / l : 0.f);
+  for (int j = 0; j < V; ++j) lanes_store(y + QUILL_LANES * j, lanes_mul(acc[j], inv));
 }
 #endif
 
 static void attend(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, int64_t hd, float* p,
                    float* y) {
-#if defined(__AVX512F__)
-  if (hd == 64) return attend_head512<4>(q, k, v, ks, bias, S, p, y);
-  if (hd == 128) return attend_head512<8>(q, k, v, ks, bias, S, p, y);
+#if defined(QUILL_LANES)
+  if (hd == 64) return attend_lanes<64 / QUILL_LANES>(q, k, v, ks, bias, S, p, y);
+  if (hd == 128) return attend_lanes<128 / QUILL_LANES>(q, k, v, ks, bias, S, p, y);
 #endif
   attend_head(q, k, v, ks, bias, S, hd, p, y);
 }

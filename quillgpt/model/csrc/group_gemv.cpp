@@ -12,29 +12,18 @@ constexpr int64_t MAX_BLOCKS = 1024;  // K up to 32,768 inputs
 // token's weights streaming at ~14 GB/s (int8) and ~15 (int4); 8 KB ahead, ~17 and ~21 (4 to 16 KB
 // measured alike; none of it faults past the end). int8 asks for them into L2 (_MM_HINT_T1): over
 // one 115 MB layer, 39 GB/s on two cores against 22 into L1, where int4, which reads half the bytes
-// a weight, measured 29 into L1 against 26 into L2 (T2 as T1, NTA as T0). The AVX2 build (measured on
-// the same AVX-512 machine, one row at a time): int8 16.4 GB/s without a prefetch, 20.0 into L1,
-// 16.8 into L2; its int4 loop is compute-bound (10.8) and a prefetch did not help it
+// a weight, measured 29 into L1 against 26 into L2 (T2 as T1, NTA as T0). The AVX2 build prefetches
+// into L1 (measured on an AVX-512 machine: int8 16.4 GB/s without a prefetch, 20.0 into L1, 16.8 into L2)
 constexpr int64_t PREFETCH = 8192;
 
-// Σ_b d_b · c_b over the blocks, d_b and c_b from part(b), in two accumulators: one fma chain
-// would wait on its own latency every block.
-template <class Vec, class Part, class Fma>
-static std::pair<Vec, Vec> two_chains(int64_t blocks, Vec zero, Part part, Fma fma) {
-  Vec acc0 = zero, acc1 = zero;
-  int64_t b = 0;
-  for (; b + 1 < blocks; b += 2) {
-    auto [d0, c0] = part(b);
-    auto [d1, c1] = part(b + 1);
-    acc0 = fma(d0, c0, acc0);
-    acc1 = fma(d1, c1, acc1);
-  }
-  if (b < blocks) {
-    auto [d0, c0] = part(b);
-    acc0 = fma(d0, c0, acc0);
-  }
-  return {acc0, acc1};
+#if defined(__AVX2__) && defined(__FMA__)
+static float sum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
 }
+#endif
 
 // n fp16 values (their bits) to float
 static void halves_to_float(const uint16_t* h, float* f, int64_t n) {
@@ -58,6 +47,14 @@ static void block_scales(float* c, const uint16_t* s16, const float* xs, int64_t
     }
     return;
   }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if (per_group == 1) {  // 8 at a time: the generic loop below, per_group unknown at compile time,
+    int64_t b = 0;       // cost more than a 576-wide row's dot product on AVX2
+    for (; b + 8 <= groups; b += 8)
+      _mm256_storeu_ps(c + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s16 + b))), _mm256_loadu_ps(xs + b)));
+    for (; b < groups; ++b) c[b] = _cvtsh_ss(s16[b]) * xs[b];
+    return;
+  }
 #endif
   float s[MAX_BLOCKS];
   halves_to_float(s16, s, groups);
@@ -74,6 +71,14 @@ static float offsets_dot(const uint16_t* o16, const float* xg, int64_t groups) {
     off = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, o16 + g)), _mm512_maskz_loadu_ps(m, xg + g), off);
   }
   return _mm512_reduce_add_ps(off);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 off = _mm256_setzero_ps();  // 8 groups at a time
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    off = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o16 + g))), _mm256_loadu_ps(xg + g), off);
+  float total = sum8(off);
+  for (; g < groups; ++g) total += _cvtsh_ss(o16[g]) * xg[g];
+  return total;
 #else
   float o[MAX_BLOCKS], total = 0.f;
   halves_to_float(o16, o, groups);
@@ -82,35 +87,14 @@ static float offsets_dot(const uint16_t* o16, const float* xg, int64_t groups) {
 #endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-static float sum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-#endif
-
 // Row n of W (K int8 weights; per-group fp16 scale s and offset o) dotted with one activation row
-// rounded to int16 per block of 32 (xq, the step of each block xs, the float sum of each group xg).
+// rounded to int16 per block of 32 (xq, the step of each block xs, the float sum of each group xg):
+// the plain loop, where neither AVX2 nor AVX-512 is built (rows_dot below does it with them).
 static float row_dot(const int8_t* q, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
                      const float* xs, const float* xg, int64_t groups, int64_t per_group) {
   float c[MAX_BLOCKS];
   const int64_t blocks = groups * per_group;
   block_scales(c, s16, xs, groups, per_group);
-#if defined(__AVX2__) && defined(__FMA__)
-  auto part = [&](int64_t b) {  // block b's 32 products as 8 int32 sums, to float, times c[b]
-    if (b % 2 == 0) _mm_prefetch((const char*)(q + 32 * b + PREFETCH), _MM_HINT_T0);  // a line; into L2 measured no faster here
-    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 32 * b)));
-    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 32 * b + 16)));
-    __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(xq + 32 * b))),
-                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 32 * b + 16))));
-    return std::make_pair(_mm256_cvtepi32_ps(d), _mm256_set1_ps(c[b]));
-  };
-  auto fma = [](__m256 d, __m256 c, __m256 acc) { return _mm256_fmadd_ps(d, c, acc); };
-  auto [acc0, acc1] = two_chains(blocks, _mm256_setzero_ps(), part, fma);
-  return sum8(_mm256_add_ps(acc0, acc1)) + offsets_dot(o16, xg, groups);
-#else
   float total = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t d = 0;
@@ -118,7 +102,6 @@ static float row_dot(const int8_t* q, const uint16_t* s16, const uint16_t* o16, 
     total += float(d) * c[b];
   }
   return total + offsets_dot(o16, xg, groups);
-#endif
 }
 
 // The same dot for 4-bit codes in [0, 15], 64 to 32 bytes: byte j of pair p holds code 64p + j in
@@ -129,21 +112,6 @@ static float row_dot4(const uint8_t* q, const uint16_t* s16, const uint16_t* o16
   float c[MAX_BLOCKS];
   const int64_t pairs = groups * per_group / 2;
   block_scales(c, s16, xs, groups, per_group);
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  auto dot32 = [&](__m256i w, const int16_t* x) {  // 32 codes (bytes) · 32 int16 → 8 int32
-    __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), _mm256_loadu_si256((const __m256i*)x));
-    __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1)), _mm256_loadu_si256((const __m256i*)(x + 16)));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
-  };
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * p));
-    acc0 = _mm256_fmadd_ps(dot32(_mm256_and_si256(v, low), xq + 64 * p), _mm256_set1_ps(c[2 * p]), acc0);
-    acc1 = _mm256_fmadd_ps(dot32(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), xq + 64 * p + 32), _mm256_set1_ps(c[2 * p + 1]), acc1);
-  }
-  return sum8(_mm256_add_ps(acc0, acc1)) + offsets_dot(o16, xg, groups);
-#else
   float total = 0.f;
   for (int64_t p = 0; p < pairs; ++p) {
     int32_t d0 = 0, d1 = 0;
@@ -154,7 +122,6 @@ static float row_dot4(const uint8_t* q, const uint16_t* s16, const uint16_t* o16
     total += float(d0) * c[2 * p] + float(d1) * c[2 * p + 1];
   }
   return total + offsets_dot(o16, xg, groups);
-#endif
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -200,6 +167,57 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
   }
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]) + offsets_dot(o16 + r * groups, xg, groups);
 }
+#define QUILL_ROWS_DOT
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: rows_dot as on AVX-512, a block of 32 as two halves of 16 int16 (vpmaddwd is 256 bits here).
+// 4-bit codes come in 16 bytes at a time so no lane crosses: low nibbles block b, high ones b + 1.
+// On a Zen 3 core over SmolLM2's rows, ~1.3x row_dot's one row at a time.
+template <bool FOUR, int R>
+static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, const uint16_t* o16, int64_t groups,
+                     int64_t per_group, const int16_t* xq, const float* xs, const float* xg, float* y) {
+  const int64_t blocks = groups * per_group;
+  float c[R][MAX_BLOCKS];
+  for (int r = 0; r < R; ++r) block_scales(c[r], s16 + r * groups, xs, groups, per_group);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(0x0F);
+  auto add = [&](int r, __m256i w0, __m256i w1, int64_t b) {  // block b's 32 weights as int16, two halves
+    const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(xq + 32 * b))),
+                                       _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 32 * b + 16))));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(c[r][b]), acc[r]);
+  };
+  auto int8_block = [&](const uint8_t* w) {  // 32 int8 weights, sign-extended in two halves
+    return std::make_pair(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w)), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 16))));
+  };
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* w = q + r * row_bytes;
+      if (!FOUR || b % 4 == 0) _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), _MM_HINT_T0);
+      if constexpr (FOUR) {
+        const __m128i h0 = _mm_loadu_si128((const __m128i*)(w + 16 * b)), h1 = _mm_loadu_si128((const __m128i*)(w + 16 * b + 16));
+        add(r, _mm256_cvtepu8_epi16(_mm_and_si128(h0, low)), _mm256_cvtepu8_epi16(_mm_and_si128(h1, low)), b);
+        add(r, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(h0, 4), low)),
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(h1, 4), low)), b + 1);
+      } else {
+        auto [w0, w1] = int8_block(w + 32 * b);
+        auto [w2, w3] = int8_block(w + 32 * b + 32);
+        add(r, w0, w1, b);
+        add(r, w2, w3, b + 1);
+      }
+    }
+  }
+  if constexpr (!FOUR) {  // an odd block count (int4 rows are whole pairs)
+    if (b < blocks) {
+      for (int r = 0; r < R; ++r) {
+        auto [w0, w1] = int8_block(q + r * row_bytes + 32 * b);
+        add(r, w0, w1, b);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = sum8(acc[r]) + offsets_dot(o16 + r * groups, xg, groups);
+}
+#define QUILL_ROWS_DOT
 #endif
 
 // x rounded per block of 32 to int16 (q), each block's step, and each group's float sum
@@ -238,8 +256,8 @@ struct Weights {
 static void gemv_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1) {
   const int64_t blocks = w.K / 32, per_group = blocks / w.G, K = w.K, G = w.G, N = w.N;
   for (int64_t n = n0; n < n1;) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    const int64_t rows = n + 4 <= n1 ? 4 : 1;
+#if defined(QUILL_ROWS_DOT)
+    const int64_t rows = n + 4 <= n1 ? 4 : 1;  // QUILL_ROWS_DOT: AVX-512 or AVX2
     for (int64_t m = 0; m < M; ++m) {
       auto run = w.four ? (rows == 4 ? rows_dot<true, 4> : rows_dot<true, 1>) : (rows == 4 ? rows_dot<false, 4> : rows_dot<false, 1>);
       run(w.q + n * w.row_bytes, w.row_bytes, w.s + n * G, w.o + n * G, G, per_group, r.q.data() + m * K, r.step.data() + m * blocks,
