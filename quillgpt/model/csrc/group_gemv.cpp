@@ -12,8 +12,8 @@ constexpr int64_t MAX_BLOCKS = 1024;  // K up to 32,768 inputs
 // token's weights streaming at ~14 GB/s (int8) and ~15 (int4); 8 KB ahead, ~17 and ~21 (4 to 16 KB
 // measured alike; none of it faults past the end). int8 asks for them into L2 (_MM_HINT_T1): over
 // one 115 MB layer, 39 GB/s on two cores against 22 into L1, where int4, which reads half the bytes
-// a weight, measured 29 into L1 against 26 into L2 (T2 as T1, NTA as T0). The AVX2 build prefetches
-// into L1 (measured on an AVX-512 machine: int8 16.4 GB/s without a prefetch, 20.0 into L1, 16.8 into L2)
+// a weight, measured 29 into L1 against 26 into L2 (T2 as T1, NTA as T0). The AVX2 build does the same
+// (on a Zen 3 core, 2 threads, int8 into L2: ~15 G weights/s from L3 where into L1 gave 11-14)
 constexpr int64_t PREFETCH = 8192;
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -170,7 +170,7 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
 #define QUILL_ROWS_DOT
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: rows_dot as on AVX-512, a block of 32 as two halves of 16 int16 (vpmaddwd is 256 bits here).
-// 4-bit codes come in 16 bytes at a time so no lane crosses: low nibbles block b, high ones b + 1.
+// 4-bit codes come in 16 bytes at a time, each widened to int16 once: low nibbles block b, high ones b + 1.
 // On a Zen 3 core over SmolLM2's rows, ~1.3x row_dot's one row at a time.
 template <bool FOUR, int R>
 static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, const uint16_t* o16, int64_t groups,
@@ -180,7 +180,7 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
   for (int r = 0; r < R; ++r) block_scales(c[r], s16 + r * groups, xs, groups, per_group);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi16(0x0F);
   auto add = [&](int r, __m256i w0, __m256i w1, int64_t b) {  // block b's 32 weights as int16, two halves
     const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(xq + 32 * b))),
                                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 32 * b + 16))));
@@ -193,12 +193,12 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
   for (; b + 1 < blocks; b += 2) {
     for (int r = 0; r < R; ++r) {
       const uint8_t* w = q + r * row_bytes;
-      if (!FOUR || b % 4 == 0) _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), _MM_HINT_T0);
-      if constexpr (FOUR) {
-        const __m128i h0 = _mm_loadu_si128((const __m128i*)(w + 16 * b)), h1 = _mm_loadu_si128((const __m128i*)(w + 16 * b + 16));
-        add(r, _mm256_cvtepu8_epi16(_mm_and_si128(h0, low)), _mm256_cvtepu8_epi16(_mm_and_si128(h1, low)), b);
-        add(r, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(h0, 4), low)),
-            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(h1, 4), low)), b + 1);
+      if (!FOUR || b % 4 == 0) _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), FOUR ? _MM_HINT_T0 : _MM_HINT_T1);
+      if constexpr (FOUR) {  // each byte widened once: its low nibble for block b, its high one for b + 1
+        const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + 16 * b)));
+        const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + 16 * b + 16)));
+        add(r, _mm256_and_si256(h0, low), _mm256_and_si256(h1, low), b);
+        add(r, _mm256_srli_epi16(h0, 4), _mm256_srli_epi16(h1, 4), b + 1);
       } else {
         auto [w0, w1] = int8_block(w + 32 * b);
         auto [w2, w3] = int8_block(w + 32 * b + 32);
