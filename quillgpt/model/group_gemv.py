@@ -11,8 +11,8 @@ activations are rounded to int16 per block of 32 (a step of max|x|/32767: a rela
 partial sums are scaled into a float accumulator by s·step, and the offsets add o·Σx per group.
 No horizontal sum until the row's end. The scales and offsets are read as fp16 (36 bytes per 32
 weights where fp32 took 40, 4-bit codes 20: bytes are time when the weights stream from memory;
-llama.cpp's Q8_0 reads 34, Q4_0 18). On AVX-512 four weight rows run at once, and the weights
-are prefetched ahead. `-march=native` picks AVX-512BW, AVX2+FMA or the plain loop; the build is
+llama.cpp's Q8_0 reads 34, Q4_0 18). Four weight rows run at once (AVX-512 and AVX2), and the
+weights are prefetched ahead. `-march=native` picks AVX-512BW, AVX2+FMA or the plain loop; the build is
 cached by torch per source and CPU (`TORCH_EXTENSIONS_DIR`).
 
 The C++ is in csrc/ (group_gemv.cpp; decode_block.cpp, the native decode block of

@@ -30,7 +30,7 @@ from quillgpt.model.kv_cache import KVCache, SlotIndex
 torch.library.define(
     "quill::decode_block",
     "(Tensor x, Tensor[] lin, Tensor[] norms, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor cos, "
-    "Tensor sin, Tensor mask, int[] ints, float eps) -> Tensor",
+    "Tensor sin, Tensor mask, SymInt[] ints, float eps) -> Tensor",
 )
 
 

@@ -3,10 +3,15 @@ same model, cache and tokens, with native_block.off() as the plain computation."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from quillgpt.config import ModelConfig
+from quillgpt.inference.engine import Engine
+from quillgpt.sampling_params import SamplingParams
 from quillgpt.model import group_gemv, native_block, quant
 from quillgpt.model.gpt import GPT
 
@@ -97,3 +102,25 @@ def test_a_bad_slot_is_an_error_not_a_write_out_of_bounds() -> None:
     x = torch.randn(1, 128)
     with pytest.raises(RuntimeError, match="slot"):
         native_block.decode(x, args, None, None, cache, 0, (torch.tensor([0]), torch.tensor([16])), None)
+
+
+@needs_kernel
+@pytest.mark.skipif(not os.environ.get("QUILL_TEST_COMPILE"), reason="torch.compile takes ~1 min on CPU: set QUILL_TEST_COMPILE=1")
+def test_the_compiled_step_is_one_graph_for_every_key_count() -> None:
+    """The key count reaches decode_block as a SymInt: were it a plain int, every step (one more
+    key) would compile anew (~15 s each on SmolLM2), and the step's tokens would still be right."""
+    m = model("llama", "int4", seed=2)
+    params = SamplingParams(max_new_tokens=20)
+    prompt = [3, 1, 4, 1, 5]
+
+    def tokens(compile: bool) -> list[int]:
+        engine = Engine(m, 1, compile=compile)
+        out = [engine.add(prompt, params).token]
+        out += [t.token for t in engine.step()]  # the compiled step's first call compiles it
+        graphs = counters["stats"]["unique_graphs"]
+        while engine.active_rows():
+            out += [t.token for t in engine.step()]
+        assert counters["stats"]["unique_graphs"] == graphs  # no recompiles as the keys grow
+        return out
+
+    assert tokens(compile=True) == tokens(compile=False)
