@@ -11,9 +11,9 @@ from torch._dynamo.utils import counters
 
 from quillgpt.config import ModelConfig
 from quillgpt.inference.engine import Engine
-from quillgpt.sampling_params import SamplingParams
 from quillgpt.model import group_gemv, native_block, quant
 from quillgpt.model.gpt import GPT
+from quillgpt.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
 

@@ -171,7 +171,7 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: rows_dot as on AVX-512, a block of 32 as two halves of 16 int16 (vpmaddwd is 256 bits here).
 // 4-bit codes come in 16 bytes at a time, each widened to int16 once: low nibbles block b, high ones b + 1.
-// On a Zen 3 core over SmolLM2's rows, ~1.3x row_dot's one row at a time.
+// On a Zen 3 core over 576-wide rows, ~1.2x one row at a time (int8 16.4 -> 19.9 G weights/s).
 template <bool FOUR, int R>
 static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, const uint16_t* o16, int64_t groups,
                      int64_t per_group, const int16_t* xq, const float* xs, const float* xg, float* y) {
