@@ -46,6 +46,10 @@ _error: str | None = None
 # QUILL_GEMV_ISA picks the instruction set to build for: "native" (this CPU: AVX-512BW, AVX2+FMA or
 # the plain loop), or "avx2" / "plain" to build and test the other two paths on an AVX-512 machine
 ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell"], "plain": ["-march=x86-64"]}
+# -fno-trapping-math: no code here reads floating-point exception flags, and without it GCC keeps
+# the branches of a loop with a select (activation functions, exp) and does not vectorize it:
+# SwiGLU over SmolLM2's 1,536 hidden units took 12 us a block, 1.3 vectorized. Values are unchanged.
+CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]
 
 
 def _isa() -> str:
@@ -55,10 +59,14 @@ def _isa() -> str:
     return isa
 
 
+def _cflags() -> list[str]:
+    return [*CFLAGS, *ISA_FLAGS[_isa()]]
+
+
 def build_name() -> str:
     """Source, CPU and flags in the name: a build for AVX-512 must not be loaded on an AVX2 machine,
     and a kernel plan measured with another build is measured again (quant.cached_plan)."""
-    key = SOURCE + torch.backends.cpu.get_cpu_capability() + torch.__version__ + _isa()
+    key = SOURCE + torch.backends.cpu.get_cpu_capability() + torch.__version__ + " ".join(_cflags())
     return f"quill_group_gemv_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
@@ -78,7 +86,7 @@ def available() -> bool:
         load_inline(
             build_name(),
             cpp_sources=[SOURCE],
-            extra_cflags=["-O3", *ISA_FLAGS[_isa()], "-fopenmp"],
+            extra_cflags=_cflags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -226,19 +226,27 @@ struct Rounded {
   std::vector<float> step, sum;
 };
 
-static Rounded round_x(const float* x, int64_t M, int64_t K, int64_t G) {
+// r = x (M, K) rounded, into r's buffers as they are (the decode block keeps one across calls)
+static void round_x(const float* x, int64_t M, int64_t K, int64_t G, Rounded& r) {
   const int64_t blocks = K / 32, per_group = blocks / G;
-  Rounded r{std::vector<int16_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * G, 0.f)};
+  r.q.resize(M * K);
+  r.step.resize(M * blocks);
+  r.sum.assign(M * G, 0.f);
   for (int64_t b = 0; b < M * blocks; ++b) {
     const float* v = x + 32 * b;
+    int16_t* q = r.q.data() + 32 * b;
     float amax = 0.f, total = 0.f;
-    for (int i = 0; i < 32; ++i) { amax = std::max(amax, std::fabs(v[i])); total += v[i]; }
+#pragma omp simd reduction(max : amax) reduction(+ : total)
+    for (int i = 0; i < 32; ++i) {
+      amax = std::max(amax, std::fabs(v[i]));
+      total += v[i];
+    }
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int i = 0; i < 32; ++i) r.q[32 * b + i] = int16_t(std::nearbyint(v[i] * inv));
+#pragma omp simd
+    for (int i = 0; i < 32; ++i) q[i] = int16_t(std::nearbyint(v[i] * inv));
     r.step[b] = amax / 32767.f;
     r.sum[(b / blocks) * G + (b % blocks) / per_group] += total;
   }
-  return r;
 }
 
 // One layer's weights as the kernels read them: N rows of row_bytes (K int8 weights, or K / 2 bytes
@@ -300,7 +308,8 @@ static torch::Tensor gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s, tor
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (M, K) float32");
   const int64_t M = x.size(0), K = x.size(1);
   const Weights w = weights_of(q, s, o, K, FOUR);
-  const Rounded r = round_x(x.data_ptr<float>(), M, K, w.G);
+  Rounded r;
+  round_x(x.data_ptr<float>(), M, K, w.G, r);
   auto y = torch::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { gemv_columns(w, r, M, yp, n0, n1); });
