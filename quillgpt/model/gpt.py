@@ -30,7 +30,7 @@ from quillgpt.config import ModelConfig
 from quillgpt.model import native_block
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
 from quillgpt.model.fusion import stored
-from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, prefix_worth_sharing
+from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, SlotIndex, prefix_worth_sharing
 from quillgpt.model.variants import Variant, variant_of
 
 
@@ -150,6 +150,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
         self._inv_freq: dict[torch.device, Tensor] = {}  # RoPE frequencies per device, fp32 whatever the weights
+        self._native: dict = {}  # native_block.stack_arguments' memo
         if cfg.pos == "rope":  # table for positions 0..block_size-1; other positions computed on the fly
             self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (block_size, hd)
             self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -163,6 +164,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GPT:
+        self._native.clear()  # model.to() replaces the buffers the memo holds
+        return super()._apply(fn, recurse)
 
     def _rope_table(self) -> None:
         """cos/sin of positions 0..block_size-1, on the CPU (model.to moves them; explicit device: also
@@ -281,9 +286,21 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         rope = self._rope(pos[:, None], T=1)  # (R, 1, 1, hd): over heads
         rope = rope and (stored(rope[0]), stored(rope[1]))  # cos/sin once, not in each layer
-        for i, block in enumerate(self.transformer.h):
+        return self.head(self.transformer.ln_f(self._decode_blocks(x, rope, mask, cache, at, n_keys)))  # (R, V)
+
+    def _decode_blocks(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor | None, cache: KVCache, at: SlotIndex, n_keys: int | None
+    ) -> Tensor:
+        """decode's pass through the blocks: one native call for the whole stack where every block
+        fits (model/native_block.py), else block by block."""
+        blocks = self.transformer.h
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            args = native_block.stack_arguments(blocks, self._native, x.shape[0])
+            if args is not None and cache.k[0].dtype == torch.float32:
+                return native_block.decode_stack(x, args, rope, mask, cache, at, n_keys)
+        for i, block in enumerate(blocks):
             x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
-        return self.head(self.transformer.ln_f(x))  # (R, V)
+        return x
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:

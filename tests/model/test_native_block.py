@@ -3,6 +3,7 @@ same model, cache and tokens, with native_block.off() as the plain computation."
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -54,15 +55,38 @@ def test_native_step_equals_the_op_by_op_step(shape: str, scheme: str, monkeypat
     m = model(shape, scheme)
     assert all(native_block.fits(b) for b in m.transformer.h)
     calls = []
-    real = native_block.decode
-    monkeypatch.setattr(native_block, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = native_block.decode_stack
+    monkeypatch.setattr(native_block, "decode_stack", lambda *a, **k: calls.append(1) or real(*a, **k))
     fast, fast_tokens = greedy(m, 24, [0, 3, 9])  # rows at different positions; the window's band wraps
-    assert len(calls) == 24 * 2  # every block of every step ran natively
+    assert len(calls) == 24  # every step ran its blocks in one native call
     with native_block.off():
         plain, plain_tokens = greedy(m, 24, [0, 3, 9])
-    assert len(calls) == 24 * 2
+    assert len(calls) == 24
     assert torch.equal(fast_tokens, plain_tokens)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)  # group_gemv's int16 rounding of a slightly different input
+
+
+@needs_kernel
+def test_a_block_that_does_not_fit_leaves_the_others_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One block's linears left float: no stack call, the other block still runs natively alone."""
+    torch.manual_seed(3)
+    m = GPT(ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=97, **SHAPES["llama"])).eval()
+    keep = copy.deepcopy(m.transformer.h[1].mlp)
+    quant.quantize(m, "int8-g32")
+    quantized = m.transformer.h[1].mlp
+    m.transformer.h[1].mlp = keep  # float linears: this block decodes op by op
+    calls = {"stack": 0, "block": 0}
+    for name, key in (("decode_stack", "stack"), ("decode", "block")):
+        real = getattr(native_block, name)
+        monkeypatch.setattr(native_block, name, lambda *a, real=real, key=key, **k: calls.__setitem__(key, calls[key] + 1) or real(*a, **k))
+    fast, _ = greedy(m, 6, [0, 4])
+    assert calls == {"stack": 0, "block": 6}
+    with native_block.off():
+        plain, _ = greedy(m, 6, [0, 4])
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
+    m.transformer.h[1].mlp = quantized  # fits again: the model's memo follows, the stack runs
+    greedy(m, 2, [0])
+    assert calls == {"stack": 2, "block": 6}
 
 
 @needs_kernel

@@ -1,9 +1,10 @@
-// One pre-norm decoder block's decode step in one call (model/native_block.py says when it runs):
-// x (R, C) one token per row → x + attn(norm1(x)), then + mlp(norm2(x)), with the four linears in
-// group_gemv's int8 or 4-bit layout. One OpenMP region runs the whole block: the threads split each
-// linear's output columns and the attention's heads, and meet at a barrier between phases, where
-// the op-by-op step pays a kernel launch (and, eager, Python) for each of ~15 ops. Compiled after
-// group_gemv.cpp, in the same library: it reuses round_x, Weights and gemv_columns.
+// Pre-norm decoder blocks' decode step in one call (model/native_block.py says when it runs):
+// x (R, C) one token per row → x + attn(norm1(x)), then + mlp(norm2(x)), block after block, with
+// the four linears in group_gemv's int8 or 4-bit layout. One OpenMP region runs all the blocks: the
+// threads split each linear's output columns and the attention's heads, and meet at a barrier
+// between phases, where the op-by-op step pays a kernel launch (and, eager, Python) for each of
+// ~15 ops a block. Compiled after group_gemv.cpp, in the same library: it reuses round_x, Weights
+// and gemv_columns.
 #include <cstring>
 #include <omp.h>
 
@@ -194,10 +195,27 @@ static void linear_in_region(const Weights& w, const float* bias, const Rounded&
 }
 
 struct Shape {
-  int64_t R, C, H, KV, hd, S, F;
+  int64_t R, C, H, KV, hd, S, F, cap;
 };
 
-// The block's buffers, the calling thread's, kept across calls: allocating and zeroing them a call
+// One layer's parameters as read from its tensors (layer_of checks them)
+struct Layer {
+  std::vector<Weights> w;            // c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+  std::vector<const float*> bias;    // the four linears' (null: none)
+  std::vector<const float*> nw;      // ln_1 w, b, ln_2 w, b, q_norm w, k_norm w (null: none)
+  float *kc, *vc;                    // this layer's cache (rows, KV, cap, hd)
+};
+
+// What every layer shares in one step: the rows' slots, RoPE angles and mask, the norms' form
+struct Step {
+  const int64_t* slots;
+  const float *cos, *sin, *mask;  // cos, sin (R, hd) or null; mask (R, S) additive or null
+  float eps;
+  bool layer_norm;
+  int64_t act;
+};
+
+// The step's buffers, the calling thread's, kept across calls: allocating and zeroing them a call
 // (and x.clone() through the dispatcher) cost ~9 us of a ~280 us SmolLM2 block
 struct Scratch {
   std::vector<float> h, qkv, att, f, a;
@@ -216,31 +234,28 @@ static Scratch& scratch_for(const Shape& d) {
 
 // The attention half in the region: q/k/v, QK-norm and RoPE, the cache write at each row's slot,
 // each head over the first S slots, the output projection added to x
-static void attention_half(float* x, const Shape& d, const std::vector<Weights>& w, const std::vector<const float*>& bias,
-                           const std::vector<const float*>& nw, float eps, bool layer_norm, float* kc, float* vc,
-                           int64_t cap, const int64_t* slots, const float* cos, const float* sin, const float* mask,
-                           Scratch& sc) {
-  const int64_t R = d.R, C = d.C, H = d.H, KV = d.KV, hd = d.hd, width = (H + 2 * KV) * hd;
+static void attention_half(float* x, const Shape& d, const Layer& L, const Step& st, Scratch& sc) {
+  const int64_t R = d.R, C = d.C, H = d.H, KV = d.KV, hd = d.hd, cap = d.cap, width = (H + 2 * KV) * hd;
   std::vector<float>&h = sc.h, &qkv = sc.qkv, &att = sc.att;
-  Rounded& xr = sc.xr;
+  const std::vector<const float*>& nw = L.nw;
 #pragma omp single
   {
-    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, nw[0], nw[1], layer_norm, eps);
-    round_x(h.data(), R, C, w[0].G, xr);
+    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, nw[0], nw[1], st.layer_norm, st.eps);
+    round_x(h.data(), R, C, L.w[0].G, sc.xr);
   }
-  linear_in_region(w[0], bias[0], xr, R, qkv.data());
+  linear_in_region(L.w[0], L.bias[0], sc.xr, R, qkv.data());
 #pragma omp single
   for (int64_t r = 0; r < R; ++r) {  // per head: QK-norm, RoPE; k and v to the cache
     float* row = qkv.data() + r * width;
     for (int64_t j = 0; j < H + KV; ++j) {
       float* head = row + j * hd;
-      if (nw[4]) norm(head, head, hd, j < H ? nw[4] : nw[5], nullptr, false, eps);
-      if (cos) rope(head, cos + r * hd, sin + r * hd, hd);
+      if (nw[4]) norm(head, head, hd, j < H ? nw[4] : nw[5], nullptr, false, st.eps);
+      if (st.cos) rope(head, st.cos + r * hd, st.sin + r * hd, hd);
     }
     for (int64_t j = 0; j < KV; ++j) {
-      const int64_t at = ((r * KV + j) * cap + slots[r]) * hd;
-      std::memcpy(kc + at, row + (H + j) * hd, hd * sizeof(float));
-      std::memcpy(vc + at, row + (H + KV + j) * hd, hd * sizeof(float));
+      const int64_t at = ((r * KV + j) * cap + st.slots[r]) * hd;
+      std::memcpy(L.kc + at, row + (H + j) * hd, hd * sizeof(float));
+      std::memcpy(L.vc + at, row + (H + KV + j) * hd, hd * sizeof(float));
     }
   }
   thread_local std::vector<float> p;  // this thread's scores
@@ -249,34 +264,32 @@ static void attention_half(float* x, const Shape& d, const std::vector<Weights>&
   for (int64_t i = 0; i < R * H; ++i) {
     const int64_t r = i / H, j = i % H, kv = j / (H / KV);
     const int64_t base = (r * KV + kv) * cap * hd;
-    attend(qkv.data() + r * width + j * hd, kc + base, vc + base, hd, mask ? mask + r * d.S : nullptr, d.S, hd, p.data(),
-                att.data() + i * hd);
+    attend(qkv.data() + r * width + j * hd, L.kc + base, L.vc + base, hd, st.mask ? st.mask + r * d.S : nullptr, d.S, hd, p.data(),
+           att.data() + i * hd);
   }
 #pragma omp single
-  round_x(att.data(), R, H * hd, w[1].G, xr);
-  linear_in_region(w[1], bias[1], xr, R, h.data());
+  round_x(att.data(), R, H * hd, L.w[1].G, sc.xr);
+  linear_in_region(L.w[1], L.bias[1], sc.xr, R, h.data());
 #pragma omp single
   for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
 }
 
 // The MLP half in the region: x += c_proj(act(c_fc(norm2(x))))
-static void mlp_half(float* x, const Shape& d, const std::vector<Weights>& w, const std::vector<const float*>& bias,
-                     const std::vector<const float*>& nw, float eps, bool layer_norm, int64_t act, Scratch& sc) {
-  const int64_t R = d.R, C = d.C, hidden = act == SWIGLU ? d.F / 2 : d.F;
+static void mlp_half(float* x, const Shape& d, const Layer& L, const Step& st, Scratch& sc) {
+  const int64_t R = d.R, C = d.C, hidden = st.act == SWIGLU ? d.F / 2 : d.F;
   std::vector<float>&h = sc.h, &f = sc.f, &a = sc.a;
-  Rounded& xr = sc.xr;
 #pragma omp single
   {
-    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, nw[2], nw[3], layer_norm, eps);
-    round_x(h.data(), R, C, w[2].G, xr);
+    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, L.nw[2], L.nw[3], st.layer_norm, st.eps);
+    round_x(h.data(), R, C, L.w[2].G, sc.xr);
   }
-  linear_in_region(w[2], bias[2], xr, R, f.data());
+  linear_in_region(L.w[2], L.bias[2], sc.xr, R, f.data());
 #pragma omp single
   {
-    activate(f.data(), a.data(), R, d.F, act);
-    round_x(a.data(), R, hidden, w[3].G, xr);
+    activate(f.data(), a.data(), R, d.F, st.act);
+    round_x(a.data(), R, hidden, L.w[3].G, sc.xr);
   }
-  linear_in_region(w[3], bias[3], xr, R, h.data());
+  linear_in_region(L.w[3], L.bias[3], sc.xr, R, h.data());
 #pragma omp single
   for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
 }
@@ -287,52 +300,65 @@ static const float* floats_or_null(const torch::Tensor& t, int64_t n, const char
   return t.data_ptr<float>();
 }
 
-// x (R, C) float32 → the block's output (a new tensor). lin: 4 × (q, s, o, bias or empty) for c_attn,
-// attn.c_proj, mlp.c_fc, mlp.c_proj; norms: ln_1 w, b, ln_2 w, b, q_norm w, k_norm w (empty: none);
-// k_cache, v_cache (rows, KV, capacity, hd) float32, this layer's; slots (R,) where each row's new
-// key goes; cos, sin (R, hd) or empty (no RoPE); mask (R, S) additive or empty (every slot visible);
-// ints: n_head, kv_heads, S (slots attended), layer_norm (0/1), act (GELU_TANH, RELU2, SWIGLU).
-torch::Tensor decode_block(torch::Tensor x, std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms, torch::Tensor k_cache,
-                           torch::Tensor v_cache, torch::Tensor slots, torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
-                           std::vector<int64_t> ints, double eps) {
-  TORCH_CHECK(lin.size() == 16 && norms.size() == 6 && ints.size() == 5, "decode_block: 16 linear tensors, 6 norms, 5 ints");
+// Layer l's parameters: lin[16 l, 16 l + 16), norms[6 l, 6 l + 6), its caches; checked against d
+// (d.F is set from layer 0's c_fc)
+static Layer layer_of(const std::vector<torch::Tensor>& lin, const std::vector<torch::Tensor>& norms, const torch::Tensor& k,
+                      const torch::Tensor& v, int64_t l, Shape& d, int64_t act) {
+  const torch::Tensor* t = lin.data() + 16 * l;
+  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == torch::kFloat && k.is_contiguous() && v.sizes() == k.sizes() &&
+                  v.scalar_type() == torch::kFloat && v.is_contiguous() && k.size(0) >= d.R && k.size(1) == d.KV && k.size(2) == d.cap &&
+                  k.size(3) == d.hd,
+              "k_caches, v_caches: contiguous (rows >= R, kv_heads, capacity, hd) float32, alike in every layer");
+  Layer L{{}, {}, {}, k.data_ptr<float>(), v.data_ptr<float>()};
+  const int64_t hidden = act == SWIGLU ? t[8].size(0) / 2 : t[8].size(0);
+  const int64_t ins[4] = {d.C, d.H * d.hd, d.C, hidden};
+  for (int i = 0; i < 4; ++i) {
+    L.w.push_back(weights_of(t[4 * i], t[4 * i + 1], t[4 * i + 2], ins[i], t[4 * i].scalar_type() == torch::kByte));
+    L.bias.push_back(floats_or_null(t[4 * i + 3], L.w.back().N, "a linear's bias"));
+  }
+  if (l == 0) d.F = L.w[2].N;
+  TORCH_CHECK(L.w[0].N == (d.H + 2 * d.KV) * d.hd && L.w[1].N == d.C && L.w[2].N == d.F && L.w[3].N == d.C,
+              "decode_blocks: the linears' shapes do not match the blocks'");
+  const int64_t sizes[6] = {d.C, d.C, d.C, d.C, d.hd, d.hd};
+  for (int i = 0; i < 6; ++i) L.nw.push_back(floats_or_null(norms[6 * l + i], sizes[i], "a norm's weight"));
+  return L;
+}
+
+// x (R, C) float32 through L pre-norm blocks → a new tensor. lin: per layer 4 × (q, s, o, bias or
+// empty) for c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; norms: per layer ln_1 w, b, ln_2 w, b,
+// q_norm w, k_norm w (empty: none); k_caches, v_caches: per layer (rows, KV, capacity, hd) float32;
+// slots (R,) where each row's new key goes; cos, sin (R, hd) or empty (no RoPE); mask (R, S)
+// additive or empty (every slot visible); ints: n_head, kv_heads, S (slots attended), layer_norm
+// (0/1), act (GELU_TANH, RELU2, SWIGLU), alike in every layer. One OpenMP region runs them all.
+torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms,
+                            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, std::vector<int64_t> ints, double eps) {
+  const int64_t n = int64_t(k_caches.size());
+  TORCH_CHECK(n >= 1 && int64_t(lin.size()) == 16 * n && int64_t(norms.size()) == 6 * n && int64_t(v_caches.size()) == n && ints.size() == 5,
+              "decode_blocks: per layer 16 linear tensors, 6 norms, a k and a v cache; 5 ints");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (R, C) float32");
-  const int64_t R = x.size(0), C = x.size(1), H = ints[0], KV = ints[1], S = ints[2], act = ints[4];
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == torch::kFloat && v_cache.is_contiguous() && k_cache.size(0) >= R && k_cache.size(1) == KV,
-              "k_cache, v_cache: contiguous (rows ≥ R, kv_heads, capacity, hd) float32");
-  const int64_t cap = k_cache.size(2), hd = k_cache.size(3);
-  TORCH_CHECK(H % KV == 0 && S >= 1 && S <= cap && hd % 2 == 0, "decode_block: bad heads or slots");
+  const int64_t R = x.size(0), H = ints[0], KV = ints[1], S = ints[2], act = ints[4];
+  TORCH_CHECK(k_caches[0].dim() == 4, "k_caches: (rows, kv_heads, capacity, hd)");
+  Shape d{R, x.size(1), H, KV, k_caches[0].size(3), S, 0, k_caches[0].size(2)};
+  TORCH_CHECK(KV >= 1 && H % KV == 0 && S >= 1 && S <= d.cap && d.hd % 2 == 0, "decode_blocks: bad heads or slots");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == R, "slots: (R,) int64");
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < S, "slots: each row's slot must be among the S attended");
-  std::vector<Weights> w;
-  std::vector<const float*> bias;
-  const int64_t ins[4] = {C, H * hd, C, act == SWIGLU ? lin[8].size(0) / 2 : lin[8].size(0)};
-  for (int i = 0; i < 4; ++i) {
-    w.push_back(weights_of(lin[4 * i], lin[4 * i + 1], lin[4 * i + 2], ins[i], lin[4 * i].scalar_type() == torch::kByte));
-    bias.push_back(floats_or_null(lin[4 * i + 3], w.back().N, "a linear's bias"));
-  }
-  const int64_t F = w[2].N;
-  TORCH_CHECK(w[0].N == (H + 2 * KV) * hd && w[1].N == C && w[3].N == C, "decode_block: the linears' shapes do not match the block's");
-  const int64_t sizes[6] = {C, C, C, C, hd, hd};
-  std::vector<const float*> nw;
-  for (int i = 0; i < 6; ++i) nw.push_back(floats_or_null(norms[i], sizes[i], "a norm's weight"));
-  const float* cp = floats_or_null(cos, R * hd, "cos");
-  const float* sp = floats_or_null(sin, R * hd, "sin");
-  TORCH_CHECK((cp == nullptr) == (sp == nullptr), "cos and sin: both or neither");
-  const float* mp = floats_or_null(mask, R * S, "mask");
-  auto y = at::empty({R, C}, x.options());
-  float *yp = y.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  std::memcpy(yp, x.data_ptr<float>(), R * C * sizeof(float));
-  const Shape d{R, C, H, KV, hd, S, F};
+  std::vector<Layer> layers;
+  for (int64_t l = 0; l < n; ++l) layers.push_back(layer_of(lin, norms, k_caches[l], v_caches[l], l, d, act));
+  const Step st{sl, floats_or_null(cos, R * d.hd, "cos"), floats_or_null(sin, R * d.hd, "sin"), floats_or_null(mask, R * S, "mask"),
+                float(eps), ints[3] != 0, act};
+  TORCH_CHECK((st.cos == nullptr) == (st.sin == nullptr), "cos and sin: both or neither");
+  auto y = at::empty({R, d.C}, x.options());
+  float* yp = y.data_ptr<float>();
+  std::memcpy(yp, x.data_ptr<float>(), R * d.C * sizeof(float));
   Scratch& sc = scratch_for(d);
 #pragma omp parallel num_threads(at::get_num_threads())
-  {
-    attention_half(yp, d, w, bias, nw, float(eps), ints[3] != 0, kc, vc, cap, sl, cp, sp, mp, sc);
-    mlp_half(yp, d, w, bias, nw, float(eps), ints[3] != 0, act, sc);
+  for (const Layer& L : layers) {
+    attention_half(yp, d, L, st, sc);
+    mlp_half(yp, d, L, st, sc);
   }
   return y;
 }
 
-TORCH_LIBRARY_IMPL(quill, CPU, m) { m.impl("decode_block", &decode_block); }
+TORCH_LIBRARY_IMPL(quill, CPU, m) { m.impl("decode_blocks", &decode_blocks); }
