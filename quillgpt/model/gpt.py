@@ -30,7 +30,7 @@ from quillgpt.config import ModelConfig
 from quillgpt.model import native_block
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
 from quillgpt.model.fusion import stored
-from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, SlotIndex, prefix_worth_sharing
+from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, prefix_worth_sharing
 from quillgpt.model.variants import Variant, variant_of
 
 
@@ -286,21 +286,16 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         rope = self._rope(pos[:, None], T=1)  # (R, 1, 1, hd): over heads
         rope = rope and (stored(rope[0]), stored(rope[1]))  # cos/sin once, not in each layer
-        return self.head(self.transformer.ln_f(self._decode_blocks(x, rope, mask, cache, at, n_keys)))  # (R, V)
-
-    def _decode_blocks(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor | None, cache: KVCache, at: SlotIndex, n_keys: int | None
-    ) -> Tensor:
-        """decode's pass through the blocks: one native call for the whole stack where every block
-        fits (model/native_block.py), else block by block."""
-        blocks = self.transformer.h
-        if x.dtype == torch.float32 and x.device.type == "cpu":
-            args = native_block.stack_arguments(blocks, self._native, x.shape[0])
-            if args is not None and cache.k[0].dtype == torch.float32:
-                return native_block.decode_stack(x, args, rope, mask, cache, at, n_keys)
+        blocks, ln_f = self.transformer.h, self.transformer.ln_f
+        if x.dtype == torch.float32 and x.device.type == "cpu":  # one native call (model/native_block.py)
+            head = self.lm_head if self.config.logit_softcap is None else None
+            stack = native_block.stack_arguments(blocks, ln_f, head, self._native, x.shape[0])
+            if stack is not None and cache.k[0].dtype == torch.float32:
+                out = native_block.decode_stack(x, stack, rope, mask, cache, at, n_keys)
+                return out if stack[1] else self.head(ln_f(out))  # (R, V)
         for i, block in enumerate(blocks):
             x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
-        return x
+        return self.head(ln_f(x))  # (R, V)
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:

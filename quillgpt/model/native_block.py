@@ -29,14 +29,14 @@ from quillgpt.model.kv_cache import KVCache, SlotIndex
 
 torch.library.define(
     "quill::decode_blocks",
-    "(Tensor x, Tensor[] lin, Tensor[] norms, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor cos, "
+    "(Tensor x, Tensor[] lin, Tensor[] norms, Tensor[] head, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor cos, "
     "Tensor sin, Tensor mask, SymInt[] ints, float eps) -> Tensor",
 )
 
 
 @torch.library.register_fake("quill::decode_blocks")
-def _(x, lin, norms, k_caches, v_caches, slots, cos, sin, mask, ints, eps):  # noqa: ANN001, ANN202
-    return x.new_empty(x.shape)
+def _(x, lin, norms, head, k_caches, v_caches, slots, cos, sin, mask, ints, eps):  # noqa: ANN001, ANN202
+    return x.new_empty((x.shape[0], head[2].shape[0]) if head else x.shape)
 
 
 class NativeLinear(Protocol):
@@ -67,6 +67,7 @@ def off() -> Iterator[None]:
 ACTIVATIONS = {"gelu": 0, "relu2": 1, "swiglu": 2}  # decode_block.cpp's Act
 NONE = torch.empty(0)  # an absent optional tensor (decode_block takes empty for none)
 Args = tuple[list[Tensor], list[Tensor], list[int], float]  # arguments(): linears, norms, ints, eps
+Stack = tuple[Args, list[Tensor]]  # stack_arguments(): every block's Args as one, head_arguments()
 
 
 def _norm_params(norm: nn.Module) -> tuple[Tensor, Tensor, float] | None:
@@ -162,40 +163,55 @@ def decode(
     lin, norms, (n_head, kv_heads, layer_norm, act), eps = args
     cos, sin, bias, S = _step_inputs(x, rope, mask, cache, n_keys)
     ints = [n_head, kv_heads, S, layer_norm, act]
-    return torch.ops.quill.decode_blocks(x, lin, norms, [cache.k[layer]], [cache.v[layer]], at[1], cos, sin, bias, ints, eps)
+    return torch.ops.quill.decode_blocks(x, lin, norms, [], [cache.k[layer]], [cache.v[layer]], at[1], cos, sin, bias, ints, eps)
 
 
-def stack_arguments(blocks: Sequence[nn.Module], memo: dict, rows: int) -> Args | None:
-    """Every block's arguments() as one list each, for one decode_blocks call over the whole stack
-    (30 calls a SmolLM2 token cost ~0.3 ms of Python); kept in `memo` (the model's) while each
-    block's own memo holds the same arguments. None: a block does not fit, or the blocks differ in
-    heads, norm, activation or eps."""
+def head_arguments(norm: nn.Module, head: nn.Module | None, rows: int, layer_norm: int, eps: float) -> list[Tensor]:
+    """[norm w, b, q, s, o, bias] for decode_blocks to end in the logits: the final norm (of the
+    blocks' kind and eps) and the head, where the head offers group_gemv's layout at `rows` rows
+    (head None: the model's head does more, e.g. a soft cap); else [] (the head runs after)."""
+    weights = head.native_weights(rows) if hasattr(head, "native_weights") else None
+    params = _norm_params(norm)
+    if weights is None or params is None or params[2] != eps or int(type(norm) is nn.LayerNorm) != layer_norm:
+        return []
+    return [params[0], params[1], *weights, NONE if head.bias is None else head.bias]
+
+
+def stack_arguments(blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Module | None, memo: dict, rows: int) -> Stack | None:
+    """Every block's arguments() as one list each, and head_arguments, for one decode_blocks call
+    over the whole stack (30 calls a SmolLM2 token cost ~0.3 ms of Python, and ln_f and the head's
+    Python after the blocks ~0.4 ms, slow with the caches cold from streaming the weights); kept in
+    `memo` (the model's) while each block's own memo holds the same arguments and the norm and head
+    are the same modules. None: a block does not fit, or the blocks differ in heads, norm,
+    activation or eps."""
     args = [memo_arguments(block, block._native, rows) for block in blocks]
     if any(a is None for a in args):
         return None
     kept = memo.get(rows)
-    if kept is not None and len(kept[0]) == len(args) and all(a is b for a, b in zip(kept[0], args)):
-        return kept[1]
-    if any(a[2] != args[0][2] or a[3] != args[0][3] for a in args):
-        stacked = None
-    else:
-        stacked = [t for a in args for t in a[0]], [t for a in args for t in a[1]], args[0][2], args[0][3]
+    same = kept is not None and kept[1] is norm and kept[2] is head and len(kept[0]) == len(args)
+    if same and all(a is b for a, b in zip(kept[0], args)):
+        return kept[3]
+    stacked = None
+    if all(a[2] == args[0][2] and a[3] == args[0][3] for a in args):
+        lin, norms = [t for a in args for t in a[0]], [t for a in args for t in a[1]]
+        stacked = (lin, norms, args[0][2], args[0][3]), head_arguments(norm, head, rows, args[0][2][2], args[0][3])
     if not torch.compiler.is_compiling():
-        memo[rows] = (args, stacked)
+        memo[rows] = (args, norm, head, stacked)
     return stacked
 
 
 def decode_stack(
     x: Tensor,
-    args: Args,
+    stack: Stack,
     rope: tuple[Tensor, Tensor] | None,
     mask: Tensor | None,
     cache: KVCache,
     at: SlotIndex,
     n_keys: int | None,
 ) -> Tensor:
-    """GPT.decode's blocks in one call: stack_arguments' `args`, every layer's cache written at `at`."""
-    lin, norms, (n_head, kv_heads, layer_norm, act), eps = args
+    """GPT.decode's blocks in one call, every layer's cache written at `at`: stack_arguments'
+    `stack`; the logits (R, V) where it holds the head's arguments, else the hidden states (R, C)."""
+    (lin, norms, (n_head, kv_heads, layer_norm, act), eps), head = stack
     cos, sin, bias, S = _step_inputs(x, rope, mask, cache, n_keys)
     ints = [n_head, kv_heads, S, layer_norm, act]
-    return torch.ops.quill.decode_blocks(x, lin, norms, cache.k, cache.v, at[1], cos, sin, bias, ints, eps)
+    return torch.ops.quill.decode_blocks(x, lin, norms, head, cache.k, cache.v, at[1], cos, sin, bias, ints, eps)

@@ -90,6 +90,24 @@ def test_a_block_that_does_not_fit_leaves_the_others_native(monkeypatch: pytest.
 
 
 @needs_kernel
+def test_the_head_ends_the_native_call_unless_it_soft_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final norm and the head run inside the stack's call (no GPT.head call); a soft-capped
+    head is left to GPT.head, after the native blocks. Both equal the op-by-op step."""
+    for softcap in (None, 2.0):
+        torch.manual_seed(4)
+        cfg = ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=97, logit_softcap=softcap, **SHAPES["gpt2"])
+        m = quant.quantize(GPT(cfg).eval(), "int8-g32")
+        heads = []
+        real = m.head
+        monkeypatch.setattr(m, "head", lambda x, heads=heads, real=real: heads.append(1) or real(x))
+        fast, _ = greedy(m, 5, [0, 2])
+        assert len(heads) == (0 if softcap is None else 5)
+        with native_block.off():
+            plain, _ = greedy(m, 5, [0, 2])
+        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
+
+
+@needs_kernel
 def test_unmasked_step_and_one_row() -> None:
     m = model("llama", "int4", seed=1)
     fast, _ = greedy(m, 6, [0], masked=False)

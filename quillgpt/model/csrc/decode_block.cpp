@@ -294,6 +294,21 @@ static void mlp_half(float* x, const Shape& d, const Layer& L, const Step& st, S
   for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
 }
 
+// The head in the region: logits (R, N) = head(norm(x)), the final norm of the blocks' kind
+struct Head {
+  Weights w;
+  const float *nw, *nb, *bias;
+};
+
+static void head_in_region(const float* x, const Shape& d, const Head& hd, const Step& st, Scratch& sc, float* logits) {
+#pragma omp single
+  {
+    for (int64_t r = 0; r < d.R; ++r) norm(x + r * d.C, sc.h.data() + r * d.C, d.C, hd.nw, hd.nb, st.layer_norm, st.eps);
+    round_x(sc.h.data(), d.R, d.C, hd.w.G, sc.xr);
+  }
+  linear_in_region(hd.w, hd.bias, sc.xr, d.R, logits);
+}
+
 static const float* floats_or_null(const torch::Tensor& t, int64_t n, const char* what) {
   if (t.numel() == 0) return nullptr;
   TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == n, what, ": float32, ", n, " values");
@@ -324,14 +339,15 @@ static Layer layer_of(const std::vector<torch::Tensor>& lin, const std::vector<t
   return L;
 }
 
-// x (R, C) float32 through L pre-norm blocks → a new tensor. lin: per layer 4 × (q, s, o, bias or
+// x (R, C) float32 through L pre-norm blocks → a new tensor: the hidden states, or with head
+// [norm w, b or empty, q, s, o, bias or empty] the logits (R, N) of head(norm(hidden)). lin: per layer 4 × (q, s, o, bias or
 // empty) for c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; norms: per layer ln_1 w, b, ln_2 w, b,
 // q_norm w, k_norm w (empty: none); k_caches, v_caches: per layer (rows, KV, capacity, hd) float32;
 // slots (R,) where each row's new key goes; cos, sin (R, hd) or empty (no RoPE); mask (R, S)
 // additive or empty (every slot visible); ints: n_head, kv_heads, S (slots attended), layer_norm
 // (0/1), act (GELU_TANH, RELU2, SWIGLU), alike in every layer. One OpenMP region runs them all.
 torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms,
-                            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
+                            std::vector<torch::Tensor> head, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, std::vector<int64_t> ints, double eps) {
   const int64_t n = int64_t(k_caches.size());
   TORCH_CHECK(n >= 1 && int64_t(lin.size()) == 16 * n && int64_t(norms.size()) == 6 * n && int64_t(v_caches.size()) == n && ints.size() == 5,
@@ -349,16 +365,28 @@ torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std
   const Step st{sl, floats_or_null(cos, R * d.hd, "cos"), floats_or_null(sin, R * d.hd, "sin"), floats_or_null(mask, R * S, "mask"),
                 float(eps), ints[3] != 0, act};
   TORCH_CHECK((st.cos == nullptr) == (st.sin == nullptr), "cos and sin: both or neither");
+  TORCH_CHECK(head.empty() || head.size() == 6, "head: none, or the norm's w, b and the linear's q, s, o, bias");
+  Head hd{};
+  if (!head.empty()) {
+    hd.w = weights_of(head[2], head[3], head[4], d.C, head[2].scalar_type() == torch::kByte);
+    hd.nw = floats_or_null(head[0], d.C, "the final norm's weight");
+    hd.nb = floats_or_null(head[1], d.C, "the final norm's bias");
+    hd.bias = floats_or_null(head[5], hd.w.N, "the head's bias");
+  }
   auto y = at::empty({R, d.C}, x.options());
-  float* yp = y.data_ptr<float>();
+  auto logits = head.empty() ? y : at::empty({R, hd.w.N}, x.options());
+  float *yp = y.data_ptr<float>(), *lp = logits.data_ptr<float>();
   std::memcpy(yp, x.data_ptr<float>(), R * d.C * sizeof(float));
   Scratch& sc = scratch_for(d);
 #pragma omp parallel num_threads(at::get_num_threads())
-  for (const Layer& L : layers) {
-    attention_half(yp, d, L, st, sc);
-    mlp_half(yp, d, L, st, sc);
+  {
+    for (const Layer& L : layers) {
+      attention_half(yp, d, L, st, sc);
+      mlp_half(yp, d, L, st, sc);
+    }
+    if (!head.empty()) head_in_region(yp, d, hd, st, sc, lp);
   }
-  return y;
+  return logits;
 }
 
 TORCH_LIBRARY_IMPL(quill, CPU, m) { m.impl("decode_blocks", &decode_blocks); }
