@@ -15,7 +15,10 @@ export of the run (`quill export-gguf --type q8_0`, and f16 requantized to Q4_0 
 Each row: median tokens/s over --reps (interleaved, so load bursts hit all alike), the weight
 bytes one token reads in that engine's format, and the fraction of the weight-streaming bound
 (read bandwidth of a buffer that size, measured in the same run, / those bytes). Prefill and
-loading are not timed. Prints one markdown table, the CPU and the load average before and after.
+loading are not timed. Prints one markdown table, the CPU and the load average before and after,
+then each quill row against its llama.cpp counterpart (int8 schemes: Q8_0, int4: Q4_0) as the
+median of the per-rep ratios: the two ran seconds apart in each rep, so on a shared machine whose
+speed drifts over minutes that ratio is steadier than the ratio of the medians.
 
 OpenMP's wait policy is left as the user has it (unset: threads spin a while before they sleep,
 as `quill sample` runs). torch and llama.cpp both read OMP_WAIT_POLICY once at start; measured
@@ -183,6 +186,17 @@ def main() -> None:
         spread = f"{min(speeds[name]):.1f}–{max(speeds[name]):.1f}"
         print(f"| {name} | {tps:.1f} ({spread}) | {nbytes / 1e6:.0f} | {bw / 1e9:.1f} | {tps * nbytes / bw:.0%} | {note} |")
     print(f"\nload average after: {os.getloadavg()}")
+    print_ratios(speeds)
+
+
+def print_ratios(speeds: dict[str, list[float]]) -> None:
+    """Each quill row over the llama.cpp row of its kind: the median of the per-rep ratios."""
+    for name, xs in speeds.items():
+        kind = "Q4_0" if "int4" in name else "Q8_0" if "int8" in name else None
+        ref = speeds.get(f"llama.cpp {kind}")
+        if ref is not None:
+            ratios = [a / b for a, b in zip(xs, ref)]
+            print(f"{name} / llama.cpp {kind}: {statistics.median(ratios):.3f}× (per-rep {min(ratios):.3f}–{max(ratios):.3f})")
 
 
 if __name__ == "__main__":
