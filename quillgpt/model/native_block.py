@@ -51,6 +51,15 @@ class NativeLinear(Protocol):
 
 
 _enabled = True
+_generation = 0  # bumped whenever any module gains or swaps a submodule: stack_arguments' memo key
+
+
+def _module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    global _generation
+    _generation += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_module_registered)
 
 
 @contextlib.contextmanager
@@ -180,23 +189,25 @@ def head_arguments(norm: nn.Module, head: nn.Module | None, rows: int, layer_nor
 def stack_arguments(blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Module | None, memo: dict, rows: int) -> Stack | None:
     """Every block's arguments() as one list each, and head_arguments, for one decode_blocks call
     over the whole stack (30 calls a SmolLM2 token cost ~0.3 ms of Python, and ln_f and the head's
-    Python after the blocks ~0.4 ms, slow with the caches cold from streaming the weights); kept in
-    `memo` (the model's) while each block's own memo holds the same arguments and the norm and head
-    are the same modules. None: a block does not fit, or the blocks differ in heads, norm,
-    activation or eps."""
-    args = [memo_arguments(block, block._native, rows) for block in blocks]
-    if any(a is None for a in args):
+    Python after the blocks ~0.4 ms, slow with the caches cold from streaming the weights). None: a
+    block does not fit, or the blocks differ in heads, norm, activation or eps. Kept in `memo`
+    (the model's, cleared by model.to) until any module anywhere gains or swaps a submodule
+    (quantize, LoRA, a layer replaced by hand): checking each block's modules instead took ~0.2 ms
+    a token, cold."""
+    if not _enabled:
         return None
-    kept = memo.get(rows)
-    same = kept is not None and kept[1] is norm and kept[2] is head and len(kept[0]) == len(args)
-    if same and all(a is b for a, b in zip(kept[0], args)):
-        return kept[3]
+    compiling = torch.compiler.is_compiling()  # traced once: no memo (its checks would become guards)
+    kept = None if compiling else memo.get(rows)
+    if kept is not None and kept[0] == _generation:
+        return kept[1]
+    generation = _generation
+    args = [memo_arguments(block, block._native, rows) for block in blocks]
     stacked = None
-    if all(a[2] == args[0][2] and a[3] == args[0][3] for a in args):
+    if all(a is not None and a[2] == args[0][2] and a[3] == args[0][3] for a in args):
         lin, norms = [t for a in args for t in a[0]], [t for a in args for t in a[1]]
         stacked = (lin, norms, args[0][2], args[0][3]), head_arguments(norm, head, rows, args[0][2][2], args[0][3])
-    if not torch.compiler.is_compiling():
-        memo[rows] = (args, norm, head, stacked)
+    if not compiling:
+        memo[rows] = (generation, stacked)
     return stacked
 
 
