@@ -107,6 +107,7 @@ class Block(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Block:
         self._native.clear()  # model.to() replaces the buffers the memo holds
+        native_block.changed()  # and the model's stack memo holds them too
         return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor, inputs: LayerInputs, layer: int = 0) -> tuple[Tensor, Tensor | None]:
@@ -167,6 +168,7 @@ class GPT(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> GPT:
         self._native.clear()  # model.to() replaces the buffers the memo holds
+        native_block.changed()
         return super()._apply(fn, recurse)
 
     def _rope_table(self) -> None:

@@ -54,12 +54,14 @@ _enabled = True
 _generation = 0  # bumped whenever any module gains or swaps a submodule: stack_arguments' memo key
 
 
-def _module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+def changed() -> None:
+    """Drop every model's stack memo: a module's tensors were replaced (Block and GPT call it from
+    _apply, as model.to does), or a module gained or swapped a submodule (the hook below)."""
     global _generation
     _generation += 1
 
 
-torch.nn.modules.module.register_module_module_registration_hook(_module_registered)
+torch.nn.modules.module.register_module_module_registration_hook(lambda module, name, submodule: changed())
 
 
 @contextlib.contextmanager
@@ -191,9 +193,9 @@ def stack_arguments(blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Modul
     over the whole stack (30 calls a SmolLM2 token cost ~0.3 ms of Python, and ln_f and the head's
     Python after the blocks ~0.4 ms, slow with the caches cold from streaming the weights). None: a
     block does not fit, or the blocks differ in heads, norm, activation or eps. Kept in `memo`
-    (the model's, cleared by model.to) until any module anywhere gains or swaps a submodule
-    (quantize, LoRA, a layer replaced by hand): checking each block's modules instead took ~0.2 ms
-    a token, cold."""
+    (the model's) until changed(): any module anywhere gains or swaps a submodule (quantize, LoRA,
+    a layer replaced by hand), or a block or the model is cast or moved; checking each block's
+    modules instead took ~0.2 ms a token, cold."""
     if not _enabled:
         return None
     compiling = torch.compiler.is_compiling()  # traced once: no memo (its checks would become guards)

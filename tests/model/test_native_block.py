@@ -137,6 +137,24 @@ def test_memo_follows_swapped_layers_and_casts() -> None:
 
 
 @needs_kernel
+def test_the_stack_memo_is_rebuilt_after_a_swap_or_a_cast_of_one_block() -> None:
+    m = model("llama", "int8-g32")
+    blocks, norm, head = m.transformer.h, m.transformer.ln_f, m.lm_head
+
+    def stack() -> native_block.Stack | None:
+        return native_block.stack_arguments(blocks, norm, head, m._native, 1)
+
+    first = stack()
+    assert first is not None and stack() is first  # kept
+    blocks[1].float()  # one block's _apply (its tensors may be replaced): not read stale
+    second = stack()
+    assert second is not first and stack() is second
+    blocks[0].attn.c_proj = copy.deepcopy(blocks[0].attn.c_proj)  # a layer swapped by hand
+    third = stack()
+    assert third is not second and third[0][0][4] is blocks[0].attn.c_proj.native_weights(1)[0]
+
+
+@needs_kernel
 def test_a_bad_slot_is_an_error_not_a_write_out_of_bounds() -> None:
     m = model("llama", "int8-g32")
     block, cache = m.transformer.h[0], m.make_cache(1, 16)
