@@ -150,13 +150,24 @@ def memo_arguments(block: nn.Module, memo: dict, rows: int) -> Args | None:
     return memo[rows]
 
 
-def _step_inputs(
-    x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor | None, cache: KVCache, n_keys: int | None
-) -> tuple[Tensor, Tensor, Tensor, int]:
-    """cos, sin (R, hd) or NONE, the additive mask (R, S) or NONE, and S: what every layer shares."""
+def _call(
+    x: Tensor,
+    stack: Stack,
+    layers: slice,
+    rope: tuple[Tensor, Tensor] | None,
+    mask: Tensor | None,
+    cache: KVCache,
+    at: SlotIndex,
+    n_keys: int | None,
+) -> Tensor:
+    """decode_blocks over `stack` with the cache's `layers`: x (R, C) float32, the step's RoPE
+    angles and additive mask (R, 1, 1, S) as GPT.decode makes them, the caches written at `at`."""
+    (lin, norms, (n_head, kv_heads, layer_norm, act), eps), head = stack
     R, S = x.shape[0], n_keys or cache.capacity
     cos, sin = (NONE, NONE) if rope is None else (rope[0].reshape(R, -1), rope[1].reshape(R, -1))
-    return cos, sin, NONE if mask is None else mask.reshape(R, S), S
+    bias = NONE if mask is None else mask.reshape(R, S)
+    ints = [n_head, kv_heads, S, layer_norm, act]
+    return torch.ops.quill.decode_blocks(x, lin, norms, head, cache.k[layers], cache.v[layers], at[1], cos, sin, bias, ints, eps)
 
 
 def decode(
@@ -169,12 +180,8 @@ def decode(
     at: SlotIndex,
     n_keys: int | None,
 ) -> Tensor:
-    """Block.decode's result through decode_blocks: x (R, C) float32, the step's RoPE angles and
-    additive mask (R, 1, 1, S) as GPT.decode makes them, this layer's cache written at `at`."""
-    lin, norms, (n_head, kv_heads, layer_norm, act), eps = args
-    cos, sin, bias, S = _step_inputs(x, rope, mask, cache, n_keys)
-    ints = [n_head, kv_heads, S, layer_norm, act]
-    return torch.ops.quill.decode_blocks(x, lin, norms, [], [cache.k[layer]], [cache.v[layer]], at[1], cos, sin, bias, ints, eps)
+    """Block.decode's result through decode_blocks: `args` (arguments()), this layer's cache."""
+    return _call(x, (args, []), slice(layer, layer + 1), rope, mask, cache, at, n_keys)
 
 
 def head_arguments(norm: nn.Module, head: nn.Module | None, rows: int, layer_norm: int, eps: float) -> list[Tensor]:
@@ -222,9 +229,6 @@ def decode_stack(
     at: SlotIndex,
     n_keys: int | None,
 ) -> Tensor:
-    """GPT.decode's blocks in one call, every layer's cache written at `at`: stack_arguments'
-    `stack`; the logits (R, V) where it holds the head's arguments, else the hidden states (R, C)."""
-    (lin, norms, (n_head, kv_heads, layer_norm, act), eps), head = stack
-    cos, sin, bias, S = _step_inputs(x, rope, mask, cache, n_keys)
-    ints = [n_head, kv_heads, S, layer_norm, act]
-    return torch.ops.quill.decode_blocks(x, lin, norms, head, cache.k, cache.v, at[1], cos, sin, bias, ints, eps)
+    """GPT.decode's blocks in one call, every layer's cache: stack_arguments' `stack`; the logits
+    (R, V) where it holds the head's arguments, else the hidden states (R, C)."""
+    return _call(x, stack, slice(None), rope, mask, cache, at, n_keys)

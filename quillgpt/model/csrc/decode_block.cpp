@@ -232,17 +232,22 @@ static Scratch& scratch_for(const Shape& d) {
   return s;
 }
 
+// sc.xr = round_x(norm(x)) row by row, one thread, norm (w, b) of the blocks' kind; sc.h holds norm(x)
+static void norm_rounded(const float* x, const Shape& d, const float* w, const float* b, int64_t G, const Step& st, Scratch& sc) {
+#pragma omp single
+  {
+    for (int64_t r = 0; r < d.R; ++r) norm(x + r * d.C, sc.h.data() + r * d.C, d.C, w, b, st.layer_norm, st.eps);
+    round_x(sc.h.data(), d.R, d.C, G, sc.xr);
+  }
+}
+
 // The attention half in the region: q/k/v, QK-norm and RoPE, the cache write at each row's slot,
 // each head over the first S slots, the output projection added to x
 static void attention_half(float* x, const Shape& d, const Layer& L, const Step& st, Scratch& sc) {
   const int64_t R = d.R, C = d.C, H = d.H, KV = d.KV, hd = d.hd, cap = d.cap, width = (H + 2 * KV) * hd;
   std::vector<float>&h = sc.h, &qkv = sc.qkv, &att = sc.att;
   const std::vector<const float*>& nw = L.nw;
-#pragma omp single
-  {
-    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, nw[0], nw[1], st.layer_norm, st.eps);
-    round_x(h.data(), R, C, L.w[0].G, sc.xr);
-  }
+  norm_rounded(x, d, nw[0], nw[1], L.w[0].G, st, sc);
   linear_in_region(L.w[0], L.bias[0], sc.xr, R, qkv.data());
 #pragma omp single
   for (int64_t r = 0; r < R; ++r) {  // per head: QK-norm, RoPE; k and v to the cache
@@ -278,11 +283,7 @@ static void attention_half(float* x, const Shape& d, const Layer& L, const Step&
 static void mlp_half(float* x, const Shape& d, const Layer& L, const Step& st, Scratch& sc) {
   const int64_t R = d.R, C = d.C, hidden = st.act == SWIGLU ? d.F / 2 : d.F;
   std::vector<float>&h = sc.h, &f = sc.f, &a = sc.a;
-#pragma omp single
-  {
-    for (int64_t r = 0; r < R; ++r) norm(x + r * C, h.data() + r * C, C, L.nw[2], L.nw[3], st.layer_norm, st.eps);
-    round_x(h.data(), R, C, L.w[2].G, sc.xr);
-  }
+  norm_rounded(x, d, L.nw[2], L.nw[3], L.w[2].G, st, sc);
   linear_in_region(L.w[2], L.bias[2], sc.xr, R, f.data());
 #pragma omp single
   {
@@ -301,11 +302,7 @@ struct Head {
 };
 
 static void head_in_region(const float* x, const Shape& d, const Head& hd, const Step& st, Scratch& sc, float* logits) {
-#pragma omp single
-  {
-    for (int64_t r = 0; r < d.R; ++r) norm(x + r * d.C, sc.h.data() + r * d.C, d.C, hd.nw, hd.nb, st.layer_norm, st.eps);
-    round_x(sc.h.data(), d.R, d.C, hd.w.G, sc.xr);
-  }
+  norm_rounded(x, d, hd.nw, hd.nb, hd.w.G, st, sc);
   linear_in_region(hd.w, hd.bias, sc.xr, d.R, logits);
 }
 
@@ -339,9 +336,19 @@ static Layer layer_of(const std::vector<torch::Tensor>& lin, const std::vector<t
   return L;
 }
 
+// The head's parameters from [norm w, b or empty, q, s, o, bias or empty]; none from an empty list
+static Head head_of(const std::vector<torch::Tensor>& head, const Shape& d) {
+  TORCH_CHECK(head.empty() || head.size() == 6, "head: none, or the norm's w, b and the linear's q, s, o, bias");
+  if (head.empty()) return Head{};
+  const Weights w = weights_of(head[2], head[3], head[4], d.C, head[2].scalar_type() == torch::kByte);
+  return {w, floats_or_null(head[0], d.C, "the final norm's weight"), floats_or_null(head[1], d.C, "the final norm's bias"),
+          floats_or_null(head[5], w.N, "the head's bias")};
+}
+
 // x (R, C) float32 through L pre-norm blocks → a new tensor: the hidden states, or with head
-// [norm w, b or empty, q, s, o, bias or empty] the logits (R, N) of head(norm(hidden)). lin: per layer 4 × (q, s, o, bias or
-// empty) for c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; norms: per layer ln_1 w, b, ln_2 w, b,
+// [norm w, b or empty, q, s, o, bias or empty] the logits (R, N) of head(norm(hidden)). lin: per
+// layer 4 × (q, s, o, bias or empty) for c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; norms: per
+// layer ln_1 w, b, ln_2 w, b,
 // q_norm w, k_norm w (empty: none); k_caches, v_caches: per layer (rows, KV, capacity, hd) float32;
 // slots (R,) where each row's new key goes; cos, sin (R, hd) or empty (no RoPE); mask (R, S)
 // additive or empty (every slot visible); ints: n_head, kv_heads, S (slots attended), layer_norm
@@ -365,14 +372,7 @@ torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std
   const Step st{sl, floats_or_null(cos, R * d.hd, "cos"), floats_or_null(sin, R * d.hd, "sin"), floats_or_null(mask, R * S, "mask"),
                 float(eps), ints[3] != 0, act};
   TORCH_CHECK((st.cos == nullptr) == (st.sin == nullptr), "cos and sin: both or neither");
-  TORCH_CHECK(head.empty() || head.size() == 6, "head: none, or the norm's w, b and the linear's q, s, o, bias");
-  Head hd{};
-  if (!head.empty()) {
-    hd.w = weights_of(head[2], head[3], head[4], d.C, head[2].scalar_type() == torch::kByte);
-    hd.nw = floats_or_null(head[0], d.C, "the final norm's weight");
-    hd.nb = floats_or_null(head[1], d.C, "the final norm's bias");
-    hd.bias = floats_or_null(head[5], hd.w.N, "the head's bias");
-  }
+  const Head hd = head_of(head, d);
   auto y = at::empty({R, d.C}, x.options());
   auto logits = head.empty() ? y : at::empty({R, hd.w.N}, x.options());
   float *yp = y.data_ptr<float>(), *lp = logits.data_ptr<float>();
