@@ -1,6 +1,7 @@
 """CPU kernels for int8 and 4-bit weights at a few rows (the decode step): y = x·Wᵀ with
 W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one group a row, o = 0;
-`group_gemv4`: q in [0, 15], two codes a byte in pack4's layout), in C++ built on first use.
+`group_gemv4`: q in [0, 15], two codes a byte in pack4's layout), in C++ built on first use. Both
+take the codes in `interleave`'s layout.
 
 Why a kernel of its own: written as torch ops (quant.grouped_sum) inductor dequantizes each
 weight to fp32 and multiplies it, ~7 vector instructions per 16 weights, so on SmolLM2 the
@@ -11,9 +12,10 @@ activations are rounded to int16 per block of 32 (a step of max|x|/32767: a rela
 partial sums are scaled into a float accumulator by s·step, and the offsets add o·Σx per group.
 No horizontal sum until the row's end. The scales and offsets are read as fp16 (36 bytes per 32
 weights where fp32 took 40, 4-bit codes 20: bytes are time when the weights stream from memory;
-llama.cpp's Q8_0 reads 34, Q4_0 18). Four weight rows run at once (AVX-512 and AVX2), and the
-weights are prefetched ahead. `-march=native` picks AVX-512BW, AVX2+FMA or the plain loop; the build is
-cached by torch per source and CPU (`TORCH_EXTENSIONS_DIR`).
+llama.cpp's Q8_0 reads 34, Q4_0 18). Four weight rows run at once (AVX-512 and AVX2), stored
+interleaved so that they stream as one (`interleave`), and the weights are prefetched ahead.
+`-march=native` picks AVX-512BW, AVX2+FMA or the plain loop; the build is cached by torch per
+source and CPU (`TORCH_EXTENSIONS_DIR`).
 
 The C++ is in csrc/ (group_gemv.cpp; decode_block.cpp, the native decode block of
 model/native_block.py, is built into the same library and reuses these loops).
@@ -112,7 +114,7 @@ def _(x: Tensor, q: Tensor, s: Tensor, o: Tensor) -> Tensor:
 
 def group_gemv(x: Tensor, q: Tensor, s: Tensor, o: Tensor) -> Tensor:
     """(M, K) float32 x · Wᵀ for W = q·s + o per group of K / s.shape[1] inputs (a multiple of 32),
-    s and o float16: (M, N) float32. available() must have returned True (it registers the CPU kernel)."""
+    q int8 in interleave's layout, s and o float16: (M, N) float32. available() must have returned True (it registers the CPU kernel)."""
     return torch.ops.quill.group_gemv(x.contiguous(), q, s, o)
 
 
@@ -124,18 +126,39 @@ def _(x: Tensor, q: Tensor, s: Tensor, o: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 
+def interleave(codes: Tensor) -> Tensor:
+    """(N, B) bytes a row (int8 weights or packed 4-bit codes), B a multiple of 32 → the same shape
+    in the kernels' layout: the rows in groups of four, and in each group unit u (32 bytes) of row
+    r at 32·(4u + r), so the four rows the kernel reads at once are one sequential stream; the last
+    N % 4 rows as they are. On SmolLM2 (2-core Zen 3, AVX2) int8 decoding ran 1.21-1.29x faster
+    than with the rows one after another (4 streams 9 cache lines long each, which the hardware
+    prefetch barely learns)."""
+    n, width = codes.shape
+    full = n - n % 4
+    body = codes[:full].view(full // 4, 4, width // BLOCK, BLOCK).transpose(1, 2).reshape(full, width)
+    return torch.cat([body, codes[full:]])
+
+
+def deinterleave(codes: Tensor) -> Tensor:
+    """interleave's inverse: the rows one after another again (a copy)."""
+    n, width = codes.shape
+    full = n - n % 4
+    body = codes[:full].view(full // 4, width // BLOCK, 4, BLOCK).transpose(1, 2).reshape(full, width)
+    return torch.cat([body, codes[full:]])
+
+
 def pack4(q: Tensor) -> Tensor:
     """(N, K) codes in [0, 15], K a multiple of 64 → (N, K / 2) uint8 in group_gemv4's layout: byte
-    j of each 32 holds code 64p + j (low nibble) and code 64p + 32 + j (high nibble)."""
+    j of each 32 holds code 64p + j (low nibble) and code 64p + 32 + j (high nibble), interleaved."""
     n, k = q.shape
     pairs = q.to(torch.uint8).view(n, k // 64, 2, 32)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).view(n, k // 2)
+    return interleave((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).view(n, k // 2))
 
 
 def unpack4(packed: Tensor) -> Tensor:
     """pack4's inverse: (N, K / 2) uint8 → (N, K) uint8 codes."""
     n, half = packed.shape
-    p = packed.view(n, half // 32, 1, 32)
+    p = deinterleave(packed).view(n, half // 32, 1, 32)
     return torch.cat([p & 15, p >> 4], dim=2).view(n, 2 * half)
 
 

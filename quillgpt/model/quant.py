@@ -188,7 +188,8 @@ class Kernel:
     fits: Callable[[int, int, int], bool]  # (out_features, in_features, group: 0 per channel)
     fallback: str
     rounding: float = 1e-6  # the relative error of its activations' rounding (bf16: 2**-8)
-    half: bool = False  # takes the fp16 copies of group-wise scales and offsets (scale_half, offset_half)
+    half: bool = False  # group_gemv: the fp16 copies of the scales and offsets (scale_half, offset_half),
+    # and the codes as Int8Linear keeps them for it (group_gemv.interleave's layout); the others take codes()
 
 
 # name → Kernel; "/bf16": bf16 activations, "/model": the model's dtype
@@ -237,12 +238,12 @@ class Int8Linear(nn.Module):
     (out, in / group) — each group symmetric (o = 0) or its 256 levels over its range, whichever
     rebuilds it better (`from_linear`); s and o fp16 values (kept in the model's dtype, and as fp16
     for group_gemv, which streams them). The float bias b. The same call as nn.Linear:
-    (…, in) → (…, out) in x's dtype."""
+    (…, in) → (…, out) in x's dtype. Where group_gemv runs the layer, `weight` holds q in its
+    layout (group_gemv.interleave: four rows at a time); `codes()` is q row after row."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.register_buffer("weight", weight)  # (out, in) int8
         self.register_buffer("scale", scale)  # (out,) or (out, in / group) in the model's dtype
         self.register_buffer("offset", offset)  # None, or (out, in / group) as the scales
         self.group = self.in_features // scale.shape[1] if scale.dim() == 2 else 0  # 0: per output channel
@@ -261,6 +262,8 @@ class Int8Linear(nn.Module):
         # kernel → what runs
         fits = {k: kern.fits(*weight.shape, self.group) and (exact or not kern.half) for k, kern in KERNELS.items()}
         self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}
+        self.interleaved = self.runs["group_gemv"] == "group_gemv"
+        self.register_buffer("weight", group_gemv.interleave(weight) if self.interleaved else weight)  # (out, in) int8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
@@ -286,10 +289,14 @@ class Int8Linear(nn.Module):
         q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
         return cls(q.to(torch.int8), scale.to(w.dtype), bias, plan)
 
+    def codes(self) -> Tensor:
+        """q (out, in) int8, row after row (what every kernel but group_gemv takes)."""
+        return group_gemv.deinterleave(self.weight) if self.interleaved else self.weight
+
     def dequantized(self) -> Tensor:
         """(out, in) float32 q·s (+ o): the weight this layer multiplies by (to rounding)."""
         n, s = self.out_features, self.scale.float().view(self.out_features, -1)
-        w = self.weight.float().view(n, s.shape[1], -1) * s[:, :, None]
+        w = self.codes().float().view(n, s.shape[1], -1) * s[:, :, None]
         return (w if self.offset is None else w + self.offset.float()[:, :, None]).view(n, self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -302,7 +309,7 @@ class Int8Linear(nn.Module):
             if gemv and (m <= FUSED_ROWS or self.plan.pick(m) == "group_gemv"):
                 return self.linear(x, "group_gemv")
             kernel = grouped_sum if m <= FUSED_ROWS else dequant_linear
-            return self._out(kernel(x, self.weight, self.scale, self.offset), x)
+            return self._out(kernel(x, self.codes(), self.scale, self.offset), x)
         if x.dim() == 2:  # (M, in): the decode step
             return self.linear(x, self.plan.pick(x.shape[0]))
         x2 = x.reshape(-1, x.shape[-1])
@@ -317,7 +324,7 @@ class Int8Linear(nn.Module):
     def linear(self, x: Tensor, kernel: str) -> Tensor:
         """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
         kern = KERNELS[self.runs[kernel]]
-        return self._out(kern.matmul(x, self.weight, *self.scales_for(kern)), x)
+        return self._out(kern.matmul(x, self.weight if kern.half else self.codes(), *self.scales_for(kern)), x)
 
     def scales_for(self, kern: Kernel) -> tuple[Tensor, Offset]:
         """The copy of the scales and offsets `kern` takes: bf16, fp16 (group_gemv) or the model's dtype."""

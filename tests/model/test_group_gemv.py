@@ -50,7 +50,7 @@ def reference(x, q, s, o) -> torch.Tensor:
 @pytest.mark.parametrize(("n", "k", "group"), [(48, 64, 32), (40, 256, 64), (33, 96, 96), (576, 1536, 32)])
 def test_group_gemv_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(rows, n, k, group):
     x, q, s, o = case(n, k, group, rows)
-    got = group_gemv.group_gemv(x, q, s, o)
+    got = group_gemv.group_gemv(x, group_gemv.interleave(q), s, o)
     want = reference(x, q, s, o)
     assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
     bound = (kernel_rounded(x).abs() @ (q.double().abs() * 0.02 + 1).t()).float()  # the float sums' scale
@@ -68,11 +68,26 @@ def case4(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.T
     return x, q, s, o
 
 
+def test_interleave_streams_four_rows_as_one_and_leaves_the_last_rows_as_they_are():
+    """Unit u (32 bytes) of row r of each group of four at 32·(4u + r) of the group; the last
+    N % 4 rows unchanged; deinterleave undoes it."""
+    codes = torch.randint(-128, 128, (10, 96), dtype=torch.int8)
+    laid = group_gemv.interleave(codes)
+    assert laid.shape == codes.shape and torch.equal(group_gemv.deinterleave(laid), codes)
+    for g in range(2):
+        stream = laid[4 * g : 4 * g + 4].reshape(-1)
+        for r in range(4):
+            for u in range(3):
+                assert torch.equal(stream[32 * (4 * u + r) : 32 * (4 * u + r + 1)], codes[4 * g + r, 32 * u : 32 * u + 32])
+    assert torch.equal(laid[8:], codes[8:])
+
+
 def test_pack4_keeps_every_code_and_pairs_blocks_in_nibbles():
-    q = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    q = torch.randint(0, 16, (7, 128), dtype=torch.uint8)
     packed = group_gemv.pack4(q)
-    assert packed.shape == (3, 64) and packed.dtype == torch.uint8 and torch.equal(group_gemv.unpack4(packed), q)
-    assert torch.equal(packed[:, :32] & 15, q[:, :32]) and torch.equal(packed[:, :32] >> 4, q[:, 32:64])
+    assert packed.shape == (7, 64) and packed.dtype == torch.uint8 and torch.equal(group_gemv.unpack4(packed), q)
+    rows = group_gemv.deinterleave(packed)  # two codes a byte, the rows one after another
+    assert torch.equal(rows[:, :32] & 15, q[:, :32]) and torch.equal(rows[:, :32] >> 4, q[:, 32:64])
 
 
 @needs_kernel
@@ -107,9 +122,10 @@ def test_group_gemv_refuses_shapes_it_cannot_take():
 @needs_kernel
 def test_int8_linear_takes_group_gemv_where_its_group_is_whole_blocks():
     """Groups of 32 and per-channel rows a multiple of 32 wide (one group of the whole row, offsets
-    0) run group_gemv; a group of 16 or a row of 48 cannot. Each equals its dequantized weights."""
+    0) run group_gemv; a group of 16 or a row of 48 cannot. Each equals its dequantized weights,
+    through every kernel: group_gemv reads the codes in its layout, the others row after row."""
     torch.manual_seed(0)
-    lin = nn.Linear(64, 48)
+    lin = nn.Linear(64, 50)  # 50 rows: twelve groups of four and two rows of their own
     plan = KernelPlan((1,), ("group_gemv",))
     assert Int8Linear.from_linear(lin, plan, 32).runs["group_gemv"] == "group_gemv"
     assert Int8Linear.from_linear(lin, plan, 16).runs["group_gemv"] == "dequant/model"  # a group it cannot take
@@ -119,7 +135,11 @@ def test_int8_linear_takes_group_gemv_where_its_group_is_whole_blocks():
     for group in (32, 0):
         q = Int8Linear.from_linear(lin, plan, group)
         assert torch.equal(q.scale_half.float().view(q.scale.shape), q.scale)  # the scales are fp16 values
-        torch.testing.assert_close(q(x), F.linear(x, q.dequantized(), lin.bias), rtol=1e-4, atol=1e-4)
+        assert q.interleaved and torch.equal(q.weight, group_gemv.interleave(q.codes()))
+        want = F.linear(x, q.dequantized(), lin.bias)
+        for kernel in quant.KERNELS:
+            torch.testing.assert_close(q.linear(x, kernel), want, rtol=1e-2, atol=1e-2)  # bf16 activations among them
+        torch.testing.assert_close(q(x), want, rtol=1e-4, atol=1e-4)
 
 
 def test_group_wise_scales_are_fp16_values_and_q_rounds_against_them():
@@ -169,7 +189,7 @@ assert group_gemv.available(), group_gemv.why_not()
 errs = []
 for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2), (33, 128, 128, 2)]:
     x, q, s, o = case(n, k, group, rows)
-    got, want = group_gemv.group_gemv(x, q, s, o), reference(x, q, s, o)
+    got, want = group_gemv.group_gemv(x, group_gemv.interleave(q), s, o), reference(x, q, s, o)
     errs.append(float((got - want).abs().max() / want.abs().max()))
     x, q, s, o = case4(n, k, group, rows)  # and 4-bit codes
     got, want = group_gemv.group_gemv4(x, group_gemv.pack4(q), s, o), reference(x, q, s, o)

@@ -16,6 +16,25 @@ constexpr int64_t MAX_BLOCKS = 1024;  // K up to 32,768 inputs
 // (on a Zen 3 core, 2 threads, int8 into L2: ~15 G weights/s from L3 where into L1 gave 11-14)
 constexpr int64_t PREFETCH = 8192;
 
+// The weights' layout (group_gemv.py's interleave): a row is 32-byte units (int8: a block of 32
+// weights; 4-bit: a pair of blocks), and rows go in fours: in a group of 4 rows, unit u of row r
+// is at 32·(4u + r) bytes from the group's start, so the kernel that reads 4 rows at once reads one
+// sequential stream. The last N % 4 rows follow one by one, as they are. Row after row, 4 streams
+// 576 bytes apart, a SmolLM2 token's int8 linears ran at ~0.8x: hardware prefetch barely learns a
+// stream 9 lines long. Unit u of row r of a group of R rows (R = 1: a row of its own):
+template <int R>
+static inline const uint8_t* unit(const uint8_t* group, int r, int64_t u) {
+  return group + 32 * (R * u + r);
+}
+
+#if defined(__x86_64__)
+// The weight bytes [p, p + bytes) PREFETCH ahead, a line at a time
+template <bool FOUR>
+static inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char*)(p + PREFETCH + off), FOUR ? _MM_HINT_T0 : _MM_HINT_T1);
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 static float sum8(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -87,10 +106,11 @@ static float offsets_dot(const uint16_t* o16, const float* xg, int64_t groups) {
 #endif
 }
 
-// Row n of W (K int8 weights; per-group fp16 scale s and offset o) dotted with one activation row
-// rounded to int16 per block of 32 (xq, the step of each block xs, the float sum of each group xg):
-// the plain loop, where neither AVX2 nor AVX-512 is built (rows_dot below does it with them).
-static float row_dot(const int8_t* q, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
+// One row of W (K int8 weights, block b's 32 at q + stride·b; per-group fp16 scale s and offset o)
+// dotted with one activation row rounded to int16 per block of 32 (xq, the step of each block xs,
+// the float sum of each group xg): the plain loop, where neither AVX2 nor AVX-512 is built
+// (rows_dot below does it with them).
+static float row_dot(const uint8_t* q, int64_t stride, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
                      const float* xs, const float* xg, int64_t groups, int64_t per_group) {
   float c[MAX_BLOCKS];
   const int64_t blocks = groups * per_group;
@@ -98,16 +118,17 @@ static float row_dot(const int8_t* q, const uint16_t* s16, const uint16_t* o16, 
   float total = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t d = 0;
-    for (int64_t i = 0; i < 32; ++i) d += int32_t(q[32 * b + i]) * int32_t(xq[32 * b + i]);
+    const int8_t* w = reinterpret_cast<const int8_t*>(q + stride * b);
+    for (int64_t i = 0; i < 32; ++i) d += int32_t(w[i]) * int32_t(xq[32 * b + i]);
     total += float(d) * c[b];
   }
   return total + offsets_dot(o16, xg, groups);
 }
 
-// The same dot for 4-bit codes in [0, 15], 64 to 32 bytes: byte j of pair p holds code 64p + j in
-// its low nibble and code 64p + 32 + j in its high one, so one 32-byte load, a mask and a shift
-// give two whole blocks of 32 in order (K a multiple of 64).
-static float row_dot4(const uint8_t* q, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
+// The same dot for 4-bit codes in [0, 15], 64 to the 32 bytes at q + stride·p: byte j of pair p
+// holds code 64p + j in its low nibble and code 64p + 32 + j in its high one, so one 32-byte load, a
+// mask and a shift give two whole blocks of 32 in order (K a multiple of 64).
+static float row_dot4(const uint8_t* q, int64_t stride, const uint16_t* s16, const uint16_t* o16, const int16_t* xq,
                       const float* xs, const float* xg, int64_t groups, int64_t per_group) {
   float c[MAX_BLOCKS];
   const int64_t pairs = groups * per_group / 2;
@@ -115,9 +136,10 @@ static float row_dot4(const uint8_t* q, const uint16_t* s16, const uint16_t* o16
   float total = 0.f;
   for (int64_t p = 0; p < pairs; ++p) {
     int32_t d0 = 0, d1 = 0;
+    const uint8_t* w = q + stride * p;
     for (int64_t j = 0; j < 32; ++j) {
-      d0 += int32_t(q[32 * p + j] & 15) * int32_t(xq[64 * p + j]);
-      d1 += int32_t(q[32 * p + j] >> 4) * int32_t(xq[64 * p + 32 + j]);
+      d0 += int32_t(w[j] & 15) * int32_t(xq[64 * p + j]);
+      d1 += int32_t(w[j] >> 4) * int32_t(xq[64 * p + 32 + j]);
     }
     total += float(d0) * c[2 * p] + float(d1) * c[2 * p + 1];
   }
@@ -130,7 +152,7 @@ static float row_dot4(const uint8_t* q, const uint16_t* s16, const uint16_t* o16
 // (the chain, the horizontal sum) that no other work hid: over cached 576-wide rows one core ran
 // 15.6 G weights/s a row at a time, 22.6 four at a time.
 template <bool FOUR, int R>
-static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, const uint16_t* o16, int64_t groups,
+static void rows_dot(const uint8_t* q, const uint16_t* s16, const uint16_t* o16, int64_t groups,
                      int64_t per_group, const int16_t* xq, const float* xs, const float* xg, float* y) {
   const int64_t blocks = groups * per_group;
   float c[R][MAX_BLOCKS];
@@ -145,24 +167,22 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
   for (; b + 1 < blocks; b += 2) {
     const __m512i x0 = _mm512_loadu_si512((const void*)(xq + 32 * b));
     const __m512i x1 = _mm512_loadu_si512((const void*)(xq + 32 * b + 32));
+    prefetch_ahead<FOUR>(unit<R>(q, 0, FOUR ? b / 2 : b), (FOUR ? 32 : 64) * R);  // what this pass reads
     for (int r = 0; r < R; ++r) {
-      const uint8_t* w = q + r * row_bytes;
-      if (!FOUR || b % 4 == 0)  // a line a row
-        _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), FOUR ? _MM_HINT_T0 : _MM_HINT_T1);
       if constexpr (FOUR) {  // 64 codes in 32 bytes: low nibbles block b, high nibbles block b + 1
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * b));
+        const __m256i v = _mm256_loadu_si256((const __m256i*)unit<R>(q, r, b / 2));
         add(r, _mm512_cvtepu8_epi16(_mm256_and_si256(v, low)), x0, b);
         add(r, _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low)), x1, b + 1);
       } else {
-        add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * b))), x0, b);
-        add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * b + 32))), x1, b + 1);
+        add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)unit<R>(q, r, b))), x0, b);
+        add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)unit<R>(q, r, b + 1))), x1, b + 1);
       }
     }
   }
   if constexpr (!FOUR) {  // an odd block count (int4 rows are whole pairs)
     if (b < blocks) {
       const __m512i x0 = _mm512_loadu_si512((const void*)(xq + 32 * b));
-      for (int r = 0; r < R; ++r) add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + r * row_bytes + 32 * b))), x0, b);
+      for (int r = 0; r < R; ++r) add(r, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)unit<R>(q, r, b))), x0, b);
     }
   }
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]) + offsets_dot(o16 + r * groups, xg, groups);
@@ -173,7 +193,7 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
 // 4-bit codes come in 16 bytes at a time, each widened to int16 once: low nibbles block b, high ones b + 1.
 // On a Zen 3 core over 576-wide rows, ~1.2x one row at a time (int8 16.4 -> 19.9 G weights/s).
 template <bool FOUR, int R>
-static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, const uint16_t* o16, int64_t groups,
+static void rows_dot(const uint8_t* q, const uint16_t* s16, const uint16_t* o16, int64_t groups,
                      int64_t per_group, const int16_t* xq, const float* xs, const float* xg, float* y) {
   const int64_t blocks = groups * per_group;
   float c[R][MAX_BLOCKS];
@@ -191,17 +211,17 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
   };
   int64_t b = 0;
   for (; b + 1 < blocks; b += 2) {
+    prefetch_ahead<FOUR>(unit<R>(q, 0, FOUR ? b / 2 : b), (FOUR ? 32 : 64) * R);  // what this pass reads
     for (int r = 0; r < R; ++r) {
-      const uint8_t* w = q + r * row_bytes;
-      if (!FOUR || b % 4 == 0) _mm_prefetch((const char*)(w + (FOUR ? 16 : 32) * b + PREFETCH), FOUR ? _MM_HINT_T0 : _MM_HINT_T1);
       if constexpr (FOUR) {  // each byte widened once: its low nibble for block b, its high one for b + 1
-        const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + 16 * b)));
-        const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + 16 * b + 16)));
+        const uint8_t* w = unit<R>(q, r, b / 2);
+        const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)w));
+        const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + 16)));
         add(r, _mm256_and_si256(h0, low), _mm256_and_si256(h1, low), b);
         add(r, _mm256_srli_epi16(h0, 4), _mm256_srli_epi16(h1, 4), b + 1);
       } else {
-        auto [w0, w1] = int8_block(w + 32 * b);
-        auto [w2, w3] = int8_block(w + 32 * b + 32);
+        auto [w0, w1] = int8_block(unit<R>(q, r, b));
+        auto [w2, w3] = int8_block(unit<R>(q, r, b + 1));
         add(r, w0, w1, b);
         add(r, w2, w3, b + 1);
       }
@@ -210,7 +230,7 @@ static void rows_dot(const uint8_t* q, int64_t row_bytes, const uint16_t* s16, c
   if constexpr (!FOUR) {  // an odd block count (int4 rows are whole pairs)
     if (b < blocks) {
       for (int r = 0; r < R; ++r) {
-        auto [w0, w1] = int8_block(q + r * row_bytes + 32 * b);
+        auto [w0, w1] = int8_block(unit<R>(q, r, b));
         add(r, w0, w1, b);
       }
     }
@@ -250,7 +270,7 @@ static void round_x(const float* x, int64_t M, int64_t K, int64_t G, Rounded& r)
 }
 
 // One layer's weights as the kernels read them: N rows of row_bytes (K int8 weights, or K / 2 bytes
-// of 4-bit codes), and per row G fp16 scales and offsets (their bits)
+// of 4-bit codes) in the layout above, and per row G fp16 scales and offsets (their bits)
 struct Weights {
   const uint8_t* q;
   const uint16_t *s, *o;
@@ -258,29 +278,29 @@ struct Weights {
   bool four;
 };
 
-// Output columns [n0, n1) of y (M, N) = x·Wᵀ for x rounded by round_x: a few weight rows, read
-// once, for every activation row. The decode block (decode_block.cpp) calls it inside its own
-// parallel region; gemv splits the columns over at::parallel_for.
+// Output columns [n0, n1) of y (M, N) = x·Wᵀ for x rounded by round_x: a group of 4 weight rows
+// (or a last row of its own), read once, for every activation row. n0 is a multiple of 4 and n1 of
+// 4 or N, so the groups are the layout's. The decode block (decode_block.cpp) calls it inside its own
+// parallel region; gemv splits the columns over at::parallel_for, 16 at a time.
 static void gemv_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1) {
   const int64_t blocks = w.K / 32, per_group = blocks / w.G, K = w.K, G = w.G, N = w.N;
   for (int64_t n = n0; n < n1;) {
-#if defined(QUILL_ROWS_DOT)
-    const int64_t rows = n + 4 <= n1 ? 4 : 1;  // QUILL_ROWS_DOT: AVX-512 or AVX2
-    for (int64_t m = 0; m < M; ++m) {
-      auto run = w.four ? (rows == 4 ? rows_dot<true, 4> : rows_dot<true, 1>) : (rows == 4 ? rows_dot<false, 4> : rows_dot<false, 1>);
-      run(w.q + n * w.row_bytes, w.row_bytes, w.s + n * G, w.o + n * G, G, per_group, r.q.data() + m * K, r.step.data() + m * blocks,
-          r.sum.data() + m * G, y + m * N + n);
-    }
-    n += rows;
-#else
+    const int64_t rows = n + 4 <= n1 ? 4 : 1;
+    const uint8_t* group = w.q + n * w.row_bytes;
     for (int64_t m = 0; m < M; ++m) {
       const int16_t* xq = r.q.data() + m * K;
       const float *xs = r.step.data() + m * blocks, *xg = r.sum.data() + m * G;
-      y[m * N + n] = w.four ? row_dot4(w.q + n * w.row_bytes, w.s + n * G, w.o + n * G, xq, xs, xg, G, per_group)
-                            : row_dot(reinterpret_cast<const int8_t*>(w.q) + n * K, w.s + n * G, w.o + n * G, xq, xs, xg, G, per_group);
-    }
-    n += 1;
+#if defined(QUILL_ROWS_DOT)  // AVX-512 or AVX2
+      auto run = w.four ? (rows == 4 ? rows_dot<true, 4> : rows_dot<true, 1>) : (rows == 4 ? rows_dot<false, 4> : rows_dot<false, 1>);
+      run(group, w.s + n * G, w.o + n * G, G, per_group, xq, xs, xg, y + m * N + n);
+#else
+      for (int64_t i = 0; i < rows; ++i) {
+        auto dot = w.four ? row_dot4 : row_dot;
+        y[m * N + n + i] = dot(group + 32 * i, 32 * rows, w.s + (n + i) * G, w.o + (n + i) * G, xq, xs, xg, G, per_group);
+      }
 #endif
+    }
+    n += rows;
   }
 }
 
@@ -312,14 +332,14 @@ static torch::Tensor gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s, tor
   round_x(x.data_ptr<float>(), M, K, w.G, r);
   auto y = torch::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { gemv_columns(w, r, M, yp, n0, n1); });
+  at::parallel_for(0, (w.N + 15) / 16, 1, [&](int64_t c0, int64_t c1) { gemv_columns(w, r, M, yp, 16 * c0, std::min(w.N, 16 * c1)); });
   return y;
 }
 
-// x (M, K) float32, q (N, K) int8, s and o (N, K / group) float16 -> (M, N) float32.
+// x (M, K) float32, q (N, K) int8 in the layout above, s and o (N, K / group) float16 -> (M, N) float32.
 torch::Tensor group_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor o) { return gemv<false>(x, q, s, o); }
 
-// x (M, K) float32, q (N, K / 2) uint8 (4-bit codes, row_dot4's layout), s and o as group_gemv's.
+// x (M, K) float32, q (N, K / 2) uint8 (4-bit codes, row_dot4's bytes in the layout above), s and o as group_gemv's.
 torch::Tensor group_gemv4(torch::Tensor x, torch::Tensor q, torch::Tensor s, torch::Tensor o) { return gemv<true>(x, q, s, o); }
 
 TORCH_LIBRARY_IMPL(quill, CPU, m) {
