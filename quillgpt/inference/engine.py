@@ -44,6 +44,7 @@ from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.inference.compiled_step import compiled_step
 from quillgpt.inference.sampling import row_generator, sample_rows
+from quillgpt.model import native_block
 from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import Cache
 from quillgpt.sampling_params import SamplingParams
@@ -334,23 +335,27 @@ class Rows:
     def _draw(self, logits: Tensor, rows: list[int | None], first: int = 0) -> tuple[Tensor, list[int], list[bool]]:
         """(n, V) logits of rows first..first+n-1 → (n,) device tokens, the same as ints, and which
         rows' logits were not finite (their token is meaningless): the step's one wait for the device."""
-        # a non-finite logit makes its row's sum non-finite (as do logits past ~1e34, as broken): one
-        # vectorized pass where isfinite().all() took ~100 us over SmolLM2's 49,152 logits
-        bad = ~logits.sum(dim=-1).isfinite()  # (n,)
-        if any(r is not None and not self._rows[r].params.greedy for r in rows):
-            logits = logits.masked_fill(bad[:, None], 0.0)  # a bad row draws harmlessly (argmax takes any row)
-        nxt = self._sample(logits, rows, first)
-        ids, flags = torch.stack([nxt, bad.long()]).tolist()
-        return nxt, ids, [bool(b) for b in flags]
+        drawn = native_block.argmax_finite(logits)  # (2, n): each row's argmax, 1 where it is not finite
+        if drawn is None:  # a non-finite logit makes its row's sum non-finite (as do logits past ~1e34, as
+            # broken): one vectorized pass where isfinite().all() took ~100 us over SmolLM2's 49,152 logits
+            drawn = torch.stack([logits.argmax(dim=-1), (~logits.sum(dim=-1).isfinite()).long()])
+        params = [None if r is None else self._rows[r].params for r in rows]
+        if any(p is not None and not (p.greedy and p.repetition_penalty == 1.0) for p in params):  # not argmax alone
+            if any(p is not None and not p.greedy for p in params):
+                logits = logits.masked_fill(drawn[1, :, None].bool(), 0.0)  # a bad row draws harmlessly
+            drawn = torch.stack([self._sample(logits, rows, first, drawn[0]), drawn[1]])
+        ids, flags = drawn.tolist()
+        return drawn[0], ids, [bool(b) for b in flags]
 
-    def _sample(self, logits: Tensor, rows: list[int | None], first: int) -> Tensor:
-        """(n, V) logits, row i belonging to row rows[i] = first + i (None: idle) → (n,) device tokens."""
+    def _sample(self, logits: Tensor, rows: list[int | None], first: int, argmax: Tensor) -> Tensor:
+        """(n, V) logits, row i belonging to row rows[i] = first + i (None: idle), and their argmax →
+        (n,) device tokens."""
         live = [None if r is None else self._rows[r] for r in rows]
         params = [None if row is None else row.params for row in live]
         seen = None
         if any(p is not None and p.repetition_penalty != 1.0 for p in params):
             seen = self._seen[first : first + len(rows)]
-        return sample_rows(logits, params, [None if row is None else row.generator for row in live], seen)
+        return sample_rows(logits, params, [None if row is None else row.generator for row in live], seen, argmax)
 
     def _advance(self, r: int, tok: int) -> RowToken:
         """Record row r's new token: the row finishes here (and is released), or goes on."""

@@ -95,12 +95,13 @@ def sample_rows(
     params: list[SamplingParams | None],
     generators: list[torch.Generator | None],
     seen: Tensor | None = None,
+    argmax: Tensor | None = None,
 ) -> Tensor:
     """(n, V) float logits → (n,) tokens, row i drawn with params[i] and generators[i] (None: an
-    idle row, argmax). Greedy rows share one argmax; each sampling row draws from its own stream,
-    so its tokens do not depend on the other rows. seen (n, V) bool: the rows' tokens so far, for
-    the repetition penalty; updated in place with the new tokens."""
-    nxt = logits.argmax(dim=-1)
+    idle row, argmax). Greedy rows share one argmax (`argmax` where the caller has it); each
+    sampling row draws from its own stream, so its tokens do not depend on the other rows. seen
+    (n, V) bool: the rows' tokens so far, for the repetition penalty; updated in place with the new tokens."""
+    nxt = logits.argmax(dim=-1) if argmax is None else argmax.clone()
     for i, p in enumerate(params):
         if p is None or (p.greedy and p.repetition_penalty == 1.0):
             continue

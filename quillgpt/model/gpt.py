@@ -278,6 +278,13 @@ class GPT(nn.Module):
         slots only (they must hold every visible key; None = all, the compiled step's shape).
         masked=False: the caller knows every row may see all of those slots (each row holds the
         same n_keys ≤ span latest positions), so no mask is built or applied (~10% of attention)."""
+        blocks, ln_f = self.transformer.h, self.transformer.ln_f
+        stack = self._native_stack(cache, len(pos))
+        whole = stack is not None and not masked and not torch.compiler.is_compiling()
+        embedding = self._native_embedding() if whole else None
+        if embedding is not None:  # the whole step in one native call, its embedding and slots too
+            out = native_block.decode_tokens(idx, pos, stack, *embedding, cache, n_keys)
+            return out if stack[1] else self.head(ln_f(out))  # (R, V)
         at = cache.decode_slots(pos)  # (row, slot) of each new key
         mask = None
         if masked:
@@ -288,16 +295,29 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         rope = self._rope(pos[:, None], T=1)  # (R, 1, 1, hd): over heads
         rope = rope and (stored(rope[0]), stored(rope[1]))  # cos/sin once, not in each layer
-        blocks, ln_f = self.transformer.h, self.transformer.ln_f
-        if x.dtype == torch.float32 and x.device.type == "cpu":  # one native call (model/native_block.py)
-            head = self.lm_head if self.config.logit_softcap is None else None
-            stack = native_block.stack_arguments(blocks, ln_f, head, self._native, x.shape[0])
-            if stack is not None and cache.k[0].dtype == torch.float32:
-                out = native_block.decode_stack(x, stack, rope, mask, cache, at, n_keys)
-                return out if stack[1] else self.head(ln_f(out))  # (R, V)
+        if stack is not None:  # the blocks (and the head) in one native call
+            out = native_block.decode_stack(x, stack, rope, mask, cache, at, n_keys)
+            return out if stack[1] else self.head(ln_f(out))  # (R, V)
         for i, block in enumerate(blocks):
             x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
         return self.head(ln_f(x))  # (R, V)
+
+    def _native_stack(self, cache: KVCache, rows: int) -> native_block.Stack | None:
+        """native_block.stack_arguments for a float32 model and cache on the CPU, else None."""
+        if self.transformer.wte.weight.dtype != torch.float32 or self.device.type != "cpu" or cache.k[0].dtype != torch.float32:
+            return None
+        head = self.lm_head if self.config.logit_softcap is None else None
+        return native_block.stack_arguments(self.transformer.h, self.transformer.ln_f, head, self._native, rows)
+
+    def _native_embedding(self) -> tuple[list[Tensor], Tensor | None] | None:
+        """decode_tokens' [wte] or [wte, wpe] and RoPE frequencies (None: learned positions); None
+        where the variant embeds other positions than the absolute ones (Infini's restart)."""
+        if type(self.variant).embed_positions is not Variant.embed_positions:
+            return None
+        t = self.transformer
+        if self.config.pos == "learned":
+            return [t.wte.weight, t.wpe.weight], None
+        return [t.wte.weight], self.inv_freq(self.device)
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:

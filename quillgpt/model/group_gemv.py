@@ -99,6 +99,11 @@ def available() -> bool:
     return _built is not None
 
 
+def built() -> bool:
+    """Whether the library is loaded already (available() has built it), without building it."""
+    return bool(_built)
+
+
 def why_not() -> str | None:
     """Why the kernel could not be built (None: it was, or was not tried yet)."""
     return _error

@@ -39,6 +39,26 @@ def _(x, lin, norms, head, k_caches, v_caches, slots, cos, sin, mask, ints, eps)
     return x.new_empty((x.shape[0], head[2].shape[0]) if head else x.shape)
 
 
+torch.library.define(
+    "quill::decode_tokens",
+    "(Tensor idx, Tensor pos, Tensor(c!) key_pos, Tensor[] embed, Tensor inv_freq, Tensor[] lin, Tensor[] norms, Tensor[] head, "
+    "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, SymInt[] ints, float eps) -> Tensor",
+)
+
+
+@torch.library.register_fake("quill::decode_tokens")
+def _(idx, pos, key_pos, embed, inv_freq, lin, norms, head, k_caches, v_caches, ints, eps):  # noqa: ANN001, ANN202
+    return embed[0].new_empty((idx.shape[0], head[2].shape[0] if head else embed[0].shape[1]))
+
+
+torch.library.define("quill::argmax_finite", "(Tensor logits) -> Tensor")
+
+
+@torch.library.register_fake("quill::argmax_finite")
+def _(logits):  # noqa: ANN001, ANN202
+    return logits.new_empty((2, logits.shape[0]), dtype=torch.long)
+
+
 class NativeLinear(Protocol):
     """A linear layer decode_block can read: its weights in group_gemv's layout at `rows` input rows."""
 
@@ -150,6 +170,12 @@ def memo_arguments(block: nn.Module, memo: dict, rows: int) -> Args | None:
     return memo[rows]
 
 
+def _ints(stack: Stack, slots: int) -> list[int]:
+    """decode_blocks' ints: n_head, kv_heads, the slots attended, layer_norm, activation."""
+    n_head, kv_heads, layer_norm, act = stack[0][2]
+    return [n_head, kv_heads, slots, layer_norm, act]
+
+
 def _call(
     x: Tensor,
     stack: Stack,
@@ -162,12 +188,11 @@ def _call(
 ) -> Tensor:
     """decode_blocks over `stack` with the cache's `layers`: x (R, C) float32, the step's RoPE
     angles and additive mask (R, 1, 1, S) as GPT.decode makes them, the caches written at `at`."""
-    (lin, norms, (n_head, kv_heads, layer_norm, act), eps), head = stack
+    (lin, norms, _, eps), head = stack
     R, S = x.shape[0], n_keys or cache.capacity
     cos, sin = (NONE, NONE) if rope is None else (rope[0].reshape(R, -1), rope[1].reshape(R, -1))
     bias = NONE if mask is None else mask.reshape(R, S)
-    ints = [n_head, kv_heads, S, layer_norm, act]
-    return torch.ops.quill.decode_blocks(x, lin, norms, head, cache.k[layers], cache.v[layers], at[1], cos, sin, bias, ints, eps)
+    return torch.ops.quill.decode_blocks(x, lin, norms, head, cache.k[layers], cache.v[layers], at[1], cos, sin, bias, _ints(stack, S), eps)
 
 
 def decode(
@@ -232,3 +257,28 @@ def decode_stack(
     """GPT.decode's blocks in one call, every layer's cache: stack_arguments' `stack`; the logits
     (R, V) where it holds the head's arguments, else the hidden states (R, C)."""
     return _call(x, stack, slice(None), rope, mask, cache, at, n_keys)
+
+
+def decode_tokens(
+    idx: Tensor, pos: Tensor, stack: Stack, embed: list[Tensor], inv_freq: Tensor | None, cache: KVCache, n_keys: int | None
+) -> Tensor:
+    """GPT.decode's whole unmasked step in one call, from the token ids idx and positions pos (R,):
+    each row's slot (its position recorded in cache.pos), its embedding (embed: [wte] or [wte, wpe])
+    and RoPE angles (inv_freq; None: learned positions) as well, where those torch ops took ~0.4 ms
+    a SmolLM2 token, cold after the last step's weights. Every row sees all of the first n_keys
+    slots. Returns what decode_stack returns."""
+    (lin, norms, _, eps), head = stack
+    freq = NONE if inv_freq is None else inv_freq
+    ints = _ints(stack, n_keys or cache.capacity)
+    return torch.ops.quill.decode_tokens(idx, pos, cache.pos, embed, freq, lin, norms, head, cache.k, cache.v, ints, eps)
+
+
+def argmax_finite(logits: Tensor) -> Tensor | None:
+    """(n, V) logits → (2, n) int64: each row's argmax (its first maximum), and 1 where the row is not
+    finite (a NaN or infinite logit, or a sum past float's range), in one C++ pass: the same from
+    torch ops cost ~0.5 ms a SmolLM2 token, cold after a step that streamed the weights. None where
+    it does not run: not float32 on the CPU, or the library not built (a model whose layers do not
+    use it need not wait for its build)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not group_gemv.built() or torch.compiler.is_compiling():
+        return None
+    return torch.ops.quill.argmax_finite(logits.contiguous())

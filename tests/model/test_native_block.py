@@ -108,12 +108,54 @@ def test_the_head_ends_the_native_call_unless_it_soft_caps(monkeypatch: pytest.M
 
 
 @needs_kernel
-def test_unmasked_step_and_one_row() -> None:
-    m = model("llama", "int4", seed=1)
-    fast, _ = greedy(m, 6, [0], masked=False)
-    with native_block.off():
-        plain, _ = greedy(m, 6, [0], masked=False)
-    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
+@pytest.mark.parametrize("shape", ["llama", "gpt2", "llama-hd64"])
+def test_the_unmasked_step_is_one_call_from_the_token_ids(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """masked=False (every row sees every slot so far): decode_tokens also embeds the tokens, makes
+    the RoPE angles and records the positions; the same logits, tokens and cache positions as op by
+    op, RoPE and learned positions, one row and two."""
+    m = model(shape, "int4", seed=1)
+    calls = []
+    real = native_block.decode_tokens
+    monkeypatch.setattr(native_block, "decode_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for starts in ([0], [5, 5]):
+        fast, fast_tokens = greedy(m, 6, starts, masked=False)
+        with native_block.off():
+            plain, plain_tokens = greedy(m, 6, starts, masked=False)
+        assert torch.equal(fast_tokens, plain_tokens)
+        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
+    assert len(calls) == 12
+    cache = m.make_cache(1, 8)
+    with torch.no_grad():
+        for p in range(10):  # past the capacity: slot p % 8, its position recorded there
+            m.decode(torch.tensor([3]), torch.tensor([p]), cache, n_keys=min(p + 1, 8), masked=False)
+    assert cache.pos[0].tolist() == [8, 9, 2, 3, 4, 5, 6, 7]
+
+
+@needs_kernel
+def test_a_bad_token_or_position_is_an_error_not_a_read_out_of_bounds() -> None:
+    m = model("gpt2", "int8-g32")  # learned positions: 64 of them
+    cache = m.make_cache(1, 64)
+    with pytest.raises(RuntimeError, match="vocabulary"):
+        m.decode(torch.tensor([97]), torch.tensor([0]), cache, masked=False)
+    with pytest.raises(RuntimeError, match="pos"):
+        m.decode(torch.tensor([1]), torch.tensor([64]), cache, masked=False)
+
+
+@needs_kernel
+def test_argmax_finite_is_the_first_maximum_and_flags_rows_that_are_not_finite() -> None:
+    group_gemv.available()
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    logits[0, [7, 500]] = 9.0  # a tie: the first
+    logits[1, 3] = float("nan")
+    logits[2, 999] = float("inf")
+    logits[3, 0] = float("-inf")  # one logit -inf: not finite either (the step's sum says so)
+    logits[4, :] = 1e36  # each finite, their sum past float's range
+    got = native_block.argmax_finite(logits)
+    assert got is not None and got.dtype == torch.long and got.shape == (2, 6)
+    assert got[1].tolist() == [0, 1, 1, 1, 1, 0]
+    assert got[0, 0] == 7 and got[0, 2] == 999 and torch.equal(got[0, 5], logits[5].argmax())
+    assert native_block.argmax_finite(logits.double()) is None  # not float32: the engine's torch ops
 
 
 def test_fits_only_quantized_blocks_of_causal_attention() -> None:

@@ -345,38 +345,30 @@ static Head head_of(const std::vector<torch::Tensor>& head, const Shape& d) {
           floats_or_null(head[5], w.N, "the head's bias")};
 }
 
-// x (R, C) float32 through L pre-norm blocks → a new tensor: the hidden states, or with head
-// [norm w, b or empty, q, s, o, bias or empty] the logits (R, N) of head(norm(hidden)). lin: per
-// layer 4 × (q, s, o, bias or empty) for c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; norms: per
-// layer ln_1 w, b, ln_2 w, b,
-// q_norm w, k_norm w (empty: none); k_caches, v_caches: per layer (rows, KV, capacity, hd) float32;
-// slots (R,) where each row's new key goes; cos, sin (R, hd) or empty (no RoPE); mask (R, S)
-// additive or empty (every slot visible); ints: n_head, kv_heads, S (slots attended), layer_norm
-// (0/1), act (GELU_TANH, RELU2, SWIGLU), alike in every layer. One OpenMP region runs them all.
-torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms,
-                            std::vector<torch::Tensor> head, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, std::vector<int64_t> ints, double eps) {
+// The shape every layer shares, from x's (R, C), the first cache and ints (n_head, kv_heads, S, ...)
+static Shape shape_of(int64_t R, int64_t C, const std::vector<torch::Tensor>& k_caches, const std::vector<int64_t>& ints) {
+  TORCH_CHECK(ints.size() == 5, "ints: n_head, kv_heads, S, layer_norm, act");
+  TORCH_CHECK(!k_caches.empty() && k_caches[0].dim() == 4, "k_caches: (rows, kv_heads, capacity, hd)");
+  Shape d{R, C, ints[0], ints[1], k_caches[0].size(3), ints[2], 0, k_caches[0].size(2)};
+  TORCH_CHECK(d.KV >= 1 && d.H % d.KV == 0 && d.S >= 1 && d.S <= d.cap && d.hd % 2 == 0, "decode_blocks: bad heads or slots");
+  return d;
+}
+
+// x0 (R, C) through the layers (and the head): the shared part of decode_blocks and decode_tokens
+static torch::Tensor run_blocks(const float* x0, Shape d, const torch::TensorOptions& opts, const std::vector<torch::Tensor>& lin,
+                                const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& head,
+                                const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches, const Step& st) {
   const int64_t n = int64_t(k_caches.size());
-  TORCH_CHECK(n >= 1 && int64_t(lin.size()) == 16 * n && int64_t(norms.size()) == 6 * n && int64_t(v_caches.size()) == n && ints.size() == 5,
-              "decode_blocks: per layer 16 linear tensors, 6 norms, a k and a v cache; 5 ints");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (R, C) float32");
-  const int64_t R = x.size(0), H = ints[0], KV = ints[1], S = ints[2], act = ints[4];
-  TORCH_CHECK(k_caches[0].dim() == 4, "k_caches: (rows, kv_heads, capacity, hd)");
-  Shape d{R, x.size(1), H, KV, k_caches[0].size(3), S, 0, k_caches[0].size(2)};
-  TORCH_CHECK(KV >= 1 && H % KV == 0 && S >= 1 && S <= d.cap && d.hd % 2 == 0, "decode_blocks: bad heads or slots");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == R, "slots: (R,) int64");
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < S, "slots: each row's slot must be among the S attended");
+  TORCH_CHECK(int64_t(lin.size()) == 16 * n && int64_t(norms.size()) == 6 * n && int64_t(v_caches.size()) == n,
+              "decode_blocks: per layer 16 linear tensors, 6 norms, a k and a v cache");
+  for (int64_t r = 0; r < d.R; ++r) TORCH_CHECK(st.slots[r] >= 0 && st.slots[r] < d.S, "slots: each row's slot must be among the S attended");
   std::vector<Layer> layers;
-  for (int64_t l = 0; l < n; ++l) layers.push_back(layer_of(lin, norms, k_caches[l], v_caches[l], l, d, act));
-  const Step st{sl, floats_or_null(cos, R * d.hd, "cos"), floats_or_null(sin, R * d.hd, "sin"), floats_or_null(mask, R * S, "mask"),
-                float(eps), ints[3] != 0, act};
-  TORCH_CHECK((st.cos == nullptr) == (st.sin == nullptr), "cos and sin: both or neither");
+  for (int64_t l = 0; l < n; ++l) layers.push_back(layer_of(lin, norms, k_caches[l], v_caches[l], l, d, st.act));
   const Head hd = head_of(head, d);
-  auto y = at::empty({R, d.C}, x.options());
-  auto logits = head.empty() ? y : at::empty({R, hd.w.N}, x.options());
+  auto y = at::empty({d.R, d.C}, opts);
+  auto logits = head.empty() ? y : at::empty({d.R, hd.w.N}, opts);
   float *yp = y.data_ptr<float>(), *lp = logits.data_ptr<float>();
-  std::memcpy(yp, x.data_ptr<float>(), R * d.C * sizeof(float));
+  std::memcpy(yp, x0, d.R * d.C * sizeof(float));
   Scratch& sc = scratch_for(d);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -389,4 +381,110 @@ torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std
   return logits;
 }
 
-TORCH_LIBRARY_IMPL(quill, CPU, m) { m.impl("decode_blocks", &decode_blocks); }
+// x (R, C) float32 through L pre-norm blocks → a new tensor: the hidden states, or with head
+// [norm w, b or empty, q, s, o, bias or empty] the logits (R, N) of head(norm(hidden)). lin: per
+// layer 4 × (q, s, o, bias or empty) for c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; norms: per
+// layer ln_1 w, b, ln_2 w, b, q_norm w, k_norm w (empty: none); k_caches, v_caches: per layer
+// (rows, KV, capacity, hd) float32; slots (R,) where each row's new key goes; cos, sin (R, hd) or
+// empty (no RoPE); mask (R, S) additive or empty (every slot visible); ints: n_head, kv_heads, S
+// (slots attended), layer_norm (0/1), act (GELU_TANH, RELU2, SWIGLU), alike in every layer. One
+// OpenMP region runs them all.
+torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms,
+                            std::vector<torch::Tensor> head, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, std::vector<int64_t> ints, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (R, C) float32");
+  const Shape d = shape_of(x.size(0), x.size(1), k_caches, ints);
+  const int64_t R = d.R;
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == R, "slots: (R,) int64");
+  const Step st{slots.data_ptr<int64_t>(), floats_or_null(cos, R * d.hd, "cos"), floats_or_null(sin, R * d.hd, "sin"),
+                floats_or_null(mask, R * d.S, "mask"), float(eps), ints[3] != 0, ints[4]};
+  TORCH_CHECK((st.cos == nullptr) == (st.sin == nullptr), "cos and sin: both or neither");
+  return run_blocks(x.data_ptr<float>(), d, x.options(), lin, norms, head, k_caches, v_caches, st);
+}
+
+// What decode_tokens computes before the blocks, where GPT.decode's preamble takes ~0.4 ms of torch
+// ops a token, slow with the caches cold from the last step's weights: each row's slot pos % cap
+// (its position recorded in key_pos), its embedding wte[idx] (+ wpe[pos]), its RoPE cos and sin
+struct Tokens {
+  std::vector<float> x, cos, sin;
+  std::vector<int64_t> slots;
+};
+
+static void embed_tokens(const torch::Tensor& idx, const torch::Tensor& pos, torch::Tensor& key_pos, const std::vector<torch::Tensor>& embed,
+                         const torch::Tensor& inv_freq, const Shape& d, Tokens& t) {
+  const int64_t R = d.R, C = d.C, half = d.hd / 2;
+  TORCH_CHECK(idx.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && idx.is_contiguous() && pos.is_contiguous() &&
+                  pos.numel() == R, "idx, pos: (R,) int64");
+  TORCH_CHECK(key_pos.scalar_type() == torch::kLong && key_pos.is_contiguous() && key_pos.dim() == 2 && key_pos.size(0) >= R &&
+                  key_pos.size(1) == d.cap, "key_pos: (rows >= R, capacity) int64");
+  TORCH_CHECK(embed.size() == 1 || embed.size() == 2, "embed: wte, or wte and wpe");
+  for (const auto& e : embed)
+    TORCH_CHECK(e.dim() == 2 && e.size(1) == C && e.scalar_type() == torch::kFloat && e.is_contiguous(), "embed: (n, C) float32");
+  const float* freq = floats_or_null(inv_freq, half, "inv_freq");
+  const int64_t *ip = idx.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  int64_t* kp = key_pos.data_ptr<int64_t>();
+  t.x.resize(R * C);
+  t.cos.resize(R * d.hd);
+  t.sin.resize(R * d.hd);
+  t.slots.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < embed[0].size(0), "idx: a token id past the vocabulary");
+    TORCH_CHECK(pp[r] >= 0 && (embed.size() == 1 || pp[r] < embed[1].size(0)), "pos: negative, or past the learned positions");
+    t.slots[r] = pp[r] % d.cap;
+    kp[r * d.cap + t.slots[r]] = pp[r];
+    const float* row = embed[0].data_ptr<float>() + ip[r] * C;
+    for (int64_t c = 0; c < C; ++c) t.x[r * C + c] = row[c] + (embed.size() == 2 ? embed[1].data_ptr<float>()[pp[r] * C + c] : 0.f);
+    for (int64_t i = 0; freq && i < half; ++i) {  // rope_cos_sin: the angle pos·inv_freq in float32, both halves alike
+      const float angle = float(pp[r]) * freq[i];
+      t.cos[r * d.hd + i] = t.cos[r * d.hd + half + i] = std::cos(angle);
+      t.sin[r * d.hd + i] = t.sin[r * d.hd + half + i] = std::sin(angle);
+    }
+  }
+}
+
+// GPT.decode's whole unmasked step from token ids: idx, pos (R,) int64; key_pos the cache's
+// positions (rows, capacity), written at each row's slot; embed [wte] or [wte, wpe] (learned
+// positions) float32; inv_freq (hd / 2,) float32 or empty (no RoPE); the rest as decode_blocks,
+// every slot of the first S visible to every row.
+torch::Tensor decode_tokens(torch::Tensor idx, torch::Tensor pos, torch::Tensor key_pos, std::vector<torch::Tensor> embed, torch::Tensor inv_freq,
+                            std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> head,
+                            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, std::vector<int64_t> ints, double eps) {
+  TORCH_CHECK(!embed.empty() && idx.dim() == 1, "idx: (R,) int64; embed: wte, or wte and wpe");
+  const Shape d = shape_of(idx.numel(), embed[0].size(-1), k_caches, ints);
+  thread_local Tokens t;
+  embed_tokens(idx, pos, key_pos, embed, inv_freq, d, t);
+  const Step st{t.slots.data(), inv_freq.numel() ? t.cos.data() : nullptr, inv_freq.numel() ? t.sin.data() : nullptr, nullptr, float(eps),
+                ints[3] != 0, ints[4]};
+  return run_blocks(t.x.data(), d, embed[0].options(), lin, norms, head, k_caches, v_caches, st);
+}
+
+// (n, V) float32 logits → (2, n) int64: each row's argmax (its first maximum) and 1 where the row is
+// not finite (a NaN or infinite logit, or a sum past float's range). The engine's greedy draw: its
+// torch ops cost ~0.5 ms a token, cold after a step that streamed the weights.
+torch::Tensor argmax_finite(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
+              "logits: contiguous (n, V) float32");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  auto out = at::empty({2, n}, logits.options().dtype(torch::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = logits.data_ptr<float>() + r * V;
+    float best = -INFINITY, total = 0.f;
+#pragma omp simd reduction(max : best) reduction(+ : total)
+    for (int64_t i = 0; i < V; ++i) {
+      best = std::max(best, x[i]);
+      total += x[i];
+    }
+    int64_t at = 0;
+    while (at < V && !(x[at] == best)) ++at;
+    o[r] = at < V ? at : 0;
+    o[n + r] = std::isfinite(total) ? 0 : 1;
+  }
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(quill, CPU, m) {
+  m.impl("decode_blocks", &decode_blocks);
+  m.impl("decode_tokens", &decode_tokens);
+  m.impl("argmax_finite", &argmax_finite);
+}
