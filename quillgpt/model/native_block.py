@@ -10,6 +10,10 @@ between phases, and nothing else runs. It is the same arithmetic as Block.decode
 layers (group_gemv rounds each linear's input to int16 per 32 either way), so tokens equal the
 op-by-op step's and logits agree to float rounding (tests/model/test_native_block.py).
 
+`decode_stack` runs every block (and the final norm and head) in one call; `decode_tokens` the
+whole unmasked step from token ids, the embedding, the cache slots and the RoPE angles included;
+`argmax_finite` the engine's greedy draw and its not-finite check in one pass over the logits.
+
 `fits(block)` says once whether a block can run it: causal attention (its window or prefix mask
 comes in as the step's additive mask), RMSNorm or LayerNorm, a GELU, ReLU² or SwiGLU MLP, every
 linear offering `native_weights`. `decode` then also needs float32 activations and cache.
