@@ -40,14 +40,22 @@ BLOCK = 32  # activations are rounded per block of 32 inputs; a weight group is 
 # the C++ (quillgpt/model/csrc), one library: the kernels, then the decode block built on them
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = "\n".join((CSRC / name).read_text() for name in ("group_gemv.cpp", "decode_block.cpp"))
+HEADERS = (CSRC / "avx512_emulated.h").read_text()  # included by QUILL_GEMV_ISA=avx512-emulated
 
 _built: bool | None = None
 _error: str | None = None
 
 
 # QUILL_GEMV_ISA picks the instruction set to build for: "native" (this CPU: AVX-512BW, AVX2+FMA or
-# the plain loop), or "avx2" / "plain" to build and test the other two paths on an AVX-512 machine
-ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell"], "plain": ["-march=x86-64"]}
+# the plain loop), "avx2" / "plain" to build and test the other two paths on an AVX-512 machine, or
+# "avx512-emulated": the AVX-512 path on an AVX2 machine, its intrinsics as scalar stand-ins
+# (csrc/avx512_emulated.h; slow, for tests)
+ISA_FLAGS = {
+    "native": ["-march=native"],
+    "avx2": ["-march=haswell"],
+    "plain": ["-march=x86-64"],
+    "avx512-emulated": ["-march=haswell", "-DQUILL_EMULATE_AVX512"],
+}
 # -fno-trapping-math: no code here reads floating-point exception flags, and without it GCC keeps
 # the branches of a loop with a select (activation functions, exp) and does not vectorize it:
 # SwiGLU over SmolLM2's 1,536 hidden units took 12 us a block, 1.3 vectorized. Values are unchanged.
@@ -68,7 +76,7 @@ def _cflags() -> list[str]:
 def build_name() -> str:
     """Source, CPU and flags in the name: a build for AVX-512 must not be loaded on an AVX2 machine,
     and a kernel plan measured with another build is measured again (quant.cached_plan)."""
-    key = SOURCE + torch.backends.cpu.get_cpu_capability() + torch.__version__ + " ".join(_cflags())
+    key = SOURCE + HEADERS + torch.backends.cpu.get_cpu_capability() + torch.__version__ + " ".join(_cflags())
     return f"quill_group_gemv_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
@@ -89,6 +97,7 @@ def available() -> bool:
             build_name(),
             cpp_sources=[SOURCE],
             extra_cflags=_cflags(),
+            extra_include_paths=[str(CSRC)],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -62,7 +62,7 @@ static void attend_head(const float* q, const float* k, const float* v, int64_t 
 }
 
 // The vector lanes attend_lanes runs on: AVX-512's 16 floats, or AVX2's 8 (sum8 from group_gemv.cpp)
-#if defined(__AVX512F__)
+#if defined(QUILL_AVX512)
 #define QUILL_LANES 16
 using Lanes = __m512;
 static inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }

@@ -6,6 +6,14 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+// QUILL_AVX512: the AVX-512 branches below, on an AVX-512BW/VL build, or on an AVX2 one through the
+// scalar stand-ins of avx512_emulated.h (QUILL_GEMV_ISA=avx512-emulated: tests only, slow)
+#if defined(QUILL_EMULATE_AVX512)
+#include "avx512_emulated.h"
+#define QUILL_AVX512
+#elif defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QUILL_AVX512
+#endif
 
 constexpr int64_t MAX_BLOCKS = 1024;  // K up to 32,768 inputs
 // rows_dot asks for the weight bytes this far ahead: the hardware's prefetch alone left a SmolLM2
@@ -57,7 +65,7 @@ static void halves_to_float(const uint16_t* h, float* f, int64_t n) {
 
 // c[b] = s of block b's group times the step of block b's activations
 static void block_scales(float* c, const uint16_t* s16, const float* xs, int64_t groups, int64_t per_group) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(QUILL_AVX512)
   if (per_group == 1) {  // 16 blocks at a time
     for (int64_t b = 0; b < groups; b += 16) {
       const __mmask16 m = groups - b >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - b)) - 1);
@@ -83,7 +91,7 @@ static void block_scales(float* c, const uint16_t* s16, const float* xs, int64_t
 
 // Σ_g o_g · Σx over group g: the offsets' share of a row's dot product
 static float offsets_dot(const uint16_t* o16, const float* xg, int64_t groups) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(QUILL_AVX512)
   __m512 off = _mm512_setzero_ps();  // 16 groups at a time (a scalar chain cost ~4 cycles a group)
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 m = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
@@ -146,7 +154,7 @@ static float row_dot4(const uint8_t* q, int64_t stride, const uint16_t* s16, con
   return total + offsets_dot(o16, xg, groups);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(QUILL_AVX512)
 // AVX-512: R weight rows at once (row_dot's or row_dot4's sum for each): R independent fma chains,
 // each block of x loaded once for all of them. One row at a time left ~60 cycles a row of latency
 // (the chain, the horizontal sum) that no other work hid: over cached 576-wide rows one core ran

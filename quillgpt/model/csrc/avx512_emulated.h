@@ -1,0 +1,59 @@
+// Scalar stand-ins for the AVX-512 intrinsics the kernels use (group_gemv.cpp, decode_block.cpp),
+// so their AVX-512 branches build and run, slowly, on an AVX2 machine: QUILL_GEMV_ISA=avx512-emulated,
+// for tests/model/test_group_gemv.py to check them against the plain computation where no AVX-512
+// CPU is at hand. Each does what Intel's manual says of its intrinsic, lane by lane (masked loads read
+// only the lanes in the mask); reduce_add sums in another order, so the last bits may differ.
+#pragma once
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+namespace emu {
+struct m512 { float v[16]; };
+struct m512i { unsigned char b[64]; };
+template <class T> inline T lane(const m512i& a, int i) { T t; std::memcpy(&t, a.b + sizeof(T) * i, sizeof(T)); return t; }
+template <class T> inline void put(m512i& a, int i, T t) { std::memcpy(a.b + sizeof(T) * i, &t, sizeof(T)); }
+inline m512 setzero_ps() { m512 r; for (float& x : r.v) x = 0.f; return r; }
+inline m512 set1_ps(float f) { m512 r; for (float& x : r.v) x = f; return r; }
+inline m512 loadu_ps(const float* p) { m512 r; std::memcpy(r.v, p, 64); return r; }
+inline void storeu_ps(float* p, m512 a) { std::memcpy(p, a.v, 64); }
+inline m512 mul_ps(m512 a, m512 b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
+inline m512 fmadd_ps(m512 a, m512 b, m512 c) { for (int i = 0; i < 16; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return c; }
+inline float reduce_add_ps(m512 a) { double s = 0; for (float x : a.v) s += x; return float(s); }
+inline m512i loadu_si512(const void* p) { m512i r; std::memcpy(r.b, p, 64); return r; }
+inline m512i cvtepi8_epi16(__m256i a) { int8_t t[32]; _mm256_storeu_si256((__m256i*)t, a); m512i r; for (int i = 0; i < 32; ++i) put<int16_t>(r, i, t[i]); return r; }
+inline m512i cvtepu8_epi16(__m256i a) { uint8_t t[32]; _mm256_storeu_si256((__m256i*)t, a); m512i r; for (int i = 0; i < 32; ++i) put<int16_t>(r, i, t[i]); return r; }
+inline m512i madd_epi16(m512i a, m512i b) {
+  m512i r;
+  for (int i = 0; i < 16; ++i)
+    put<int32_t>(r, i, int32_t(lane<int16_t>(a, 2 * i)) * lane<int16_t>(b, 2 * i) + int32_t(lane<int16_t>(a, 2 * i + 1)) * lane<int16_t>(b, 2 * i + 1));
+  return r;
+}
+inline m512 cvtepi32_ps(m512i a) { m512 r; for (int i = 0; i < 16; ++i) r.v[i] = float(lane<int32_t>(a, i)); return r; }
+inline m512 cvtph_ps(__m256i a) { uint16_t h[16]; _mm256_storeu_si256((__m256i*)h, a); m512 r; for (int i = 0; i < 16; ++i) r.v[i] = _cvtsh_ss(h[i]); return r; }
+inline __m256i maskz_loadu_epi16(__mmask16 m, const void* p) {
+  int16_t t[16] = {0};
+  for (int i = 0; i < 16; ++i) if ((m >> i) & 1) std::memcpy(t + i, (const char*)p + 2 * i, 2);
+  return _mm256_loadu_si256((const __m256i*)t);
+}
+inline m512 maskz_loadu_ps(__mmask16 m, const float* p) { m512 r = setzero_ps(); for (int i = 0; i < 16; ++i) if ((m >> i) & 1) r.v[i] = p[i]; return r; }
+inline void mask_storeu_ps(float* p, __mmask16 m, m512 a) { for (int i = 0; i < 16; ++i) if ((m >> i) & 1) p[i] = a.v[i]; }
+}  // namespace emu
+#define __m512 emu::m512
+#define __m512i emu::m512i
+#define _mm512_setzero_ps emu::setzero_ps
+#define _mm512_set1_ps emu::set1_ps
+#define _mm512_loadu_ps emu::loadu_ps
+#define _mm512_storeu_ps emu::storeu_ps
+#define _mm512_mul_ps emu::mul_ps
+#define _mm512_fmadd_ps emu::fmadd_ps
+#define _mm512_reduce_add_ps emu::reduce_add_ps
+#define _mm512_loadu_si512 emu::loadu_si512
+#define _mm512_cvtepi8_epi16 emu::cvtepi8_epi16
+#define _mm512_cvtepu8_epi16 emu::cvtepu8_epi16
+#define _mm512_madd_epi16 emu::madd_epi16
+#define _mm512_cvtepi32_ps emu::cvtepi32_ps
+#define _mm512_cvtph_ps emu::cvtph_ps
+#define _mm256_maskz_loadu_epi16 emu::maskz_loadu_epi16
+#define _mm512_maskz_loadu_ps emu::maskz_loadu_ps
+#define _mm512_mask_storeu_ps emu::mask_storeu_ps
