@@ -7,8 +7,9 @@
 Suites: train (quill's real training step vs a plain nanoGPT-style step, fp32 and bf16, MFU
 against the matmul peak measured in this run, the time-to-quality recipe's step with batched vs
 per-matrix Muon, loss per step), sample (KV cache vs recompute vs
-transformers' GPT2LMHeadModel.generate on the same weights; fp32, bf16 and int8 weights),
-prepare (MB/s), gpu (CUDA only).
+transformers' GPT2LMHeadModel.generate on the same weights; fp32, bf16 and int8 weights; with
+--sample-real RUN also a real imported model beside transformers and llama.cpp, as
+scripts/bench_real.py times it), prepare (MB/s), gpu (CUDA only).
 
 Why the method: this machine is shared and noisy, so absolute numbers drift from run to run.
 The variants of one group are therefore *interleaved* — rep 1 of A, B, C, then rep 2 of A, B,
@@ -806,6 +807,30 @@ def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         for B in (1, 8):
             sample_group(report, args, loaded.model, hf, loaded.tokenizer, text, block, B)
         prefill_group(report, args, loaded.model, hf, loaded.tokenizer, text, block)
+    if args.sample_real:
+        real_group(report, args)
+
+
+def real_group(report: Report, args: argparse.Namespace) -> None:
+    """A real model (--sample-real RUN, an imported one): quill fp32 / int8 / int8-g32 / int4
+    (compiled too with --sample-compile), transformers fp32 (--sample-real-hf DIR) and llama.cpp
+    Q8_0 / Q4_0 on the same weights where llama-cpp-python is installed, batch 1, greedy, each
+    with the fraction of its weight-streaming bound; scripts/bench_real.py's rows and timing."""
+    import bench_real  # scripts/, beside this file
+
+    real = bench_real.parser().parse_args(["--ckpt", str(args.sample_real), "--reps", str(args.sample_reps)])
+    real.hf, real.quill, real.compile = args.sample_real_hf, ["fp32", "int8", "int8-g32", "int4"], args.sample_compile
+    measured = bench_real.measure(real)
+    ratios = bench_real.llama_ratios({name: xs for name, xs, *_ in measured})
+    group = f"sample: {args.sample_real.name} (a real model), batch 1, greedy, {real.tokens} new tokens"
+    for name, xs, nbytes, bw, note in measured:
+        st = Stats.of(xs)
+        extra = {"MB read per token": nbytes / 1e6, "read GB/s": bw / 1e9, "of bw bound": f"{st.median * nbytes / bw:.0%}"}
+        if name in ratios:
+            kind, r = ratios[name]
+            extra["vs llama.cpp (per-rep median)"] = f"{statistics.median(r):.2f}× {kind}"
+        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra, note=note))
+    report.print_group(group)
 
 
 def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str, block: int, B: int) -> None:
@@ -1327,6 +1352,8 @@ def main(argv: list[str] | None = None) -> None:
         default=True,
         help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)",
     )
+    p.add_argument("--sample-real", type=Path, help="sample suite: also a real model, this quill run of it (quill import-hf / import-gguf)")
+    p.add_argument("--sample-real-hf", type=Path, help="sample suite: the same model as a Hugging Face directory (transformers' row)")
     p.add_argument("--gpu-batch", type=int, default=16)
     p.add_argument("--gpu-steps", type=int, default=10)
     p.add_argument("--gpu-sample-tokens", type=int, default=500)

@@ -158,7 +158,7 @@ def rows_of(args: argparse.Namespace, work: Path) -> dict[str, tuple[Decode, int
     return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", type=Path, required=True, help="a quill run of the model (quill import-hf / import-gguf)")
     p.add_argument("--hf", type=Path, help="the same model as a Hugging Face directory: adds transformers' row")
@@ -167,9 +167,12 @@ def main() -> None:
     p.add_argument("--quill", nargs="+", default=["fp32", "int8", "int4"], help="quill rows: fp32, bf16 or a --quantize scheme")
     p.add_argument("--compile", action="store_true", help="also time each quill row with the compiled decode step")
     p.add_argument("--op-by-op", action="store_true", help="also time each quantized row without the native decode block")
-    args = p.parse_args()
-    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
-    print(f"{cpu_name()}, OMP_WAIT_POLICY {policy}; load average before: {os.getloadavg()}", flush=True)
+    return p
+
+
+def measure(args: argparse.Namespace) -> list[tuple[str, list[float], int, float, str]]:
+    """Every row of `args` (parser()'s), timed interleaved: (name, tokens/s of each rep, weight
+    bytes a token, read bandwidth of a buffer that size, note)."""
     with tempfile.TemporaryDirectory() as tmp:
         rows = rows_of(args, Path(tmp))
         for fn, _, _ in rows.values():
@@ -178,25 +181,39 @@ def main() -> None:
         for _ in range(args.reps):
             for name, (fn, _, _) in rows.items():
                 speeds[name].append(fn())
+    return [(name, speeds[name], nbytes, read_bandwidth(nbytes), note) for name, (_, nbytes, note) in rows.items()]
+
+
+def main() -> None:
+    args = parser().parse_args()
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    print(f"{cpu_name()}, OMP_WAIT_POLICY {policy}; load average before: {os.getloadavg()}", flush=True)
+    measured = measure(args)
     print(f"\n{args.tokens} new tokens, batch 1, greedy, median of {args.reps}\n")
     print("| engine | tokens/s (min–max) | MB read per token | read bandwidth GB/s | of the bound | note |")
     print("|---|---|---|---|---|---|")
-    for name, (_, nbytes, note) in rows.items():
-        tps, bw = statistics.median(speeds[name]), read_bandwidth(nbytes)
-        spread = f"{min(speeds[name]):.1f}–{max(speeds[name]):.1f}"
+    for name, xs, nbytes, bw, note in measured:
+        tps, spread = statistics.median(xs), f"{min(xs):.1f}–{max(xs):.1f}"
         print(f"| {name} | {tps:.1f} ({spread}) | {nbytes / 1e6:.0f} | {bw / 1e9:.1f} | {tps * nbytes / bw:.0%} | {note} |")
     print(f"\nload average after: {os.getloadavg()}")
-    print_ratios(speeds)
+    print_ratios({name: xs for name, xs, *_ in measured})
 
 
-def print_ratios(speeds: dict[str, list[float]]) -> None:
-    """Each quill row over the llama.cpp row of its kind: the median of the per-rep ratios."""
+def llama_ratios(speeds: dict[str, list[float]]) -> dict[str, tuple[str, list[float]]]:
+    """quill row → (its llama.cpp kind, the per-rep ratios to it): int8 schemes to Q8_0, int4 to Q4_0."""
+    out = {}
     for name, xs in speeds.items():
         kind = "Q4_0" if "int4" in name else "Q8_0" if "int8" in name else None
         ref = speeds.get(f"llama.cpp {kind}")
         if ref is not None:
-            ratios = [a / b for a, b in zip(xs, ref)]
-            print(f"{name} / llama.cpp {kind}: {statistics.median(ratios):.3f}× (per-rep {min(ratios):.3f}–{max(ratios):.3f})")
+            out[name] = (kind, [a / b for a, b in zip(xs, ref)])
+    return out
+
+
+def print_ratios(speeds: dict[str, list[float]]) -> None:
+    """Each quill row over the llama.cpp row of its kind: the median of the per-rep ratios."""
+    for name, (kind, ratios) in llama_ratios(speeds).items():
+        print(f"{name} / llama.cpp {kind}: {statistics.median(ratios):.3f}× (per-rep {min(ratios):.3f}–{max(ratios):.3f})")
 
 
 if __name__ == "__main__":
