@@ -59,10 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
-if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")  # gpt2 BPE files, offline
 
 from quillgpt import checkpoint as ckpt  # noqa: E402
 from quillgpt import runs  # noqa: E402

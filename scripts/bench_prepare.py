@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_CACHE = ROOT.parent / "shared" / "tiktoken_cache"
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
     "you were her she there been one all we their has would when if so no will more about can said time people "
@@ -180,8 +179,6 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the corpus and the shards")
     ap.add_argument("--progress", action="store_true", help="show prepare's progress bar")
     args = ap.parse_args()
-    if SHARED_CACHE.is_dir():
-        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_CACHE))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
     work = Path(tempfile.mkdtemp(prefix="quill_bench_prepare_", dir=args.dir))

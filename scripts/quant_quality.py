@@ -30,9 +30,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = ROOT.parent / "shared"
-if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")  # gpt2 BPE files, offline
 
 from quillgpt.data.prepare import load_tokens  # noqa: E402
 from quillgpt.evaluate.scores import EvalResult, evaluate_checkpoint  # noqa: E402
