@@ -39,8 +39,11 @@ BLOCK = 32  # activations are rounded per block of 32 inputs; a weight group is 
 
 # the C++ (quillgpt/model/csrc), one library: the kernels, then the decode block built on them
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = "\n".join((CSRC / name).read_text() for name in ("group_gemv.cpp", "decode_block.cpp"))
-HEADERS = (CSRC / "avx512_emulated.h").read_text()  # included by QUILL_GEMV_ISA=avx512-emulated
+# avx512_emulated.h (QUILL_GEMV_ISA=avx512-emulated) pasted in where it is included: no include path
+# in the build's flags, which would tie a cached build to the checkout it was built from
+SOURCE = "\n".join((CSRC / name).read_text() for name in ("group_gemv.cpp", "decode_block.cpp")).replace(
+    '#include "avx512_emulated.h"', (CSRC / "avx512_emulated.h").read_text()
+)
 
 _built: bool | None = None
 _error: str | None = None
@@ -76,7 +79,7 @@ def _cflags() -> list[str]:
 def build_name() -> str:
     """Source, CPU and flags in the name: a build for AVX-512 must not be loaded on an AVX2 machine,
     and a kernel plan measured with another build is measured again (quant.cached_plan)."""
-    key = SOURCE + HEADERS + torch.backends.cpu.get_cpu_capability() + torch.__version__ + " ".join(_cflags())
+    key = SOURCE + torch.backends.cpu.get_cpu_capability() + torch.__version__ + " ".join(_cflags())
     return f"quill_group_gemv_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
@@ -97,7 +100,6 @@ def available() -> bool:
             build_name(),
             cpp_sources=[SOURCE],
             extra_cflags=_cflags(),
-            extra_include_paths=[str(CSRC)],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
