@@ -3,7 +3,7 @@
 // for tests/model/test_group_gemv.py to check them against the plain computation where no AVX-512
 // CPU is at hand. Each does what Intel's manual says of its intrinsic, lane by lane (masked loads read
 // only the lanes in the mask); reduce_add sums in another order, so the last bits may differ.
-#pragma once
+// group_gemv.py pastes it into the source where group_gemv.cpp includes it (so no include guard).
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
