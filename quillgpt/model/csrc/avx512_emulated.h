@@ -38,6 +38,27 @@ inline __m256i maskz_loadu_epi16(__mmask16 m, const void* p) {
 }
 inline m512 maskz_loadu_ps(__mmask16 m, const float* p) { m512 r = setzero_ps(); for (int i = 0; i < 16; ++i) if ((m >> i) & 1) r.v[i] = p[i]; return r; }
 inline void mask_storeu_ps(float* p, __mmask16 m, m512 a) { for (int i = 0; i < 16; ++i) if ((m >> i) & 1) p[i] = a.v[i]; }
+inline m512i dpwssd_epi32(m512i acc, m512i a, m512i b) {  // acc + madd_epi16(a, b), lane by lane (wrapping)
+  m512i d = madd_epi16(a, b);
+  for (int i = 0; i < 16; ++i) put<int32_t>(acc, i, int32_t(uint32_t(lane<int32_t>(acc, i)) + uint32_t(lane<int32_t>(d, i))));
+  return acc;
+}
+inline m512i permutex2var_epi64(m512i a, m512i idx, m512i b) {
+  m512i r;
+  for (int i = 0; i < 8; ++i) {
+    const int64_t j = lane<int64_t>(idx, i) & 15;
+    put<int64_t>(r, i, j < 8 ? lane<int64_t>(a, int(j)) : lane<int64_t>(b, int(j - 8)));
+  }
+  return r;
+}
+inline __m256i castsi512_si256(m512i a) { return _mm256_loadu_si256((const __m256i*)a.b); }
+inline __m256i extracti64x4_epi64(m512i a, int i) { return _mm256_loadu_si256((const __m256i*)(a.b + 32 * (i & 1))); }
+inline m512i broadcast_i32x4(__m128i a) { m512i r; for (int i = 0; i < 4; ++i) _mm_storeu_si128((__m128i*)(r.b + 16 * i), a); return r; }
+inline m512 castps128_ps512(__m128 a) { m512 r = setzero_ps(); _mm_storeu_ps(r.v, a); return r; }  // upper lanes: undefined in Intel's, zero here
+inline m512 permutexvar_ps(m512i idx, m512 a) { m512 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[lane<int32_t>(idx, i) & 15]; return r; }
+inline m512i set1_epi16(short v) { m512i r; for (int i = 0; i < 32; ++i) put<int16_t>(r, i, v); return r; }
+inline m512i srli_epi16(m512i a, unsigned n) { for (int i = 0; i < 32; ++i) put<uint16_t>(a, i, n > 15 ? 0 : uint16_t(lane<uint16_t>(a, i) >> n)); return a; }
+inline m512i and_si512(m512i a, m512i b) { for (int i = 0; i < 64; ++i) a.b[i] &= b.b[i]; return a; }
 }  // namespace emu
 #define __m512 emu::m512
 #define __m512i emu::m512i
@@ -57,3 +78,14 @@ inline void mask_storeu_ps(float* p, __mmask16 m, m512 a) { for (int i = 0; i < 
 #define _mm256_maskz_loadu_epi16 emu::maskz_loadu_epi16
 #define _mm512_maskz_loadu_ps emu::maskz_loadu_ps
 #define _mm512_mask_storeu_ps emu::mask_storeu_ps
+#define _mm512_store_ps emu::storeu_ps
+#define _mm512_dpwssd_epi32 emu::dpwssd_epi32
+#define _mm512_permutex2var_epi64 emu::permutex2var_epi64
+#define _mm512_castsi512_si256 emu::castsi512_si256
+#define _mm512_extracti64x4_epi64 emu::extracti64x4_epi64
+#define _mm512_broadcast_i32x4 emu::broadcast_i32x4
+#define _mm512_castps128_ps512 emu::castps128_ps512
+#define _mm512_permutexvar_ps emu::permutexvar_ps
+#define _mm512_set1_epi16 emu::set1_epi16
+#define _mm512_srli_epi16 emu::srli_epi16
+#define _mm512_and_si512 emu::and_si512

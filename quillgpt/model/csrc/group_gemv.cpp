@@ -196,6 +196,86 @@ static void rows_dot(const uint8_t* q, const uint16_t* s16, const uint16_t* o16,
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]) + offsets_dot(o16 + r * groups, xg, groups);
 }
 #define QUILL_ROWS_DOT
+
+// AVX-512, several activation rows (a decode batch): a group of 4 weight rows against MB activation
+// rows at once, the 16 int32 lanes being (weight row r, pair j) rather than 16 pairs of one row.
+// rows_dot, run once per activation row, widens each weight block again for every row and pays a
+// convert and an fma per block per weight row; here block b's 128 bytes (4 rows) are loaded and
+// widened once for all MB rows, and each activation row costs 4 pair-dots (vpdpwssd), one convert
+// and one fma per block of 4 weight rows. Lane (r, j) of chunk c is pair j of positions 8c..8c+7 of
+// row r: the qwords of the 4 rows' units are regrouped so that chunk c holds those 8 bytes of each
+// row, and the matching 8 activations are one 128-bit broadcast.
+#if defined(QUILL_EMULATE_AVX512) || defined(__AVX512VNNI__)
+static inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
+#else
+static inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
+#endif
+
+alignas(64) static const int64_t CHUNKS01[8] = {0, 4, 8, 12, 1, 5, 9, 13};  // qword q of rows 0-3, q = 0 then 1
+alignas(64) static const int64_t CHUNKS23[8] = {2, 6, 10, 14, 3, 7, 11, 15};
+alignas(64) static const int32_t SPREAD4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+
+// The 4 chunks of a unit per row (32 bytes each, 4 groups): w[c] = bytes 8c..8c+7 of rows 0..3, widened
+template <bool FOUR>
+static inline void chunks_of(const uint8_t* unit4, __m512i w[4]) {
+  const __m512i a = _mm512_loadu_si512((const void*)unit4), b = _mm512_loadu_si512((const void*)(unit4 + 64));
+  const __m512i p01 = _mm512_permutex2var_epi64(a, _mm512_loadu_si512((const void*)CHUNKS01), b);
+  const __m512i p23 = _mm512_permutex2var_epi64(a, _mm512_loadu_si512((const void*)CHUNKS23), b);
+  const __m256i h[4] = {_mm512_castsi512_si256(p01), _mm512_extracti64x4_epi64(p01, 1), _mm512_castsi512_si256(p23),
+                        _mm512_extracti64x4_epi64(p23, 1)};
+  for (int c = 0; c < 4; ++c) w[c] = FOUR ? _mm512_cvtepu8_epi16(h[c]) : _mm512_cvtepi8_epi16(h[c]);
+}
+
+// y[m·N + r] (m < MB, r < 4) for the 4 weight rows at group and the activation rows at xq (K apart)
+template <bool FOUR, int MB>
+static void rows4_batch(const uint8_t* group, const uint16_t* s16, const uint16_t* o16, int64_t G, int64_t per_group,
+                        const int16_t* xq, const float* xs, const float* xg, int64_t K, float* y, int64_t N) {
+  const int64_t blocks = G * per_group;
+  alignas(16) float s4[MAX_BLOCKS][4];  // group g's scale of rows 0..3, side by side
+  for (int r = 0; r < 4; ++r)
+    for (int64_t g = 0; g < G; ++g) s4[g][r] = _cvtsh_ss(s16[r * G + g]);
+  const __m512i spread = _mm512_loadu_si512((const void*)SPREAD4), low = _mm512_set1_epi16(0x0F);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 sv = _mm512_setzero_ps();
+  // block b against every activation row: w, its 4 chunks, each scaled by s (per row) · step (per activation row)
+  auto block = [&](const __m512i w[4], int64_t b) {
+    if (b % per_group == 0) sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(s4[b / per_group])));
+    for (int m = 0; m < MB; ++m) {
+      const int16_t* x = xq + m * K + 32 * b;
+      __m512i d = _mm512_madd_epi16(w[0], _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x)));
+      for (int c = 1; c < 4; ++c) d = dot_pairs(d, w[c], _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(x + 8 * c))));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(xs[m * blocks + b])), acc[m]);
+    }
+  };
+  __m512i w[4];
+  if constexpr (FOUR) {
+    for (int64_t p = 0; p < blocks / 2; ++p) {  // a unit: blocks 2p (low nibbles) and 2p + 1 (high)
+      prefetch_ahead<true>(unit<4>(group, 0, p), 128);
+      chunks_of<true>(unit<4>(group, 0, p), w);
+      __m512i hi[4];
+      for (int c = 0; c < 4; ++c) {
+        hi[c] = _mm512_srli_epi16(w[c], 4);
+        w[c] = _mm512_and_si512(w[c], low);
+      }
+      block(w, 2 * p);
+      block(hi, 2 * p + 1);
+    }
+  } else {
+    for (int64_t b = 0; b < blocks; ++b) {
+      prefetch_ahead<false>(unit<4>(group, 0, b), 128);
+      chunks_of<false>(unit<4>(group, 0, b), w);
+      block(w, b);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[m]);
+    for (int r = 0; r < 4; ++r)
+      y[m * N + r] = lanes[4 * r] + lanes[4 * r + 1] + lanes[4 * r + 2] + lanes[4 * r + 3] + offsets_dot(o16 + r * G, xg + m * G, G);
+  }
+}
+#define QUILL_ROWS4_BATCH
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: rows_dot as on AVX-512, a block of 32 as two halves of 16 int16 (vpmaddwd is 256 bits here).
 // 4-bit codes come in 16 bytes at a time, each widened to int16 once: low nibbles block b, high ones b + 1.
@@ -286,6 +366,22 @@ struct Weights {
   bool four;
 };
 
+#if defined(QUILL_ROWS4_BATCH)
+constexpr int64_t ROWS4_BATCH_FROM = 2;  // activation rows from which rows4_batch runs instead of rows_dot
+using Rows4Batch = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int16_t*, const float*,
+                            const float*, int64_t, float*, int64_t);
+template <bool FOUR>
+static const Rows4Batch rows4_batch_fns[9] = {nullptr,
+                                               rows4_batch<FOUR, 1>,
+                                               rows4_batch<FOUR, 2>,
+                                               rows4_batch<FOUR, 3>,
+                                               rows4_batch<FOUR, 4>,
+                                               rows4_batch<FOUR, 5>,
+                                               rows4_batch<FOUR, 6>,
+                                               rows4_batch<FOUR, 7>,
+                                               rows4_batch<FOUR, 8>};
+#endif
+
 // Output columns [n0, n1) of y (M, N) = x·Wᵀ for x rounded by round_x: a group of 4 weight rows
 // (or a last row of its own), read once, for every activation row. n0 is a multiple of 4 and n1 of
 // 4 or N, so the groups are the layout's. The decode block (decode_block.cpp) calls it inside its own
@@ -295,6 +391,20 @@ static void gemv_columns(const Weights& w, const Rounded& r, int64_t M, float* y
   for (int64_t n = n0; n < n1;) {
     const int64_t rows = n + 4 <= n1 ? 4 : 1;
     const uint8_t* group = w.q + n * w.row_bytes;
+#if defined(QUILL_ROWS4_BATCH)
+    if (rows == 4 && M >= ROWS4_BATCH_FROM) {  // the activation rows 8 at a time, then the rest
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t mb = std::min<int64_t>(8, M - m0);
+        const int16_t* xq = r.q.data() + m0 * K;
+        const float *xs = r.step.data() + m0 * blocks, *xg = r.sum.data() + m0 * G;
+        float* ym = y + m0 * N + n;
+        auto run = w.four ? rows4_batch_fns<true>[mb] : rows4_batch_fns<false>[mb];
+        run(group, w.s + n * G, w.o + n * G, G, per_group, xq, xs, xg, K, ym, N);
+      }
+      n += rows;
+      continue;
+    }
+#endif
     for (int64_t m = 0; m < M; ++m) {
       const int16_t* xq = r.q.data() + m * K;
       const float *xs = r.step.data() + m * blocks, *xg = r.sum.data() + m * G;
