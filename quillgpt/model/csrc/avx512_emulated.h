@@ -59,6 +59,9 @@ inline m512 permutexvar_ps(m512i idx, m512 a) { m512 r; for (int i = 0; i < 16; 
 inline m512i set1_epi16(short v) { m512i r; for (int i = 0; i < 32; ++i) put<int16_t>(r, i, v); return r; }
 inline m512i srli_epi16(m512i a, unsigned n) { for (int i = 0; i < 32; ++i) put<uint16_t>(a, i, n > 15 ? 0 : uint16_t(lane<uint16_t>(a, i) >> n)); return a; }
 inline m512i and_si512(m512i a, m512i b) { for (int i = 0; i < 64; ++i) a.b[i] &= b.b[i]; return a; }
+inline m512 add_ps(m512 a, m512 b) { for (int i = 0; i < 16; ++i) a.v[i] += b.v[i]; return a; }
+inline m512 permute_ps(m512 a, int imm) { m512 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[(i & ~3) + ((imm >> (2 * (i & 3))) & 3)]; return r; }
+inline __m128 castps512_ps128(m512 a) { return _mm_loadu_ps(a.v); }
 }  // namespace emu
 #define __m512 emu::m512
 #define __m512i emu::m512i
@@ -89,3 +92,6 @@ inline m512i and_si512(m512i a, m512i b) { for (int i = 0; i < 64; ++i) a.b[i] &
 #define _mm512_set1_epi16 emu::set1_epi16
 #define _mm512_srli_epi16 emu::srli_epi16
 #define _mm512_and_si512 emu::and_si512
+#define _mm512_add_ps emu::add_ps
+#define _mm512_permute_ps emu::permute_ps
+#define _mm512_castps512_ps128 emu::castps512_ps128

@@ -154,29 +154,25 @@ static void rope(float* x, const float* cos, const float* sin, int64_t hd) {
 
 enum Act : int64_t { GELU_TANH = 0, RELU2 = 1, SWIGLU = 2 };
 
-// c_fc's output f (R, F) → c_proj's input a (R, hidden); sigmoid and tanh through exp_le0 of a
+// A row of c_fc's output f (F) → a row of c_proj's input a (hidden); sigmoid and tanh through exp_le0 of a
 // value ≤ 0, so the loops vectorize (a scalar std::exp an element cost ~0.5 ms a SmolLM2 token)
-static void activate(const float* f, float* a, int64_t R, int64_t F, int64_t act) {
+static void activate(const float* row, float* out, int64_t F, int64_t act) {
   const int64_t hidden = act == SWIGLU ? F / 2 : F;
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = f + r * F;
-    float* out = a + r * hidden;
-    if (act == SWIGLU) {
+  if (act == SWIGLU) {
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) {  // silu(g)·u, sigmoid(g) = 1 / (1 + e^-g) or e^g / (1 + e^g)
-        const float g = row[i], e = exp_le0(-std::fabs(g));
-        out[i] = g * (g >= 0.f ? 1.f : e) / (1.f + e) * row[hidden + i];
-      }
-    } else if (act == RELU2) {
+    for (int64_t i = 0; i < hidden; ++i) {  // silu(g)·u, sigmoid(g) = 1 / (1 + e^-g) or e^g / (1 + e^g)
+      const float g = row[i], e = exp_le0(-std::fabs(g));
+      out[i] = g * (g >= 0.f ? 1.f : e) / (1.f + e) * row[hidden + i];
+    }
+  } else if (act == RELU2) {
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) out[i] = row[i] > 0.f ? row[i] * row[i] : 0.f;
-    } else {
+    for (int64_t i = 0; i < hidden; ++i) out[i] = row[i] > 0.f ? row[i] * row[i] : 0.f;
+  } else {
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) {  // GELU (tanh approximation), tanh|z| = (1 - e^-2|z|) / (1 + e^-2|z|)
-        const float g = row[i], z = 0.7978845608028654f * (g + 0.044715f * g * g * g), e = exp_le0(-2.f * std::fabs(z));
-        const float t = (1.f - e) / (1.f + e);
-        out[i] = 0.5f * g * (1.f + (z >= 0.f ? t : -t));
-      }
+    for (int64_t i = 0; i < hidden; ++i) {  // GELU (tanh approximation), tanh|z| = (1 - e^-2|z|) / (1 + e^-2|z|)
+      const float g = row[i], z = 0.7978845608028654f * (g + 0.044715f * g * g * g), e = exp_le0(-2.f * std::fabs(z));
+      const float t = (1.f - e) / (1.f + e);
+      out[i] = 0.5f * g * (1.f + (z >= 0.f ? t : -t));
     }
   }
 }
@@ -229,16 +225,27 @@ static Scratch& scratch_for(const Shape& d) {
   s.att.resize(d.R * d.H * d.hd);
   s.f.resize(d.R * d.F);
   s.a.resize(d.R * d.F);
+  round_room(d.R, std::max({d.C, d.H * d.hd, d.F}), s.xr);
   return s;
 }
 
-// sc.xr = round_x(norm(x)) row by row, one thread, norm (w, b) of the blocks' kind; sc.h holds norm(x)
+// sc.xr = round_x(norm(x)), norm (w, b) of the blocks' kind, the rows split over the threads; sc.h
+// holds norm(x). Every row-wise phase splits the rows alike (schedule static), so a thread may go
+// on from one to the next without a barrier (nowait) where each reads only its own rows.
 static void norm_rounded(const float* x, const Shape& d, const float* w, const float* b, int64_t G, const Step& st, Scratch& sc) {
-#pragma omp single
-  {
-    for (int64_t r = 0; r < d.R; ++r) norm(x + r * d.C, sc.h.data() + r * d.C, d.C, w, b, st.layer_norm, st.eps);
-    round_x(sc.h.data(), d.R, d.C, G, sc.xr);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < d.R; ++r) {
+    norm(x + r * d.C, sc.h.data() + r * d.C, d.C, w, b, st.layer_norm, st.eps);
+    round_row(sc.h.data(), r, d.C, G, sc.xr);
   }
+}
+
+// x += h row by row, each thread its rows, no barrier after: the next phase, norm_rounded, reads
+// only the rows its thread added
+static void add_rows(float* x, const float* h, int64_t R, int64_t C) {
+#pragma omp for schedule(static) nowait
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = r * C; i < (r + 1) * C; ++i) x[i] += h[i];
 }
 
 // The attention half in the region: q/k/v, QK-norm and RoPE, the cache write at each row's slot,
@@ -249,7 +256,7 @@ static void attention_half(float* x, const Shape& d, const Layer& L, const Step&
   const std::vector<const float*>& nw = L.nw;
   norm_rounded(x, d, nw[0], nw[1], L.w[0].G, st, sc);
   linear_in_region(L.w[0], L.bias[0], sc.xr, R, qkv.data());
-#pragma omp single
+#pragma omp for schedule(static)
   for (int64_t r = 0; r < R; ++r) {  // per head: QK-norm, RoPE; k and v to the cache
     float* row = qkv.data() + r * width;
     for (int64_t j = 0; j < H + KV; ++j) {
@@ -272,11 +279,10 @@ static void attention_half(float* x, const Shape& d, const Layer& L, const Step&
     attend(qkv.data() + r * width + j * hd, L.kc + base, L.vc + base, hd, st.mask ? st.mask + r * d.S : nullptr, d.S, hd, p.data(),
            att.data() + i * hd);
   }
-#pragma omp single
-  round_x(att.data(), R, H * hd, L.w[1].G, sc.xr);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < R; ++r) round_row(att.data(), r, H * hd, L.w[1].G, sc.xr);
   linear_in_region(L.w[1], L.bias[1], sc.xr, R, h.data());
-#pragma omp single
-  for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
+  add_rows(x, h.data(), R, C);
 }
 
 // The MLP half in the region: x += c_proj(act(c_fc(norm2(x))))
@@ -285,14 +291,13 @@ static void mlp_half(float* x, const Shape& d, const Layer& L, const Step& st, S
   std::vector<float>&h = sc.h, &f = sc.f, &a = sc.a;
   norm_rounded(x, d, L.nw[2], L.nw[3], L.w[2].G, st, sc);
   linear_in_region(L.w[2], L.bias[2], sc.xr, R, f.data());
-#pragma omp single
-  {
-    activate(f.data(), a.data(), R, d.F, st.act);
-    round_x(a.data(), R, hidden, L.w[3].G, sc.xr);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    activate(f.data() + r * d.F, a.data() + r * hidden, d.F, st.act);
+    round_row(a.data(), r, hidden, L.w[3].G, sc.xr);
   }
   linear_in_region(L.w[3], L.bias[3], sc.xr, R, h.data());
-#pragma omp single
-  for (int64_t i = 0; i < R * C; ++i) x[i] += h[i];
+  add_rows(x, h.data(), R, C);
 }
 
 // The head in the region: logits (R, N) = head(norm(x)), the final norm of the blocks' kind

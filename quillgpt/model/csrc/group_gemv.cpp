@@ -214,6 +214,7 @@ static inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) { return _mm5
 alignas(64) static const int64_t CHUNKS01[8] = {0, 4, 8, 12, 1, 5, 9, 13};  // qword q of rows 0-3, q = 0 then 1
 alignas(64) static const int64_t CHUNKS23[8] = {2, 6, 10, 14, 3, 7, 11, 15};
 alignas(64) static const int32_t SPREAD4[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+alignas(64) static const int32_t FIRSTS4[16] = {0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12};
 
 // The 4 chunks of a unit per row (32 bytes each, 4 groups): w[c] = bytes 8c..8c+7 of rows 0..3, widened
 template <bool FOUR>
@@ -231,9 +232,12 @@ template <bool FOUR, int MB>
 static void rows4_batch(const uint8_t* group, const uint16_t* s16, const uint16_t* o16, int64_t G, int64_t per_group,
                         const int16_t* xq, const float* xs, const float* xg, int64_t K, float* y, int64_t N) {
   const int64_t blocks = G * per_group;
-  alignas(16) float s4[MAX_BLOCKS][4];  // group g's scale of rows 0..3, side by side
+  alignas(16) float s4[MAX_BLOCKS][4], o4[MAX_BLOCKS][4];  // group g's scale and offset of rows 0..3, side by side
   for (int r = 0; r < 4; ++r)
-    for (int64_t g = 0; g < G; ++g) s4[g][r] = _cvtsh_ss(s16[r * G + g]);
+    for (int64_t g = 0; g < G; ++g) {
+      s4[g][r] = _cvtsh_ss(s16[r * G + g]);
+      o4[g][r] = _cvtsh_ss(o16[r * G + g]);
+    }
   const __m512i spread = _mm512_loadu_si512((const void*)SPREAD4), low = _mm512_set1_epi16(0x0F);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -268,11 +272,16 @@ static void rows4_batch(const uint8_t* group, const uint16_t* s16, const uint16_
       block(w, b);
     }
   }
+  // y[m, 0..3]: each row's 4 lanes summed within their 128 bits (its sum lands in lane 4r), plus
+  // the offsets' share of the 4 rows at once. A reduce_add and an offsets_dot per (row, r), 32 of
+  // each for 8 rows, cost as much as the blocks' work over a 384-wide row.
+  const __m512i firsts = _mm512_loadu_si512((const void*)FIRSTS4);
   for (int m = 0; m < MB; ++m) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[m]);
-    for (int r = 0; r < 4; ++r)
-      y[m * N + r] = lanes[4 * r] + lanes[4 * r + 1] + lanes[4 * r + 2] + lanes[4 * r + 3] + offsets_dot(o16 + r * G, xg + m * G, G);
+    __m128 off = _mm_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) off = _mm_fmadd_ps(_mm_load_ps(o4[g]), _mm_set1_ps(xg[m * G + g]), off);
+    __m512 t = _mm512_add_ps(acc[m], _mm512_permute_ps(acc[m], 0xB1));  // lanes (0+1, 1+0, 2+3, 3+2) of each 4
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));                   // + (2+3, 3+2, 0+1, 1+0)
+    _mm_storeu_ps(y + m * N, _mm_add_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, t)), off));
   }
 }
 #define QUILL_ROWS4_BATCH
@@ -334,15 +343,15 @@ struct Rounded {
   std::vector<float> step, sum;
 };
 
-// r = x (M, K) rounded, into r's buffers as they are (the decode block keeps one across calls)
-static void round_x(const float* x, int64_t M, int64_t K, int64_t G, Rounded& r) {
+// Row m of x (M, K) rounded into r, whose buffers hold at least M·K values: the decode block rounds
+// its rows in parallel, each thread its own
+static void round_row(const float* x, int64_t m, int64_t K, int64_t G, Rounded& r) {
   const int64_t blocks = K / 32, per_group = blocks / G;
-  r.q.resize(M * K);
-  r.step.resize(M * blocks);
-  r.sum.assign(M * G, 0.f);
-  for (int64_t b = 0; b < M * blocks; ++b) {
-    const float* v = x + 32 * b;
-    int16_t* q = r.q.data() + 32 * b;
+  float* sum = r.sum.data() + m * G;
+  for (int64_t g = 0; g < G; ++g) sum[g] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = x + m * K + 32 * b;
+    int16_t* q = r.q.data() + m * K + 32 * b;
     float amax = 0.f, total = 0.f;
 #pragma omp simd reduction(max : amax) reduction(+ : total)
     for (int i = 0; i < 32; ++i) {
@@ -352,9 +361,22 @@ static void round_x(const float* x, int64_t M, int64_t K, int64_t G, Rounded& r)
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
 #pragma omp simd
     for (int i = 0; i < 32; ++i) q[i] = int16_t(std::nearbyint(v[i] * inv));
-    r.step[b] = amax / 32767.f;
-    r.sum[(b / blocks) * G + (b % blocks) / per_group] += total;
+    r.step[m * blocks + b] = amax / 32767.f;
+    sum[b / per_group] += total;
   }
+}
+
+// Room in r for M rows of K values (K a multiple of 32, at most 32 blocks a group: G ≤ K / 32)
+static void round_room(int64_t M, int64_t K, Rounded& r) {
+  r.q.resize(M * K);
+  r.step.resize(M * K / 32);
+  r.sum.resize(M * K / 32);
+}
+
+// r = x (M, K) rounded, into r's buffers as they are
+static void round_x(const float* x, int64_t M, int64_t K, int64_t G, Rounded& r) {
+  round_room(M, K, r);
+  for (int64_t m = 0; m < M; ++m) round_row(x, m, K, G, r);
 }
 
 // One layer's weights as the kernels read them: N rows of row_bytes (K int8 weights, or K / 2 bytes
