@@ -161,7 +161,7 @@ def cache_bytes(model: GPT, rows: int, capacity: int | None = None) -> int:
     """Bytes of a static KV cache of `rows` rows of `capacity` tokens (default: the attention
     span) for this model (keys + values + positions)."""
     cfg = model.config
-    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * model.dtype.itemsize + 8
+    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * model.cache_dtype().itemsize + 8
     return rows * (model.span if capacity is None else capacity) * per_token
 
 

@@ -122,7 +122,7 @@ class Block(nn.Module):
         if x.dtype == torch.float32 and x.device.type == "cpu":
             cache = attn_kwargs["cache"]
             args = native_block.memo_arguments(self, self._native, x.shape[0])
-            if args is not None and cache.k[attn_kwargs["layer"]].dtype == torch.float32:
+            if args is not None and cache.k[attn_kwargs["layer"]].dtype in native_block.CACHE_DTYPES:
                 return native_block.decode(x, args, **attn_kwargs)
         x = x + self.attn.decode(self.ln_1.forward(x), **attn_kwargs)
         mlp = self.mlp
@@ -303,8 +303,12 @@ class GPT(nn.Module):
         return self.head(ln_f(x))  # (R, V)
 
     def _native_stack(self, cache: KVCache, rows: int) -> native_block.Stack | None:
-        """native_block.stack_arguments for a float32 model and cache on the CPU, else None."""
-        if self.transformer.wte.weight.dtype != torch.float32 or self.device.type != "cpu" or cache.k[0].dtype != torch.float32:
+        """_native_blocks where the cache is one the native step reads, else None."""
+        return self._native_blocks(rows) if cache.k[0].dtype in native_block.CACHE_DTYPES else None
+
+    def _native_blocks(self, rows: int) -> native_block.Stack | None:
+        """native_block.stack_arguments for a float32 model on the CPU, else None."""
+        if self.transformer.wte.weight.dtype != torch.float32 or self.device.type != "cpu":
             return None
         head = self.lm_head if self.config.logit_softcap is None else None
         return native_block.stack_arguments(self.transformer.h, self.transformer.ln_f, head, self._native, rows)
@@ -417,9 +421,17 @@ class GPT(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> Any:
         """An empty generation cache of the variant's kind for `rows` rows; a KVCache's default
-        capacity is the attention span min(window, block_size)."""
+        capacity is the attention span min(window, block_size), its default dtype cache_dtype()."""
         capacity = self.span if capacity is None else capacity
-        return self.variant.make_cache(self.config, rows, capacity, self.span, device or self.device, dtype or self.dtype)
+        return self.variant.make_cache(self.config, rows, capacity, self.span, device or self.device, dtype or self.cache_dtype())
+
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's default dtype: float16 where the whole decode step runs natively (a
+        float32 model with --quantize'd linears on the CPU), whose attention then reads half the
+        bytes (as llama.cpp's default f16 cache) and computes in float32; else the model's dtype."""
+        if self.dtype == torch.float32 and self._native_blocks(1) is not None:
+            return torch.float16
+        return self.dtype
 
     def context(self) -> int | None:
         """How many trailing tokens decide the next logits (None: all of them); see Variant.context."""

@@ -16,7 +16,8 @@ whole unmasked step from token ids, the embedding, the cache slots and the RoPE 
 
 `fits(block)` says once whether a block can run it: causal attention (its window or prefix mask
 comes in as the step's additive mask), RMSNorm or LayerNorm, a GELU, ReLU² or SwiGLU MLP, every
-linear offering `native_weights`. `decode` then also needs float32 activations and cache.
+linear offering `native_weights`. `decode` then also needs float32 activations, and a cache of
+float32 or float16 (CACHE_DTYPES: attention reads float16 keys and values as float32).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from torch import Tensor, nn
 
 from quillgpt.model import group_gemv
 from quillgpt.model.kv_cache import KVCache, SlotIndex
+
+CACHE_DTYPES = (torch.float32, torch.float16)  # the KV caches decode_blocks reads and writes
 
 torch.library.define(
     "quill::decode_blocks",

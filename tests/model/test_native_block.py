@@ -36,9 +36,11 @@ def model(shape: str, scheme: str, seed: int = 0) -> GPT:
     return quant.quantize(m, scheme, kernel=None if scheme.startswith("int4") else "group_gemv")
 
 
-def greedy(m: GPT, steps: int, starts: list[int], masked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy(
+    m: GPT, steps: int, starts: list[int], masked: bool = True, cache_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (steps, R, V) and tokens of greedy decoding, each row from its own start position."""
-    cache = m.make_cache(len(starts), 64)
+    cache = m.make_cache(len(starts), 64, dtype=cache_dtype)
     idx, pos = torch.tensor([5, 17, 60][: len(starts)]), torch.tensor(starts)
     logits = []
     with torch.no_grad():
@@ -53,16 +55,17 @@ def greedy(m: GPT, steps: int, starts: list[int], masked: bool = True) -> tuple[
 @needs_kernel
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme", ["int8-g32", "int4"])
-def test_native_step_equals_the_op_by_op_step(shape: str, scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
+def test_native_step_equals_the_op_by_op_step(shape: str, scheme: str, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     m = model(shape, scheme)
     assert all(native_block.fits(b) for b in m.transformer.h)
     calls = []
     real = native_block.decode_stack
     monkeypatch.setattr(native_block, "decode_stack", lambda *a, **k: calls.append(1) or real(*a, **k))
-    fast, fast_tokens = greedy(m, 24, [0, 3, 9])  # rows at different positions; the window's band wraps
+    fast, fast_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=cache_dtype)  # rows at different positions; the window's band wraps
     assert len(calls) == 24  # every step ran its blocks in one native call
-    with native_block.off():
-        plain, plain_tokens = greedy(m, 24, [0, 3, 9])
+    with native_block.off():  # the op-by-op step reads a float16 cache as float32 too
+        plain, plain_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=cache_dtype)
     assert len(calls) == 24
     assert torch.equal(fast_tokens, plain_tokens)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)  # group_gemv's int16 rounding of a slightly different input
@@ -228,3 +231,18 @@ def test_the_compiled_step_is_one_graph_for_every_key_count() -> None:
         return out
 
     assert tokens(compile=True) == tokens(compile=False)
+
+
+@needs_kernel
+def test_a_natively_decoded_model_caches_in_float16_and_decodes_as_with_float32() -> None:
+    """cache_dtype: float16 where the whole step runs natively (half the bytes attention reads), the
+    model's own dtype elsewhere; decoding over it agrees with a float32 cache to float16's rounding."""
+    m = model("llama", "int4")
+    assert m.cache_dtype() == torch.float16 and m.make_cache(2).k[0].dtype == torch.float16
+    assert GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=16, vocab_size=97)).cache_dtype() == torch.float32
+    with native_block.off():
+        assert m.cache_dtype() == torch.float32
+    half, half_tokens = greedy(m, 24, [0, 3, 9])
+    full, full_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=torch.float32)
+    assert torch.equal(half_tokens, full_tokens)
+    torch.testing.assert_close(half, full, rtol=0, atol=2e-3)

@@ -26,9 +26,16 @@ static inline float exp_le0(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
+// A cached key or value element as float: the cache holds float32, or float16 (its bits, Half) for
+// half the bytes a step reads
+using Half = uint16_t;
+static inline float kv_float(float x) { return x; }
+static inline float kv_float(Half x) { return half_to_float(x); }
+
 // softmax(q·kᵀ/√hd + bias)·v for one query head over S keys (rows ks apart), p: S floats of scratch
-static void attend_head(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, int64_t hd,
-                        float* p, float* y) {
+template <class T>
+static void attend_head(const float* q, const T* k, const T* v, int64_t ks, const float* bias, int64_t S, int64_t hd, float* p,
+                        float* y) {
   const float scale = 1.f / std::sqrt(float(hd));
   float m = -INFINITY;
   for (int64_t s = 0; s < S; ++s) {
@@ -36,10 +43,10 @@ static void attend_head(const float* q, const float* k, const float* v, int64_t 
       p[s] = -INFINITY;
       continue;
     }
-    const float* kr = k + s * ks;
+    const T* kr = k + s * ks;
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < hd; ++d) acc += q[d] * kr[d];
+    for (int64_t d = 0; d < hd; ++d) acc += q[d] * kv_float(kr[d]);
     p[s] = acc * scale + (bias ? bias[s] : 0.f);
     m = std::max(m, p[s]);
   }
@@ -53,9 +60,9 @@ static void attend_head(const float* q, const float* k, const float* v, int64_t 
   for (int64_t s = 0; s < S; ++s) {
     const float ps = p[s];
     if (ps == 0.f) continue;
-    const float* vr = v + s * ks;
+    const T* vr = v + s * ks;
 #pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) y[d] += ps * vr[d];
+    for (int64_t d = 0; d < hd; ++d) y[d] += ps * kv_float(vr[d]);
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   for (int64_t d = 0; d < hd; ++d) y[d] *= inv;
@@ -66,15 +73,17 @@ static void attend_head(const float* q, const float* k, const float* v, int64_t 
 #define QUILL_LANES 16
 using Lanes = __m512;
 static inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline Lanes lanes_load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 static inline void lanes_store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
 static inline Lanes lanes_set1(float x) { return _mm512_set1_ps(x); }
 static inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
 static inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float lanes_sum(Lanes v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUILL_LANES 8
 using Lanes = __m256;
 static inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline Lanes lanes_load(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 static inline void lanes_store(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
 static inline Lanes lanes_set1(float x) { return _mm256_set1_ps(x); }
 static inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
@@ -86,9 +95,8 @@ static inline float lanes_sum(Lanes v) { return sum8(v); }
 // attend_head for hd = QUILL_LANES·V, the query and the output in registers: the portable loop's
 // horizontal sum a key and its stores of y a key cost ~4x (SmolLM2, 256 keys: 30 layers' attention
 // ~1 ms a token on AVX-512)
-template <int V>
-static void attend_lanes(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, float* p,
-                         float* y) {
+template <int V, class T>
+static void attend_lanes(const float* q, const T* k, const T* v, int64_t ks, const float* bias, int64_t S, float* p, float* y) {
   const Lanes scale = lanes_set1(1.f / std::sqrt(float(QUILL_LANES * V)));
   Lanes qv[V], acc[V];
   for (int j = 0; j < V; ++j) qv[j] = lanes_mul(lanes_load(q + QUILL_LANES * j), scale);
@@ -98,7 +106,7 @@ static void attend_lanes(const float* q, const float* k, const float* v, int64_t
       p[s] = -INFINITY;
       continue;
     }
-    const float* kr = k + s * ks;
+    const T* kr = k + s * ks;
     Lanes dot = lanes_mul(qv[0], lanes_load(kr));
     for (int j = 1; j < V; ++j) dot = lanes_fma(qv[j], lanes_load(kr + QUILL_LANES * j), dot);
     p[s] = lanes_sum(dot) + (bias ? bias[s] : 0.f);
@@ -121,8 +129,8 @@ static void attend_lanes(const float* q, const float* k, const float* v, int64_t
 }
 #endif
 
-static void attend(const float* q, const float* k, const float* v, int64_t ks, const float* bias, int64_t S, int64_t hd, float* p,
-                   float* y) {
+template <class T>
+static void attend(const float* q, const T* k, const T* v, int64_t ks, const float* bias, int64_t S, int64_t hd, float* p, float* y) {
 #if defined(QUILL_LANES)
   if (hd == 64) return attend_lanes<64 / QUILL_LANES>(q, k, v, ks, bias, S, p, y);
   if (hd == 128) return attend_lanes<128 / QUILL_LANES>(q, k, v, ks, bias, S, p, y);
@@ -194,12 +202,21 @@ struct Shape {
   int64_t R, C, H, KV, hd, S, F, cap;
 };
 
+// n floats to a cache (float32, or half: float16) at element `at`
+static void store_kv(void* cache, bool half, int64_t at, const float* x, int64_t n) {
+  if (half)
+    floats_to_halves(x, static_cast<Half*>(cache) + at, n);
+  else
+    std::memcpy(static_cast<float*>(cache) + at, x, n * sizeof(float));
+}
+
 // One layer's parameters as read from its tensors (layer_of checks them)
 struct Layer {
   std::vector<Weights> w;            // c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
   std::vector<const float*> bias;    // the four linears' (null: none)
   std::vector<const float*> nw;      // ln_1 w, b, ln_2 w, b, q_norm w, k_norm w (null: none)
-  float *kc, *vc;                    // this layer's cache (rows, KV, cap, hd)
+  void *kc, *vc;                     // this layer's cache (rows, KV, cap, hd), float32 or (half) float16
+  bool half;
 };
 
 // What every layer shares in one step: the rows' slots, RoPE angles and mask, the norms' form
@@ -266,8 +283,8 @@ static void attention_half(float* x, const Shape& d, const Layer& L, const Step&
     }
     for (int64_t j = 0; j < KV; ++j) {
       const int64_t at = ((r * KV + j) * cap + st.slots[r]) * hd;
-      std::memcpy(L.kc + at, row + (H + j) * hd, hd * sizeof(float));
-      std::memcpy(L.vc + at, row + (H + KV + j) * hd, hd * sizeof(float));
+      store_kv(L.kc, L.half, at, row + (H + j) * hd, hd);
+      store_kv(L.vc, L.half, at, row + (H + KV + j) * hd, hd);
     }
   }
   thread_local std::vector<float> p;  // this thread's scores
@@ -276,8 +293,11 @@ static void attention_half(float* x, const Shape& d, const Layer& L, const Step&
   for (int64_t i = 0; i < R * H; ++i) {
     const int64_t r = i / H, j = i % H, kv = j / (H / KV);
     const int64_t base = (r * KV + kv) * cap * hd;
-    attend(qkv.data() + r * width + j * hd, L.kc + base, L.vc + base, hd, st.mask ? st.mask + r * d.S : nullptr, d.S, hd, p.data(),
-           att.data() + i * hd);
+    const float *q = qkv.data() + r * width + j * hd, *bias = st.mask ? st.mask + r * d.S : nullptr;
+    if (L.half)
+      attend(q, static_cast<const Half*>(L.kc) + base, static_cast<const Half*>(L.vc) + base, hd, bias, d.S, hd, p.data(), att.data() + i * hd);
+    else
+      attend(q, static_cast<const float*>(L.kc) + base, static_cast<const float*>(L.vc) + base, hd, bias, d.S, hd, p.data(), att.data() + i * hd);
   }
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < R; ++r) round_row(att.data(), r, H * hd, L.w[1].G, sc.xr);
@@ -322,11 +342,11 @@ static const float* floats_or_null(const torch::Tensor& t, int64_t n, const char
 static Layer layer_of(const std::vector<torch::Tensor>& lin, const std::vector<torch::Tensor>& norms, const torch::Tensor& k,
                       const torch::Tensor& v, int64_t l, Shape& d, int64_t act) {
   const torch::Tensor* t = lin.data() + 16 * l;
-  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == torch::kFloat && k.is_contiguous() && v.sizes() == k.sizes() &&
-                  v.scalar_type() == torch::kFloat && v.is_contiguous() && k.size(0) >= d.R && k.size(1) == d.KV && k.size(2) == d.cap &&
-                  k.size(3) == d.hd,
-              "k_caches, v_caches: contiguous (rows >= R, kv_heads, capacity, hd) float32, alike in every layer");
-  Layer L{{}, {}, {}, k.data_ptr<float>(), v.data_ptr<float>()};
+  TORCH_CHECK(k.dim() == 4 && (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf) && k.is_contiguous() &&
+                  v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && v.is_contiguous() && k.size(0) >= d.R && k.size(1) == d.KV &&
+                  k.size(2) == d.cap && k.size(3) == d.hd,
+              "k_caches, v_caches: contiguous (rows >= R, kv_heads, capacity, hd) float32 or float16, alike in every layer");
+  Layer L{{}, {}, {}, k.data_ptr(), v.data_ptr(), k.scalar_type() == torch::kHalf};
   const int64_t hidden = act == SWIGLU ? t[8].size(0) / 2 : t[8].size(0);
   const int64_t ins[4] = {d.C, d.H * d.hd, d.C, hidden};
   for (int i = 0; i < 4; ++i) {

@@ -52,6 +52,25 @@ static float sum8(__m256 v) {
 }
 #endif
 
+// One fp16 value (its bits) to float, and n floats to fp16 (round to nearest even)
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return float(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+static void floats_to_halves(const float* f, uint16_t* h, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i*)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) h[i] = _cvtss_sh(f[i], _MM_FROUND_TO_NEAREST_INT);
+#else
+  for (; i < n; ++i) h[i] = c10::Half(f[i]).x;
+#endif
+}
+
 // n fp16 values (their bits) to float
 static void halves_to_float(const uint16_t* h, float* f, int64_t n) {
   int64_t i = 0;
