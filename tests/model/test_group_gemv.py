@@ -197,9 +197,10 @@ for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2),
     errs.append(float((got - want).abs().max() / want.abs().max()))
 import pytest
 import test_native_block as nb  # the native decode block built the same way: its steps = op by op
-for shape, scheme in [("llama-hd64", "int8-g32"), ("gpt2-hd128", "int4")]:  # both attention widths, both kernels
-    with pytest.MonkeyPatch.context() as mp:
-        nb.test_native_step_equals_the_op_by_op_step(shape, scheme, mp)
+for shape, scheme in [("llama-hd64", "int8-g32"), ("gpt2-hd128", "int4"), ("window", "int4")]:  # attention widths 64, 128, 32; both kernels
+    for cache_dtype in (torch.float32, torch.float16):
+        with pytest.MonkeyPatch.context() as mp:
+            nb.test_native_step_equals_the_op_by_op_step(shape, scheme, cache_dtype, mp)
 print(json.dumps(errs))
 """
 
