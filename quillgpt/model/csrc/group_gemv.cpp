@@ -246,29 +246,50 @@ static inline void chunks_of(const uint8_t* unit4, __m512i w[4]) {
   for (int c = 0; c < 4; ++c) w[c] = FOUR ? _mm512_cvtepu8_epi16(h[c]) : _mm512_cvtepi8_epi16(h[c]);
 }
 
+// v4[g][r] = the fp16 value h[r·G + g] of the 4 rows, side by side for each g (a 4x4 transpose per 4
+// groups: one scalar convert per value cost ~12% of an int8-g32 batch over 384-wide rows)
+static void side_by_side4(const uint16_t* h, int64_t G, float (*v4)[4]) {
+  alignas(16) float f[4][MAX_BLOCKS];
+  for (int r = 0; r < 4; ++r) halves_to_float(h + r * G, f[r], G);
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    __m128 a = _mm_loadu_ps(f[0] + g), b = _mm_loadu_ps(f[1] + g), c = _mm_loadu_ps(f[2] + g), d = _mm_loadu_ps(f[3] + g);
+    _MM_TRANSPOSE4_PS(a, b, c, d);
+    _mm_store_ps(v4[g], a), _mm_store_ps(v4[g + 1], b), _mm_store_ps(v4[g + 2], c), _mm_store_ps(v4[g + 3], d);
+  }
+  for (; g < G; ++g)
+    for (int r = 0; r < 4; ++r) v4[g][r] = f[r][g];
+}
+
 // y[m·N + r] (m < MB, r < 4) for the 4 weight rows at group and the activation rows at xq (K apart)
 template <bool FOUR, int MB>
 static void rows4_batch(const uint8_t* group, const uint16_t* s16, const uint16_t* o16, int64_t G, int64_t per_group,
                         const int16_t* xq, const float* xs, const float* xg, int64_t K, float* y, int64_t N) {
   const int64_t blocks = G * per_group;
-  alignas(16) float s4[MAX_BLOCKS][4], o4[MAX_BLOCKS][4];  // group g's scale and offset of rows 0..3, side by side
-  for (int r = 0; r < 4; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      s4[g][r] = _cvtsh_ss(s16[r * G + g]);
-      o4[g][r] = _cvtsh_ss(o16[r * G + g]);
-    }
+  alignas(64) float s4[MAX_BLOCKS][4], o4[MAX_BLOCKS][4];  // group g's scale and offset of rows 0..3, side by side
+  side_by_side4(s16, G, s4);
+  side_by_side4(o16, G, o4);
   const __m512i spread = _mm512_loadu_si512((const void*)SPREAD4), low = _mm512_set1_epi16(0x0F);
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  __m512 sv = _mm512_setzero_ps();
-  // block b against every activation row: w, its 4 chunks, each scaled by s (per row) · step (per activation row)
+  __m512 acc[MB], gacc[MB];  // over all groups, and over the blocks of the current group
+  for (int m = 0; m < MB; ++m) acc[m] = gacc[m] = _mm512_setzero_ps();
+  int64_t g = 0, left = per_group;  // the current group, and its blocks still to come (no division a block)
+  // block b against every activation row: w, its 4 chunks, each times the step of the activation
+  // row's block; at the group's end, times the 4 rows' scales (one fma a block rather than a mul and
+  // an fma where a group spans several blocks: per-channel int8 is one group)
   auto block = [&](const __m512i w[4], int64_t b) {
-    if (b % per_group == 0) sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(s4[b / per_group])));
     for (int m = 0; m < MB; ++m) {
       const int16_t* x = xq + m * K + 32 * b;
       __m512i d = _mm512_madd_epi16(w[0], _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x)));
       for (int c = 1; c < 4; ++c) d = dot_pairs(d, w[c], _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(x + 8 * c))));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(xs[m * blocks + b])), acc[m]);
+      gacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[m * blocks + b]), gacc[m]);
+    }
+    if (--left == 0) {
+      const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(s4[g++])));
+      for (int m = 0; m < MB; ++m) {
+        acc[m] = _mm512_fmadd_ps(gacc[m], sv, acc[m]);
+        gacc[m] = _mm512_setzero_ps();
+      }
+      left = per_group;
     }
   };
   __m512i w[4];
@@ -292,12 +313,21 @@ static void rows4_batch(const uint8_t* group, const uint16_t* s16, const uint16_
     }
   }
   // y[m, 0..3]: each row's 4 lanes summed within their 128 bits (its sum lands in lane 4r), plus
-  // the offsets' share of the 4 rows at once. A reduce_add and an offsets_dot per (row, r), 32 of
-  // each for 8 rows, cost as much as the blocks' work over a 384-wide row.
+  // the offsets' share of the 4 rows at once, 4 groups a 512-bit fma (lanes (group, row)). A
+  // reduce_add and an offsets_dot per (row, r), 32 of each for 8 rows, cost as much as the blocks'
+  // work over a 384-wide row.
   const __m512i firsts = _mm512_loadu_si512((const void*)FIRSTS4);
+  const float* o = o4[0];
   for (int m = 0; m < MB; ++m) {
-    __m128 off = _mm_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) off = _mm_fmadd_ps(_mm_load_ps(o4[g]), _mm_set1_ps(xg[m * G + g]), off);
+    __m512 off4 = _mm512_setzero_ps();
+    for (int64_t g4 = 0; g4 < G; g4 += 4) {
+      const int64_t n = G - g4 < 4 ? G - g4 : 4;
+      const __m512 xv = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), xg + m * G + g4));
+      off4 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(__mmask16((1u << (4 * n)) - 1), o + 4 * g4), xv, off4);
+    }
+    alignas(64) float f[16];
+    _mm512_store_ps(f, off4);
+    const __m128 off = _mm_add_ps(_mm_add_ps(_mm_load_ps(f), _mm_load_ps(f + 4)), _mm_add_ps(_mm_load_ps(f + 8), _mm_load_ps(f + 12)));
     __m512 t = _mm512_add_ps(acc[m], _mm512_permute_ps(acc[m], 0xB1));  // lanes (0+1, 1+0, 2+3, 3+2) of each 4
     t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));                   // + (2+3, 3+2, 0+1, 1+0)
     _mm_storeu_ps(y + m * N, _mm_add_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, t)), off));
