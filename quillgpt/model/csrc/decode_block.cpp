@@ -294,10 +294,11 @@ static void attention_half(float* x, const Shape& d, const Layer& L, const Step&
     const int64_t r = i / H, j = i % H, kv = j / (H / KV);
     const int64_t base = (r * KV + kv) * cap * hd;
     const float *q = qkv.data() + r * width + j * hd, *bias = st.mask ? st.mask + r * d.S : nullptr;
+    auto over = [&](const auto* kc, const auto* vc) { attend(q, kc + base, vc + base, hd, bias, d.S, hd, p.data(), att.data() + i * hd); };
     if (L.half)
-      attend(q, static_cast<const Half*>(L.kc) + base, static_cast<const Half*>(L.vc) + base, hd, bias, d.S, hd, p.data(), att.data() + i * hd);
+      over(static_cast<const Half*>(L.kc), static_cast<const Half*>(L.vc));
     else
-      attend(q, static_cast<const float*>(L.kc) + base, static_cast<const float*>(L.vc) + base, hd, bias, d.S, hd, p.data(), att.data() + i * hd);
+      over(static_cast<const float*>(L.kc), static_cast<const float*>(L.vc));
   }
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < R; ++r) round_row(att.data(), r, H * hd, L.w[1].G, sc.xr);
