@@ -79,12 +79,12 @@ WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run dire
 COMPILE_OPT = typer.Option(
     False,
     "--compile/--no-compile",
-    help="torch.compile the decode step (quill serve: before it listens): about twice the tokens/s with --quantize int8, int8-g32 or int4 on a CPU; compiling takes 30-60 s the first time on a machine, seconds from inductor's cache after that.",
+    help="torch.compile the decode step (quill serve: before it listens): about twice the tokens/s with --quantize int8, int8-channel or int4 on a CPU; compiling takes 30-60 s the first time on a machine, seconds from inductor's cache after that.",
 )
 QUANT_OPT = typer.Option(
     "none",
     "--quantize",
-    help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-g32: a scale and an offset per 32 weights, each group symmetric or over its range, whichever is closer (through quill's C++ kernel group_gemv at a few rows); int4 (int4-g64, int4-g128): 4-bit weights with a scale and a zero per 32 (64, 128) weights through quill's C++ kernel where it builds (else torch's int4pack), the head int8 (bf16 without the kernel); none: the float weights.",
+    help="int8: weight-only int8 linears with a scale and an offset per 32 weights (each group symmetric or over its range, whichever is closer), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-channel: one scale per output channel (fewer bytes, a faster long prompt, less exact); int4 (int4-g64, int4-g128): 4-bit weights with a scale and a zero per 32 (64, 128) weights through quill's C++ kernel where it builds (else torch's int4pack), the head int8 (bf16 without the kernel); none: the float weights.",
 )
 
 
@@ -411,7 +411,7 @@ def serve_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8: weight-only int8 linears (one scale per output channel), quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-g32: a scale and an offset per 32 weights; int4 (int4-g64, int4-g128): 4-bit weights, a scale and a zero per 32 (64, 128) weights; none: the float weights.",
+        help="int8: weight-only int8 linears with a scale and an offset per 32 weights, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-channel: one scale per output channel; int4 (int4-g64, int4-g128): 4-bit weights, a scale and a zero per 32 (64, 128) weights; none: the float weights.",
     ),
     cors: str | None = typer.Option(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."
@@ -460,7 +460,7 @@ def eval_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8 (int8-g32, int4, int4-g64, int4-g128): score the model with those weights, as quill sample --quantize runs it, to see what they cost in loss; none: the float weights.",
+        help="int8 (int8-channel, int4, int4-g64, int4-g128): score the model with those weights, as quill sample --quantize runs it, to see what they cost in loss; none: the float weights.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
@@ -609,7 +609,7 @@ def attention_cmd(
     quant: str = typer.Option(
         "none",
         "--quantize",
-        help="int8 (int8-g32, int4, int4-g64, int4-g128): the attention of the model with those weights (as quill sample --quantize runs it); none: the float weights.",
+        help="int8 (int8-channel, int4, int4-g64, int4-g128): the attention of the model with those weights (as quill sample --quantize runs it); none: the float weights.",
     ),
     force: bool = typer.Option(
         False,

@@ -809,14 +809,14 @@ def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
 
 
 def real_group(report: Report, args: argparse.Namespace) -> None:
-    """A real model (--sample-real RUN, an imported one): quill fp32 / int8 / int8-g32 / int4
+    """A real model (--sample-real RUN, an imported one): quill fp32 / int8 / int8-channel / int4
     (compiled too with --sample-compile), transformers fp32 (--sample-real-hf DIR) and llama.cpp
     Q8_0 / Q4_0 on the same weights where llama-cpp-python is installed, batch 1, greedy, each
     with the fraction of its weight-streaming bound; scripts/bench_real.py's rows and timing."""
     import bench_real  # scripts/, beside this file
 
     real = bench_real.parser().parse_args(["--ckpt", str(args.sample_real), "--reps", str(args.sample_reps)])
-    real.hf, real.quill, real.compile = args.sample_real_hf, ["fp32", "int8", "int8-g32", "int4"], args.sample_compile
+    real.hf, real.quill, real.compile = args.sample_real_hf, ["fp32", "int8", "int8-channel", "int4"], args.sample_compile
     measured = bench_real.measure(real)
     ratios = bench_real.llama_ratios({name: xs for name, xs, *_ in measured})
     group = f"sample: {args.sample_real.name} (a real model), batch 1, greedy, {real.tokens} new tokens"

@@ -19,7 +19,7 @@ whole run is bounded by --time-limit.
 
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu --quantize int8   # int8 linears
-    python scripts/load_serve.py --ckpt out/smollm2 --quantize int8-g32 --compile --tokens 64 --max-batch 16
+    python scripts/load_serve.py --ckpt out/smollm2 --quantize int8 --compile --tokens 64 --max-batch 16
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main() -> None:
     where.add_argument("--url", help="a running server on a loopback address, e.g. http://127.0.0.1:8000")
     parser.add_argument("--max-batch", type=int, default=32, help="--max-batch of the server this script starts")
     parser.add_argument("--device", default="auto", help="--device of the server this script starts")
-    parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8, int8-g32, int4 or none)")
+    parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8, int8-channel, int4 or none)")
     parser.add_argument("--compile", action="store_true", help="start the server with --compile (its decode step compiled)")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument(

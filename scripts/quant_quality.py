@@ -2,7 +2,7 @@
 """What quantized weights cost in quality: `quill eval --quantize SCHEME` against fp32 on trained runs.
 
     python scripts/quant_quality.py --ckpt out/shakespeare_char_3m --ckpt out/shakespeare_gpt2_small
-    python scripts/quant_quality.py --ckpt out/shakespeare_char_3m --scheme int8 --scheme int8-g32 --scheme int4
+    python scripts/quant_quality.py --ckpt out/shakespeare_char_3m --scheme int8 --scheme int8-channel --scheme int4
 
 For each run and scheme (int8 unless --scheme is given; its prepared val split, as `quill eval`
 scores it): the loss and bits per byte of the float model and of the same weights quantized at

@@ -3,7 +3,7 @@
 with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first greedy tokens.
 
     python scripts/quant_real.py --ckpt out/smollm2 --text ../shared/data/tinyshakespeare.txt \\
-        --scheme int8 --scheme int8-g32 --scheme int4 --scheme int4-g64 --group 64
+        --scheme int8 --scheme int8-channel --scheme int4 --scheme int4-g64 --group 64
 
 Each scheme's weights are dequantized into float32 linears (fp32 activations: the weights'
 error alone, at float speed); each is also run as --quantize runs it (an int8 scheme through the

@@ -59,12 +59,12 @@ def one_thread():
 
 @pytest.fixture
 def fixed_int8_kernel(monkeypatch, one_thread):
-    """`quantize` with int8pack_mm for every input instead of the measured choice, so a command
+    """`quantize` with dequant/model (float32, the plain computation) for every input instead of the measured choice, so a command
     test of --quantize int8 runs one known kernel on a tiny model (the measured choice is tested
     in tests/model/test_quant.py). Yields the kernel."""
     from quillgpt.model import quant
 
-    kernel = "int8pack_mm/bf16"
+    kernel = "dequant/model"
     monkeypatch.setattr(quant, "measure_plan", lambda every, block, rows: quant.KernelPlan((1,), (kernel,), rows))
     yield kernel
 

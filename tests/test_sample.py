@@ -177,9 +177,7 @@ def test_int8_sample_is_the_int8_models_text(quill, decisive_ckpt, fixed_int8_ke
     plain = sample_json(quill, decisive_ckpt, *args)
     assert plain["settings"]["quantize"] == "none" and plain["settings"]["int8_kernel"] is None
     code, _, err = quill("sample", "--ckpt", decisive_ckpt, *args, "--quantize", "int8", "--dtype", "bfloat16")
-    assert (
-        code == 0 and f"int8 weights (per-channel scales), {fixed_int8_kernel}" in err and "bfloat16" in err and "s, not in tokens/s" in err
-    )
+    assert code == 0 and f"int8 weights (32 per scale), {fixed_int8_kernel}" in err and "bfloat16" in err and "s, not in tokens/s" in err
 
 
 def test_int4_sample_is_the_int4_models_text(quill, decisive_ckpt):
@@ -252,7 +250,10 @@ BAD = {
     "nan top-p": (["--top-p", "nan"], r"--top-p must be in \(0, 1\], got nan"),
     "huge max-new-tokens": (["-n", str(10**30)], "--max-new-tokens must be at most"),
     "unknown dtype": (["--dtype", "float8"], "--dtype must be float32, bfloat16 or float16"),
-    "unknown quantization": (["--quantize", "int5"], "--quantize must be int8, int8-g32, int4, int4-g64, int4-g128 or none, got 'int5'"),
+    "unknown quantization": (
+        ["--quantize", "int5"],
+        "--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none, got 'int5'",
+    ),
     "unknown device": (["--device", "tpu"], "--device must be"),
     "empty stop string": (["--stop", ""], "stop string must not be empty"),
     "two prompts": (["-p", "a", "--prompt-file", "{tmp}/latin1.txt"], "--prompt or --prompt-file, not both"),

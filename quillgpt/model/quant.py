@@ -1,8 +1,8 @@
 """--quantize: int8 here, int4 in model/int4.py (quantize() swaps in either).
 
-Weight-only int8: every linear layer of the blocks and the head stores int8 weights with one
-scale per output channel, W ≈ q·s (int8-g32: a scale and an offset per 32 weights), so a decode
-step streams about a quarter of fp32's weight bytes.
+Weight-only int8: every linear layer of the blocks and the head stores int8 weights with a scale
+and an offset per 32 weights, W ≈ q·s + o (int8-channel: one scale per output channel, W ≈ q·s),
+so a decode step streams 36 bytes per 32 fp32 weights' 128.
 
 `quantize(model, "int8")` swaps each nn.Linear for an `Int8Linear` once, from the model's own
 weights (no new checkpoint format). A tied head keeps its embedding for the lookup and gets its
@@ -42,17 +42,17 @@ from quillgpt.model.int4 import Int4Linear
 
 # scheme → weights per scale (0: one per output channel, symmetric; else a scale and an offset per
 # group). On SmolLM2-135M-Instruct one scale per row (576-1536 weights) lost greedy answers (the
-# sleeping-tips prompt: "1. **1.1.1.1…"); int8-g32 keeps a scale and an offset per 32 weights
-# (scripts/quant_real.py measures both: +0.01% loss against per-channel's +0.26%) for 12% more bytes
-# a token (151 MB against 135 through group_gemv), so int8 stays per channel, the fewer bytes and
-# torch's batched kernels, and int8-g32 is asked for by name.
-SCHEMES = {"int8": 0, "int8-g32": 32}
+# sleeping-tips prompt: "1. **1.1.1.1…"; scripts/quant_real.py: +0.28% loss, 95.8% top-1, 3 of 10
+# answers) where a scale and an offset per 32 weights kept them (+0.001%, 99.6%, 10 of 10) for 12%
+# more bytes a token, and decoded faster there through group_gemv: so int8 is per 32, and
+# int8-channel (fewer bytes, torch's bf16 kernels for a long prompt) is asked for by name.
+SCHEMES = {"int8": 32, "int8-channel": 0}
 # int4 scheme → weights per scale and zero (model/int4.py): chosen by scripts/quant_real.py on SmolLM2
 INT4_SCHEMES = {"int4": 32, "int4-g64": 64, "int4-g128": 128}
 
 
 def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
-    """A scheme a user names: int8, int8-g32, int4, int4-g64, int4-g128, or none / None for the float weights."""
+    """A scheme a user names: int8, int8-channel, int4, int4-g64, int4-g128, or none / None for the float weights."""
     if name is None or name == "none":
         return None
     if name not in SCHEMES and name not in INT4_SCHEMES:
@@ -404,14 +404,14 @@ def quantize_int4(model: GPT, group: int) -> GPT:
     Int4Linear, in place; the others keep their float weights (weights_note counts them). The head
     stays at 8 bits or more: in int4 it alone cost SmolLM2 most of its loss (llama.cpp's Q4 files
     keep it at 6-8 bits too). It is int8 with a scale and an offset per 32 weights through
-    group_gemv where that kernel takes it (36 bytes per 32 weights; the loss of int8-g32 is
-    ~0.01%), else bf16 weights (64 bytes per 32)."""
+    group_gemv where that kernel takes it (36 bytes per 32 weights; the loss of int8 is
+    ~0.001%), else bf16 weights (64 bytes per 32)."""
     for parent in list(model.transformer.h.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (g := int4.group_for(child.in_features, group)):
                 setattr(parent, name, Int4Linear(child, g))
     if isinstance(model.lm_head, nn.Linear):
-        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, SCHEMES["int8-g32"]) if group_gemv.available() else None
+        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, SCHEMES["int8"]) if group_gemv.available() else None
         model.lm_head = head if head is not None and head.runs["group_gemv"] == "group_gemv" else int4.Bf16Linear(model.lm_head)
     return model
 

@@ -29,7 +29,7 @@ def test_the_structure_key_names_what_the_dropped_guards_pinned():
         model.lm_head.weight.add_(1.0)
     assert cs.structure_key(model) == key
     assert cs.structure_key(model.to(torch.bfloat16)) != key  # dtypes
-    quantized = quantize(random_model("rope-window-gqa"), "int8", kernel="dequant/model")
+    quantized = quantize(random_model("rope-window-gqa"), "int8-channel", kernel="dequant/model")
     assert cs.structure_key(quantized) != key  # module types
     before = cs.structure_key(quantized)
     for m in quantized.modules():
@@ -66,7 +66,7 @@ def test_a_model_keeps_its_step_and_a_changed_model_compiles_anew():
     assert Engine(random_model("rope-window-gqa"), 2, compile=True)._compiled is not first  # another model
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
     assert torch.equal(compiled, torch.stack(list(generate_tokens(model, PROMPTS, params=params)), 1))
-    quantize(model, "int8-g32", kernel="dequant/model")  # in place: a new structure, a new compile
+    quantize(model, "int8", kernel="dequant/model")  # in place: a new structure, a new compile
     assert Engine(model, 2, compile=True)._compiled is not first
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
     assert torch.equal(compiled, torch.stack(list(generate_tokens(model, PROMPTS, params=params)), 1))

@@ -170,10 +170,10 @@ def test_a_huge_max_new_tokens_allocates_nothing_by_count(use_cache):
     not os.environ.get("QUILL_TEST_COMPILE"),
     reason="torch.compile takes ~1 min on CPU: set QUILL_TEST_COMPILE=1 (scripts/bench.py --suite sample checks it at the bench shape)",
 )
-@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "int8", "int8-g32", "int4"])
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "int8-channel", "int8", "int4"])
 def test_compiled_decode_equals_eager(variant):
-    if variant.startswith("int"):  # int8-g32: compiled, grouped_sum in fp32, as the fp32 dequantized kernel
-        kernel = {"int8": "int8pack_mm/bf16", "int8-g32": "dequant/model"}.get(variant)
+    if variant.startswith("int"):  # int8: compiled, grouped_sum in fp32, as the fp32 dequantized kernel
+        kernel = {"int8-channel": "int8pack_mm/bf16", "int8": "dequant/model"}.get(variant)
         model = quantize(random_model(), variant, kernel=kernel)
     else:
         model = random_model(variant)

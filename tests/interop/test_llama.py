@@ -166,8 +166,8 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
     with torch.no_grad():
         for m in hf.modules():
             if isinstance(m, torch.nn.Linear):
-                m.weight.copy_(Int8Linear.from_linear(m, KernelPlan((1,), ("dequant/model",)), SCHEMES["int8-g32"]).dequantized())
-    quantize(model, "int8-g32", kernel="dequant/model")  # float32 activations, as transformers multiplies
+                m.weight.copy_(Int8Linear.from_linear(m, KernelPlan((1,), ("dequant/model",)), SCHEMES["int8"]).dequantized())
+    quantize(model, "int8", kernel="dequant/model")  # float32 activations, as transformers multiplies
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(layers) == 4 * cfg.n_layer + 1 and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert model.transformer.h[0].attn.c_attn.bias is not None and model.transformer.h[0].attn.c_proj.in_features == 96

@@ -3,8 +3,9 @@ test_quant_shapes.py, so a kernel that crashes on a shape fails that test, not t
 
     python quant_shapes_worker.py '[[n_embd, n_head], ...]'
 
-For each shape and kernel: the quantized model's logits at 1, 3 and 8 positions against the same
-model with its linears replaced by their dequantized weights. Prints one JSON line per shape:
+For each shape, kernel and int8 scheme (per 32 weights, per channel): the quantized model's
+logits at 1, 3 and 8 positions against the same model with its linears replaced by their
+dequantized weights. Prints one JSON line per shape:
 {"shape": [...], "err": {kernel: relative error}}.
 """
 
@@ -42,14 +43,15 @@ def main() -> None:
         base = GPT(cfg).eval()
         err = {}
         for kernel in KERNELS:
-            model = quantize(copy.deepcopy(base), "int8", kernel=kernel)
-            ref = dequantized_copy(model)
-            for t in (1, 3, 8):
-                ids = torch.randint(0, 29, (2, t))
-                with torch.no_grad():
-                    got, want = model(ids, all_logits=True)[0], ref(ids, all_logits=True)[0]
-                e = float((got - want).norm() / want.norm().clamp(min=1e-12))
-                err[kernel] = max(err.get(kernel, 0.0), e)
+            for scheme in ("int8", "int8-channel"):  # per 32 where the width holds groups, and per row
+                model = quantize(copy.deepcopy(base), scheme, kernel=kernel)
+                ref = dequantized_copy(model)
+                for t in (1, 3, 8):
+                    ids = torch.randint(0, 29, (2, t))
+                    with torch.no_grad():
+                        got, want = model(ids, all_logits=True)[0], ref(ids, all_logits=True)[0]
+                    e = float((got - want).norm() / want.norm().clamp(min=1e-12))
+                    err[kernel] = max(err.get(kernel, 0.0), e)
         measured = quantize(copy.deepcopy(base), "int8")  # the probe itself times every candidate on this shape
         with torch.no_grad():
             measured(torch.randint(0, 29, (1, 5)))

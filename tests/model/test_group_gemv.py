@@ -197,7 +197,7 @@ for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2),
     errs.append(float((got - want).abs().max() / want.abs().max()))
 import pytest
 import test_native_block as nb  # the native decode block built the same way: its steps = op by op
-for shape, scheme in [("llama-hd64", "int8-g32"), ("gpt2-hd128", "int4"), ("window", "int4")]:  # attention widths 64, 128, 32; both kernels
+for shape, scheme in [("llama-hd64", "int8"), ("gpt2-hd128", "int4"), ("window", "int4")]:  # attention widths 64, 128, 32; both kernels
     for cache_dtype in (torch.float32, torch.float16):
         with pytest.MonkeyPatch.context() as mp:
             nb.test_native_step_equals_the_op_by_op_step(shape, scheme, cache_dtype, mp)
@@ -229,6 +229,6 @@ def test_the_stats_note_says_why_the_kernel_did_not_build(monkeypatch):
 
     monkeypatch.setattr(group_gemv, "_built", None)
     monkeypatch.setattr(group_gemv, "_error", "CalledProcessError: g++ not found")
-    model = quantize(random_model(), "int8-g32", kernel="dequant/model")
+    model = quantize(random_model(), "int8", kernel="dequant/model")
     assert weights_note(model).endswith("(group_gemv did not build: CalledProcessError: g++ not found)")
-    assert "did not build" not in weights_note(quantize(random_model(), "int8", kernel="dequant/model"))
+    assert "did not build" not in weights_note(quantize(random_model(), "int8-channel", kernel="dequant/model"))

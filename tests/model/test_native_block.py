@@ -54,7 +54,7 @@ def greedy(
 
 @needs_kernel
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("scheme", ["int8-g32", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
 def test_native_step_equals_the_op_by_op_step(shape: str, scheme: str, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     m = model(shape, scheme)
@@ -77,7 +77,7 @@ def test_a_block_that_does_not_fit_leaves_the_others_native(monkeypatch: pytest.
     torch.manual_seed(3)
     m = GPT(ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=97, **SHAPES["llama"])).eval()
     keep = copy.deepcopy(m.transformer.h[1].mlp)
-    quant.quantize(m, "int8-g32")
+    quant.quantize(m, "int8")
     quantized = m.transformer.h[1].mlp
     m.transformer.h[1].mlp = keep  # float linears: this block decodes op by op
     calls = {"stack": 0, "block": 0}
@@ -101,7 +101,7 @@ def test_the_head_ends_the_native_call_unless_it_soft_caps(monkeypatch: pytest.M
     for softcap in (None, 2.0):
         torch.manual_seed(4)
         cfg = ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=97, logit_softcap=softcap, **SHAPES["gpt2"])
-        m = quant.quantize(GPT(cfg).eval(), "int8-g32")
+        m = quant.quantize(GPT(cfg).eval(), "int8")
         heads = []
         real = m.head
         monkeypatch.setattr(m, "head", lambda x, heads=heads, real=real: heads.append(1) or real(x))
@@ -138,7 +138,7 @@ def test_the_unmasked_step_is_one_call_from_the_token_ids(shape: str, monkeypatc
 
 @needs_kernel
 def test_a_bad_token_or_position_is_an_error_not_a_read_out_of_bounds() -> None:
-    m = model("gpt2", "int8-g32")  # learned positions: 64 of them
+    m = model("gpt2", "int8")  # learned positions: 64 of them
     cache = m.make_cache(1, 64)
     with pytest.raises(RuntimeError, match="vocabulary"):
         m.decode(torch.tensor([97]), torch.tensor([0]), cache, masked=False)
@@ -168,7 +168,7 @@ def test_fits_only_quantized_blocks_of_causal_attention() -> None:
     float_model = GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=50)).eval()
     assert not native_block.fits(float_model.transformer.h[0])  # nn.Linear: no group_gemv layout
     infini = GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=50, attention="infini", segment_size=16)).eval()
-    assert not native_block.fits(quant.quantize(infini, "int8-g32").transformer.h[0])  # its own attention and memory
+    assert not native_block.fits(quant.quantize(infini, "int8").transformer.h[0])  # its own attention and memory
 
 
 @needs_kernel
@@ -185,7 +185,7 @@ def test_memo_follows_swapped_layers_and_casts() -> None:
 
 @needs_kernel
 def test_the_stack_memo_is_rebuilt_after_a_swap_or_a_cast_of_one_block() -> None:
-    m = model("llama", "int8-g32")
+    m = model("llama", "int8")
     blocks, norm, head = m.transformer.h, m.transformer.ln_f, m.lm_head
 
     def stack() -> native_block.Stack | None:
@@ -203,7 +203,7 @@ def test_the_stack_memo_is_rebuilt_after_a_swap_or_a_cast_of_one_block() -> None
 
 @needs_kernel
 def test_a_bad_slot_is_an_error_not_a_write_out_of_bounds() -> None:
-    m = model("llama", "int8-g32")
+    m = model("llama", "int8")
     block, cache = m.transformer.h[0], m.make_cache(1, 16)
     args = native_block.arguments(block, 1)
     x = torch.randn(1, 128)

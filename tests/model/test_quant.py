@@ -176,7 +176,7 @@ def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
     wte = model.transformer.wte.weight.detach().clone()
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert quantize(model, None) is model and plan_of(model) is None
-    quantize(model, "int8", kernel="int8pack_mm/bf16")
+    quantize(model, "int8-channel", kernel="int8pack_mm/bf16")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.transformer.wte.weight, nn.Parameter)
@@ -186,7 +186,7 @@ def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
         quantize(model, "int8")
 
 
-def exactly_representable(model, scheme="int8"):
+def exactly_representable(model, scheme="int8-channel"):
     """Every linear's weights made exactly what int8 stores: per row (a width the scheme's group
     does not divide), integers up to ±127 with a ±127 times a power of two; per group, integers
     -128…127 with both ends in each group times a power of two (the offset 0)."""
@@ -239,7 +239,7 @@ def float_reference(model, kernel, scheme):
 
 @kernels
 @pytest.mark.parametrize("variant", ["mha-learned", "rmsnorm-swiglu"])
-@pytest.mark.parametrize("scheme", ["int8", "int8-g32"])
+@pytest.mark.parametrize("scheme", ["int8-channel", "int8"])
 def test_weights_exactly_representable_in_int8_give_the_same_tokens(kernel, variant, scheme):
     """The float model's greedy tokens (with the kernel's activation rounding), past block_size,
     from the quantized model's engine."""
@@ -334,7 +334,7 @@ def test_the_real_timings_cover_every_kernel_that_runs_here():
 
 
 def test_unknown_schemes_and_kernels_are_refused():
-    with pytest.raises(QuillError, match="--quantize must be int8, int8-g32, int4, int4-g64, int4-g128 or none, got 'int5'"):
+    with pytest.raises(QuillError, match="--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none, got 'int5'"):
         quant.parse_quantize("int5")
     assert quant.parse_quantize("none") is None and quant.parse_quantize("int8") == "int8" and quant.parse_quantize("int4") == "int4"
     with pytest.raises(ValueError, match="kernel must be one of"):
@@ -382,7 +382,7 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     assert len(calls) == 9 and again.source == "cached"
     assert (again.sizes, again.kernels, again.ms) == (first.sizes, first.kernels, first.ms)
     plan_of(quantize(random_model("gqa"), "int8", cache=True))  # other shapes: measured
-    plan_of(quantize(random_model("mha-learned"), "int8-g32", cache=True))  # other scales: measured
+    plan_of(quantize(random_model("mha-learned"), "int8-channel", cache=True))  # other scales: measured
     plan_of(quantize(random_model("mha-learned"), "int8", rows=4, cache=True))  # another decode batch: measured
     assert len(calls) == 36
     plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
@@ -395,8 +395,8 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
 
 
 def test_the_stats_note_says_what_a_compiled_group_wise_step_runs():
-    grouped = quantize(random_model(), "int8-g32", kernel="dequant/model")
-    per_row = quantize(random_model(), "int8", kernel="dequant/model")
+    grouped = quantize(random_model(), "int8", kernel="dequant/model")
+    per_row = quantize(random_model(), "int8-channel", kernel="dequant/model")
     gemv = quant.group_gemv.available()
     assert ("group_gemv" if gemv else "grouped_sum") in quant.weights_note(grouped, compiled=True)
     for m in grouped.modules():

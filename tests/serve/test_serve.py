@@ -571,7 +571,7 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         (["--ckpt", tmp_path / "nothing"], "checkpoint not found"),
         (["--ckpt", tmp_path, "--max-batch", "0"], "--max-batch"),
         (["--ckpt", tmp_path, "--dtype", "int8"], "--dtype"),
-        (["--ckpt", tmp_path, "--quantize", "int5"], "--quantize must be int8, int8-g32, int4, int4-g64, int4-g128 or none"),
+        (["--ckpt", tmp_path, "--quantize", "int5"], "--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(["serve", *map(str, args)])
@@ -620,6 +620,6 @@ def test_cli_serves_until_a_signal_and_drains_a_stream(run_dir, monkeypatch, cap
     thread.join(30)
     err = capsys.readouterr().err
     assert info.value.code == 0, err
-    assert (f"int8 weights (per-channel scales), {kernel}" in err) == bool(flags)
+    assert (f"int8 weights (32 per scale), {kernel}" in err) == bool(flags)
     assert f"as model 'tiny': http://127.0.0.1:{port}/" in err and err.rstrip().endswith("stopped")
     assert seen["model"] == MODEL and [line for line in seen["rest"] if line][-1] == "data: [DONE]"

@@ -247,7 +247,7 @@ static inline void chunks_of(const uint8_t* unit4, __m512i w[4]) {
 }
 
 // v4[g][r] = the fp16 value h[r·G + g] of the 4 rows, side by side for each g (a 4x4 transpose per 4
-// groups: one scalar convert per value was ~12% of an int8-g32 batch's instructions over 384-wide
+// groups: one scalar convert per value was ~12% of an int8 (per 32) batch's instructions over 384-wide
 // rows, counted, not timed)
 static void side_by_side4(const uint16_t* h, int64_t G, float (*v4)[4]) {
   alignas(16) float f[4][MAX_BLOCKS];
