@@ -32,7 +32,7 @@ from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.model.int4 import Bf16Linear, Int4Linear  # noqa: E402
-from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, quantize, weights_note  # noqa: E402
+from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, plan_of, quantize  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
 PROMPTS = [
@@ -126,11 +126,12 @@ def main() -> None:
             fixed = kernel if kernel == "dequant/model" and scheme not in INT4_SCHEMES else None  # int4: one kernel a shape
             model = quantize(copy.deepcopy(run.model), scheme, kernel=fixed, group=group, cache=fixed is None)
             fours = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
+            plan = plan_of(model)  # int8: the decode step's kernel
+            run_as = f"as run: {', '.join(fours) if fours else plan.pick(plan.rows)}"
             model = dequantized(model) if kernel == "dequant/model" else model
             loss, top = scored(model, ids)
             kept = [shared(a, b) for a, b in zip(greedy(model, prompts, args.tokens), base)]
             name = scheme if group is None else f"int8, {group or 'per-row'} per scale"
-            run_as = f"as run: {', '.join(fours) if fours else weights_note(model, '').split(',')[-1].split(':')[0].strip()}"
             acts = {"dequant/model": "fp32", "plan": run_as}[kernel]
             print(
                 f"| {name} | {acts} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "

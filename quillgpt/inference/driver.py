@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import Finish, RowFailed, Rows, RowToken, TokenLogprob
+from quillgpt.inference.engine import Finish, Prompt, RowFailed, Rows, RowToken, TokenLogprob
 from quillgpt.sampling_params import SamplingParams
 
 
@@ -150,6 +150,16 @@ class Piece:
     logprob: TokenLogprob | None = None  # joined with logprobs=N: the token's logprob and the top N
 
 
+@dataclass(frozen=True)
+class Join:
+    """A prompt for TextBatch.join_all: its key, the engine's Prompt, and the TextStream its text
+    goes through (None: a new one with the prompt's params.stop)."""
+
+    key: Hashable
+    prompt: Prompt
+    stream: TextStream | None = None
+
+
 @dataclass
 class _Text:
     key: Hashable
@@ -184,15 +194,28 @@ class TextBatch:
     ) -> Piece:
         """Prefill a prompt into a free row of the engine as `key`; its first token's Piece. The
         text goes through `stream` (default: a new TextStream with params.stop); with `logprobs`
-        = N every Piece carries its token's logprob and the top N."""
-        if key in self._where:
-            raise ValueError(f"row {key!r} is already generating")
-        extra = () if logprobs is None else (logprobs,)
-        first = self.engine.add(prompt_ids, params, stop_ids, *extra)
-        if stream is None and self.tokenizer is not None:
-            stream = TextStream(self.tokenizer, params.stop)
-        self._rows[first.row], self._where[key] = _Text(key, stream), first.row
-        return self._piece(first)
+        = N every Piece carries its token's logprob and the top N. A row that fails at once
+        raises RowFailed."""
+        first = self.join_all([Join(key, Prompt(prompt_ids, params, stop_ids, logprobs), stream)])[0]
+        if first.error is not None:
+            raise first.error
+        return first
+
+    def join_all(self, joins: list[Join]) -> list[Piece]:
+        """join for several prompts at once (the engine prefills prompts of one length together):
+        their first Pieces in order, a row that failed at once among them with finish "error"."""
+        keys = [j.key for j in joins]
+        if dup := next((k for k in keys if k in self._where or keys.count(k) > 1), None):
+            raise ValueError(f"row {dup!r} is already generating")
+        firsts = self.engine.add_all([j.prompt for j in joins])
+        pieces = []
+        for j, first in zip(joins, firsts):
+            stream = j.stream
+            if stream is None and self.tokenizer is not None:
+                stream = TextStream(self.tokenizer, j.prompt.params.stop)
+            self._rows[first.row], self._where[j.key] = _Text(j.key, stream), first.row
+            pieces.append(self._piece(first))
+        return pieces
 
     def step(self) -> list[Piece]:
         """One new token for every row: a Piece each."""

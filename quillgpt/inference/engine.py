@@ -91,6 +91,17 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A row for add_all: its prompt ids, sampling params, stop ids, and with logprobs = N each
+    token's logprob and the top N."""
+
+    ids: list[int]
+    params: SamplingParams
+    stop_ids: Iterable[int] = ()
+    logprobs: int | None = None
+
+
 def token_logprobs(logits: Tensor, tokens: Tensor, n: int) -> list[TokenLogprob]:
     """(R, V) logits and the (R,) tokens drawn from them → each token's logprob and the top n."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -220,53 +231,88 @@ class Rows:
         """Free a row (finished, stop string found at text level, client gone); idempotent."""
         self._rows[row] = None
 
-    @torch.inference_mode()
     def add(self, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (), logprobs: int | None = None) -> RowToken:
         """Put `prompt_ids` into a free row; return its first new token. The row gets its own
         position, length, params and generator (seeded from params.seed); with `logprobs` = N each
-        of its tokens carries its logprob and the top N (TokenLogprob)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.max_new_tokens < 1:
+        of its tokens carries its logprob and the top N (TokenLogprob). A row that fails at once
+        (its prefill raised, its logits were not finite) is released and raises RowFailed."""
+        first = self.add_all([Prompt(prompt_ids, params, stop_ids, logprobs)])[0]
+        if first.error is not None:
+            raise first.error
+        return first
+
+    @torch.inference_mode()
+    def add_all(self, prompts: list[Prompt]) -> list[RowToken]:
+        """add() for several prompts at once, into the lowest free rows in order: their first tokens.
+        The static-cache engine prefills prompts of one length together in one forward; each row
+        still draws with its own params and generator. Every prompt is checked before a row is
+        claimed (a bad one raises and none is added); a row whose prefill raised or whose logits
+        were not finite comes back with finish "error", released, and the others go on."""
+        for p in prompts:
+            self._check(p)
+        if len(prompts) > self.free_rows():
+            raise ValueError(f"no free row: {len(prompts)} prompts and {self.free_rows()} of {self.max_rows} rows free; release rows first")
+        claimed = [self._claim(p) for p in prompts]
+        firsts: dict[int, RowToken] = {}
+        try:  # from here on the rows are claimed: whatever raises, every one of them is released
+            for group in self._prefill_groups([(row, ids) for _, row, ids in claimed]):
+                rs = [claimed[i][0] for i in group]
+                try:
+                    logits = self._first_logits(rs, [claimed[i][1] for i in group], [claimed[i][2] for i in group])  # (n, V)
+                except QuillError:
+                    raise
+                except Exception as e:
+                    error = RowFailed.of("the prefill", e)
+                    firsts.update((r, self._fail(r, error)) for r in rs)
+                    continue
+                firsts.update((r, self._first_token(r, logits[j])) for j, r in enumerate(rs))
+        except BaseException:
+            for r, _, _ in claimed:
+                self.release(r)
+            raise
+        return [firsts[r] for r, _, _ in claimed]
+
+    def _check(self, p: Prompt) -> None:
+        if not isinstance(p.params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(p.params).__name__}")
+        if p.params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1 to add a row")
-        check_prompt(prompt_ids, self.model.config.vocab_size)
-        check_room(self.model, len(prompt_ids), params.max_new_tokens)
-        if self.capacity < self.model.span and len(prompt_ids) + params.max_new_tokens > self.capacity:
+        check_prompt(p.ids, self.model.config.vocab_size)
+        check_room(self.model, len(p.ids), p.params.max_new_tokens)
+        if self.capacity < self.model.span and len(p.ids) + p.params.max_new_tokens > self.capacity:
             raise QuillError(
-                f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the prompt ({len(p.ids)} tokens) + max_new_tokens ({p.params.max_new_tokens}) exceeds "
                 f"the {self.capacity:,} tokens this engine's KV cache holds per row"
             )
-        if self.free_rows() == 0:
-            raise ValueError(f"no free row: all {self.max_rows} rows are generating; release one first")
+
+    def _claim(self, p: Prompt) -> tuple[int, _Row, list[int]]:
+        """The lowest free row, now p's: (row index, its state, the prompt tokens that decide its logits)."""
         r = self._rows.index(None)
-        ids = list(prompt_ids[-self.context :] if self.context else prompt_ids)  # the tokens that decide the logits
-        self._rows[r] = row = _Row(
-            params, row_generator(params, self.device), frozenset(stop_ids), deque(ids, maxlen=self._keep()), len(prompt_ids)
-        )
-        row.logprobs = logprobs
-        try:  # from here on the row is claimed: whatever fails, it is released
-            if params.repetition_penalty != 1.0:
-                seen = self._seen_rows()
-                seen[r].zero_()
-                seen[r, torch.tensor(prompt_ids, device=self.device)] = True
-            try:
-                logits = self._first_logits(r, row, ids)  # (V,)
-                _, toks, bad = self._draw(logits[None], [r], first=r)
-            except QuillError:
-                raise
-            except Exception as e:
-                raise RowFailed.of("the prefill", e) from e
-            if bad[0]:
-                raise RowFailed(NOT_FINITE)
-            tok = toks[0]
-            lp = None if logprobs is None else token_logprobs(logits[None], torch.tensor([tok], device=self.device), logprobs)[0]
-            self._started(r, row, tok)
-            rt = self._advance(r, tok)
-            rt.logprob = lp
-            return rt
-        except BaseException:
-            self.release(r)
-            raise
+        ids = list(p.ids[-self.context :] if self.context else p.ids)
+        row = _Row(p.params, row_generator(p.params, self.device), frozenset(p.stop_ids), deque(ids, maxlen=self._keep()), len(p.ids))
+        row.logprobs = p.logprobs
+        self._rows[r] = row
+        if p.params.repetition_penalty != 1.0:
+            seen = self._seen_rows()
+            seen[r].zero_()
+            seen[r, torch.tensor(p.ids, device=self.device)] = True
+        return r, row, ids
+
+    def _first_token(self, r: int, logits: Tensor) -> RowToken:
+        """Row r's first token drawn from its prefill's (V,) logits; the row starts decoding."""
+        row = self._rows[r]
+        try:
+            _, toks, bad = self._draw(logits[None], [r], first=r)
+        except Exception as e:
+            return self._fail(r, RowFailed.of("the prefill", e))
+        if bad[0]:
+            return self._fail(r, RowFailed(NOT_FINITE))
+        tok = toks[0]
+        lp = None if row.logprobs is None else token_logprobs(logits[None], torch.tensor([tok], device=self.device), row.logprobs)[0]
+        self._started(r, row, tok)
+        rt = self._advance(r, tok)
+        rt.logprob = lp
+        return rt
 
     @torch.inference_mode()
     def step(self) -> list[RowToken]:
@@ -308,7 +354,13 @@ class Rows:
         """How many of a row's latest tokens it keeps (None: all)."""
         return self.context
 
-    def _first_logits(self, r: int, row: _Row, ids: list[int]) -> Tensor:
+    def _prefill_groups(self, claimed: list[tuple[_Row, list[int]]]) -> list[list[int]]:
+        """Which of the newly claimed rows (row state, prompt tokens) prefill together: one at a time
+        unless an engine can do better."""
+        return [[i] for i in range(len(claimed))]
+
+    def _first_logits(self, rs: list[int], rows: list[_Row], ids: list[list[int]]) -> Tensor:
+        """(n, V) float next-token logits of the n rows rs (a _prefill_groups group) after their prompts."""
         raise NotImplementedError
 
     def _started(self, r: int, row: _Row, tok: int) -> None:
@@ -432,28 +484,46 @@ class Engine(Rows):
     def _keep(self) -> int | None:
         return self.context if self.crops else 1  # a refill needs the crop window; else the cache has the rest
 
-    def _first_logits(self, r: int, row: _Row, ids: list[int]) -> Tensor:
-        start = 0 if self.crops else row.length - len(ids)  # RoPE: a crop keeps absolute positions
-        return self.prefill(r, ids, start)
+    def _start(self, row: _Row, ids: list[int]) -> int:
+        return 0 if self.crops else row.length - len(ids)  # RoPE: a crop keeps absolute positions
+
+    def _prefill_groups(self, claimed: list[tuple[_Row, list[int]]]) -> list[list[int]]:
+        """The static cache: rows whose prompts have one length and start prefill as one batch."""
+        if not self.static:
+            return super()._prefill_groups(claimed)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (row, ids) in enumerate(claimed):
+            groups.setdefault((len(ids), self._start(row, ids)), []).append(i)
+        return list(groups.values())
+
+    def _first_logits(self, rs: list[int], rows: list[_Row], ids: list[list[int]]) -> Tensor:
+        return self.prefill_rows(rs, ids, self._start(rows[0], ids[0]))
 
     def _started(self, r: int, row: _Row, tok: int) -> None:
         self._set(r, live=1, pos=row.length, tok=tok)  # the new token's position (learned: refill if past)
 
     def prefill(self, r: int, ids: list[int], start: int = 0) -> Tensor:
         """Forget row r's tokens and run `ids` at positions start.. into it: (V,) float logits of
-        the last token. The model's ordinary forward, writing row r of the cache."""
-        row = self._rows[r]
-        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        the last token."""
+        return self.prefill_rows([r], [ids], start)[0]
+
+    def prefill_rows(self, rs: list[int], ids: list[list[int]], start: int = 0) -> Tensor:
+        """prefill for rows rs at once, their prompts of one length: (n, V) float logits. The
+        model's ordinary forward over an (n, T) batch, writing rows rs of the cache (a variant
+        without the static cache: one row, given its own cache)."""
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)  # (n, T)
+        pos = torch.arange(start, start + idx.shape[1], device=self.device)[None]
         if self.static:
-            self.cache.reset(r)
-            cache, rows = self.cache, torch.tensor([r], device=self.device)
+            for r in rs:
+                self.cache.reset(r)
+            cache, rows = self.cache, torch.tensor(rs, device=self.device)
         else:
+            (r,) = rs
             cache, rows = self.model.make_cache(1), None
-            row.cache = cache
-        prefix = torch.tensor([len(ids)], device=self.device) if self.variant.bidirectional_prefix else None
+            self._rows[r].cache = cache
+        prefix = torch.full((len(rs),), idx.shape[1], device=self.device) if self.variant.bidirectional_prefix else None
         logits, _ = self.model(idx, pos=pos, cache=cache, rows=rows, prefix_len=prefix)  # the prompt: the prefix
-        return logits[0, -1].float()
+        return logits[:, -1].float()
 
     def _width(self, active: list[int]) -> int:
         need = max(active) + 1  # (add takes the lowest free row: busy rows gather at the start)

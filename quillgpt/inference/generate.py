@@ -24,8 +24,8 @@ from torch import Tensor
 
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.inference.driver import Piece, TextBatch, TextStream, encode_prompt
-from quillgpt.inference.engine import MEMORY_FIX, Engine, Finish, RowFailed, Rows, check_prompt
+from quillgpt.inference.driver import Join, Piece, TextBatch, TextStream, encode_prompt
+from quillgpt.inference.engine import MEMORY_FIX, Engine, Finish, Prompt, Rows, check_prompt
 from quillgpt.inference.recompute import Recompute
 from quillgpt.model.gpt import GPT
 from quillgpt.sampling_params import SamplingParams, offset_seed
@@ -101,7 +101,10 @@ def generate_tokens(
     device = model.device
     tokens = max(map(len, prompts)) + params.max_new_tokens
     batch = TextBatch(make_engine(model, len(prompts), use_cache, dtype, compile, tokens=tokens))
-    last = [batch.join(i, p, row_params(params, i), stop_ids or ()).token for i, p in enumerate(prompts)]
+    firsts = batch.join_all([Join(i, Prompt(p, row_params(params, i), stop_ids or ())) for i, p in enumerate(prompts)])
+    if failed := next((piece.error for piece in firsts if piece.error is not None), None):
+        raise failed
+    last = [piece.token for piece in firsts]
     yield torch.tensor(last, device=device)
     while len(batch):  # a stopped row repeats its stop id
         for piece in batch.step():
@@ -203,7 +206,8 @@ class Generation:
         eot = self.tokenizer.stop_ids  # end of text (and an imported model's end of turn)
         try:
             t0 = time.perf_counter()
-            pieces = [self._join(batch, r, ids, eot) for r, ids in enumerate(self.prompt_ids)]
+            joins = [Join(r, Prompt(ids, row_params(self.params, r), eot), self.streams[r]) for r, ids in enumerate(self.prompt_ids)]
+            pieces = batch.join_all(joins)  # prompts of one length prefill together
             while True:
                 stats.total_s += time.perf_counter() - t0
                 stats.compile_s = self.engine.compile_s
@@ -218,12 +222,6 @@ class Generation:
         finally:
             for r in range(n):
                 batch.leave(r)
-
-    def _join(self, batch: TextBatch, r: int, ids: list[int], eot: list[int]) -> Piece:
-        try:
-            return batch.join(r, ids, row_params(self.params, r), eot, self.streams[r])
-        except RowFailed as e:
-            raise QuillError(f"sample {r + 1} failed: {e}") from e
 
     def _record(self, pieces: list[Piece]) -> list[str]:
         """One step's pieces → each row's new text; counts and finish reasons into stats."""

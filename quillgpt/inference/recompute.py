@@ -34,8 +34,8 @@ class Recompute(Rows):
     ) -> None:
         super().__init__(model, max_rows, dtype, unit, capacity, memory_fix)
 
-    def _first_logits(self, r: int, row: _Row, ids: list[int]) -> Tensor:
-        return self._logits([r])[0]
+    def _first_logits(self, rs: list[int], rows: list[_Row], ids: list[list[int]]) -> Tensor:
+        return self._logits(rs)
 
     def _step_logits(self, active: list[int], width: int) -> Tensor:
         logits = torch.zeros(width, self.model.config.vocab_size, device=self.device)

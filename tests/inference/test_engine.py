@@ -13,7 +13,7 @@ from support import BLOCK, PROMPTS, VARIANTS, V, random_model, rel_err
 
 from quillgpt.config import ModelConfig
 from quillgpt.errors import QuillError
-from quillgpt.inference.engine import Engine
+from quillgpt.inference.engine import Engine, Prompt, RowFailed
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.model.gpt import GPT
 from quillgpt.model.quant import Int8Linear, KernelPlan, quantize
@@ -86,6 +86,60 @@ def test_rows_joining_and_leaving_a_running_batch_give_their_tokens_alone(varian
     assert 3 in got and rows  # the late job ran in a reused slot
     for j, (p, sp, _) in enumerate(jobs):
         assert got[j] == alone(model, p, sp), j
+
+
+# prompts 0 and 1 have 10 tokens, 2 and 3 have 3: two prefills of two rows each
+ONE_LENGTH = [PROMPTS[1], [(3 * i + 1) % V for i in range(10)], PROMPTS[0], [2, 7, 1]]
+
+
+def prefix_model():
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32, attention="prefix")).eval()
+
+
+@pytest.mark.parametrize("variant", ["mha-learned", "rope-window-gqa", "rmsnorm-swiglu", "prefix"])
+def test_add_all_prefills_prompts_of_one_length_together_and_each_row_gets_its_tokens_alone(variant, monkeypatch):
+    model = prefix_model() if variant == "prefix" else random_model(variant)
+    params = [replace(SEEDED, seed=7 + i, max_new_tokens=6) for i in range(len(ONE_LENGTH))]  # a prefix-LM's room
+    engine = Engine(model, 5)
+    engine.add(PROMPTS[0], replace(GREEDY, max_new_tokens=6))  # row 0 busy: the new rows are 1-4
+    prefills, real = [], engine.prefill_rows
+    monkeypatch.setattr(engine, "prefill_rows", lambda rs, ids, start=0: prefills.append(list(rs)) or real(rs, ids, start))
+    firsts = engine.add_all([Prompt(p, sp) for p, sp in zip(ONE_LENGTH, params)])
+    assert prefills == [[1, 2], [3, 4]] and [t.row for t in firsts] == [1, 2, 3, 4]
+    got = {t.row: [t.token] for t in firsts}
+    while engine.active_rows():
+        for t in engine.step():
+            if t.row in got:
+                got[t.row].append(t.token)
+    for r, p, sp in zip(got, ONE_LENGTH, params):
+        assert got[r] == alone(model, p, sp), r
+
+
+def test_add_all_checks_every_prompt_before_claiming_a_row_and_a_failed_prefill_is_its_rows_alone(monkeypatch):
+    model = random_model()
+    engine = Engine(model, 4)
+    with pytest.raises(QuillError, match="outside"):
+        engine.add_all([Prompt(PROMPTS[0], GREEDY), Prompt([1, V], GREEDY)])
+    with pytest.raises(ValueError, match="5 prompts and 4 of 4 rows free"):
+        engine.add_all([Prompt(PROMPTS[0], GREEDY)] * 5)
+    assert engine.free_rows() == 4
+    real = engine.prefill_rows
+
+    def failing(rs, ids, start=0):  # the 3-token prompts' prefill raises
+        if len(ids[0]) == 3:
+            raise RuntimeError("injected prefill failure")
+        return real(rs, ids, start)
+
+    monkeypatch.setattr(engine, "prefill_rows", failing)
+    firsts = engine.add_all([Prompt(p, GREEDY) for p in ONE_LENGTH])
+    assert [t.finish for t in firsts[2:]] == ["error", "error"] and all(isinstance(t.error, RowFailed) for t in firsts[2:])
+    assert [t.finish for t in firsts[:2]] == [None, None] and engine.active_rows() == [0, 1]
+    got = [[t.token] for t in firsts[:2]]
+    while engine.active_rows():
+        for t in engine.step():
+            got[t.row].append(t.token)
+    assert got == [alone(model, p, GREEDY) for p in ONE_LENGTH[:2]]
 
 
 def test_stop_ids_finish_a_row_with_its_stop_token():
@@ -318,11 +372,11 @@ class Faults:
         self.prefill, self.step = None, None  # "raise", or ("nan", row) / "nan" (the prefill's row)
         first, shared = engine._first_logits, engine._step_logits
 
-        def first_logits(r, row, ids):
+        def first_logits(rs, rows, ids):
             fault, self.prefill = self.prefill, None
             if fault == "raise":
                 raise RuntimeError("injected prefill failure")
-            logits = first(r, row, ids)
+            logits = first(rs, rows, ids)
             return logits * float("nan") if fault == "nan" else logits
 
         def step_logits(active, width):
@@ -361,7 +415,6 @@ def test_a_failing_row_never_touches_the_others_or_later_rows(jobs, step_faults,
     prefills raise or give NaN, steps raise or give one row NaN/inf logits. A failed row ends
     (RowFailed, or finish "error") and is released; every other row gets its tokens alone, and
     the engine serves a new row afterwards as if nothing had happened."""
-    from quillgpt.inference.engine import RowFailed
     from quillgpt.inference.generate import make_engine
 
     model = infini_model() if variant == "infini" else random_model(variant)

@@ -266,3 +266,19 @@ def test_compile_time_is_on_the_stats_line_and_not_in_tokens_per_s():
     assert stats.tokens_per_s == 30.0 and "30.0 tokens/s" in stats.line() and "compile 3.0 s (not in tokens/s)" in stats.line()
     eager = GenerationStats(prompt_tokens=[4], new_tokens=[30], steps=30, total_s=4.0)
     assert eager.tokens_per_s == 7.5 and "compile" not in eager.line()
+
+
+def test_join_all_refuses_a_key_already_generating_before_it_claims_a_row():
+    from quillgpt.inference.driver import Join, TextBatch
+    from quillgpt.inference.engine import Engine, Prompt
+    from quillgpt.sampling_params import SamplingParams
+
+    batch = TextBatch(Engine(random_model(), 3))
+    params = SamplingParams(max_new_tokens=4)
+    batch.join("a", PROMPTS[0], params)
+    for keys in (["b", "a"], ["c", "c"]):
+        with pytest.raises(ValueError, match="already generating"):
+            batch.join_all([Join(k, Prompt(PROMPTS[1], params)) for k in keys])
+    assert batch.free() == 2 and len(batch) == 1
+    pieces = batch.join_all([Join(k, Prompt(PROMPTS[1], params)) for k in ("b", "c")])
+    assert [p.key for p in pieces] == ["b", "c"] and batch.free() == 0
