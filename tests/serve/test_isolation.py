@@ -32,16 +32,18 @@ class Poisoned:
         self.mark: dict[int, tuple[str, int]] = {}  # row → (mark, steps until it fires)
         first, shared = engine._first_logits, engine._step_logits
 
-        def first_logits(r, row, prompt):
-            mark = next((m for m, i in ids.items() if prompt[0] == i), None)
-            self.mark.pop(r, None)
-            if mark == "X":
+        def first_logits(rs, rows, prompts):  # (the server adds one row at a time)
+            marks = [next((m for m, i in ids.items() if prompt[0] == i), None) for prompt in prompts]
+            for r in rs:
+                self.mark.pop(r, None)
+            if "X" in marks:
                 raise RuntimeError("injected prefill failure")
-            logits = first(r, row, prompt)
-            if mark == "Z":
-                return logits * float("nan")
-            if mark in ("Q", "W"):
-                self.mark[r] = (mark, 3)
+            logits = first(rs, rows, prompts)
+            for j, (r, mark) in enumerate(zip(rs, marks)):
+                if mark == "Z":
+                    logits[j] = float("nan")
+                if mark in ("Q", "W"):
+                    self.mark[r] = (mark, 3)
             return logits
 
         def step_logits(active, width):
