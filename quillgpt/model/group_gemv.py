@@ -29,7 +29,9 @@ calls each as one extern kernel. They equal the dequantized fp32 matmul to the i
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,8 +94,7 @@ def available() -> bool:
         _error = "QUILL_NO_CPP_KERNELS is set"
         return False
     try:
-        from torch.utils.cpp_extension import load_inline
-
+        load_inline = _load_inline()
         # a plain library registering quill::group_gemv's CPU kernel: torch.ops calls it from C++,
         # ~7 us a call less than a Python custom op (121 calls a SmolLM2 token)
         load_inline(
@@ -108,6 +109,19 @@ def available() -> bool:
     except Exception as e:  # no compiler, no headers, a failed build: the other kernels serve
         _error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     return _built is not None
+
+
+def _load_inline() -> Callable[..., object]:
+    """torch's load_inline, imported without the warning its import logs on a machine without CUDA
+    whose torch was built with it ("No CUDA runtime is found"): quill builds a CPU library."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load_inline
+    finally:
+        log.setLevel(level)
+    return load_inline
 
 
 def built() -> bool:
