@@ -246,24 +246,29 @@ class Rows:
         """add() for several prompts at once, into the lowest free rows in order: their first tokens.
         The static-cache engine prefills prompts of one length together in one forward; each row
         still draws with its own params and generator. Every prompt is checked before a row is
-        claimed (a bad one raises and none is added); a row whose prefill raised or whose logits
-        were not finite comes back with finish "error", released, and the others go on."""
+        claimed (a bad one raises and none is added); a batched prefill that raises is run again
+        row by row, and a row whose own prefill raised or whose logits were not finite comes back
+        with finish "error", released, while the others go on."""
         for p in prompts:
-            self._check(p)
+            self.check(p)
         if len(prompts) > self.free_rows():
             raise ValueError(f"no free row: {len(prompts)} prompts and {self.free_rows()} of {self.max_rows} rows free; release rows first")
         claimed = [self._claim(p) for p in prompts]
         firsts: dict[int, RowToken] = {}
         try:  # from here on the rows are claimed: whatever raises, every one of them is released
-            for group in self._prefill_groups([(row, ids) for _, row, ids in claimed]):
+            groups = self._prefill_groups([(row, ids) for _, row, ids in claimed])
+            while groups:
+                group = groups.pop(0)
                 rs = [claimed[i][0] for i in group]
                 try:
                     logits = self._first_logits(rs, [claimed[i][1] for i in group], [claimed[i][2] for i in group])  # (n, V)
                 except QuillError:
                     raise
                 except Exception as e:
-                    error = RowFailed.of("the prefill", e)
-                    firsts.update((r, self._fail(r, error)) for r in rs)
+                    if len(group) > 1:  # which row failed? each alone, so the others go on
+                        groups[:0] = [[i] for i in group]
+                        continue
+                    firsts[rs[0]] = self._fail(rs[0], RowFailed.of("the prefill", e))
                     continue
                 firsts.update((r, self._first_token(r, logits[j])) for j, r in enumerate(rs))
         except BaseException:
@@ -272,7 +277,8 @@ class Rows:
             raise
         return [firsts[r] for r, _, _ in claimed]
 
-    def _check(self, p: Prompt) -> None:
+    def check(self, p: Prompt) -> None:
+        """Raise what add_all would raise for this prompt (QuillError, ValueError, TypeError), claiming nothing."""
         if not isinstance(p.params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(p.params).__name__}")
         if p.params.max_new_tokens < 1:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from quillgpt.errors import QuillError
-from quillgpt.inference.driver import Piece, TextBatch, TextStream
-from quillgpt.inference.engine import RowFailed
+from quillgpt.inference.driver import Join, Piece, TextBatch, TextStream
+from quillgpt.inference.engine import Prompt
 
 if TYPE_CHECKING:
     from quillgpt.inference.engine import Engine, TokenLogprob
@@ -60,6 +60,10 @@ class Job:
     pending: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # logprobs not yet emitted (text held back)
     cancelled: threading.Event = field(default_factory=threading.Event)
     admitted: bool = False  # prefilled into a row (set under the batcher's lock)
+
+    def prompt(self) -> Prompt:
+        """The job as the engine takes it."""
+        return Prompt(self.prompt_ids, self.params, self.stop_ids, self.logprobs)
 
 
 class Busy(Exception):
@@ -199,8 +203,11 @@ class Batcher:
         self._waiting = collections.deque(j for j in self._waiting if not j.cancelled.is_set())
 
     def _admit(self) -> None:
-        """Prefill waiting jobs into free rows; each prefill yields the job's first token."""
-        while self._waiting and self.engine.free_rows() > 0:
+        """Prefill waiting jobs into free rows, those whose prompts have one length together (the
+        engine's add_all: a request's n choices, a burst); each prefill yields its job's first token.
+        A job the engine refuses gets its 400 alone, before any row is claimed."""
+        jobs: list[Job] = []
+        while self._waiting and len(jobs) < self.engine.free_rows():
             job = self._waiting.popleft()
             with self._lock:
                 if job.cancelled.is_set():
@@ -208,20 +215,30 @@ class Batcher:
                 job.admitted = True
                 self._queued -= 1
             try:
-                first = self._batch.join(id(job), job.prompt_ids, job.params, job.stop_ids, job.stream, job.logprobs)
-            except (QuillError, ValueError) as e:
+                self.engine.check(job.prompt())
+            except (QuillError, ValueError, TypeError) as e:
                 job.emit(Event(job.index, str(e), "error", status=400))
                 continue
-            except RowFailed as e:  # the engine released the row: this job fails, the others go on
-                self._failure = str(e)
-                log.error("a request failed in its prefill: %s", e)
-                job.emit(Event(job.index, f"generation failed: {e}", "error"))
-                continue
-            except Exception:  # a bug: this job fails, the others go on
+            jobs.append(job)
+        if jobs:
+            self._join(jobs)
+
+    def _join(self, jobs: list[Job]) -> None:
+        """Prefill checked jobs together; where that raises, which job was it? Each alone."""
+        try:
+            firsts = self._batch.join_all([Join(id(job), job.prompt(), job.stream) for job in jobs])
+        except Exception as e:  # nothing was added: the engine released every row it had claimed
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._join([job])
+            elif isinstance(e, (QuillError, ValueError)):
+                jobs[0].emit(Event(jobs[0].index, str(e), "error", status=400))
+            else:  # a bug: this job fails, the others go on
                 log.exception("prefill failed")
-                job.emit(Event(job.index, "internal error during prefill (logged on the server)", "error"))
-                continue
-            self._failure = None
+                jobs[0].emit(Event(jobs[0].index, "internal error during prefill (logged on the server)", "error"))
+            return
+        for job, first in zip(jobs, firsts):
+            self._failure = None if first.error is None else str(first.error)  # a failed prefill: the engine released its row
             self._rows[id(job)] = job
             self._deliver(first)
 

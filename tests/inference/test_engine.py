@@ -116,7 +116,7 @@ def test_add_all_prefills_prompts_of_one_length_together_and_each_row_gets_its_t
         assert got[r] == alone(model, p, sp), r
 
 
-def test_add_all_checks_every_prompt_before_claiming_a_row_and_a_failed_prefill_is_its_rows_alone(monkeypatch):
+def test_add_all_checks_every_prompt_before_claiming_a_row_and_a_failed_prefill_is_its_row_alone(monkeypatch):
     model = random_model()
     engine = Engine(model, 4)
     with pytest.raises(QuillError, match="outside"):
@@ -124,22 +124,24 @@ def test_add_all_checks_every_prompt_before_claiming_a_row_and_a_failed_prefill_
     with pytest.raises(ValueError, match="5 prompts and 4 of 4 rows free"):
         engine.add_all([Prompt(PROMPTS[0], GREEDY)] * 5)
     assert engine.free_rows() == 4
-    real = engine.prefill_rows
+    real, prefills = engine.prefill_rows, []
 
-    def failing(rs, ids, start=0):  # the 3-token prompts' prefill raises
-        if len(ids[0]) == 3:
+    def failing(rs, ids, start=0):  # any prefill that holds the last prompt raises
+        prefills.append(list(rs))
+        if ONE_LENGTH[3] in ids:
             raise RuntimeError("injected prefill failure")
         return real(rs, ids, start)
 
     monkeypatch.setattr(engine, "prefill_rows", failing)
     firsts = engine.add_all([Prompt(p, GREEDY) for p in ONE_LENGTH])
-    assert [t.finish for t in firsts[2:]] == ["error", "error"] and all(isinstance(t.error, RowFailed) for t in firsts[2:])
-    assert [t.finish for t in firsts[:2]] == [None, None] and engine.active_rows() == [0, 1]
-    got = [[t.token] for t in firsts[:2]]
+    assert prefills == [[0, 1], [2, 3], [2], [3]]  # the failed batch again row by row
+    assert [t.finish for t in firsts] == [None, None, None, "error"] and isinstance(firsts[3].error, RowFailed)
+    assert engine.active_rows() == [0, 1, 2]
+    got = [[t.token] for t in firsts[:3]]
     while engine.active_rows():
         for t in engine.step():
             got[t.row].append(t.token)
-    assert got == [alone(model, p, GREEDY) for p in ONE_LENGTH[:2]]
+    assert got == [alone(model, p, GREEDY) for p in ONE_LENGTH[:3]]
 
 
 def test_stop_ids_finish_a_row_with_its_stop_token():

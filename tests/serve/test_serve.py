@@ -323,6 +323,43 @@ def test_engine_task_stop_ids_and_cancel(run_dir):
         batcher.stop()
 
 
+def test_waiting_jobs_of_one_prompt_length_prefill_together_and_a_bad_one_is_refused_alone(run_dir):
+    """Four jobs wait while the engine thread is busy: the three valid ones are admitted in one
+    prefill (a request's n choices), each gives its own seeded text as alone; the one whose
+    prompt is outside the vocabulary gets its 400 without touching them."""
+    run = load_run(run_dir)
+    ids = encode_prompt(run.tokenizer, "ROMEO:")
+    engine = Engine(run.model, max_rows=4)
+    prefills, real = [], engine.prefill_rows
+    engine.prefill_rows = lambda rs, prompts, start=0: prefills.append(list(rs)) or real(rs, prompts, start)
+    params = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    want = [generate_text(run.model, run.tokenizer, "ROMEO:", params=p)[0][0] for p in params]
+    events: dict[int, list[Event]] = {i: [] for i in range(4)}
+    done = threading.Semaphore(0)
+
+    def emit(i: int, e: Event) -> None:
+        events[i].append(e)
+        if e.finish:
+            done.release()
+
+    batcher = Batcher(engine)
+    gate = threading.Event()
+    batcher.call(gate.wait)  # the engine thread waits here while all four jobs are queued
+    batcher.start()
+    try:
+        jobs = [Job(i, ids, p, TextStream(run.tokenizer), lambda e, i=i: emit(i, e)) for i, p in enumerate(params)]
+        jobs.append(Job(3, [10**6], params[0], TextStream(run.tokenizer), lambda e: emit(3, e)))
+        batcher.submit(jobs)
+        gate.set()
+        for _ in range(4):
+            assert done.acquire(timeout=10)
+        assert prefills == [[0, 1, 2]]
+        assert ["".join(e.text for e in events[i]) for i in range(3)] == want
+        assert events[3][-1].finish == "error" and events[3][-1].status == 400 and "outside" in events[3][-1].text
+    finally:
+        batcher.stop()
+
+
 def test_engine_task_survives_a_failing_step(run_dir, caplog):
     """A step that raises (a bug, out of memory) fails the jobs it held; the next job runs."""
     run = load_run(run_dir)
