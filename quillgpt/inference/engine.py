@@ -4,8 +4,9 @@ and `Recompute`, the plain reference with the same interface, which reruns the m
 row's tokens at every step.
 
 Both hold up to `max_rows` rows. `add` puts a prompt into a free row and samples its first
-token; `step` advances every active row by one token, sampled with the row's own SamplingParams
-and random generator, so a row's tokens are the ones it gets alone, whoever shares the batch. A
+token (`add_all` several: the static-cache engine prefills those of one length together);
+`step` advances every active row by one token, sampled with the row's own SamplingParams and
+random generator, so a row's tokens are the ones it gets alone, whoever shares the batch. A
 row finishes ("length": max_new_tokens reached; "eot": one of its stop ids was produced, and is
 included) and is released; its slot goes to the next `add`. A failure is the failing row's
 alone: an `add` that fails (a forward that raises, logits that are not finite) releases its row
