@@ -9,7 +9,8 @@ Each scheme's weights are dequantized into float32 linears (fp32 activations: th
 error alone, at float speed); each is also run as --quantize runs it (an int8 scheme through the
 kernels its plan picks on this machine, an int4 scheme through its layers' kernels); --gguf FILE adds
 llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights, e.g.
-`quill export-gguf --type q8_0`). Prints one markdown table and the load
+`quill export-gguf --type q8_0`); --int8-activations adds each scheme with its linears' inputs
+rounded to int8 per 32, what a kernel multiplying int8 activations (`vpdpbusd`) would cost. Prints one markdown table and the load
 average before and after.
 """
 
@@ -69,6 +70,28 @@ def dequantized(model: GPT) -> GPT:
     return model
 
 
+class RoundedInputs(torch.nn.Module):
+    """A linear whose input is rounded per block of 32 to ±levels steps of max|x| / levels, as a
+    kernel with integer activations multiplies it (127: int8, llama.cpp's Q8_0 × Q8_0 dot)."""
+
+    def __init__(self, linear: torch.nn.Module, levels: int) -> None:
+        super().__init__()
+        self.linear, self.levels = linear, levels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = x.reshape(*x.shape[:-1], -1, 32)
+        step = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-30) / self.levels
+        return self.linear((torch.round(blocks / step) * step).reshape(x.shape))
+
+
+def rounded_inputs(model: GPT, levels: int) -> None:
+    """Every nn.Linear of a dequantized model (in_features a multiple of 32) → RoundedInputs."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.in_features % 32 == 0:
+                setattr(parent, name, RoundedInputs(child, levels))
+
+
 def llama_scored(path: Path, ids: torch.Tensor, prompts: list[list[int]], n: int) -> tuple[float, torch.Tensor, list[list[int]]]:
     """scored() and greedy() through llama.cpp (llama-cpp-python) on a GGUF file of the same
     model: the loss and top-1 of its logits for the same ids, teacher-forced, and each prompt's
@@ -107,6 +130,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=40, help="greedy tokens compared per prompt")
     p.add_argument("--scheme", action="append", default=[], help="a --quantize scheme (repeatable)")
     p.add_argument("--group", type=int, action="append", default=[], help="int8 with this many weights per scale (repeatable)")
+    p.add_argument("--int8-activations", action="store_true", help="also each scheme with its linears' inputs rounded to int8 per 32")
     p.add_argument("--gguf", type=Path, action="append", default=[], help="the same model as a GGUF file: llama.cpp's row (repeatable)")
     args = p.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
@@ -121,18 +145,20 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
-        for kernel in ["dequant/model", "plan"]:  # "plan": the kernels --quantize picks here
+        for kernel in ["dequant/model", "plan"] + (["int8 activations"] if args.int8_activations else []):  # "plan": --quantize's kernels
             t = time.perf_counter()
-            fixed = kernel if kernel == "dequant/model" and scheme not in INT4_SCHEMES else None  # int4: one kernel a shape
+            fixed = "dequant/model" if kernel != "plan" and scheme not in INT4_SCHEMES else None  # int4: one kernel a shape
             model = quantize(copy.deepcopy(run.model), scheme, kernel=fixed, group=group, cache=fixed is None)
             fours = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
             plan = plan_of(model)  # int8: the decode step's kernel
             run_as = f"as run: {', '.join(fours) if fours else plan.pick(plan.rows)}"
-            model = dequantized(model) if kernel == "dequant/model" else model
+            model = dequantized(model) if kernel != "plan" else model
+            if kernel == "int8 activations":
+                rounded_inputs(model, 127)
             loss, top = scored(model, ids)
             kept = [shared(a, b) for a, b in zip(greedy(model, prompts, args.tokens), base)]
             name = scheme if group is None else f"int8, {group or 'per-row'} per scale"
-            acts = {"dequant/model": "fp32", "plan": run_as}[kernel]
+            acts = {"dequant/model": "fp32", "plan": run_as, "int8 activations": "int8 per 32 (Q8_0's)"}[kernel]
             print(
                 f"| {name} | {acts} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
                 f"| {100 * float((top == base_top).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |"
