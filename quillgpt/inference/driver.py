@@ -204,9 +204,11 @@ class TextBatch:
     def join_all(self, joins: list[Join]) -> list[Piece]:
         """join for several prompts at once (the engine prefills prompts of one length together):
         their first Pieces in order, a row that failed at once among them with finish "error"."""
-        keys = [j.key for j in joins]
-        if dup := next((k for k in keys if k in self._where or keys.count(k) > 1), None):
-            raise ValueError(f"row {dup!r} is already generating")
+        keys = set(self._where)
+        for j in joins:
+            if j.key in keys:
+                raise ValueError(f"row {j.key!r} is already generating")
+            keys.add(j.key)
         firsts = self.engine.add_all([j.prompt for j in joins])
         pieces = []
         for j, first in zip(joins, firsts):
