@@ -276,7 +276,7 @@ def sample_cmd(
 
 def _stats_line(gen: Generation, device: str, dtype: str, kv_cache: bool, load_s: float) -> str:
     """The stats line `quill sample` ends with: speeds, then how the step ran and what loading took."""
-    from quillgpt.model.quant import weights_note
+    from quillgpt.quant import weights_note
 
     how = "compiled kv cache" if gen.compiled else "kv cache" if kv_cache else "no kv cache"
     note = weights_note(gen.engine.model, compiled=gen.compiled)
@@ -302,7 +302,7 @@ def _open_generation(
     from quillgpt.config import SampleConfig
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.generate import Generation
-    from quillgpt.model.quant import parse_quantize
+    from quillgpt.quant import parse_quantize
 
     if num_samples < 1:
         raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
@@ -319,7 +319,7 @@ def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quan
     settings and the stats."""
     import json
 
-    from quillgpt.model.quant import plan_of
+    from quillgpt.quant import plan_of
 
     for _ in gen:
         pass
@@ -368,7 +368,7 @@ def chat_cmd(
     """
     from quillgpt.device import parse_dtype, resolve_device
     from quillgpt.inference.chat_session import ChatSession, repl, run_kind
-    from quillgpt.model.quant import parse_quantize, weights_note
+    from quillgpt.quant import parse_quantize, weights_note
 
     torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
     n = flags["max_new_tokens"]
@@ -624,7 +624,7 @@ def attention_cmd(
     """
     from quillgpt.device import resolve_device
     from quillgpt.evaluate import attention_views as viz
-    from quillgpt.model.quant import parse_quantize
+    from quillgpt.quant import parse_quantize
 
     scheme = parse_quantize(quant)
     view, out, summary_json = _attention_outputs(ckpt, which, out, fmt, summary_json, force)

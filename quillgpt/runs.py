@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from quillgpt import quant
 from quillgpt.checkpoint import BEST, LATEST, clean_state_dict, load_checkpoint, resolve_checkpoint, save_checkpoint, weights_checksum
 from quillgpt.config import Config, LoraConfig, ModelConfig, config_from_dict, save_config
 from quillgpt.data.tokenizer import Tokenizer
@@ -26,7 +27,6 @@ from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import made_dir, output_path, shown
-from quillgpt.model import quant
 from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_shapes, merge_adapters
 
@@ -128,7 +128,7 @@ def load_run(
     """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
     run directory or checkpoint file (a LoRA run: its base with the adapters merged in);
     quantize="int8": its linears in int8 once loaded, the kernels measured at a decode batch of
-    `rows` (model/quant.py)."""
+    `rows` (quant/)."""
     state, ckpt = load_state(path, which, dtype)
     try:
         model, config = model_from_state(state, device, dtype)

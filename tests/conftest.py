@@ -42,7 +42,7 @@ def checkout_stays_clean():
 @pytest.fixture(autouse=True)
 def kernel_cache_in_tmp(monkeypatch, tmp_path_factory):
     """--quantize keeps its measured kernel plans under the user's cache directory
-    (model/kernel_cache.py): each test gets an empty one of its own, never the user's."""
+    (quant/plan_cache.py): each test gets an empty one of its own, never the user's."""
     monkeypatch.setenv("QUILL_CACHE_DIR", str(tmp_path_factory.mktemp("quill_cache")))
 
 
@@ -61,11 +61,11 @@ def one_thread():
 def fixed_int8_kernel(monkeypatch, one_thread):
     """`quantize` with dequant/model (float32, the plain computation) for every input instead of the measured choice, so a command
     test of --quantize int8 runs one known kernel on a tiny model (the measured choice is tested
-    in tests/model/test_quant.py). Yields the kernel."""
-    from quillgpt.model import quant
+    in tests/quant/test_int8.py). Yields the kernel."""
+    from quillgpt.quant import plan
 
     kernel = "dequant/model"
-    monkeypatch.setattr(quant, "measure_plan", lambda every, block, rows: quant.KernelPlan((1,), (kernel,), rows))
+    monkeypatch.setattr(plan, "measure_plan", lambda every, block, rows: plan.KernelPlan((1,), (kernel,), rows))
     yield kernel
 
 

@@ -14,6 +14,7 @@ LAYERS = [
     {"files", "device", "sampling_params"},
     {"config", "metrics_log"},
     {"data", "model", "checkpoint"},
+    {"quant"},
     {"runs"},
     {"inference"},
     {"evaluate"},
@@ -128,3 +129,46 @@ def test_lazy_imports_count(tmp_path):
     (pkg / "config.py").write_text("def f():\n    from quillgpt.model import gpt\n")
     (pkg / "model" / "gpt.py").write_text("from quillgpt.config import f\n")
     assert cycles(module_imports(pkg)) == [["quillgpt.config", "quillgpt.model.gpt"]]
+
+
+# model/ is the pure model: no files, environment, native code or state beyond its modules' own
+IMPURE_IMPORTS = {"os", "pathlib", "json", "tempfile", "shutil", "subprocess", "torch.utils.cpp_extension", "quillgpt.native"}
+IMPURE_CALLS = {"open", "getenv", "register_module_module_registration_hook", "register_module_forward_hook", "register_module_buffer_registration_hook"}
+
+
+def impurities(root: Path) -> list[str]:
+    """What a module under `root` does that model/ must not: import a file, environment or native
+    module, call open/getenv or a process-wide module hook, rebind a module global (`global`), or
+    read os.environ."""
+    found = []
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            bad = [n for n in names if any(n == m or n.startswith(m + ".") for m in IMPURE_IMPORTS)]
+            if isinstance(node, ast.Global):
+                bad.append(f"global {', '.join(node.names)}")
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in IMPURE_CALLS:
+                bad.append(f"calls {getattr(node.func, 'attr', getattr(node.func, 'id', None))}")
+            if isinstance(node, ast.Attribute) and node.attr == "environ":
+                bad.append("reads environ")
+            found += [f"{f.relative_to(root.parent)}:{node.lineno}: {b}" for b in bad]
+    return found
+
+
+def test_the_model_reads_no_files_environment_or_native_code_and_keeps_no_mutable_globals():
+    assert impurities(PACKAGE / "model") == []
+
+
+def test_the_purity_check_finds_what_it_looks_for(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "m.py").write_text(
+        "import os\nfrom quillgpt.native import kernels\nimport torch\n_n = 0\ndef f():\n    global _n\n    return open('x'), os.environ\n"
+        "torch.nn.modules.module.register_module_module_registration_hook(print)\n"
+    )
+    found = sorted(line.split(": ", 1)[1] for line in impurities(tmp_path / "model"))
+    hook = "calls register_module_module_registration_hook"
+    assert found == sorted(["os", "quillgpt.native", "quillgpt.native.kernels", "global _n", "calls open", "reads environ", hook])

@@ -16,8 +16,8 @@ from quillgpt.checkpoint import load_checkpoint, save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.inference.generate import generate_text
-from quillgpt.model import group_gemv, quant
-from quillgpt.model.quant import quantize
+from quillgpt.model import group_gemv
+from quillgpt.quant import plan, quantize
 from quillgpt.runs import load_run
 from quillgpt.train.loop import train
 
@@ -194,7 +194,7 @@ def test_int4_sample_is_the_int4_models_text(quill, decisive_ckpt):
 
 def test_int8_runs_where_no_kernel_beats_the_float_linears_and_says_so(quill, run_dir, monkeypatch):
     """A tiny model, or a busy machine while the kernels were timed: int8 was asked for, so it runs."""
-    monkeypatch.setattr(quant, "_timings", lambda pairs, kernels, m, **budget: {"float": 0.1, **dict.fromkeys(kernels, 0.5)})
+    monkeypatch.setattr(plan, "_timings", lambda pairs, kernels, m, **budget: {"float": 0.1, **dict.fromkeys(kernels, 0.5)})
     code, out, err = quill("sample", "--ckpt", run_dir, "-p", "ROMEO:", "-n", "8", "--quantize", "int8")
     assert code == 0 and out.startswith("ROMEO:") and "a step's linears 0.50 ms vs 0.10 ms float (slower here" in err
 

@@ -288,8 +288,8 @@ def evaluate_tasks(
 ) -> dict[str, Any]:
     """Load a run and score it on lm-eval `tasks` with lm-eval's evaluator: its results dict
     (results, configs, versions, n-shot; with log_samples each request's responses)."""
+    from quillgpt import quant
     from quillgpt.device import resolve_device, resolve_dtype
-    from quillgpt.model import quant
     from quillgpt.runs import load_run
 
     if not tasks:

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from quillgpt import quant
 from quillgpt.data.batches import batch_from_starts
 from quillgpt.data.chat_batches import ChatRows
 from quillgpt.data.chat_data import encode_lines
@@ -50,7 +51,6 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import resolve_device
 from quillgpt.errors import QuillError
 from quillgpt.files import read_text
-from quillgpt.model import quant
 from quillgpt.model.gpt import evaluating
 from quillgpt.model.variants.prefix import eval_prefix_len
 from quillgpt.runs import load_run
@@ -72,7 +72,7 @@ class EvalResult:
     checkpoint: str | None = None
     step: int | None = None
     data: str | None = None  # "val", "train" or the text file
-    quantize: str | None = None  # "int8": scored with int8 linears (model/quant.py)
+    quantize: str | None = None  # "int8": scored with int8 linears (quant/)
 
     @property
     def loss(self) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from quillgpt.inference.native_decoder import Decoder
 from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import KVCache
 
@@ -41,13 +42,14 @@ KEPT = {
 _steps: weakref.WeakKeyDictionary[GPT, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
 
 
-def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: KVCache, key_pos: Tensor) -> Tensor:
-    """model.decode over the slots whose positions key_pos (rows, n_keys) views: what the engine
-    compiles, n_keys then a size torch.compile can keep dynamic."""
-    return model.decode(idx, pos, cache, key_pos.shape[1])
+def decode_over(model: GPT, idx: Tensor, pos: Tensor, cache: KVCache, key_pos: Tensor, native: bool) -> Tensor:
+    """The model's decode step (native_decoder.Decoder: natively where it runs, op by op otherwise or
+    where `native` is False) over the slots whose positions key_pos (rows, n_keys) views: what the
+    engine compiles, n_keys then a size torch.compile can keep dynamic."""
+    return Decoder(model, native)(idx, pos, cache, key_pos.shape[1])
 
 
-def compiled_step(model: GPT, cuda: bool) -> Callable[..., Tensor]:
+def compiled_step(model: GPT, cuda: bool, native: bool = True) -> Callable[..., Tensor]:
     """decode_over compiled for `model` as it is now (see the module docstring). CUDA: fixed shapes
     over every slot, for CUDA graphs ("reduce-overhead"), dynamo's guards as they are."""
     # every model, structure and batch size is one more graph; past dynamo's limit (8) the step
@@ -55,7 +57,7 @@ def compiled_step(model: GPT, cuda: bool) -> Callable[..., Tensor]:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     if cuda:
         return torch.compile(decode_over, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    key = structure_key(model)
+    key = f"{structure_key(model)}:{native}"
     own = _steps.setdefault(model, {})
     if key not in own:
         code = decode_over.__code__.replace(co_name=f"decode_over_{id(model):x}_{len(own)}")

@@ -25,7 +25,10 @@ semantics, the same in both engines):
   once a row is longer than block_size each of its steps refills its row of the cache from its
   last block_size tokens (a prefill; exact crop semantics, as costly as recomputing).
 A variant without the static cache (Infini-attention) keeps a cache per row and steps rows one
-by one. `compile=True` runs the decode step through torch.compile (eager is the default: it
+by one. The decode step is the engine's `Decoder` (inference/native_decoder.py), built once with
+the engine: the model's blocks as one native call where they run it (`native=False`: op by op),
+over a KV cache of `cache_dtype` (default: float16 where the step runs natively, else the model's
+dtype). `compile=True` runs the decode step through torch.compile (eager is the default: it
 measured no slower on CPU, and stays the tested reference).
 """
 
@@ -43,9 +46,10 @@ from torch import Tensor
 
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
+from quillgpt.inference import native_decoder
 from quillgpt.inference.compiled_step import compiled_step
+from quillgpt.inference.native_decoder import Decoder
 from quillgpt.inference.sampling import row_generator, sample_rows
-from quillgpt.model import native_block
 from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import Cache
 from quillgpt.sampling_params import SamplingParams
@@ -173,7 +177,7 @@ def cache_bytes(model: GPT, rows: int, capacity: int | None = None) -> int:
     """Bytes of a static KV cache of `rows` rows of `capacity` tokens (default: the attention
     span) for this model (keys + values + positions)."""
     cfg = model.config
-    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * model.cache_dtype().itemsize + 8
+    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * native_decoder.cache_dtype(model).itemsize + 8
     return rows * (model.span if capacity is None else capacity) * per_token
 
 
@@ -394,7 +398,7 @@ class Rows:
     def _draw(self, logits: Tensor, rows: list[int | None], first: int = 0) -> tuple[Tensor, list[int], list[bool]]:
         """(n, V) logits of rows first..first+n-1 → (n,) device tokens, the same as ints, and which
         rows' logits were not finite (their token is meaningless): the step's one wait for the device."""
-        drawn = native_block.argmax_finite(logits)  # (2, n): each row's argmax, 1 where it is not finite
+        drawn = native_decoder.argmax_finite(logits)  # (2, n): each row's argmax, 1 where it is not finite
         if drawn is None:  # a non-finite logit makes its row's sum non-finite (as do logits past ~1e34, as
             # broken): one vectorized pass where isfinite().all() took ~100 us over SmolLM2's 49,152 logits
             drawn = torch.stack([logits.argmax(dim=-1), (~logits.sum(dim=-1).isfinite()).long()])
@@ -445,10 +449,14 @@ class Engine(Rows):
         unit: str = "row",
         capacity: int | None = None,
         memory_fix: str = MEMORY_FIX,
+        cache_dtype: torch.dtype | None = None,
+        native: bool = True,
     ) -> None:
         super().__init__(model, max_rows, dtype, unit, capacity, memory_fix)
         self.static = self.variant.static_cache
-        self.cache = self.model.make_cache(max_rows, self.capacity) if self.static else None
+        self.decoder = Decoder(self.model, native)  # the decode step: native where the model runs it, else op by op
+        self.cache_dtype = cache_dtype or native_decoder.cache_dtype(self.model, native)
+        self.cache = self.model.make_cache(max_rows, self.capacity, dtype=self.cache_dtype) if self.static else None
         self._tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # each row's newest token
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # ... and its position
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances
@@ -461,7 +469,7 @@ class Engine(Rows):
         self._widths: list[int] | None = None
         self._compiled_widths: set[int] = set()
         if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: dynamic in n_keys
-            self._compiled = compiled_step(self.model, cuda=self._all_slots)
+            self._compiled = compiled_step(self.model, cuda=self._all_slots, native=self.decoder.native)
             self._widths = [max_rows]
 
     @torch.inference_mode()
@@ -567,14 +575,14 @@ class Engine(Rows):
         filled slots' positions whose length is marked dynamic, so one graph serves every n_keys)."""
         tok, pos = self._tok[:width], self._pos[:width]
         if self._compiled is None:
-            return self.model.decode(tok, pos, self.cache, n_keys, masked)
+            return self.decoder(tok, pos, self.cache, n_keys, masked)
         key_pos = self.cache.pos[:width, :n_keys]
         if n_keys is not None:
             torch._dynamo.maybe_mark_dynamic(key_pos, 1)  # a view of the whole buffer stays static
         if width in self._compiled_widths:
-            return self._compiled(self.model, tok, pos, self.cache, key_pos)
+            return self._compiled(self.model, tok, pos, self.cache, key_pos, self.decoder.native)
         start = time.perf_counter()  # a width's first call compiles (or loads inductor's cache of an earlier run)
-        logits = self._compiled(self.model, tok, pos, self.cache, key_pos)
+        logits = self._compiled(self.model, tok, pos, self.cache, key_pos, self.decoder.native)
         self.compile_s += time.perf_counter() - start
         self._compiled_widths.add(width)
         return logits

@@ -27,11 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt.config import ModelConfig
-from quillgpt.model import native_block
 from quillgpt.model.attention import LayerInputs, attention_mask, mask_to_bias, rope_cos_sin, rope_inv_freq
 from quillgpt.model.fusion import stored
-from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, prefix_worth_sharing
+from quillgpt.model.kv_cache import Cache, KVCache, PrefixKV, SlotIndex, prefix_worth_sharing
 from quillgpt.model.variants import Variant, variant_of
+
+# a decode step's inputs to every block: embeddings (R, C), RoPE cos/sin or None, additive mask or None, new keys' slots
+DecodeInputs = tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None, SlotIndex]
 
 
 @contextlib.contextmanager
@@ -103,12 +105,6 @@ class Block(nn.Module):
         self.attn = variant.attention(cfg)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
-        self._native: dict = {}  # native_block.memo_arguments' memo
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Block:
-        self._native.clear()  # model.to() replaces the buffers the memo holds
-        native_block.changed()  # and the model's stack memo holds them too
-        return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor, inputs: LayerInputs, layer: int = 0) -> tuple[Tensor, Tensor | None]:
         a, weights = self.attn(self.ln_1(x), inputs, layer)
@@ -116,14 +112,8 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), weights
 
     def decode(self, x: Tensor, **attn_kwargs: Any) -> Tensor:
-        """forward for the decode step, x (R, C) in eval mode: one native call where the block
-        fits (model/native_block.py), else the same ops without nn.Module calls or the (identity)
-        dropouts, whose overhead is ~10% of a one-token step."""
-        if x.dtype == torch.float32 and x.device.type == "cpu":
-            cache = attn_kwargs["cache"]
-            args = native_block.memo_arguments(self, self._native, x.shape[0])
-            if args is not None and cache.k[attn_kwargs["layer"]].dtype in native_block.CACHE_DTYPES:
-                return native_block.decode(x, args, **attn_kwargs)
+        """forward for the decode step, x (R, C) in eval mode: the same ops without nn.Module calls
+        or the (identity) dropouts, whose overhead is ~10% of a one-token step."""
         x = x + self.attn.decode(self.ln_1.forward(x), **attn_kwargs)
         mlp = self.mlp
         return x + mlp.c_proj.forward(mlp.act(mlp.c_fc.forward(self.ln_2.forward(x))))
@@ -151,7 +141,6 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
         self._inv_freq: dict[torch.device, Tensor] = {}  # RoPE frequencies per device, fp32 whatever the weights
-        self._native: dict = {}  # native_block.stack_arguments' memo
         if cfg.pos == "rope":  # table for positions 0..block_size-1; other positions computed on the fly
             self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (block_size, hd)
             self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -165,11 +154,6 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    def _apply(self, fn: Any, recurse: bool = True) -> GPT:
-        self._native.clear()  # model.to() replaces the buffers the memo holds
-        native_block.changed()
-        return super()._apply(fn, recurse)
 
     def _rope_table(self) -> None:
         """cos/sin of positions 0..block_size-1, on the CPU (model.to moves them; explicit device: also
@@ -200,7 +184,7 @@ class GPT(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The float dtype of the activations and the KV cache: the embedding's (which int8
-        quantization never touches, model/quant.py)."""
+        quantization never touches, quant/)."""
         return self.transformer.wte.weight.dtype
 
     # --- forward ------------------------------------------------------------------------------
@@ -277,14 +261,17 @@ class GPT(nn.Module):
         caller keeps positions valid (learned: < block_size). n_keys: attend over the first n_keys
         slots only (they must hold every visible key; None = all, the compiled step's shape).
         masked=False: the caller knows every row may see all of those slots (each row holds the
-        same n_keys ≤ span latest positions), so no mask is built or applied (~10% of attention)."""
-        blocks, ln_f = self.transformer.h, self.transformer.ln_f
-        stack = self._native_stack(cache, len(pos))
-        whole = stack is not None and not masked and not torch.compiler.is_compiling()
-        embedding = self._native_embedding() if whole else None
-        if embedding is not None:  # the whole step in one native call, its embedding and slots too
-            out = native_block.decode_tokens(idx, pos, stack, *embedding, cache, n_keys)
-            return out if stack[1] else self.head(ln_f(out))  # (R, V)
+        same n_keys ≤ span latest positions), so no mask is built or applied (~10% of attention).
+        The op-by-op step: inference/native_decoder.py runs the same step natively where it can."""
+        x, rope, mask, at = self.decode_inputs(idx, pos, cache, n_keys, masked)
+        for i, block in enumerate(self.transformer.h):
+            x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
+        return self.head(self.transformer.ln_f(x))  # (R, V)
+
+    def decode_inputs(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None, masked: bool) -> DecodeInputs:
+        """What every block of a decode step takes (see decode): the embeddings (R, C), RoPE's
+        cos/sin (R, 1, 1, hd) or None, the additive mask (R, 1, 1, S) or None, and each new key's
+        (row, slot), whose positions it records in cache.pos."""
         at = cache.decode_slots(pos)  # (row, slot) of each new key
         mask = None
         if masked:
@@ -295,33 +282,7 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         rope = self._rope(pos[:, None], T=1)  # (R, 1, 1, hd): over heads
         rope = rope and (stored(rope[0]), stored(rope[1]))  # cos/sin once, not in each layer
-        if stack is not None:  # the blocks (and the head) in one native call
-            out = native_block.decode_stack(x, stack, rope, mask, cache, at, n_keys)
-            return out if stack[1] else self.head(ln_f(out))  # (R, V)
-        for i, block in enumerate(blocks):
-            x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
-        return self.head(ln_f(x))  # (R, V)
-
-    def _native_stack(self, cache: KVCache, rows: int) -> native_block.Stack | None:
-        """_native_blocks where the cache is one the native step reads, else None."""
-        return self._native_blocks(rows) if cache.k[0].dtype in native_block.CACHE_DTYPES else None
-
-    def _native_blocks(self, rows: int) -> native_block.Stack | None:
-        """native_block.stack_arguments for a float32 model on the CPU, else None."""
-        if self.transformer.wte.weight.dtype != torch.float32 or self.device.type != "cpu":
-            return None
-        head = self.lm_head if self.config.logit_softcap is None else None
-        return native_block.stack_arguments(self.transformer.h, self.transformer.ln_f, head, self._native, rows)
-
-    def _native_embedding(self) -> tuple[list[Tensor], Tensor | None] | None:
-        """decode_tokens' [wte] or [wte, wpe] and RoPE frequencies (None: learned positions); None
-        where the variant embeds other positions than the absolute ones (Infini's restart)."""
-        if type(self.variant).embed_positions is not Variant.embed_positions:
-            return None
-        t = self.transformer
-        if self.config.pos == "learned":
-            return [t.wte.weight, t.wpe.weight], None
-        return [t.wte.weight], self.inv_freq(self.device)
+        return x, rope, mask, at
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor, prefix_len: Tensor | None = None) -> list[Tensor]:
@@ -421,17 +382,9 @@ class GPT(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> Any:
         """An empty generation cache of the variant's kind for `rows` rows; a KVCache's default
-        capacity is the attention span min(window, block_size), its default dtype cache_dtype()."""
+        capacity is the attention span min(window, block_size), its default dtype the model's."""
         capacity = self.span if capacity is None else capacity
-        return self.variant.make_cache(self.config, rows, capacity, self.span, device or self.device, dtype or self.cache_dtype())
-
-    def cache_dtype(self) -> torch.dtype:
-        """The KV cache's default dtype: float16 where the whole decode step runs natively (a
-        float32 model with --quantize'd linears on the CPU), whose attention then reads half the
-        bytes (as llama.cpp's default f16 cache) and computes in float32; else the model's dtype."""
-        if self.dtype == torch.float32 and self._native_blocks(1) is not None:
-            return torch.float16
-        return self.dtype
+        return self.variant.make_cache(self.config, rows, capacity, self.span, device or self.device, dtype or self.dtype)
 
     def context(self) -> int | None:
         """How many trailing tokens decide the next logits (None: all of them); see Variant.context."""

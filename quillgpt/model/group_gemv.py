@@ -3,7 +3,7 @@ W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one grou
 `group_gemv4`: q in [0, 15], two codes a byte in pack4's layout), in C++ built on first use. Both
 take the codes in `interleave`'s layout.
 
-Why a kernel of its own: written as torch ops (quant.grouped_sum) inductor dequantizes each
+Why a kernel of its own: written as torch ops (quant/int8_kernels.py: grouped_sum) inductor dequantizes each
 weight to fp32 and multiplies it, ~7 vector instructions per 16 weights, so on SmolLM2 the
 compiled step ran compute-bound at ~14 GB/s of weights while the memory gives 35-40. Here the
 activations are rounded to int16 per block of 32 (a step of max|x|/32767: a relative error of
@@ -80,7 +80,7 @@ def _cflags() -> list[str]:
 
 def build_name() -> str:
     """Source, CPU and flags in the name: a build for AVX-512 must not be loaded on an AVX2 machine,
-    and a kernel plan measured with another build is measured again (quant.cached_plan)."""
+    and a kernel plan measured with another build is measured again (quant/plan.py: cached_plan)."""
     key = SOURCE + torch.backends.cpu.get_cpu_capability() + torch.__version__ + " ".join(_cflags())
     return f"quill_group_gemv_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 

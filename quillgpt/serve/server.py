@@ -115,8 +115,8 @@ def serve(
 ) -> None:
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
+    from quillgpt import quant
     from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.model import quant
 
     require_extra()
     from quillgpt.serve.routes import ServeOptions

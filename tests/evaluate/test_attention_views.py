@@ -17,7 +17,7 @@ from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate import attention_views as viz
 from quillgpt.model.gpt import GPT
-from quillgpt.model.quant import quantize
+from quillgpt.quant import quantize
 
 ROOT = Path(__file__).resolve().parents[2]
 ALPHABET = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind"

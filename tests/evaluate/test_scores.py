@@ -20,8 +20,8 @@ from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
 from quillgpt.metrics_log import read_metrics
 from quillgpt.model.gpt import GPT
-from quillgpt.model.quant import quantize
 from quillgpt.model.variants import VARIANTS
+from quillgpt.quant import quantize
 from quillgpt.runs import load_run
 from quillgpt.train.loop import train
 

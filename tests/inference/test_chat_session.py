@@ -19,7 +19,7 @@ from quillgpt.inference.driver import encode_prompt
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.interop.convert import import_hf
 from quillgpt.model.gpt import GPT
-from quillgpt.model.quant import quantize
+from quillgpt.quant import quantize
 from quillgpt.runs import load_run
 from quillgpt.sampling_params import SamplingParams
 

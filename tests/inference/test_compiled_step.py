@@ -15,7 +15,8 @@ from torch import nn
 from quillgpt.inference import compiled_step as cs
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.model.quant import KernelPlan, quantize
+from quillgpt.quant import quantize
+from quillgpt.quant.plan import KernelPlan
 from quillgpt.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=30)

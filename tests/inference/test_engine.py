@@ -16,7 +16,9 @@ from quillgpt.errors import QuillError
 from quillgpt.inference.engine import Engine, Prompt, RowFailed
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.model.gpt import GPT
-from quillgpt.model.quant import Int8Linear, KernelPlan, quantize
+from quillgpt.quant import quantize
+from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant.plan import KernelPlan
 from quillgpt.sampling_params import SamplingParams
 
 variants = pytest.mark.parametrize("variant", list(VARIANTS))

@@ -21,7 +21,10 @@ from quillgpt.evaluate.scores import evaluate_text  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop.convert import export_hf, import_hf  # noqa: E402
 from quillgpt.model.attention import rope_inv_freq  # noqa: E402
-from quillgpt.model.quant import KERNELS, SCHEMES, Int8Linear, KernelPlan, quantize  # noqa: E402
+from quillgpt.quant import SCHEMES, quantize  # noqa: E402
+from quillgpt.quant.int8 import Int8Linear  # noqa: E402
+from quillgpt.quant.int8_kernels import KERNELS  # noqa: E402
+from quillgpt.quant.plan import KernelPlan  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
 families = pytest.mark.parametrize("family", list(FAMILIES))
@@ -166,7 +169,7 @@ def test_int8_of_a_qwen2_with_wide_heads_and_qkv_biases_is_transformers_on_its_i
     with torch.no_grad():
         for m in hf.modules():
             if isinstance(m, torch.nn.Linear):
-                m.weight.copy_(Int8Linear.from_linear(m, KernelPlan((1,), ("dequant/model",)), SCHEMES["int8"]).dequantized())
+                m.weight.copy_(Int8Linear.from_linear(m, KernelPlan((1,), ("dequant/model",)), SCHEMES["int8"].group).dequantized())
     quantize(model, "int8", kernel="dequant/model")  # float32 activations, as transformers multiplies
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(layers) == 4 * cfg.n_layer + 1 and not any(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from support import kernel_rounded
 from torch import nn
 
-from quillgpt.model import group_gemv, quant
-from quillgpt.model.quant import Int8Linear, KernelPlan
+from quillgpt.model import group_gemv
+from quillgpt.quant import int8_kernels, plan
+from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant.plan import KernelPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
@@ -138,7 +140,7 @@ def test_int8_linear_takes_group_gemv_where_its_group_is_whole_blocks():
         assert torch.equal(q.scale_half.float().view(q.scale.shape), q.scale)  # the scales are fp16 values
         assert q.interleaved and torch.equal(q.weight, group_gemv.interleave(q.codes()))
         want = F.linear(x, q.dequantized(), lin.bias)
-        for kernel in quant.KERNELS:
+        for kernel in int8_kernels.KERNELS:
             torch.testing.assert_close(q.linear(x, kernel), want, rtol=1e-2, atol=1e-2)  # bf16 activations among them
         torch.testing.assert_close(q(x), want, rtol=1e-4, atol=1e-4)
 
@@ -164,7 +166,7 @@ def test_group_wise_scales_are_fp16_values_and_q_rounds_against_them():
 def test_group_gemv_compiled_equals_eager():
     """In a compiled step the kernel is one extern call: the same numbers as eager."""
     x, q, s, o = case(96, 128, 32, 2)
-    fn = lambda x, q, s, o: quant.gemv_linear(torch.relu(x) + 1, q, s, o).sum(-1)
+    fn = lambda x, q, s, o: int8_kernels.gemv_linear(torch.relu(x) + 1, q, s, o).sum(-1)
     want = fn(x, q, s, o)
     got = torch.compile(fn, fullgraph=True, dynamic=False)(x, q, s, o)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
@@ -178,12 +180,12 @@ def test_without_a_build_the_layers_fall_back(monkeypatch):
     assert not group_gemv.available() and "QUILL_NO_CPP_KERNELS" in group_gemv.why_not()
     q = Int8Linear.from_linear(nn.Linear(64, 48), KernelPlan((1,), ("group_gemv",)), 32)
     assert q.runs["group_gemv"] == "dequant/model"
-    assert "group_gemv" not in quant._candidates(q)
+    assert "group_gemv" not in plan._candidates(q)
 
 
 WORKER = """
 import json, sys, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + '/tests'); sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + '/tests'); sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r} + '/tests/inference')
 from quillgpt.model import group_gemv
 from test_group_gemv import case, case4, reference
 assert group_gemv.available(), group_gemv.why_not()
@@ -196,7 +198,7 @@ for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2),
     got, want = group_gemv.group_gemv4(x, group_gemv.pack4(q), s, o), reference(x, q, s, o)
     errs.append(float((got - want).abs().max() / want.abs().max()))
 import pytest
-import test_native_block as nb  # the native decode block built the same way: its steps = op by op
+import test_native_decoder as nb  # the native decoder built the same way: its steps = op by op
 for shape, scheme in [("llama-hd64", "int8"), ("gpt2-hd128", "int4"), ("window", "int4")]:  # attention widths 64, 128, 32; both kernels
     for cache_dtype in (torch.float32, torch.float16):
         with pytest.MonkeyPatch.context() as mp:
@@ -225,7 +227,7 @@ def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
 def test_the_stats_note_says_why_the_kernel_did_not_build(monkeypatch):
     from support import random_model
 
-    from quillgpt.model.quant import quantize, weights_note
+    from quillgpt.quant import quantize, weights_note
 
     monkeypatch.setattr(group_gemv, "_built", None)
     monkeypatch.setattr(group_gemv, "_error", "CalledProcessError: g++ not found")

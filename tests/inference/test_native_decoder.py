@@ -1,5 +1,5 @@
-"""The native decode block (model/native_block.py) against the op-by-op step it replaces: the
-same model, cache and tokens, with native_block.off() as the plain computation."""
+"""The native decoder (inference/native_decoder.py) against the op-by-op step it replaces: the
+same model, cache and tokens, with the model's own GPT.decode as the plain computation."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from quillgpt import quant
 from quillgpt.config import ModelConfig
+from quillgpt.inference import native_decoder
 from quillgpt.inference.engine import Engine
-from quillgpt.model import group_gemv, native_block, quant
+from quillgpt.inference.native_decoder import Decoder
+from quillgpt.model import group_gemv
 from quillgpt.model.gpt import GPT
+from quillgpt.quant import plan
 from quillgpt.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
@@ -37,15 +41,17 @@ def model(shape: str, scheme: str, seed: int = 0) -> GPT:
 
 
 def greedy(
-    m: GPT, steps: int, starts: list[int], masked: bool = True, cache_dtype: torch.dtype | None = None
+    m: GPT, steps: int, starts: list[int], masked: bool = True, cache_dtype: torch.dtype | None = None, native: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (steps, R, V) and tokens of greedy decoding, each row from its own start position."""
+    """Logits (steps, R, V) and tokens of greedy decoding, each row from its own start position,
+    through a Decoder of m (native=False: m.decode, op by op)."""
+    step = Decoder(m) if native else m.decode
     cache = m.make_cache(len(starts), 64, dtype=cache_dtype)
     idx, pos = torch.tensor([5, 17, 60][: len(starts)]), torch.tensor(starts)
     logits = []
     with torch.no_grad():
         for t in range(steps):
-            lg = m.decode(idx, pos + t, cache, masked=masked)
+            lg = step(idx, pos + t, cache, masked=masked)
             logits.append(lg)
             idx = lg.argmax(-1)
     out = torch.stack(logits)
@@ -58,40 +64,40 @@ def greedy(
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
 def test_native_step_equals_the_op_by_op_step(shape: str, scheme: str, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     m = model(shape, scheme)
-    assert all(native_block.fits(b) for b in m.transformer.h)
+    assert all(native_decoder.fits(b) for b in m.transformer.h) and Decoder(m).native
     calls = []
-    real = native_block.decode_stack
-    monkeypatch.setattr(native_block, "decode_stack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = native_decoder.decode_stack
+    monkeypatch.setattr(native_decoder, "decode_stack", lambda *a, **k: calls.append(1) or real(*a, **k))
     fast, fast_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=cache_dtype)  # rows at different positions; the window's band wraps
     assert len(calls) == 24  # every step ran its blocks in one native call
-    with native_block.off():  # the op-by-op step reads a float16 cache as float32 too
-        plain, plain_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=cache_dtype)
+    # the op-by-op step reads a float16 cache as float32 too
+    plain, plain_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=cache_dtype, native=False)
     assert len(calls) == 24
     assert torch.equal(fast_tokens, plain_tokens)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)  # group_gemv's int16 rounding of a slightly different input
 
 
 @needs_kernel
-def test_a_block_that_does_not_fit_leaves_the_others_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One block's linears left float: no stack call, the other block still runs natively alone."""
+def test_a_block_that_does_not_fit_decodes_the_model_op_by_op_until_a_new_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One block's linears left float: the decoder is not native (no stack call) and equals op by
+    op; the model fitting again, a decoder built after runs the stack."""
     torch.manual_seed(3)
     m = GPT(ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=97, **SHAPES["llama"])).eval()
     keep = copy.deepcopy(m.transformer.h[1].mlp)
     quant.quantize(m, "int8")
     quantized = m.transformer.h[1].mlp
     m.transformer.h[1].mlp = keep  # float linears: this block decodes op by op
-    calls = {"stack": 0, "block": 0}
-    for name, key in (("decode_stack", "stack"), ("decode", "block")):
-        real = getattr(native_block, name)
-        monkeypatch.setattr(native_block, name, lambda *a, real=real, key=key, **k: calls.__setitem__(key, calls[key] + 1) or real(*a, **k))
+    calls = []
+    real = native_decoder.decode_stack
+    monkeypatch.setattr(native_decoder, "decode_stack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert not Decoder(m).native and native_decoder.cache_dtype(m) == torch.float32
     fast, _ = greedy(m, 6, [0, 4])
-    assert calls == {"stack": 0, "block": 6}
-    with native_block.off():
-        plain, _ = greedy(m, 6, [0, 4])
-    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
-    m.transformer.h[1].mlp = quantized  # fits again: the model's memo follows, the stack runs
+    assert calls == []
+    plain, _ = greedy(m, 6, [0, 4], native=False)
+    torch.testing.assert_close(fast, plain, rtol=0, atol=0)
+    m.transformer.h[1].mlp = quantized  # fits again: a new decoder runs the stack
     greedy(m, 2, [0])
-    assert calls == {"stack": 2, "block": 6}
+    assert calls == [1, 1]
 
 
 @needs_kernel
@@ -107,8 +113,7 @@ def test_the_head_ends_the_native_call_unless_it_soft_caps(monkeypatch: pytest.M
         monkeypatch.setattr(m, "head", lambda x, heads=heads, real=real: heads.append(1) or real(x))
         fast, _ = greedy(m, 5, [0, 2])
         assert len(heads) == (0 if softcap is None else 5)
-        with native_block.off():
-            plain, _ = greedy(m, 5, [0, 2])
+        plain, _ = greedy(m, 5, [0, 2], native=False)
         torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
 
 
@@ -120,30 +125,29 @@ def test_the_unmasked_step_is_one_call_from_the_token_ids(shape: str, monkeypatc
     op, RoPE and learned positions, one row and two."""
     m = model(shape, "int4", seed=1)
     calls = []
-    real = native_block.decode_tokens
-    monkeypatch.setattr(native_block, "decode_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = native_decoder.decode_tokens
+    monkeypatch.setattr(native_decoder, "decode_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
     for starts in ([0], [5, 5]):
         fast, fast_tokens = greedy(m, 6, starts, masked=False)
-        with native_block.off():
-            plain, plain_tokens = greedy(m, 6, starts, masked=False)
+        plain, plain_tokens = greedy(m, 6, starts, masked=False, native=False)
         assert torch.equal(fast_tokens, plain_tokens)
         torch.testing.assert_close(fast, plain, rtol=1e-4, atol=2e-4)
     assert len(calls) == 12
-    cache = m.make_cache(1, 8)
+    cache, step = m.make_cache(1, 8), Decoder(m)
     with torch.no_grad():
         for p in range(10):  # past the capacity: slot p % 8, its position recorded there
-            m.decode(torch.tensor([3]), torch.tensor([p]), cache, n_keys=min(p + 1, 8), masked=False)
+            step(torch.tensor([3]), torch.tensor([p]), cache, n_keys=min(p + 1, 8), masked=False)
     assert cache.pos[0].tolist() == [8, 9, 2, 3, 4, 5, 6, 7]
 
 
 @needs_kernel
 def test_a_bad_token_or_position_is_an_error_not_a_read_out_of_bounds() -> None:
     m = model("gpt2", "int8")  # learned positions: 64 of them
-    cache = m.make_cache(1, 64)
+    cache, step = m.make_cache(1, 64), Decoder(m)
     with pytest.raises(RuntimeError, match="vocabulary"):
-        m.decode(torch.tensor([97]), torch.tensor([0]), cache, masked=False)
+        step(torch.tensor([97]), torch.tensor([0]), cache, masked=False)
     with pytest.raises(RuntimeError, match="pos"):
-        m.decode(torch.tensor([1]), torch.tensor([64]), cache, masked=False)
+        step(torch.tensor([1]), torch.tensor([64]), cache, masked=False)
 
 
 @needs_kernel
@@ -156,59 +160,41 @@ def test_argmax_finite_is_the_first_maximum_and_flags_rows_that_are_not_finite()
     logits[2, 999] = float("inf")
     logits[3, 0] = float("-inf")  # one logit -inf: not finite either (the step's sum says so)
     logits[4, :] = 1e36  # each finite, their sum past float's range
-    got = native_block.argmax_finite(logits)
+    got = native_decoder.argmax_finite(logits)
     assert got is not None and got.dtype == torch.long and got.shape == (2, 6)
     assert got[1].tolist() == [0, 1, 1, 1, 1, 0]
     assert got[0, 0] == 7 and got[0, 2] == 999 and torch.equal(got[0, 5], logits[5].argmax())
-    assert native_block.argmax_finite(logits.double()) is None  # not float32: the engine's torch ops
+    assert native_decoder.argmax_finite(logits.double()) is None  # not float32: the engine's torch ops
 
 
 def test_fits_only_quantized_blocks_of_causal_attention() -> None:
     torch.manual_seed(0)
     float_model = GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=50)).eval()
-    assert not native_block.fits(float_model.transformer.h[0])  # nn.Linear: no group_gemv layout
+    assert not native_decoder.fits(float_model.transformer.h[0])  # nn.Linear: no group_gemv layout
     infini = GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=50, attention="infini", segment_size=16)).eval()
-    assert not native_block.fits(quant.quantize(infini, "int8").transformer.h[0])  # its own attention and memory
+    assert not native_decoder.fits(quant.quantize(infini, "int8").transformer.h[0])  # its own attention and memory
 
 
 @needs_kernel
-def test_memo_follows_swapped_layers_and_casts() -> None:
-    torch.manual_seed(0)
-    m = GPT(ModelConfig(n_layer=1, n_embd=128, n_head=4, block_size=32, vocab_size=50, norm="rmsnorm", mlp="swiglu", pos="rope")).eval()
-    block = m.transformer.h[0]
-    assert native_block.memo_arguments(block, block._native, 1) is None  # float: decoded op by op
-    quant.quantize(m, "int4")  # swaps the linears in after the memo was made
-    assert native_block.memo_arguments(block, block._native, 1) is not None
-    m.to(torch.float64)  # replaces buffers: the memo is dropped, not read stale
-    assert block._native == {}
-
-
-@needs_kernel
-def test_the_stack_memo_is_rebuilt_after_a_swap_or_a_cast_of_one_block() -> None:
+def test_a_decoder_gathers_each_batch_sizes_arguments_once() -> None:
     m = model("llama", "int8")
-    blocks, norm, head = m.transformer.h, m.transformer.ln_f, m.lm_head
-
-    def stack() -> native_block.Stack | None:
-        return native_block.stack_arguments(blocks, norm, head, m._native, 1)
-
-    first = stack()
-    assert first is not None and stack() is first  # kept
-    blocks[1].float()  # one block's _apply (its tensors may be replaced): not read stale
-    second = stack()
-    assert second is not first and stack() is second
-    blocks[0].attn.c_proj = copy.deepcopy(blocks[0].attn.c_proj)  # a layer swapped by hand
-    third = stack()
-    assert third is not second and third[0][0][4] is blocks[0].attn.c_proj.native_weights(1)[0]
+    step = Decoder(m)
+    first = step.stack(1)
+    assert first is not None and step.stack(1) is first  # kept
+    assert first[0][0][0] is m.transformer.h[0].attn.c_attn.native_weights(1)[0]  # the layer's own tensors
+    assert step.stack(3) is not first and step.stack(3) is not None
+    float_model = GPT(ModelConfig(n_layer=1, n_embd=128, n_head=4, block_size=32, vocab_size=50)).eval()
+    assert not Decoder(float_model).native and not Decoder(m, native_step=False).native
 
 
 @needs_kernel
 def test_a_bad_slot_is_an_error_not_a_write_out_of_bounds() -> None:
     m = model("llama", "int8")
-    block, cache = m.transformer.h[0], m.make_cache(1, 16)
-    args = native_block.arguments(block, 1)
+    stack, cache = Decoder(m).stack(1), m.make_cache(1, 16)
     x = torch.randn(1, 128)
+    inputs = (x, None, None, (torch.tensor([0]), torch.tensor([16])))
     with pytest.raises(RuntimeError, match="slot"):
-        native_block.decode(x, args, None, None, cache, 0, (torch.tensor([0]), torch.tensor([16])), None)
+        native_decoder.decode_stack(x, stack, inputs, cache, None)
 
 
 @needs_kernel
@@ -235,14 +221,31 @@ def test_the_compiled_step_is_one_graph_for_every_key_count() -> None:
 
 @needs_kernel
 def test_a_natively_decoded_model_caches_in_float16_and_decodes_as_with_float32() -> None:
-    """cache_dtype: float16 where the whole step runs natively (half the bytes attention reads), the
+    """cache_dtype: float16 where the step runs natively (half the bytes attention reads), the
     model's own dtype elsewhere; decoding over it agrees with a float32 cache to float16's rounding."""
     m = model("llama", "int4")
-    assert m.cache_dtype() == torch.float16 and m.make_cache(2).k[0].dtype == torch.float16
-    assert GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=16, vocab_size=97)).cache_dtype() == torch.float32
-    with native_block.off():
-        assert m.cache_dtype() == torch.float32
-    half, half_tokens = greedy(m, 24, [0, 3, 9])
+    assert native_decoder.cache_dtype(m) == torch.float16 and Engine(m, 2).cache.k[0].dtype == torch.float16
+    assert m.make_cache(2).k[0].dtype == torch.float32  # the model itself knows nothing of the native step
+    assert native_decoder.cache_dtype(GPT(ModelConfig(n_layer=1, n_embd=64, n_head=2, block_size=16, vocab_size=97))) == torch.float32
+    assert native_decoder.cache_dtype(m, native_step=False) == torch.float32
+    assert Engine(m, 2, native=False).cache.k[0].dtype == torch.float32
+    assert Engine(m, 2, cache_dtype=torch.float32).cache.k[0].dtype == torch.float32  # a stated choice
+    half, half_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=torch.float16)
     full, full_tokens = greedy(m, 24, [0, 3, 9], cache_dtype=torch.float32)
     assert torch.equal(half_tokens, full_tokens)
     torch.testing.assert_close(half, full, rtol=0, atol=2e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ["int8", "int8-channel"])
+def test_two_loads_under_different_load_give_the_same_cache_dtype(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache's dtype follows the model's structure, never a kernel timing: a plan measured with
+    group_gemv fastest and one measured with it slowest (a busy machine) give the same cache."""
+    dtypes, cfg = [], ModelConfig(n_layer=1, n_embd=128, block_size=32, vocab_size=50, **SHAPES["llama"])
+    for gemv_ms in (0.1, 9.0):
+        ms = lambda kernels, gemv_ms=gemv_ms: {"float": 1.0, **{k: gemv_ms if k == "group_gemv" else 1.0 for k in kernels}}
+        monkeypatch.setattr(plan, "_timings", lambda pairs, kernels, m, ms=ms, **budget: ms(kernels))
+        m = quant.quantize(GPT(cfg).eval(), scheme)
+        assert (quant.plan_of(m).pick(1) == "group_gemv") == (gemv_ms < 1)
+        dtypes.append((native_decoder.cache_dtype(m), Engine(m, 1).cache.k[0].dtype))
+    assert dtypes[0] == dtypes[1] == (torch.float16, torch.float16)

@@ -3,7 +3,7 @@ and test_int4)."""
 
 import torch
 
-from quillgpt.model import group_codes
+from quillgpt.quant import group_codes
 
 
 def test_grouped_views_each_row_in_groups_with_their_range():

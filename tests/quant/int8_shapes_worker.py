@@ -1,7 +1,7 @@
 """Run every int8 kernel on tiny tied models of the given shapes (a child process of
-test_quant_shapes.py, so a kernel that crashes on a shape fails that test, not the suite).
+test_int8_shapes.py, so a kernel that crashes on a shape fails that test, not the suite).
 
-    python quant_shapes_worker.py '[[n_embd, n_head], ...]'
+    python int8_shapes_worker.py '[[n_embd, n_head], ...]'
 
 For each shape, kernel and int8 scheme (per 32 weights, per channel): the quantized model's
 logits at 1, 3 and 8 positions against the same model with its linears replaced by their
@@ -18,7 +18,9 @@ from torch import nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.gpt import GPT
-from quillgpt.model.quant import KERNELS, Int8Linear, quantize
+from quillgpt.quant import quantize
+from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant.int8_kernels import KERNELS
 
 
 def dequantized_copy(model: GPT) -> GPT:

@@ -1,6 +1,6 @@
 """int8 kernels on every width: a kernel that cannot take a layer's shape is never called on it
 (torch._weight_int8pack_mm segfaulted on widths that are not a multiple of its SIMD block).
-Each case runs in a child process (quant_shapes_worker.py), so a crash fails the test."""
+Each case runs in a child process (int8_shapes_worker.py), so a crash fails the test."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quillgpt.model.quant import KERNELS, int8pack_fits
+from quillgpt.quant.int8_kernels import KERNELS, int8pack_fits
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -32,7 +32,7 @@ def test_every_kernel_runs_every_width_and_equals_its_dequantized_model(cases):
     cases[:2] = [[40, 5], [36, 3]]  # the widths that crashed
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, str(HERE / "quant_shapes_worker.py"), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(HERE / "int8_shapes_worker.py"), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300
     )
     assert out.returncode == 0, f"the kernels crashed or failed (exit {out.returncode}) on {cases}: {out.stderr[-2000:]}"
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -45,7 +45,8 @@ def test_every_kernel_runs_every_width_and_equals_its_dequantized_model(cases):
 def test_a_layer_the_packed_kernel_cannot_take_runs_the_dequantize_kernel():
     from torch import nn
 
-    from quillgpt.model.quant import Int8Linear, KernelPlan
+    from quillgpt.quant.int8 import Int8Linear
+    from quillgpt.quant.plan import KernelPlan
 
     plan = KernelPlan((1,), ("int8pack_mm/bf16",))
     assert Int8Linear.from_linear(nn.Linear(36, 40), plan).runs["int8pack_mm/bf16"] == "dequant/bf16"

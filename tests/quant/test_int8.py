@@ -1,4 +1,4 @@
-"""Weight-only int8 (model/quant.py): each kernel equals the dequantized fp32 computation to its
+"""Weight-only int8 (quant/int8.py): each kernel equals the dequantized fp32 computation to its
 rounding; weights exactly representable in int8 give the float model's tokens; quantize swaps
 every linear (a tied head keeps its embedding); the plan takes the fastest kernel per input size
 and says so where even that is slower than the float linears."""
@@ -12,10 +12,15 @@ import torch.nn.functional as F
 from support import BLOCK, PROMPTS, V, random_model, rel_err
 from torch import nn
 
+from quillgpt import quant
 from quillgpt.errors import QuillError
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.model import quant
-from quillgpt.model.quant import KERNELS, Int8Linear, KernelPlan, plan_of, quantize
+from quillgpt.model import group_gemv
+from quillgpt.quant import int8, int8_kernels, plan_of, quantize
+from quillgpt.quant import plan as planning
+from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant.int8_kernels import FUSED_ROWS, KERNELS, grouped_sum
+from quillgpt.quant.plan import KernelPlan
 
 kernels = pytest.mark.parametrize("kernel", list(KERNELS))
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,29 +53,29 @@ def test_int8_linear_equals_its_dequantized_fp32_computation_to_rounding(kernel,
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["int8-lanes", "packed-words"])
-@pytest.mark.parametrize("rows", [1, 3, quant.FUSED_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, FUSED_ROWS])
 def test_grouped_sum_equals_the_dequantized_fp32_computation(rows, packed, monkeypatch):
     """Both forms (int8 lanes; four int8 to a word, byte order and sign extension included)."""
-    monkeypatch.setattr(quant, "PACKED_LOADS", packed)
+    monkeypatch.setattr(int8_kernels, "PACKED_LOADS", packed)
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     q = Int8Linear.from_linear(lin, fixed("dequant/model"), 16)
     assert q.weight.min() == -128 or q.weight.max() == 127  # the extreme bytes are exercised
     x = torch.randn(rows, 64)
-    got = quant.grouped_sum(x, q.weight, q.scale, q.offset)
+    got = grouped_sum(x, q.weight, q.scale, q.offset)
     torch.testing.assert_close(got, F.linear(x, q.dequantized()), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["int8-lanes", "packed-words"])
 def test_grouped_sum_compiled_equals_eager(packed, monkeypatch):
     """The form inductor fuses gives the eager sum's result (every byte value, both signs)."""
-    monkeypatch.setattr(quant, "PACKED_LOADS", packed)
+    monkeypatch.setattr(int8_kernels, "PACKED_LOADS", packed)
     torch.manual_seed(0)
     weight = torch.arange(-128, 128, dtype=torch.int8).repeat(24, 1)[:, torch.randperm(256)].contiguous()  # (24, 256)
     scale, offset = torch.rand(24, 8), torch.randn(24, 8)
     x = torch.randn(2, 256)
-    want = quant.grouped_sum(x, weight, scale, offset)
-    got = torch.compile(quant.grouped_sum, fullgraph=True, dynamic=False)(x, weight, scale, offset)
+    want = grouped_sum(x, weight, scale, offset)
+    got = torch.compile(grouped_sum, fullgraph=True, dynamic=False)(x, weight, scale, offset)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     torch._dynamo.reset()
 
@@ -88,20 +93,20 @@ def test_a_compiled_group_wise_layer_takes_its_few_rows_kernel_and_keeps_its_res
     if few == "grouped_sum":
         q.runs["group_gemv"] = "dequant/model"  # as where the C++ kernel does not build
     elif q.runs["group_gemv"] != "group_gemv":
-        pytest.skip(f"group_gemv did not build here: {quant.group_gemv.why_not()}")
+        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
     taken = []
-    real = quant.KERNELS["group_gemv"].matmul if few == "group_gemv" else quant.grouped_sum
+    real = int8_kernels.KERNELS["group_gemv"].matmul if few == "group_gemv" else grouped_sum
     spy = lambda *a: taken.append(a[0].shape[0]) or real(*a)  # noqa: E731
     if few == "group_gemv":  # reached through its KERNELS entry
-        monkeypatch.setitem(quant.KERNELS, "group_gemv", dataclasses.replace(quant.KERNELS["group_gemv"], matmul=spy))
+        monkeypatch.setitem(int8_kernels.KERNELS, "group_gemv", dataclasses.replace(int8_kernels.KERNELS["group_gemv"], matmul=spy))
     else:
-        monkeypatch.setattr(quant, "grouped_sum", spy)
+        monkeypatch.setattr(int8, "grouped_sum", spy)  # as Int8Linear.forward calls it
     compiled = torch.compile(q, fullgraph=True, dynamic=False)
-    for rows in (1, quant.FUSED_ROWS + 1):
+    for rows in (1, FUSED_ROWS + 1):
         x = torch.randn(rows, 64)
         want = F.linear(x, q.dequantized(), q.bias)
         torch.testing.assert_close(compiled(x), want, rtol=1e-4, atol=1e-4 if rows == 1 else 2**-8 * want.abs().max().item())
-    assert taken == ([1, quant.FUSED_ROWS + 1] if plans.kernels == ("group_gemv",) else [1])  # each traced once
+    assert taken == ([1, FUSED_ROWS + 1] if plans.kernels == ("group_gemv",) else [1])  # each traced once
     torch._dynamo.reset()
 
 
@@ -190,7 +195,7 @@ def exactly_representable(model, scheme="int8-channel"):
     """Every linear's weights made exactly what int8 stores: per row (a width the scheme's group
     does not divide), integers up to ±127 with a ±127 times a power of two; per group, integers
     -128…127 with both ends in each group times a power of two (the offset 0)."""
-    g, group = torch.Generator().manual_seed(1), quant.SCHEMES[scheme]
+    g, group = torch.Generator().manual_seed(1), quant.SCHEMES[scheme].group
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Linear):
@@ -226,7 +231,7 @@ class Bf16Activations(nn.Module):
 
 def float_reference(model, kernel, scheme):
     ref = copy.deepcopy(model)
-    group = quant.SCHEMES[scheme]
+    group = quant.SCHEMES[scheme].group
     if KERNELS[kernel].bf16:
         for parent in list(ref.modules()):
             for name, child in list(parent.named_children()):
@@ -268,7 +273,7 @@ def test_plan_picks_the_kernel_of_the_smallest_measured_size_at_or_above():
 
 
 def scripted(table):
-    """A stand-in for quant._timings: {m: {kernel: ms}} (kernels missing at m cannot run)."""
+    """A stand-in for planning._timings: {m: {kernel: ms}} (kernels missing at m cannot run)."""
     calls = []
 
     def timings(pairs, kernels, m, **budget):
@@ -285,7 +290,7 @@ def test_plan_takes_the_fastest_kernel_per_size_and_drops_hopeless_ones(monkeypa
         for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)
     }
     timings, calls = scripted(table)
-    monkeypatch.setattr(quant, "_timings", timings)
+    monkeypatch.setattr(planning, "_timings", timings)
     model = quantize(random_model("mha-learned"), "int8", rows=1)
     plan = plan_of(model)
     assert plan.sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -304,7 +309,7 @@ def test_a_burst_of_load_at_one_size_leaves_the_plan_a_kernel_for_every_size(mon
     table[4] = {"float": 0.01, a: 0.5, b: 0.8}
     table[64] = {"float": 1.0}  # nothing runs at 64 rows
     timings, calls = scripted(table)
-    monkeypatch.setattr(quant, "_timings", timings)
+    monkeypatch.setattr(planning, "_timings", timings)
     plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=1))
     assert None not in plan.kernels and plan.pick(4) == a and plan.pick(64) == a and plan.pick(256) == a
     assert calls[3][2] == [a]  # at 8 rows: only the fastest of 4 rows is timed again
@@ -314,7 +319,7 @@ def test_where_no_int8_kernel_beats_the_float_linears_the_fastest_runs_and_says_
     table = {2**i: {"float": 0.1, **dict.fromkeys(KERNELS, 0.3)} for i in range(9)}
     table[8]["dequant/model"] = 0.2
     timings, _ = scripted(table)
-    monkeypatch.setattr(quant, "_timings", timings)
+    monkeypatch.setattr(planning, "_timings", timings)
     plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=8))
     assert plan.pick(8) == "dequant/model"  # asked for int8: it runs, with the fastest int8 kernel
     assert plan.describe().startswith(
@@ -328,7 +333,7 @@ def test_where_no_int8_kernel_beats_the_float_linears_the_fastest_runs_and_says_
 def test_the_real_timings_cover_every_kernel_that_runs_here():
     lin = nn.Linear(64, 96)
     pair = (lin, Int8Linear.from_linear(lin, fixed("dequant/model")))
-    ms = quant._timings([pair], list(KERNELS), 4)
+    ms = planning._timings([pair], list(KERNELS), 4)
     assert set(ms) == {"float", *KERNELS}  # all four run on a CPU
     assert all(0 < v < 1e4 for v in ms.values())
 
@@ -374,7 +379,7 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     monkeypatch.setenv("QUILL_CACHE_DIR", str(tmp_path / "cache"))
     table = {2**i: {"float": 1.0, "int8pack_mm/bf16": 0.3, "dequant/bf16": 0.5} for i in range(9)}
     timings, calls = scripted(table)
-    monkeypatch.setattr(quant, "_timings", timings)
+    monkeypatch.setattr(planning, "_timings", timings)
     first = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))
     assert first.source.startswith("measured in ") and first.source.endswith(", cached for the next load") and len(calls) == 9
     assert (tmp_path / "cache" / "kernel_plans.json").is_file()
@@ -387,9 +392,9 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     assert len(calls) == 36
     plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
     assert len(calls) == 45
-    monkeypatch.setattr(quant.group_gemv, "build_name", lambda: "quill_group_gemv_another_build")
+    monkeypatch.setattr(group_gemv, "build_name", lambda: "quill_group_gemv_another_build")
     replan = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))  # the C++ kernel changed: measured
-    assert replan.source.startswith("measured in ") if quant.group_gemv.available() else replan.source == "cached"
+    assert replan.source.startswith("measured in ") if group_gemv.available() else replan.source == "cached"
     (tmp_path / "cache" / "kernel_plans.json").write_text("not json")
     assert plan_of(quantize(random_model("mha-learned"), "int8", cache=True)).source.startswith("measured in ")  # a bad file: ignored
 
@@ -397,7 +402,7 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
 def test_the_stats_note_says_what_a_compiled_group_wise_step_runs():
     grouped = quantize(random_model(), "int8", kernel="dequant/model")
     per_row = quantize(random_model(), "int8-channel", kernel="dequant/model")
-    gemv = quant.group_gemv.available()
+    gemv = group_gemv.available()
     assert ("group_gemv" if gemv else "grouped_sum") in quant.weights_note(grouped, compiled=True)
     for m in grouped.modules():
         if isinstance(m, Int8Linear):

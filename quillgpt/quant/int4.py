@@ -3,11 +3,11 @@ about a sixth of fp32's weight bytes. Three layouts, the first that fits a layer
 
 - "group_gemv4": W = q·s + o with q in [0, 15] and an fp16 scale and offset per group, each group
   over its range (llama.cpp's Q4_1) or symmetric (Q4_0), whichever rebuilds it better
-  (gemv4_codes), through quill's C++ kernel (model/group_gemv.py: x rounded
+  (gemv4_codes), through quill's C++ kernel (the C++ kernels: x rounded
   to int16 per 32, 20 bytes per 32 weights) for inputs up to GEMV_ROWS rows; beyond, the weight
   is dequantized once for the call and F.linear multiplies (a prompt's forward). It takes K a
-  multiple of 64 and G of 32 where the kernel builds. On SmolLM2 (2-core EPYC, AVX-512) its decode
-  step was ~1.5x torch's int4pack_mm's (scripts/bench_real.py).
+  multiple of 64 and G of 32 where the kernel builds. Its decode step beat torch's int4pack_mm's
+  (docs/kernels.md).
 - "int4pack_mm": W ≈ (q - 8)·s + z with one bf16 scale s and zero z per group (gpt-fast's and
   torch's "tinygemm" layout) through torch's `_weight_int4pack_mm_for_cpu` (bf16 activations,
   the weight repacked once by `_convert_weight_to_int4pack_for_cpu`); out_features a multiple
@@ -15,7 +15,8 @@ about a sixth of fp32's weight bytes. Three layouts, the first that fits a layer
 - "dequantize": the same codes two to a byte, dequantized before F.linear (slow, exact to the
   same rounding), for any other shape or device.
 
-A layer whose width no group divides is not quantized (quant.quantize keeps it float).
+A layer whose width no group divides is not quantized (`convert` keeps it float). The head stays
+at 8 bits or more (see `convert`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.model import group_codes, group_gemv
+from quillgpt.model import group_gemv
+from quillgpt.quant import group_codes
+from quillgpt.quant.int8 import INT8, Int8Linear
+from quillgpt.quant.plan import KernelPlan
+from quillgpt.quant.scheme import ConvertOptions, Packed, Scheme
 
 GROUPS = (32, 64, 128, 256)  # what the kernels take
-# group_gemv4 up to this many input rows, dequantize + F.linear beyond: on a (3072, 576) layer
-# (2-core EPYC, AVX-512) the kernel took 1.1 ms at 32 rows against 1.8, 2.2 against 2.4 at 64,
-# 4.4 against 3.7 at 128 (it multiplies in int16 pairs, ~100 GFLOP/s; the dequantization is paid
-# once a call)
+# group_gemv4 up to this many input rows, dequantize + F.linear beyond: the kernel multiplies in
+# int16 pairs, the dequantization is paid once a call, and they cross between 64 and 128 rows
+# (docs/kernels.md)
 GEMV_ROWS = 64
 
 
@@ -92,12 +96,16 @@ class Int4Linear(nn.Module):
     row, in the first of the module docstring's layouts that fits (`kernel`). The same call as
     nn.Linear: (…, in) → (…, out) in x's dtype."""
 
-    def __init__(self, linear: nn.Linear, group: int) -> None:
+    def __init__(self, linear: nn.Linear, group: int, kernel: str | None = None) -> None:
+        """`kernel`: the layout to take where it fits (None: the first that fits, in KERNELS' order)."""
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         self.group = group
         cpu = linear.weight.device.type == "cpu"
-        gemv = gemv4_codes(linear.weight, group) if cpu and gemv4_fits(self.out_features, self.in_features, group) else None
+        wanted = list(KERNELS)[list(KERNELS).index(kernel) if kernel else 0 :]
+        gemv = None
+        if "group_gemv4" in wanted and cpu and gemv4_fits(self.out_features, self.in_features, group):
+            gemv = gemv4_codes(linear.weight, group)
         scale = offset = scales_zeros = None
         if gemv is not None:
             self.kernel = "group_gemv4"
@@ -105,7 +113,7 @@ class Int4Linear(nn.Module):
             codes = group_gemv.pack4(q)
         else:
             q, scales_zeros = int4_codes(linear.weight, group)
-            if cpu and kernel_fits(self.out_features, self.in_features, group):
+            if "int4pack_mm" in wanted and cpu and kernel_fits(self.out_features, self.in_features, group):
                 self.kernel = "int4pack_mm"
                 codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)  # the kernel's own layout
             else:
@@ -135,8 +143,11 @@ class Int4Linear(nn.Module):
         q = torch.stack([low, high], dim=-1).view(self.out_features, self.in_features)
         return dequantize(q, self.scales_zeros, self.group)
 
+    def runs_native(self) -> bool:
+        return self.kernel == "group_gemv4"
+
     def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(4-bit codes, fp16 s, fp16 o) for native_block, where this layer runs group_gemv4 at `rows` rows."""
+        """(4-bit codes, fp16 s, fp16 o) for the native decoder, where this layer runs group_gemv4 at `rows` rows."""
         if self.kernel != "group_gemv4" or rows > GEMV_ROWS:
             return None
         return self.codes, self.scale, self.offset
@@ -174,5 +185,96 @@ class Bf16Linear(nn.Module):
     def dequantized(self) -> Tensor:
         return self.weight.float()
 
+    def runs_native(self) -> bool:
+        return False  # no native kernel reads bf16 weights (the native decoder leaves this head to torch)
+
+    def native_weights(self, rows: int) -> None:
+        return None
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, bf16"
+
+
+# --- the schemes: storage, conversion, the stats line ---------------------------------------------
+
+# kernel (Int4Linear's layouts, in the order tried) → its relative error against the reference:
+# int16 activations per 32, bf16 activations, float32
+KERNELS = {"group_gemv4": 1e-4, "int4pack_mm": 1e-2, "dequantize": 1e-5}
+
+# the int8 head of an int4 model: group_gemv up to GEMV_ROWS rows (a decode step), the weight
+# dequantized for more (a prompt scored at every position)
+HEAD_PLAN = KernelPlan((GEMV_ROWS,), ("group_gemv", "dequant/model"))
+
+
+def pack(w: Tensor, group: int) -> Packed:
+    """w (out, in) → {"codes": uint8 (out, in) in [0, 15], "scale", "offset": fp16 (out, in / group)}
+    in gemv4_codes' forms (Q4_1 or Q4_0 per group); the bf16 form of int4_codes where fp16 cannot
+    hold a group's range ("offset" then the zero z: w ≈ (q - 8)·s + z)."""
+    codes = gemv4_codes(w, group)
+    if codes is not None:
+        q, s, o = codes
+        return {"codes": q, "scale": s, "offset": o}
+    q, scales_zeros = int4_codes(w, group)
+    s, z = scales_zeros.float().unbind(-1)  # (in / group, out) each
+    return {"codes": q.to(torch.uint8), "scale": s.t().to(torch.bfloat16), "offset": (z - 8 * s).t().to(torch.bfloat16)}
+
+
+def unpack(packed: Packed) -> Tensor:
+    """pack's inverse to its rounding: (out, in) float32 q·s + o per group."""
+    q = packed["codes"]
+    n, k = q.shape
+    s, o = packed["scale"].float(), packed["offset"].float()
+    return (q.float().view(n, s.shape[1], -1) * s[:, :, None] + o[:, :, None]).view(n, k)
+
+
+def linear(lin: nn.Linear, group: int, kernel: str | None = None) -> Int4Linear:
+    return Int4Linear(lin, group, kernel)
+
+
+def convert(model: nn.Module, group: int, options: ConvertOptions) -> None:
+    """Every nn.Linear of the blocks whose in_features a kernel group (≤ `group`) divides → an
+    Int4Linear, in place; the others keep their float weights (the stats line counts them). The
+    head stays at 8 bits or more: in int4 it alone cost SmolLM2 most of its loss (llama.cpp's Q4
+    files keep it at 6-8 bits too). It is int8 with a scale and an offset per 32 weights through
+    group_gemv where that kernel takes it (36 bytes per 32 weights; the loss of int8 is tiny),
+    else bf16 weights (64 bytes per 32)."""
+    if options.kernel is not None:
+        raise ValueError(f"kernel names an int8 kernel; int4 takes its one kernel per shape (quant/int4.py), got {options.kernel!r}")
+    for parent in list(model.transformer.h.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and (g := group_for(child.in_features, group)):
+                setattr(parent, name, Int4Linear(child, g))
+    if isinstance(model.lm_head, nn.Linear):
+        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, INT8.group) if group_gemv.available() else None
+        model.lm_head = head if head is not None and head.runs["group_gemv"] == "group_gemv" else Bf16Linear(model.lm_head)
+
+
+def note(model: nn.Module, sep: str, compiled: bool) -> str:
+    """The stats line's words for an int4 model: its kernels, its head, the linears kept float."""
+    fours = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    kernels = sorted({m.kernel if m.kernel != "dequantize" else "dequantize (slow)" for m in fours})
+    if "group_gemv4" in kernels:
+        kernels[kernels.index("group_gemv4")] = f"group_gemv4 (up to {GEMV_ROWS} rows)"
+    floats = sum(isinstance(m, nn.Linear) for m in model.modules())
+    kept = f", {floats} linears kept float (no group divides their width)" if floats else ""
+    head = ""
+    if isinstance(model.lm_head, Bf16Linear):
+        head = ", head in bf16"
+    elif isinstance(model.lm_head, Int8Linear):
+        group = model.lm_head.group
+        head = f", head int8 ({f'{group} per scale' if group else 'per-channel scales'}, group_gemv)"
+    return f"{sep}int4 weights ({max(m.group for m in fours)} per scale), {' + '.join(kernels)}{head}{kept}"
+
+
+def _scheme(group: int) -> Scheme:
+    name = "int4" if group == 32 else f"int4-g{group}"
+    help = (
+        "4-bit weights with a scale and a zero per 32 weights through quill's C++ kernel where it builds "
+        "(else torch's int4pack), the head int8 (bf16 without the kernel)"
+        if group == 32
+        else f"int4 with a scale and a zero per {group} weights"
+    )
+    return Scheme(name, help, 4, group, Int4Linear, linear, convert, note, pack, unpack, KERNELS)
+
+
+INT4, INT4_G64, INT4_G128 = _scheme(32), _scheme(64), _scheme(128)

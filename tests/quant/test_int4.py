@@ -1,4 +1,4 @@
-"""Weight-only int4 (model/int4.py): each layout equals its dequantized computation (group_gemv4
+"""Weight-only int4 (quant/int4.py): each layout equals its dequantized computation (group_gemv4
 to the int16 rounding of x, int4pack_mm to bf16 rounding, the two-codes-a-byte path exactly);
 codes round each weight to its group's nearest level; weights exactly representable in int4 give
 the float model's tokens; quantize swaps the linears a group divides, gives the head 8 bits or
@@ -13,9 +13,10 @@ from support import PROMPTS, kernel_rounded, random_model
 from torch import nn
 
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.model import group_gemv, int4
-from quillgpt.model.int4 import Int4Linear
-from quillgpt.model.quant import Int8Linear, quantize, weights_note
+from quillgpt.model import group_gemv
+from quillgpt.quant import int4, quantize, weights_note
+from quillgpt.quant.int4 import Int4Linear
+from quillgpt.quant.int8 import Int8Linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")

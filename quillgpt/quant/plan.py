@@ -1,0 +1,151 @@
+"""Which int8 kernel multiplies an input of m rows: measured, not assumed. At conversion each
+candidate (quill's C++ group_gemv where it builds, int8 matmul `torch._weight_int8pack_mm`, or
+dequantize then F.linear; activations in bf16, int16 per 32 or the model's dtype) is timed
+against the F.linear it replaces — at the decode batch `rows` on every layer (what a decode step
+streams), and at 1, 2, 4, … 256 rows on the first block's layers. An input of m rows then runs
+the kernel that was fastest at the smallest measured size ≥ m, so a one-token decode step and a
+512-token prompt may take different kernels (their results agree to their activations'
+rounding). Where no int8 kernel beats the float linears at the decode batch (a tiny model, or a
+burst of load during the measurement) the fastest int8 kernel still runs, as asked, and the
+stats line says it measured slower. A plan may be kept across runs (quant/plan_cache.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quillgpt.errors import QuillError
+from quillgpt.model import group_gemv
+from quillgpt.quant import plan_cache
+from quillgpt.quant.int8_kernels import KERNELS
+
+Pair = tuple[nn.Linear, Any]  # a float layer and its int8 copy (an int8.Int8Linear)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernel runs an input of m rows: kernels[i] up to sizes[i] rows (the last beyond).
+    ms: what was measured at each size, {kernel or "float": ms} (at `rows`: every layer; else
+    the first block's)."""
+
+    sizes: tuple[int, ...]
+    kernels: tuple[str, ...]
+    rows: int = 1  # the decode batch the plan was checked at
+    ms: tuple[dict[str, float], ...] = ()
+    source: str = ""  # how the plan was had: "measured in 2.1 s", "cached"; "" fixed by the caller
+
+    def pick(self, m: int) -> str:
+        for size, kernel in zip(self.sizes, self.kernels):  # a loop torch.compile can trace; small m exit first
+            if m <= size:
+                return kernel
+        return self.kernels[-1]
+
+    def may_pick(self, kernel: str) -> bool:
+        """Whether `kernel` is among those this plan chooses from: a measured plan's candidates (at
+        any size: which one wins is the timing's), a fixed plan's own kernels."""
+        return kernel in self.kernels or any(kernel in ms for ms in self.ms)
+
+    def describe(self, scales: str = "") -> str:
+        """A few words for the stats line: the decode step's kernel and what it was measured against
+        (`scales`: a note on the weights' scales, after "int8 weights")."""
+        kernel = self.pick(self.rows)
+        if not self.ms:
+            return f"int8 weights{scales}, {kernel}"
+        ms = self.ms[self.sizes.index(self.rows)]
+        slower = " (slower here: a model this small, or a busy machine while it was measured)" if ms[kernel] >= ms["float"] else ""
+        how = f"; {self.source}" if self.source else ""
+        return f"int8 weights{scales}, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}{how}"
+
+
+def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:
+    """measure_plan's plan, or (cache) the one stored for this machine and these layers' shapes."""
+    w, candidates = every[0][0].weight, _candidates(every[0][1])
+    shape = {
+        "dtype": str(w.dtype),
+        "rows": rows,
+        "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
+        "block": [(q.out_features, q.in_features, q.group) for _, q in block],
+        "candidates": candidates,  # a kernel added (or one that now builds) measures again
+        "group_gemv": group_gemv.build_name() if "group_gemv" in candidates else None,  # a changed build too
+    }
+    k = plan_cache.key(w.device, shape) if cache else ""
+    if cache and (hit := plan_cache.lookup(k)) is not None:
+        try:
+            return KernelPlan(tuple(hit["sizes"]), tuple(hit["kernels"]), hit["rows"], tuple(hit["ms"]), source="cached")
+        except (KeyError, TypeError):
+            pass  # an entry of another layout: measure again
+    start = time.perf_counter()
+    plan = measure_plan(every, block, rows)
+    plan = dataclasses.replace(plan, source=f"measured in {time.perf_counter() - start:.1f} s")
+    if cache and plan_cache.store(k, {"sizes": plan.sizes, "kernels": plan.kernels, "rows": plan.rows, "ms": plan.ms}):
+        plan = dataclasses.replace(plan, source=plan.source + ", cached for the next load")
+    return plan
+
+
+def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int = 256) -> KernelPlan:
+    """Time the kernels against F.linear: at `rows` on every layer (what a decode step streams:
+    in a real model more than the last-level cache holds), at 1, 2, 4, … up to `largest` rows
+    on one block's layers (compute decides there). A kernel 20× slower than F.linear is not timed at
+    larger sizes, but the fastest always is (a burst of load may slow them all), and a size
+    where none runs takes the kernel chosen at `rows`."""
+    sizes = sorted({2**i for i in range(largest.bit_length())} | {rows})
+    kernels, chosen, table = _candidates(every[0][1]), [], []
+    for m in sizes:
+        ms = _timings(every, kernels, m, budget_s=0.3) if m == rows else _timings(block, kernels, m)
+        best = min((k for k in ms if k != "float"), key=ms.get, default=None)
+        if m == rows and best is None:
+            raise QuillError(f"--quantize int8: no int8 kernel runs on {every[0][0].weight.device.type} here; run without --quantize")
+        kernels = [k for k in kernels if k in ms and ms[k] < 20 * ms["float"]] or ([best] if best else kernels)
+        chosen.append(best)
+        table.append(ms)
+    at_rows = chosen[sizes.index(rows)]
+    return KernelPlan(tuple(sizes), tuple(k or at_rows for k in chosen), rows, tuple(table))
+
+
+def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.05) -> dict[str, float]:
+    """{"float" or kernel: ms} of the layers on one random (m, in) input each: the fastest of at
+    least 3 calls taken in turns, more within budget_s (other work on the machine only ever adds
+    time, and a burst of it slows every candidate alike); kernels that cannot run here are left out."""
+    w = pairs[0][0].weight
+    xs = [torch.randn(m, lin.in_features, device=w.device, dtype=w.dtype) for lin, _ in pairs]
+    fns = {"float": lambda: [F.linear(x, lin.weight, lin.bias) for x, (lin, _) in zip(xs, pairs)]}
+    for k in kernels:
+        fns[k] = lambda k=k: [q.linear(x, k) for x, (_, q) in zip(xs, pairs)]
+        try:
+            fns[k]()  # warm-up: one-time set-up of the kernel
+        except (RuntimeError, NotImplementedError):
+            del fns[k]
+    fns["float"]()
+    best = dict.fromkeys(fns, float("inf"))
+    start, calls = time.perf_counter(), 0
+    while calls < 3 or (time.perf_counter() - start < budget_s and calls < 50):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            _sync(w.device)
+            best[k] = min(best[k], 1e3 * (time.perf_counter() - t))
+        calls += 1
+    return best
+
+
+def _candidates(q: Any) -> list[str]:
+    """The kernels worth timing: the "/bf16" ones only on a per-channel float32 model (else they are
+    the "/model" ones; group-wise scales are asked for their quality, and a bf16 prefill parted
+    SmolLM2's greedy answer from fp32's where group_gemv's decode alone kept it); group_gemv only
+    where it runs (else it is dequant/model again)."""
+    bf16 = q.scale_low.dtype != q.scale.dtype and not q.group
+    return [k for k, kern in KERNELS.items() if (bf16 or not kern.bf16) and (k != "group_gemv" or q.runs[k] == k)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
