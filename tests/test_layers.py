@@ -133,7 +133,13 @@ def test_lazy_imports_count(tmp_path):
 
 # model/ is the pure model: no files, environment, native code or state beyond its modules' own
 IMPURE_IMPORTS = {"os", "pathlib", "json", "tempfile", "shutil", "subprocess", "torch.utils.cpp_extension", "quillgpt.native"}
-IMPURE_CALLS = {"open", "getenv", "register_module_module_registration_hook", "register_module_forward_hook", "register_module_buffer_registration_hook"}
+IMPURE_CALLS = {
+    "open",
+    "getenv",
+    "register_module_module_registration_hook",
+    "register_module_forward_hook",
+    "register_module_buffer_registration_hook",
+}
 
 
 def impurities(root: Path) -> list[str]:

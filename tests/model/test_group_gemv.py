@@ -185,7 +185,8 @@ def test_without_a_build_the_layers_fall_back(monkeypatch):
 
 WORKER = """
 import json, sys, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + '/tests'); sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r} + '/tests/inference')
+for path in ({root!r}, {root!r} + '/tests', {tests!r}, {root!r} + '/tests/inference'):
+    sys.path.insert(0, path)
 from quillgpt.model import group_gemv
 from test_group_gemv import case, case4, reference
 assert group_gemv.available(), group_gemv.why_not()
