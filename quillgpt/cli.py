@@ -79,16 +79,11 @@ COMPILE_OPT = typer.Option(
 )
 # --quantize: the schemes, described once; each command's option says first what it does with them.
 QUANT_HELP = "int8: weight-only int8 linears with a scale and an offset per 32 weights (each group symmetric or over its range, whichever is closer), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-channel: one scale per output channel (fewer bytes, a faster long prompt, less exact); int4 (int4-g64, int4-g128): 4-bit weights with a scale and a zero per 32 (64, 128) weights through quill's C++ kernel where it builds (else torch's int4pack), the head int8 (bf16 without the kernel); none: the float weights."
-QUANT_OPT = typer.Option("none", "--quantize", help=QUANT_HELP)
-SERVE_QUANT_OPT = typer.Option("none", "--quantize", help=f"The weights served (int8's kernel measured at --max-batch rows). {QUANT_HELP}")
-EVAL_QUANT_OPT = typer.Option(
-    "none",
-    "--quantize",
-    help=f"Score the model with these weights, as quill sample --quantize runs it, to see what they cost in loss. {QUANT_HELP}",
-)
-ATTENTION_QUANT_OPT = typer.Option(
-    "none", "--quantize", help=f"The attention of the model with these weights (as quill sample --quantize runs it). {QUANT_HELP}"
-)
+
+
+def quant_option(purpose: str = "") -> Any:
+    """--quantize: what the command does with the weights, then the schemes (QUANT_HELP)."""
+    return typer.Option("none", "--quantize", help=f"{purpose} {QUANT_HELP}".lstrip())
 
 
 def with_sampling_flags(command: Callable[..., None]) -> Callable[..., None]:
@@ -222,7 +217,7 @@ def sample_cmd(
     compile: bool = COMPILE_OPT,
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    quant: str = QUANT_OPT,
+    quant: str = quant_option(),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
     echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),
@@ -240,7 +235,10 @@ def sample_cmd(
     options = LoadOptions.parse(device=device, dtype=dtype, quantize=quant, which=which, compile=compile)
     sample = open_sample(ckpt, text, options, samples=num_samples, flags=flags, stop=stops, use_cache=not no_kv_cache)
     try:
-        sys.stdout.write(sample.to_json()) if as_json else sample.write(sys.stdout, echo, stream)
+        if as_json:
+            sys.stdout.write(sample.to_json())
+        else:
+            sample.write(sys.stdout, echo, stream)
         sys.stdout.flush()
     except BrokenPipeError:  # `quill sample ... | head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -258,7 +256,7 @@ def chat_cmd(
     flags: dict[str, Any] = {},  # noqa: B006 (with_sampling_flags puts the shared flags here)
     device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    quant: str = QUANT_OPT,
+    quant: str = quant_option(),
     compile: bool = COMPILE_OPT,
 ) -> None:
     """Talk to a model in the terminal: each line is a message, the reply streams as it comes.
@@ -297,7 +295,7 @@ def serve_cmd(
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = DEVICE_OPT,
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
-    quant: str = SERVE_QUANT_OPT,
+    quant: str = quant_option("The weights served (int8's kernel measured at --max-batch rows)."),
     cors: str | None = typer.Option(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."
     ),
@@ -342,7 +340,7 @@ def eval_cmd(
     ),
     batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
     device: str = DEVICE_OPT,
-    quant: str = EVAL_QUANT_OPT,
+    quant: str = quant_option("Score the model with these weights, as quill sample --quantize runs it, to see what they cost in loss."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
     tasks: str | None = typer.Option(
@@ -408,7 +406,7 @@ def attention_cmd(
         None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."
     ),
     device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    quant: str = ATTENTION_QUANT_OPT,
+    quant: str = quant_option("The attention of the model with these weights (as quill sample --quantize runs it)."),
     force: bool = typer.Option(
         False,
         "--force",
