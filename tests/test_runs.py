@@ -28,6 +28,7 @@ def test_load_options_parse_checks_dtype_then_quantize_then_device():
 
 def test_load_run_takes_options_or_the_same_keywords(tmp_path):
     model = random_model()
+    (tmp_path / "run").mkdir()
     write_run(tmp_path / "run", Config(model=model.config), CharTokenizer(CHARS), model.state_dict(), step=5)
     by_record = load_run(tmp_path / "run", LoadOptions(which="latest", dtype=torch.bfloat16))
     by_keywords = load_run(tmp_path / "run", which="latest", dtype=torch.bfloat16)

@@ -297,6 +297,7 @@ SAMPLE_SETTINGS = ["max_new_tokens", "temperature", "top_k", "top_p", "min_p", "
 def sample_run(tmp_path_factory):
     """A run directory holding random_model with the CHARS vocabulary, step 3."""
     model, run = random_model(), tmp_path_factory.mktemp("sample") / "run"
+    run.mkdir()
     write_run(run, Config(model=model.config), CharTokenizer(CHARS), model.state_dict(), step=3)
     return run, model
 
