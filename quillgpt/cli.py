@@ -368,8 +368,10 @@ def eval_cmd(
         from quillgpt.evaluate.harness import evaluate_runs  # QuillError without lm-eval
 
         names = [t.strip() for t in tasks.split(",") if t.strip()]
-        lm_eval = dict(num_fewshot=num_fewshot, limit=limit, include_path=include_path, apply_chat_template=chat_template, dtype=dtype)
-        done = evaluate_runs(ckpt, names, output_path=output_path, announce=None if as_json else print, **lm_eval, **load)
+        task_settings = dict(
+            num_fewshot=num_fewshot, limit=limit, include_path=include_path, apply_chat_template=chat_template, dtype=dtype
+        )
+        done = evaluate_runs(ckpt, names, output_path=output_path, announce=None if as_json else print, **task_settings, **load)
         if as_json:
             print(done.to_json())
         return
