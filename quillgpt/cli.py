@@ -13,23 +13,19 @@ import inspect
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from quillgpt.checkpoint import resolve_checkpoint
 from quillgpt.errors import QuillError
 from quillgpt.files import check_input, check_output_file
-from quillgpt.runs import load_run, merge_run
+from quillgpt.quant import help_text
+from quillgpt.runs import LoadOptions, merge_run
 
 if TYPE_CHECKING:
-    from quillgpt.evaluate.attention_views import Attention
-    from quillgpt.inference.generate import Generation
     from quillgpt.interop.convert import Converted
-    from quillgpt.runs import LoadedRun
 
 # The errors typer raises for bad flags: click's ClickException in older typer, the same class
 # from typer's own copy of click (typer._click, no click dependency) in newer typer.
@@ -75,17 +71,20 @@ SAMPLING_FLAGS: dict[str, tuple[Any, Any]] = {
 DTYPE_OPT = typer.Option(
     "float32", "--dtype", help="float32, bfloat16 or float16: the weights and the KV cache; bfloat16 reads half the bytes per token."
 )
+DEVICE_OPT = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps.")
 WHICH_OPT = typer.Option("best", "--which", help="Which checkpoint of a run directory: best or latest.")
 COMPILE_OPT = typer.Option(
     False,
     "--compile/--no-compile",
     help="torch.compile the decode step (quill serve: before it listens): about twice the tokens/s with --quantize int8, int8-channel or int4 on a CPU; compiling takes 30-60 s the first time on a machine, seconds from inductor's cache after that.",
 )
-QUANT_OPT = typer.Option(
-    "none",
-    "--quantize",
-    help="int8: weight-only int8 linears with a scale and an offset per 32 weights (each group symmetric or over its range, whichever is closer), quantized at load from the run's weights, through the kernel measured fastest here (measured once per machine and model shape); int8-channel: one scale per output channel (fewer bytes, a faster long prompt, less exact); int4 (int4-g64, int4-g128): 4-bit weights with a scale and a zero per 32 (64, 128) weights through quill's C++ kernel where it builds (else torch's int4pack), the head int8 (bf16 without the kernel); none: the float weights.",
-)
+# --quantize: the schemes, described once; each command's option says first what it does with them.
+QUANT_HELP = help_text()  # each scheme of the registry (quillgpt.quant.SCHEMES) in a phrase, then none
+
+
+def quant_option(purpose: str = "") -> Any:
+    """--quantize: what the command does with the weights, then the schemes (QUANT_HELP)."""
+    return typer.Option("none", "--quantize", help=f"{purpose} {QUANT_HELP}".lstrip())
 
 
 def with_sampling_flags(command: Callable[..., None]) -> Callable[..., None]:
@@ -133,28 +132,7 @@ def prepare_cmd(
     from quillgpt.data.prepare import prepare
 
     cfg = load_config(config, overrides)
-    result = prepare(cfg.data, force=force, chat_tokens=cfg.model.block_size + 1)
-    meta = result.meta
-    if not result.rebuilt:
-        print(f"up to date: {result.out_dir} ({meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens; --force rebuilds)")
-        return
-    mb = meta["source_bytes"] / 1e6
-    shards = sum(len(v) for v in meta["shards"].values())
-    chat = meta.get("chat")
-    made_from = (
-        f"{chat['train']['conversations']:,} + {chat['val']['conversations']:,} conversation(s)"
-        if chat
-        else f"{meta['documents']:,} document(s)"
-    )
-    print(
-        f"prepared {result.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in {shards} "
-        f"shard(s) from {made_from}, {meta['tokenizer_name']} vocab {meta['vocab_size']:,} "
-        f"({meta['dtype']}), {mb:.2f} MB in {result.seconds:.2f}s ({mb / max(result.seconds, 1e-9):.1f} MB/s)"
-    )
-    skipped = sum(chat[split]["skipped"] for split in ("train", "val")) if chat else 0
-    if skipped:
-        first = chat["train"]["first_skipped"] or chat["val"]["first_skipped"]
-        print(f"skipped {skipped:,} bad line(s) (data.skip_bad_lines); the first: {first}")
+    print(prepare(cfg.data, force=force, chat_tokens=cfg.model.block_size + 1).report())
 
 
 @app.command()
@@ -238,9 +216,9 @@ def sample_cmd(
         False, "--no-kv-cache", help="Recompute the whole context at every step (the plain path, for checking; slow)."
     ),
     compile: bool = COMPILE_OPT,
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    quant: str = QUANT_OPT,
+    quant: str = quant_option(),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is generated, or all at the end."),
     echo: bool = typer.Option(True, "--echo/--no-echo", help="Print the prompt before its continuation."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: prompt, samples (continuations only), settings, stats."),
@@ -251,101 +229,23 @@ def sample_cmd(
     With --num-samples N, sample 1 streams under a `--- sample 1 ---` header and samples 2..N
     follow in full when it is done. A stats line (tokens, tokens/s, prefill) goes to stderr.
     """
+    from quillgpt.inference.generate import open_sample
+
     text = _sample_prompt(prompt, prompt_file)
     stops = tuple(_unescape(s) for s in stop or [])
-    loading = time.perf_counter()
-    run, gen, params = _open_generation(
-        ckpt, which, device, dtype, quant, text, num_samples, flags, stops, use_cache=not no_kv_cache, compile=compile
-    )
-    loaded = time.perf_counter()  # loading, quantizing (and any kernel probe): apart from the stats line's tokens/s
-    settings = {k: getattr(params, k) for k in flags}
-    out = sys.stdout
+    options = LoadOptions.parse(device=device, dtype=dtype, quantize=quant, which=which, compile=compile)
+    sample = open_sample(ckpt, text, options, samples=num_samples, flags=flags, stop=stops, use_cache=not no_kv_cache)
     try:
         if as_json:
-            settings.update(stop=list(stops), kv_cache=not no_kv_cache)
-            out.write(_sample_json(gen, run, text, settings, dtype, quant))
+            sys.stdout.write(sample.to_json())
         else:
-            _print_samples(gen, text if echo else "", num_samples, stream, out)
-        out.flush()
+            sample.write(sys.stdout, echo, stream)
+        sys.stdout.flush()
     except BrokenPipeError:  # `quill sample ... | head`: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     if not quiet:
-        print(_stats_line(gen, run.model.device.type, dtype, not no_kv_cache, loaded - loading), file=sys.stderr)
-
-
-def _stats_line(gen: Generation, device: str, dtype: str, kv_cache: bool, load_s: float) -> str:
-    """The stats line `quill sample` ends with: speeds, then how the step ran and what loading took."""
-    from quillgpt.quant import weights_note
-
-    how = "compiled kv cache" if gen.compiled else "kv cache" if kv_cache else "no kv cache"
-    note = weights_note(gen.engine.model, compiled=gen.compiled)
-    return f"{gen.stats.line()} ({how}, {device}, {dtype}{note}; load {load_s:.1f} s, not in tokens/s)"
-
-
-def _open_generation(
-    ckpt: Path,
-    which: str,
-    device: str,
-    dtype: str,
-    quant: str,
-    text: str,
-    num_samples: int,
-    flags: dict,
-    stops: tuple[str, ...],
-    use_cache: bool,
-    compile: bool,
-) -> tuple[Any, Any, Any]:
-    """Check the flags (before the checkpoint loads), load the run, convert and quantize its
-    model, and set up the generation (whose engine checks the KV cache fits before anything is
-    made per sample): (run, Generation, SamplingParams)."""
-    from quillgpt.config import SampleConfig
-    from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.generate import Generation
-    from quillgpt.quant import parse_quantize
-
-    if num_samples < 1:
-        raise QuillError(f"--num-samples must be at least 1, got {num_samples}")
-    torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
-    SampleConfig().params(**flags, stop=stops)  # a bad flag fails before the checkpoint loads
-    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme, rows=num_samples)
-    params = run.config.sample.params(**flags, stop=stops)
-    gen = Generation(run.model, run.tokenizer, [text], samples=num_samples, params=params, use_cache=use_cache, compile=compile)
-    return run, gen, params
-
-
-def _sample_json(gen: Any, run: Any, text: str, settings: dict, dtype: str, quant: str) -> str:
-    """--json: generate everything, then one object with the prompt, the continuations, the
-    settings and the stats."""
-    import json
-
-    from quillgpt.quant import plan_of
-
-    for _ in gen:
-        pass
-    plan = plan_of(gen.engine.model)
-    settings = {
-        **settings,
-        "compiled": gen.compiled,
-        "device": str(run.model.device),
-        "dtype": dtype,
-        "quantize": quant,
-        "int8_kernel": None if plan is None else plan.pick(plan.rows),
-    }
-    return (
-        json.dumps(
-            {
-                "checkpoint": str(run.path),
-                "step": run.step,
-                "prompt": text,
-                "samples": gen.texts,
-                "settings": settings,
-                "stats": gen.stats.to_dict(),
-            },
-            ensure_ascii=False,
-        )
-        + "\n"
-    )
+        print(sample.stats_line(), file=sys.stderr)
 
 
 @app.command("chat")
@@ -355,9 +255,9 @@ def chat_cmd(
     which: str = WHICH_OPT,
     system: str | None = typer.Option(None, "--system", help="A system message that starts the conversation (and stays after /reset)."),
     flags: dict[str, Any] = {},  # noqa: B006 (with_sampling_flags puts the shared flags here)
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    device: str = DEVICE_OPT,
     dtype: str = DTYPE_OPT,
-    quant: str = QUANT_OPT,
+    quant: str = quant_option(),
     compile: bool = COMPILE_OPT,
 ) -> None:
     """Talk to a model in the terminal: each line is a message, the reply streams as it comes.
@@ -366,19 +266,11 @@ def chat_cmd(
     a quill-trained (base) model continues a User:/Assistant: transcript. /reset clears the
     conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops one reply.
     """
-    from quillgpt.device import parse_dtype, resolve_device
-    from quillgpt.inference.chat_session import ChatSession, repl, run_kind
-    from quillgpt.quant import parse_quantize, weights_note
+    from quillgpt.inference.chat_session import open_chat, repl
 
-    torch_dtype, scheme = parse_dtype(dtype), parse_quantize(quant)
-    n = flags["max_new_tokens"]
-    if n is not None and n < 1:
-        raise QuillError(f"--max-new-tokens {n}: a reply needs at least 1 token")
-    run = load_run(ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme)  # a reply: one row
-    session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system, compile=compile)
-    kind = run_kind(run.config, run.tokenizer, run.step)
-    compiled = compile and run.model.variant.static_cache
-    print(f"chatting with {run.path}: {kind}{weights_note(run.model, '; ', compiled=compiled)}; /reset, /stats, /quit", file=sys.stderr)
+    options = LoadOptions.parse(device=device, dtype=dtype, quantize=quant, which=which, compile=compile)
+    session, header = open_chat(ckpt, options, system, flags)
+    print(header, file=sys.stderr)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -386,11 +278,7 @@ def chat_cmd(
 
     if hasattr(sys.stdin, "reconfigure"):  # an invalid byte becomes a lone surrogate: that message's error line, not the end
         sys.stdin.reconfigure(errors="surrogateescape")
-
-    def note(line: str) -> None:
-        print(line, file=sys.stderr)
-
-    repl(session, input, write, note, tty=sys.stdin.fileno() if sys.stdin.isatty() else None)
+    repl(session, input, write, lambda line: print(line, file=sys.stderr), tty=sys.stdin.fileno() if sys.stdin.isatty() else None)
 
 
 @app.command("serve")
@@ -406,13 +294,9 @@ def serve_cmd(
         16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."
     ),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    device: str = DEVICE_OPT,
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
-    quant: str = typer.Option(
-        "none",
-        "--quantize",
-        help="int8: weight-only int8 linears with a scale and an offset per 32 weights, quantized at load from the run's weights, through the kernel measured fastest here at --max-batch rows; int8-channel: one scale per output channel; int4 (int4-g64, int4-g128): 4-bit weights, a scale and a zero per 32 (64, 128) weights; none: the float weights.",
-    ),
+    quant: str = quant_option("The weights served (int8's kernel measured at --max-batch rows)."),
     cors: str | None = typer.Option(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."
     ),
@@ -456,12 +340,8 @@ def eval_cmd(
         None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."
     ),
     batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    quant: str = typer.Option(
-        "none",
-        "--quantize",
-        help="int8 (int8-channel, int4, int4-g64, int4-g128): score the model with those weights, as quill sample --quantize runs it, to see what they cost in loss; none: the float weights.",
-    ),
+    device: str = DEVICE_OPT,
+    quant: str = quant_option("Score the model with these weights, as quill sample --quantize runs it, to see what they cost in loss."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="Drop characters a char vocabulary cannot encode instead of failing."),
     tasks: str | None = typer.Option(
@@ -482,106 +362,29 @@ def eval_cmd(
     Chat data (a run trained on it, or --format chat) counts the assistant's tokens only.
     With --tasks: lm-evaluation-harness tasks instead (accuracy and the tasks' own metrics).
     """
+    load = dict(which=which, batch_size=batch_size, device=device, quantize=quant)
     if tasks is not None:
         if text or split != "val" or stride is not None or text_format != "text":
             raise QuillError("--tasks scores lm-eval tasks: --text, --split, --stride and --format do not apply")
-        _eval_tasks(
-            ckpt, which, tasks, num_fewshot, limit, batch_size, include_path, chat_template, device, dtype, quant, output_path, as_json
+        from quillgpt.evaluate.harness import evaluate_runs  # QuillError without lm-eval
+
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        task_settings = dict(
+            num_fewshot=num_fewshot, limit=limit, include_path=include_path, apply_chat_template=chat_template, dtype=dtype
         )
+        done = evaluate_runs(ckpt, names, output_path=output_path, announce=None if as_json else print, **task_settings, **load)
+        if as_json:
+            print(done.to_json())
         return
     task_flags = {"--num-fewshot": num_fewshot, "--limit": limit, "--include-path": include_path, "--output-path": output_path}
     used = [name for name, value in task_flags.items() if value is not None] + (["--apply-chat-template"] if chat_template else [])
     if used or dtype != "float32":
         raise QuillError(f"{(used or ['--dtype'])[0]} applies to lm-eval tasks: add --tasks T1,T2")
-    _eval_texts(ckpt, which, split, text, text_format, stride, batch_size, device, skip_unknown, quant, as_json)
+    from quillgpt.evaluate.scores import evaluate_checkpoints
 
-
-def _eval_texts(
-    ckpt: list[Path],
-    which: str,
-    split: str,
-    text: list[Path] | None,
-    text_format: str,
-    stride: int | None,
-    batch_size: int,
-    device: str,
-    skip_unknown: bool,
-    quant: str,
-    as_json: bool,
-) -> None:
-    """quill eval without --tasks: every checkpoint's scores of a split or texts, a table or JSON."""
-    import json
-
-    from quillgpt.evaluate.scores import evaluate_checkpoint, format_table
-
-    results = []
-    for path in ckpt:
-        results += evaluate_checkpoint(
-            path,
-            which=which,
-            split=split,
-            texts=text,
-            text_format=text_format,
-            stride=stride,
-            batch_size=batch_size,
-            device=device,
-            progress=not as_json,
-            skip_unknown=skip_unknown,
-            quantize=quant,
-        )
-    if as_json:
-        rows = [r.to_dict() for r in results]
-        print(json.dumps(rows[0] if len(rows) == 1 else rows))
-    else:
-        print(format_table(results))
-
-
-def _eval_tasks(
-    ckpt: list[Path],
-    which: str,
-    tasks: str,
-    num_fewshot: int | None,
-    limit: float | None,
-    batch_size: int,
-    include_path: Path | None,
-    chat_template: bool,
-    device: str,
-    dtype: str,
-    quant: str,
-    output_path: Path | None,
-    as_json: bool,
-) -> None:
-    """quill eval --tasks: each checkpoint through lm-eval's evaluator; its table, or its JSON."""
-    from quillgpt.files import atomic_write_text
-
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if output_path is not None:
-        check_output_file(output_path, "--output-path", kind="lm-eval-results")  # a results file of ours may be replaced
-    from quillgpt.evaluate.harness import evaluate_tasks, format_results, results_json  # QuillError without lm-eval
-
-    runs = []
-    for path in ckpt:
-        results = evaluate_tasks(
-            path,
-            names,
-            which=which,
-            num_fewshot=num_fewshot,
-            limit=limit,
-            batch_size=batch_size,
-            include_path=include_path,
-            apply_chat_template=chat_template,
-            device=device,
-            dtype=dtype,
-            quantize=quant,
-        )
-        runs.append(results)
-        if not as_json:
-            print(f"{path}{f' ({quant})' if quant != 'none' else ''}:\n{format_results(results)}")
-    text = results_json(runs[0] if len(runs) == 1 else runs)
-    if output_path is not None:
-        atomic_write_text(output_path, text + "\n")
-    if as_json:
-        print(text)
+    texts = dict(split=split, texts=text, text_format=text_format, stride=stride, skip_unknown=skip_unknown)
+    scores = evaluate_checkpoints(ckpt, progress=not as_json, **texts, **load)
+    print(scores.to_json() if as_json else scores.table())
 
 
 @app.command("attention")
@@ -606,11 +409,7 @@ def attention_cmd(
         None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."
     ),
     device: str = typer.Option("cpu", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    quant: str = typer.Option(
-        "none",
-        "--quantize",
-        help="int8 (int8-channel, int4, int4-g64, int4-g128): the attention of the model with those weights (as quill sample --quantize runs it); none: the float weights.",
-    ),
+    quant: str = quant_option("The attention of the model with these weights (as quill sample --quantize runs it)."),
     force: bool = typer.Option(
         False,
         "--force",
@@ -622,77 +421,13 @@ def attention_cmd(
     The summary gives each head's mean attention distance, entropy and weight on the first
     token, the numbers that tell local heads from far-looking and first-token ("sink") heads.
     """
-    from quillgpt.device import resolve_device
-    from quillgpt.evaluate import attention_views as viz
-    from quillgpt.quant import parse_quantize
+    from quillgpt.evaluate.attention_views import AttentionRequest, attention_report
 
-    scheme = parse_quantize(quant)
-    view, out, summary_json = _attention_outputs(ckpt, which, out, fmt, summary_json, force)
-    run = load_run(ckpt, which=which, device=resolve_device(device), quantize=scheme)  # shown even where int8 runs no faster
-    mcfg = run.config.model
-    layers = viz.select_layers(layer, mcfg.n_layer)
-    heads = viz.select_heads(head, mcfg.n_head)
-    attn = viz.attention_weights(run.model, run.tokenizer, prompt)
-    if attn.cropped:
-        print(
-            f"note: the prompt is longer than block_size={mcfg.block_size}; kept its last {len(attn.ids)} tokens (dropped {attn.cropped})",
-            file=sys.stderr,
-        )
-    _show_attention(run, attn, prompt, view, out, layers, heads, top_k, summary_json, force)
-
-
-def _show_attention(
-    run: LoadedRun,
-    attn: Attention,
-    prompt: str,
-    view: str,
-    out: Path | None,
-    layers: list[int],
-    heads: list[int],
-    top_k: int,
-    summary_json: Path | None,
-    force: bool,
-) -> None:
-    """quill attention's output: the text view or the image, the per-head table, the saved summary."""
-    from quillgpt.evaluate import attention_views as viz
-
-    summary = viz.head_summary(attn.weights)
-    if view == "text":
-        print(viz.render_text(attn.tokens, attn.weights, layers, heads, top_k, prefix=attn.prefix))
-    else:
-        title = f"{run.path} (step {run.step}): {''.join(attn.tokens)}"
-        viz.plot_attention(
-            attn.tokens, attn.weights, out, layers, heads, title=title[:120], prefix=attn.prefix, gates=attn.gates, force=force
-        )
-    print()
-    print(viz.format_head_table([r for r in summary if r["layer"] in layers and r["head"] in heads]))
-    if attn.gates is not None:
-        print(viz.format_gates(attn.gates))
-    if summary_json is not None:
-        viz.write_summary_json(summary_json, attn, summary, force=force, checkpoint=str(run.path), step=run.step, prompt=prompt)
-        print(f"saved head summary (all layers) → {summary_json}")
-    if out is not None and view != "text":
-        print(f"saved {view} → {out}")
-
-
-def _attention_outputs(
-    ckpt: Path, which: str, out: Path | None, fmt: str | None, summary_json: Path | None, force: bool
-) -> tuple[str, Path | None, Path | None]:
-    """(view, image path, summary path) of `quill attention`, both outputs checked before the
-    checkpoint loads: png/svg without --out write attention.png/.svg, the summary goes beside."""
-    from quillgpt.evaluate import attention_views as viz
-
-    view = viz.output_format(out, fmt)
-    if view != "text" and out is None:
-        out = Path(f"attention.{view}")
-    if summary_json is None and out is not None:
-        summary_json = out.with_name(f"{out.stem}.heads.json")
-    inputs = _checkpoint_inputs(ckpt, which)
-    if out is not None:
-        check_output_file(out, "--out", kind=view, force=force, inputs=inputs)
-    if summary_json is not None:
-        check_output_file(summary_json, "--summary-json", kind="heads-json", force=force, inputs=inputs)
-    return view, out, summary_json
+    options = LoadOptions.parse(device=device, quantize=quant, which=which)
+    report = attention_report(ckpt, options, AttentionRequest(prompt, layer, head, out, fmt, top_k, summary_json, force))
+    if report.note is not None:
+        print(report.note, file=sys.stderr)
+    print(report.text)
 
 
 @app.command("plot")
@@ -811,25 +546,6 @@ def merge_cmd(
     print(f"merged {run} ({which}) into its base → {path}: use it as any run, or fine-tune it with train.init_from={out}")
 
 
-def _print_samples(gen: Any, shown: str, num_samples: int, stream: bool, out: TextIO) -> None:
-    """Sample 1 as it is generated (or at its end with --no-stream), then samples 2..N in full,
-    each under a `--- sample i ---` header when there are several, each ending in a newline."""
-    head = (lambda i: f"--- sample {i} ---\n") if num_samples > 1 else (lambda i: "")
-    out.write(head(1) + shown)
-    out.flush()
-    for pieces in gen:
-        if stream and pieces[0]:
-            out.write(pieces[0])
-            out.flush()
-    if not stream:
-        out.write(gen.texts[0])
-    for i, sample in enumerate(gen.texts, 1):
-        if i > 1:
-            out.write(head(i) + shown + sample)
-        if not (shown + sample).endswith("\n"):
-            out.write("\n")
-
-
 def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     """The prompt text from --prompt, --prompt-file or standard input (--prompt -); default ""."""
     if prompt is not None and prompt_file is not None:
@@ -847,16 +563,6 @@ def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise QuillError(f"{where} is not UTF-8 text (invalid byte at offset {e.start})") from None
-
-
-def _checkpoint_inputs(ckpt: Path, which: str) -> tuple[Path, ...]:
-    """The checkpoint file a command reads (an output must never replace it); () when it cannot
-    be resolved (loading it then says why)."""
-
-    try:
-        return (resolve_checkpoint(ckpt, which),)
-    except QuillError:
-        return ()
 
 
 def _unescape(text: str) -> str:
@@ -880,21 +586,9 @@ def tokenizer_train_cmd(
     force: bool = typer.Option(False, "--force", help="Overwrite --out when it exists."),
 ) -> None:
     """Train a byte-level BPE tokenizer on a text file and save it as JSON."""
-    import time
+    from quillgpt.data.tokenizer_files import train_tokenizer
 
-    from quillgpt.data.tokenizer import text_chunks
-    from quillgpt.data.tokenizer_files import build_tokenizer, save_tokenizer
-    from quillgpt.files import read_text
-
-    check_output_file(out, "--out", force=force, inputs=(input_path,), fresh=True)
-    text = read_text(input_path, "--input")
-    t0 = time.perf_counter()
-    tok = build_tokenizer("bpe", text, vocab_size)
-    seconds = time.perf_counter() - t0
-    save_tokenizer(tok, out, what="--out")
-    n_tokens = sum(len(ids) for ids in tok.encode_arrays(text_chunks(text)))
-    ratio = len(text.encode("utf-8")) / max(n_tokens, 1)
-    print(f"saved {out}: vocab size {tok.vocab_size:,}, {ratio:.2f} bytes/token on {input_path}, trained in {seconds:.2f}s")
+    print(train_tokenizer(input_path, vocab_size, out, force=force).line())
 
 
 # --- end of commands ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ from quillgpt.checkpoint import BEST, LATEST, clean_state_dict, load_checkpoint,
 from quillgpt.config import Config, LoraConfig, ModelConfig, config_from_dict, save_config
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
-from quillgpt.device import available_bytes
+from quillgpt.device import available_bytes, parse_dtype, resolve_device
 from quillgpt.errors import QuillError
 from quillgpt.files import made_dir, output_path, shown
 from quillgpt.model.gpt import GPT
@@ -117,26 +117,65 @@ def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str
     return "; ".join(problems)
 
 
-def load_run(
-    path: str | Path,
-    which: str = "best",
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = torch.float32,
-    quantize: str | None = None,
-    rows: int = 1,
-) -> LoadedRun:
-    """Load model (eval mode, its weights in `dtype`; None: as saved), tokenizer and config from a
-    run directory or checkpoint file (a LoRA run: its base with the adapters merged in);
-    quantize="int8": its linears in int8 once loaded, the kernels measured at a decode batch of
-    `rows` (quant/)."""
-    state, ckpt = load_state(path, which, dtype)
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a run is loaded for use, once parsed: where, in what dtype (None: as saved), with which
+    weights (a --quantize scheme, None: the float ones), which checkpoint, the decode rows its int8
+    kernels are measured at, and whether the decode step is compiled (read by what runs the model)."""
+
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype | None = torch.float32
+    quantize: str | None = None
+    which: str = "best"
+    rows: int = 1
+    compile: bool = False
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        device: str = "auto",
+        dtype: str | None = "float32",
+        quantize: str | None = "none",
+        which: str = "best",
+        rows: int = 1,
+        compile: bool = False,
+    ) -> LoadOptions:
+        """The user's --dtype, --quantize and --device, checked in that order (each a QuillError
+        naming its flag) before anything loads; dtype=None: the weights as saved."""
+        torch_dtype = None if dtype is None else parse_dtype(dtype)
+        scheme = quant.parse_quantize(quantize)
+        return cls(resolve_device(device), torch_dtype, scheme, which, rows, compile)
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as a user names it (float32, bfloat16, float16; "saved": as saved)."""
+        return "saved" if self.dtype is None else str(self.dtype).removeprefix("torch.")
+
+    @property
+    def quantize_name(self) -> str:
+        """The scheme as a user names it: none for the float weights."""
+        return self.quantize or "none"
+
+
+def load_run(path: str | Path, options: LoadOptions | None = None, **keywords: Any) -> LoadedRun:
+    """Load model (eval mode, its weights in options.dtype; None: as saved), tokenizer and config
+    from a run directory or checkpoint file (a LoRA run: its base with the adapters merged in);
+    options.quantize="int8": its linears in int8 once loaded, the kernels measured at a decode
+    batch of options.rows (quillgpt.quant). Without `options`, LoadOptions' fields as keywords
+    (which=, device=, dtype=, quantize=, rows=), as scripts and lm-eval's model_args pass them."""
+    if options is None:
+        options = LoadOptions(**keywords)
+    elif keywords:
+        raise TypeError(f"load_run takes LoadOptions or keywords, not both (got {', '.join(keywords)})")
+    state, ckpt = load_state(path, options.which, options.dtype)
     try:
-        model, config = model_from_state(state, device, dtype)
+        model, config = model_from_state(state, options.device, options.dtype)
         tokenizer = tokenizer_from_spec(state["tokenizer"])
     except QuillError as e:
         raise QuillError(f"{shown(ckpt)}: {e}") from None
     model.eval()
-    quant.quantize(model, quantize, rows=rows, cache=True)  # the kernel plan measured once per machine and shape
+    quant.quantize(model, options.quantize, rows=options.rows, cache=True)  # the kernel plan measured once per machine and shape
     return LoadedRun(model, tokenizer, config, state["step"], ckpt)
 
 

@@ -71,12 +71,86 @@ TEMP_FILE = re.compile(r"\.(?:train|val|meta\.json|\.prepare-state\.json)[^/]*\.
 # prepare: a corpus → token shards of train and val, and meta.json (the manifest)
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """meta.json, typed: what the shards were made from (`inputs`: the keys compared to decide
+    'up to date'), what they hold, and the tokenizer that reads them. `to_dict` is meta.json's
+    on-disk form, key for key and in order."""
+
+    inputs: dict[str, Any]  # format, sources, text_field, tokenizer_request, val_fraction, shard_tokens (+ chat's keys)
+    source: str
+    source_bytes: int
+    documents: int  # lines of chat data
+    val_documents: int  # 0 where val is the end of one document
+    train_tokens: int
+    val_tokens: int
+    shards: dict[str, list[dict[str, Any]]]  # per split: each shard's file (and chat flags) and tokens
+    vocab_size: int
+    eot_id: int | None
+    dtype: str  # the token files' numpy dtype: uint16 or uint32
+    tokenizer_name: str
+    tokenizer_fingerprint: str
+    tokenizer: dict[str, Any]  # the tokenizer's spec (tokenizer_from_spec)
+    chat: dict[str, dict[str, Any]] | None = None  # chat data, per split: ChatStats' fields
+
+    @classmethod
+    def from_dict(cls, meta: dict[str, Any]) -> Manifest:
+        """meta.json's dict (complete: `_up_to_date` and `_build` vouch for it) as the record."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "inputs"]
+        return cls({k: v for k, v in meta.items() if k not in names}, **{k: meta[k] for k in names if k in meta})
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inputs"}
+        return {**self.inputs, **{k: v for k, v in values.items() if k != "chat" or v is not None}}
+
+    @property
+    def shard_count(self) -> int:
+        return sum(len(v) for v in self.shards.values())
+
+    def made_from(self) -> str:
+        """'N document(s)', or chat data's 'T + V conversation(s)'."""
+        if self.chat is None:
+            return f"{self.documents:,} document(s)"
+        return f"{self.chat['train']['conversations']:,} + {self.chat['val']['conversations']:,} conversation(s)"
+
+    def skipped(self) -> tuple[int, str | None]:
+        """Chat data's bad lines left out (data.skip_bad_lines), and the first of them."""
+        if self.chat is None:
+            return 0, None
+        splits = [self.chat[split] for split in ("train", "val")]
+        return sum(c["skipped"] for c in splits), splits[0]["first_skipped"] or splits[1]["first_skipped"]
+
+
 @dataclass
 class PreparedData:
+    """What `prepare` did: the data's directory and manifest, whether it rebuilt them, how long it took."""
+
     out_dir: Path
-    meta: dict[str, Any]
+    manifest: Manifest
     rebuilt: bool  # False when meta.json showed the files were already up to date
     seconds: float = 0.0  # wall time of the prepare call
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """meta.json as written (its keys, for code that reads them by name)."""
+        return self.manifest.to_dict()
+
+    def report(self) -> str:
+        """`quill prepare`'s lines: what was written (or that it was up to date), and bad lines skipped."""
+        m, out_dir = self.manifest, self.out_dir
+        tokens = f"{m.train_tokens:,} train + {m.val_tokens:,} val tokens"
+        if not self.rebuilt:
+            return f"up to date: {out_dir} ({tokens}; --force rebuilds)"
+        mb = m.source_bytes / 1e6
+        speed = f"{mb:.2f} MB in {self.seconds:.2f}s ({mb / max(self.seconds, 1e-9):.1f} MB/s)"
+        lines = [
+            f"prepared {out_dir}: {tokens} in {m.shard_count} shard(s) from {m.made_from()}, "
+            f"{m.tokenizer_name} vocab {m.vocab_size:,} ({m.dtype}), {speed}"
+        ]
+        skipped, first = m.skipped()
+        if skipped:
+            lines.append(f"skipped {skipped:,} bad line(s) (data.skip_bad_lines); the first: {first}")
+        return "\n".join(lines)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -161,14 +235,14 @@ def _shards_complete(out_dir: Path, shards: dict[str, list[dict[str, Any]]], ite
         return False
 
 
-def _up_to_date(out_dir: Path, want: dict[str, Any]) -> dict[str, Any] | None:
+def _up_to_date(out_dir: Path, want: dict[str, Any]) -> Manifest | None:
     """meta.json when it was made from exactly `want` and every shard is complete, else None."""
     try:
         meta = _read_meta(out_dir)
         if any(meta.get(k) != v for k, v in want.items() if k != "chat_tokens") or not _flags_cover(meta, want.get("chat_tokens")):
             return None
         if _shards_complete(out_dir, meta["shards"], np.dtype(meta["dtype"]).itemsize):
-            return meta
+            return Manifest.from_dict(meta)
     except (QuillError, KeyError, TypeError):
         pass
     return None
@@ -336,7 +410,7 @@ def _tokenize(cfg: DataConfig, sources: list[Source], state: dict[str, Any], tok
         write_shards(results, out_dir, cfg.shard_tokens, state["shards"], start["skip_tokens"], on_shard, on_task_done)
 
 
-def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir: Path, force: bool, progress: bool) -> dict[str, Any]:
+def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir: Path, force: bool, progress: bool) -> Manifest:
     """Tokenize the corpus into shards, resuming a killed run of the same inputs; the manifest."""
     state = None if force else _resumable(out_dir, want)
     if state is None:  # an empty or too short text is refused here, before any output changes
@@ -371,31 +445,30 @@ def _build(cfg: DataConfig, sources: list[Source], want: dict[str, Any], out_dir
             f"{shown(cfg.path or sources[0].path)} gives an empty {empty} split (data.val_fraction={cfg.val_fraction}): it needs {more}"
         )
     plan = state["plan"]
-    meta = {
-        **want,
-        "source": str(cfg.path or sources[0].path),
-        "source_bytes": sum(s.size for s in sources),
-        "documents": sum(plan["records"]),
-        "val_documents": 0 if plan["val_from"] is None else sum(plan["records"]) - plan["val_from"],
-        "train_tokens": tokens["train"],
-        "val_tokens": tokens["val"],
-        "shards": shards,
-        "vocab_size": tok.vocab_size,
-        "eot_id": tok.eot_id,
-        "dtype": token_dtype(tok.vocab_size).name,
-        "tokenizer_name": tok.name,
-        "tokenizer_fingerprint": tok.fingerprint(),
-        "tokenizer": tok.spec(),
-    }
-    if cfg.format == "chat":
-        meta["chat"] = state["chat"]  # per split: conversations kept, lines skipped, the first skipped one
-    atomic_write_bytes(out_dir / "meta.json", dump_json(meta).encode("utf-8"))
+    manifest = Manifest(
+        inputs=want,
+        source=str(cfg.path or sources[0].path),
+        source_bytes=sum(s.size for s in sources),
+        documents=sum(plan["records"]),
+        val_documents=0 if plan["val_from"] is None else sum(plan["records"]) - plan["val_from"],
+        train_tokens=tokens["train"],
+        val_tokens=tokens["val"],
+        shards=shards,
+        vocab_size=tok.vocab_size,
+        eot_id=tok.eot_id,
+        dtype=token_dtype(tok.vocab_size).name,
+        tokenizer_name=tok.name,
+        tokenizer_fingerprint=tok.fingerprint(),
+        tokenizer=tok.spec(),
+        chat=state["chat"] if cfg.format == "chat" else None,  # per split: conversations kept, lines skipped, the first skipped one
+    )
+    atomic_write_bytes(out_dir / "meta.json", dump_json(manifest.to_dict()).encode("utf-8"))
     (out_dir / DATASET_STATE).unlink(missing_ok=True)
     keep = {s[key] for split in shards.values() for s in split for key in ("file", "flags") if key in s}
     for path in out_dir.iterdir():  # shards of an earlier, longer prepare
         if SHARD_FILE.fullmatch(path.name) and path.name not in keep:
             path.unlink()
-    return meta
+    return manifest
 
 
 def prepare(cfg: DataConfig, force: bool = False, progress: bool = True, chat_tokens: int | None = None) -> PreparedData:
@@ -411,17 +484,16 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True, chat_to
     _check_chat_tokenizer(cfg)
     out_dir = probe_writable(cfg.out_dir, "data.out_dir")
     check_output_dir(out_dir, "data.out_dir", "dataset", DATASET_WRITES, force, how="run `quill prepare --force`")
-    if not force and (meta := _downloaded_and_prepared(cfg, out_dir, chat_tokens)) is not None:
-        return PreparedData(out_dir, meta, rebuilt=False, seconds=time.perf_counter() - t0)
+    if not force and (kept := _downloaded_and_prepared(cfg, out_dir, chat_tokens)) is not None:
+        return PreparedData(out_dir, kept, rebuilt=False, seconds=time.perf_counter() - t0)
     sources = find_sources(cfg.path if cfg.path is not None else source_path(cfg, progress))
     want = _want(cfg, sources, chat_tokens)
     with _prepare_lock(out_dir):
         _remove_stale_temps(out_dir)
         want = _same_tokenizer_as_prepared(cfg, out_dir, want)
-        rebuilt = force or (meta := _up_to_date(out_dir, want)) is None
-        if rebuilt:
-            meta = _build(cfg, sources, want, out_dir, force, progress)
-    return PreparedData(out_dir, meta, rebuilt=rebuilt, seconds=time.perf_counter() - t0)
+        kept = None if force else _up_to_date(out_dir, want)
+        manifest = kept or _build(cfg, sources, want, out_dir, force, progress)
+    return PreparedData(out_dir, manifest, rebuilt=kept is None, seconds=time.perf_counter() - t0)
 
 
 # What makes prepared data *other* data: a run trained on it reads it again (quill eval, --resume),
@@ -508,7 +580,7 @@ def _dataset_name(cfg: DataConfig, want: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stem}_{tokenizer}") or "mydata"
 
 
-def _downloaded_and_prepared(cfg: DataConfig, out_dir: Path, chat_tokens: int | None) -> dict[str, Any] | None:
+def _downloaded_and_prepared(cfg: DataConfig, out_dir: Path, chat_tokens: int | None) -> Manifest | None:
     """Data from data.url whose download is gone but whose shards are complete in out_dir: the
     manifest, so a resume or a second run never needs the network for data it already has."""
     if cfg.path is not None or cfg.url is None:
@@ -522,7 +594,7 @@ def _downloaded_and_prepared(cfg: DataConfig, out_dir: Path, chat_tokens: int | 
         ok = ok and all(meta.get(k) == v for k, v in (("val_fraction", cfg.val_fraction), ("text_field", cfg.text_field)))
         ok = ok and meta.get("data_format", "text") == cfg.format and meta.get("format") == FORMAT and _flags_cover(meta, chat_tokens)
         if ok and _shards_complete(out_dir, meta["shards"], np.dtype(meta["dtype"]).itemsize):
-            return meta
+            return Manifest.from_dict(meta)
     except (QuillError, KeyError, TypeError):
         pass
     return None

@@ -1,13 +1,16 @@
 """Every kind of tokenizer from its name, its spec or its file, and saving one.
 
 Above tokenizer.py (char, tiktoken, BPE) and hf_tokenizer.py (a Hugging Face tokenizer.json), so
-neither imports the other: this module is the one place that knows all kinds.
+neither imports the other: this module is the one place that knows all kinds. `train_tokenizer`
+is `quill tokenizer train`: a byte-level BPE learned from a text file and saved.
 """
 
 from __future__ import annotations
 
 import base64
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +25,12 @@ from quillgpt.data.tokenizer import (
     Tokenizer,
     bpe_tokenizer,
     dump_json,
+    text_chunks,
     tiktoken_encoding,
     train_bpe,
 )
 from quillgpt.errors import QuillError
-from quillgpt.files import os_error, read_json, shown, write_file
+from quillgpt.files import check_output_file, os_error, read_json, read_text, shown, write_file
 
 
 def build_tokenizer(name: str, text: str | None = None, vocab_size: int = 4096) -> Tokenizer:
@@ -99,3 +103,34 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return tokenizer_from_spec(data.get("tokenizer"))
     except QuillError as e:
         raise QuillError(f"{shown(path)}: {e}") from None
+
+
+@dataclass
+class TrainedTokenizer:
+    """A tokenizer learned from a text file and saved: where, and how well it compresses that text."""
+
+    tokenizer: Tokenizer
+    path: Path
+    source: Path
+    bytes_per_token: float  # UTF-8 bytes of the training text per token it encodes to
+    seconds: float  # learning the merges (not reading, encoding or saving)
+
+    def line(self) -> str:
+        return (
+            f"saved {self.path}: vocab size {self.tokenizer.vocab_size:,}, {self.bytes_per_token:.2f} bytes/token "
+            f"on {self.source}, trained in {self.seconds:.2f}s"
+        )
+
+
+def train_tokenizer(source: str | Path, vocab_size: int, out: str | Path, force: bool = False) -> TrainedTokenizer:
+    """`quill tokenizer train`: a byte-level BPE of `vocab_size` ids learned from a UTF-8 text file,
+    saved as JSON at `out` (a new file, checked before the text is read, unless `force`)."""
+    source, out = Path(source), Path(out)
+    check_output_file(out, "--out", force=force, inputs=(source,), fresh=True)
+    text = read_text(source, "--input")
+    t0 = time.perf_counter()
+    tok = build_tokenizer("bpe", text, vocab_size)
+    seconds = time.perf_counter() - t0
+    save_tokenizer(tok, out, what="--out")
+    n_tokens = sum(len(ids) for ids in tok.encode_arrays(text_chunks(text)))
+    return TrainedTokenizer(tok, out, source, len(text.encode("utf-8")) / max(n_tokens, 1), seconds)

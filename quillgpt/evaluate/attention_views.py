@@ -3,7 +3,8 @@
 Attention weights come from `GPT.attention_maps`, the explicit softmax(QKᵀ/√d) path, so
 they are the numbers the model used, not a re-derivation. Heads are summarised by three
 numbers that separate the usual kinds: mean attention distance (local vs far), entropy
-(focused vs spread) and weight on the first token (the "attention sink").
+(focused vs spread) and weight on the first token (the "attention sink"). `attention_report` is
+`quill attention`: a run's attention to one prompt, drawn or printed, its head summary saved.
 
 matplotlib is optional (`pip install -e ".[plot]"`). It is imported only when drawing, and
 only through `matplotlib.figure.Figure`, never pyplot: nothing global such as the backend
@@ -22,12 +23,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quillgpt.checkpoint import resolve_checkpoint
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.figures import IMAGE_FORMATS, matplotlib_figure, save_figure
 from quillgpt.files import check_output_file, write_file
 from quillgpt.inference.driver import encode_prompt
 from quillgpt.model.gpt import GPT, evaluating
+from quillgpt.runs import LoadOptions, load_run
 
 FIRST_TOKEN_SINK = 0.5  # a head putting at least this much weight on token 0 "looks at the first token"
 LOCAL_FRACTION = 0.5  # a head is "local" below this fraction of uniform attention's mean distance
@@ -352,3 +355,84 @@ def plot_attention(
 
 
 # --- loss curves ------------------------------------------------------------------------------
+
+
+# --- quill attention --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """What `quill attention` shows of one prompt: which layer(s) and head(s), as text (top_k
+    attended tokens per query) or an image at `out`, and where the per-head summary goes."""
+
+    prompt: str
+    layer: str = "-1"  # a layer number (negative from the end) or "all"
+    head: int | None = None  # None: every head
+    out: Path | None = None  # png/svg without it: attention.png/.svg
+    fmt: str | None = None  # png, svg or text; None: from out's extension, text without out
+    top_k: int = 3
+    summary_json: Path | None = None  # None: <out stem>.heads.json beside out (none for text)
+    force: bool = False  # replace an existing file that is not an earlier image / summary
+
+
+@dataclass
+class AttentionReport:
+    """What `quill attention` found and wrote: the lines to print, and a note on a cropped prompt."""
+
+    attention: Attention
+    summary: list[dict[str, Any]]  # every layer's heads (head_summary)
+    text: str  # the text view (or nothing for an image), the head table, the gates, what was saved
+    note: str | None  # the prompt was longer than block_size: what was kept
+
+
+def _outputs(ckpt: str | Path, options: LoadOptions, request: AttentionRequest) -> tuple[str, Path | None, Path | None]:
+    """(view, image path, summary path), both outputs checked before the checkpoint loads (neither
+    may replace the checkpoint read): png/svg without --out write attention.png/.svg, the summary goes beside."""
+    view, out, summary_json = output_format(request.out, request.fmt), request.out, request.summary_json
+    if view != "text" and out is None:
+        out = Path(f"attention.{view}")
+    if summary_json is None and out is not None:
+        summary_json = out.with_name(f"{out.stem}.heads.json")
+    try:
+        inputs: tuple[Path, ...] = (resolve_checkpoint(ckpt, options.which),)
+    except QuillError:
+        inputs = ()  # loading it says why
+    if out is not None:
+        check_output_file(out, "--out", kind=view, force=request.force, inputs=inputs)
+    if summary_json is not None:
+        check_output_file(summary_json, "--summary-json", kind="heads-json", force=request.force, inputs=inputs)
+    return view, out, summary_json
+
+
+def attention_report(ckpt: str | Path, options: LoadOptions, request: AttentionRequest) -> AttentionReport:
+    """Run `request.prompt` once through a run (with the weights `options` asks for, so a quantized
+    model's attention is shown even where it runs no faster), draw or render the chosen heads, save
+    the head summary of every layer; the report to print."""
+    view, out, summary_json = _outputs(ckpt, options, request)
+    run = load_run(ckpt, options)
+    mcfg = run.config.model
+    layers, heads = select_layers(request.layer, mcfg.n_layer), select_heads(request.head, mcfg.n_head)
+    attn = attention_weights(run.model, run.tokenizer, request.prompt)
+    note = None
+    if attn.cropped:
+        note = (
+            f"note: the prompt is longer than block_size={mcfg.block_size}; kept its last {len(attn.ids)} tokens (dropped {attn.cropped})"
+        )
+    summary, lines = head_summary(attn.weights), []
+    if view == "text":
+        lines.append(render_text(attn.tokens, attn.weights, layers, heads, request.top_k, prefix=attn.prefix))
+    else:
+        title = f"{run.path} (step {run.step}): {''.join(attn.tokens)}"
+        plot_attention(
+            attn.tokens, attn.weights, out, layers, heads, title=title[:120], prefix=attn.prefix, gates=attn.gates, force=request.force
+        )
+    lines += ["", format_head_table([r for r in summary if r["layer"] in layers and r["head"] in heads])]
+    if attn.gates is not None:
+        lines.append(format_gates(attn.gates))
+    if summary_json is not None:
+        info = {"checkpoint": str(run.path), "step": run.step, "prompt": request.prompt}
+        write_summary_json(summary_json, attn, summary, force=request.force, **info)
+        lines.append(f"saved head summary (all layers) → {summary_json}")
+    if out is not None and view != "text":
+        lines.append(f"saved {view} → {out}")
+    return AttentionReport(attn, summary, "\n".join(lines), note)

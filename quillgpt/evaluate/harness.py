@@ -25,7 +25,10 @@ lm-eval's Hugging Face backend (lm_eval/models/huggingface.py) does, so that ids
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 from quillgpt.data.chat_template import render, template_messages, transcript  # noqa: E402
+from quillgpt.files import atomic_write_text, check_output_file  # noqa: E402
 from quillgpt.inference.driver import TextBatch, TextStream  # noqa: E402
 from quillgpt.inference.engine import Engine  # noqa: E402
 from quillgpt.model.gpt import evaluating  # noqa: E402
@@ -288,18 +292,17 @@ def evaluate_tasks(
 ) -> dict[str, Any]:
     """Load a run and score it on lm-eval `tasks` with lm-eval's evaluator: its results dict
     (results, configs, versions, n-shot; with log_samples each request's responses)."""
-    from quillgpt import quant
-    from quillgpt.device import resolve_device, resolve_dtype
-    from quillgpt.runs import load_run
+    from quillgpt.device import resolve_dtype
+    from quillgpt.runs import LoadOptions, load_run
 
     if not tasks:
         raise QuillError("--tasks needs at least one task name, e.g. --tasks hellaswag,arc_easy")
     if batch_size < 1:
         raise QuillError(f"--batch-size must be at least 1, got {batch_size}")
     manager = task_manager(tasks, include_path)
-    scheme = quant.parse_quantize(quantize)
-    device_ = resolve_device(device)
-    run = load_run(path, which=which, device=device_, dtype=resolve_dtype(dtype, device_), quantize=scheme, rows=batch_size)
+    options = LoadOptions.parse(device=device, dtype=None, quantize=quantize, which=which, rows=batch_size)
+    options = dataclasses.replace(options, dtype=resolve_dtype(dtype, options.device))  # auto: what the device runs best
+    run = load_run(path, options)
     lm = QuillLM(run.model, run.tokenizer, batch_size=batch_size)
     results = lm_eval.simple_evaluate(
         model=lm,
@@ -311,13 +314,15 @@ def evaluate_tasks(
         log_samples=log_samples,
         bootstrap_iters=0,
     )
-    results["config"].update({"model": "quill", "model_args": {"ckpt": str(path), "which": which, "dtype": dtype, "quantize": scheme}})
+    results["config"].update(
+        {"model": "quill", "model_args": {"ckpt": str(path), "which": which, "dtype": dtype, "quantize": options.quantize}}
+    )
     return results
 
 
 def task_manager(tasks: list[str], include_path: str | Path | None = None) -> Any:
     """lm-eval's TaskManager that knows `tasks`: the local folder's alone when it has them all
-    (indexing lm-eval's ~15,000 built-in tasks takes half a minute), else the built-in ones too."""
+    (indexing lm-eval's many built-in tasks is slow: docs/performance.md), else the built-in ones too."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
@@ -333,6 +338,42 @@ def task_manager(tasks: list[str], include_path: str | Path | None = None) -> An
         where = f" (nor in {include_path})" if include_path else "; a local task needs --include-path DIR"
         raise QuillError(f"lm-eval has no task {', '.join(map(repr, unknown))}{where}; `lm_eval ls tasks` lists them")
     return manager
+
+
+@dataclass
+class TaskRuns:
+    """`quill eval --tasks`: each run's lm-eval results (evaluate_tasks), in order."""
+
+    runs: list[dict[str, Any]]
+
+    def to_json(self) -> str:
+        """lm-eval's results JSON: one run's object, or a list for several."""
+        return results_json(self.runs[0] if len(self.runs) == 1 else self.runs)
+
+
+def evaluate_runs(
+    paths: list[str | Path],
+    tasks: list[str],
+    *,
+    output_path: str | Path | None = None,
+    announce: Callable[[str], None] | None = None,
+    **settings: Any,
+) -> TaskRuns:
+    """Each run through evaluate_tasks (`settings`: its keywords); `announce` gets each run's table
+    as soon as it is scored; output_path: the results JSON written there (checked first: only an
+    earlier results file may be replaced)."""
+    if output_path is not None:
+        check_output_file(output_path, "--output-path", kind="lm-eval-results")
+    runs = []
+    for path in paths:
+        runs.append(evaluate_tasks(path, tasks, **settings))
+        if announce is not None:
+            quantize = settings.get("quantize") or "none"
+            announce(f"{path}{f' ({quantize})' if quantize != 'none' else ''}:\n{format_results(runs[-1])}")
+    done = TaskRuns(runs)
+    if output_path is not None:
+        atomic_write_text(output_path, done.to_json() + "\n")
+    return done
 
 
 def format_results(results: dict[str, Any]) -> str:

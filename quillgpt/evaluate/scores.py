@@ -41,19 +41,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from quillgpt import quant
 from quillgpt.data.batches import batch_from_starts
 from quillgpt.data.chat_batches import ChatRows
 from quillgpt.data.chat_data import encode_lines
 from quillgpt.data.prefix_batches import mask_prefix_targets
 from quillgpt.data.prepare import load_prepared, load_tokens, token_dtype
 from quillgpt.data.tokenizer import Tokenizer
-from quillgpt.device import resolve_device
 from quillgpt.errors import QuillError
 from quillgpt.files import read_text
 from quillgpt.model.gpt import evaluating
 from quillgpt.model.variants.prefix import eval_prefix_len
-from quillgpt.runs import load_run
+from quillgpt.runs import LoadOptions, load_run
 
 SPLITS = ("val", "train")
 
@@ -379,8 +377,8 @@ def evaluate_checkpoint(
         )
     if text_format == "chat" and stride is not None:  # before the load (a chat split: _score_rows says so)
         raise QuillError("--stride does not apply to --format chat: each conversation is one window")
-    scheme = quant.parse_quantize(quantize)
-    run = load_run(path, which=which, device=resolve_device(device), quantize=scheme)  # int8: wherever it runs fastest
+    options = LoadOptions.parse(device=device, quantize=quantize, which=which)
+    run = load_run(path, options)  # a quantized model scored even where it runs no faster
     kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
     if texts:
         results = [_score_text(run, t, text_format == "chat", skip_unknown, kwargs) for t in texts]
@@ -390,8 +388,28 @@ def evaluate_checkpoint(
         results = [_score_split(run, split, run.config.data.format == "chat", kwargs)]
         results[0].data = split
     for result in results:
-        result.checkpoint, result.step, result.quantize = str(path), run.step, scheme
+        result.checkpoint, result.step, result.quantize = str(path), run.step, options.quantize
     return results
+
+
+@dataclass
+class Scores:
+    """`quill eval`'s rows: each run's scores of its split or of each text, in order."""
+
+    results: list[EvalResult]
+
+    def table(self) -> str:
+        return format_table(self.results)
+
+    def to_json(self) -> str:
+        """One object for one row, else a list of them."""
+        rows = [r.to_dict() for r in self.results]
+        return json.dumps(rows[0] if len(rows) == 1 else rows)
+
+
+def evaluate_checkpoints(paths: list[str | Path], **settings: Any) -> Scores:
+    """`quill eval` without --tasks: each run scored by evaluate_checkpoint (`settings`: its keywords)."""
+    return Scores([result for path in paths for result in evaluate_checkpoint(path, **settings)])
 
 
 def format_table(results: list[EvalResult]) -> str:

@@ -15,8 +15,10 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from quillgpt import quant
 from quillgpt.data.chat_template import TRANSCRIPT_STOPS, Message, conversation_ids
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
@@ -25,6 +27,7 @@ from quillgpt.inference.driver import TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
 from quillgpt.model.gpt import GPT
+from quillgpt.runs import LoadOptions, load_run
 from quillgpt.sampling_params import SamplingParams
 
 
@@ -113,6 +116,23 @@ class ChatSession:
         finally:
             batch.leave(0)
             self.messages.append({"role": "assistant", "content": "".join(said)})
+
+
+def open_chat(
+    ckpt: str | Path, options: LoadOptions, system: str | None = None, flags: dict[str, Any] | None = None
+) -> tuple[ChatSession, str]:
+    """`quill chat`: load a run (a reply is one row) and start a conversation with `flags`
+    (SampleConfig's fields, None: not given) over the run's sample: config; (session, the header
+    line that says what the model is and how it runs)."""
+    flags = flags or {}
+    n = flags.get("max_new_tokens")
+    if n is not None and n < 1:
+        raise QuillError(f"--max-new-tokens {n}: a reply needs at least 1 token")
+    run = load_run(ckpt, dataclasses.replace(options, rows=1))
+    session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system, compile=options.compile)
+    kind = run_kind(run.config, run.tokenizer, run.step)
+    note = quant.weights_note(run.model, "; ", compiled=options.compile and run.model.variant.static_cache)
+    return session, f"chatting with {run.path}: {kind}{note}; /reset, /stats, /quit"
 
 
 def _pieces(batch: TextBatch, ids: list[int], params: SamplingParams, stats: ReplyStats) -> Iterator[str]:

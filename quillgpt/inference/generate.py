@@ -7,27 +7,33 @@ decoded together); with `use_cache=False` the Recompute engine reruns every step
 seeded seed + i, so a row's tokens are the same alone or in a batch, cached or not.
 
 `Generation` continues a batch of text prompts as text through the same engines and the one
-driver, text.TextBatch; `stream_text` and `generate_text` are its two everyday forms, and
-`quill sample` is a thin shell over it.
+driver, text.TextBatch; `stream_text` and `generate_text` are its two everyday forms. `open_sample`
+is `quill sample`: a run loaded and its Generation set up, as a `Sample` that prints itself as
+text, as its stats line and as JSON (--json).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor
 
+from quillgpt import quant
+from quillgpt.config import SampleConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.inference.driver import Join, Piece, TextBatch, TextStream, encode_prompt
 from quillgpt.inference.engine import MEMORY_FIX, Engine, Finish, Prompt, Rows, check_prompt
 from quillgpt.inference.recompute import Recompute
 from quillgpt.model.gpt import GPT
+from quillgpt.runs import LoadedRun, LoadOptions, load_run
 from quillgpt.sampling_params import SamplingParams, offset_seed
 
 
@@ -255,3 +261,83 @@ def generate_text(
     for _ in gen:
         pass
     return gen.texts, gen.stats
+
+
+@dataclass
+class Sample:
+    """`quill sample`: a prompt's samples being generated, with the run and settings they come from.
+    Iterate `generation` (or `write` it) once; then `stats_line` and `to_json` describe it."""
+
+    run: LoadedRun
+    generation: Generation
+    options: LoadOptions
+    prompt: str
+    use_cache: bool
+    load_s: float  # loading, quantizing (and any kernel probe): apart from the stats line's tokens/s
+
+    def write(self, out: TextIO, echo: bool = True, stream: bool = True) -> None:
+        """Sample 1 as it is generated (or at its end with stream=False), then samples 2..N in full,
+        each under a `--- sample i ---` header when there are several, each ending in a newline;
+        echo: each after its prompt."""
+        gen, shown = self.generation, self.prompt if echo else ""
+        head = (lambda i: f"--- sample {i} ---\n") if len(gen.prompt_ids) > 1 else (lambda i: "")
+        out.write(head(1) + shown)
+        out.flush()
+        for pieces in gen:
+            if stream and pieces[0]:
+                out.write(pieces[0])
+                out.flush()
+        if not stream:
+            out.write(gen.texts[0])
+        for i, sample in enumerate(gen.texts, 1):
+            if i > 1:
+                out.write(head(i) + shown + sample)
+            if not (shown + sample).endswith("\n"):
+                out.write("\n")
+
+    def stats_line(self) -> str:
+        """The line `quill sample` ends with: speeds, then how the step ran and what loading took."""
+        gen = self.generation
+        how = "compiled kv cache" if gen.compiled else "kv cache" if self.use_cache else "no kv cache"
+        note = quant.weights_note(gen.engine.model, compiled=gen.compiled)
+        where = f"{self.run.model.device.type}, {self.options.dtype_name}{note}"
+        return f"{gen.stats.line()} ({how}, {where}; load {self.load_s:.1f} s, not in tokens/s)"
+
+    def to_json(self) -> str:
+        """--json: generate everything, then one line: the prompt, the continuations, the settings
+        (the sampling settings used, how the model ran) and the stats."""
+        gen, params = self.generation, self.generation.params
+        for _ in gen:
+            pass
+        plan = quant.plan_of(gen.engine.model)
+        settings = {f.name: getattr(params, f.name) for f in dataclasses.fields(SampleConfig)}
+        settings.update(stop=list(params.stop), kv_cache=self.use_cache, compiled=gen.compiled, device=str(self.run.model.device))
+        settings.update(dtype=self.options.dtype_name, quantize=self.options.quantize_name)
+        settings["int8_kernel"] = None if plan is None else plan.pick(plan.rows)
+        record = {"checkpoint": str(self.run.path), "step": self.run.step, "prompt": self.prompt, "samples": gen.texts}
+        return json.dumps({**record, "settings": settings, "stats": gen.stats.to_dict()}, ensure_ascii=False) + "\n"
+
+
+def open_sample(
+    ckpt: str | Path,
+    prompt: str,
+    options: LoadOptions,
+    *,
+    samples: int = 1,
+    flags: dict[str, Any] | None = None,
+    stop: tuple[str, ...] = (),
+    use_cache: bool = True,
+) -> Sample:
+    """Load a run (its int8 kernels measured at `samples` rows) and set up the generation of
+    `samples` continuations of `prompt`: `flags` (SampleConfig's fields, None: not given) over the
+    run's sample: config. The flags and stop strings are checked before the checkpoint loads, and
+    the engine checks the KV cache fits before anything is made per sample."""
+    flags = flags or {}
+    if samples < 1:
+        raise QuillError(f"--num-samples must be at least 1, got {samples}")
+    SampleConfig().params(**flags, stop=stop)  # a bad flag fails before the checkpoint loads
+    started = time.perf_counter()
+    run = load_run(ckpt, dataclasses.replace(options, rows=samples))
+    params = run.config.sample.params(**flags, stop=stop)
+    gen = Generation(run.model, run.tokenizer, [prompt], samples=samples, params=params, use_cache=use_cache, compile=options.compile)
+    return Sample(run, gen, options, prompt, use_cache, time.perf_counter() - started)

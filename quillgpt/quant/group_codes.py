@@ -1,4 +1,4 @@
-"""Per-group weight codes, the parts int8 (model/quant.py) and int4 (model/int4.py) share: a
+"""Per-group weight codes, the parts int8 (quant/int8.py) and int4 (quant/int4.py) share: a
 row's weights viewed in groups with each group's range, codes rounded against a scale and an
 offset as stored, and the choice between two forms of a group (w ≈ q·s + o), whichever rebuilds
 it with less squared error.

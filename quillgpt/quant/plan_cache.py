@@ -1,5 +1,5 @@
 """Kernel plans kept across runs: `--quantize` measures which int8 kernel is fastest for each
-input size (model/quant.py), which took tens of seconds on a busy machine at every load. The
+input size (quant/plan.py), which took tens of seconds on a busy machine at every load. The
 plan is stored per machine, model shape and build of the C++ kernel in a JSON file under the
 user's cache directory ($QUILL_CACHE_DIR, else $XDG_CACHE_HOME/quillgpt, else
 ~/.cache/quillgpt), so the probe is paid once; deleting the file measures again. A cache that

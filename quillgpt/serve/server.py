@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from quillgpt.errors import QuillError
-from quillgpt.runs import LoadedRun, load_run
+from quillgpt.runs import LoadedRun, LoadOptions, load_run
 
 if TYPE_CHECKING:
     import uvicorn
@@ -116,20 +116,17 @@ def serve(
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
     from quillgpt import quant
-    from quillgpt.device import parse_dtype, resolve_device
 
     require_extra()
     from quillgpt.serve.routes import ServeOptions
 
     _check_settings(max_batch, max_tokens, port, api_key)
-    torch_dtype, scheme = parse_dtype(dtype), quant.parse_quantize(quantize)
-    run = load_run(
-        ckpt, which=which, device=resolve_device(device), dtype=torch_dtype, quantize=scheme, rows=max_batch
-    )  # int8 kernels measured at the engine's decode batch
+    load = LoadOptions.parse(device=device, dtype=dtype, quantize=quantize, which=which, rows=max_batch, compile=compile)
+    run = load_run(ckpt, load)  # int8 kernels measured at the engine's decode batch
     options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
     if compile:
         announce("compiling the decode step (30-60 s the first time on a machine, seconds from inductor's cache)")
-    app = make_app(run, options, max_batch, compile=compile)
+    app = make_app(run, options, max_batch, compile=load.compile)
     if app.state.compiled:
         announce(f"compiled the decode step in {app.state.compile_s:.1f}s")
     weights = quant.weights_note(run.model, "; ", compiled=app.state.compiled)

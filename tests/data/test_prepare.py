@@ -15,7 +15,7 @@ from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows
 from quillgpt.data.download import download
-from quillgpt.data.prepare import load_prepared, load_tokens, prepare, token_dtype
+from quillgpt.data.prepare import Manifest, load_prepared, load_tokens, prepare, token_dtype
 from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
 
@@ -42,6 +42,24 @@ def small_text(tmp_path, shakespeare_path):
 
 
 # --- prepare ---------------------------------------------------------------------------------
+
+
+def test_the_manifest_is_meta_json_key_for_key_and_reports_what_prepare_did(tmp_path, small_text):
+    cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="char", out_dir=str(tmp_path / "char"))
+    result = prepare(cfg, progress=False)
+    on_disk = json.loads((result.out_dir / "meta.json").read_text(encoding="utf-8"))
+    assert list(result.manifest.to_dict().items()) == list(on_disk.items())
+    assert Manifest.from_dict(on_disk) == result.manifest and result.manifest.chat is None
+    m = result.manifest
+    assert (m.train_tokens + m.val_tokens, m.shard_count, m.made_from(), m.skipped()) == (30_000, 2, "1 document(s)", (0, None))
+    assert re.fullmatch(
+        rf"prepared {re.escape(str(result.out_dir))}: 27,000 train \+ 3,000 val tokens in 2 shard\(s\) from 1 document\(s\), "
+        rf"char vocab {m.vocab_size} \(uint16\), 0\.03 MB in \d+\.\d\ds \(\d+\.\d MB/s\)",
+        result.report(),
+    )
+    again = prepare(cfg, progress=False)
+    assert not again.rebuilt and again.manifest == m
+    assert again.report() == f"up to date: {result.out_dir} (27,000 train + 3,000 val tokens; --force rebuilds)"
 
 
 def test_prepare_char_from_config(tmp_path, shakespeare_path):

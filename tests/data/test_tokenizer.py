@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -9,7 +10,7 @@ import tiktoken.load
 
 from quillgpt.cli import main
 from quillgpt.data.tokenizer import GPT4_SPLIT_PATTERN, TOKENIZER_NAMES, CharTokenizer, find_safe_cut, text_chunks
-from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer, tokenizer_from_spec
+from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer, tokenizer_from_spec, train_tokenizer
 from quillgpt.errors import QuillError
 
 MIXED = "Héllo, wörld! 日本語 🙂 naïve\n\tend <|endoftext|>"
@@ -272,3 +273,18 @@ def test_cli_tokenizer_train_force_overwrites(tmp_path, text, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tokenizer", "train", "-i", str(corpus), "-o", str(out), "--vocab-size", "300", "--force"])
     assert e.value.code == 0 and load_tokenizer(out).vocab_size == 300
+
+
+def test_train_tokenizer_saves_a_new_file_and_reports_its_compression(tmp_path):
+    src, out = tmp_path / "text.txt", tmp_path / "tok.json"
+    src.write_text("the quick brown fox jumps over the lazy dog\n" * 40, encoding="utf-8")
+    done = train_tokenizer(src, 270, out)
+    assert load_tokenizer(out).spec() == done.tokenizer.spec() and done.tokenizer.vocab_size == 270
+    tokens = sum(len(ids) for ids in done.tokenizer.encode_arrays(text_chunks(src.read_text(encoding="utf-8"))))
+    assert done.bytes_per_token == len(src.read_bytes()) / tokens > 1
+    assert re.fullmatch(
+        rf"saved {re.escape(str(out))}: vocab size 270, \d+\.\d\d bytes/token on {re.escape(str(src))}, trained in \d+\.\d\ds", done.line()
+    )
+    with pytest.raises(QuillError, match="--out"):  # a new file unless force
+        train_tokenizer(src, 270, out)
+    assert train_tokenizer(src, 260, out, force=True).tokenizer.vocab_size == 260

@@ -18,6 +18,7 @@ from quillgpt.errors import QuillError
 from quillgpt.evaluate import attention_views as viz
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import quantize
+from quillgpt.runs import LoadOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 ALPHABET = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind"
@@ -312,3 +313,23 @@ def test_every_token_of_the_readmes_prompt_is_labelled_in_the_4x4_grid():
     assert tick_labels(10, panel, 7) == (list(range(10)), 7)  # room to spare: the usual size
     ticks, size = tick_labels(1000, 2.0, 7)  # far too many: every k-th, at the smallest size
     assert size == SMALLEST_LABEL_PT and ticks[:2] == [0, ticks[1]] and 1 < ticks[1] and len(ticks) <= 2.0 * 72 / (size * 1.25) + 1
+
+
+# --- attention_report: quill attention ---------------------------------------------------------
+
+
+def test_attention_report_shows_the_loaded_models_heads_and_saves_the_summary_beside_the_image(tok, run_dir, tmp_path):
+    attn = viz.attention_weights(tiny_model(tok), tok, PROMPT)
+    summary = viz.head_summary(attn.weights)
+    report = viz.attention_report(run_dir, LoadOptions(), viz.AttentionRequest(PROMPT, layer="all", head=1, top_k=2))
+    rows = [r for r in summary if r["head"] == 1]
+    assert report.text == viz.render_text(attn.tokens, attn.weights, [0, 1], [1], 2) + "\n\n" + viz.format_head_table(rows)
+    assert report.note is None and report.summary == summary and report.attention.ids == attn.ids
+    out = tmp_path / "maps.svg"
+    report = viz.attention_report(run_dir, LoadOptions(), viz.AttentionRequest(PROMPT * 3, out=out))
+    heads = tmp_path / "maps.heads.json"
+    assert report.text.endswith(f"saved head summary (all layers) → {heads}\nsaved svg → {out}") and out.is_file()
+    assert report.note.startswith("note: the prompt is longer than block_size=24; kept its last 24 tokens")
+    assert json.loads(heads.read_text())["step"] == 7
+    with pytest.raises(QuillError, match="--format text prints to the terminal"):
+        viz.attention_report(run_dir, LoadOptions(), viz.AttentionRequest(PROMPT, out=out, fmt="text"))

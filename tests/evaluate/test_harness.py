@@ -16,7 +16,7 @@ from harness_support import MC, TASKS, responses, write_tasks  # noqa: E402
 from hf_support import CORPUS, make_hf_model  # noqa: E402
 
 from quillgpt.cli import main  # noqa: E402
-from quillgpt.evaluate.harness import QuillLM, evaluate_tasks  # noqa: E402
+from quillgpt.evaluate.harness import QuillLM, evaluate_runs, evaluate_tasks  # noqa: E402
 from quillgpt.evaluate.scores import evaluate_tokens  # noqa: E402
 from quillgpt.interop.convert import import_hf  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
@@ -100,6 +100,17 @@ def test_quill_eval_tasks_prints_the_table_and_writes_the_results(setup, tmp_pat
     with pytest.raises(SystemExit) as e:  # a file that is not lm-eval's results is not replaced
         main([*args, "--limit", "1", "--output-path", str(other)])
     assert e.value.code == 2 and "--output-path" in capsys.readouterr().err and other.read_text() == '{"mine": 1}'
+
+
+def test_evaluate_runs_announces_each_run_and_writes_them_all(setup, tmp_path):
+    _, run_dir, tasks = setup
+    said, out = [], tmp_path / "results.json"
+    done = evaluate_runs(
+        [run_dir, run_dir], ["tiny_mc"], output_path=out, announce=said.append, which="latest", limit=2, include_path=tasks
+    )
+    assert len(done.runs) == 2 and out.read_text() == done.to_json() + "\n"
+    assert [line.split("\n")[0] for line in said] == [f"{run_dir}:"] * 2 and all("acc_norm" in line for line in said)
+    assert [r["config"]["model_args"]["quantize"] for r in json.loads(out.read_text())] == [None, None]
 
 
 def test_without_lm_eval_tasks_names_the_extra(monkeypatch, capsys, tmp_path):

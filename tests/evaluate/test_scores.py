@@ -17,7 +17,15 @@ from quillgpt.data.batches import fixed_windows
 from quillgpt.data.prepare import load_tokens
 from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.evaluate.scores import evaluate_checkpoint, evaluate_text, evaluate_tokens, evaluate_windows
+from quillgpt.evaluate.scores import (
+    Scores,
+    evaluate_checkpoint,
+    evaluate_checkpoints,
+    evaluate_text,
+    evaluate_tokens,
+    evaluate_windows,
+    format_table,
+)
 from quillgpt.metrics_log import read_metrics
 from quillgpt.model.gpt import GPT
 from quillgpt.model.variants import VARIANTS
@@ -204,6 +212,16 @@ def test_cli_compares_checkpoints_and_texts(run, tmp_path, capsys):
     assert cli("--ckpt", best, "--ckpt", latest, "--text", str(text)) == 0
     table = capsys.readouterr().out.splitlines()
     assert "bits/byte" in table[0] and best in table[1] and latest in table[2]
+
+
+def test_evaluate_checkpoints_are_each_runs_rows_as_a_table_or_json(run, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be: that is the question.\n")
+    scores = evaluate_checkpoints([run, run / "ckpt.pt"], texts=[text], batch_size=4)
+    assert [(r.checkpoint, r.data) for r in scores.results] == [(str(run), str(text)), (str(run / "ckpt.pt"), str(text))]
+    assert json.loads(scores.to_json()) == [r.to_dict() for r in scores.results]
+    assert json.loads(Scores(scores.results[:1]).to_json()) == scores.results[0].to_dict()  # one row: its object
+    assert scores.table() == format_table(scores.results)
 
 
 def test_cli_int8_eval_scores_the_int8_model(run, capsys, fixed_int8_kernel):

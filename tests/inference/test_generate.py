@@ -3,20 +3,24 @@ past block_size too; seeded sampling (row i: seed + i); stop ids; bad input.
 Text layer: stop strings across token boundaries, UTF-8 streaming of characters split across
 GPT-2 tokens, batched text = text alone, empty prompts, stats."""
 
+import io
+import json
+import re
 import string
 
 import pytest
 import torch
 from support import BLOCK, PROMPTS, VARIANTS, V, random_model
 
-from quillgpt.config import ModelConfig
+from quillgpt.config import Config, ModelConfig, SampleConfig
 from quillgpt.data.tokenizer import CharTokenizer
 from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.inference.driver import StopStrings, TextStream, encode_prompt
-from quillgpt.inference.generate import Generation, generate_text, generate_tokens, stream_text
+from quillgpt.inference.generate import Generation, generate_text, generate_tokens, open_sample, stream_text
 from quillgpt.inference.sampling import apply_repetition_penalty
 from quillgpt.model.gpt import GPT
+from quillgpt.runs import LoadOptions, write_run
 
 INF = float("inf")
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
@@ -282,3 +286,57 @@ def test_join_all_refuses_a_key_already_generating_before_it_claims_a_row():
     assert batch.free() == 2 and len(batch) == 1
     pieces = batch.join_all([Join(k, Prompt(PROMPTS[1], params)) for k in ("b", "c")])
     assert [p.key for p in pieces] == ["b", "c"] and batch.free() == 0
+
+
+# --- open_sample: quill sample's generation ----------------------------------------------------
+
+SAMPLE_SETTINGS = ["max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop"]
+
+
+@pytest.fixture(scope="module")
+def sample_run(tmp_path_factory):
+    """A run directory holding random_model with the CHARS vocabulary, step 3."""
+    model, run = random_model(), tmp_path_factory.mktemp("sample") / "run"
+    run.mkdir()
+    write_run(run, Config(model=model.config), CharTokenizer(CHARS), model.state_dict(), step=3)
+    return run, model
+
+
+def test_open_sample_is_generate_text_on_the_loaded_run_and_says_so_as_json(sample_run):
+    run, model = sample_run
+    flags = {"max_new_tokens": 5, "temperature": 0.0}
+    sample = open_sample(run, "ab", LoadOptions(which="latest"), samples=2, flags=flags, stop=("zz",))
+    got = json.loads(sample.to_json())
+    expected, _ = generate_text(model, CharTokenizer(CHARS), ["ab"], samples=2, params=SampleConfig().params(**flags, stop=("zz",)))
+    assert got["samples"] == expected == sample.generation.texts and (got["step"], got["prompt"]) == (3, "ab")
+    assert list(got["settings"]) == [*SAMPLE_SETTINGS, "kv_cache", "compiled", "device", "dtype", "quantize", "int8_kernel"]
+    assert {k: got["settings"][k] for k in ("stop", "kv_cache", "device", "dtype", "quantize")} == {
+        "stop": ["zz"],
+        "kv_cache": True,
+        "device": "cpu",
+        "dtype": "float32",
+        "quantize": "none",
+    }
+    assert got["stats"]["prompt_tokens"] == [2, 2] and got["checkpoint"] == str(run / "ckpt.pt")
+    pattern = r"prompt 2 tokens x 2 samples, \d+ new tokens, .*\(kv cache, cpu, float32; load \d+\.\d s, not in tokens/s\)"
+    assert re.fullmatch(pattern, sample.stats_line())
+
+
+def test_sample_writes_each_sample_under_its_header_after_its_prompt(sample_run):
+    run, _ = sample_run
+    for stream in (True, False):
+        sample = open_sample(run, "ab", LoadOptions(which="latest"), samples=2, flags={"max_new_tokens": 4}, use_cache=False)
+        out = io.StringIO()
+        sample.write(out, echo=True, stream=stream)
+        texts = sample.generation.texts
+        assert out.getvalue() == "".join(f"--- sample {i} ---\nab{t}" + ("" if t.endswith("\n") else "\n") for i, t in enumerate(texts, 1))
+        assert "no kv cache" in sample.stats_line()
+
+
+def test_open_sample_refuses_bad_flags_before_loading(tmp_path):
+    with pytest.raises(QuillError, match="--num-samples must be at least 1, got 0"):
+        open_sample(tmp_path / "missing", "", LoadOptions(), samples=0)
+    with pytest.raises(QuillError, match="--stop"):
+        open_sample(tmp_path / "missing", "", LoadOptions(), stop=("",))
+    with pytest.raises(QuillError, match="--top-p"):
+        open_sample(tmp_path / "missing", "", LoadOptions(), flags={"top_p": 2.0})
