@@ -52,16 +52,15 @@ from harness import (
     read_bandwidth,
     step_weight_bytes,
     timed,
+    tiny_run,
     trainer,
 )
 from torch import nn
 
-from quillgpt import checkpoint as ckpt
 from quillgpt import runs
 from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config
 from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows
 from quillgpt.data.prepare import load_tokens, prepare
-from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops
 from quillgpt.errors import QuillError
 from quillgpt.inference.engine import in_dtype
@@ -577,18 +576,6 @@ def loss_check(
 # --- sample suite -----------------------------------------------------------------------------
 
 
-def make_run(work: Path, block: int, text: str, shape: dict[str, int]) -> Path:
-    """A quill run directory holding a random-init char model, 6L/6H/384 (`shape`), biases on as GPT-2's."""
-    tok = build_tokenizer("char", text)
-    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=block, bias=True, dropout=0.0, **shape))
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    run = work / f"run{block}"
-    run.mkdir(parents=True, exist_ok=True)
-    ckpt.save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0}, run / ckpt.LATEST)
-    return run
-
-
 def shape(model: GPT) -> str:
     return f"{model.config.n_layer}L/{model.config.n_head}H/{model.config.n_embd}"
 
@@ -627,7 +614,7 @@ def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
     for block in args.sample_blocks:
-        run = make_run(work, block, text, SMOKE_SAMPLE if args.smoke else SAMPLE)
+        run = tiny_run(work / f"run{block}", text, block_size=block, bias=True, **(SMOKE_SAMPLE if args.smoke else SAMPLE))
         loaded = runs.load_run(run, which="latest")
         hf = hf_model(run, work / f"hf{block}")
         for B in (1,) if args.smoke else (1, 8):
