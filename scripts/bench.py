@@ -614,9 +614,10 @@ def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
     for block in args.sample_blocks:
-        run = tiny_run(work / f"run{block}", text, block_size=block, bias=True, **(SMOKE_SAMPLE if args.smoke else SAMPLE))
+        shape = SMOKE_SAMPLE if args.smoke else SAMPLE
+        run = tiny_run(work / f"run{block}", text, block_size=block, bias=True, pos=args.sample_pos, **shape)
         loaded = runs.load_run(run, which="latest")
-        hf = hf_model(run, work / f"hf{block}")
+        hf = hf_model(run, work / f"hf{block}") if args.sample_pos == "learned" else None  # GPT-2: learned positions
         for B in (1,) if args.smoke else (1, 8):
             sample_group(report, args, loaded.model, hf, loaded.tokenizer, text, block, B)
         prefill_group(report, args, loaded.model, hf, loaded.tokenizer, text, block)
@@ -667,7 +668,7 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
             fns["quill engine, compiled decode"] = quill("quill compiled", model, compile=True)
             if "int8" in runs:
                 fns["quill engine, int8, compiled decode"] = quill("int8 compiled", runs["int8"], compile=True)
-    hf_ok = prompt_len + n_new <= hf.config.n_positions
+    hf_ok = hf is not None and prompt_len + n_new <= hf.config.n_positions
     if hf_ok:
         fns["transformers generate (use_cache)"] = transformers
     mem: dict[str, float] = {}
@@ -708,7 +709,9 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
                 "transformers generate (use_cache)",
                 "new tokens/s",
                 None,
-                note=(f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past"),
+                note=f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past"
+                if hf is not None
+                else "n/a: transformers' GPT-2 has learned positions",
             )
         )
     report.add(
@@ -830,7 +833,8 @@ def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any,
 
         fns[f"quill, batch {B}"] = q_first
         fns[f"quill int8, batch {B}"] = functools.partial(q_first, prompts, int8)
-        fns[f"transformers, batch {B}"] = hf_first
+        if hf is not None:
+            fns[f"transformers, batch {B}"] = hf_first
     for fn in fns.values():
         fn()
     for name, xs in interleaved(fns, at_least(args, 3, args.sample_reps)).items():
@@ -1091,6 +1095,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-tokens", type=int, default=1000)
     p.add_argument("--recompute-tokens", type=int, default=100)
     p.add_argument("--sample-reps", type=int, default=3)
+    p.add_argument(
+        "--sample-pos", choices=["learned", "rope"], default="learned", help="sample suite: positions (rope keeps the cache past the block)"
+    )
     p.add_argument(
         "--sample-blocks", type=int, nargs="+", default=[1024, 256], help="sample suite: the model's block sizes (default 1024 256)"
     )
