@@ -12,18 +12,16 @@ nats/token and the change against the run itself. Files go to a temporary direct
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness import add_common, text_path, tiny_run
 
-from quillgpt.evaluate.scores import evaluate_text  # noqa: E402
-from quillgpt.interop.gguf_family import WRITE_TYPES  # noqa: E402
-from quillgpt.interop.gguf_read import import_gguf  # noqa: E402
-from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
-from quillgpt.runs import load_run  # noqa: E402
+from quillgpt.evaluate.scores import evaluate_text
+from quillgpt.interop.gguf_family import WRITE_TYPES
+from quillgpt.interop.gguf_read import import_gguf
+from quillgpt.interop.gguf_write import export_gguf
+from quillgpt.runs import load_run
 
 
 def loss(run_dir: Path, text: str, which: str, stride: int | None) -> float:
@@ -34,17 +32,21 @@ def loss(run_dir: Path, text: str, which: str, stride: int | None) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", type=Path)
-    p.add_argument("--text", type=Path, required=True)
+    p.add_argument("run", type=Path, nargs="?", help="a quill run (--smoke: a tiny random one)")
     p.add_argument("--chars", type=int, default=8000)
     p.add_argument("--which", default="latest")
     p.add_argument("--stride", type=int, default=None)
     p.add_argument("--types", nargs="+", default=list(WRITE_TYPES))
+    add_common(p, text=True)
     a = p.parse_args()
-    text = a.text.read_text()[: a.chars]
-    own = loss(a.run, text, a.which, a.stride)
-    print(f"| type | MB | nats/token | change vs the run ({own:.5f}) |\n|---|---:|---:|---:|")
+    text = text_path(a.text).read_text()[: a.chars]
     with tempfile.TemporaryDirectory() as tmp:
+        if a.smoke:
+            a.run, a.which = tiny_run(Path(tmp) / "tiny", text), "latest"
+        elif a.run is None:
+            raise SystemExit("error: name a RUN, or --smoke")
+        own = loss(a.run, text, a.which, a.stride)
+        print(f"| type | MB | nats/token | change vs the run ({own:.5f}) |\n|---|---:|---:|---:|")
         for kind in a.types:
             path = export_gguf(a.run, Path(tmp) / f"{kind}.gguf", kind=kind, which=a.which).path
             mb = path.stat().st_size / 1e6

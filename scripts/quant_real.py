@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import add_common, load_line, skipped, tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
-from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.model.int4 import Bf16Linear, Int4Linear  # noqa: E402
-from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, plan_of, quantize  # noqa: E402
-from quillgpt.runs import load_run  # noqa: E402
+from quillgpt.inference.chat_session import chat_prompt_ids
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.model.gpt import GPT
+from quillgpt.model.int4 import Bf16Linear, Int4Linear
+from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, plan_of, quantize
+from quillgpt.runs import load_run
 
 PROMPTS = [
     "Give me three tips for sleeping better.",
@@ -124,16 +121,32 @@ def shared(a: list[int], b: list[int]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", type=Path, required=True)
-    p.add_argument("--text", type=Path, required=True, help="scored on its last --positions tokens")
+    p.add_argument("--ckpt", type=Path, help="a quill run (an imported chat model)")
     p.add_argument("--positions", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=40, help="greedy tokens compared per prompt")
     p.add_argument("--scheme", action="append", default=[], help="a --quantize scheme (repeatable)")
     p.add_argument("--group", type=int, action="append", default=[], help="int8 with this many weights per scale (repeatable)")
     p.add_argument("--int8-activations", action="store_true", help="also each scheme with its linears' inputs rounded to int8 per 32")
     p.add_argument("--gguf", type=Path, action="append", default=[], help="the same model as a GGUF file: llama.cpp's row (repeatable)")
+    add_common(p, text=True)
     args = p.parse_args()
-    print(f"load average before: {os.getloadavg()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:  # a tiny random model scored on its own characters
+            args.ckpt, args.positions, args.tokens, args.scheme = tiny_run(Path(tmp) / "tiny"), 64, 4, ["int8", "int4"]
+            args.text = Path(tmp) / "text.txt"
+            args.text.write_text("".join(map(chr, range(32, 127))) * 2)
+            if args.gguf:
+                skipped("llama.cpp rows", "--smoke")
+                args.gguf = []
+        elif args.ckpt is None or args.text is None:
+            raise SystemExit("error: --ckpt RUN and --text FILE are needed, or --smoke")
+        print(load_line("before"), flush=True)
+        compare(args)
+        print(f"\n{load_line('after')}")
+
+
+def compare(args: argparse.Namespace) -> None:
+    """fp32's loss, top-1 and greedy tokens, then every scheme's (and each GGUF's) against them: the table."""
     run = load_run(args.ckpt)
     tok = run.tokenizer
     ids = torch.tensor(tok.encode(args.text.read_text())[-args.positions - 1 :])[None]
@@ -141,8 +154,8 @@ def main() -> None:
     base_loss, base_top = scored(run.model, ids)
     base = greedy(run.model, prompts, args.tokens)
     print(f"fp32 loss {base_loss:.4f}; fp32 sleeping tips: {tok.decode(base[0])!r}\n", flush=True)
-    print("| weights | activations | loss | Δ loss | top-1 agreement | prompts keeping 40 greedy tokens | tokens kept per prompt |")
-    print("|---|---|---|---|---|---|---|")
+    kept = f"prompts keeping {args.tokens} greedy tokens"
+    print(f"| weights | activations | loss | Δ loss | top-1 agreement | {kept} | tokens kept per prompt |\n|---|---|---|---|---|---|---|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
         for kernel in ["dequant/model", "plan"] + (["int8 activations"] if args.int8_activations else []):  # "plan": --quantize's kernels
@@ -173,7 +186,6 @@ def main() -> None:
             f"| {100 * float((top == base_top[0]).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |",
             flush=True,
         )
-    print(f"\nload average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":
