@@ -61,20 +61,19 @@ def skipped(what: str, why: str) -> None:
 
 
 def tiny_run(out: Path, text: str = "\n" + "".join(map(chr, range(32, 127))), **model: Any) -> Path:
-    """A quill run directory of a random-init char model on `text`'s characters (printable ASCII; 1 layer × 32 unless `model` says
-    otherwise): what --smoke runs on instead of a trained or imported one."""
-    from quillgpt import checkpoint
+    """A run directory (config.yaml, tokenizer.json, ckpt.pt) of a random-init char model of `text`'s
+    characters (printable ASCII; 1 layer × 32 unless `model` says otherwise): what --smoke runs on."""
     from quillgpt.config import Config, ModelConfig
     from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.model.gpt import GPT
+    from quillgpt.runs import write_run
 
     tok = build_tokenizer("char", text)
     shape = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 128, "dropout": 0.0, **model}
     cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, **shape))
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
-    state = {"model": GPT(cfg.model).state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0}
-    checkpoint.save_checkpoint(state, out / checkpoint.LATEST)
+    write_run(out, cfg, tok, GPT(cfg.model).state_dict())
     return out
 
 
