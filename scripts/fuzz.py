@@ -20,6 +20,7 @@ run, its data or the HF export that changed). It prints the counts with a few ex
 failure and exits 1 if any count but "cases" is non-zero.
 
     python scripts/fuzz.py --minutes 10
+    python scripts/fuzz.py --smoke                # the workspace, then a few seconds of cases
 """
 
 from __future__ import annotations
@@ -683,7 +684,14 @@ def main() -> None:
         help="the checkout whose quill is fuzzed (default: this one; e.g. an older commit's worktree, for a before/after)",
     )
     parser.add_argument("--data-path", type=Path, help="Tiny Shakespeare (default: data/downloads/input.txt, where the quickstart put it)")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds of cases after the workspace is built")
     args = parser.parse_args()
+    tree = str(args.tree.resolve())
+    if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != tree:  # quillgpt is imported from --tree: run again with it first
+        paths = os.pathsep.join([tree, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONPATH": paths})
+    if args.smoke:
+        args.minutes = 0.05
     global TEXT
     TEXT = (args.data_path or TEXT).resolve()  # (quillgpt is not imported here: --tree says which one runs)
     if not TEXT.is_file():
@@ -691,7 +699,6 @@ def main() -> None:
             f"error: no Tiny Shakespeare at {TEXT}: `quill train --config configs/quickstart.yaml` downloads it, or pass --data-path FILE"
         )
     os.environ.pop("QUILL_DEBUG", None)
-    sys.path.insert(0, str(args.tree.resolve()))
     root = Path(tempfile.mkdtemp(prefix="quill-fuzz-", dir=args.workdir))
     cwd = os.getcwd()
     os.chdir(root)  # an empty output path writes to the working directory: let that be the workspace
