@@ -396,23 +396,8 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             st = Stats.of([tokens / x for x in samples[name]])
             ms = statistics.median(samples[name]) * 1e3
             peak = peaks[dtype].median
-            report.add(
-                Row(
-                    group,
-                    name,
-                    "tokens/s",
-                    st.median,
-                    st.lo,
-                    st.hi,
-                    extra={
-                        "ms/step": ms,
-                        "MFU": f"{fpt * st.median / peak:.1%}",
-                        "vs reference": f"{ref_ms / ms:.2f}×",
-                        "peak RSS MB": memory[name].rss_mb,
-                    },
-                    note=notes.get(name, ""),
-                )
-            )
+            extra = {"ms/step": ms, "MFU": f"{fpt * st.median / peak:.1%}", "vs reference": f"{ref_ms / ms:.2f}×"}
+            report.add(Row.of(group, name, "tokens/s", st, extra | {"peak RSS MB": memory[name].rss_mb}, notes.get(name, "")))
         report.print_group(group)
         del variants
     recipe_step_group(report, args, train_tokens, vocab, source)
@@ -487,22 +472,9 @@ def recipe_step_group(report: Report, args: argparse.Namespace, tokens: np.ndarr
     for name, xs in samples.items():
         st = Stats.of([x * 1e3 for x in xs])
         whole = "alone" not in name
-        report.add(
-            Row(
-                group,
-                name,
-                "ms",
-                st.median,
-                st.lo,
-                st.hi,
-                extra={
-                    "tokens/s": tokens_per_step / statistics.median(xs) if whole else "",
-                    "vs plain step": f"{base / statistics.median(xs):.2f}×"
-                    if whole
-                    else f"{statistics.median(xs) / base:.0%} of a plain step",
-                },
-            )
-        )
+        med = statistics.median(xs)
+        vs = f"{base / med:.2f}×" if whole else f"{med / base:.0%} of a plain step"
+        report.add(Row.of(group, name, "ms", st, {"tokens/s": tokens_per_step / med if whole else "", "vs plain step": vs}))
     report.print_group(group)
 
 
@@ -557,19 +529,8 @@ def loss_check(
                 losses.append(model(x, y)[1].item())
         last = curves[name][-20:]
         diff = max(abs(a - b) for a, b in zip(curves[name], base))
-        report.add(
-            Row(
-                group,
-                name,
-                "val loss",
-                f"{statistics.mean(losses):.4f}",
-                extra={
-                    "train loss (last 20)": f"{statistics.mean(last):.4f}",
-                    "max |Δ train loss| vs quill fp32": f"{diff:.4f}",
-                    "wall s": seconds[name],
-                },
-            )
-        )
+        extra = {"train loss (last 20)": f"{statistics.mean(last):.4f}", "max |Δ train loss| vs quill fp32": f"{diff:.4f}"}
+        report.add(Row(group, name, "val loss", f"{statistics.mean(losses):.4f}", extra=extra | {"wall s": seconds[name]}))
     report.print_group(group)
 
 
@@ -699,33 +660,18 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
         note = sample_note(name, tokens, past_window, block, hf_ok, warm[name] - xs[0])
         if name == "quill engine, int8 weights":
             note += f"; quantize at load {quantize_s:.1f} s, decode kernel {plan_of(runs['int8']).pick(B)}"
-        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra, note=note))
+        report.add(Row.of(group, name, "new tokens/s", st, extra, note))
     if refused:
         report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {refused}"))
     if not hf_ok:
-        report.add(
-            Row(
-                group,
-                "transformers generate (use_cache)",
-                "new tokens/s",
-                None,
-                note=f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past"
-                if hf is not None
-                else "n/a: transformers' GPT-2 has learned positions",
-            )
+        past = (
+            f"{prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past" if hf is not None else ""
         )
-    report.add(
-        Row(
-            group,
-            "quill recompute (no cache)",
-            "new tokens/s",
-            rec.median,
-            rec.lo,
-            rec.hi,
-            extra=sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"]),
-            note=f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median",
-        )
-    )
+        why = past or "transformers' GPT-2 has learned positions"
+        report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=f"n/a: {why}"))
+    extra = sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"])
+    note = f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"
+    report.add(Row.of(group, "quill recompute (no cache)", "new tokens/s", rec, extra, note))
     report.add(bounds_row(group, bounds))
     report.print_group(group)
 
@@ -737,15 +683,13 @@ def bounds_row(group: str, bounds: dict[str, dict[str, float]]) -> Row:
     reads = ", ".join(f"{k} {b['bytes'] / 1e6:.0f} MB at {b['bw'] / 1e9:.0f} GB/s" for k, b in bounds.items())
     peaks = ", ".join(f"{k} {b['peak'] / 1e9:.0f}" for k, b in bounds.items())
     flops = next(iter(bounds.values()))["flops"]
+    note = f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); peak matmul GFLOP/s ({peaks})"
     return Row(
         group,
         f"bounds ({' | '.join(bounds)})",
         "new tokens/s",
         f"{bw} bw, {compute} compute",
-        note=(
-            f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); "
-            f"peak matmul GFLOP/s ({peaks}) / {flops / 1e6:.1f} MFLOP a token"
-        ),
+        note=f"{note} / {flops / 1e6:.1f} MFLOP a token",
     )
 
 
@@ -840,7 +784,7 @@ def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any,
     for name, xs in interleaved(fns, at_least(args, 3, args.sample_reps)).items():
         st = Stats.of([x * 1e3 for x in xs])
         B = int(name.rsplit(" ", 1)[1])
-        report.add(Row(group, name, "ms", st.median, st.lo, st.hi, extra={"prompt tokens/s": B * p_len / (st.median / 1e3)}))
+        report.add(Row.of(group, name, "ms", st, {"prompt tokens/s": B * p_len / (st.median / 1e3)}))
     report.print_group(group)
 
 
@@ -875,7 +819,7 @@ def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     samples = interleaved(fns, at_least(args, 5))
     for name, xs in samples.items():
         st = Stats.of([size_mb / x for x in xs])
-        report.add(Row(group, name, "MB/s", st.median, st.lo, st.hi, extra={"ms": statistics.median(xs) * 1e3, "peak RSS MB": mem[name]}))
+        report.add(Row.of(group, name, "MB/s", st, {"ms": statistics.median(xs) * 1e3, "peak RSS MB": mem[name]}))
     report.print_group(group)
 
 
@@ -922,14 +866,9 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     bandwidth, matmul = cuda_copy_bandwidth(), cuda_matmul_peak()
     group = f"gpu: {name}, ceilings measured in this run"
     report.add(Row(group, "device-to-device copy, 2 GiB", "GB/s", bandwidth / 1e9, note="bytes read + written"))
+    sheet = (peak_flops(device, torch.bfloat16) or math.nan) / 1e12
     report.add(
-        Row(
-            group,
-            "bf16 matmul 8192³, random data",
-            "TFLOP/s",
-            matmul / 1e12,
-            note=f"datasheet dense bf16 (device.GPU_PEAKS): {(peak_flops(device, torch.bfloat16) or math.nan) / 1e12:.0f}",
-        )
+        Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12, note=f"datasheet dense bf16 (device.GPU_PEAKS): {sheet:.0f}")
     )
     report.print_group(group)
     cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
@@ -982,23 +921,10 @@ def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, 
     for vname, xs in samples.items():
         st = Stats.of([batch * cfg.block_size / x for x in xs])
         _, mem, warm = variants[vname]
-        report.add(
-            Row(
-                group,
-                vname,
-                "tokens/s",
-                st.median,
-                st.lo,
-                st.hi,
-                extra={
-                    "ms/step": statistics.median(xs) * 1e3,
-                    "MFU": f"{fpt * st.median / peak:.1%}",
-                    "of measured matmul": f"{fpt * st.median / matmul:.1%}",
-                    "CUDA max alloc MB": mem.cuda_mb,
-                },
-                note=f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s",
-            )
-        )
+        extra = {"ms/step": statistics.median(xs) * 1e3, "MFU": f"{fpt * st.median / peak:.1%}"}
+        extra |= {"of measured matmul": f"{fpt * st.median / matmul:.1%}", "CUDA max alloc MB": mem.cuda_mb}
+        note = f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s"
+        report.add(Row.of(group, vname, "tokens/s", st, extra, note))
     report.print_group(group)
 
 
@@ -1051,28 +977,11 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
             )
             if key == "int8" and "eager" in vname:
                 note = f"greedy tokens = bf16 eager's for {agreement(out['int8 False'], out['bf16 False'])}"
-            report.add(
-                Row(
-                    group,
-                    vname,
-                    "new tokens/s",
-                    st.median,
-                    st.lo,
-                    st.hi,
-                    extra={"of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]},
-                    note=note,
-                )
-            )
+            extra = {"of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]}
+            report.add(Row.of(group, vname, "new tokens/s", st, extra, note))
         reads = ", ".join(f"{k} {(step_weight_bytes(m) + kv) / 1e6:,.0f} MB" for k, m in runs.items())
-        report.add(
-            Row(
-                group,
-                f"bound ({' | '.join(runs)})",
-                "new tokens/s",
-                " | ".join(f"{b:,.0f}" for b in bounds.values()),
-                note=(f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)"),
-            )
-        )
+        note = f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)"
+        report.add(Row(group, f"bound ({' | '.join(runs)})", "new tokens/s", " | ".join(f"{b:,.0f}" for b in bounds.values()), note=note))
         report.print_group(group)
 
 

@@ -263,6 +263,11 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)  # more columns: ms/step, MFU, ratio, ...
     note: str = ""
 
+    @classmethod
+    def of(cls, group: str, name: str, metric: str, st: Stats, extra: dict[str, Any] | None = None, note: str = "") -> Row:
+        """A row of a measured figure: its median and min–max."""
+        return cls(group, name, metric, st.median, st.lo, st.hi, extra or {}, note)
+
 
 class Report:
     """Rows printed group by group as aligned tables, and the whole run as JSON."""
