@@ -33,7 +33,6 @@ import contextlib
 import copy
 import ctypes
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -203,7 +202,8 @@ def llama_ratios(speeds: dict[str, list[float]]) -> dict[str, tuple[str, list[fl
 def print_ratios(speeds: dict[str, list[float]]) -> None:
     """Each quill row over the llama.cpp row of its kind: the median of the per-rep ratios."""
     for name, (kind, ratios) in llama_ratios(speeds).items():
-        print(f"{name} / llama.cpp {kind}: {statistics.median(ratios):.3f}× (per-rep {min(ratios):.3f}–{max(ratios):.3f})")
+        st = Stats.of(ratios)
+        print(f"{name} / llama.cpp {kind}: {st.median:.3f}× (per-rep {st.lo:.3f}–{st.hi:.3f})")
 
 
 if __name__ == "__main__":
