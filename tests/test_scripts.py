@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support import ROOT
@@ -65,13 +66,26 @@ def test_every_script_but_the_harness_has_a_smoke_run():
         assert "add_common(" in source or '"--smoke"' in source, name
 
 
+def smoke(name, text, tmp):
+    """One script's --smoke run in `tmp`, with the worktree's package and a kernel-plan cache of its own."""
+    args = [*SMOKE[name], *(["--data-path", str(text)] if name in TEXT else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "QUILL_CACHE_DIR": str(tmp / "cache")}
+    command = [sys.executable, str(SCRIPTS / name), "--smoke", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=tmp, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request, small_text, tmp_path_factory):
+    """The selected scripts' smoke runs, started together, as many at once as there are cores (most
+    of a run is importing torch on one core): each test waits for its own."""
+    names = [item.callspec.params["name"] for item in request.session.items if item.originalname == "test_smoke_run"]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        yield {name: pool.submit(smoke, name, small_text, tmp_path_factory.mktemp(name)) for name in names}
+
+
 @pytest.mark.parametrize("name", sorted(SMOKE))
-def test_smoke_run(name, small_text, tmp_path):
-    args = [*SMOKE[name], *(["--data-path", str(small_text)] if name in TEXT else [])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), "--smoke", *args], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
-    )
+def test_smoke_run(name, smoke_runs):
+    done = smoke_runs[name].result()
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
