@@ -729,13 +729,9 @@ def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv, "peak": peak, "flops": flops}
 
 
-_PEAKS: dict[torch.dtype, float] = {}
-
-
+@functools.cache
 def matmul_peak(dtype: torch.dtype) -> float:
-    if dtype not in _PEAKS:
-        _PEAKS[dtype] = measure_matmul_peak(dtype, seconds=0.5)
-    return _PEAKS[dtype]
+    return measure_matmul_peak(dtype, seconds=0.5)
 
 
 def bound_fractions(tps: float, bounds: dict[str, float]) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -172,18 +173,17 @@ def run_child(cmd: list[str], **kw: Any) -> tuple[float, float, str]:
     return time.perf_counter() - start, usage.ru_maxrss / 1024, out
 
 
-def read_bandwidth(nbytes: int, _seen: dict[int, float] = {}) -> float:  # noqa: B006 (a cache per size)
+@functools.cache
+def read_bandwidth(nbytes: int) -> float:
     """Bytes/s of summing an `nbytes` buffer over and over, as a decode step re-reads its weights
     (from the last-level cache when they fit there, else from memory); measured once per size."""
-    if nbytes not in _seen:
-        x = torch.ones(max(nbytes // 4, 1))
+    x = torch.ones(max(nbytes // 4, 1))
+    x.sum()
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < 0.5:
         x.sum()
-        reps, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < 0.5:
-            x.sum()
-            reps += 1
-        _seen[nbytes] = reps * x.nbytes / elapsed
-    return _seen[nbytes]
+        reps += 1
+    return reps * x.nbytes / elapsed
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
