@@ -592,32 +592,11 @@ def check(tally: Tally, r, what: object) -> None:
 
 
 def start_server(w: dict, tree: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "quillgpt",
-        "serve",
-        "--ckpt",
-        str(w["run"]),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-batch",
-        "4",
-        "--device",
-        "cpu",
-    ]
+    from harness import serve  # (here: nothing is imported before main runs again with --tree first)
+
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     env.pop("QUILL_API_KEY", None)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    found = re.search(r"(http://127\.0\.0\.1:\d+)/", proc.stderr.readline())
-    if not found:
-        proc.kill()
-        sys.exit(f"quill serve did not start: {proc.stderr.read()[-2000:]}")
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()  # the server's log, kept
-    return proc, found.group(1), log
+    return serve(w["run"], "--max-batch", "4", "--device", "cpu", env=env, echo=False)
 
 
 # --- main -----------------------------------------------------------------------------------

@@ -21,10 +21,12 @@ import gc
 import math
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,6 +173,25 @@ def run_child(cmd: list[str], **kw: Any) -> tuple[float, float, str]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{out[-3000:]}")
     return time.perf_counter() - start, usage.ru_maxrss / 1024, out
+
+
+def serve(ckpt: str | Path, *flags: str, env: dict[str, str] | None = None, echo: bool = True) -> tuple[subprocess.Popen, str, list[str]]:
+    """`quill serve` on a free loopback port once it prints the address it listens on: the process,
+    that http://127.0.0.1:PORT address and its log from then on (kept by a thread, so the pipe never
+    fills); the start-up lines echoed (the weights it serves)."""
+    cmd = [sys.executable, "-m", "quillgpt", "serve", "--ckpt", str(ckpt), "--host", "127.0.0.1", "--port", "0", *flags]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    seen: list[str] = []  # warnings and --compile's lines come before the one with the address
+    while not (found := re.search(r"(http://127\.0\.0\.1:\d+)/", line := proc.stderr.readline())) and line:
+        seen.append(line)
+    if not found:
+        proc.kill()
+        raise SystemExit(f"quill serve did not start: {''.join(seen)[-2000:]}")
+    if echo:
+        print("".join(seen) + line.strip(), flush=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    return proc, found.group(1), log
 
 
 @functools.cache

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
-from harness import add_common, load_line, machine_line, tiny_run
+from harness import add_common, load_line, machine_line, serve, tiny_run
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = [
@@ -180,40 +179,6 @@ def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Ra
     return out
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`quill serve` on a free loopback port; prints its start-up line (the weights it serves)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "quillgpt",
-        "serve",
-        "--ckpt",
-        args.ckpt,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-batch",
-        str(args.max_batch),
-        "--device",
-        args.device,
-        "--quantize",
-        args.quantize,
-    ]
-    if args.compile:
-        cmd.append("--compile")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    seen: list[str] = []  # warnings and --compile's lines come before the one with the address
-    while not (found := re.search(r"(http://127\.0\.0\.1:\d+)/", line := proc.stderr.readline())) and line:
-        seen.append(line)
-        print(line.strip(), flush=True)
-    if not found:
-        proc.kill()
-        sys.exit(f"quill serve did not start: {''.join(seen)[-2000:]}")
-    print(line.strip(), flush=True)
-    return proc, found.group(1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group()
@@ -239,7 +204,8 @@ def main() -> None:
         elif args.ckpt is None and args.url is None:
             sys.exit("error: --ckpt RUN or --url URL is needed, or --smoke")
         print(f"{machine_line()}\n{load_line('before')}", flush=True)
-        proc, url = start_server(args) if args.ckpt is not None else (None, args.url)
+        flags = ["--max-batch", str(args.max_batch), "--device", args.device, "--quantize", args.quantize] + ["--compile"] * args.compile
+        proc, url, _ = serve(args.ckpt, *flags) if args.ckpt is not None else (None, args.url, [])
         try:
             warm, phases = run_phases(url, args)
         finally:

@@ -13,35 +13,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-from harness import ROOT, add_common, skipped, tiny_run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(ckpt: str, port: int) -> subprocess.Popen:
-    """`quill serve` in a subprocess, once /health answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "quillgpt", "serve", "--ckpt", ckpt, "--port", str(port)], cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("quill serve did not start")
+from harness import ROOT, add_common, serve, skipped, tiny_run
 
 
 def browser():
@@ -67,19 +42,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:
             args.ckpt, args.out_dir, args.max_tokens = str(tiny_run(Path(tmp) / "tiny")), Path(tmp), 8
-        port = free_port()
-        proc = serve(args.ckpt, port)
+        proc, url, _ = serve(ROOT / args.ckpt)  # a relative --ckpt: from the checkout's root
         try:
             if args.smoke and not (shutil.which("chromedriver") and (shutil.which("chromium") or shutil.which("chromium-browser"))):
-                skipped("the screenshots", "no chromium + chromium-driver here; the server answered /health")
+                skipped("the screenshots", "no chromium + chromium-driver here; the server started")
             else:
-                screenshots(port, args)
+                screenshots(url, args)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
 
-def screenshots(port: int, args: argparse.Namespace) -> None:
+def screenshots(url: str, args: argparse.Namespace) -> None:
     """The Write tab after a seeded generation, then the Attention tab over prompt and continuation."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -87,7 +61,7 @@ def screenshots(port: int, args: argparse.Namespace) -> None:
     driver = browser()
     try:
         wait, find = WebDriverWait(driver, 60), lambda id_: driver.find_element(By.ID, id_)
-        driver.get(f"http://127.0.0.1:{port}/")
+        driver.get(f"{url}/")
         wait.until(lambda d: "layers" in find("model-info").text)
         find("prompt").clear()
         find("prompt").send_keys("ROMEO:")
