@@ -20,7 +20,6 @@ TEXT = {
     "bench_commits.py",
     "bench_tasks.py",
     "fuzz.py",
-    "gguf_types.py",
     "make_chat_data.py",
     "speedrun.py",
 }
@@ -34,7 +33,6 @@ SMOKE = {  # script → extra arguments of its smoke run
     "bench_tasks.py": [],
     "finetune_recipe.py": [],
     "fuzz.py": [],
-    "gguf_types.py": [],
     "load_serve.py": [],
     "make_chat_data.py": [],
     "passkey.py": ["--generate", "20"],
