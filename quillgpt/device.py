@@ -109,7 +109,7 @@ def parse_dtype(name: str, setting: str = "--dtype") -> torch.dtype:
 
 def resolve_dtype(name: str, device: torch.device, setting: str = "train.dtype") -> torch.dtype:
     """auto: bf16 on CUDA where supported, else fp16; bf16 on CPUs with bf16 units (AVX512-BF16,
-    AMX: matmuls ~4× fp32's rate, same loss per step — see scripts/bench.py); else fp32."""
+    AMX: matmuls several times fp32's rate, the same loss per step: scripts/bench.py); else fp32."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -146,9 +146,9 @@ def release_thread_pool() -> bool:
     """Free the calling thread's idle OpenMP worker threads (omp_pause_resource_all), before another
     thread takes over the torch work (quill serve's engine thread). While this thread's pool lives,
     the runtime counts more threads than cores and stops the new thread's workers spinning between
-    parallel regions: each region then waits for a sleeping worker (~10 µs a region where 0.6; a
-    16-row server answered one request at 25 tokens/s where the same engine on the main thread
-    made 70). False where no OpenMP runtime is loaded or it has no such call."""
+    parallel regions: each region then waits for a sleeping worker, which slowed quill serve's
+    decoding several times over (docs/performance.md). False where no OpenMP runtime is loaded or
+    it has no such call."""
     for name in OPENMP_LIBRARIES:
         try:
             lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only one already in the process

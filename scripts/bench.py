@@ -3,247 +3,76 @@
 
     python scripts/bench.py                     # --suite all, default repetitions
     python scripts/bench.py --suite train --reps 5 --json bench.json
+    python scripts/bench.py --smoke             # seconds: every suite on a tiny model (the test suite's)
 
 Suites: train (quill's real training step vs a plain nanoGPT-style step, fp32 and bf16, MFU
 against the matmul peak measured in this run, the time-to-quality recipe's step with batched vs
-per-matrix Muon, loss per step), sample (KV cache vs recompute vs
-transformers' GPT2LMHeadModel.generate on the same weights; fp32, bf16 and int8 weights; with
---sample-real RUN also a real imported model beside transformers and llama.cpp, as
-scripts/bench_real.py times it), prepare (MB/s), gpu (CUDA only).
+per-matrix Muon, loss per step), sample (KV cache vs recompute vs transformers'
+GPT2LMHeadModel.generate on the same weights; fp32, bf16 and int8 weights; a real imported model
+is scripts/bench_real.py's), prepare (MB/s), gpu (CUDA only). The method (interleaved reps,
+medians with min–max, peak memory, the machine and load lines) is scripts/harness.py's.
 
-Why the method: this machine is shared and noisy, so absolute numbers drift from run to run.
-The variants of one group are therefore *interleaved* — rep 1 of A, B, C, then rep 2 of A, B,
-C, ... — so a burst of load slows all of them alike, and each row gives the median of the reps
-with min and max. Compare ratios within one run; compare absolute figures only across runs with
-similar load averages (printed at the start and end).
-
-OpenMP is left as users run it. Beside another busy job its spinning threads can make steps of
-small ops 10-20× slower (a baby training step: 29 ms quiet, 300-500 ms next to a test run);
-OMP_WAIT_POLICY=PASSIVE caps that (38 ms quiet, ~60 ms loaded) but costs a wake-up per parallel
-region, which slows latency-bound work such as one-token decoding (see docs/performance.md).
-The header prints OMP_* variables that are set.
-
-Peak memory is the rise of the process's peak RSS over the RSS before the variant was built
-(Linux: /proc/self/clear_refs resets the peak), so it counts the model, optimizer state,
-activations and temporaries of that variant; CUDA rows give torch.cuda.max_memory_allocated.
+OpenMP is left as users run it: its spinning threads slow small ops beside another busy job, and
+OMP_WAIT_POLICY=PASSIVE costs a wake-up per parallel region, which slows one-token decoding (the
+figures are in docs/performance.md). The header prints OMP_* variables that are set.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import ctypes
 import dataclasses
 import functools
-import gc
 import json
 import math
-import os
-import platform
-import re
-import resource
 import statistics
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from harness import (
+    ROOT,
+    PeakMemory,
+    Report,
+    Row,
+    Stats,
+    add_common,
+    interleaved,
+    load_line,
+    machine,
+    machine_line,
+    read_bandwidth,
+    step_weight_bytes,
+    timed,
+    tiny_run,
+    trainer,
+)
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from quillgpt import checkpoint as ckpt  # noqa: E402
-from quillgpt import runs  # noqa: E402
-from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
-from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows  # noqa: E402
-from quillgpt.data.prepare import load_tokens, prepare  # noqa: E402
-from quillgpt.data.tokenizer_files import build_tokenizer  # noqa: E402
-from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops  # noqa: E402
-from quillgpt.errors import QuillError  # noqa: E402
-from quillgpt.inference.engine import in_dtype  # noqa: E402
-from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.model.int4 import Int4Linear  # noqa: E402
-from quillgpt.model.quant import KERNELS, Int8Linear, plan_of, quantize  # noqa: E402
-from quillgpt.train.distributed import Dist  # noqa: E402
-from quillgpt.train.loop import Trainer, lr_at, train_step  # noqa: E402
-from quillgpt.train.optim import (  # noqa: E402
-    Muon,
-    build_optimizer,  # noqa: E402
-    newton_schulz,
-)
+from quillgpt import runs
+from quillgpt.config import Config, DataConfig, ModelConfig, TrainConfig, load_config
+from quillgpt.data.batches import BatchSampler, batch_from_starts, fixed_windows
+from quillgpt.data.prepare import load_tokens, prepare
+from quillgpt.device import cpu_has_bf16, measure_matmul_peak, peak_flops
+from quillgpt.errors import QuillError
+from quillgpt.inference.engine import in_dtype
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.model.gpt import GPT
+from quillgpt.quant import plan_of, quantize
+from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant.int8_kernels import KERNELS
+from quillgpt.train.loop import Trainer, lr_at, train_step
+from quillgpt.train.optim import Muon, newton_schulz
 
 DEFAULT_TEXT = ROOT / "data" / "downloads" / "input.txt"  # where the README's quickstart downloads Tiny Shakespeare
-
-
-# --- measuring --------------------------------------------------------------------------------
-
-
-@dataclass
-class Stats:
-    median: float
-    lo: float
-    hi: float
-    n: int
-
-    @classmethod
-    def of(cls, xs: list[float]) -> Stats:
-        return cls(statistics.median(xs), min(xs), max(xs), len(xs))
-
-
-def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
-    """Call each fn once per rep, round-robin; each returns its own measurement (a time)."""
-    out: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            out[name].append(fn())
-    return out
-
-
-def _proc_status_kb(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith(key + ":")), None)
-    except OSError:
-        return None
-
-
-class PeakMemory:
-    """Peak RSS rise (MB) inside the block; CUDA max allocated (MB) when on a GPU.
-
-    Linux resets the peak (VmHWM) through /proc/self/clear_refs, and freed heap pages are handed
-    back first (malloc_trim) so that memory reused from an earlier variant counts again.
-    Elsewhere the figure is ru_maxrss, the process's peak so far (only the first variant's means much).
-    """
-
-    def __init__(self, cuda: bool = False) -> None:
-        self.cuda = cuda
-        self.rss_mb = float("nan")
-        self.cuda_mb = float("nan")
-
-    def __enter__(self) -> PeakMemory:
-        gc.collect()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._base = _proc_status_kb("VmRSS")
-        except OSError:
-            self._base = None
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        peak = _proc_status_kb("VmHWM") if self._base is not None else None
-        if peak is None or self._base is None:
-            self.rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        else:
-            self.rss_mb = (peak - self._base) / 1024
-        if self.cuda:
-            self.cuda_mb = torch.cuda.max_memory_allocated() / 2**20
-
-
-# --- the table --------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    group: str
-    name: str
-    metric: str  # what `value` measures, with its unit
-    value: float | str | None  # None: not applicable (see note); str: already formatted
-    lo: float | None = None
-    hi: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # more columns: ms/step, MFU, ratio, ...
-    note: str = ""
-
-
-class Report:
-    def __init__(self) -> None:
-        self.rows: list[Row] = []
-        self.header: dict[str, Any] = {}
-
-    def add(self, row: Row) -> None:
-        self.rows.append(row)
-
-    def print_group(self, group: str) -> None:
-        rows = [r for r in self.rows if r.group == group]
-        if not rows:
-            return
-        extras = list(dict.fromkeys(k for r in rows for k in r.extra))
-        head = ["", rows[0].metric, "min–max", *extras, "note"]
-        table = [head]
-        for r in rows:
-            value = "n/a" if r.value is None else _fmt(r.value)
-            spread = "" if r.lo is None else f"{_fmt(r.lo)}–{_fmt(r.hi)}"
-            table.append([r.name, value, spread, *(_fmt(r.extra.get(k, "")) for k in extras), r.note])
-        widths = [max(len(str(row[i])) for row in table) for i in range(len(head) - 1)]
-        print(f"\n## {group}")
-        for i, row in enumerate(table):
-            cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
-            print("  ".join(cells) + ("  " + row[-1] if row[-1] else ""))
-            if i == 0:
-                print("  ".join("-" * w for w in widths))
-        sys.stdout.flush()
-
-    def to_json(self) -> dict[str, Any]:
-        return {"header": self.header, "rows": [r.__dict__ for r in self.rows]}
-
-
-def _fmt(x: Any) -> str:
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "–"
-        if abs(x) >= 1000:
-            return f"{x:,.0f}"
-        if abs(x) >= 100:
-            return f"{x:.0f}"
-        if abs(x) >= 10:
-            return f"{x:.1f}"
-        return f"{x:.2f}"
-    return str(x)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        name = re.search(r"model name\s*:\s*(.+)", text)
-        flags = re.search(r"flags\s*:\s*(.+)", text)
-        isa = [f for f in ("avx512_bf16", "amx_bf16") if flags and f in flags.group(1).split()]
-        return f"{name.group(1).strip() if name else platform.processor()} ({', '.join(isa) or 'no bf16 units'})"
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def describe_machine(report: Report) -> None:
-    h = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_name(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "load_average_start": os.getloadavg(),
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS") if k in os.environ},
-        "python": platform.python_version(),
-    }
-    report.header.update(h)
-    print(
-        f"torch {h['torch']} | {h['threads']} threads | CPU {h['cpu']} | capability {h['cpu_capability']} "
-        f"| GPU {h['gpu'] or 'none'} | load average {' '.join(f'{x:.2f}' for x in h['load_average_start'])}"
-        + "".join(f" | {k}={v}" for k, v in h["env"].items())
-    )
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -381,23 +210,19 @@ SHAPES = [
     Shape("baby 4L/4H/128, block 64, batch 12", 4, 4, 128, 64, 12, 0.0, steps_per_rep=10, warmup=5, log_every=20),
     Shape("6L/6H/384, block 256, batch 64", 6, 6, 384, 256, 64, 0.2, steps_per_rep=1, warmup=1, log_every=3),
 ]
+SMOKE = Shape("smoke 1L/2H/32, block 32, batch 4", 1, 2, 32, 32, 4, 0.0, steps_per_rep=1, warmup=1, log_every=2)
+SAMPLE, SMOKE_SAMPLE = dict(n_layer=6, n_head=6, n_embd=384), dict(n_layer=1, n_head=2, n_embd=32)  # the sample suite's model
+
+
+def at_least(args: argparse.Namespace, n: int, reps: int | None = None) -> int:
+    """Repetitions: `reps` (default --reps) but at least n; one under --smoke."""
+    return 1 if args.smoke else max(n, args.reps if reps is None else reps)
 
 
 def model_config(s: Shape, vocab: int, **kw: Any) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab, block_size=s.block, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd, dropout=s.dropout, bias=False, **kw
     )
-
-
-def step_state(
-    model: GPT, tc: TrainConfig, sampler: BatchSampler, device: torch.device, dtype: torch.dtype, compile: bool = False
-) -> Trainer:
-    """The state `quill train` hands train.train_step, built from the same pieces (no run dir, no log)."""
-    opt = build_optimizer(model, tc, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    t = Trainer(Config(model=model.config, train=tc), Dist(), device, dtype, Path(tc.out_dir), None, model, opt, scaler, sampler, {}, None)
-    t.model = torch.compile(model) if compile else model
-    return t
 
 
 class QuillTrainer:
@@ -419,7 +244,7 @@ class QuillTrainer:
             self.model.load_state_dict(init)
         self.tc = TrainConfig(batch_size=s.batch, learning_rate=lr, min_lr=lr / 10, beta2=0.99, device="cpu")
         self.model.train()
-        self.t = step_state(self.model, self.tc, BatchSampler(tokens, s.block, s.batch, seed=1), torch.device("cpu"), dtype, compile)
+        self.t = trainer(self.model, self.tc, BatchSampler(tokens, s.block, s.batch, seed=1), dtype, compile)
 
     def step(self, lr: float | None = None) -> torch.Tensor:
         for group in self.t.optimizer.param_groups:
@@ -517,20 +342,20 @@ def matmul_peaks(reps: int) -> dict[torch.dtype, Stats]:
 
 def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     group = "train: matmul peak (1024² matmuls, this run)"
-    peaks = matmul_peaks(max(3, args.reps))
+    peaks = matmul_peaks(at_least(args, 3))
     for d, st in peaks.items():
         report.add(Row(group, f"torch.mm {str(d).replace('torch.', '')}", "GFLOP/s", st.median / 1e9, st.lo / 1e9, st.hi / 1e9))
     report.print_group(group)
 
     train_tokens, val_tokens, vocab, source = char_tokens(args.text, work)
-    for throwaway in (RefTrainer(SHAPES[0], vocab, train_tokens), QuillTrainer(SHAPES[0], vocab, train_tokens, torch.bfloat16)):
+    for throwaway in (RefTrainer(args.shapes[0], vocab, train_tokens), QuillTrainer(args.shapes[0], vocab, train_tokens, torch.bfloat16)):
         throwaway.step()  # one-time allocations (thread pools, kernel caches) stay out of the first row's memory
     bf16 = torch.bfloat16 in peaks
-    for s in SHAPES:
+    for s in args.shapes:
         if args.quick and s.n_layer > 4:
             continue
         group = f"train: {s.name} ({source})"
-        reps = args.reps if s.steps_per_rep > 1 else max(3, args.reps // 2)
+        reps = args.reps if s.steps_per_rep > 1 else at_least(args, 3, args.reps // 2)
         variants: dict[str, tuple[Any, torch.dtype]] = {}
         memory: dict[str, PeakMemory] = {}
         notes: dict[str, str] = {}
@@ -546,19 +371,18 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
                 builders["quill bf16 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.bfloat16, compile=True)
         for name, build in builders.items():
             with PeakMemory() as mem:
-                trainer = build()
-                t0 = time.perf_counter()
-                for _ in range(s.warmup):
-                    trainer.step()
-                warm_s = time.perf_counter() - t0
+                made = build()
+                warm_s = timed(made.step, s.warmup) * s.warmup
             memory[name] = mem
-            variants[name] = (trainer, torch.bfloat16 if "bf16" in name else torch.float32)
+            variants[name] = (made, torch.bfloat16 if "bf16" in name else torch.float32)
             if "compile" in name:
                 notes[name] = f"first {s.warmup} step(s) incl. compiling: {warm_s:.0f} s"
         fns = {n: timed_steps(t, s.steps_per_rep) for n, (t, _) in variants.items()}
         cmd_dtype = "bfloat16" if bf16 else "float32"  # what train.dtype=auto picks on this CPU
         cmd = f"quill train command ({'bf16' if bf16 else 'fp32'}, its metrics.jsonl)"
-        if args.text.is_file():  # the command trains on the text itself
+        if args.smoke:
+            notes["quill fp32"] = "--smoke: no `quill train` command row"
+        elif args.text.is_file():  # the command trains on the text itself
             fns[cmd] = TrainCommand(s, args.text, work, cmd_dtype, s.log_every)
             variants[cmd] = (None, torch.bfloat16 if bf16 else torch.float32)
             notes[cmd] = (
@@ -574,23 +398,8 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             st = Stats.of([tokens / x for x in samples[name]])
             ms = statistics.median(samples[name]) * 1e3
             peak = peaks[dtype].median
-            report.add(
-                Row(
-                    group,
-                    name,
-                    "tokens/s",
-                    st.median,
-                    st.lo,
-                    st.hi,
-                    extra={
-                        "ms/step": ms,
-                        "MFU": f"{fpt * st.median / peak:.1%}",
-                        "vs reference": f"{ref_ms / ms:.2f}×",
-                        "peak RSS MB": memory[name].rss_mb,
-                    },
-                    note=notes.get(name, ""),
-                )
-            )
+            extra = {"ms/step": ms, "MFU": f"{fpt * st.median / peak:.1%}", "vs reference": f"{ref_ms / ms:.2f}×"}
+            report.add(Row.of(group, name, "tokens/s", st, extra | {"peak RSS MB": memory[name].rss_mb}, notes.get(name, "")))
         report.print_group(group)
         del variants
     recipe_step_group(report, args, train_tokens, vocab, source)
@@ -616,13 +425,22 @@ class PerMatrixMuon(Muon):
                 p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
 
 
-def recipe_trainer(vocab: int, tokens: np.ndarray, plain: bool) -> Trainer:
-    """The 75 s recipe's model and optimizer at its batch; `plain`: per-matrix Muon and autograd's relu²."""
+def recipe_config(smoke: bool) -> Config:
+    """The 75 s recipe; --smoke: its optimizer and activation on 1 layer × 32, block 32, batch 4."""
     cfg = load_config(RECIPE)
+    if smoke:
+        cfg.model = dataclasses.replace(cfg.model, n_layer=1, n_embd=32, n_head=2, block_size=32)
+        cfg.train = dataclasses.replace(cfg.train, batch_size=4)
+    return cfg
+
+
+def recipe_trainer(vocab: int, tokens: np.ndarray, plain: bool, smoke: bool) -> Trainer:
+    """The 75 s recipe's model and optimizer at its batch (--smoke: 1 layer × 32); `plain`: per-matrix Muon and autograd's relu²."""
+    cfg = recipe_config(smoke)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab)).train()
-    t = step_state(
-        model, cfg.train, BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1), torch.device("cpu"), torch.float32
+    t = trainer(
+        model, dataclasses.replace(cfg.train, device="cpu"), BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1)
     )
     if plain:
         for block in model.transformer.h:
@@ -635,18 +453,18 @@ def recipe_trainer(vocab: int, tokens: np.ndarray, plain: bool) -> Trainer:
 def recipe_step_group(report: Report, args: argparse.Namespace, tokens: np.ndarray, vocab: int, source: str) -> None:
     """The time-to-quality recipe's step (fp32 here): its batched Muon and ReLU² backward against
     the plain forms, and the Muon step alone."""
-    cfg = load_config(RECIPE)
+    cfg = recipe_config(args.smoke)
     group = (
         f"train: recipe step, {RECIPE.name} ({cfg.model.n_layer}L/{cfg.model.n_head}H/{cfg.model.n_embd}, "
         f"block {cfg.model.block_size}, batch {cfg.train.batch_size}, Muon, ReLU², fp32) ({source})"
     )
-    ours, plain = recipe_trainer(vocab, tokens, False), recipe_trainer(vocab, tokens, True)
+    ours, plain = recipe_trainer(vocab, tokens, False, args.smoke), recipe_trainer(vocab, tokens, True, args.smoke)
     muon_ours, muon_plain = _with_grads(ours.optimizer.muon), _with_grads(plain.optimizer.muon)
     fns = {
-        "quill (batched Muon, ReLUSquared)": lambda: _timed(lambda: train_step(ours.model, ours)),
-        "per-matrix Muon, autograd relu²": lambda: _timed(lambda: train_step(plain.model, plain)),
-        "Muon step alone, batched": lambda: _timed(muon_ours),
-        "Muon step alone, per matrix": lambda: _timed(muon_plain),
+        "quill (batched Muon, ReLUSquared)": lambda: timed(lambda: train_step(ours.model, ours), 3),
+        "per-matrix Muon, autograd relu²": lambda: timed(lambda: train_step(plain.model, plain), 3),
+        "Muon step alone, batched": lambda: timed(muon_ours, 3),
+        "Muon step alone, per matrix": lambda: timed(muon_plain, 3),
     }
     for f in fns.values():
         f()
@@ -656,22 +474,9 @@ def recipe_step_group(report: Report, args: argparse.Namespace, tokens: np.ndarr
     for name, xs in samples.items():
         st = Stats.of([x * 1e3 for x in xs])
         whole = "alone" not in name
-        report.add(
-            Row(
-                group,
-                name,
-                "ms",
-                st.median,
-                st.lo,
-                st.hi,
-                extra={
-                    "tokens/s": tokens_per_step / statistics.median(xs) if whole else "",
-                    "vs plain step": f"{base / statistics.median(xs):.2f}×"
-                    if whole
-                    else f"{statistics.median(xs) / base:.0%} of a plain step",
-                },
-            )
-        )
+        med = statistics.median(xs)
+        vs = f"{base / med:.2f}×" if whole else f"{med / base:.0%} of a plain step"
+        report.add(Row.of(group, name, "ms", st, {"tokens/s": tokens_per_step / med if whole else "", "vs plain step": vs}))
     report.print_group(group)
 
 
@@ -688,18 +493,11 @@ def _with_grads(muon: Muon) -> Callable[[], None]:
     return step
 
 
-def _timed(fn: Callable[[], Any], n: int = 3) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - start) / n
-
-
 def loss_check(
     report: Report, args: argparse.Namespace, train_tokens: np.ndarray, val_tokens: np.ndarray, vocab: int, bf16: bool, source: str
 ) -> None:
     """Same initial weights, same batches, same schedule: does quill learn as fast per step?"""
-    s = SHAPES[0]
+    s = args.shapes[0]
     n = args.loss_steps
     group = f"train: loss per step, {s.name}, {n} steps, lr 2e-3 warmup 20 cosine ({source})"
     tc = TrainConfig(learning_rate=2e-3, min_lr=2e-4, warmup_iters=20)
@@ -717,15 +515,15 @@ def loss_check(
     seconds = dict.fromkeys(runs, 0.0)
     for step in range(n):
         lr = lr_at(step, tc, n)
-        for name, trainer in runs.items():
+        for name, run in runs.items():
             t = time.perf_counter()
-            loss = trainer.step(lr)
+            loss = run.step(lr)
             seconds[name] += time.perf_counter() - t
             curves[name].append(float(loss))
     starts = fixed_windows(val_tokens, s.block, 240)
     base = curves["quill fp32"]
-    for name, trainer in runs.items():
-        model = trainer.model.eval()
+    for name, run in runs.items():
+        model = run.model.eval()
         with torch.no_grad():
             losses = []
             for i in range(0, len(starts), 60):
@@ -733,35 +531,16 @@ def loss_check(
                 losses.append(model(x, y)[1].item())
         last = curves[name][-20:]
         diff = max(abs(a - b) for a, b in zip(curves[name], base))
-        report.add(
-            Row(
-                group,
-                name,
-                "val loss",
-                f"{statistics.mean(losses):.4f}",
-                extra={
-                    "train loss (last 20)": f"{statistics.mean(last):.4f}",
-                    "max |Δ train loss| vs quill fp32": f"{diff:.4f}",
-                    "wall s": seconds[name],
-                },
-            )
-        )
+        extra = {"train loss (last 20)": f"{statistics.mean(last):.4f}", "max |Δ train loss| vs quill fp32": f"{diff:.4f}"}
+        report.add(Row(group, name, "val loss", f"{statistics.mean(losses):.4f}", extra=extra | {"wall s": seconds[name]}))
     report.print_group(group)
 
 
 # --- sample suite -----------------------------------------------------------------------------
 
 
-def make_run(work: Path, block: int, text: str) -> Path:
-    """A quill run directory holding a random-init 6L/384 char model (biases on, as GPT-2)."""
-    tok = build_tokenizer("char", text)
-    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=block, n_layer=6, n_head=6, n_embd=384, bias=True, dropout=0.0))
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    run = work / f"run{block}"
-    run.mkdir(parents=True, exist_ok=True)
-    ckpt.save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "tokenizer": tok.spec(), "step": 0}, run / ckpt.LATEST)
-    return run
+def shape(model: GPT) -> str:
+    return f"{model.config.n_layer}L/{model.config.n_head}H/{model.config.n_embd}"
 
 
 def hf_model(run: Path, out: Path) -> Any:
@@ -798,36 +577,13 @@ def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     text = args.text.read_text(encoding="utf-8") if args.text.is_file() else "".join(chr(32 + i % 90) for i in range(10**5))
     for block in args.sample_blocks:
-        run = make_run(work, block, text)
+        shape = SMOKE_SAMPLE if args.smoke else SAMPLE
+        run = tiny_run(work / f"run{block}", text, block_size=block, bias=True, pos=args.sample_pos, **shape)
         loaded = runs.load_run(run, which="latest")
-        hf = hf_model(run, work / f"hf{block}")
-        for B in (1, 8):
+        hf = hf_model(run, work / f"hf{block}") if args.sample_pos == "learned" else None  # GPT-2: learned positions
+        for B in (1,) if args.smoke else (1, 8):
             sample_group(report, args, loaded.model, hf, loaded.tokenizer, text, block, B)
         prefill_group(report, args, loaded.model, hf, loaded.tokenizer, text, block)
-    if args.sample_real:
-        real_group(report, args)
-
-
-def real_group(report: Report, args: argparse.Namespace) -> None:
-    """A real model (--sample-real RUN, an imported one): quill fp32 / int8 / int8-channel / int4
-    (compiled too with --sample-compile), transformers fp32 (--sample-real-hf DIR) and llama.cpp
-    Q8_0 / Q4_0 on the same weights where llama-cpp-python is installed, batch 1, greedy, each
-    with the fraction of its weight-streaming bound; scripts/bench_real.py's rows and timing."""
-    import bench_real  # scripts/, beside this file
-
-    real = bench_real.parser().parse_args(["--ckpt", str(args.sample_real), "--reps", str(args.sample_reps)])
-    real.hf, real.quill, real.compile = args.sample_real_hf, ["fp32", "int8", "int8-channel", "int4"], args.sample_compile
-    measured = bench_real.measure(real)
-    ratios = bench_real.llama_ratios({name: xs for name, xs, *_ in measured})
-    group = f"sample: {args.sample_real.name} (a real model), batch 1, greedy, {real.tokens} new tokens"
-    for name, xs, nbytes, bw, note in measured:
-        st = Stats.of(xs)
-        extra = {"MB read per token": nbytes / 1e6, "read GB/s": bw / 1e9, "of bw bound": f"{st.median * nbytes / bw:.0%}"}
-        if name in ratios:
-            kind, r = ratios[name]
-            extra["vs llama.cpp (per-rep median)"] = f"{statistics.median(r):.2f}× {kind}"
-        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra, note=note))
-    report.print_group(group)
 
 
 def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str, block: int, B: int) -> None:
@@ -838,7 +594,7 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     past_window = prompt_len + n_new > block
     if past_window and B > 1:  # every token past the window costs a B×block prefill: keep it short
         n_new = block - prompt_len + 50
-    group = f"sample: 6L/6H/384, block {block:,}, batch {B}, greedy, {n_new:,} new tokens after a {prompt_len}-token prompt"
+    group = f"sample: {shape(model)}, block {block:,}, batch {B}, greedy, {n_new:,} new tokens after a {prompt_len}-token prompt"
     prompts = [tok.encode(text[1000 * i : 1000 * i + prompt_len]) for i in range(B)]
     reps = 1 if past_window else args.sample_reps
     tokens: dict[str, torch.Tensor] = {}
@@ -875,7 +631,7 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
             fns["quill engine, compiled decode"] = quill("quill compiled", model, compile=True)
             if "int8" in runs:
                 fns["quill engine, int8, compiled decode"] = quill("int8 compiled", runs["int8"], compile=True)
-    hf_ok = prompt_len + n_new <= hf.config.n_positions
+    hf_ok = hf is not None and prompt_len + n_new <= hf.config.n_positions
     if hf_ok:
         fns["transformers generate (use_cache)"] = transformers
     mem: dict[str, float] = {}
@@ -906,31 +662,18 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
         note = sample_note(name, tokens, past_window, block, hf_ok, warm[name] - xs[0])
         if name == "quill engine, int8 weights":
             note += f"; quantize at load {quantize_s:.1f} s, decode kernel {plan_of(runs['int8']).pick(B)}"
-        report.add(Row(group, name, "new tokens/s", st.median, st.lo, st.hi, extra=extra, note=note))
+        report.add(Row.of(group, name, "new tokens/s", st, extra, note))
     if refused:
         report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {refused}"))
     if not hf_ok:
-        report.add(
-            Row(
-                group,
-                "transformers generate (use_cache)",
-                "new tokens/s",
-                None,
-                note=(f"n/a: {prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past"),
-            )
+        past = (
+            f"{prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past" if hf is not None else ""
         )
-    report.add(
-        Row(
-            group,
-            "quill recompute (no cache)",
-            "new tokens/s",
-            rec.median,
-            rec.lo,
-            rec.hi,
-            extra=sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"]),
-            note=f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median",
-        )
-    )
+        why = past or "transformers' GPT-2 has learned positions"
+        report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=f"n/a: {why}"))
+    extra = sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"])
+    note = f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"
+    report.add(Row.of(group, "quill recompute (no cache)", "new tokens/s", rec, extra, note))
     report.add(bounds_row(group, bounds))
     report.print_group(group)
 
@@ -942,15 +685,13 @@ def bounds_row(group: str, bounds: dict[str, dict[str, float]]) -> Row:
     reads = ", ".join(f"{k} {b['bytes'] / 1e6:.0f} MB at {b['bw'] / 1e9:.0f} GB/s" for k, b in bounds.items())
     peaks = ", ".join(f"{k} {b['peak'] / 1e9:.0f}" for k, b in bounds.items())
     flops = next(iter(bounds.values()))["flops"]
+    note = f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); peak matmul GFLOP/s ({peaks})"
     return Row(
         group,
         f"bounds ({' | '.join(bounds)})",
         "new tokens/s",
         f"{bw} bw, {compute} compute",
-        note=(
-            f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); "
-            f"peak matmul GFLOP/s ({peaks}) / {flops / 1e6:.1f} MFLOP a token"
-        ),
+        note=f"{note} / {flops / 1e6:.1f} MFLOP a token",
     )
 
 
@@ -973,43 +714,6 @@ def sample_note(name: str, tokens: dict[str, torch.Tensor], past_window: bool, b
     return ""
 
 
-_BW: dict[int, float] = {}
-
-
-def read_bandwidth(nbytes: int) -> float:
-    """Bytes/s of summing an `nbytes` buffer over and over, as a decode step re-reads its weights
-    (from the last-level cache when they fit there, else from memory); measured once per size."""
-    if nbytes not in _BW:
-        x = torch.ones(max(nbytes // 4, 1))
-        x.sum()
-        reps, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < 0.5:
-            x.sum()
-            reps += 1
-        _BW[nbytes] = reps * x.nbytes / elapsed
-    return _BW[nbytes]
-
-
-def step_weight_bytes(model: GPT) -> int:
-    """Bytes of the weights one decode step reads: every linear's weight (int8: + its scales; int4: codes, scales, zeros) and
-    bias, the norms' gains, and one row of each embedding (a lookup, not a matmul; a tied head's
-    matmul is the lm_head linear)."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            total += m.weight[0].nbytes
-        elif isinstance(m, Int4Linear):  # its codes, scales and zeros (or offsets), bias
-            total += sum(b.nbytes for b in m.buffers())
-        elif isinstance(m, (nn.Linear, Int8Linear)):
-            total += m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
-            if isinstance(m, Int8Linear):  # the scales (and offsets) its one-row kernel reads (bf16, fp16 or the model's)
-                scale, offset = m.scales_for(KERNELS[m.runs[m.plan.pick(1)]])
-                total += scale.nbytes + (offset.nbytes if offset is not None else 0)
-        else:
-            total += sum(p.nbytes for p in m.parameters(recurse=False))
-    return total
-
-
 def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     """Upper bounds on decode tokens/s for the weights as this model stores them: every step
     reads them once (for the B rows) and each row's keys/values; every token costs 2 FLOPs per
@@ -1027,13 +731,9 @@ def decode_bounds(model: GPT, B: int, ctx: float) -> dict[str, float]:
     return {"bandwidth": B * bw / (weights + kv), "compute": peak / flops, "bw": bw, "bytes": weights + kv, "peak": peak, "flops": flops}
 
 
-_PEAKS: dict[torch.dtype, float] = {}
-
-
+@functools.cache
 def matmul_peak(dtype: torch.dtype) -> float:
-    if dtype not in _PEAKS:
-        _PEAKS[dtype] = measure_matmul_peak(dtype, seconds=0.5)
-    return _PEAKS[dtype]
+    return measure_matmul_peak(dtype, seconds=0.5)
 
 
 def bound_fractions(tps: float, bounds: dict[str, float]) -> dict[str, str]:
@@ -1057,10 +757,10 @@ def sample_extra(tps: float, rec_tps: float, hf_tps: float | None, mem_mb: float
 def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, tok: Any, text: str, block: int) -> None:
     """Time to the first new token from a long prompt (the prompt's forward pass)."""
     p_len = min(512, block - 1)
-    group = f"sample: prefill latency (time to first token), 6L/6H/384, block {block:,}, {p_len}-token prompt"
+    group = f"sample: prefill latency (time to first token), {shape(model)}, block {block:,}, {p_len}-token prompt"
     fns: dict[str, Callable[[], float]] = {}
     int8 = quantize(copy.deepcopy(model), "int8")
-    for B in (1, 8):
+    for B in (1,) if args.smoke else (1, 8):
         prompts = [tok.encode(text[1000 * i : 1000 * i + p_len]) for i in range(B)]
 
         def q_first(prompts: list[list[int]] = prompts, m: GPT = model) -> float:
@@ -1075,13 +775,14 @@ def prefill_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any,
 
         fns[f"quill, batch {B}"] = q_first
         fns[f"quill int8, batch {B}"] = functools.partial(q_first, prompts, int8)
-        fns[f"transformers, batch {B}"] = hf_first
+        if hf is not None:
+            fns[f"transformers, batch {B}"] = hf_first
     for fn in fns.values():
         fn()
-    for name, xs in interleaved(fns, max(3, args.sample_reps)).items():
+    for name, xs in interleaved(fns, at_least(args, 3, args.sample_reps)).items():
         st = Stats.of([x * 1e3 for x in xs])
         B = int(name.rsplit(" ", 1)[1])
-        report.add(Row(group, name, "ms", st.median, st.lo, st.hi, extra={"prompt tokens/s": B * p_len / (st.median / 1e3)}))
+        report.add(Row.of(group, name, "ms", st, {"prompt tokens/s": B * p_len / (st.median / 1e3)}))
     report.print_group(group)
 
 
@@ -1108,15 +809,15 @@ def prepare_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
 
         return run
 
-    fns = {f"{name} tokenizer": make(name) for name in ("char", "gpt2")}
+    fns = {f"{name} tokenizer": make(name) for name in ("char",) + (() if args.smoke else ("gpt2",))}
     for name, fn in fns.items():
         with PeakMemory() as m:
             fn()  # warm-up: tiktoken loads its BPE ranks once per process
         mem[name] = m.rss_mb
-    samples = interleaved(fns, max(5, args.reps))
+    samples = interleaved(fns, at_least(args, 5))
     for name, xs in samples.items():
         st = Stats.of([size_mb / x for x in xs])
-        report.add(Row(group, name, "MB/s", st.median, st.lo, st.hi, extra={"ms": statistics.median(xs) * 1e3, "peak RSS MB": mem[name]}))
+        report.add(Row.of(group, name, "MB/s", st, {"ms": statistics.median(xs) * 1e3, "peak RSS MB": mem[name]}))
     report.print_group(group)
 
 
@@ -1163,17 +864,14 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     bandwidth, matmul = cuda_copy_bandwidth(), cuda_matmul_peak()
     group = f"gpu: {name}, ceilings measured in this run"
     report.add(Row(group, "device-to-device copy, 2 GiB", "GB/s", bandwidth / 1e9, note="bytes read + written"))
+    sheet = (peak_flops(device, torch.bfloat16) or math.nan) / 1e12
     report.add(
-        Row(
-            group,
-            "bf16 matmul 8192³, random data",
-            "TFLOP/s",
-            matmul / 1e12,
-            note=f"datasheet dense bf16 (device.GPU_PEAKS): {(peak_flops(device, torch.bfloat16) or math.nan) / 1e12:.0f}",
-        )
+        Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12, note=f"datasheet dense bf16 (device.GPU_PEAKS): {sheet:.0f}")
     )
     report.print_group(group)
     cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
+    if args.smoke:
+        cfg = dataclasses.replace(cfg, n_layer=1, n_head=2, n_embd=64, block_size=128)
     gpu_train_group(report, args, cfg, name, matmul)
     gpu_sample_group(report, args, cfg, name, bandwidth)
 
@@ -1191,7 +889,7 @@ def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, 
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
         sampler = BatchSampler(tokens, cfg.block_size, batch, seed=1, device=device)
-        t = step_state(model, tc, sampler, device, torch.bfloat16, compile)
+        t = trainer(model, tc, sampler, torch.bfloat16, compile)
 
         def one() -> None:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -1221,23 +919,10 @@ def gpu_train_group(report: Report, args: argparse.Namespace, cfg: ModelConfig, 
     for vname, xs in samples.items():
         st = Stats.of([batch * cfg.block_size / x for x in xs])
         _, mem, warm = variants[vname]
-        report.add(
-            Row(
-                group,
-                vname,
-                "tokens/s",
-                st.median,
-                st.lo,
-                st.hi,
-                extra={
-                    "ms/step": statistics.median(xs) * 1e3,
-                    "MFU": f"{fpt * st.median / peak:.1%}",
-                    "of measured matmul": f"{fpt * st.median / matmul:.1%}",
-                    "CUDA max alloc MB": mem.cuda_mb,
-                },
-                note=f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s",
-            )
-        )
+        extra = {"ms/step": statistics.median(xs) * 1e3, "MFU": f"{fpt * st.median / peak:.1%}"}
+        extra |= {"of measured matmul": f"{fpt * st.median / matmul:.1%}", "CUDA max alloc MB": mem.cuda_mb}
+        note = f"MFU against {peak / 1e12:.0f} TFLOP/s (datasheet bf16); warm-up 3 steps {warm:.0f} s"
+        report.add(Row.of(group, vname, "tokens/s", st, extra, note))
     report.print_group(group)
 
 
@@ -1290,28 +975,11 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
             )
             if key == "int8" and "eager" in vname:
                 note = f"greedy tokens = bf16 eager's for {agreement(out['int8 False'], out['bf16 False'])}"
-            report.add(
-                Row(
-                    group,
-                    vname,
-                    "new tokens/s",
-                    st.median,
-                    st.lo,
-                    st.hi,
-                    extra={"of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]},
-                    note=note,
-                )
-            )
+            extra = {"of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]}
+            report.add(Row.of(group, vname, "new tokens/s", st, extra, note))
         reads = ", ".join(f"{k} {(step_weight_bytes(m) + kv) / 1e6:,.0f} MB" for k, m in runs.items())
-        report.add(
-            Row(
-                group,
-                f"bound ({' | '.join(runs)})",
-                "new tokens/s",
-                " | ".join(f"{b:,.0f}" for b in bounds.values()),
-                note=(f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)"),
-            )
-        )
+        note = f"B x copy bandwidth {bandwidth / 1e9:,.0f} GB/s / bytes a step reads ({reads}: weights + mean-context KV)"
+        report.add(Row(group, f"bound ({' | '.join(runs)})", "new tokens/s", " | ".join(f"{b:,.0f}" for b in bounds.values()), note=note))
         report.print_group(group)
 
 
@@ -1321,18 +989,12 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
 SUITES = {"train": train_suite, "sample": sample_suite, "prepare": prepare_suite, "gpu": gpu_suite}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (the 6-layer training shape uses half, at least 3)")
     p.add_argument("--json", type=Path, help="also write every row (and the machine) as JSON here")
-    p.add_argument(
-        "--text",
-        "--data-path",
-        type=Path,
-        default=DEFAULT_TEXT,
-        help="Tiny Shakespeare (default: data/downloads/input.txt, the quickstart's)",
-    )
+    add_common(p, text=True)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd training (slow to compile on CPU)")
     p.add_argument("--quick", action="store_true", help="train suite: the baby shape only")
@@ -1341,7 +1003,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recompute-tokens", type=int, default=100)
     p.add_argument("--sample-reps", type=int, default=3)
     p.add_argument(
-        "--sample-blocks", type=int, nargs="+", default=[1024, 256], help="sample suite: the block sizes of the model (default 1024 256)"
+        "--sample-pos", choices=["learned", "rope"], default="learned", help="sample suite: positions (rope keeps the cache past the block)"
+    )
+    p.add_argument(
+        "--sample-blocks", type=int, nargs="+", default=[1024, 256], help="sample suite: the model's block sizes (default 1024 256)"
     )
     p.add_argument(
         "--sample-compile",
@@ -1349,27 +1014,36 @@ def main(argv: list[str] | None = None) -> None:
         default=True,
         help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)",
     )
-    p.add_argument("--sample-real", type=Path, help="sample suite: also a real model, this quill run of it (quill import-hf / import-gguf)")
-    p.add_argument("--sample-real-hf", type=Path, help="sample suite: the same model as a Hugging Face directory (transformers' row)")
     p.add_argument("--gpu-batch", type=int, default=16)
     p.add_argument("--gpu-steps", type=int, default=10)
     p.add_argument("--gpu-sample-tokens", type=int, default=500)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.text = args.text or DEFAULT_TEXT  # without it: random ids, and no prepare or `quill train` rows
+    args.shapes = [SMOKE] if args.smoke else SHAPES
+    if args.smoke:  # seconds: one rep of everything, a few tokens and steps, nothing compiled
+        args.reps = args.sample_reps = 1
+        args.loss_steps, args.sample_tokens, args.recompute_tokens, args.sample_blocks = 3, 8, 4, [64]
+        args.sample_compile, args.gpu_steps, args.gpu_sample_tokens = False, 2, 8
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
 
     report = Report()
-    describe_machine(report)
+    report.header.update(machine(), load_average_start=load_line("before"))
+    print(machine_line())
+    print(load_line("before"))
     print(f"command: python scripts/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="quill-bench-") as tmp:
         suites = [s for s in SUITES if s != "gpu"] + ["gpu"] if args.suite == "all" else [args.suite]
         for name in suites:
             SUITES[name](report, args, Path(tmp))
-    report.header["load_average_end"] = os.getloadavg()
-    report.header["seconds"] = time.perf_counter() - t0
-    print(f"\n{time.perf_counter() - t0:.0f} s; load average at the end {' '.join(f'{x:.2f}' for x in report.header['load_average_end'])}")
+    report.header.update(load_average_end=load_line("after"), seconds=time.perf_counter() - t0)
+    print(f"\n{time.perf_counter() - t0:.0f} s; {load_line('after')}")
     if args.json:
         args.json.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
 

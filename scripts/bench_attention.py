@@ -13,24 +13,20 @@ Infini-attention), measured at the end, and whether it grows with the text.
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from harness import Stats, add_common, interleaved, load_line, machine_line, text_path, timed, trainer
 
 from quillgpt.config import ModelConfig, TrainConfig
-from quillgpt.data.download import local_text
-from quillgpt.data.prefix_batches import PrefixLengths, mask_prefix_targets
-from quillgpt.errors import QuillError
+from quillgpt.data.batches import BatchSampler
+from quillgpt.data.prefix_batches import PrefixLengths, PrefixSampler
 from quillgpt.inference.engine import Engine
 from quillgpt.model.gpt import GPT
 from quillgpt.sampling_params import SamplingParams
-from quillgpt.train.optim import build_optimizer
+from quillgpt.train.loop import train_step
 
-ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "causal": {},
     "sliding window 32": {"window": 32},
@@ -40,35 +36,20 @@ VARIANTS = {
 }
 
 
-def build(kw: dict, vocab: int, block: int) -> GPT:
+def build(kw: dict, vocab: int, args: argparse.Namespace) -> GPT:
     torch.manual_seed(0)
-    return GPT(ModelConfig(vocab_size=vocab, block_size=block, n_layer=4, n_head=4, n_embd=128, bias=False, **kw))
+    shape = {"n_layer": 1, "n_head": 2, "n_embd": 32} if args.smoke else {"n_layer": 4, "n_head": 4, "n_embd": 128}
+    return GPT(ModelConfig(vocab_size=vocab, block_size=args.block, bias=False, **shape, **kw))
 
 
-def trainer(model: GPT, tokens: np.ndarray, batch: int, steps: int):
-    """A function running `steps` optimizer steps, returning seconds per step."""
-    cfg = model.config
-    opt = build_optimizer(model, TrainConfig(learning_rate=1e-3), torch.device("cpu"))
-    g = torch.Generator().manual_seed(1)
-    lengths = PrefixLengths(cfg, 2) if cfg.attention == "prefix" else None
-    model.train()
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            starts = torch.randint(len(tokens) - cfg.block_size - 1, (batch,), generator=g).numpy()
-            w = torch.from_numpy(tokens[starts[:, None] + np.arange(cfg.block_size + 1)].astype(np.int64))
-            x, y, prefix = w[:, :-1], w[:, 1:], None
-            if lengths is not None:
-                prefix = lengths.draw(x)
-                y = mask_prefix_targets(y, prefix)
-            _, loss = model(x, y, prefix_len=prefix)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return (time.perf_counter() - t0) / steps
-
-    return run
+def steps(model: GPT, tokens: np.ndarray, args: argparse.Namespace):
+    """A function running --steps of the package's train_step (a prefix-LM's batches with drawn
+    prefixes, as `quill train` draws them), returning seconds per step."""
+    sampler = BatchSampler(tokens, args.block, args.batch, seed=1)
+    if model.config.attention == "prefix":
+        sampler = PrefixSampler(sampler, PrefixLengths(model.config, 2))
+    t = trainer(model.train(), TrainConfig(batch_size=args.batch, learning_rate=1e-3, device="cpu"), sampler)
+    return lambda: timed(lambda: train_step(t.model, t), args.steps)
 
 
 @torch.no_grad()
@@ -90,35 +71,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps per timed repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=1000, help="new tokens when sampling")
-    ap.add_argument("--data-path", type=Path, help="Tiny Shakespeare (default: data/downloads/input.txt, where the quickstart put it)")
+    add_common(ap, text=True)
     args = ap.parse_args()
-    try:
-        text = local_text(args.data_path, ROOT).read_text(encoding="utf-8")
-    except (QuillError, OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: {e}")
+    if args.smoke:
+        args.block, args.batch, args.steps, args.reps, args.tokens = 64, 2, 1, 1, 8
+    text = text_path(args.text).read_text(encoding="utf-8")
     chars = sorted(set(text))
-    tokens = np.array([chars.index(c) for c in text[:200_000]], dtype=np.int64)
-    models = {name: build(kw, len(chars), args.block) for name, kw in VARIANTS.items()}
-    runs = {name: trainer(m, tokens, args.batch, args.steps) for name, m in models.items()}
+    tokens = np.array([chars.index(c) for c in text[:200_000]], dtype=np.uint16)
+    models = {name: build(kw, len(chars), args) for name, kw in VARIANTS.items()}
+    runs = {name: steps(m, tokens, args) for name, m in models.items()}
     for run in runs.values():
         run()  # warm-up
-    times = {name: [] for name in runs}
-    for _ in range(args.reps):
-        for name, run in runs.items():
-            times[name].append(run())
-    print(
-        f"4L/4H/128, block {args.block}, batch {args.batch}, fp32, {torch.get_num_threads()} threads; "
-        f"sampling: 1 row, 16-token prompt + {args.tokens:,} new tokens"
-    )
+    print(f"{machine_line()}\n{load_line('before')}", flush=True)
+    times = interleaved(runs, args.reps)
+    c = next(iter(models.values())).config
+    shape = f"{c.n_layer}L/{c.n_head}H/{c.n_embd}, block {args.block}, batch {args.batch}, fp32"
+    print(f"{shape}; sampling: 1 row, 16-token prompt + {args.tokens:,} new tokens")
     print(f"{'attention':<28} {'train tok/s':>11} {'sample tok/s':>12} {'state bytes':>12}  grows?")
     for name, model in models.items():
-        tok_s = args.batch * args.block / statistics.median(times[name])
+        tok_s = args.batch * args.block / Stats.of(times[name]).median
         n_new = args.tokens
         if model.config.attention == "prefix":  # the prompt is never cropped: stop at block_size
             n_new = min(n_new, args.block - 16)
         nbytes, grew, rate = sampling(model, n_new)
         note = f"  ({n_new} new tokens: prompt + new must fit block_size)" if n_new != args.tokens else ""
         print(f"{name:<28} {tok_s:>11,.0f} {rate:>12,.0f} {nbytes:>12,}  {'yes' if grew else 'no'}{note}")
+    print(load_line("after"))
 
 
 if __name__ == "__main__":

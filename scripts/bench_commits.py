@@ -8,6 +8,7 @@ The base commit is checked out (once) as a git worktree beside the system temp d
 the base's bench.py, then this checkout's, with the same arguments, so a burst of load hits both
 alike. Every row both report is printed as the median over rounds of each run's median, with
 after / before (for tokens/s higher is better, for ms lower is). Run nothing else meanwhile.
+--smoke compares this checkout with itself, one round of `bench.py --smoke --suite prepare`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, add_common
 
 
 def worktree(commit: str) -> Path:
@@ -41,13 +42,19 @@ def run_bench(tree: Path, args: list[str], out: Path) -> dict[tuple[str, str], f
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("base", help="the commit to compare with (e.g. a tag or a short sha)")
+    p.add_argument("base", nargs="?", help="the commit to compare with (e.g. a tag or a short sha)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rows", default="", help="only rows whose group or name contains this text")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
+    add_common(p, text=True)
     args, bench_args = p.parse_args(argv[:cut]), argv[cut + 1 :]  # after --: scripts/bench.py's arguments
-    trees = {"before": worktree(args.base), "after": ROOT}
+    if args.smoke:
+        args.base, args.rounds = "HEAD", 1
+        bench_args = ["--smoke", "--suite", "prepare", *(["--data-path", str(args.text)] if args.text else [])]
+    elif args.base is None:
+        raise SystemExit("error: name the BASE commit, or --smoke")
+    trees = {"before": ROOT if args.smoke else worktree(args.base), "after": ROOT}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):

@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness import ROOT, Stats, add_common, load_line, run_child, skipped, tiny_run
 
 TARGETS_HF = ["q_proj", "k_proj", "v_proj", "o_proj"]
 SIDES = ["quill", "quill-unshared", "peft"]  # quill-unshared: every row runs its system prompt itself, as peft's
@@ -136,13 +134,23 @@ def hf_worker(args: argparse.Namespace) -> float:
 
 def run_side(side: str, args: argparse.Namespace) -> tuple[float, float]:
     """One fresh subprocess of `side`: (real tokens/s, peak RSS in MB)."""
-    cmd = [sys.executable, __file__, "--worker", side, *sys.argv[1:]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"error: the {side} worker failed (its message is above)")
-    return float(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
+    given = ("hf", "run", "data", "rows", "rank", "lr", "warmup", "steps", "tmp")
+    cmd = [sys.executable, __file__, "--worker", side, *(x for k in given for x in (f"--{k}", str(getattr(args, k))))]
+    _, peak_mb, out = run_child(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return float(out.strip().splitlines()[-1]), peak_mb
+
+
+def smoke_data(tmp: Path) -> tuple[Path, Path]:
+    """A tiny random run and a few conversations prepared with its tokenizer."""
+    from quillgpt.config import DataConfig
+    from quillgpt.data.prepare import prepare
+
+    run = tiny_run(tmp / "run")
+    chats = [{"messages": [{"role": "user", "content": f"line {i}"}, {"role": "assistant", "content": "HAMLET"}]} for i in range(40)]
+    (tmp / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    data = DataConfig(path=str(tmp / "chats.jsonl"), format="chat", tokenizer=str(run / "tokenizer.json"), out_dir=str(tmp / "data"))
+    prepare(data, progress=False)
+    return run, tmp / "data"
 
 
 def main() -> None:
@@ -158,27 +166,37 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tmp", type=Path, default=ROOT / "out" / "bench_finetune_hf")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    add_common(ap)
     args = ap.parse_args()
     if args.worker:
         work = {"quill": quill_worker, "quill-unshared": lambda a: quill_worker(a, share_prefix=False), "peft": hf_worker}
         print(work[args.worker](args), flush=True)
         return
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
-    results: dict[str, list[tuple[float, float]]] = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = SIDES
+        if args.smoke:
+            args.run, args.data = smoke_data(Path(tmp))
+            args.rows, args.steps, args.rounds, sides = 2, 1, 1, SIDES[:1]
+            skipped("quill-unshared and peft", "--smoke: quill's side only, no Hugging Face model")
+        compare(args, sides)
+
+
+def compare(args: argparse.Namespace, sides: list[str]) -> None:
+    """--rounds of each side in turn, then each side's median, min and max, and quill's ratios to peft."""
+    print(load_line("before"), flush=True)
+    results: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
     for _ in range(args.rounds):
         for side in results:
             results[side].append(run_side(side, args))
             print(f"{side}: {results[side][-1][0]:,.1f} real tokens/s, peak RSS {results[side][-1][1]:,.0f} MB", flush=True)
-    load_after = Path("/proc/loadavg").read_text().split()[:3]
-    med = {s: statistics.median(t for t, _ in r) for s, r in results.items()}
-    print(json.dumps({"rows": args.rows, "rank": args.rank, "steps": args.steps, "rounds": args.rounds, "load": [load_before, load_after]}))
+    print(load_line("after"))
+    print(json.dumps({"rows": args.rows, "rank": args.rank, "steps": args.steps, "rounds": args.rounds}))
+    med = {side: Stats.of([t for t, _ in r]) for side, r in results.items()}
     for side, r in results.items():
-        ts = [t for t, _ in r]
-        print(
-            f"{side:14s} {med[side]:8,.1f} real tokens/s (min {min(ts):,.1f}, max {max(ts):,.1f}), peak RSS {max(m for _, m in r):,.0f} MB"
-        )
-    ratio, unshared = med["quill"] / med["peft"], med["quill-unshared"] / med["peft"]
-    print(f"quill / peft: {ratio:.2f}× (without sharing the rows' common prefix: {unshared:.2f}×)")
+        print(f"{side:14s} {med[side]} real tokens/s, peak RSS {max(m for _, m in r):,.0f} MB")
+    if "peft" in med:
+        ratio, unshared = med["quill"].median / med["peft"].median, med["quill-unshared"].median / med["peft"].median
+        print(f"quill / peft: {ratio:.2f}× (without sharing the rows' common prefix: {unshared:.2f}×)")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import ROOT, add_common, load_line, machine_line
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
     "you were her she there been one all we their has would when if so no will more about can said time people "
@@ -178,7 +178,11 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp"), help="where the temporary corpus goes")
     ap.add_argument("--keep", action="store_true", help="keep the corpus and the shards")
     ap.add_argument("--progress", action="store_true", help="show prepare's progress bar")
+    add_common(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.size, args.file_size, args.workers = parse_size("300KB"), parse_size("100KB"), 1
+    print(f"{machine_line()}\n{load_line('before')}", flush=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
     work = Path(tempfile.mkdtemp(prefix="quill_bench_prepare_", dir=args.dir))
@@ -225,6 +229,7 @@ def main() -> None:
             f"targets: peak RSS < 1 GB (all processes together): {'PASS' if ok_rss else 'FAIL'}; "
             f"throughput {ratio:.2f}x the baseline (target ≥ 1.6x on 2 cores): {'PASS' if ratio >= 1.6 else 'FAIL'}"
         )
+        print(load_line("after"))
     finally:
         if args.keep:
             print(f"kept {work}")

@@ -22,38 +22,29 @@ speed drifts over minutes that ratio is steadier than the ratio of the medians.
 
 OpenMP's wait policy is left as the user has it (unset: threads spin a while before they sleep,
 as `quill sample` runs). torch and llama.cpp both read OMP_WAIT_POLICY once at start; measured
-here, PASSIVE (scripts/bench_sample.py's choice for shared machines) slowed llama.cpp from ~90
-to ~15-40 tokens/s and quill's int8 from ~25 to ~13, so compare rows only under one policy.
+here, PASSIVE slowed llama.cpp from ~90 to ~15-40 tokens/s and quill's int8 from ~25 to ~13, so
+compare rows only under one policy. --smoke times fp32 and int8 on a tiny random model, a few tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import ctypes
 import os
-import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from harness import Stats, add_common, interleaved, load_line, machine_line, read_bandwidth, skipped, step_weight_bytes, tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench import read_bandwidth, step_weight_bytes  # noqa: E402
-
-from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
-from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
-from quillgpt.model import native_block  # noqa: E402
-from quillgpt.model.quant import quantize, weights_note  # noqa: E402
-from quillgpt.runs import load_run  # noqa: E402
+from quillgpt.inference.chat_session import chat_prompt_ids
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.interop.gguf_write import export_gguf
+from quillgpt.quant import quantize, weights_note
+from quillgpt.runs import load_run
 
 PROMPT = "Give me three tips for sleeping better."
 Decode = Callable[[], float]  # one timed generation → tokens/s
@@ -61,12 +52,11 @@ Decode = Callable[[], float]  # one timed generation → tokens/s
 
 def quill_row(model, ids: list[int], n: int, compile: bool = False, native: bool = True) -> Decode:
     def run() -> float:
-        with contextlib.nullcontext() if native else native_block.off():
-            gen = generate_tokens(model, [ids], n, temperature=0.0, compile=compile)
-            next(gen)  # the prompt's forward: not timed
-            t = time.perf_counter()
-            steps = sum(1 for _ in gen)
-            return steps / (time.perf_counter() - t)
+        gen = generate_tokens(model, [ids], n, temperature=0.0, compile=compile, native=native)
+        next(gen)  # the prompt's forward: not timed
+        t = time.perf_counter()
+        steps = sum(1 for _ in gen)
+        return steps / (time.perf_counter() - t)
 
     return run
 
@@ -120,14 +110,6 @@ def gguf_files(ckpt: Path, work: Path) -> dict[str, Path]:
     return {"Q8_0": q8, "Q4_0": q4}
 
 
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads"
-
-
 def rows_of(args: argparse.Namespace, work: Path) -> dict[str, tuple[Decode, int, str]]:
     """name → (timed generation, weight bytes per token, a note)."""
     run = load_run(args.ckpt, which="latest")
@@ -148,6 +130,9 @@ def rows_of(args: argparse.Namespace, work: Path) -> dict[str, tuple[Decode, int
     if args.hf:
         fn, bytes_ = hf_row(args.hf, ids, n)
         rows["transformers fp32"] = (fn, bytes_, "generate, use_cache")
+    if args.smoke:
+        skipped("llama.cpp rows", "--smoke: no GGUF of a real model")
+        return rows
     try:
         files = gguf_files(args.ckpt, work)
     except ImportError:
@@ -160,13 +145,14 @@ def rows_of(args: argparse.Namespace, work: Path) -> dict[str, tuple[Decode, int
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", type=Path, required=True, help="a quill run of the model (quill import-hf / import-gguf)")
+    p.add_argument("--ckpt", type=Path, help="a quill run of the model (quill import-hf / import-gguf)")
     p.add_argument("--hf", type=Path, help="the same model as a Hugging Face directory: adds transformers' row")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--quill", nargs="+", default=["fp32", "int8", "int4"], help="quill rows: fp32, bf16 or a --quantize scheme")
     p.add_argument("--compile", action="store_true", help="also time each quill row with the compiled decode step")
     p.add_argument("--op-by-op", action="store_true", help="also time each quantized row without the native decode block")
+    add_common(p)
     return p
 
 
@@ -174,28 +160,28 @@ def measure(args: argparse.Namespace) -> list[tuple[str, list[float], int, float
     """Every row of `args` (parser()'s), timed interleaved: (name, tokens/s of each rep, weight
     bytes a token, read bandwidth of a buffer that size, note)."""
     with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            args.ckpt, args.tokens, args.reps, args.quill = tiny_run(Path(tmp) / "tiny"), 4, 1, ["fp32", "int8"]
+        elif args.ckpt is None:
+            raise SystemExit("error: --ckpt RUN is needed (a quill run of a real model), or --smoke")
         rows = rows_of(args, Path(tmp))
         for fn, _, _ in rows.values():
             fn()  # warm-up (and compile) outside the timings
-        speeds: dict[str, list[float]] = {name: [] for name in rows}
-        for _ in range(args.reps):
-            for name, (fn, _, _) in rows.items():
-                speeds[name].append(fn())
+        speeds = interleaved({name: fn for name, (fn, _, _) in rows.items()}, args.reps)
     return [(name, speeds[name], nbytes, read_bandwidth(nbytes), note) for name, (_, nbytes, note) in rows.items()]
 
 
 def main() -> None:
     args = parser().parse_args()
-    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
-    print(f"{cpu_name()}, OMP_WAIT_POLICY {policy}; load average before: {os.getloadavg()}", flush=True)
+    print(f"{machine_line()} | OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}\n{load_line('before')}", flush=True)
     measured = measure(args)
     print(f"\n{args.tokens} new tokens, batch 1, greedy, median of {args.reps}\n")
     print("| engine | tokens/s (min–max) | MB read per token | read bandwidth GB/s | of the bound | note |")
     print("|---|---|---|---|---|---|")
     for name, xs, nbytes, bw, note in measured:
-        tps, spread = statistics.median(xs), f"{min(xs):.1f}–{max(xs):.1f}"
-        print(f"| {name} | {tps:.1f} ({spread}) | {nbytes / 1e6:.0f} | {bw / 1e9:.1f} | {tps * nbytes / bw:.0%} | {note} |")
-    print(f"\nload average after: {os.getloadavg()}")
+        st = Stats.of(xs)
+        print(f"| {name} | {st} | {nbytes / 1e6:.0f} | {bw / 1e9:.1f} | {st.median * nbytes / bw:.0%} | {note} |")
+    print(f"\n{load_line('after')}")
     print_ratios({name: xs for name, xs, *_ in measured})
 
 
@@ -213,7 +199,8 @@ def llama_ratios(speeds: dict[str, list[float]]) -> dict[str, tuple[str, list[fl
 def print_ratios(speeds: dict[str, list[float]]) -> None:
     """Each quill row over the llama.cpp row of its kind: the median of the per-rep ratios."""
     for name, (kind, ratios) in llama_ratios(speeds).items():
-        print(f"{name} / llama.cpp {kind}: {statistics.median(ratios):.3f}× (per-rep {min(ratios):.3f}–{max(ratios):.3f})")
+        st = Stats.of(ratios)
+        print(f"{name} / llama.cpp {kind}: {st.median:.3f}× (per-rep {st.lo:.3f}–{st.hi:.3f})")
 
 
 if __name__ == "__main__":

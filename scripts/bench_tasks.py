@@ -21,16 +21,13 @@ import argparse
 import json
 import os
 import random
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness import Stats, add_common, interleaved, load_line, machine_line, skipped, text_path, tiny_run  # noqa: E402
 
 
 def write_task(folder: Path, text: str, questions: int, seed: int = 0) -> None:
@@ -63,57 +60,63 @@ def models(args: argparse.Namespace, batch: int) -> dict:
     if not args.no_int8:
         q = load_run(args.quill, which=args.which, quantize="int8", rows=batch)
         out[f"quill int8, batch {batch}"] = QuillLM(q.model, q.tokenizer, batch_size=batch)
-    out[f"lm-eval hf fp32, batch {batch}"] = HFLM(pretrained=str(args.hf), dtype="float32", batch_size=batch, device="cpu")
+    if args.hf:
+        out[f"lm-eval hf fp32, batch {batch}"] = HFLM(pretrained=str(args.hf), dtype="float32", batch_size=batch, device="cpu")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quill", type=Path, required=True, help="a quill run (e.g. quill import-hf of --hf)")
-    parser.add_argument("--hf", type=Path, required=True, help="the same weights as a Hugging Face directory")
+    parser.add_argument("--quill", type=Path, help="a quill run (e.g. quill import-hf of --hf)")
+    parser.add_argument("--hf", type=Path, help="the same weights as a Hugging Face directory")
     parser.add_argument("--which", default="best")
-    parser.add_argument(
-        "--text", "--data-path", type=Path, default=ROOT / "data" / "downloads" / "input.txt", help="the text the questions come from"
-    )
     parser.add_argument("--questions", type=int, default=40)
     parser.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--no-int8", action="store_true", help="skip the --quantize int8 rows")
+    add_common(parser, text=True)
     args = parser.parse_args()
-    if not args.text.is_file():
-        raise SystemExit(f"error: no text at {args.text}: run the README's quickstart first, or pass --data-path FILE")
+    text = text_path(args.text).read_text(encoding="utf-8")
+    with tempfile.TemporaryDirectory(prefix="bench_tasks_") as tmp:
+        if args.smoke:
+            args.quill, args.which, args.hf, args.no_int8 = tiny_run(Path(tmp) / "tiny", text), "latest", None, True
+            args.questions, args.batch, args.reps = 4, "1", 1
+            skipped("lm-eval's HF backend and int8", "--smoke: a tiny random run, no Hugging Face model")
+        elif args.quill is None or args.hf is None:
+            raise SystemExit("error: --quill RUN and --hf DIR are needed, or --smoke")
+        write_task(Path(tmp), text, args.questions)
+        compare(args, Path(tmp))
 
+
+def compare(args: argparse.Namespace, folder: Path) -> None:
+    """Every row's lm-eval run of the task, interleaved: requests/s, the ratio to HF's at its batch, acc."""
     import lm_eval
     import torch
     from lm_eval.tasks import TaskManager
 
     torch.manual_seed(0)
-    before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    folder = Path(tempfile.mkdtemp(prefix="bench_tasks_"))
-    write_task(folder, args.text.read_text(encoding="utf-8"), args.questions)
+    print(f"{machine_line()}\n{load_line('before')}", flush=True)
     manager = TaskManager(include_path=str(folder), include_defaults=False)
     rows = {}
     for batch in [int(b) for b in args.batch.split(",")]:
         rows.update(models(args, batch))
-    times: dict[str, list[float]] = {name: [] for name in rows}
     scores: dict[str, tuple[float, float]] = {}
-    for _ in range(args.reps):
-        for name, lm in rows.items():
-            t0 = time.perf_counter()
-            res = lm_eval.simple_evaluate(model=lm, tasks=["bench_mc"], task_manager=manager, bootstrap_iters=0, verbosity="ERROR")
-            times[name].append(time.perf_counter() - t0)
-            r = res["results"]["bench_mc"]
-            scores[name] = (r["acc,none"], r["acc_norm,none"])
+
+    def evaluate(name: str) -> float:
+        t0 = time.perf_counter()
+        res = lm_eval.simple_evaluate(model=rows[name], tasks=["bench_mc"], task_manager=manager, bootstrap_iters=0, verbosity="ERROR")
+        scores[name] = (res["results"]["bench_mc"]["acc,none"], res["results"]["bench_mc"]["acc_norm,none"])
+        return time.perf_counter() - t0
+
     requests = 4 * args.questions
-    threads = torch.get_num_threads()
-    print(f"{requests} loglikelihood requests ({args.questions} questions x 4 choices), {args.reps} reps, torch threads {threads}")
-    print(f"{'row':28} {'requests/s':>12} {'min-max':>14} {'vs hf':>7} {'acc':>6} {'acc_norm':>8}")
-    for name, ts in times.items():
-        rate = requests / statistics.median(ts)
-        ref = requests / statistics.median(times[f"lm-eval hf fp32, batch {name.rsplit(' ', 1)[1]}"])
-        span = f"{requests / max(ts):.1f}-{requests / min(ts):.1f}"
-        print(f"{name:28} {rate:12.1f} {span:>14} {rate / ref:6.2f}x {scores[name][0]:6.3f} {scores[name][1]:8.3f}")
-    print(f"load average before: {before}; after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    rates = {name: [requests / t for t in ts] for name, ts in interleaved({n: lambda n=n: evaluate(n) for n in rows}, args.reps).items()}
+    print(f"{requests} loglikelihood requests ({args.questions} questions x 4 choices), {args.reps} reps")
+    print(f"{'row':28} {'requests/s (min–max)':>24} {'vs hf':>7} {'acc':>6} {'acc_norm':>8}")
+    for name, xs in rates.items():
+        st, ref = Stats.of(xs), rates.get(f"lm-eval hf fp32, batch {name.rsplit(' ', 1)[1]}")
+        vs = f"{st.median / Stats.of(ref).median:6.2f}x" if ref else "n/a"
+        print(f"{name:28} {st!s:>24} {vs:>7} {scores[name][0]:6.3f} {scores[name][1]:8.3f}")
+    print(load_line("after"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ row's tokens that are a conversation's, and the time of one training forward + b
 recipe's shape on the fast causal path (padded rows) against the same with the explicit
 attention mask that packed rows would need (a mask's cost does not depend on what it masks),
 timed in turns in this process.
+
+    python scripts/finetune_recipe.py --score data/chat/speakers_heldout.jsonl --ckpt out/smollm2 --ckpt out/smol-ft
+
+--score scores the runs given instead (e.g. an imported chat model beside its fine-tune): each
+conversation's first user turn through the run's own chat prompt, its last assistant turn the
+expected answer. --smoke scores a tiny random base on a few conversations (no fine-tune, no timing).
 """
 
 from __future__ import annotations
@@ -28,23 +34,23 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness import ROOT, add_common, load_line, run_child, skipped, tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from quillgpt.checkpoint import load_checkpoint  # noqa: E402
-from quillgpt.config import load_config  # noqa: E402
-from quillgpt.data.chat_batches import ChatRows  # noqa: E402
-from quillgpt.device import resolve_dtype  # noqa: E402
-from quillgpt.evaluate.scores import chat_rows, evaluate_rows  # noqa: E402
-from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
-from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.runs import load_run  # noqa: E402
-from quillgpt.train.cpu_share import others_during  # noqa: E402
-from quillgpt.train.loop import autocast  # noqa: E402
+from quillgpt.checkpoint import load_checkpoint
+from quillgpt.config import load_config
+from quillgpt.data.chat_batches import ChatRows
+from quillgpt.device import resolve_dtype
+from quillgpt.evaluate.scores import chat_rows, evaluate_rows
+from quillgpt.inference.chat_session import chat_prompt_ids
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.runs import load_run
+from quillgpt.train.cpu_share import others_during
+from quillgpt.train.loop import autocast
 
 CONFIGS = {"LoRA": ROOT / "configs" / "shakespeare_chat_lora.yaml", "full": ROOT / "configs" / "shakespeare_chat_full.yaml"}
 HELDOUT = ROOT / "data" / "chat" / "speakers_heldout.jsonl"
@@ -53,30 +59,28 @@ HELDOUT = ROOT / "data" / "chat" / "speakers_heldout.jsonl"
 def quill(*args: str) -> tuple[float, float]:
     """Run `python -m quillgpt ARGS` (from the repository root): (wall seconds, peak RSS in MB)."""
     print("$ quill", " ".join(args), flush=True)
-    started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "quillgpt", *args], cwd=ROOT)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"error: quill {args[0]} failed (its message is above)")
-    return time.perf_counter() - started, usage.ru_maxrss / 1024
+    seconds, peak_mb, _ = run_child([sys.executable, "-m", "quillgpt", *args], cwd=ROOT)
+    return seconds, peak_mb
 
 
 def answers(run, conversations: list[list[dict]], batch: int = 128) -> list[str]:
-    """Each conversation's greedy reply to its user turn, up to its first line break."""
+    """Each conversation's greedy reply to its user turn, up to its first line break or end of turn."""
     prompts = [chat_prompt_ids(run.tokenizer, c[:1])[0] for c in conversations]
+    ends = [e for e in (run.tokenizer.decode([i]) for i in run.tokenizer.stop_ids) if e]  # an imported model's end of turn
     out = []
     for i in range(0, len(prompts), batch):
         steps = torch.stack(list(generate_tokens(run.model, prompts[i : i + batch], 14, temperature=0.0))).T
-        out += [run.tokenizer.decode(row.tolist()).strip().split("\n")[0].strip() for row in steps]
+        said = [run.tokenizer.decode(row.tolist()) for row in steps]
+        out += [min((a.split(e)[0] for e in ends), key=len, default=a).strip().split("\n")[0].strip() for a in said]
     return out
 
 
-def score(path: Path, conversations: list[list[dict]], heldout_text: str) -> dict:
+def score(path: Path, conversations: list[list[dict]], heldout: Path) -> dict:
     run = load_run(path)
     said = answers(run, conversations)
-    truth = [c[1]["content"] for c in conversations]
+    truth = [c[-1]["content"].strip() for c in conversations]
     speakers = set(truth)
-    rows = chat_rows(run.tokenizer, heldout_text, run.config.model.block_size, str(HELDOUT))
+    rows = chat_rows(run.tokenizer, heldout.read_text(encoding="utf-8"), run.config.model.block_size, str(heldout))
     return {
         "accuracy": sum(a == t for a, t in zip(said, truth)) / len(truth),
         "named": sum(a in speakers for a in said) / len(truth),
@@ -127,50 +131,56 @@ def unreliable(causal: list[float], masked: list[float], others: float, spread: 
     return "; ".join(reasons) or None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", type=Path, default=ROOT / "out" / "quickstart")
-    ap.add_argument("--skip-train", action="store_true", help="score the fine-tuned runs already there")
-    ap.add_argument("overrides", nargs="*", help="config overrides for both fine-tunes, e.g. train.max_iters=100")
-    args = ap.parse_args()
+def fine_tunes(args: argparse.Namespace) -> tuple[dict[str, Path], dict[str, tuple[float, float]]]:
+    """Both fine-tunes trained (unless --skip-train) on the chat set: their runs and (seconds, peak RSS MB)."""
     if not (args.base / "tokenizer.json").is_file():
         sys.exit(f"error: no base run in {args.base}; train it first: quill train --config configs/quickstart.yaml")
     if not HELDOUT.is_file():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_chat_data.py")], check=True)
     cfg = {name: load_config(path, args.overrides) for name, path in CONFIGS.items()}
-    runs = {name: ROOT / c.train.out_dir for name, c in cfg.items()}
     cost = {}
     if not args.skip_train:
         quill("prepare", "--config", str(CONFIGS["LoRA"]), *args.overrides)
         cost = {name: quill("train", "--config", str(path), "--overwrite", "-q", *args.overrides) for name, path in CONFIGS.items()}
-    heldout_text = HELDOUT.read_text(encoding="utf-8")
-    conversations = [json.loads(line)["messages"] for line in heldout_text.splitlines()]
-    scores = {"base": score(args.base, conversations, heldout_text)}
-    scores.update({name: score(path, conversations, heldout_text) for name, path in runs.items()})
-    truth = [c[1]["content"] for c in conversations]
+    return {name: ROOT / c.train.out_dir for name, c in cfg.items()}, cost
+
+
+def print_table(base: Path, runs: dict[str, Path], cost: dict[str, tuple[float, float]], heldout: Path) -> None:
+    """The base beside each fine-tune: held-out accuracy and loss, parameters, time, memory, file sizes."""
+    conversations = [json.loads(line)["messages"] for line in heldout.read_text(encoding="utf-8").splitlines()]
+    scores = {name: score(path, conversations, heldout) for name, path in {"base": base, **runs}.items()}
+    names = list(scores)
+    truth = [c[-1]["content"].strip() for c in conversations]
     majority = max(truth.count(t) for t in set(truth)) / len(truth)
-    sizes = {name: {f: os.path.getsize(p / f) for f in ("best.pt", "ckpt.pt")} for name, p in runs.items()}
-    sizes["base"] = {"best.pt": os.path.getsize(args.base / "best.pt")}
+    size = {n: {f: os.path.getsize(p / f) for f in ("best.pt", "ckpt.pt") if (p / f).is_file()} for n, p in {"base": base, **runs}.items()}
     trainable = {name: sum(t.numel() for t in load_checkpoint(p / "best.pt")["model"].values()) for name, p in runs.items()}
+
+    def cells(fn) -> list[str]:
+        return [fn(n) for n in names]
+
     table = [
-        ("", ["base", "LoRA", "full"]),
-        ("held-out accuracy", [f"{scores[n]['accuracy']:.1%}" for n in ("base", "LoRA", "full")]),
-        ("answers with a speaker's name", [f"{scores[n]['named']:.1%}" for n in ("base", "LoRA", "full")]),
-        ("held-out loss (answers)", [f"{scores[n]['loss']:.3f}" for n in ("base", "LoRA", "full")]),
-        ("first answer", [repr(scores[n]["example"]) for n in ("base", "LoRA", "full")]),
-        ("trained parameters", ["-", f"{trainable['LoRA']:,}", f"{trainable['full']:,}"]),
-        ("train time (s)", ["-", *(f"{cost[n][0]:.0f}" if n in cost else "-" for n in ("LoRA", "full"))]),
-        ("peak RSS (MB)", ["-", *(f"{cost[n][1]:.0f}" if n in cost else "-" for n in ("LoRA", "full"))]),
-        ("best.pt (KB)", [f"{sizes[n]['best.pt'] / 1024:,.0f}" for n in ("base", "LoRA", "full")]),
-        ("ckpt.pt (KB)", ["-", *(f"{sizes[n]['ckpt.pt'] / 1024:,.0f}" for n in ("LoRA", "full"))]),
+        ("", names),
+        ("held-out accuracy", cells(lambda n: f"{scores[n]['accuracy']:.1%}")),
+        ("answers with a speaker's name", cells(lambda n: f"{scores[n]['named']:.1%}")),
+        ("held-out loss (answers)", cells(lambda n: f"{scores[n]['loss']:.3f}")),
+        ("first answer", cells(lambda n: repr(scores[n]["example"]))),
+        ("trained parameters", cells(lambda n: f"{trainable[n]:,}" if n in trainable else "-")),
+        ("train time (s)", cells(lambda n: f"{cost[n][0]:.0f}" if n in cost else "-")),
+        ("peak RSS (MB)", cells(lambda n: f"{cost[n][1]:.0f}" if n in cost else "-")),
+        ("best.pt (KB)", cells(lambda n: f"{size[n]['best.pt'] / 1024:,.0f}" if "best.pt" in size[n] else "-")),
+        ("ckpt.pt (KB)", cells(lambda n: f"{size[n]['ckpt.pt'] / 1024:,.0f}" if n != "base" and "ckpt.pt" in size[n] else "-")),
     ]
-    width = [max(len(r[0]) for r in table)] + [max(len(r[1][i]) for r in table) for i in range(3)]
+    width = [max(len(r[0]) for r in table)] + [max(len(r[1][i]) for r in table) for i in range(len(names))]
     print(f"\n{len(truth)} held-out lines of {len(set(truth))} speakers; always answering the most common: {majority:.1%}")
-    for label, cells in table:
-        print(label.ljust(width[0]), *(c.rjust(w) for c, w in zip(cells, width[1:])), sep="  ")
-    c = cfg["LoRA"]
-    load = os.getloadavg()[0]
-    fill, causal_s, masked_s, others = padding_against_packing(args.base, ROOT / c.data.out_dir, c.model.block_size, c.train.batch_size, 5)
+    for label, row in table:
+        print(label.ljust(width[0]), *(c.rjust(w) for c, w in zip(row, width[1:])), sep="  ")
+
+
+def print_padding(base: Path, overrides: list[str]) -> None:
+    """Padded rows against packed ones at the LoRA recipe's shape, with the reasons not to trust the timing."""
+    c = load_config(CONFIGS["LoRA"], overrides)
+    print(load_line("before"))
+    fill, causal_s, masked_s, others = padding_against_packing(base, ROOT / c.data.out_dir, c.model.block_size, c.train.batch_size, 5)
     causal, masked = statistics.median(causal_s), statistics.median(masked_s)
     print(
         f"\npadded rows hold {fill:.1%} conversation tokens; a forward + backward at batch {c.train.batch_size} × "
@@ -178,9 +188,41 @@ def main() -> None:
         f"({masked / causal:.2f}×): per conversation token, padded {causal / fill * 1e3:.1f} ms vs packed {masked * 1e3:.1f} ms"
     )
     if why := unreliable(causal_s, masked_s, others):
-        print(f"UNRELIABLE, not a result: {why}; rerun on a quiet machine (load average {load:.1f} before, {os.getloadavg()[0]:.1f} after)")
+        print(f"UNRELIABLE, not a result: {why}; rerun on a quiet machine")
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    print(f"(torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}, load average {os.getloadavg()[0]:.1f})")
+    print(f"(torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}); {load_line('after')}")
+
+
+SMOKE_CHATS = [("To be, or not to be", "HAMLET"), ("O Romeo, Romeo", "JULIET"), ("Now is the winter", "GLOUCESTER")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", type=Path, default=ROOT / "out" / "quickstart")
+    ap.add_argument("--skip-train", action="store_true", help="score the fine-tuned runs already there")
+    ap.add_argument("--score", type=Path, help="only score --ckpt runs on these conversations (jsonl, {'messages': [...]} a line)")
+    ap.add_argument("--ckpt", type=Path, action="append", default=[], help="--score: a run (repeatable)")
+    ap.add_argument("-n", type=int, default=200, help="--score: the first N conversations")
+    ap.add_argument("overrides", nargs="*", help="config overrides for both fine-tunes, e.g. train.max_iters=100")
+    add_common(ap)
+    args = ap.parse_args()
+    if args.score:
+        lines = args.score.read_text(encoding="utf-8").splitlines()[: args.n]
+        for ckpt in args.ckpt:
+            got = score(ckpt, [json.loads(line)["messages"] for line in lines], args.score)
+            right, named = f"{got['accuracy']:.1%} right", f"{got['named']:.1%} an expected answer"
+            print(f"{ckpt}: {right}, {named}, of {len(lines)}; held-out loss {got['loss']:.3f}; first reply {got['example']!r}")
+        return
+    if not args.smoke:
+        print_table(args.base, *fine_tunes(args), HELDOUT)
+        print_padding(args.base, args.overrides)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        skipped("the fine-tunes and the padding timing", "--smoke: a random base, scored on a few lines")
+        heldout = Path(tmp) / "heldout.jsonl"
+        chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in SMOKE_CHATS]
+        heldout.write_text("".join(json.dumps(c) + "\n" for c in chats), encoding="utf-8")
+        print_table(tiny_run(Path(tmp) / "base"), {}, {}, heldout)
 
 
 if __name__ == "__main__":

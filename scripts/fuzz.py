@@ -20,6 +20,7 @@ run, its data or the HF export that changed). It prints the counts with a few ex
 failure and exits 1 if any count but "cases" is non-zero.
 
     python scripts/fuzz.py --minutes 10
+    python scripts/fuzz.py --smoke                # the workspace, then a few seconds of cases
 """
 
 from __future__ import annotations
@@ -106,22 +107,12 @@ def quill(argv: list[str], limit: float = 60.0) -> tuple[int | str, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+TINY = "model.n_layer=2 model.n_head=2 model.n_embd=32 model.block_size=16 train.batch_size=4 train.max_iters=2 train.eval_interval=2"
+
+
 def tiny(w: dict, *extra: str) -> list[str]:
-    return [
-        f"data.path={w['text']}",
-        f"data.out_dir={w['data']}",
-        f"train.out_dir={w['run']}",
-        "model.n_layer=2",
-        "model.n_head=2",
-        "model.n_embd=32",
-        "model.block_size=16",
-        "train.batch_size=4",
-        "train.max_iters=2",
-        "train.eval_interval=2",
-        "train.eval_iters=2",
-        "train.device=cpu",
-        *extra,
-    ]
+    where = [f"data.path={w['text']}", f"data.out_dir={w['data']}", f"train.out_dir={w['run']}"]
+    return [*where, *TINY.split(), "train.eval_iters=2", "train.device=cpu", *extra]
 
 
 def workspace(root: Path) -> dict:
@@ -235,14 +226,8 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
         chosen = ["-n", *r.sample(sorted(set(flags) - {"-n"}), r.randint(1, 4))]  # -n always: the run's default is 500
         if "--prompt-file" in chosen and "-p" in chosen:
             chosen.remove("-p")
-        return [
-            "sample",
-            "--ckpt",
-            pick([run, run, *w["inputs"]]),
-            "--json",
-            *[x for k in chosen for x in (k, flags[k])],
-            *(["--no-kv-cache"] if r.random() < 0.3 else []),
-        ]
+        argv = ["sample", "--ckpt", pick([run, run, *w["inputs"]]), "--json", *[x for k in chosen for x in (k, flags[k])]]
+        return argv + (["--no-kv-cache"] if r.random() < 0.3 else [])
     if kind == "chat":  # standard input holds one message, then ends
         flags = {
             "--temperature": pick(FLOATS, "1"),
@@ -263,40 +248,17 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
             *[x for k in chosen for x in (k, flags[k])],
         ]
     if kind == "eval":
-        return [
-            "eval",
-            "--ckpt",
-            pick(w["inputs"], run),
-            "--json",
-            "--text",
-            pick(w["inputs"], str(w["text"])),
-            *pick([[], ["--stride", pick(INTS)], ["--batch-size", pick(INTS)]]),
-        ]
+        argv = ["eval", "--ckpt", pick(w["inputs"], run), "--json", "--text", pick(w["inputs"], str(w["text"]))]
+        return argv + pick([[], ["--stride", pick(INTS)], ["--batch-size", pick(INTS)]])
     if kind == "attention":
         out = pick([[], ["--out", pick(w["outputs"])], ["--summary-json", pick(w["outputs"])]])
-        return [
-            "attention",
-            "--ckpt",
-            run,
-            "-p",
-            pick(PROMPTS),
-            *out,
-            *pick([[], ["--layer", pick(["all", "-9", "x"])], ["--head", pick(INTS)], ["--force"]]),
-        ]
+        argv = ["attention", "--ckpt", run, "-p", pick(PROMPTS), *out]
+        return argv + pick([[], ["--layer", pick(["all", "-9", "x"])], ["--head", pick(INTS)], ["--force"]])
     if kind == "plot":
         return ["plot", pick([run, *w["inputs"]]), "-o", pick(w["outputs"]), *pick([[], ["--x", pick(["time", "x"])]])]
     if kind == "tokenizer":
-        return [
-            "tokenizer",
-            "train",
-            "-i",
-            pick(w["inputs"]),
-            "-o",
-            pick(w["outputs"]),
-            "--vocab-size",
-            pick(["257", "260", "300", "0", "70000"]),
-            *pick([[], ["--force"]]),
-        ]
+        argv = ["tokenizer", "train", "-i", pick(w["inputs"]), "-o", pick(w["outputs"])]
+        return argv + ["--vocab-size", pick(["257", "260", "300", "0", "70000"]), *pick([[], ["--force"]])]
     if kind in ("prepare", "train"):
         out = w["scratch"] / f"{kind}_{r.randrange(3)}"
         extra = [f"data.path={pick(w['inputs'])}"] if r.random() < 0.5 else []
@@ -316,20 +278,10 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
         return [kind, "--config", pick(w["inputs"], str(CONFIG)), *(["-q"] if kind == "train" else []), *tiny(w), *extra]
     if kind == "hf":
         which = pick(["import-hf", "export-hf"])
-        return [
-            which,
-            str(w["hf"] if which == "import-hf" else w["run"]) if r.random() < 0.7 else pick(w["inputs"]),
-            "--out",
-            pick([str(w["scratch"] / f"hf_{r.randrange(3)}"), *w["outputs"]]),
-        ]
-    return [
-        "serve",
-        "--ckpt",
-        run,
-        *pick(
-            [["--api-key", ""], ["--max-batch", "0"], ["--port", "70000"], ["--dtype", "int8"], ["--max-tokens", "0"], ["--api-key", " "]]
-        ),
-    ]
+        source = str(w["hf"] if which == "import-hf" else w["run"]) if r.random() < 0.7 else pick(w["inputs"])
+        return [which, source, "--out", pick([str(w["scratch"] / f"hf_{r.randrange(3)}"), *w["outputs"]])]
+    bad = [["--api-key", ""], ["--max-batch", "0"], ["--port", "70000"], ["--dtype", "int8"], ["--max-tokens", "0"], ["--api-key", " "]]
+    return ["serve", "--ckpt", run, *pick(bad)]
 
 
 HOSTILE_TEMPLATES = [
@@ -640,32 +592,11 @@ def check(tally: Tally, r, what: object) -> None:
 
 
 def start_server(w: dict, tree: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "quillgpt",
-        "serve",
-        "--ckpt",
-        str(w["run"]),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-batch",
-        "4",
-        "--device",
-        "cpu",
-    ]
+    from harness import serve  # (here: nothing is imported before main runs again with --tree first)
+
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     env.pop("QUILL_API_KEY", None)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    found = re.search(r"(http://127\.0\.0\.1:\d+)/", proc.stderr.readline())
-    if not found:
-        proc.kill()
-        sys.exit(f"quill serve did not start: {proc.stderr.read()[-2000:]}")
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()  # the server's log, kept
-    return proc, found.group(1), log
+    return serve(w["run"], "--max-batch", "4", "--device", "cpu", env=env, echo=False)
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -683,7 +614,14 @@ def main() -> None:
         help="the checkout whose quill is fuzzed (default: this one; e.g. an older commit's worktree, for a before/after)",
     )
     parser.add_argument("--data-path", type=Path, help="Tiny Shakespeare (default: data/downloads/input.txt, where the quickstart put it)")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds of cases after the workspace is built")
     args = parser.parse_args()
+    tree = str(args.tree.resolve())
+    if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != tree:  # quillgpt is imported from --tree: run again with it first
+        paths = os.pathsep.join([tree, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONPATH": paths})
+    if args.smoke:
+        args.minutes = 0.05
     global TEXT
     TEXT = (args.data_path or TEXT).resolve()  # (quillgpt is not imported here: --tree says which one runs)
     if not TEXT.is_file():
@@ -691,7 +629,6 @@ def main() -> None:
             f"error: no Tiny Shakespeare at {TEXT}: `quill train --config configs/quickstart.yaml` downloads it, or pass --data-path FILE"
         )
     os.environ.pop("QUILL_DEBUG", None)
-    sys.path.insert(0, str(args.tree.resolve()))
     root = Path(tempfile.mkdtemp(prefix="quill-fuzz-", dir=args.workdir))
     cwd = os.getcwd()
     os.chdir(root)  # an empty output path writes to the working directory: let that be the workspace

@@ -259,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
         help="train: one more config override for prepare and train (repeatable)",
     )
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     args.work.mkdir(parents=True, exist_ok=True)
     if args.check == "train":
         return 0 if train_check(args.work, args.text.resolve(), args.override) else 1

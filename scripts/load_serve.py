@@ -27,18 +27,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+from harness import add_common, load_line, machine_line, serve, tiny_run
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = [
@@ -74,6 +75,11 @@ class Phase:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    def figures(self) -> dict:
+        p50, p95 = (1000 * f(self.ttft) if self.ttft else None for f in (statistics.median, lambda t: _percentile(t, 0.95)))
+        counts = {"name": self.name, "clients": self.clients, "requests": self.requests, "tokens": self.tokens}
+        return counts | {"seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "ttft_p50_ms": p50, "ttft_p95_ms": p95}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -173,43 +179,9 @@ def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Ra
     return out
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`quill serve` on a free loopback port; prints its start-up line (the weights it serves)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "quillgpt",
-        "serve",
-        "--ckpt",
-        args.ckpt,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-batch",
-        str(args.max_batch),
-        "--device",
-        args.device,
-        "--quantize",
-        args.quantize,
-    ]
-    if args.compile:
-        cmd.append("--compile")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    seen: list[str] = []  # warnings and --compile's lines come before the one with the address
-    while not (found := re.search(r"(http://127\.0\.0\.1:\d+)/", line := proc.stderr.readline())) and line:
-        seen.append(line)
-        print(line.strip(), flush=True)
-    if not found:
-        proc.kill()
-        sys.exit(f"quill serve did not start: {''.join(seen)[-2000:]}")
-    print(line.strip(), flush=True)
-    return proc, found.group(1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--ckpt", help="run directory or .pt file: start `quill serve` on 127.0.0.1 for it")
     where.add_argument("--url", help="a running server on a loopback address, e.g. http://127.0.0.1:8000")
     parser.add_argument("--max-batch", type=int, default=32, help="--max-batch of the server this script starts")
@@ -222,31 +194,48 @@ def main() -> None:
     )
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    add_common(parser)
     args = parser.parse_args()
-    proc, url = None, args.url
-    if url is not None and urlparse(url).hostname not in LOOPBACK:
-        sys.exit(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), got {url}")
-    if args.ckpt is not None:
-        proc, url = start_server(args)
+    if args.url is not None and urlparse(args.url).hostname not in LOOPBACK:
+        sys.exit(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), got {args.url}")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:  # a tiny random run served, one short request a client
+            args.ckpt, args.url, args.requests_per_client, args.tokens = str(tiny_run(Path(tmp) / "tiny", block_size=64)), None, 1, 4
+        elif args.ckpt is None and args.url is None:
+            sys.exit("error: --ckpt RUN or --url URL is needed, or --smoke")
+        print(f"{machine_line()}\n{load_line('before')}", flush=True)
+        flags = ["--max-batch", str(args.max_batch), "--device", args.device, "--quantize", args.quantize] + ["--compile"] * args.compile
+        proc, url, _ = serve(args.ckpt, *flags) if args.ckpt is not None else (None, args.url, [])
+        try:
+            warm, phases = run_phases(url, args)
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    sys.exit(report(warm, phases, args))
+
+
+def run_phases(url: str, args: argparse.Namespace) -> tuple[Phase, list[Phase]]:
+    """The warm-up, then the three phases, within --time-limit."""
     deadline = time.monotonic() + args.time_limit
     warm = Phase("warm-up", 2)
     phases = [Phase("1 client", 1), Phase("16 clients", 16), Phase("32 mixed", 32)]
-    try:
-        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
-        rng = random.Random(0)
-        asyncio.run(run_phase(url, warm, bodies_for(2, 1, 16, rng, model), deadline))
-        n = args.requests_per_client
-        tokens = args.tokens or model["block_size"] // 2
-        plans = [bodies_for(1, n, tokens, rng, model), bodies_for(16, n, tokens, rng, model), bodies_for(32, n, None, rng, model)]
-        for phase, plan in zip(phases, plans):
-            asyncio.run(run_phase(url, phase, plan, deadline))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+    rng = random.Random(0)
+    asyncio.run(run_phase(url, warm, bodies_for(2, 1, 16, rng, model), deadline))
+    n = args.requests_per_client
+    tokens = args.tokens or model["block_size"] // 2
+    plans = [bodies_for(1, n, tokens, rng, model), bodies_for(16, n, tokens, rng, model), bodies_for(32, n, None, rng, model)]
+    for phase, plan in zip(phases, plans):
+        asyncio.run(run_phase(url, phase, plan, deadline))
+    return warm, phases
+
+
+def report(warm: Phase, phases: list[Phase], args: argparse.Namespace) -> int:
+    """The table (and --json's object); 1 if any response was malformed."""
     print(
         f"{'phase':<12} {'clients':>7} {'requests':>8} {'tokens':>8} {'seconds':>8} {'req/s':>7} "
         f"{'tokens/s':>9} {'ttft p50':>9} {'ttft p95':>9}  (ms)"
@@ -254,36 +243,13 @@ def main() -> None:
     for phase in phases:
         print(phase.row())
     speedup = phases[1].tokens_per_s / phases[0].tokens_per_s if phases[0].tokens_per_s else float("nan")
-    print(
-        f"aggregate tokens/s, 16 clients vs 1 client: {speedup:.2f}x (target ≥ 3x); "
-        f"cpu threads {os.environ.get('OMP_NUM_THREADS', 'default')}"
-    )
+    print(f"aggregate tokens/s, 16 clients vs 1 client: {speedup:.2f}x (target ≥ 3x); {load_line('after')}")
     errors = [f"{p.name}: {e}" for p in [warm, *phases] for e in p.errors]
     for e in errors[:20]:
         print("error:", e, file=sys.stderr)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "phases": [
-                        {
-                            "name": p.name,
-                            "clients": p.clients,
-                            "requests": p.requests,
-                            "tokens": p.tokens,
-                            "seconds": p.seconds,
-                            "tokens_per_s": p.tokens_per_s,
-                            "ttft_p50_ms": 1000 * statistics.median(p.ttft) if p.ttft else None,
-                            "ttft_p95_ms": 1000 * _percentile(p.ttft, 0.95) if p.ttft else None,
-                        }
-                        for p in phases
-                    ],
-                    "speedup_16_vs_1": speedup,
-                    "errors": len(errors),
-                }
-            )
-        )
-    sys.exit(1 if errors else 0)
+        print(json.dumps({"phases": [p.figures() for p in phases], "speedup_16_vs_1": speedup, "errors": len(errors)}))
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ import json
 import random
 import re
 import sys
+import tempfile
 from pathlib import Path
+
+from harness import ROOT, add_common
 
 from quillgpt.data.download import local_text
 from quillgpt.errors import QuillError
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEAKER = re.compile(r"([A-Z][A-Za-z' ]*):")
 
 
@@ -54,10 +56,8 @@ def conversation(line: str, speaker: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--data-path", "--text", type=Path, help="Tiny Shakespeare (default: data/downloads/input.txt, where the quickstart put it)"
-    )
-    ap.add_argument("--out", type=Path, default=ROOT / "data" / "chat")
+    add_common(ap, text=True)
+    ap.add_argument("--out", type=Path, help="where the two files go (default: data/chat; --smoke: a temporary folder)")
     ap.add_argument("--speakers", type=int, default=8, help="how many speakers (classes)")
     ap.add_argument("--max-name", type=int, default=10, help="longest speaker name kept")
     ap.add_argument("--max-chars", type=int, default=29, help="a line is cut to this many characters")
@@ -66,9 +66,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     try:
-        text = local_text(args.data_path, ROOT).read_text(encoding="utf-8")
+        text = local_text(args.text, ROOT).read_text(encoding="utf-8")
     except (QuillError, OSError, UnicodeDecodeError) as e:
         sys.exit(f"error: {e}")
+    with tempfile.TemporaryDirectory() as tmp:
+        args.out = args.out or (Path(tmp) if args.smoke else ROOT / "data" / "chat")
+        write(args, text)
+
+
+def write(args: argparse.Namespace, text: str) -> None:
+    """The chosen speakers' lines as conversations, speeches split between the two files."""
 
     all_speeches = speeches(text)
     counts = collections.Counter(s for s, _ in all_speeches)

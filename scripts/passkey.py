@@ -13,6 +13,9 @@ most, less than the distance to the key, so its figure is the chance baseline by
     python scripts/passkey.py                     # ~2-3 minutes on 2 CPU cores
     python scripts/passkey.py --generate 100000   # then each model generates 100,000 tokens, one at a
                                                   # time, reporting its state bytes and the process's RSS
+
+Both train through the package's train_step (build_optimizer's groups, the gates' lr_mult, clipping)
+at lr_at's schedule: warmup 50 steps, cosine to a tenth.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import resource
 import time
 
 import torch
+from harness import add_common, train, trainer
 
-from quillgpt.config import ModelConfig
+from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.inference.engine import Engine
 from quillgpt.model.gpt import GPT
-from quillgpt.model.variants.infini import GATE_LR_MULT, is_gate
 from quillgpt.sampling_params import SamplingParams
 
 DIGITS, FILLER = 10, 20  # ids 0..9 digits, 10..29 filler
@@ -56,24 +59,23 @@ def make_model(kind: str, args: argparse.Namespace) -> GPT:
     return GPT(cfg)
 
 
-def train(model: GPT, args: argparse.Namespace) -> float:
-    g = torch.Generator().manual_seed(args.seed + 1)  # the same windows for both models
-    gates = [p for n, p in model.named_parameters() if is_gate(n)]
-    rest = [p for n, p in model.named_parameters() if not is_gate(n)]
-    groups = [{"params": rest, "mult": 1.0}] + ([{"params": gates, "mult": GATE_LR_MULT}] if gates else [])
-    opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
-    t0 = time.perf_counter()
-    model.train()
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = group["mult"] * args.lr * min(1.0, (step + 1) / 50) * (1 - 0.9 * step / args.steps)
-        x, y = windows(args.batch, args, g)
-        _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+class Windows:
+    """The training batches: fresh windows every step, the same stream for both models."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.g = args, torch.Generator().manual_seed(args.seed + 1)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return windows(self.args.batch, self.args, self.g)
+
+
+def train_model(model: GPT, args: argparse.Namespace) -> float:
+    """args.steps of the package's train_step; returns seconds."""
+    warmup = min(50, args.steps // 4)
+    tc = TrainConfig(
+        batch_size=args.batch, learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=warmup, weight_decay=0.0, beta2=0.999, device="cpu"
+    )
+    return train(trainer(model, tc, Windows(args)), args.steps)
 
 
 @torch.no_grad()
@@ -120,7 +122,10 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--generate", type=int, default=0, help="then generate this many tokens with each model")
+    add_common(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.batch, args.eval_n, args.generate = 3, 4, 8, min(args.generate, 20)
     T = args.segments * args.segment
     print(
         f"passkey in segment 1 of {args.segments} (window {T} tokens, span {args.segment}), "
@@ -129,7 +134,7 @@ def main() -> None:
     print(f"{'attention':<16} {'params':>7} {'both':>6} {'per digit':>9} {'train s':>7}")
     for kind, name in (("window", f"sliding window {args.segment}"), ("infini", "infini")):
         model = make_model(kind, args)
-        seconds = train(model, args)
+        seconds = train_model(model, args)
         both, digit = accuracy(model, args)
         print(f"{name:<16} {model.num_params():>7,} {both:>6.1%} {digit:>9.1%} {seconds:>7.1f}")
         if kind == "infini":

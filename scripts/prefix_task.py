@@ -8,16 +8,18 @@ left to right. Accuracy = exact-match of the greedy answer on held-out strings (
 
     python scripts/prefix_task.py                 # sort, about a minute on 2 CPU cores
     python scripts/prefix_task.py --task reverse --seed 1
+
+Both train through the package's train_step at lr_at's schedule (warmup 50 steps, cosine to a tenth).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from harness import add_common, train, trainer
 
-from quillgpt.config import ModelConfig
+from quillgpt.config import ModelConfig, TrainConfig
 from quillgpt.data.prefix_batches import mask_prefix_targets
 from quillgpt.model.gpt import GPT
 
@@ -40,25 +42,27 @@ def make_model(attention: str, length: int, args: argparse.Namespace) -> GPT:
     return GPT(cfg)
 
 
-def train(model: GPT, args: argparse.Namespace) -> float:
-    """Fresh random examples every step (same stream for both models); returns seconds."""
-    g = torch.Generator().manual_seed(args.seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    P = torch.full((args.batch,), args.length + 1)  # "s=" is the prefix
-    prefix = P if model.config.attention == "prefix" else None
-    t0 = time.perf_counter()
-    model.train()
-    for step in range(args.steps):
-        for group in opt.param_groups:  # linear warmup, then linear decay to 10%
-            group["lr"] = args.lr * min(1.0, (step + 1) / 50) * (1 - 0.9 * step / args.steps)
-        ex = examples(args.batch, args.length, args.task, g)
-        x, y = ex[:, :-1], mask_prefix_targets(ex[:, 1:], P)  # loss on the answer only, for both
-        _, loss = model(x, y, prefix_len=prefix)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+class Examples:
+    """Fresh random examples every step (the same stream for both models), the loss on the answer
+    only for both; the prefix-LM's batches also carry its prefix, "s=" (length + 1)."""
+
+    def __init__(self, args: argparse.Namespace, prefix: bool) -> None:
+        self.args, self.prefix, self.g = args, prefix, torch.Generator().manual_seed(args.seed + 1)
+
+    def next(self) -> tuple[torch.Tensor, ...]:
+        ex = examples(self.args.batch, self.args.length, self.args.task, self.g)
+        P = torch.full((self.args.batch,), self.args.length + 1)
+        x, y = ex[:, :-1], mask_prefix_targets(ex[:, 1:], P)
+        return (x, y, P) if self.prefix else (x, y)
+
+
+def train_model(model: GPT, args: argparse.Namespace) -> float:
+    """args.steps of the package's train_step; returns seconds."""
+    warmup = min(50, args.steps // 4)
+    tc = TrainConfig(
+        batch_size=args.batch, learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=warmup, weight_decay=0.0, beta2=0.999, device="cpu"
+    )
+    return train(trainer(model, tc, Examples(args, model.config.attention == "prefix")), args.steps)
 
 
 @torch.no_grad()
@@ -87,7 +91,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-n", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    add_common(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.batch, args.eval_n = 3, 4, 8
     print(
         f"task {args.task}, length {args.length}, {args.n_layer} layers × {args.n_embd} wide, "
         f"{args.steps} steps × batch {args.batch}, seed {args.seed}"
@@ -95,7 +102,7 @@ def main() -> None:
     print(f"{'attention':<9} {'params':>7} {'exact':>6} {'per-token':>9} {'train s':>7}")
     for attention in ("causal", "prefix"):
         model = make_model(attention, args.length, args)
-        seconds = train(model, args)
+        seconds = train_model(model, args)
         exact, token = accuracy(model, args)
         print(f"{attention:<9} {model.num_params():>7,} {exact:>6.1%} {token:>9.1%} {seconds:>7.1f}")
 

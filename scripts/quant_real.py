@@ -9,32 +9,35 @@ Each scheme's weights are dequantized into float32 linears (fp32 activations: th
 error alone, at float speed); each is also run as --quantize runs it (an int8 scheme through the
 kernels its plan picks on this machine, an int4 scheme through its layers' kernels); --gguf FILE adds
 llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights, e.g.
-`quill export-gguf --type q8_0`); --int8-activations adds each scheme with its linears' inputs
-rounded to int8 per 32, what a kernel multiplying int8 activations (`vpdpbusd`) would cost. Prints one markdown table and the load
-average before and after.
+`quill export-gguf --type q8_0`); --gguf-type TYPE adds the run as `quill export-gguf --type
+TYPE` writes it, imported back (what a GGUF type costs, its file's MB in the row); --int8-activations
+adds each scheme with its linears' inputs rounded to int8 per 32, what a kernel multiplying int8
+activations (`vpdpbusd`) would cost. Prints one markdown table and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import add_common, load_line, skipped, tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
-from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.model.gpt import GPT  # noqa: E402
-from quillgpt.model.int4 import Bf16Linear, Int4Linear  # noqa: E402
-from quillgpt.model.quant import INT4_SCHEMES, Int8Linear, plan_of, quantize  # noqa: E402
-from quillgpt.runs import load_run  # noqa: E402
+from quillgpt.inference.chat_session import chat_prompt_ids
+from quillgpt.inference.generate import generate_tokens
+from quillgpt.interop.gguf_family import WRITE_TYPES
+from quillgpt.interop.gguf_read import import_gguf
+from quillgpt.interop.gguf_write import export_gguf
+from quillgpt.model.gpt import GPT
+from quillgpt.quant import SCHEMES, QuantLinear, plan_of, quantize
+from quillgpt.quant.int4 import Int4Linear
+from quillgpt.quant.int8 import Int8Linear
+from quillgpt.runs import load_run
 
 PROMPTS = [
     "Give me three tips for sleeping better.",
@@ -57,10 +60,10 @@ def scored(model: GPT, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
 
 
 def dequantized(model: GPT) -> GPT:
-    """Each Int8Linear replaced by an nn.Linear of its dequantized weights (and its bias)."""
+    """Each quantized linear replaced by an nn.Linear of its dequantized weights (and its bias)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, (Int8Linear, Int4Linear, Bf16Linear)):
+            if isinstance(child, QuantLinear):
                 lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
                 with torch.no_grad():
                     lin.weight.copy_(child.dequantized())
@@ -124,30 +127,80 @@ def shared(a: list[int], b: list[int]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", type=Path, required=True)
-    p.add_argument("--text", type=Path, required=True, help="scored on its last --positions tokens")
+    p.add_argument("--ckpt", type=Path, help="a quill run (an imported chat model)")
     p.add_argument("--positions", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=40, help="greedy tokens compared per prompt")
     p.add_argument("--scheme", action="append", default=[], help="a --quantize scheme (repeatable)")
     p.add_argument("--group", type=int, action="append", default=[], help="int8 with this many weights per scale (repeatable)")
     p.add_argument("--int8-activations", action="store_true", help="also each scheme with its linears' inputs rounded to int8 per 32")
     p.add_argument("--gguf", type=Path, action="append", default=[], help="the same model as a GGUF file: llama.cpp's row (repeatable)")
+    p.add_argument(
+        "--gguf-type",
+        action="append",
+        default=[],
+        choices=list(WRITE_TYPES),
+        help="also the run as export-gguf writes this type, imported back",
+    )
+    add_common(p, text=True)
     args = p.parse_args()
-    print(f"load average before: {os.getloadavg()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:  # a tiny random model scored on its own characters
+            args.ckpt, args.positions, args.tokens, args.scheme = tiny_run(Path(tmp) / "tiny"), 64, 4, ["int8", "int4"]
+            args.gguf_type = args.gguf_type or ["q8_0"]
+            args.text = Path(tmp) / "text.txt"
+            args.text.write_text("".join(map(chr, range(32, 127))) * 2)
+            if args.gguf:
+                skipped("llama.cpp rows", "--smoke")
+                args.gguf = []
+        elif args.ckpt is None or args.text is None:
+            raise SystemExit("error: --ckpt RUN and --text FILE are needed, or --smoke")
+        print(load_line("before"), flush=True)
+        compare(args, Path(tmp))
+        print(f"\n{load_line('after')}")
+
+
+@dataclass
+class Baseline:
+    """fp32's figures every row is compared with."""
+
+    loss: float
+    top: torch.Tensor
+    greedy: list[list[int]]
+    tokens: int
+
+    def row(self, name: str, acts: str, loss: float, top: torch.Tensor, texts: list[list[int]], note: str = "") -> None:
+        kept = [shared(a, b) for a, b in zip(texts, self.greedy)]
+        agree = 100 * float((top.reshape(-1) == self.top.reshape(-1)).float().mean())
+        print(
+            f"| {name} | {acts} | {loss:.4f} | {100 * (loss - self.loss) / self.loss:+.3f}% | {agree:.2f}% "
+            f"| {sum(k == self.tokens for k in kept)}/10 | {kept} |{note}",
+            flush=True,
+        )
+
+
+def gguf_round_trip(ckpt: Path, kind: str, work: Path) -> tuple[GPT, float]:
+    """The run as `quill export-gguf --type KIND` writes it, imported back (dequantized, as
+    llama.cpp computes with it): its model and the file's MB."""
+    path = export_gguf(ckpt, work / f"{kind}.gguf", kind=kind).path
+    import_gguf(path, work / kind)
+    return load_run(work / kind, which="latest").model, path.stat().st_size / 1e6
+
+
+def compare(args: argparse.Namespace, work: Path) -> None:
+    """fp32's loss, top-1 and greedy tokens, then every scheme's (and GGUF's) against them: the table."""
     run = load_run(args.ckpt)
     tok = run.tokenizer
     ids = torch.tensor(tok.encode(args.text.read_text())[-args.positions - 1 :])[None]
     prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}])[0] for q in PROMPTS]
-    base_loss, base_top = scored(run.model, ids)
-    base = greedy(run.model, prompts, args.tokens)
-    print(f"fp32 loss {base_loss:.4f}; fp32 sleeping tips: {tok.decode(base[0])!r}\n", flush=True)
-    print("| weights | activations | loss | Δ loss | top-1 agreement | prompts keeping 40 greedy tokens | tokens kept per prompt |")
-    print("|---|---|---|---|---|---|---|")
+    base = Baseline(*scored(run.model, ids), greedy(run.model, prompts, args.tokens), args.tokens)
+    print(f"fp32 loss {base.loss:.4f}; fp32 sleeping tips: {tok.decode(base.greedy[0])!r}\n", flush=True)
+    kept = f"prompts keeping {args.tokens} greedy tokens"
+    print(f"| weights | activations | loss | Δ loss | top-1 agreement | {kept} | tokens kept per prompt |\n|---|---|---|---|---|---|---|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
         for kernel in ["dequant/model", "plan"] + (["int8 activations"] if args.int8_activations else []):  # "plan": --quantize's kernels
             t = time.perf_counter()
-            fixed = "dequant/model" if kernel != "plan" and scheme not in INT4_SCHEMES else None  # int4: one kernel a shape
+            fixed = "dequant/model" if kernel != "plan" and SCHEMES[scheme].layer is Int8Linear else None  # int4: one kernel a shape
             model = quantize(copy.deepcopy(run.model), scheme, kernel=fixed, group=group, cache=fixed is None)
             fours = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
             plan = plan_of(model)  # int8: the decode step's kernel
@@ -155,25 +208,14 @@ def main() -> None:
             model = dequantized(model) if kernel != "plan" else model
             if kernel == "int8 activations":
                 rounded_inputs(model, 127)
-            loss, top = scored(model, ids)
-            kept = [shared(a, b) for a, b in zip(greedy(model, prompts, args.tokens), base)]
             name = scheme if group is None else f"int8, {group or 'per-row'} per scale"
             acts = {"dequant/model": "fp32", "plan": run_as, "int8 activations": "int8 per 32 (Q8_0's)"}[kernel]
-            print(
-                f"| {name} | {acts} | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
-                f"| {100 * float((top == base_top).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |"
-                f" <!-- {time.perf_counter() - t:.0f} s -->",
-                flush=True,
-            )
+            base.row(name, acts, *scored(model, ids), greedy(model, prompts, args.tokens), f" <!-- {time.perf_counter() - t:.0f} s -->")
+    for kind in args.gguf_type:
+        model, mb = gguf_round_trip(args.ckpt, kind, work)
+        base.row(f"export-gguf {kind} ({mb:.1f} MB), imported back", "fp32", *scored(model, ids), greedy(model, prompts, args.tokens))
     for path in args.gguf:
-        loss, top, texts = llama_scored(path, ids, prompts, args.tokens)
-        kept = [shared(a, b) for a, b in zip(texts, base)]
-        print(
-            f"| llama.cpp {path.name} | its own | {loss:.4f} | {100 * (loss - base_loss) / base_loss:+.3f}% "
-            f"| {100 * float((top == base_top[0]).float().mean()):.2f}% | {sum(k == args.tokens for k in kept)}/10 | {kept} |",
-            flush=True,
-        )
-    print(f"\nload average after: {os.getloadavg()}")
+        base.row(f"llama.cpp {path.name}", "its own", *llama_scored(path, ids, prompts, args.tokens))
 
 
 if __name__ == "__main__":

@@ -5,50 +5,26 @@
 Starts the real command on 127.0.0.1 (a free port), writes from "ROMEO:" with a fixed seed in the
 Write tab (docs/serve.png), then shows the attention of the prompt and its continuation
 (docs/serve_attention.png), and stops the server. Needs the `serve` extra, selenium and Debian's
-chromium + chromium-driver (what tests/serve/test_serve_browser.py uses).
+chromium + chromium-driver (what tests/serve/test_serve_browser.py uses). --smoke serves a tiny
+random run and takes the pictures into a temporary folder (without a browser, it says so and stops).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import socket
-import subprocess
-import sys
-import time
+import tempfile
 from pathlib import Path
 
-import httpx
-from selenium import webdriver
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
-from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, add_common, serve, skipped, tiny_run
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def browser():
+    """Headless Chromium through selenium and chromium-driver."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
 
-
-def serve(ckpt: str, port: int) -> subprocess.Popen:
-    """`quill serve` in a subprocess, once /health answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "quillgpt", "serve", "--ckpt", ckpt, "--port", str(port)], cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("quill serve did not start")
-
-
-def browser() -> webdriver.Chrome:
     options = Options()
     options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or "chromium"
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"):
@@ -61,12 +37,31 @@ def main() -> None:
     ap.add_argument("--ckpt", default="out/quickstart")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs")
     ap.add_argument("--max-tokens", type=int, default=50)  # + "ROMEO:" fits the quickstart's 64
+    add_common(ap)
     args = ap.parse_args()
-    port = free_port()
-    proc, driver = serve(args.ckpt, port), browser()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            args.ckpt, args.out_dir, args.max_tokens = str(tiny_run(Path(tmp) / "tiny")), Path(tmp), 8
+        proc, url, _ = serve(ROOT / args.ckpt)  # a relative --ckpt: from the checkout's root
+        try:
+            if args.smoke and not (shutil.which("chromedriver") and (shutil.which("chromium") or shutil.which("chromium-browser"))):
+                skipped("the screenshots", "no chromium + chromium-driver here; the server started")
+            else:
+                screenshots(url, args)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def screenshots(url: str, args: argparse.Namespace) -> None:
+    """The Write tab after a seeded generation, then the Attention tab over prompt and continuation."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = browser()
     try:
         wait, find = WebDriverWait(driver, 60), lambda id_: driver.find_element(By.ID, id_)
-        driver.get(f"http://127.0.0.1:{port}/")
+        driver.get(f"{url}/")
         wait.until(lambda d: "layers" in find("model-info").text)
         find("prompt").clear()
         find("prompt").send_keys("ROMEO:")
@@ -85,8 +80,6 @@ def main() -> None:
         print(f"saved {args.out_dir / 'serve.png'} and {args.out_dir / 'serve_attention.png'}")
     finally:
         driver.quit()
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

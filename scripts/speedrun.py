@@ -22,18 +22,20 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, add_common, load_line
+
+from quillgpt.checkpoint import load_checkpoint
+from quillgpt.config import parse_duration
+from quillgpt.errors import QuillError
+from quillgpt.metrics_log import read_metrics
+
 RECIPES = {"75s": 75, "3m": 180, "10m": 600}  # configs/shakespeare_char_<name>.yaml, budget in seconds
 PREVIOUS = ROOT / "configs" / "shakespeare_char_cpu.yaml"
-
-sys.path.insert(0, str(ROOT))
-from quillgpt.checkpoint import load_checkpoint  # noqa: E402
-from quillgpt.config import parse_duration  # noqa: E402
-from quillgpt.errors import QuillError  # noqa: E402
-from quillgpt.metrics_log import read_metrics  # noqa: E402
+SMOKE = "model.n_layer=1 model.n_head=2 model.n_embd=32 model.block_size=32 train.batch_size=4 train.eval_iters=1 train.compile=false"
 
 
 def recipe_for(budget_s: float) -> Path:
@@ -46,8 +48,8 @@ def run(name: str, config: Path, budget: str, args: argparse.Namespace) -> dict:
     """Train `config` for `budget` in out_dir/name, then evaluate it: the row's numbers."""
     out = Path(args.out_dir) / name
     overrides = [f"train.time_budget={budget}", f"train.out_dir={out}", *args.overrides]
-    if args.data_path:
-        overrides.append(f"data.path={args.data_path}")
+    if args.text:
+        overrides.append(f"data.path={args.text}")
     cmd = [sys.executable, "-m", "quillgpt", "train", "--config", str(config), *overrides, "--overwrite", "-q"]
     print("$ quill", " ".join(cmd[3:]), flush=True)  # python -m quillgpt = quill
     started = time.time()
@@ -92,14 +94,26 @@ def print_rows(rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget", required=True, help="75s, 3m, 10m (or any duration: 10s, 90s, 5m)")
+    p.add_argument("--budget", help="75s, 3m, 10m (or any duration: 10s, 90s, 5m)")
     p.add_argument("--config", type=Path, help="recipe to train (default: the shipped recipe for the budget)")
     p.add_argument("--compare", action="store_true", help="also train the previous recipe (shakespeare_char_cpu.yaml)")
-    p.add_argument("--data-path", help="local copy of Tiny Shakespeare (offline machines): data.path")
     p.add_argument("--out-dir", default="out/speedrun", help="run directories go here (replaced)")
     p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run, e.g. train.device=cpu")
+    add_common(p, text=True)
     args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:  # the tiny model for 1 s, its data and runs in a temporary folder
+            args.budget, args.out_dir = "1s", tmp
+            args.overrides += [*SMOKE.split(), "train.device=cpu", f"data.out_dir={tmp}/data"]
+        elif args.budget is None:
+            raise SystemExit("error: --budget is needed (75s, 3m, 10m), or --smoke")
+        speedrun(args)
+
+
+def speedrun(args: argparse.Namespace) -> None:
+    """The recipe's row (and the previous recipe's with --compare), the load average around them."""
+    print(load_line("before"), flush=True)
     try:
         budget_s = parse_duration(args.budget, key="--budget")
     except QuillError as e:
@@ -109,6 +123,7 @@ def main() -> None:
     if args.compare:
         rows.append(run("previous", PREVIOUS, args.budget, args))
     print_rows(rows)
+    print(load_line("after"))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     runs = " ".join(str(Path(args.out_dir) / r["run"]) for r in rows)

@@ -59,11 +59,13 @@ def make_engine(
     unit: str = "row",
     tokens: int | None = None,
     memory_fix: str = MEMORY_FIX,
+    native: bool = True,
 ) -> Rows:
-    """The static-cache Engine, or with use_cache=False the Recompute reference, for rows of at
-    most `tokens` tokens (None: any number; the cache holds the attention span)."""
+    """The static-cache Engine (native=False: its decode step op by op), or with use_cache=False
+    the Recompute reference, for rows of at most `tokens` tokens (None: any number; the cache
+    holds the attention span)."""
     if use_cache:
-        return Engine(model, rows, dtype=dtype, compile=bool(compile), unit=unit, capacity=tokens, memory_fix=memory_fix)
+        return Engine(model, rows, dtype=dtype, compile=bool(compile), unit=unit, capacity=tokens, memory_fix=memory_fix, native=native)
     return Recompute(model, rows, dtype=dtype, unit=unit, capacity=tokens, memory_fix=memory_fix)
 
 
@@ -85,6 +87,7 @@ def generate_tokens(
     stop_ids: Iterable[int] | None = None,
     dtype: torch.dtype | None = None,
     compile: bool | None = None,
+    native: bool = True,
     **settings: Any,
 ) -> Iterator[Tensor]:
     """Yield (B,) int64 tensors: each step's next token for every prompt.
@@ -93,7 +96,8 @@ def generate_tokens(
     With `stop_ids`, a row that has produced one of them keeps yielding that same id, and
     iteration ends once every row has stopped (the stop tokens are yielded). `dtype` (e.g.
     torch.bfloat16): run a copy of the model with its weights, and the KV cache, in that dtype;
-    None = the model's own. `compile`: the engine's compiled decode step.
+    None = the model's own. `compile`: the engine's compiled decode step. native=False: its decode
+    step op by op, never the native decoder (the plain computation, for comparisons).
     The model must be in eval mode (dropout off).
     """
     if max_new_tokens is not None:
@@ -106,7 +110,7 @@ def generate_tokens(
         return
     device = model.device
     tokens = max(map(len, prompts)) + params.max_new_tokens
-    batch = TextBatch(make_engine(model, len(prompts), use_cache, dtype, compile, tokens=tokens))
+    batch = TextBatch(make_engine(model, len(prompts), use_cache, dtype, compile, tokens=tokens, native=native))
     firsts = batch.join_all([Join(i, Prompt(p, row_params(params, i), stop_ids or ())) for i, p in enumerate(prompts)])
     if failed := next((piece.error for piece in firsts if piece.error is not None), None):
         raise failed

@@ -1,8 +1,8 @@
 """Threads that give way: training on a CPU that another process is also using.
 
 OpenMP's worker threads spin while they wait for work. Beside one busy process on two cores, two
-training threads fight it for both cores and a step of the quickstart takes 3.5× its quiet time;
-one thread takes 1.6× (scripts/bench_contention.py). So about once a second the trainer looks at
+training threads fight it for both cores and a step slows several times over, one thread much less
+(docs/performance.md has the figures). So about once a second the trainer looks at
 how much CPU the other processes used since its last look (the machine's busy time in /proc/stat
 less this process's own) and keeps torch's threads to the cores they leave: all of them on a
 quiet machine. A count, once changed, is kept at least hold_s (15 s), so a neighbour that comes
@@ -106,7 +106,7 @@ def others_during(measure: Callable[[], T], sample: Callable[[], Sample] = read_
 
 def measured_quietly(measure: Callable[[], float], sample: Callable[[], Sample] = read_proc, most: float = 0.25) -> float | None:
     """`measure()` when other processes used at most `most` cores meanwhile, else None: a CPU
-    peak timed beside other work is too low, and an MFU divided by it too high (120% was seen)."""
+    peak timed beside other work is too low, and an MFU divided by it too high (over 100%)."""
     value, others = others_during(measure, sample)
     return value if others <= most else None
 

@@ -55,9 +55,9 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (default "original" lr adjustment) with the Newton–Schulz iteration in
     `ns_dtype`, batched over matrices of one shape. torch runs it in bfloat16, which CPUs without
-    bf16 units emulate: 13× slower than fp32 on this project's AVX2 machine, making a Muon step 4×
-    an AdamW step. One batched iteration per shape (a model has four shapes, n_layer matrices
-    each) instead of one per matrix: 40.5 vs 46.7 ms a step at 4L/128 on 2 cores (bench.py)."""
+    bf16 units emulate, many times slower than fp32. One batched iteration per shape (a model has
+    four shapes, n_layer matrices each) instead of one per matrix saves a step's small calls
+    (scripts/bench.py's recipe group times both; docs/performance.md has the figures)."""
 
     def __init__(self, params: Any, ns_dtype: torch.dtype, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)

@@ -54,8 +54,8 @@ def follow_budget(t: Trainer, say: Callable[[str], None]) -> None:
     keeps why the run ends where it does."""
     if t.budget_s is None or t.budget_ended:
         return
-    # seconds per step, after the first one: its one-time costs (lazy kernels, allocations) took
-    # ~15 s of a 3-minute run on a busy machine and made the fitted horizon ~25% short
+    # seconds per step, after the first one: its one-time costs (lazy kernels, allocations) would
+    # count as pace and fit the horizon short (docs/performance.md)
     t.pace_mark = t.pace_mark or (time.time(), t.step)
     since, step = t.pace_mark
     pace = (time.time() - since) / (t.step - step) if t.step > step else time.time() - t.t_start
