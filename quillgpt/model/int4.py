@@ -3,7 +3,7 @@ about a sixth of fp32's weight bytes. Three layouts, the first that fits a layer
 
 - "group_gemv4": W = q·s + o with q in [0, 15] and an fp16 scale and offset per group, each group
   over its range (llama.cpp's Q4_1) or symmetric (Q4_0), whichever rebuilds it better
-  (gemv4_codes), through quill's C++ kernel (model/group_gemv.py: x rounded
+  (gemv4_codes), through quill's C++ kernel (quillgpt/native: x rounded
   to int16 per 32, 20 bytes per 32 weights) for inputs up to GEMV_ROWS rows; beyond, the weight
   is dequantized once for the call and F.linear multiplies (a prompt's forward). It takes K a
   multiple of 64 and G of 32 where the kernel builds. On SmolLM2 (2-core EPYC, AVX-512) its decode
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.model import group_codes, group_gemv
+from quillgpt import native
+from quillgpt.model import group_codes
 
 GROUPS = (32, 64, 128, 256)  # what the kernels take
 # group_gemv4 up to this many input rows, dequantize + F.linear beyond: on a (3072, 576) layer
@@ -46,7 +47,7 @@ def kernel_fits(out_features: int, in_features: int, group: int) -> bool:
 
 def gemv4_fits(out_features: int, in_features: int, group: int) -> bool:
     """Whether group_gemv4 takes the shape (its first call builds the C++ kernel: tens of seconds once)."""
-    return in_features % 64 == 0 and group % 32 == 0 and in_features % group == 0 and group_gemv.available()
+    return in_features % 64 == 0 and group % 32 == 0 and in_features % group == 0 and native.available()
 
 
 def gemv4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -102,7 +103,7 @@ class Int4Linear(nn.Module):
         if gemv is not None:
             self.kernel = "group_gemv4"
             q, scale, offset = gemv
-            codes = group_gemv.pack4(q)
+            codes = native.pack4(q)
         else:
             q, scales_zeros = int4_codes(linear.weight, group)
             if cpu and kernel_fits(self.out_features, self.in_features, group):
@@ -126,7 +127,7 @@ class Int4Linear(nn.Module):
         through the kernel on the identity: exact, bf16 values)."""
         if self.kernel == "group_gemv4":
             n, groups = self.out_features, self.scale.shape[1]
-            q = group_gemv.unpack4(self.codes).float().view(n, groups, -1)
+            q = native.unpack4(self.codes).float().view(n, groups, -1)
             return (q * self.scale.float()[:, :, None] + self.offset.float()[:, :, None]).view(n, self.in_features)
         if self.kernel == "int4pack_mm":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.codes.device)
@@ -135,16 +136,16 @@ class Int4Linear(nn.Module):
         q = torch.stack([low, high], dim=-1).view(self.out_features, self.in_features)
         return dequantize(q, self.scales_zeros, self.group)
 
-    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(4-bit codes, fp16 s, fp16 o) for native_block, where this layer runs group_gemv4 at `rows` rows."""
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
+        """(4-bit codes, fp16 s, fp16 o, their format) for native_block, where this layer runs group_gemv4 at `rows` rows."""
         if self.kernel != "group_gemv4" or rows > GEMV_ROWS:
             return None
-        return self.codes, self.scale, self.offset
+        return self.codes, self.scale, self.offset, native.Format.INT4
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "group_gemv4" and x2.shape[0] <= GEMV_ROWS:
-            y = group_gemv.group_gemv4(x2.float(), self.codes, self.scale, self.offset)  # fp16 as made
+            y = native.group_gemv4(x2.float(), self.codes, self.scale, self.offset)  # fp16 as made
         elif self.kernel == "int4pack_mm":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.codes, self.group, self._scales_zeros())
         else:

@@ -29,41 +29,10 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from quillgpt.model import group_gemv
+from quillgpt import native
 from quillgpt.model.kv_cache import KVCache, SlotIndex
 
 CACHE_DTYPES = (torch.float32, torch.float16)  # the KV caches decode_blocks reads and writes
-
-torch.library.define(
-    "quill::decode_blocks",
-    "(Tensor x, Tensor[] lin, Tensor[] norms, Tensor[] head, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor cos, "
-    "Tensor sin, Tensor mask, SymInt[] ints, float eps) -> Tensor",
-)
-
-
-@torch.library.register_fake("quill::decode_blocks")
-def _(x, lin, norms, head, k_caches, v_caches, slots, cos, sin, mask, ints, eps):  # noqa: ANN001, ANN202
-    return x.new_empty((x.shape[0], head[2].shape[0]) if head else x.shape)
-
-
-torch.library.define(
-    "quill::decode_tokens",
-    "(Tensor idx, Tensor pos, Tensor(c!) key_pos, Tensor[] embed, Tensor inv_freq, Tensor[] lin, Tensor[] norms, Tensor[] head, "
-    "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, SymInt[] ints, float eps) -> Tensor",
-)
-
-
-@torch.library.register_fake("quill::decode_tokens")
-def _(idx, pos, key_pos, embed, inv_freq, lin, norms, head, k_caches, v_caches, ints, eps):  # noqa: ANN001, ANN202
-    return embed[0].new_empty((idx.shape[0], head[2].shape[0] if head else embed[0].shape[1]))
-
-
-torch.library.define("quill::argmax_finite", "(Tensor logits) -> Tensor")
-
-
-@torch.library.register_fake("quill::argmax_finite")
-def _(logits):  # noqa: ANN001, ANN202
-    return logits.new_empty((2, logits.shape[0]), dtype=torch.long)
 
 
 class NativeLinear(Protocol):
@@ -71,9 +40,9 @@ class NativeLinear(Protocol):
 
     bias: Tensor | None
 
-    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(q, s, o): int8 (out, in) or 4-bit (out, in / 2) codes and fp16 scales and offsets (out,
-        groups); None where this layer would not run group_gemv at `rows` rows."""
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
+        """(q, s, o, format): int8 (out, in) or 4-bit (out, in / 2) codes, fp16 scales and offsets
+        (out, groups), and which of the two; None where this layer would not run group_gemv at `rows` rows."""
         ...
 
 
@@ -130,23 +99,25 @@ def fits(block: nn.Module) -> bool:
     if attn.q_norm is not None and (attn.q_norm.eps != norms[0][2] or attn.k_norm.eps != norms[0][2]):
         return False
     linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
-    return all(hasattr(lin, "native_weights") for lin in linears) and group_gemv.available()
+    return all(hasattr(lin, "native_weights") for lin in linears) and native.available()
 
 
 def arguments(block: nn.Module, rows: int) -> Args | None:
     """What decode_block takes from a block that fits, at `rows` rows: the linears' 16 tensors,
-    the 6 norm tensors, [n_head, kv_heads, layer_norm, activation] and eps; None where a linear
-    would not run group_gemv at this many rows."""
+    the 6 norm tensors, [n_head, kv_heads, layer_norm, activation, the four linears' formats] and
+    eps; None where a linear would not run group_gemv at this many rows."""
     attn, mlp = block.attn, block.mlp
     lin: list[Tensor] = []
+    formats: list[int] = []
     for layer in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj):
         weights = layer.native_weights(rows)
         if weights is None:
             return None
-        lin += [*weights, NONE if layer.bias is None else layer.bias]
+        lin += [*weights[:3], NONE if layer.bias is None else layer.bias]
+        formats.append(int(weights[3]))
     (w1, b1, eps), (w2, b2, _) = _norm_params(block.ln_1), _norm_params(block.ln_2)
     qk = [NONE, NONE] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
-    ints = [attn.n_head, attn.kv_heads, int(type(block.ln_1) is nn.LayerNorm), ACTIVATIONS[mlp.kind]]
+    ints = [attn.n_head, attn.kv_heads, int(type(block.ln_1) is nn.LayerNorm), ACTIVATIONS[mlp.kind], *formats]
     return lin, [w1, b1, w2, b2, *qk], ints, eps
 
 
@@ -178,9 +149,9 @@ def memo_arguments(block: nn.Module, memo: dict, rows: int) -> Args | None:
 
 
 def _ints(stack: Stack, slots: int) -> list[int]:
-    """decode_blocks' ints: n_head, kv_heads, the slots attended, layer_norm, activation."""
-    n_head, kv_heads, layer_norm, act = stack[0][2]
-    return [n_head, kv_heads, slots, layer_norm, act]
+    """decode_blocks' ints: n_head, kv_heads, the slots attended, layer_norm, activation, formats."""
+    n_head, kv_heads, layer_norm, act, *formats = stack[0][2]
+    return [n_head, kv_heads, slots, layer_norm, act, *formats]
 
 
 def _call(
@@ -199,7 +170,7 @@ def _call(
     R, S = x.shape[0], n_keys or cache.capacity
     cos, sin = (NONE, NONE) if rope is None else (rope[0].reshape(R, -1), rope[1].reshape(R, -1))
     bias = NONE if mask is None else mask.reshape(R, S)
-    return torch.ops.quill.decode_blocks(x, lin, norms, head, cache.k[layers], cache.v[layers], at[1], cos, sin, bias, _ints(stack, S), eps)
+    return native.decode_blocks(x, lin, norms, head, cache.k[layers], cache.v[layers], at[1], cos, sin, bias, _ints(stack, S), eps)
 
 
 def decode(
@@ -216,15 +187,16 @@ def decode(
     return _call(x, (args, []), slice(layer, layer + 1), rope, mask, cache, at, n_keys)
 
 
-def head_arguments(norm: nn.Module, head: nn.Module | None, rows: int, layer_norm: int, eps: float) -> list[Tensor]:
-    """[norm w, b, q, s, o, bias] for decode_blocks to end in the logits: the final norm (of the
-    blocks' kind and eps) and the head, where the head offers group_gemv's layout at `rows` rows
-    (head None: the model's head does more, e.g. a soft cap); else [] (the head runs after)."""
+def head_arguments(norm: nn.Module, head: nn.Module | None, rows: int, layer_norm: int, eps: float) -> tuple[list[Tensor], list[int]]:
+    """[norm w, b, q, s, o, bias] for decode_blocks to end in the logits, and [the head's format]
+    for its ints: the final norm (of the blocks' kind and eps) and the head, where the head offers
+    group_gemv's layout at `rows` rows (head None: the model's head does more, e.g. a soft cap);
+    else [], [] (the head runs after)."""
     weights = head.native_weights(rows) if hasattr(head, "native_weights") else None
     params = _norm_params(norm)
     if weights is None or params is None or params[2] != eps or int(type(norm) is nn.LayerNorm) != layer_norm:
-        return []
-    return [params[0], params[1], *weights, NONE if head.bias is None else head.bias]
+        return [], []
+    return [params[0], params[1], *weights[:3], NONE if head.bias is None else head.bias], [int(weights[3])]
 
 
 def stack_arguments(blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Module | None, memo: dict, rows: int) -> Stack | None:
@@ -246,7 +218,8 @@ def stack_arguments(blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Modul
     stacked = None
     if all(a is not None and a[2] == args[0][2] and a[3] == args[0][3] for a in args):
         lin, norms = [t for a in args for t in a[0]], [t for a in args for t in a[1]]
-        stacked = (lin, norms, args[0][2], args[0][3]), head_arguments(norm, head, rows, args[0][2][2], args[0][3])
+        head_args, head_format = head_arguments(norm, head, rows, args[0][2][2], args[0][3])
+        stacked = (lin, norms, args[0][2] + head_format, args[0][3]), head_args
     if not compiling:
         memo[rows] = (generation, stacked)
     return stacked
@@ -277,7 +250,7 @@ def decode_tokens(
     (lin, norms, _, eps), head = stack
     freq = NONE if inv_freq is None else inv_freq
     ints = _ints(stack, n_keys or cache.capacity)
-    return torch.ops.quill.decode_tokens(idx, pos, cache.pos, embed, freq, lin, norms, head, cache.k, cache.v, ints, eps)
+    return native.decode_tokens(idx, pos, cache.pos, embed, freq, lin, norms, head, cache.k, cache.v, ints, eps)
 
 
 def argmax_finite(logits: Tensor) -> Tensor | None:
@@ -286,6 +259,6 @@ def argmax_finite(logits: Tensor) -> Tensor | None:
     torch ops cost ~0.5 ms a SmolLM2 token, cold after a step that streamed the weights. None where
     it does not run: not float32 on the CPU, or the library not built (a model whose layers do not
     use it need not wait for its build)."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not group_gemv.built() or torch.compiler.is_compiling():
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not native.built() or torch.compiler.is_compiling():
         return None
-    return torch.ops.quill.argmax_finite(logits.contiguous())
+    return native.argmax_finite(logits.contiguous())

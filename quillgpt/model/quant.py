@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quillgpt import native
 from quillgpt.errors import QuillError
-from quillgpt.model import group_codes, group_gemv, int4, kernel_cache
+from quillgpt.model import group_codes, int4, kernel_cache
 from quillgpt.model.fusion import stored
 from quillgpt.model.gpt import GPT
 from quillgpt.model.group_codes import Form
@@ -106,11 +107,11 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
 
 
 def gemv_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
-    """model/group_gemv.py's C++ kernel: weights in groups of a multiple of 32 (per channel: one
+    """quillgpt/native's C++ kernel: weights in groups of a multiple of 32 (per channel: one
     group a row, offsets 0) with fp16 scales and offsets (Int8Linear's scale_half, offset_half), x
     rounded to int16 per 32 inputs and multiplied in integer pairs; float32 out."""
     assert offset is not None and scale.dtype == torch.float16, "group_gemv takes (out, groups) fp16 scales and offsets"
-    return group_gemv.group_gemv(x.float(), weight, scale, offset)
+    return native.group_gemv(x.float(), weight, scale, offset)
 
 
 def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
@@ -174,7 +175,7 @@ def gemv_fits(out_features: int, in_features: int, group: int = 0) -> bool:
     """group_gemv takes layers whose group (per channel: the whole row) is a multiple of 32, where
     its C++ kernel builds on this machine (the first call builds it: tens of seconds, then cached by torch)."""
     width = group or in_features
-    return width % group_gemv.BLOCK == 0 and in_features % width == 0 and group_gemv.available()
+    return width % native.BLOCK == 0 and in_features % width == 0 and native.available()
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ class Kernel:
     fallback: str
     rounding: float = 1e-6  # the relative error of its activations' rounding (bf16: 2**-8)
     half: bool = False  # group_gemv: the fp16 copies of the scales and offsets (scale_half, offset_half),
-    # and the codes as Int8Linear keeps them for it (group_gemv.interleave's layout); the others take codes()
+    # and the codes as Int8Linear keeps them for it (native.interleave's layout); the others take codes()
 
 
 # name → Kernel; "/bf16": bf16 activations, "/model": the model's dtype
@@ -239,7 +240,7 @@ class Int8Linear(nn.Module):
     rebuilds it better (`from_linear`); s and o fp16 values (kept in the model's dtype, and as fp16
     for group_gemv, which streams them). The float bias b. The same call as nn.Linear:
     (…, in) → (…, out) in x's dtype. Where group_gemv runs the layer, `weight` holds q in its
-    layout (group_gemv.interleave: four rows at a time); `codes()` is q row after row."""
+    layout (native.interleave: four rows at a time); `codes()` is q row after row."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
         super().__init__()
@@ -263,7 +264,7 @@ class Int8Linear(nn.Module):
         fits = {k: kern.fits(*weight.shape, self.group) and (exact or not kern.half) for k, kern in KERNELS.items()}
         self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}
         self.interleaved = self.runs["group_gemv"] == "group_gemv"
-        self.register_buffer("weight", group_gemv.interleave(weight) if self.interleaved else weight)  # (out, in) int8
+        self.register_buffer("weight", native.interleave(weight) if self.interleaved else weight)  # (out, in) int8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
@@ -291,7 +292,7 @@ class Int8Linear(nn.Module):
 
     def codes(self) -> Tensor:
         """q (out, in) int8, row after row (what every kernel but group_gemv takes)."""
-        return group_gemv.deinterleave(self.weight) if self.interleaved else self.weight
+        return native.deinterleave(self.weight) if self.interleaved else self.weight
 
     def dequantized(self) -> Tensor:
         """(out, in) float32 q·s (+ o): the weight this layer multiplies by (to rounding)."""
@@ -315,11 +316,11 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         return self.linear(x2, self.plan.pick(x2.shape[0])).view(*x.shape[:-1], self.out_features)
 
-    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(int8 q, fp16 s, fp16 o) for native_block, where this layer runs group_gemv at `rows` rows."""
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
+        """(int8 q, fp16 s, fp16 o, their format) for native_block, where this layer runs group_gemv at `rows` rows."""
         if self.runs["group_gemv"] != "group_gemv" or self.plan.pick(rows) != "group_gemv":
             return None
-        return self.weight, self.scale_half, self.offset_half
+        return self.weight, self.scale_half, self.offset_half, native.Format.INT8
 
     def linear(self, x: Tensor, kernel: str) -> Tensor:
         """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
@@ -411,7 +412,7 @@ def quantize_int4(model: GPT, group: int) -> GPT:
             if isinstance(child, nn.Linear) and (g := int4.group_for(child.in_features, group)):
                 setattr(parent, name, Int4Linear(child, g))
     if isinstance(model.lm_head, nn.Linear):
-        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, SCHEMES["int8"]) if group_gemv.available() else None
+        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, SCHEMES["int8"]) if native.available() else None
         model.lm_head = head if head is not None and head.runs["group_gemv"] == "group_gemv" else int4.Bf16Linear(model.lm_head)
     return model
 
@@ -430,7 +431,7 @@ def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) ->
         "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
         "block": [(q.out_features, q.in_features, q.group) for _, q in block],
         "candidates": candidates,  # a kernel added (or one that now builds) measures again
-        "group_gemv": group_gemv.build_name() if "group_gemv" in candidates else None,  # a changed build too
+        "group_gemv": native.build_name() if "group_gemv" in candidates else None,  # a changed build too
     }
     k = kernel_cache.key(w.device, shape) if cache else ""
     if cache and (hit := kernel_cache.lookup(k)) is not None:
@@ -473,8 +474,8 @@ def weights_note(model: GPT, sep: str = ", ", compiled: bool = False) -> str:
     if not layers:
         return ""
     group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
-    if group and group_gemv.why_not():  # asked for, but the C++ kernel did not build: say why, once per line
-        return _int8_note(layers, group, sep, compiled) + f" (group_gemv did not build: {group_gemv.why_not()})"
+    if group and native.why_not():  # asked for, but the C++ kernel did not build: say why, once per line
+        return _int8_note(layers, group, sep, compiled) + f" (group_gemv did not build: {native.why_not()})"
     return _int8_note(layers, group, sep, compiled)
 
 

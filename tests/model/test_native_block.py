@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from quillgpt import native
 from quillgpt.config import ModelConfig
 from quillgpt.inference.engine import Engine
-from quillgpt.model import group_gemv, native_block, quant
+from quillgpt.model import native_block, quant
 from quillgpt.model.gpt import GPT
 from quillgpt.sampling_params import SamplingParams
 
-needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"group_gemv did not build here: {native.why_not()}")
 
 SHAPES = {  # every norm, activation, bias, position and mask form the block takes
     "llama": dict(norm="rmsnorm", mlp="swiglu", pos="rope", n_head=4, n_kv_head=2, qk_norm=True, bias=False),
@@ -148,7 +149,7 @@ def test_a_bad_token_or_position_is_an_error_not_a_read_out_of_bounds() -> None:
 
 @needs_kernel
 def test_argmax_finite_is_the_first_maximum_and_flags_rows_that_are_not_finite() -> None:
-    group_gemv.available()
+    native.available()
     torch.manual_seed(0)
     logits = torch.randn(6, 1000)
     logits[0, [7, 500]] = 9.0  # a tie: the first

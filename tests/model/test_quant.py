@@ -88,7 +88,7 @@ def test_a_compiled_group_wise_layer_takes_its_few_rows_kernel_and_keeps_its_res
     if few == "grouped_sum":
         q.runs["group_gemv"] = "dequant/model"  # as where the C++ kernel does not build
     elif q.runs["group_gemv"] != "group_gemv":
-        pytest.skip(f"group_gemv did not build here: {quant.group_gemv.why_not()}")
+        pytest.skip(f"group_gemv did not build here: {quant.native.why_not()}")
     taken = []
     real = quant.KERNELS["group_gemv"].matmul if few == "group_gemv" else quant.grouped_sum
     spy = lambda *a: taken.append(a[0].shape[0]) or real(*a)  # noqa: E731
@@ -387,9 +387,9 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     assert len(calls) == 36
     plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
     assert len(calls) == 45
-    monkeypatch.setattr(quant.group_gemv, "build_name", lambda: "quill_group_gemv_another_build")
+    monkeypatch.setattr(quant.native, "build_name", lambda: "quill_group_gemv_another_build")
     replan = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))  # the C++ kernel changed: measured
-    assert replan.source.startswith("measured in ") if quant.group_gemv.available() else replan.source == "cached"
+    assert replan.source.startswith("measured in ") if quant.native.available() else replan.source == "cached"
     (tmp_path / "cache" / "kernel_plans.json").write_text("not json")
     assert plan_of(quantize(random_model("mha-learned"), "int8", cache=True)).source.startswith("measured in ")  # a bad file: ignored
 
@@ -397,7 +397,7 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
 def test_the_stats_note_says_what_a_compiled_group_wise_step_runs():
     grouped = quantize(random_model(), "int8", kernel="dequant/model")
     per_row = quantize(random_model(), "int8-channel", kernel="dequant/model")
-    gemv = quant.group_gemv.available()
+    gemv = quant.native.available()
     assert ("group_gemv" if gemv else "grouped_sum") in quant.weights_note(grouped, compiled=True)
     for m in grouped.modules():
         if isinstance(m, Int8Linear):
