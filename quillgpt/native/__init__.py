@@ -22,13 +22,12 @@ kernels equal the dequantized fp32 matmul to the int16 rounding of x (tests/nati
 for every instruction-set build).
 """
 
-from quillgpt.native.build import ISA_FLAGS, available, build_name, built, why_not
+from quillgpt.native.build import available, build_name, built, why_not
 from quillgpt.native.layout import BLOCK, Format, deinterleave, interleave, pack4, unpack4
 from quillgpt.native.ops import argmax_finite, decode_blocks, decode_tokens, group_gemv, group_gemv4
 
 __all__ = [
     "BLOCK",
-    "ISA_FLAGS",
     "Format",
     "argmax_finite",
     "available",

@@ -82,7 +82,7 @@ static void rope(float* x, const float* cos, const float* sin, int64_t hd) {
 enum Act : int64_t { GELU_TANH = 0, RELU2 = 1, SWIGLU = 2 };
 
 // A row of c_fc's output f (F) → a row of c_proj's input a (hidden); sigmoid and tanh through exp_le0 of a
-// value ≤ 0, so the loops vectorize (a scalar std::exp an element cost ~0.5 ms a SmolLM2 token)
+// value ≤ 0, so the loops vectorize (a scalar std::exp an element was a large share of a token)
 static void activate(const float* row, float* out, int64_t F, int64_t act) {
   const int64_t hidden = act == SWIGLU ? F / 2 : F;
   if (act == SWIGLU) {
@@ -149,7 +149,7 @@ struct Step {
 };
 
 // The step's buffers, the calling thread's, kept across calls: allocating and zeroing them a call
-// (and x.clone() through the dispatcher) cost ~9 us of a ~280 us SmolLM2 block
+// (and x.clone() through the dispatcher) cost a measurable share of a block
 struct Scratch {
   std::vector<float> h, qkv, att, f, a;
   Rounded xr;
@@ -351,8 +351,8 @@ at::Tensor decode_blocks(at::Tensor x, std::vector<at::Tensor> lin, std::vector<
   return run_blocks(x.data_ptr<float>(), d, x.options(), lin, norms, head, k_caches, v_caches, st);
 }
 
-// What decode_tokens computes before the blocks, where GPT.decode's preamble takes ~0.4 ms of torch
-// ops a token, slow with the caches cold from the last step's weights: each row's slot pos % cap
+// What decode_tokens computes before the blocks, where GPT.decode's preamble is many small torch
+// ops, slow with the caches cold from the last step's weights: each row's slot pos % cap
 // (its position recorded in key_pos), its embedding wte[idx] (+ wpe[pos]), its RoPE cos and sin
 struct Tokens {
   std::vector<float> x, cos, sin;
@@ -408,8 +408,8 @@ at::Tensor decode_tokens(at::Tensor idx, at::Tensor pos, at::Tensor key_pos, std
 }
 
 // (n, V) float32 logits → (2, n) int64: each row's argmax (its first maximum) and 1 where the row is
-// not finite (a NaN or infinite logit, or a sum past float's range). The engine's greedy draw: its
-// torch ops cost ~0.5 ms a token, cold after a step that streamed the weights.
+// not finite (a NaN or infinite logit, or a sum past float's range). The engine's greedy draw in one
+// pass, where its torch ops are several, cold after a step that streamed the weights.
 at::Tensor argmax_finite(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "logits: contiguous (n, V) float32");

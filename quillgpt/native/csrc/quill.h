@@ -10,10 +10,16 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+using Half = uint16_t;  // an fp16 value's bits
+
+// One fp16 value (its bits) to float: F16C's convert where the build has it, torch's Half otherwise
 #if defined(__F16C__)
 #include <immintrin.h>
+inline float half_to_float(Half h) { return _cvtsh_ss(h); }
 #else
 #include <c10/util/Half.h>
+inline float half_to_float(Half h) { return float(c10::Half(h, c10::Half::from_bits())); }
 #endif
 
 // The vector kernels this build has: QUILL_AVX512 on AVX-512BW/VL, or on AVX2 through the scalar
@@ -28,8 +34,6 @@
 #endif
 
 constexpr int64_t MAX_BLOCKS = 1024;  // K up to 32,768 inputs
-
-using Half = uint16_t;  // an fp16 value's bits
 
 // How a linear's weight codes are stored (quillgpt/native's Format mirrors it): INT8, one int8 code
 // a weight; INT4, codes in [0, 15], two a byte (pack4's layout: byte j of each 32 holds code
@@ -60,15 +64,6 @@ struct Rounded {
   std::vector<int16_t> q;  // small buffers, no tensors (each costs a dispatch)
   std::vector<float> step, sum;
 };
-
-// One fp16 value (its bits) to float
-inline float half_to_float(Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return float(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
 
 // e^x for x ≤ 0 (0 below -87: masked keys), 2^n·p(r) with Cephes' polynomial, written so the loops
 // that call it vectorize (std::exp does not: a scalar call an element)
