@@ -309,6 +309,8 @@ static void rows_dot(const uint8_t* q, const Half* s16, const Half* o16, int64_t
   for (int r = 0; r < R; ++r) y[r] = V::sum(acc[r]) + V::offsets_dot(o16 + r * groups, xg, groups);
 }
 
+// gemv_columns for one format: V's batch kernel where several activation rows meet a group of 4
+// weight rows (AVX-512), else rows_dot for each activation row
 template <class V, Format F>
 static void columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1) {
   const int64_t blocks = w.K / 32, per_group = blocks / w.G, K = w.K, G = w.G, N = w.N;
