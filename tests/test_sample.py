@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from quillgpt import native
 from quillgpt.checkpoint import load_checkpoint, save_checkpoint
 from quillgpt.cli import main
 from quillgpt.config import load_config
 from quillgpt.inference.generate import generate_text
-from quillgpt.model import group_gemv
 from quillgpt.quant import plan, quantize
 from quillgpt.runs import load_run
 from quillgpt.train.loop import train
@@ -188,7 +188,7 @@ def test_int4_sample_is_the_int4_models_text(quill, decisive_ckpt):
     want, _ = generate_text(run.model, run.tokenizer, "ROMEO:", 40, temperature=0)
     assert got["samples"] == want and len(set(want[0])) > 5 and got["settings"]["quantize"] == "int4"
     code, _, err = quill("sample", "--ckpt", decisive_ckpt, *args, "--quantize", "int4")
-    head = "head int8 (per-channel scales, group_gemv)" if group_gemv.available() else "head in bf16"  # the C++ kernel or not
+    head = "head int8 (per-channel scales, group_gemv)" if native.available() else "head in bf16"  # the C++ kernel or not
     assert code == 0 and "int4 weights (32 per scale)" in err and head in err
 
 

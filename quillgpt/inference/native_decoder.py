@@ -1,5 +1,5 @@
 """The decode step the engine runs: a model's blocks (and its head) as one native call
-(csrc/decode_block.cpp) where their linears are in group_gemv's int8 or 4-bit layout, else the
+(quillgpt/native: csrc/decode_block.cpp) where their linears are in group_gemv's int8 or 4-bit layout, else the
 model's own op-by-op step (GPT.decode). The engine builds one `Decoder` for its model when it is
 made; the model itself knows nothing of this path.
 
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from quillgpt.model import group_gemv
+from quillgpt import native
 from quillgpt.model.attention import CausalSelfAttention
 from quillgpt.model.gpt import GPT, DecodeInputs
 from quillgpt.model.kv_cache import KVCache
@@ -42,38 +42,6 @@ from quillgpt.model.variants import Variant
 from quillgpt.quant import QuantLinear
 
 CACHE_DTYPES = (torch.float32, torch.float16)  # the KV caches decode_blocks reads and writes
-
-torch.library.define(
-    "quill::decode_blocks",
-    "(Tensor x, Tensor[] lin, Tensor[] norms, Tensor[] head, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor cos, "
-    "Tensor sin, Tensor mask, SymInt[] ints, float eps) -> Tensor",
-)
-
-
-@torch.library.register_fake("quill::decode_blocks")
-def _(x, lin, norms, head, k_caches, v_caches, slots, cos, sin, mask, ints, eps):  # noqa: ANN001, ANN202
-    return x.new_empty((x.shape[0], head[2].shape[0]) if head else x.shape)
-
-
-torch.library.define(
-    "quill::decode_tokens",
-    "(Tensor idx, Tensor pos, Tensor(c!) key_pos, Tensor[] embed, Tensor inv_freq, Tensor[] lin, Tensor[] norms, Tensor[] head, "
-    "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, SymInt[] ints, float eps) -> Tensor",
-)
-
-
-@torch.library.register_fake("quill::decode_tokens")
-def _(idx, pos, key_pos, embed, inv_freq, lin, norms, head, k_caches, v_caches, ints, eps):  # noqa: ANN001, ANN202
-    return embed[0].new_empty((idx.shape[0], head[2].shape[0] if head else embed[0].shape[1]))
-
-
-torch.library.define("quill::argmax_finite", "(Tensor logits) -> Tensor")
-
-
-@torch.library.register_fake("quill::argmax_finite")
-def _(logits):  # noqa: ANN001, ANN202
-    return logits.new_empty((2, logits.shape[0]), dtype=torch.long)
-
 
 ACTIVATIONS = {"gelu": 0, "relu2": 1, "swiglu": 2}  # decode_block.cpp's Act
 NONE = torch.empty(0)  # an absent optional tensor (decode_block takes empty for none)
@@ -100,7 +68,7 @@ def fits(block: nn.Module) -> bool:
         return False
     if attn.q_norm is not None and (attn.q_norm.eps != norms[0][2] or attn.k_norm.eps != norms[0][2]):
         return False
-    return all(isinstance(lin, QuantLinear) for lin in _linears(block)) and group_gemv.available()
+    return all(isinstance(lin, QuantLinear) for lin in _linears(block)) and native.available()
 
 
 def _linears(block: nn.Module) -> tuple[nn.Module, ...]:
@@ -110,36 +78,39 @@ def _linears(block: nn.Module) -> tuple[nn.Module, ...]:
 
 def arguments(block: nn.Module, rows: int) -> Args | None:
     """What decode_block takes from a block that fits, at `rows` rows: the linears' 16 tensors,
-    the 6 norm tensors, [n_head, kv_heads, layer_norm, activation] and eps; None where a linear
-    would not run group_gemv at this many rows."""
+    the 6 norm tensors, [n_head, kv_heads, layer_norm, activation, the four linears' formats] and
+    eps; None where a linear would not run group_gemv at this many rows."""
     attn, mlp = block.attn, block.mlp
     lin: list[Tensor] = []
+    formats: list[int] = []
     for layer in _linears(block):
         weights = layer.native_weights(rows)
         if weights is None:
             return None
-        lin += [*weights, NONE if layer.bias is None else layer.bias]
+        lin += [*weights[:3], NONE if layer.bias is None else layer.bias]
+        formats.append(int(weights[3]))
     (w1, b1, eps), (w2, b2, _) = _norm_params(block.ln_1), _norm_params(block.ln_2)
     qk = [NONE, NONE] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
-    ints = [attn.n_head, attn.kv_heads, int(type(block.ln_1) is nn.LayerNorm), ACTIVATIONS[mlp.kind]]
+    ints = [attn.n_head, attn.kv_heads, int(type(block.ln_1) is nn.LayerNorm), ACTIVATIONS[mlp.kind], *formats]
     return lin, [w1, b1, w2, b2, *qk], ints, eps
 
 
 def _ints(stack: Stack, slots: int) -> list[int]:
-    """decode_blocks' ints: n_head, kv_heads, the slots attended, layer_norm, activation."""
-    n_head, kv_heads, layer_norm, act = stack[0][2]
-    return [n_head, kv_heads, slots, layer_norm, act]
+    """decode_blocks' ints: n_head, kv_heads, the slots attended, layer_norm, activation, formats."""
+    n_head, kv_heads, layer_norm, act, *formats = stack[0][2]
+    return [n_head, kv_heads, slots, layer_norm, act, *formats]
 
 
-def head_arguments(norm: nn.Module, head: nn.Module | None, rows: int, layer_norm: int, eps: float) -> list[Tensor]:
-    """[norm w, b, q, s, o, bias] for decode_blocks to end in the logits: the final norm (of the
-    blocks' kind and eps) and the head, where the head offers group_gemv's layout at `rows` rows
-    (head None: the model's head does more, e.g. a soft cap); else [] (the head runs after)."""
+def head_arguments(norm: nn.Module, head: nn.Module | None, rows: int, layer_norm: int, eps: float) -> tuple[list[Tensor], list[int]]:
+    """[norm w, b, q, s, o, bias] for decode_blocks to end in the logits, and [the head's format]
+    for its ints: the final norm (of the blocks' kind and eps) and the head, where the head offers
+    group_gemv's layout at `rows` rows (head None: the model's head does more, e.g. a soft cap);
+    else [], [] (the head runs after)."""
     weights = head.native_weights(rows) if isinstance(head, QuantLinear) else None
     params = _norm_params(norm)
     if weights is None or params is None or params[2] != eps or int(type(norm) is nn.LayerNorm) != layer_norm:
-        return []
-    return [params[0], params[1], *weights, NONE if head.bias is None else head.bias]
+        return [], []
+    return [params[0], params[1], *weights[:3], NONE if head.bias is None else head.bias], [int(weights[3])]
 
 
 def stack_arguments(blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Module | None, rows: int) -> Stack | None:
@@ -152,7 +123,8 @@ def stack_arguments(blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Modul
     if not all(a is not None and a[2] == args[0][2] and a[3] == args[0][3] for a in args):
         return None
     lin, norms = [t for a in args for t in a[0]], [t for a in args for t in a[1]]
-    return (lin, norms, args[0][2], args[0][3]), head_arguments(norm, head, rows, args[0][2][2], args[0][3])
+    head_args, head_format = head_arguments(norm, head, rows, args[0][2][2], args[0][3])
+    return (lin, norms, args[0][2] + head_format, args[0][3]), head_args
 
 
 def decode_stack(x: Tensor, stack: Stack, inputs: DecodeInputs, cache: KVCache, n_keys: int | None) -> Tensor:
@@ -164,7 +136,7 @@ def decode_stack(x: Tensor, stack: Stack, inputs: DecodeInputs, cache: KVCache, 
     R, S = x.shape[0], n_keys or cache.capacity
     cos, sin = (NONE, NONE) if rope is None else (rope[0].reshape(R, -1), rope[1].reshape(R, -1))
     bias = NONE if mask is None else mask.reshape(R, S)
-    return torch.ops.quill.decode_blocks(x, lin, norms, head, cache.k, cache.v, at[1], cos, sin, bias, _ints(stack, S), eps)
+    return native.decode_blocks(x, lin, norms, head, cache.k, cache.v, at[1], cos, sin, bias, _ints(stack, S), eps)
 
 
 def decode_tokens(
@@ -178,7 +150,7 @@ def decode_tokens(
     (lin, norms, _, eps), head = stack
     freq = NONE if inv_freq is None else inv_freq
     ints = _ints(stack, n_keys or cache.capacity)
-    return torch.ops.quill.decode_tokens(idx, pos, cache.pos, embed, freq, lin, norms, head, cache.k, cache.v, ints, eps)
+    return native.decode_tokens(idx, pos, cache.pos, embed, freq, lin, norms, head, cache.k, cache.v, ints, eps)
 
 
 def argmax_finite(logits: Tensor) -> Tensor | None:
@@ -187,15 +159,15 @@ def argmax_finite(logits: Tensor) -> Tensor | None:
     torch ops cost ~0.5 ms a SmolLM2 token, cold after a step that streamed the weights. None where
     it does not run: not float32 on the CPU, or the library not built (a model whose layers do not
     use it need not wait for its build)."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not group_gemv.built() or torch.compiler.is_compiling():
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not native.built() or torch.compiler.is_compiling():
         return None
-    return torch.ops.quill.argmax_finite(logits.contiguous())
+    return native.argmax_finite(logits.contiguous())
 
 
 # --- the decoder the engine builds once -----------------------------------------------------------
 
 
-def native(model: GPT) -> bool:
+def runs_natively(model: GPT) -> bool:
     """Whether `model`'s decode step can run natively: float32 on the CPU, every block fitting and
     every linear of theirs one the native kernels may run (its layout and plan, never a timing:
     which batch sizes run natively is each layer's plan's, per call)."""
@@ -207,7 +179,7 @@ def native(model: GPT) -> bool:
 def cache_dtype(model: GPT, native_step: bool = True) -> torch.dtype:
     """The KV cache's default dtype: float16 where the decode step runs natively (see the module
     docstring; native_step=False: asked to run op by op), else the model's own."""
-    return torch.float16 if native_step and native(model) else model.dtype
+    return torch.float16 if native_step and runs_natively(model) else model.dtype
 
 
 class Decoder:
@@ -218,7 +190,7 @@ class Decoder:
 
     def __init__(self, model: GPT, native_step: bool = True) -> None:
         self.model = model
-        self.native = native_step and native(model)
+        self.native = native_step and runs_natively(model)
         self._stacks: dict[int, Stack | None] = {}  # rows → stack_arguments, where the cache is one it reads
 
     def __call__(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None = None, masked: bool = True) -> Tensor:

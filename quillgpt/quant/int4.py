@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt.model import group_gemv
+from quillgpt import native
 from quillgpt.quant import group_codes
 from quillgpt.quant.int8 import INT8, Int8Linear
 from quillgpt.quant.plan import KernelPlan
@@ -50,7 +50,7 @@ def kernel_fits(out_features: int, in_features: int, group: int) -> bool:
 
 def gemv4_fits(out_features: int, in_features: int, group: int) -> bool:
     """Whether group_gemv4 takes the shape (its first call builds the C++ kernel: tens of seconds once)."""
-    return in_features % 64 == 0 and group % 32 == 0 and in_features % group == 0 and group_gemv.available()
+    return in_features % 64 == 0 and group % 32 == 0 and in_features % group == 0 and native.available()
 
 
 def gemv4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -110,7 +110,7 @@ class Int4Linear(nn.Module):
         if gemv is not None:
             self.kernel = "group_gemv4"
             q, scale, offset = gemv
-            codes = group_gemv.pack4(q)
+            codes = native.pack4(q)
         else:
             q, scales_zeros = int4_codes(linear.weight, group)
             if "int4pack_mm" in wanted and cpu and kernel_fits(self.out_features, self.in_features, group):
@@ -134,7 +134,7 @@ class Int4Linear(nn.Module):
         through the kernel on the identity: exact, bf16 values)."""
         if self.kernel == "group_gemv4":
             n, groups = self.out_features, self.scale.shape[1]
-            q = group_gemv.unpack4(self.codes).float().view(n, groups, -1)
+            q = native.unpack4(self.codes).float().view(n, groups, -1)
             return (q * self.scale.float()[:, :, None] + self.offset.float()[:, :, None]).view(n, self.in_features)
         if self.kernel == "int4pack_mm":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.codes.device)
@@ -146,16 +146,16 @@ class Int4Linear(nn.Module):
     def runs_native(self) -> bool:
         return self.kernel == "group_gemv4"
 
-    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(4-bit codes, fp16 s, fp16 o) for the native decoder, where this layer runs group_gemv4 at `rows` rows."""
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
+        """(4-bit codes, fp16 s, fp16 o, their format) for the native decoder, where this layer runs group_gemv4 at `rows` rows."""
         if self.kernel != "group_gemv4" or rows > GEMV_ROWS:
             return None
-        return self.codes, self.scale, self.offset
+        return self.codes, self.scale, self.offset, native.Format.INT4
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "group_gemv4" and x2.shape[0] <= GEMV_ROWS:
-            y = group_gemv.group_gemv4(x2.float(), self.codes, self.scale, self.offset)  # fp16 as made
+            y = native.group_gemv4(x2.float(), self.codes, self.scale, self.offset)  # fp16 as made
         elif self.kernel == "int4pack_mm":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.codes, self.group, self._scales_zeros())
         else:
@@ -245,7 +245,7 @@ def convert(model: nn.Module, group: int, options: ConvertOptions) -> None:
             if isinstance(child, nn.Linear) and (g := group_for(child.in_features, group)):
                 setattr(parent, name, Int4Linear(child, g))
     if isinstance(model.lm_head, nn.Linear):
-        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, INT8.group) if group_gemv.available() else None
+        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, INT8.group) if native.available() else None
         model.lm_head = head if head is not None and head.runs["group_gemv"] == "group_gemv" else Bf16Linear(model.lm_head)
 
 

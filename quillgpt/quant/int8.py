@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from quillgpt.model import group_gemv
+from quillgpt import native
 from quillgpt.quant import group_codes
 from quillgpt.quant.group_codes import Form
 from quillgpt.quant.int8_kernels import FUSED_ROWS, KERNELS, Kernel, Offset, dequant_linear, grouped_sum
@@ -30,7 +30,7 @@ class Int8Linear(nn.Module):
     rebuilds it better (`from_linear`); s and o fp16 values (kept in the model's dtype, and as fp16
     for group_gemv, which streams them). The float bias b. The same call as nn.Linear:
     (…, in) → (…, out) in x's dtype. Where group_gemv runs the layer, `weight` holds q in its
-    layout (group_gemv.interleave: four rows at a time); `codes()` is q row after row."""
+    layout (native.interleave: four rows at a time); `codes()` is q row after row."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
         super().__init__()
@@ -54,7 +54,7 @@ class Int8Linear(nn.Module):
         fits = {k: kern.fits(*weight.shape, self.group) and (exact or not kern.half) for k, kern in KERNELS.items()}
         self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}
         self.interleaved = self.runs["group_gemv"] == "group_gemv"
-        self.register_buffer("weight", group_gemv.interleave(weight) if self.interleaved else weight)  # (out, in) int8
+        self.register_buffer("weight", native.interleave(weight) if self.interleaved else weight)  # (out, in) int8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
@@ -72,7 +72,7 @@ class Int8Linear(nn.Module):
 
     def codes(self) -> Tensor:
         """q (out, in) int8, row after row (what every kernel but group_gemv takes)."""
-        return group_gemv.deinterleave(self.weight) if self.interleaved else self.weight
+        return native.deinterleave(self.weight) if self.interleaved else self.weight
 
     def dequantized(self) -> Tensor:
         """(out, in) float32 q·s (+ o): the weight this layer multiplies by (to rounding)."""
@@ -97,11 +97,11 @@ class Int8Linear(nn.Module):
     def runs_native(self) -> bool:
         return self.runs["group_gemv"] == "group_gemv" and self.plan.may_pick("group_gemv")
 
-    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(int8 q, fp16 s, fp16 o) for the native decoder, where this layer runs group_gemv at `rows` rows."""
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
+        """(int8 q, fp16 s, fp16 o, their format) for the native decoder, where this layer runs group_gemv at `rows` rows."""
         if self.runs["group_gemv"] != "group_gemv" or self.plan.pick(rows) != "group_gemv":
             return None
-        return self.weight, self.scale_half, self.offset_half
+        return self.weight, self.scale_half, self.offset_half, native.Format.INT8
 
     def linear(self, x: Tensor, kernel: str) -> Tensor:
         """(M, in) → (M, out) in x's dtype through `kernel`, or its fallback where it cannot take this shape."""
@@ -208,7 +208,7 @@ def note(model: nn.Module, sep: str, compiled: bool) -> str:
     (`compiled`); why group_gemv is missing where it was asked for but did not build."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
-    missing = f" (group_gemv did not build: {group_gemv.why_not()})" if group and group_gemv.why_not() else ""
+    missing = f" (group_gemv did not build: {native.why_not()})" if group and native.why_not() else ""
     if group and compiled:
         gemv = any(m.runs["group_gemv"] == "group_gemv" for m in layers)
         how = "group_gemv in the compiled step" if gemv else "grouped_sum fused into the compiled step"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quillgpt.model import group_gemv
+from quillgpt import native
 from quillgpt.model.fusion import stored
 
 Offset = Tensor | None
@@ -64,11 +64,11 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
 
 
 def gemv_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
-    """model/group_gemv.py's C++ kernel: weights in groups of a multiple of 32 (per channel: one
+    """quillgpt/native's C++ kernel: weights in groups of a multiple of 32 (per channel: one
     group a row, offsets 0) with fp16 scales and offsets (Int8Linear's scale_half, offset_half), x
     rounded to int16 per 32 inputs and multiplied in integer pairs; float32 out."""
     assert offset is not None and scale.dtype == torch.float16, "group_gemv takes (out, groups) fp16 scales and offsets"
-    return group_gemv.group_gemv(x.float(), weight, scale, offset)
+    return native.group_gemv(x.float(), weight, scale, offset)
 
 
 def grouped_sum(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
@@ -130,7 +130,7 @@ def gemv_fits(out_features: int, in_features: int, group: int = 0) -> bool:
     """group_gemv takes layers whose group (per channel: the whole row) is a multiple of 32, where
     its C++ kernel builds on this machine (the first call builds it: tens of seconds, then cached by torch)."""
     width = group or in_features
-    return width % group_gemv.BLOCK == 0 and in_features % width == 0 and group_gemv.available()
+    return width % native.BLOCK == 0 and in_features % width == 0 and native.available()
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class Kernel:
     fallback: str
     rounding: float = 1e-6  # the relative error of its activations' rounding (bf16: 2**-8)
     half: bool = False  # group_gemv: the fp16 copies of the scales and offsets (scale_half, offset_half),
-    # and the codes as Int8Linear keeps them for it (group_gemv.interleave's layout); the others take codes()
+    # and the codes as Int8Linear keeps them for it (native.interleave's layout); the others take codes()
 
 
 # name → Kernel; "/bf16": bf16 activations, "/model": the model's dtype

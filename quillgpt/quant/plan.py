@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quillgpt import native
 from quillgpt.errors import QuillError
-from quillgpt.model import group_gemv
 from quillgpt.quant import plan_cache
 from quillgpt.quant.int8_kernels import KERNELS
 
@@ -73,7 +73,7 @@ def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) ->
         "layers": sorted({(q.out_features, q.in_features, q.group, layer.bias is not None) for layer, q in every}),
         "block": [(q.out_features, q.in_features, q.group) for _, q in block],
         "candidates": candidates,  # a kernel added (or one that now builds) measures again
-        "group_gemv": group_gemv.build_name() if "group_gemv" in candidates else None,  # a changed build too
+        "group_gemv": native.build_name() if "group_gemv" in candidates else None,  # a changed build too
     }
     k = plan_cache.key(w.device, shape) if cache else ""
     if cache and (hit := plan_cache.lookup(k)) is not None:

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quillgpt.native import Format
+
 Packed = dict[str, Tensor]  # a weight's stored tensors: "codes", "scale" and (group-wise) "offset"
 
 
@@ -42,8 +44,8 @@ class QuantLinear(Protocol):
         dtype follows from it (inference/native_decoder.py)."""
         ...
 
-    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(codes, fp16 scales, fp16 offsets) in the native kernels' layout where this layer runs
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, Format] | None:
+        """(codes, fp16 scales, fp16 offsets, their Format) in the native kernels' layout where this layer runs
         them at `rows` input rows (the native decoder then takes the layer); None elsewhere."""
         ...
 

@@ -10,17 +10,16 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from quillgpt import quant
+from quillgpt import native, quant
 from quillgpt.config import ModelConfig
 from quillgpt.inference import native_decoder
 from quillgpt.inference.engine import Engine
 from quillgpt.inference.native_decoder import Decoder
-from quillgpt.model import group_gemv
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import plan
 from quillgpt.sampling_params import SamplingParams
 
-needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"group_gemv did not build here: {native.why_not()}")
 
 SHAPES = {  # every norm, activation, bias, position and mask form the block takes
     "llama": dict(norm="rmsnorm", mlp="swiglu", pos="rope", n_head=4, n_kv_head=2, qk_norm=True, bias=False),
@@ -152,7 +151,7 @@ def test_a_bad_token_or_position_is_an_error_not_a_read_out_of_bounds() -> None:
 
 @needs_kernel
 def test_argmax_finite_is_the_first_maximum_and_flags_rows_that_are_not_finite() -> None:
-    group_gemv.available()
+    native.available()
     torch.manual_seed(0)
     logits = torch.randn(6, 1000)
     logits[0, [7, 500]] = 9.0  # a tie: the first

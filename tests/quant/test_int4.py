@@ -12,21 +12,21 @@ import torch.nn.functional as F
 from support import PROMPTS, kernel_rounded, random_model
 from torch import nn
 
+from quillgpt import native
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.model import group_gemv
 from quillgpt.quant import int4, quantize, weights_note
 from quillgpt.quant.int4 import Int4Linear
 from quillgpt.quant.int8 import Int8Linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"group_gemv did not build here: {native.why_not()}")
 
 
 @pytest.fixture
 def no_cpp(monkeypatch):
     """As on a machine where quill's C++ kernels do not build: torch's int4 kernel, a bf16 head."""
-    monkeypatch.setattr(group_gemv, "_built", None)
-    monkeypatch.setattr(group_gemv, "_error", "QUILL_NO_CPP_KERNELS is set")
+    monkeypatch.setattr(native.build, "_built", None)
+    monkeypatch.setattr(native.build, "_error", "QUILL_NO_CPP_KERNELS is set")
 
 
 @pytest.mark.parametrize(("out_features", "kernel"), [(48, "int4pack_mm"), (37, "dequantize")])
@@ -95,7 +95,7 @@ def test_gemv_codes_take_the_better_of_two_forms_and_round_each_weight_to_a_leve
     assert bool(half[ranged].all())  # half a level + fp16 rounding
     w[5, 7] = 1e6  # past fp16: no group_gemv4 layout
     assert int4.gemv4_codes(w, 32) is None
-    if group_gemv.available():
+    if native.available():
         assert Int4Linear(nn.Linear(128, 48), 32).kernel == "group_gemv4"
         big = nn.Linear(128, 48)
         big.weight.data[0, 0] = 1e6
@@ -198,8 +198,8 @@ def test_weights_exactly_representable_in_int4_give_the_same_tokens(request, var
     int4pack_mm blocks and a bf16 head. The reference rounds as each of them rounds."""
     if kernels == "torch":
         request.getfixturevalue("no_cpp")
-    elif not group_gemv.available():
-        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
+    elif not native.available():
+        pytest.skip(f"group_gemv did not build here: {native.why_not()}")
     model = exactly_representable(random_model(variant))
     ref = copy.deepcopy(model)
     weights = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -223,8 +223,8 @@ def test_weights_exactly_representable_in_int4_give_the_same_tokens(request, var
 def test_quantize_int4_swaps_the_blocks_linears_gives_the_head_8_bits_or_more_and_says_what_stayed_float(request, kernels):
     if kernels == "torch":
         request.getfixturevalue("no_cpp")
-    elif not group_gemv.available():
-        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
+    elif not native.available():
+        pytest.skip(f"group_gemv did not build here: {native.why_not()}")
     model = random_model("mha-learned")  # n_embd 32: every width a multiple of 32; a tied head
     wte = model.transformer.wte.weight.detach().clone()
     n_block = sum(isinstance(m, nn.Linear) for m in model.transformer.h.modules())

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 from support import BLOCK, PROMPTS, V, random_model, rel_err
 from torch import nn
 
-from quillgpt import quant
+from quillgpt import native, quant
 from quillgpt.errors import QuillError
 from quillgpt.inference.generate import generate_tokens
-from quillgpt.model import group_gemv
 from quillgpt.quant import int8, int8_kernels, plan_of, quantize
 from quillgpt.quant import plan as planning
 from quillgpt.quant.int8 import Int8Linear
@@ -93,7 +92,7 @@ def test_a_compiled_group_wise_layer_takes_its_few_rows_kernel_and_keeps_its_res
     if few == "grouped_sum":
         q.runs["group_gemv"] = "dequant/model"  # as where the C++ kernel does not build
     elif q.runs["group_gemv"] != "group_gemv":
-        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
+        pytest.skip(f"group_gemv did not build here: {native.why_not()}")
     taken = []
     real = int8_kernels.KERNELS["group_gemv"].matmul if few == "group_gemv" else grouped_sum
     spy = lambda *a: taken.append(a[0].shape[0]) or real(*a)  # noqa: E731
@@ -392,9 +391,9 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     assert len(calls) == 36
     plan_of(quantize(random_model("mha-learned"), "int8"))  # no cache asked: measured, nothing read
     assert len(calls) == 45
-    monkeypatch.setattr(group_gemv, "build_name", lambda: "quill_group_gemv_another_build")
+    monkeypatch.setattr(native, "build_name", lambda: "quill_group_gemv_another_build")
     replan = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))  # the C++ kernel changed: measured
-    assert replan.source.startswith("measured in ") if group_gemv.available() else replan.source == "cached"
+    assert replan.source.startswith("measured in ") if native.available() else replan.source == "cached"
     (tmp_path / "cache" / "kernel_plans.json").write_text("not json")
     assert plan_of(quantize(random_model("mha-learned"), "int8", cache=True)).source.startswith("measured in ")  # a bad file: ignored
 
@@ -402,7 +401,7 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
 def test_the_stats_note_says_what_a_compiled_group_wise_step_runs():
     grouped = quantize(random_model(), "int8", kernel="dequant/model")
     per_row = quantize(random_model(), "int8-channel", kernel="dequant/model")
-    gemv = group_gemv.available()
+    gemv = native.available()
     assert ("group_gemv" if gemv else "grouped_sum") in quant.weights_note(grouped, compiled=True)
     for m in grouped.modules():
         if isinstance(m, Int8Linear):

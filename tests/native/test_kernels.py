@@ -1,5 +1,5 @@
-"""group_gemv (model/group_gemv.py) against the plain computation: x rounded to int16 per block of
-32 the way the kernel rounds it, times the dequantized weights, in float64. Each instruction-set
+"""The native kernels (quillgpt/native) against the plain computation: x rounded to int16 per block
+of 32 the way the kernel rounds it, times the dequantized weights, in float64. Each instruction-set
 path (AVX-512BW, AVX2+FMA, the plain loop) is built and checked in a subprocess of its own, the
 AVX-512 one emulated where the CPU has none."""
 
@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from support import kernel_rounded
 from torch import nn
 
-from quillgpt.model import group_gemv
+from quillgpt import native
 from quillgpt.quant import int8_kernels, plan
 from quillgpt.quant.int8 import Int8Linear
 from quillgpt.quant.plan import KernelPlan
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_kernel = pytest.mark.skipif(not group_gemv.available(), reason=f"group_gemv did not build here: {group_gemv.why_not()}")
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"group_gemv did not build here: {native.why_not()}")
 
 
 def case(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -53,7 +53,7 @@ def reference(x, q, s, o) -> torch.Tensor:
 @pytest.mark.parametrize(("n", "k", "group"), [(48, 64, 32), (40, 256, 64), (33, 96, 96), (576, 1536, 32)])
 def test_group_gemv_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(rows, n, k, group):
     x, q, s, o = case(n, k, group, rows)
-    got = group_gemv.group_gemv(x, group_gemv.interleave(q), s, o)
+    got = native.group_gemv(x, native.interleave(q), s, o)
     want = reference(x, q, s, o)
     assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
     bound = (kernel_rounded(x).abs() @ (q.double().abs() * 0.02 + 1).t()).float()  # the float sums' scale
@@ -75,8 +75,8 @@ def test_interleave_streams_four_rows_as_one_and_leaves_the_last_rows_as_they_ar
     """Unit u (32 bytes) of row r of each group of four at 32·(4u + r) of the group; the last
     N % 4 rows unchanged; deinterleave undoes it."""
     codes = torch.randint(-128, 128, (10, 96), dtype=torch.int8)
-    laid = group_gemv.interleave(codes)
-    assert laid.shape == codes.shape and torch.equal(group_gemv.deinterleave(laid), codes)
+    laid = native.interleave(codes)
+    assert laid.shape == codes.shape and torch.equal(native.deinterleave(laid), codes)
     for g in range(2):
         stream = laid[4 * g : 4 * g + 4].reshape(-1)
         for r in range(4):
@@ -87,9 +87,9 @@ def test_interleave_streams_four_rows_as_one_and_leaves_the_last_rows_as_they_ar
 
 def test_pack4_keeps_every_code_and_pairs_blocks_in_nibbles():
     q = torch.randint(0, 16, (7, 128), dtype=torch.uint8)
-    packed = group_gemv.pack4(q)
-    assert packed.shape == (7, 64) and packed.dtype == torch.uint8 and torch.equal(group_gemv.unpack4(packed), q)
-    rows = group_gemv.deinterleave(packed)  # two codes a byte, the rows one after another
+    packed = native.pack4(q)
+    assert packed.shape == (7, 64) and packed.dtype == torch.uint8 and torch.equal(native.unpack4(packed), q)
+    rows = native.deinterleave(packed)  # two codes a byte, the rows one after another
     assert torch.equal(rows[:, :32] & 15, q[:, :32]) and torch.equal(rows[:, :32] >> 4, q[:, 32:64])
 
 
@@ -99,7 +99,7 @@ def test_pack4_keeps_every_code_and_pairs_blocks_in_nibbles():
 def test_group_gemv4_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(rows, n, k, group):
     """4-bit codes: the same sums over their unpacked weights (33 rows: a remainder past 4-row steps)."""
     x, q, s, o = case4(n, k, group, rows)
-    got = group_gemv.group_gemv4(x, group_gemv.pack4(q), s, o)
+    got = native.group_gemv4(x, native.pack4(q), s, o)
     want = reference(x, q, s, o)
     assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
     bound = (kernel_rounded(x).abs() @ (q.double() * 0.02 + 1).t()).float()
@@ -110,16 +110,16 @@ def test_group_gemv4_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(row
 def test_group_gemv_refuses_shapes_it_cannot_take():
     x, q, s, o = case(16, 64, 32, 1)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        group_gemv.group_gemv(x[:, :48], q[:, :48].contiguous(), s[:, :1].contiguous(), o[:, :1].contiguous())
+        native.group_gemv(x[:, :48], q[:, :48].contiguous(), s[:, :1].contiguous(), o[:, :1].contiguous())
     with pytest.raises(RuntimeError, match="group must be a multiple of 32"):
-        group_gemv.group_gemv(x, q, torch.rand(16, 4).half(), torch.rand(16, 4).half())  # groups of 16
+        native.group_gemv(x, q, torch.rand(16, 4).half(), torch.rand(16, 4).half())  # groups of 16
     with pytest.raises(RuntimeError, match="float16"):
-        group_gemv.group_gemv(x, q, s.float(), o.float())
+        native.group_gemv(x, q, s.float(), o.float())
     x, q, s, o = case4(16, 96, 32, 1)  # 4-bit codes: K a multiple of 64
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        group_gemv.group_gemv4(x, torch.zeros(16, 48, dtype=torch.uint8), s, o)
+        native.group_gemv4(x, torch.zeros(16, 48, dtype=torch.uint8), s, o)
     with pytest.raises(RuntimeError, match="uint8"):
-        group_gemv.group_gemv4(x[:, :64], q[:, :32].to(torch.int8), s[:, :2].contiguous(), o[:, :2].contiguous())
+        native.group_gemv4(x[:, :64], q[:, :32].to(torch.int8), s[:, :2].contiguous(), o[:, :2].contiguous())
 
 
 @needs_kernel
@@ -138,7 +138,7 @@ def test_int8_linear_takes_group_gemv_where_its_group_is_whole_blocks():
     for group in (32, 0):
         q = Int8Linear.from_linear(lin, plan, group)
         assert torch.equal(q.scale_half.float().view(q.scale.shape), q.scale)  # the scales are fp16 values
-        assert q.interleaved and torch.equal(q.weight, group_gemv.interleave(q.codes()))
+        assert q.interleaved and torch.equal(q.weight, native.interleave(q.codes()))
         want = F.linear(x, q.dequantized(), lin.bias)
         for kernel in int8_kernels.KERNELS:
             torch.testing.assert_close(q.linear(x, kernel), want, rtol=1e-2, atol=1e-2)  # bf16 activations among them
@@ -174,10 +174,10 @@ def test_group_gemv_compiled_equals_eager():
 
 
 def test_without_a_build_the_layers_fall_back(monkeypatch):
-    monkeypatch.setattr(group_gemv, "_built", None)
-    monkeypatch.setattr(group_gemv, "_error", None)
+    monkeypatch.setattr(native.build, "_built", None)
+    monkeypatch.setattr(native.build, "_error", None)
     monkeypatch.setenv("QUILL_NO_CPP_KERNELS", "1")
-    assert not group_gemv.available() and "QUILL_NO_CPP_KERNELS" in group_gemv.why_not()
+    assert not native.available() and "QUILL_NO_CPP_KERNELS" in native.why_not()
     q = Int8Linear.from_linear(nn.Linear(64, 48), KernelPlan((1,), ("group_gemv",)), 32)
     assert q.runs["group_gemv"] == "dequant/model"
     assert "group_gemv" not in plan._candidates(q)
@@ -187,16 +187,16 @@ WORKER = """
 import json, sys, torch
 for path in ({root!r}, {root!r} + '/tests', {tests!r}, {root!r} + '/tests/inference'):
     sys.path.insert(0, path)
-from quillgpt.model import group_gemv
-from test_group_gemv import case, case4, reference
-assert group_gemv.available(), group_gemv.why_not()
+from quillgpt import native
+from test_kernels import case, case4, reference
+assert native.available(), native.why_not()
 errs = []
 for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2), (33, 128, 128, 2)]:
     x, q, s, o = case(n, k, group, rows)
-    got, want = group_gemv.group_gemv(x, group_gemv.interleave(q), s, o), reference(x, q, s, o)
+    got, want = native.group_gemv(x, native.interleave(q), s, o), reference(x, q, s, o)
     errs.append(float((got - want).abs().max() / want.abs().max()))
     x, q, s, o = case4(n, k, group, rows)  # and 4-bit codes
-    got, want = group_gemv.group_gemv4(x, group_gemv.pack4(q), s, o), reference(x, q, s, o)
+    got, want = native.group_gemv4(x, native.pack4(q), s, o), reference(x, q, s, o)
     errs.append(float((got - want).abs().max() / want.abs().max()))
 import pytest
 import test_native_decoder as nb  # the native decoder built the same way: its steps = op by op
@@ -213,9 +213,10 @@ print(json.dumps(errs))
 def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
     """The AVX2, plain-loop and AVX-512 paths, int8 and int4, the kernels and the native decode
     block, built here with -march=haswell / x86-64 (a build each, cached); the AVX-512 one through
-    scalar stand-ins of its intrinsics (csrc/avx512_emulated.h), so it is checked on any AVX2 machine."""
-    if not group_gemv.available():
-        pytest.skip(f"group_gemv did not build here: {group_gemv.why_not()}")
+    scalar stand-ins of its intrinsics (quillgpt/native/csrc/avx512_emulated.h), so it is checked on
+    any AVX2 machine."""
+    if not native.available():
+        pytest.skip(f"group_gemv did not build here: {native.why_not()}")
     if isa != "plain" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this CPU has no AVX2 to run a -march=haswell build")
     code = WORKER.format(root=str(ROOT), tests=str(Path(__file__).parent))
@@ -230,8 +231,8 @@ def test_the_stats_note_says_why_the_kernel_did_not_build(monkeypatch):
 
     from quillgpt.quant import quantize, weights_note
 
-    monkeypatch.setattr(group_gemv, "_built", None)
-    monkeypatch.setattr(group_gemv, "_error", "CalledProcessError: g++ not found")
+    monkeypatch.setattr(native.build, "_built", None)
+    monkeypatch.setattr(native.build, "_error", "CalledProcessError: g++ not found")
     model = quantize(random_model(), "int8", kernel="dequant/model")
     assert weights_note(model).endswith("(group_gemv did not build: CalledProcessError: g++ not found)")
     assert "did not build" not in weights_note(quantize(random_model(), "int8-channel", kernel="dequant/model"))

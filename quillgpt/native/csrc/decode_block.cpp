@@ -1,34 +1,17 @@
-// Pre-norm decoder blocks' decode step in one call (model/native_block.py says when it runs):
+// Pre-norm decoder blocks' decode step in one call (quillgpt/model/native_block.py says when it runs):
 // x (R, C) one token per row → x + attn(norm1(x)), then + mlp(norm2(x)), block after block, with
-// the four linears in group_gemv's int8 or 4-bit layout. One OpenMP region runs all the blocks: the
-// threads split each linear's output columns and the attention's heads, and meet at a barrier
-// between phases, where the op-by-op step pays a kernel launch (and, eager, Python) for each of
-// ~15 ops a block. Compiled after group_gemv.cpp, in the same library: it reuses round_x, Weights
-// and gemv_columns.
-#include <cstring>
+// the four linears in the kernels' int8 or 4-bit layout (quill.h's Weights, read by gemv_columns).
+// One OpenMP region runs all the blocks: the threads split each linear's output columns and the
+// attention's heads, and meet at a barrier between phases, where the op-by-op step pays a kernel
+// launch (and, eager, Python) for each of ~15 ops a block.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <omp.h>
 
-// e^x for x ≤ 0 (0 below -87: masked keys), 2^n·p(r) with Cephes' polynomial, written so the loop
-// over keys vectorizes (std::exp does not: a scalar call a key)
-static inline float exp_le0(float x) {
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (int32_t(std::max(n, -126.f)) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, 4);
-  return x < -87.f ? 0.f : p * two_n;
-}
+#include "quill.h"
 
 // A cached key or value element as float: the cache holds float32, or float16 (its bits, Half) for
 // half the bytes a step reads
-using Half = uint16_t;
 static inline float kv_float(float x) { return x; }
 static inline float kv_float(Half x) { return half_to_float(x); }
 
@@ -68,74 +51,10 @@ static void attend_head(const float* q, const T* k, const T* v, int64_t ks, cons
   for (int64_t d = 0; d < hd; ++d) y[d] *= inv;
 }
 
-// The vector lanes attend_lanes runs on: AVX-512's 16 floats, or AVX2's 8 (sum8 from group_gemv.cpp)
-#if defined(QUILL_AVX512)
-#define QUILL_LANES 16
-using Lanes = __m512;
-static inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
-static inline Lanes lanes_load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-static inline void lanes_store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
-static inline Lanes lanes_set1(float x) { return _mm512_set1_ps(x); }
-static inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
-static inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float lanes_sum(Lanes v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QUILL_LANES 8
-using Lanes = __m256;
-static inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
-static inline Lanes lanes_load(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-static inline void lanes_store(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
-static inline Lanes lanes_set1(float x) { return _mm256_set1_ps(x); }
-static inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
-static inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float lanes_sum(Lanes v) { return sum8(v); }
-#endif
-
-#if defined(QUILL_LANES)
-// attend_head for hd = QUILL_LANES·V, the query and the output in registers: the portable loop's
-// horizontal sum a key and its stores of y a key cost ~4x (SmolLM2, 256 keys: 30 layers' attention
-// ~1 ms a token on AVX-512)
-template <int V, class T>
-static void attend_lanes(const float* q, const T* k, const T* v, int64_t ks, const float* bias, int64_t S, float* p, float* y) {
-  const Lanes scale = lanes_set1(1.f / std::sqrt(float(QUILL_LANES * V)));
-  Lanes qv[V], acc[V];
-  for (int j = 0; j < V; ++j) qv[j] = lanes_mul(lanes_load(q + QUILL_LANES * j), scale);
-  float m = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) {
-    if (bias && bias[s] == -INFINITY) {  // a masked slot (an empty one of the compiled step's whole cache)
-      p[s] = -INFINITY;
-      continue;
-    }
-    const T* kr = k + s * ks;
-    Lanes dot = lanes_mul(qv[0], lanes_load(kr));
-    for (int j = 1; j < V; ++j) dot = lanes_fma(qv[j], lanes_load(kr + QUILL_LANES * j), dot);
-    p[s] = lanes_sum(dot) + (bias ? bias[s] : 0.f);
-    m = std::max(m, p[s]);
-  }
-  float l = 0.f;
-#pragma omp simd reduction(+ : l)
-  for (int64_t s = 0; s < S; ++s) {
-    p[s] = exp_le0(p[s] - m);
-    l += p[s];
-  }
-  for (int j = 0; j < V; ++j) acc[j] = lanes_set1(0.f);
-  for (int64_t s = 0; s < S; ++s) {
-    if (p[s] == 0.f) continue;
-    const Lanes ps = lanes_set1(p[s]);
-    for (int j = 0; j < V; ++j) acc[j] = lanes_fma(ps, lanes_load(v + s * ks + QUILL_LANES * j), acc[j]);
-  }
-  const Lanes inv = lanes_set1(l > 0.f ? 1.f / l : 0.f);
-  for (int j = 0; j < V; ++j) lanes_store(y + QUILL_LANES * j, lanes_mul(acc[j], inv));
-}
-#endif
-
+// attend_head in this build's vector registers where it has them for hd (quill.h's attend_lanes)
 template <class T>
 static void attend(const float* q, const T* k, const T* v, int64_t ks, const float* bias, int64_t S, int64_t hd, float* p, float* y) {
-#if defined(QUILL_LANES)
-  if (hd == 64) return attend_lanes<64 / QUILL_LANES>(q, k, v, ks, bias, S, p, y);
-  if (hd == 128) return attend_lanes<128 / QUILL_LANES>(q, k, v, ks, bias, S, p, y);
-#endif
-  attend_head(q, k, v, ks, bias, S, hd, p, y);
+  if (!attend_lanes(q, k, v, ks, bias, S, hd, p, y)) attend_head(q, k, v, ks, bias, S, hd, p, y);
 }
 
 // y = norm(x) over n values: RMSNorm (b null, layer false) or LayerNorm; w, b may be null (no gain, no bias)
@@ -163,7 +82,7 @@ static void rope(float* x, const float* cos, const float* sin, int64_t hd) {
 enum Act : int64_t { GELU_TANH = 0, RELU2 = 1, SWIGLU = 2 };
 
 // A row of c_fc's output f (F) → a row of c_proj's input a (hidden); sigmoid and tanh through exp_le0 of a
-// value ≤ 0, so the loops vectorize (a scalar std::exp an element cost ~0.5 ms a SmolLM2 token)
+// value ≤ 0, so the loops vectorize (a scalar std::exp an element was a large share of a token)
 static void activate(const float* row, float* out, int64_t F, int64_t act) {
   const int64_t hidden = act == SWIGLU ? F / 2 : F;
   if (act == SWIGLU) {
@@ -200,6 +119,7 @@ static void linear_in_region(const Weights& w, const float* bias, const Rounded&
 
 struct Shape {
   int64_t R, C, H, KV, hd, S, F, cap;
+  Format formats[5];  // of c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (alike in every layer), and the head's
 };
 
 // n floats to a cache (float32, or half: float16) at element `at`
@@ -229,7 +149,7 @@ struct Step {
 };
 
 // The step's buffers, the calling thread's, kept across calls: allocating and zeroing them a call
-// (and x.clone() through the dispatcher) cost ~9 us of a ~280 us SmolLM2 block
+// (and x.clone() through the dispatcher) cost a measurable share of a block
 struct Scratch {
   std::vector<float> h, qkv, att, f, a;
   Rounded xr;
@@ -332,26 +252,26 @@ static void head_in_region(const float* x, const Shape& d, const Head& hd, const
   linear_in_region(hd.w, hd.bias, sc.xr, d.R, logits);
 }
 
-static const float* floats_or_null(const torch::Tensor& t, int64_t n, const char* what) {
+static const float* floats_or_null(const at::Tensor& t, int64_t n, const char* what) {
   if (t.numel() == 0) return nullptr;
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == n, what, ": float32, ", n, " values");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what, ": float32, ", n, " values");
   return t.data_ptr<float>();
 }
 
 // Layer l's parameters: lin[16 l, 16 l + 16), norms[6 l, 6 l + 6), its caches; checked against d
 // (d.F is set from layer 0's c_fc)
-static Layer layer_of(const std::vector<torch::Tensor>& lin, const std::vector<torch::Tensor>& norms, const torch::Tensor& k,
-                      const torch::Tensor& v, int64_t l, Shape& d, int64_t act) {
-  const torch::Tensor* t = lin.data() + 16 * l;
-  TORCH_CHECK(k.dim() == 4 && (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf) && k.is_contiguous() &&
+static Layer layer_of(const std::vector<at::Tensor>& lin, const std::vector<at::Tensor>& norms, const at::Tensor& k,
+                      const at::Tensor& v, int64_t l, Shape& d, int64_t act) {
+  const at::Tensor* t = lin.data() + 16 * l;
+  TORCH_CHECK(k.dim() == 4 && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf) && k.is_contiguous() &&
                   v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && v.is_contiguous() && k.size(0) >= d.R && k.size(1) == d.KV &&
                   k.size(2) == d.cap && k.size(3) == d.hd,
               "k_caches, v_caches: contiguous (rows >= R, kv_heads, capacity, hd) float32 or float16, alike in every layer");
-  Layer L{{}, {}, {}, k.data_ptr(), v.data_ptr(), k.scalar_type() == torch::kHalf};
+  Layer L{{}, {}, {}, k.data_ptr(), v.data_ptr(), k.scalar_type() == at::kHalf};
   const int64_t hidden = act == SWIGLU ? t[8].size(0) / 2 : t[8].size(0);
   const int64_t ins[4] = {d.C, d.H * d.hd, d.C, hidden};
   for (int i = 0; i < 4; ++i) {
-    L.w.push_back(weights_of(t[4 * i], t[4 * i + 1], t[4 * i + 2], ins[i], t[4 * i].scalar_type() == torch::kByte));
+    L.w.push_back(weights_of(t[4 * i], t[4 * i + 1], t[4 * i + 2], ins[i], d.formats[i]));
     L.bias.push_back(floats_or_null(t[4 * i + 3], L.w.back().N, "a linear's bias"));
   }
   if (l == 0) d.F = L.w[2].N;
@@ -363,27 +283,29 @@ static Layer layer_of(const std::vector<torch::Tensor>& lin, const std::vector<t
 }
 
 // The head's parameters from [norm w, b or empty, q, s, o, bias or empty]; none from an empty list
-static Head head_of(const std::vector<torch::Tensor>& head, const Shape& d) {
+static Head head_of(const std::vector<at::Tensor>& head, const Shape& d) {
   TORCH_CHECK(head.empty() || head.size() == 6, "head: none, or the norm's w, b and the linear's q, s, o, bias");
   if (head.empty()) return Head{};
-  const Weights w = weights_of(head[2], head[3], head[4], d.C, head[2].scalar_type() == torch::kByte);
+  const Weights w = weights_of(head[2], head[3], head[4], d.C, d.formats[4]);
   return {w, floats_or_null(head[0], d.C, "the final norm's weight"), floats_or_null(head[1], d.C, "the final norm's bias"),
           floats_or_null(head[5], w.N, "the head's bias")};
 }
 
-// The shape every layer shares, from x's (R, C), the first cache and ints (n_head, kv_heads, S, ...)
-static Shape shape_of(int64_t R, int64_t C, const std::vector<torch::Tensor>& k_caches, const std::vector<int64_t>& ints) {
-  TORCH_CHECK(ints.size() == 5, "ints: n_head, kv_heads, S, layer_norm, act");
+// The shape every layer shares, from x's (R, C), the first cache and ints (n_head, kv_heads, S, ...,
+// the linears' formats; the head's where one is given)
+static Shape shape_of(int64_t R, int64_t C, const std::vector<at::Tensor>& k_caches, const std::vector<int64_t>& ints, bool head) {
+  TORCH_CHECK(ints.size() == (head ? 10u : 9u), "ints: n_head, kv_heads, S, layer_norm, act, the four linears' formats and the head's (if given)");
   TORCH_CHECK(!k_caches.empty() && k_caches[0].dim() == 4, "k_caches: (rows, kv_heads, capacity, hd)");
-  Shape d{R, C, ints[0], ints[1], k_caches[0].size(3), ints[2], 0, k_caches[0].size(2)};
+  Shape d{R, C, ints[0], ints[1], k_caches[0].size(3), ints[2], 0, k_caches[0].size(2), {}};
+  for (size_t i = 5; i < ints.size(); ++i) d.formats[i - 5] = format_of(ints[i]);
   TORCH_CHECK(d.KV >= 1 && d.H % d.KV == 0 && d.S >= 1 && d.S <= d.cap && d.hd % 2 == 0, "decode_blocks: bad heads or slots");
   return d;
 }
 
 // x0 (R, C) through the layers (and the head): the shared part of decode_blocks and decode_tokens
-static torch::Tensor run_blocks(const float* x0, Shape d, const torch::TensorOptions& opts, const std::vector<torch::Tensor>& lin,
-                                const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& head,
-                                const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches, const Step& st) {
+static at::Tensor run_blocks(const float* x0, Shape d, const at::TensorOptions& opts, const std::vector<at::Tensor>& lin,
+                                const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& head,
+                                const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const Step& st) {
   const int64_t n = int64_t(k_caches.size());
   TORCH_CHECK(int64_t(lin.size()) == 16 * n && int64_t(norms.size()) == 6 * n && int64_t(v_caches.size()) == n,
               "decode_blocks: per layer 16 linear tensors, 6 norms, a k and a v cache");
@@ -413,39 +335,40 @@ static torch::Tensor run_blocks(const float* x0, Shape d, const torch::TensorOpt
 // layer ln_1 w, b, ln_2 w, b, q_norm w, k_norm w (empty: none); k_caches, v_caches: per layer
 // (rows, KV, capacity, hd) float32; slots (R,) where each row's new key goes; cos, sin (R, hd) or
 // empty (no RoPE); mask (R, S) additive or empty (every slot visible); ints: n_head, kv_heads, S
-// (slots attended), layer_norm (0/1), act (GELU_TANH, RELU2, SWIGLU), alike in every layer. One
-// OpenMP region runs them all.
-torch::Tensor decode_blocks(torch::Tensor x, std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms,
-                            std::vector<torch::Tensor> head, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor slots,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor mask, std::vector<int64_t> ints, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous (R, C) float32");
-  const Shape d = shape_of(x.size(0), x.size(1), k_caches, ints);
+// (slots attended), layer_norm (0/1), act (GELU_TANH, RELU2, SWIGLU), then the Format of c_attn,
+// attn.c_proj, mlp.c_fc and mlp.c_proj, alike in every layer, and the head's where head is given.
+// One OpenMP region runs them all.
+at::Tensor decode_blocks(at::Tensor x, std::vector<at::Tensor> lin, std::vector<at::Tensor> norms,
+                            std::vector<at::Tensor> head, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor slots,
+                            at::Tensor cos, at::Tensor sin, at::Tensor mask, std::vector<int64_t> ints, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous (R, C) float32");
+  const Shape d = shape_of(x.size(0), x.size(1), k_caches, ints, !head.empty());
   const int64_t R = d.R;
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == R, "slots: (R,) int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == R, "slots: (R,) int64");
   const Step st{slots.data_ptr<int64_t>(), floats_or_null(cos, R * d.hd, "cos"), floats_or_null(sin, R * d.hd, "sin"),
                 floats_or_null(mask, R * d.S, "mask"), float(eps), ints[3] != 0, ints[4]};
   TORCH_CHECK((st.cos == nullptr) == (st.sin == nullptr), "cos and sin: both or neither");
   return run_blocks(x.data_ptr<float>(), d, x.options(), lin, norms, head, k_caches, v_caches, st);
 }
 
-// What decode_tokens computes before the blocks, where GPT.decode's preamble takes ~0.4 ms of torch
-// ops a token, slow with the caches cold from the last step's weights: each row's slot pos % cap
+// What decode_tokens computes before the blocks, where GPT.decode's preamble is many small torch
+// ops, slow with the caches cold from the last step's weights: each row's slot pos % cap
 // (its position recorded in key_pos), its embedding wte[idx] (+ wpe[pos]), its RoPE cos and sin
 struct Tokens {
   std::vector<float> x, cos, sin;
   std::vector<int64_t> slots;
 };
 
-static void embed_tokens(const torch::Tensor& idx, const torch::Tensor& pos, torch::Tensor& key_pos, const std::vector<torch::Tensor>& embed,
-                         const torch::Tensor& inv_freq, const Shape& d, Tokens& t) {
+static void embed_tokens(const at::Tensor& idx, const at::Tensor& pos, at::Tensor& key_pos, const std::vector<at::Tensor>& embed,
+                         const at::Tensor& inv_freq, const Shape& d, Tokens& t) {
   const int64_t R = d.R, C = d.C, half = d.hd / 2;
-  TORCH_CHECK(idx.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && idx.is_contiguous() && pos.is_contiguous() &&
+  TORCH_CHECK(idx.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && idx.is_contiguous() && pos.is_contiguous() &&
                   pos.numel() == R, "idx, pos: (R,) int64");
-  TORCH_CHECK(key_pos.scalar_type() == torch::kLong && key_pos.is_contiguous() && key_pos.dim() == 2 && key_pos.size(0) >= R &&
+  TORCH_CHECK(key_pos.scalar_type() == at::kLong && key_pos.is_contiguous() && key_pos.dim() == 2 && key_pos.size(0) >= R &&
                   key_pos.size(1) == d.cap, "key_pos: (rows >= R, capacity) int64");
   TORCH_CHECK(embed.size() == 1 || embed.size() == 2, "embed: wte, or wte and wpe");
   for (const auto& e : embed)
-    TORCH_CHECK(e.dim() == 2 && e.size(1) == C && e.scalar_type() == torch::kFloat && e.is_contiguous(), "embed: (n, C) float32");
+    TORCH_CHECK(e.dim() == 2 && e.size(1) == C && e.scalar_type() == at::kFloat && e.is_contiguous(), "embed: (n, C) float32");
   const float* freq = floats_or_null(inv_freq, half, "inv_freq");
   const int64_t *ip = idx.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   int64_t* kp = key_pos.data_ptr<int64_t>();
@@ -472,11 +395,11 @@ static void embed_tokens(const torch::Tensor& idx, const torch::Tensor& pos, tor
 // positions (rows, capacity), written at each row's slot; embed [wte] or [wte, wpe] (learned
 // positions) float32; inv_freq (hd / 2,) float32 or empty (no RoPE); the rest as decode_blocks,
 // every slot of the first S visible to every row.
-torch::Tensor decode_tokens(torch::Tensor idx, torch::Tensor pos, torch::Tensor key_pos, std::vector<torch::Tensor> embed, torch::Tensor inv_freq,
-                            std::vector<torch::Tensor> lin, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> head,
-                            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, std::vector<int64_t> ints, double eps) {
+at::Tensor decode_tokens(at::Tensor idx, at::Tensor pos, at::Tensor key_pos, std::vector<at::Tensor> embed, at::Tensor inv_freq,
+                            std::vector<at::Tensor> lin, std::vector<at::Tensor> norms, std::vector<at::Tensor> head,
+                            std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, std::vector<int64_t> ints, double eps) {
   TORCH_CHECK(!embed.empty() && idx.dim() == 1, "idx: (R,) int64; embed: wte, or wte and wpe");
-  const Shape d = shape_of(idx.numel(), embed[0].size(-1), k_caches, ints);
+  const Shape d = shape_of(idx.numel(), embed[0].size(-1), k_caches, ints, !head.empty());
   thread_local Tokens t;
   embed_tokens(idx, pos, key_pos, embed, inv_freq, d, t);
   const Step st{t.slots.data(), inv_freq.numel() ? t.cos.data() : nullptr, inv_freq.numel() ? t.sin.data() : nullptr, nullptr, float(eps),
@@ -485,13 +408,13 @@ torch::Tensor decode_tokens(torch::Tensor idx, torch::Tensor pos, torch::Tensor 
 }
 
 // (n, V) float32 logits → (2, n) int64: each row's argmax (its first maximum) and 1 where the row is
-// not finite (a NaN or infinite logit, or a sum past float's range). The engine's greedy draw: its
-// torch ops cost ~0.5 ms a token, cold after a step that streamed the weights.
-torch::Tensor argmax_finite(torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
+// not finite (a NaN or infinite logit, or a sum past float's range). The engine's greedy draw in one
+// pass, where its torch ops are several, cold after a step that streamed the weights.
+at::Tensor argmax_finite(at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "logits: contiguous (n, V) float32");
   const int64_t n = logits.size(0), V = logits.size(1);
-  auto out = at::empty({2, n}, logits.options().dtype(torch::kLong));
+  auto out = at::empty({2, n}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
     const float* x = logits.data_ptr<float>() + r * V;
@@ -507,10 +430,4 @@ torch::Tensor argmax_finite(torch::Tensor logits) {
     o[n + r] = std::isfinite(total) ? 0 : 1;
   }
   return out;
-}
-
-TORCH_LIBRARY_IMPL(quill, CPU, m) {
-  m.impl("decode_blocks", &decode_blocks);
-  m.impl("decode_tokens", &decode_tokens);
-  m.impl("argmax_finite", &argmax_finite);
 }

@@ -1,9 +1,9 @@
-// Scalar stand-ins for the AVX-512 intrinsics the kernels use (group_gemv.cpp, decode_block.cpp),
-// so their AVX-512 branches build and run, slowly, on an AVX2 machine: QUILL_GEMV_ISA=avx512-emulated,
-// for tests/model/test_group_gemv.py to check them against the plain computation where no AVX-512
-// CPU is at hand. Each does what Intel's manual says of its intrinsic, lane by lane (masked loads read
-// only the lanes in the mask); reduce_add sums in another order, so the last bits may differ.
-// group_gemv.py pastes it into the source where group_gemv.cpp includes it (so no include guard).
+// Scalar stand-ins for the AVX-512 intrinsics the kernels use (x86.cpp), so its AVX-512 branch
+// builds and runs, slowly, on an AVX2 machine: QUILL_GEMV_ISA=avx512-emulated, for
+// tests/native/test_kernels.py to check it against the plain computation where no AVX-512 CPU is
+// at hand. Each does what Intel's manual says of its intrinsic, lane by lane (masked loads read only
+// the lanes in the mask); reduce_add sums in another order, so the last bits may differ.
+#pragma once
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>

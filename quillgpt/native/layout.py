@@ -1,0 +1,51 @@
+"""How the kernels read a linear's weights: its codes' format, and the rows' layout in memory."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import Tensor
+
+BLOCK = 32  # activations are rounded per block of 32 inputs; a weight group is a multiple of it
+
+
+class Format(enum.IntEnum):
+    """A linear's weight codes as the native library takes them (csrc/quill.h's Format)."""
+
+    INT8 = 0  # one int8 code a weight
+    INT4 = 1  # codes in [0, 15], two a byte in pack4's layout
+
+
+def interleave(codes: Tensor) -> Tensor:
+    """(N, B) bytes a row (int8 weights or packed 4-bit codes), B a multiple of 32 → the same shape
+    in the kernels' layout: the rows in groups of four, and in each group unit u (32 bytes) of row
+    r at 32·(4u + r), so the four rows the kernel reads at once are one sequential stream (four
+    short streams are what the hardware prefetch barely learns); the last N % 4 rows as they are."""
+    n, width = codes.shape
+    full = n - n % 4
+    body = codes[:full].view(full // 4, 4, width // BLOCK, BLOCK).transpose(1, 2).reshape(full, width)
+    return torch.cat([body, codes[full:]])
+
+
+def deinterleave(codes: Tensor) -> Tensor:
+    """interleave's inverse: the rows one after another again (a copy)."""
+    n, width = codes.shape
+    full = n - n % 4
+    body = codes[:full].view(full // 4, width // BLOCK, 4, BLOCK).transpose(1, 2).reshape(full, width)
+    return torch.cat([body, codes[full:]])
+
+
+def pack4(q: Tensor) -> Tensor:
+    """(N, K) codes in [0, 15], K a multiple of 64 → (N, K / 2) uint8 in group_gemv4's layout: byte
+    j of each 32 holds code 64p + j (low nibble) and code 64p + 32 + j (high nibble), interleaved."""
+    n, k = q.shape
+    pairs = q.to(torch.uint8).view(n, k // 64, 2, 32)
+    return interleave((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).view(n, k // 2))
+
+
+def unpack4(packed: Tensor) -> Tensor:
+    """pack4's inverse: (N, K / 2) uint8 → (N, K) uint8 codes."""
+    n, half = packed.shape
+    p = deinterleave(packed).view(n, half // 32, 1, 32)
+    return torch.cat([p & 15, p >> 4], dim=2).view(n, 2 * half)
