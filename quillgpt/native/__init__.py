@@ -2,7 +2,7 @@
 step), y = x·Wᵀ with W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one
 group a row, o = 0; 4-bit: q in [0, 15], two codes a byte in pack4's layout), both reading the codes
 in interleave's layout; and pre-norm decoder blocks' decode step in one call (decode_blocks,
-decode_tokens; model/native_block.py says when it runs), and the greedy draw (argmax_finite).
+decode_tokens; inference/native_decoder.py says when it runs), and the greedy draw (argmax_finite).
 
 Why kernels of their own: written as torch ops, inductor dequantizes each weight to fp32 and
 multiplies it, several vector instructions per weight, so the compiled step ran compute-bound

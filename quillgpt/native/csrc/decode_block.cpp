@@ -1,4 +1,4 @@
-// Pre-norm decoder blocks' decode step in one call (quillgpt/model/native_block.py says when it runs):
+// Pre-norm decoder blocks' decode step in one call (quillgpt/inference/native_decoder.py says when it runs):
 // x (R, C) one token per row → x + attn(norm1(x)), then + mlp(norm2(x)), block after block, with
 // the four linears in the kernels' int8 or 4-bit layout (quill.h's Weights, read by gemv_columns).
 // One OpenMP region runs all the blocks: the threads split each linear's output columns and the
