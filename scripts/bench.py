@@ -26,6 +26,7 @@ import functools
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -263,11 +264,8 @@ class TrainCommand:
         self.config.write_text(json.dumps({"data": data, "model": model, "train": train}))  # JSON is YAML
 
     def __call__(self) -> float:
-        import subprocess
-
-        subprocess.run(
-            [sys.executable, "-m", "quillgpt", "train", "-c", str(self.config), "-q"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
-        )
+        cmd = [sys.executable, "-m", "quillgpt", "train", "-c", str(self.config), "-q"]
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         lines = [json.loads(x) for x in (self.out / "metrics.jsonl").read_text().splitlines() if x.strip()]
         rates = [x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][1:]
         return self.tokens / statistics.median(rates)
@@ -400,9 +398,8 @@ def recipe_trainer(vocab: int, tokens: np.ndarray, plain: bool, smoke: bool) -> 
     cfg = recipe_config(smoke)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab)).train()
-    t = trainer(
-        model, dataclasses.replace(cfg.train, device="cpu"), BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1)
-    )
+    sampler = BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1)
+    t = trainer(model, dataclasses.replace(cfg.train, device="cpu"), sampler)
     if plain:
         for block in model.transformer.h:
             block.mlp.act = lambda h: F.relu(h).square()
@@ -620,10 +617,9 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     if refused:
         report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {refused}"))
     if not hf_ok:
-        past = (
-            f"{prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past" if hf is not None else ""
-        )
-        why = past or "transformers' GPT-2 has learned positions"
+        why = "transformers' GPT-2 has learned positions"
+        if hf is not None:
+            why = f"{prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past"
         report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=f"n/a: {why}"))
     extra = sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"])
     note = f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"
@@ -814,9 +810,8 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     group = f"gpu: {name}, ceilings measured in this run"
     report.add(Row(group, "device-to-device copy, 2 GiB", "GB/s", bandwidth / 1e9, note="bytes read + written"))
     sheet = (peak_flops(device, torch.bfloat16) or math.nan) / 1e12
-    report.add(
-        Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12, note=f"datasheet dense bf16 (device.GPU_PEAKS): {sheet:.0f}")
-    )
+    sheet_note = f"datasheet dense bf16 (device.GPU_PEAKS): {sheet:.0f}"
+    report.add(Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12, note=sheet_note))
     report.print_group(group)
     cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
     if args.smoke:
@@ -916,13 +911,11 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
         for vname, xs in samples.items():
             key = "bf16" if "bf16" in vname else "int8"
             st = Stats.of([B * n / x for x in xs])
-            note = (
-                f"greedy tokens = eager's for {agreement(out[f'{key} True'], out[f'{key} False'])}; "
-                f"first run (compiling) {first[vname]:.0f} s"
-                if "compiled" in vname
-                else ""
-            )
-            if key == "int8" and "eager" in vname:
+            note = ""
+            if "compiled" in vname:
+                same = agreement(out[f"{key} True"], out[f"{key} False"])
+                note = f"greedy tokens = eager's for {same}; first run (compiling) {first[vname]:.0f} s"
+            elif key == "int8":
                 note = f"greedy tokens = bf16 eager's for {agreement(out['int8 False'], out['bf16 False'])}"
             extra = {"of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]}
             report.add(Row.of(group, vname, "new tokens/s", st, extra, note))

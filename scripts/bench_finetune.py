@@ -102,21 +102,10 @@ def hf_worker(args: argparse.Namespace) -> float:
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    targs = transformers.TrainingArguments(
-        output_dir=str(args.tmp),
-        per_device_train_batch_size=args.rows,
-        max_steps=args.warmup + args.steps,
-        learning_rate=args.lr,
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    optim = dict(learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=1.0)
+    quiet = dict(use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    steps = dict(per_device_train_batch_size=args.rows, max_steps=args.warmup + args.steps)
+    targs = transformers.TrainingArguments(output_dir=str(args.tmp), **steps, **optim, **quiet)
 
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:  # right padding to the batch's longest row, as quill's
         T = max(len(r["input_ids"]) for r in rows)

@@ -20,10 +20,9 @@ then each quill row against its llama.cpp counterpart (int8 schemes: Q8_0, int4:
 median of the per-rep ratios: the two ran seconds apart in each rep, so on a shared machine whose
 speed drifts over minutes that ratio is steadier than the ratio of the medians.
 
-OpenMP's wait policy is left as the user has it (unset: threads spin a while before they sleep,
-as `quill sample` runs). torch and llama.cpp both read OMP_WAIT_POLICY once at start; measured
-here, PASSIVE slowed llama.cpp from ~90 to ~15-40 tokens/s and quill's int8 from ~25 to ~13, so
-compare rows only under one policy. --smoke times fp32 and int8 on a tiny random model, a few tokens.
+OpenMP's wait policy is left as the user has it (as `quill sample` runs); torch and llama.cpp read
+OMP_WAIT_POLICY once at start and PASSIVE slows both (docs/performance.md), so compare rows only
+under one policy. --smoke times fp32 and int8 on a tiny random model, a few tokens.
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ def padding_against_packing(base: Path, data_dir: Path, block: int, batch: int, 
 
 def unreliable(causal: list[float], masked: list[float], others: float, spread: float = 0.15, busy: float = 0.25) -> str | None:
     """Why a timing is not to be trusted, or None: another process used the cores meanwhile
-    (from /proc), or a step's repeats varied by more than `spread` (max/min - 1). Beside one
-    busy process the mask came out at 0.53× the causal step, reversing the quiet 1.01×."""
+    (from /proc), or a step's repeats varied by more than `spread` (max/min - 1): beside a busy
+    process the figure can reverse (docs/performance.md)."""
     reasons = [f"other processes used {others:.1f} cores meanwhile"] if others > busy else []
     for name, times in (("causal", causal), ("masked", masked)):
         if max(times) / min(times) - 1 > spread:

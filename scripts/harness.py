@@ -368,10 +368,8 @@ def train_toy(model: torch.nn.Module, args: argparse.Namespace, sampler: Any) ->
     cosine to a tenth of --lr; no weight decay); returns seconds."""
     from quillgpt.config import TrainConfig
 
-    lr, warmup = args.lr, min(50, args.steps // 4)
-    tc = TrainConfig(
-        batch_size=args.batch, learning_rate=lr, min_lr=lr / 10, warmup_iters=warmup, weight_decay=0.0, beta2=0.999, device="cpu"
-    )
+    schedule = dict(learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=min(50, args.steps // 4))
+    tc = TrainConfig(batch_size=args.batch, weight_decay=0.0, beta2=0.999, device="cpu", **schedule)
     return train(trainer(model, tc, sampler), args.steps)
 
 

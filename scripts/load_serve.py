@@ -163,18 +163,9 @@ def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Ra
             prompt = PROMPTS[0] if tokens is not None else rng.choice(PROMPTS)
             n = tokens if tokens is not None else rng.choice(MIXED_FRACTIONS) * block
             n = max(4, min(int(n), MAX_MIXED_TOKENS, block - len(prompt)))
-            mine.append(
-                {
-                    "model": model["id"],
-                    "prompt": prompt,
-                    "max_tokens": n,
-                    "temperature": 0.8,
-                    "top_p": 0.95,
-                    "seed": 1000 * c + i,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-            )
+            sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 1000 * c + i}
+            stream = {"stream": True, "stream_options": {"include_usage": True}}
+            mine.append({"model": model["id"], "prompt": prompt, "max_tokens": n} | sampling | stream)
         out.append(mine)
     return out
 
@@ -189,9 +180,7 @@ def main() -> None:
     parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8, int8-channel, int4 or none)")
     parser.add_argument("--compile", action="store_true", help="start the server with --compile (its decode step compiled)")
     parser.add_argument("--requests-per-client", type=int, default=4)
-    parser.add_argument(
-        "--tokens", type=int, default=None, help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)"
-    )
+    parser.add_argument("--tokens", type=int, help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     add_common(parser)

@@ -63,19 +63,9 @@ def run(name: str, config: Path, budget: str, args: argparse.Namespace) -> dict:
     last = [r for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r][-1]  # the final evaluation
     shown = config.resolve().relative_to(ROOT) if config.resolve().is_relative_to(ROOT) else config
     loop_s = load_checkpoint(out / "ckpt.pt")["elapsed_s"]  # when the last checkpoint was written
-    return {
-        "run": name,
-        "budget": budget,
-        "steps": last["step"],
-        "tokens": last["tokens"],
-        "train_loss": last["eval_train_loss"],
-        "val_loss": scored["loss"],
-        "eval_step": scored.get("step"),
-        "tokens_per_s": last["tokens"] / last["elapsed_s"],
-        "loop_s": loop_s,
-        "wall_s": wall,
-        "config": str(shown),
-    }
+    row = dict(run=name, budget=budget, steps=last["step"], tokens=last["tokens"], train_loss=last["eval_train_loss"])
+    row |= dict(val_loss=scored["loss"], eval_step=scored.get("step"), tokens_per_s=last["tokens"] / last["elapsed_s"])
+    return row | dict(loop_s=loop_s, wall_s=wall, config=str(shown))
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -1,8 +1,8 @@
 """scripts/ as a small tested bench package: every script's --smoke run (a tiny model, seconds,
 nothing downloaded) exits 0 without a traceback; the scripts import nothing of each other but
 scripts/harness.py and never touch sys.path; the harness's own pieces do what they say.
-(gpu_check.sh and gpu_check.py are tests/test_gpu_check.py's.) tests/fuzz.py, a test tool run
-like a script, has its --smoke run here too."""
+The test tools run like scripts live in tests/: fuzz.py has its --smoke run here too;
+gpu_check.sh and gpu_check.py are tests/test_gpu_check.py's."""
 
 import ast
 import os
@@ -43,7 +43,7 @@ SMOKE = {  # script → extra arguments of its smoke run
     "speedrun.py": [],
 }
 ELSEWHERE = {"fuzz.py": ROOT / "tests" / "fuzz.py"}  # smoked here, but not in scripts/
-NOT_SMOKED = {"harness.py", "gpu_check.py"}  # the shared module; gpu_check.sh's half (tests/test_gpu_check.py)
+NOT_SMOKED = {"harness.py"}  # the shared module
 
 
 @pytest.fixture(scope="module")

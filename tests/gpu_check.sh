@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prove the GPU paths on one CUDA GPU in at most 8 minutes, every step under its own time limit.
 #
-#   scripts/gpu_check.sh OUTDIR [--shared DIR]             # run it (on the GPU machine)
-#   scripts/gpu_check.sh OUTDIR [--shared DIR] --dry-run   # print the steps, check what they need
-#   scripts/gpu_check.sh OUTDIR --only 1b,4                 # a rerun of some steps (ids as the dry run prints them)
+#   tests/gpu_check.sh OUTDIR [--shared DIR]             # run it (on the GPU machine)
+#   tests/gpu_check.sh OUTDIR [--shared DIR] --dry-run   # print the steps, check what they need
+#   tests/gpu_check.sh OUTDIR --only 1b,4                 # a rerun of some steps (ids as the dry run prints them)
 #
 # Steps: 1a the CUDA tests (pytest -m cuda), 1b the core suite with CUDA visible, 2 the GPU
 # Shakespeare config (configs/shakespeare_char.yaml, compiled) to completion + a full-pass eval,
@@ -32,7 +32,7 @@ while (($#)); do
   esac
   shift
 done
-[[ -n $OUT ]] || { echo "usage: scripts/gpu_check.sh OUTDIR [--shared DIR] [--only IDS] [--dry-run]" >&2; exit 2; }
+[[ -n $OUT ]] || { echo "usage: tests/gpu_check.sh OUTDIR [--shared DIR] [--only IDS] [--dry-run]" >&2; exit 2; }
 for id in ${ONLY//,/ }; do
   [[ " 1a 1b 2 3 4 " == *" $id "* ]] || { echo "--only: no step $id; the steps are 1a 1b 2 3 4" >&2; exit 2; }
 done
@@ -58,14 +58,14 @@ need() {  # need WHAT COMMAND...: COMMAND must succeed, else WHAT is reported mi
 }
 need "Tiny Shakespeare: data/tinyshakespeare.txt under --shared DIR, \$QUILL_SHARED, ./shared or ../shared" test -f "$TEXT"
 need "tiktoken's cache: $SHARED/tiktoken_cache" test -d "$SHARED/tiktoken_cache"
-for f in configs/shakespeare_char.yaml scripts/bench.py scripts/gpu_check.py tests/conftest.py; do need "$f" test -f "$f"; done
+for f in configs/shakespeare_char.yaml scripts/bench.py tests/gpu_check.py tests/conftest.py; do need "$f" test -f "$f"; done
 need "the command timeout (coreutils)" command -v timeout
 ((missing)) && { echo "gpu_check: fix what is missing above first" >&2; exit 2; }  # before the slow checks
 need "$PY with torch, numpy, yaml, typer, tqdm, tiktoken and pytest (PYTHON=... picks another)" \
   "$PY" -c "import torch, torch.distributed.run, numpy, yaml, typer, tqdm, tiktoken, pytest"
 need "a working python -m quillgpt" "$PY" -m quillgpt --help
 need "a working scripts/bench.py" "$PY" scripts/bench.py --help
-need "a working scripts/gpu_check.py" "$PY" scripts/gpu_check.py --help
+need "a working tests/gpu_check.py" "$PY" tests/gpu_check.py --help
 CUDA_TESTS=$("$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda "${TESTS[@]}" 2>/dev/null | grep -c '::')
 need "tests marked cuda (pytest -m cuda collects none)" test "$CUDA_TESTS" -gt 0
 [[ -n $DRY ]] || need "a CUDA device (this check is for a GPU machine; --dry-run runs anywhere)" \
@@ -124,11 +124,11 @@ step cuda_tests.log 60 "1a CUDA tests (pytest -m cuda)" -- "$PY" -m pytest -v -p
 figures cuda_tests.log
 step core_suite.log 60 "1b core suite, CUDA visible" -- "$PY" -m pytest -v -p no:cacheprovider "${XDIST[@]}" -m "not cuda" "${TESTS[@]}"
 figures core_suite.log
-step train.log 170 "2 shakespeare_char.yaml, compiled, + eval" -- "$PY" scripts/gpu_check.py train "$WORK" --text "$TEXT"
+step train.log 170 "2 shakespeare_char.yaml, compiled, + eval" -- "$PY" tests/gpu_check.py train "$WORK" --text "$TEXT"
 figures train.log
 step bench_gpu.log 130 "3 bench.py --suite gpu" -- "$PY" scripts/bench.py --suite gpu --text "$TEXT" --json "$OUT/bench_gpu.json"
 [[ -n $RAN ]] && sed -n -e '/^gpu: skipped/p' -e '/^## gpu/,/^$/p' "$OUT/bench_gpu.log" | sed 's/^/        /' | tee -a "$SUMMARY"
-step torchrun.log 40 "4 torchrun x1, NCCL: DDP + FSDP resume" -- "$PY" scripts/gpu_check.py torchrun "$WORK" --text "$TEXT"
+step torchrun.log 40 "4 torchrun x1, NCCL: DDP + FSDP resume" -- "$PY" tests/gpu_check.py torchrun "$WORK" --text "$TEXT"
 figures torchrun.log
 
 if [[ -n $DRY ]]; then
