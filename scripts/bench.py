@@ -5,16 +5,11 @@
     python scripts/bench.py --suite train --reps 5 --json bench.json
     python scripts/bench.py --smoke             # seconds: every suite on a tiny model (the test suite's)
 
-Suites: train (quill's real training step vs a plain nanoGPT-style step, fp32 and bf16, MFU
-against the matmul peak measured in this run, the time-to-quality recipe's step with batched vs
-per-matrix Muon, loss per step), sample (KV cache vs recompute vs transformers'
-GPT2LMHeadModel.generate on the same weights; fp32, bf16 and int8 weights; a real imported model
-is scripts/bench_real.py's), prepare (MB/s), gpu (CUDA only). The method (interleaved reps,
-medians with min–max, peak memory, the machine and load lines) is scripts/harness.py's.
-
-OpenMP is left as users run it: its spinning threads slow small ops beside another busy job, and
-OMP_WAIT_POLICY=PASSIVE costs a wake-up per parallel region, which slows one-token decoding (the
-figures are in docs/performance.md). The header prints OMP_* variables that are set.
+Suites: train (quill's step vs a nanoGPT-style one, fp32 and bf16, MFU, the recipe's Muon step,
+loss per step), sample (KV cache vs recompute vs transformers on the same weights; fp32, bf16 and
+int8 weights), prepare (MB/s), gpu (CUDA only): docs/performance.md says how each measures; the
+method is scripts/harness.py's. OpenMP is left as users run it (docs/performance.md has why); the
+header prints the OMP_* variables that are set.
 """
 
 from __future__ import annotations
@@ -130,15 +125,9 @@ class RefGPT(nn.Module):
 
     def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, n_embd: int, dropout: float) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(vocab, n_embd),
-                wpe=nn.Embedding(block, n_embd),
-                drop=nn.Dropout(dropout),
-                h=nn.ModuleList(RefBlock(n_embd, n_head, dropout) for _ in range(n_layer)),
-                ln_f=nn.LayerNorm(n_embd, bias=False),
-            )
-        )
+        blocks = nn.ModuleList(RefBlock(n_embd, n_head, dropout) for _ in range(n_layer))
+        embeddings = dict(wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block, n_embd), drop=nn.Dropout(dropout))
+        self.transformer = nn.ModuleDict(dict(**embeddings, h=blocks, ln_f=nn.LayerNorm(n_embd, bias=False)))
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         for name, p in self.named_parameters():
@@ -518,11 +507,9 @@ def quill_generate(model: GPT, prompts: list[list[int]], n: int, use_cache: bool
 
 def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
     ids = torch.tensor(prompts)
+    greedy = dict(max_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None
-        )
-    return out[:, ids.shape[1] :]
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **greedy)[:, ids.shape[1] :]
 
 
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:

@@ -1,16 +1,11 @@
 """How fast `quill prepare` tokenizes a corpus of many files, and how much memory it needs.
 
 Writes a synthetic corpus (English-like words; half .jsonl, half .parquet files) of --size under
-a temporary directory in /tmp, runs `prepare` on it with the GPT-2 tokenizer in a child process,
-and reports, from the same run:
-
-  - prepare throughput: UTF-8 text MB per second of wall time (reading, tokenizing, writing);
-  - peak RSS of the prepare process tree (sampled sum, and each process's own peak);
-  - the baseline: tiktoken's batch encoder (Encoding.encode_ordinary_batch, its default threads)
-    in this one process, on a sample of the same documents.
-
-Targets (issue 18): peak RSS < 1 GB whatever the corpus size; throughput ≥ 1.6 × the baseline on
-2 cores. The corpus is deleted afterwards (--keep keeps it).
+--dir, runs `prepare` on it with the GPT-2 tokenizer in a child process, and reports from the same
+run its throughput (UTF-8 text MB per second of wall time: reading, tokenizing, writing), the peak
+RSS of its process tree (the sampled sum, each process's own peak) and the baseline: tiktoken's
+batch encoder (encode_ordinary_batch) in this process on a sample of the same documents. Targets:
+peak RSS < 1 GB whatever the size; throughput ≥ 1.6 × the baseline on 2 cores. --keep keeps the corpus.
 
     python scripts/bench_prepare.py --size 1GB
     python scripts/bench_prepare.py --size 50MB --workers 2

@@ -7,15 +7,12 @@ Starts `quill serve` on 127.0.0.1 (a free port) for --ckpt, or uses a running se
   16 clients    16 clients doing the same at once: aggregate tokens/s vs 1 client (target ≥ 3×)
   32 mixed      32 clients, mixed prompts and max_tokens (1/8 .. 3/4 of block_size, at most 256)
 
-Requests stay within the model's context (block_size): there every decode step is one batched
-step. Past block_size a learned-position model re-prefills each row at every step (see
-quillgpt/inference/engine.py), which batching does not speed up.
-
+Requests stay within block_size, where every decode step is one batched step (past it a
+learned-position model re-prefills each row every step, which batching does not speed up).
 Every response must be a well-formed stream (status 200, `data:` JSON events with one id,
-finish_reason null until the last chunk, a usage chunk, `data: [DONE]`) and hold as many tokens
-as the usage says; any malformed response makes the exit code 1. Each phase reports requests/s,
-aggregate completion tokens/s and p50/p95 time to first token. Request counts are fixed and the
-whole run is bounded by --time-limit.
+finish_reason null until the last chunk, a usage chunk, `data: [DONE]`) with as many tokens as
+its usage says, else the exit code is 1. Each phase reports requests/s, aggregate completion
+tokens/s and p50/p95 time to first token; the whole run is bounded by --time-limit.
 
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu --quantize int8   # int8 linears

@@ -14,8 +14,8 @@ most, less than the distance to the key, so its figure is the chance baseline by
     python scripts/passkey.py --generate 100000   # then each model generates 100,000 tokens, one at a
                                                   # time, reporting its state bytes and the process's RSS
 
-Both train through the package's train_step (build_optimizer's groups, the gates' lr_mult, clipping)
-at lr_at's schedule: warmup 50 steps, cosine to a tenth.
+Both train through the package's train_step (harness.train_toy: the gates' lr_mult, clipping,
+warmup 50 steps, cosine to a tenth).
 """
 
 from __future__ import annotations

@@ -5,14 +5,13 @@ with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first 
     python scripts/quant_real.py --ckpt out/smollm2 --text ../shared/data/tinyshakespeare.txt \\
         --scheme int8 --scheme int8-channel --scheme int4 --scheme int4-g64 --group 64
 
-Each scheme's weights are dequantized into float32 linears (fp32 activations: the weights'
-error alone, at float speed); each is also run as --quantize runs it (an int8 scheme through the
-kernels its plan picks on this machine, an int4 scheme through its layers' kernels); --gguf FILE adds
-llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights, e.g.
-`quill export-gguf --type q8_0`); --gguf-type TYPE adds the run as `quill export-gguf --type
-TYPE` writes it, imported back (what a GGUF type costs, its file's MB in the row); --int8-activations
-adds each scheme with its linears' inputs rounded to int8 per 32, what a kernel multiplying int8
-activations (`vpdpbusd`) would cost. Prints one markdown table and the load average before and after.
+Each scheme's weights are dequantized into float32 linears (the weights' error alone), and also
+run as --quantize runs them (through the kernels this machine's plan picks); --gguf FILE adds
+llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights);
+--gguf-type TYPE adds the run as `quill export-gguf --type TYPE` writes it, imported back (with
+its file's MB); --int8-activations adds each scheme with its linears' inputs rounded to int8 per
+32, what a kernel multiplying int8 activations (`vpdpbusd`) would cost. Prints one markdown table
+and the load average before and after.
 """
 
 from __future__ import annotations
