@@ -133,13 +133,8 @@ def main() -> None:
     p.add_argument("--group", type=int, action="append", default=[], help="int8 with this many weights per scale (repeatable)")
     p.add_argument("--int8-activations", action="store_true", help="also each scheme with its linears' inputs rounded to int8 per 32")
     p.add_argument("--gguf", type=Path, action="append", default=[], help="the same model as a GGUF file: llama.cpp's row (repeatable)")
-    p.add_argument(
-        "--gguf-type",
-        action="append",
-        default=[],
-        choices=list(WRITE_TYPES),
-        help="also the run as export-gguf writes this type, imported back",
-    )
+    gguf_type = "also the run as export-gguf writes this type, imported back"
+    p.add_argument("--gguf-type", action="append", default=[], choices=list(WRITE_TYPES), help=gguf_type)
     add_common(p, text=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
