@@ -5,16 +5,11 @@
     python scripts/bench.py --suite train --reps 5 --json bench.json
     python scripts/bench.py --smoke             # seconds: every suite on a tiny model (the test suite's)
 
-Suites: train (quill's real training step vs a plain nanoGPT-style step, fp32 and bf16, MFU
-against the matmul peak measured in this run, the time-to-quality recipe's step with batched vs
-per-matrix Muon, loss per step), sample (KV cache vs recompute vs transformers'
-GPT2LMHeadModel.generate on the same weights; fp32, bf16 and int8 weights; a real imported model
-is scripts/bench_real.py's), prepare (MB/s), gpu (CUDA only). The method (interleaved reps,
-medians with min–max, peak memory, the machine and load lines) is scripts/harness.py's.
-
-OpenMP is left as users run it: its spinning threads slow small ops beside another busy job, and
-OMP_WAIT_POLICY=PASSIVE costs a wake-up per parallel region, which slows one-token decoding (the
-figures are in docs/performance.md). The header prints OMP_* variables that are set.
+Suites: train (quill's step vs a nanoGPT-style one, fp32 and bf16, MFU, the recipe's Muon step,
+loss per step), sample (KV cache vs recompute vs transformers on the same weights; fp32, bf16 and
+int8 weights), prepare (MB/s), gpu (CUDA only): docs/performance.md says how each measures; the
+method is scripts/harness.py's. OpenMP is left as users run it (docs/performance.md has why); the
+header prints the OMP_* variables that are set.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ import functools
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +68,7 @@ from quillgpt.quant.int8_kernels import KERNELS
 from quillgpt.train.loop import Trainer, lr_at, train_step
 from quillgpt.train.optim import Muon, newton_schulz
 
+State = dict[str, torch.Tensor]  # a model's state_dict: the weights two variants start from
 DEFAULT_TEXT = ROOT / "data" / "downloads" / "input.txt"  # where the README's quickstart downloads Tiny Shakespeare
 
 
@@ -128,15 +125,9 @@ class RefGPT(nn.Module):
 
     def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, n_embd: int, dropout: float) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(vocab, n_embd),
-                wpe=nn.Embedding(block, n_embd),
-                drop=nn.Dropout(dropout),
-                h=nn.ModuleList(RefBlock(n_embd, n_head, dropout) for _ in range(n_layer)),
-                ln_f=nn.LayerNorm(n_embd, bias=False),
-            )
-        )
+        blocks = nn.ModuleList(RefBlock(n_embd, n_head, dropout) for _ in range(n_layer))
+        embeddings = dict(wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block, n_embd), drop=nn.Dropout(dropout))
+        self.transformer = nn.ModuleDict(dict(**embeddings, h=blocks, ln_f=nn.LayerNorm(n_embd, bias=False)))
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         for name, p in self.named_parameters():
@@ -229,20 +220,13 @@ class QuillTrainer:
     """quill's real step: configure_optimizer (fused AdamW) + train.train_step, as train() runs it."""
 
     def __init__(
-        self,
-        s: Shape,
-        vocab: int,
-        tokens: np.ndarray,
-        dtype: torch.dtype,
-        compile: bool = False,
-        init: dict[str, torch.Tensor] | None = None,
-        lr: float = 1e-3,
+        self, s: Shape, vocab: int, tokens: np.ndarray, dtype: torch.dtype, compile: bool = False, init: State | None = None
     ) -> None:
         torch.manual_seed(0)
         self.model = GPT(model_config(s, vocab))
         if init is not None:
             self.model.load_state_dict(init)
-        self.tc = TrainConfig(batch_size=s.batch, learning_rate=lr, min_lr=lr / 10, beta2=0.99, device="cpu")
+        self.tc = TrainConfig(batch_size=s.batch, learning_rate=1e-3, min_lr=1e-4, beta2=0.99, device="cpu")
         self.model.train()
         self.t = trainer(self.model, self.tc, BatchSampler(tokens, s.block, s.batch, seed=1), dtype, compile)
 
@@ -261,61 +245,28 @@ class TrainCommand:
         self.tokens = s.batch * s.block
         self.out = work / f"cmd-{s.n_layer}L-{dtype}"
         steps = log_every * (lines + 1)
-        cfg = {
-            "data": {"path": str(text), "tokenizer": "char", "out_dir": str(work / "char")},
-            "model": {
-                "block_size": s.block,
-                "n_layer": s.n_layer,
-                "n_head": s.n_head,
-                "n_embd": s.n_embd,
-                "dropout": s.dropout,
-                "bias": False,
-            },
-            "train": {
-                "out_dir": str(self.out),
-                "max_iters": steps,
-                "batch_size": s.batch,
-                "learning_rate": 1e-3,
-                "min_lr": 1e-4,
-                "beta2": 0.99,
-                "warmup_iters": 0,
-                "eval_interval": steps,
-                "eval_iters": 1,
-                "log_interval": log_every,
-                "dtype": dtype,
-                "device": "cpu",
-                "overwrite": True,
-            },
-        }
+        data = dict(path=str(text), tokenizer="char", out_dir=str(work / "char"))
+        model = dict(block_size=s.block, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd, dropout=s.dropout, bias=False)
+        train = dict(out_dir=str(self.out), max_iters=steps, batch_size=s.batch, learning_rate=1e-3, min_lr=1e-4, beta2=0.99)
+        train |= dict(warmup_iters=0, eval_interval=steps, eval_iters=1, log_interval=log_every, dtype=dtype, device="cpu", overwrite=True)
         self.config = work / f"cmd-{s.n_layer}L-{dtype}.yaml"
-        self.config.write_text(json.dumps(cfg))  # JSON is YAML
+        self.config.write_text(json.dumps({"data": data, "model": model, "train": train}))  # JSON is YAML
 
     def __call__(self) -> float:
-        import subprocess
-
-        subprocess.run(
-            [sys.executable, "-m", "quillgpt", "train", "-c", str(self.config), "-q"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
-        )
+        cmd = [sys.executable, "-m", "quillgpt", "train", "-c", str(self.config), "-q"]
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         lines = [json.loads(x) for x in (self.out / "metrics.jsonl").read_text().splitlines() if x.strip()]
         rates = [x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][1:]
         return self.tokens / statistics.median(rates)
 
 
 class RefTrainer:
-    def __init__(
-        self,
-        s: Shape,
-        vocab: int,
-        tokens: np.ndarray,
-        init: dict[str, torch.Tensor] | None = None,
-        get_batch: Callable | None = None,
-        lr: float = 1e-3,
-    ) -> None:
+    def __init__(self, s: Shape, vocab: int, tokens: np.ndarray, init: State | None = None, get_batch: Callable | None = None) -> None:
         torch.manual_seed(0)
         self.model = RefGPT(vocab, s.block, s.n_layer, s.n_head, s.n_embd, s.dropout)
         if init is not None:
             self.model.load_state_dict(init)
-        self.tc = TrainConfig(batch_size=s.batch, learning_rate=lr, min_lr=lr / 10, beta2=0.99)
+        self.tc = TrainConfig(batch_size=s.batch, learning_rate=1e-3, min_lr=1e-4, beta2=0.99)
         self.opt = ref_optimizer(self.model, self.tc)
         self.get_batch = get_batch or nanogpt_batches(tokens, s.block, s.batch, seed=1)
         self.model.train()
@@ -324,14 +275,21 @@ class RefTrainer:
         return ref_step(self.model, self.opt, self.get_batch, self.tc, self.tc.learning_rate if lr is None else lr)
 
 
-def timed_steps(trainer: Any, n: int) -> Callable[[], float]:
-    def run() -> float:
-        t = time.perf_counter()
-        for _ in range(n):
-            trainer.step()
-        return (time.perf_counter() - t) / n
-
-    return run
+def trainers(s: Shape, vocab: int, tokens: np.ndarray, bf16: bool, compile: bool = False, init: State | None = None) -> dict[str, Callable]:
+    """The variants of a training comparison, each built when called: the reference, quill fp32,
+    quill bf16 where the CPU has it, and with `compile` both compiled. From `init` (weights) the
+    reference reads quill's batches, so that every variant trains on the same ones."""
+    batches = BatchSampler(tokens, s.block, s.batch, seed=1).next if init is not None else None
+    out = {
+        "reference fp32 (nanoGPT-style)": lambda: RefTrainer(s, vocab, tokens, init, batches),
+        "quill fp32": lambda: QuillTrainer(s, vocab, tokens, torch.float32, init=init),
+    }
+    if bf16:
+        out["quill bf16 autocast"] = functools.partial(QuillTrainer, s, vocab, tokens, torch.bfloat16, init=init)
+    if compile:
+        dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if bf16 else {})
+        out |= {f"quill {k} + torch.compile": functools.partial(QuillTrainer, s, vocab, tokens, d, True) for k, d in dtypes.items()}
+    return out
 
 
 def matmul_peaks(reps: int) -> dict[torch.dtype, Stats]:
@@ -359,17 +317,7 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
         variants: dict[str, tuple[Any, torch.dtype]] = {}
         memory: dict[str, PeakMemory] = {}
         notes: dict[str, str] = {}
-        builders: dict[str, Callable[[], Any]] = {
-            "reference fp32 (nanoGPT-style)": lambda s=s: RefTrainer(s, vocab, train_tokens),
-            "quill fp32": lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.float32),
-        }
-        if bf16:
-            builders["quill bf16 autocast"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.bfloat16)
-        if args.compile:
-            builders["quill fp32 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.float32, compile=True)
-            if bf16:
-                builders["quill bf16 + torch.compile"] = lambda s=s: QuillTrainer(s, vocab, train_tokens, torch.bfloat16, compile=True)
-        for name, build in builders.items():
+        for name, build in trainers(s, vocab, train_tokens, bf16, args.compile).items():
             with PeakMemory() as mem:
                 made = build()
                 warm_s = timed(made.step, s.warmup) * s.warmup
@@ -377,7 +325,7 @@ def train_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
             variants[name] = (made, torch.bfloat16 if "bf16" in name else torch.float32)
             if "compile" in name:
                 notes[name] = f"first {s.warmup} step(s) incl. compiling: {warm_s:.0f} s"
-        fns = {n: timed_steps(t, s.steps_per_rep) for n, (t, _) in variants.items()}
+        fns = {n: functools.partial(timed, t.step, s.steps_per_rep) for n, (t, _) in variants.items()}
         cmd_dtype = "bfloat16" if bf16 else "float32"  # what train.dtype=auto picks on this CPU
         cmd = f"quill train command ({'bf16' if bf16 else 'fp32'}, its metrics.jsonl)"
         if args.smoke:
@@ -439,9 +387,8 @@ def recipe_trainer(vocab: int, tokens: np.ndarray, plain: bool, smoke: bool) -> 
     cfg = recipe_config(smoke)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab)).train()
-    t = trainer(
-        model, dataclasses.replace(cfg.train, device="cpu"), BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1)
-    )
+    sampler = BatchSampler(tokens, cfg.model.block_size, cfg.train.batch_size, seed=1)
+    t = trainer(model, dataclasses.replace(cfg.train, device="cpu"), sampler)
     if plain:
         for block in model.transformer.h:
             block.mlp.act = lambda h: F.relu(h).square()
@@ -503,14 +450,7 @@ def loss_check(
     tc = TrainConfig(learning_rate=2e-3, min_lr=2e-4, warmup_iters=20)
     torch.manual_seed(0)
     init = GPT(model_config(s, vocab)).state_dict()
-    runs: dict[str, Any] = {
-        "reference fp32 (nanoGPT-style)": RefTrainer(
-            s, vocab, train_tokens, init=init, get_batch=BatchSampler(train_tokens, s.block, s.batch, seed=1).next
-        ),
-        "quill fp32": QuillTrainer(s, vocab, train_tokens, torch.float32, init=init),
-    }
-    if bf16:
-        runs["quill bf16 autocast"] = QuillTrainer(s, vocab, train_tokens, torch.bfloat16, init=init)
+    runs = {name: build() for name, build in trainers(s, vocab, train_tokens, bf16, init=init).items()}
     curves: dict[str, list[float]] = {k: [] for k in runs}
     seconds = dict.fromkeys(runs, 0.0)
     for step in range(n):
@@ -567,11 +507,9 @@ def quill_generate(model: GPT, prompts: list[list[int]], n: int, use_cache: bool
 
 def hf_generate(model: Any, prompts: list[list[int]], n: int) -> torch.Tensor:
     ids = torch.tensor(prompts)
+    greedy = dict(max_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None
-        )
-    return out[:, ids.shape[1] :]
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **greedy)[:, ids.shape[1] :]
 
 
 def sample_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
@@ -666,10 +604,9 @@ def sample_group(report: Report, args: argparse.Namespace, model: GPT, hf: Any, 
     if refused:
         report.add(Row(group, "quill engine, int8 weights", "new tokens/s", None, note=f"refused: {refused}"))
     if not hf_ok:
-        past = (
-            f"{prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past" if hf is not None else ""
-        )
-        why = past or "transformers' GPT-2 has learned positions"
+        why = "transformers' GPT-2 has learned positions"
+        if hf is not None:
+            why = f"{prompt_len} + {n_new:,} tokens exceed its n_positions={hf.config.n_positions}; it cannot go past"
         report.add(Row(group, "transformers generate (use_cache)", "new tokens/s", None, note=f"n/a: {why}"))
     extra = sample_extra(rec.median, rec.median, hf_tps, mem["quill recompute (no cache)"])
     note = f"{n_rec} tokens after a {p_len}-token prompt (same mean context); per-token median"
@@ -686,13 +623,8 @@ def bounds_row(group: str, bounds: dict[str, dict[str, float]]) -> Row:
     peaks = ", ".join(f"{k} {b['peak'] / 1e9:.0f}" for k, b in bounds.items())
     flops = next(iter(bounds.values()))["flops"]
     note = f"B x read bandwidth / bytes a step reads ({reads}: weights + mean-context KV); peak matmul GFLOP/s ({peaks})"
-    return Row(
-        group,
-        f"bounds ({' | '.join(bounds)})",
-        "new tokens/s",
-        f"{bw} bw, {compute} compute",
-        note=f"{note} / {flops / 1e6:.1f} MFLOP a token",
-    )
+    name, value = f"bounds ({' | '.join(bounds)})", f"{bw} bw, {compute} compute"
+    return Row(group, name, "new tokens/s", value, note=f"{note} / {flops / 1e6:.1f} MFLOP a token")
 
 
 def sample_note(name: str, tokens: dict[str, torch.Tensor], past_window: bool, block: int, hf_ok: bool, compile_s: float) -> str:
@@ -865,9 +797,8 @@ def gpu_suite(report: Report, args: argparse.Namespace, work: Path) -> None:
     group = f"gpu: {name}, ceilings measured in this run"
     report.add(Row(group, "device-to-device copy, 2 GiB", "GB/s", bandwidth / 1e9, note="bytes read + written"))
     sheet = (peak_flops(device, torch.bfloat16) or math.nan) / 1e12
-    report.add(
-        Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12, note=f"datasheet dense bf16 (device.GPU_PEAKS): {sheet:.0f}")
-    )
+    sheet_note = f"datasheet dense bf16 (device.GPU_PEAKS): {sheet:.0f}"
+    report.add(Row(group, "bf16 matmul 8192³, random data", "TFLOP/s", matmul / 1e12, note=sheet_note))
     report.print_group(group)
     cfg = ModelConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=False, dropout=0.0)
     if args.smoke:
@@ -967,13 +898,11 @@ def gpu_sample_group(report: Report, args: argparse.Namespace, cfg: ModelConfig,
         for vname, xs in samples.items():
             key = "bf16" if "bf16" in vname else "int8"
             st = Stats.of([B * n / x for x in xs])
-            note = (
-                f"greedy tokens = eager's for {agreement(out[f'{key} True'], out[f'{key} False'])}; "
-                f"first run (compiling) {first[vname]:.0f} s"
-                if "compiled" in vname
-                else ""
-            )
-            if key == "int8" and "eager" in vname:
+            note = ""
+            if "compiled" in vname:
+                same = agreement(out[f"{key} True"], out[f"{key} False"])
+                note = f"greedy tokens = eager's for {same}; first run (compiling) {first[vname]:.0f} s"
+            elif key == "int8":
                 note = f"greedy tokens = bf16 eager's for {agreement(out['int8 False'], out['bf16 False'])}"
             extra = {"of bandwidth bound": f"{st.median / bounds[key]:.1%}", "CUDA max alloc MB": mem[vname]}
             report.add(Row.of(group, vname, "new tokens/s", st, extra, note))
@@ -1002,18 +931,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-tokens", type=int, default=1000)
     p.add_argument("--recompute-tokens", type=int, default=100)
     p.add_argument("--sample-reps", type=int, default=3)
-    p.add_argument(
-        "--sample-pos", choices=["learned", "rope"], default="learned", help="sample suite: positions (rope keeps the cache past the block)"
-    )
-    p.add_argument(
-        "--sample-blocks", type=int, nargs="+", default=[1024, 256], help="sample suite: the model's block sizes (default 1024 256)"
-    )
-    p.add_argument(
-        "--sample-compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="sample suite: also time the compiled decode step (compiling takes 1-2 min per shape on CPU)",
-    )
+    p.add_argument("--sample-pos", choices=["learned", "rope"], default="learned", help="positions (rope keeps the cache past the block)")
+    p.add_argument("--sample-blocks", type=int, nargs="+", default=[1024, 256], help="the sample suite model's block sizes")
+    compiled = "also time the compiled decode step (compiling takes 1-2 min per shape on CPU)"
+    p.add_argument("--sample-compile", action=argparse.BooleanOptionalAction, default=True, help=compiled)
     p.add_argument("--gpu-batch", type=int, default=16)
     p.add_argument("--gpu-steps", type=int, default=10)
     p.add_argument("--gpu-sample-tokens", type=int, default=500)

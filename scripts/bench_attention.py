@@ -1,9 +1,8 @@
 """The attention variants side by side: training tokens/s and what sampling keeps in memory.
 
 One shape (4 layers, 4 heads, 128 wide, block 128, batch 12, char Tiny Shakespeare), fp32 on CPU:
-causal, sliding window, prefix-LM and Infini-attention (linear and delta). Training: quill's model
-and optimizer groups, timed in interleaved repetitions (rep 1 of every variant, then rep 2, ...)
-so a busy machine slows them alike. Sampling: one row through the engine, a 16-token prompt then
+causal, sliding window, prefix-LM and Infini-attention (linear and delta). Training: the
+package's train step, the variants interleaved. Sampling: one row through the engine, a 16-token prompt then
 --tokens new tokens; "state" is what the row keeps (KV cache, plus the compressive memory for
 Infini-attention), measured at the end, and whether it grows with the text.
 

@@ -4,18 +4,15 @@
     python -m quillgpt finetune out/smollm2 --data chats.jsonl -o out/smol-ft   # prepares out/smol-ft/data (stop it any time)
     python scripts/bench_finetune.py --hf /work/models/smollm2-hf --run out/smollm2 --data out/smol-ft/data
 
-Both train the same model (the HF directory, and its `quill import-hf`) on the same batches of
-conversations (the prepared train split's first rows, in order, each batch padded to its longest
-row, the loss on the assistant's tokens), with LoRA of the same rank on the same linears (q, k,
-v, o: the same adapters in both), AdamW at the same learning rate, gradient clipping at 1.0,
-fp32. Each side is a fresh subprocess per round, the rounds alternate (quill, peft, quill, peft,
-...) so load from other processes hits both alike; each reports real (non-padding) tokens per
-second over its timed steps (after warm-up steps), and the parent takes its peak RSS from the
-kernel (wait4's ru_maxrss). Printed: medians with min-max, the ratio, and the load average
-before and after. quill's side runs the steps `quill train` runs (the head on scored targets
-only, the batch's common prefix once, LoRA added onto its rows in place, fused AdamW);
-quill-unshared the same with every row running its own prefix; peft's side is `transformers.Trainer`
-with `peft.get_peft_model` (pip install peft; not a quill dependency).
+Both train the same model (the HF directory and its `quill import-hf`) on the same batches (the
+prepared train split's first rows in order, each batch padded to its longest row, the loss on the
+assistant's tokens) with the same LoRA adapters (q, k, v, o), AdamW, clipping at 1.0, fp32. Each
+side is a fresh subprocess per round, the sides in turn, and reports real (non-padding) tokens/s
+over its timed steps; the parent takes its peak RSS from wait4. Printed: medians with min-max,
+the ratio, the load average before and after. quill's side runs `quill train`'s steps (the head
+on scored targets only, the batch's common prefix once, LoRA added in place, fused AdamW);
+quill-unshared runs every row's own prefix; peft's side is `transformers.Trainer` with
+`peft.get_peft_model` (pip install peft; not a quill dependency).
 """
 
 from __future__ import annotations
@@ -102,21 +99,10 @@ def hf_worker(args: argparse.Namespace) -> float:
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    targs = transformers.TrainingArguments(
-        output_dir=str(args.tmp),
-        per_device_train_batch_size=args.rows,
-        max_steps=args.warmup + args.steps,
-        learning_rate=args.lr,
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=1.0,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    optim = dict(learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=1.0)
+    quiet = dict(use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    steps = dict(per_device_train_batch_size=args.rows, max_steps=args.warmup + args.steps)
+    targs = transformers.TrainingArguments(output_dir=str(args.tmp), **steps, **optim, **quiet)
 
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:  # right padding to the batch's longest row, as quill's
         T = max(len(r["input_ids"]) for r in rows)

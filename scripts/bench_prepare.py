@@ -1,16 +1,11 @@
 """How fast `quill prepare` tokenizes a corpus of many files, and how much memory it needs.
 
 Writes a synthetic corpus (English-like words; half .jsonl, half .parquet files) of --size under
-a temporary directory in /tmp, runs `prepare` on it with the GPT-2 tokenizer in a child process,
-and reports, from the same run:
-
-  - prepare throughput: UTF-8 text MB per second of wall time (reading, tokenizing, writing);
-  - peak RSS of the prepare process tree (sampled sum, and each process's own peak);
-  - the baseline: tiktoken's batch encoder (Encoding.encode_ordinary_batch, its default threads)
-    in this one process, on a sample of the same documents.
-
-Targets (issue 18): peak RSS < 1 GB whatever the corpus size; throughput ≥ 1.6 × the baseline on
-2 cores. The corpus is deleted afterwards (--keep keeps it).
+--dir, runs `prepare` on it with the GPT-2 tokenizer in a child process, and reports from the same
+run its throughput (UTF-8 text MB per second of wall time: reading, tokenizing, writing), the peak
+RSS of its process tree (the sampled sum, each process's own peak) and the baseline: tiktoken's
+batch encoder (encode_ordinary_batch) in this process on a sample of the same documents. Targets:
+peak RSS < 1 GB whatever the size; throughput ≥ 1.6 × the baseline on 2 cores. --keep keeps the corpus.
 
     python scripts/bench_prepare.py --size 1GB
     python scripts/bench_prepare.py --size 50MB --workers 2
@@ -22,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import ROOT, add_common, load_line, machine_line
+from harness import ROOT, add_common, load_line, machine_line, proc_status_kb
 
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
@@ -122,16 +118,6 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _status_kb(pid: int, key: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def _children_cpu() -> float:
     import resource
 
@@ -147,9 +133,9 @@ def run_watched(cmd: list[str]) -> tuple[str, float, dict[int, int]]:
     peak_sum, hwm = 0.0, {}
     while proc.poll() is None:
         pids = _tree(proc.pid)
-        peak_sum = max(peak_sum, sum(_status_kb(p, "VmRSS") for p in pids) / 1024)
+        peak_sum = max(peak_sum, sum(proc_status_kb("VmRSS", p) or 0 for p in pids) / 1024)
         for p in pids:
-            hwm[p] = max(hwm.get(p, 0), _status_kb(p, "VmHWM") / 1024)
+            hwm[p] = max(hwm.get(p, 0), (proc_status_kb("VmHWM", p) or 0) / 1024)
         time.sleep(0.05)
     out = proc.stdout.read()
     if proc.returncode:
@@ -169,6 +155,45 @@ def baseline(sample: list[str]) -> tuple[float, float]:
     return mb / (time.perf_counter() - t0), (time.process_time() - c0) / mb
 
 
+def bench(args: argparse.Namespace, work: Path, cores: int) -> None:
+    """Write the corpus under `work`, time the baseline, then `prepare` in a child process; print it all."""
+    corpus = work / "corpus"
+    corpus.mkdir()
+    t0 = time.perf_counter()
+    text_bytes, n_docs, sample = write_corpus(corpus, args.size, args.file_size, args.seed)
+    files = sorted(corpus.iterdir())
+    disk, mb = sum(p.stat().st_size for p in files), text_bytes / 1e6
+    print(
+        f"corpus: {mb:,.1f} MB of text in {n_docs:,} documents, {len(files)} files "
+        f"({disk / 1e6:,.1f} MB on disk) written in {time.perf_counter() - t0:.1f}s under {work}"
+    )
+    base_mbs, base_cpu = baseline(sample)
+    sample_mb = sum(map(len, sample)) / 1e6
+    print(f"baseline: tiktoken encode_ordinary_batch, one process: {base_mbs:.2f} MB/s (on {sample_mb:.1f} MB of the same documents)")
+    cpu0 = _children_cpu()
+    cmd = [sys.executable, "-c", CHILD, str(corpus), str(work / "tokens"), json.dumps(args.workers), "1" if args.progress else "0"]
+    out_text, peak_sum, hwm = run_watched(cmd)
+    r = json.loads(out_text.strip().splitlines()[-1])
+    cpu, mbs, peaks = (_children_cpu() - cpu0) / mb, mb / r["seconds"], sorted(hwm.values(), reverse=True)
+    print(
+        f"prepare: {r['seconds']:.1f}s, {mbs:.2f} MB/s of text ({r['tokens']:,} tokens, {r['shards']} shards), "
+        f"{cores} cores, workers={args.workers or cores}"
+    )
+    print(
+        f"peak RSS: all processes together {peak_sum:,.0f} MB (sampled every 50 ms); per process "
+        f"{', '.join(f'{m:,.0f}' for m in peaks[:6])} MB ({len(peaks)} processes)"
+    )
+    print(
+        f"CPU per MB: prepare {cpu:.3f}s (all processes), baseline {base_cpu:.3f}s: on {cores} idle cores "
+        f"prepare could reach {cores * base_cpu / cpu:.2f}x the baseline (a check that does not depend on load)"
+    )
+    ratio, ok_rss = mbs / base_mbs, peak_sum < 1024 and sum(peaks) < 1024
+    print(
+        f"targets: peak RSS < 1 GB (all processes together): {'PASS' if ok_rss else 'FAIL'}; "
+        f"throughput {ratio:.2f}x the baseline (target ≥ 1.6x on 2 cores): {'PASS' if ratio >= 1.6 else 'FAIL'}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=parse_size, default=parse_size("1GB"), help="corpus text size, e.g. 50MB, 1GB")
@@ -184,58 +209,14 @@ def main() -> None:
         args.size, args.file_size, args.workers = parse_size("300KB"), parse_size("100KB"), 1
     print(f"{machine_line()}\n{load_line('before')}", flush=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
     work = Path(tempfile.mkdtemp(prefix="quill_bench_prepare_", dir=args.dir))
     try:
-        corpus, out = work / "corpus", work / "tokens"
-        corpus.mkdir()
-        t0 = time.perf_counter()
-        text_bytes, n_docs, sample = write_corpus(corpus, args.size, args.file_size, args.seed)
-        files = sorted(corpus.iterdir())
-        disk = sum(p.stat().st_size for p in files)
-        print(
-            f"corpus: {text_bytes / 1e6:,.1f} MB of text in {n_docs:,} documents, {len(files)} files "
-            f"({disk / 1e6:,.1f} MB on disk) written in {time.perf_counter() - t0:.1f}s under {work}"
-        )
-        base_mbs, base_cpu = baseline(sample)
-        print(
-            f"baseline: tiktoken encode_ordinary_batch, one process: {base_mbs:.2f} MB/s "
-            f"(on {sum(map(len, sample)) / 1e6:.1f} MB of the same documents)"
-        )
-        cpu0 = _children_cpu()
-        out_text, peak_sum, hwm = run_watched(
-            [sys.executable, "-c", CHILD, str(corpus), str(out), json.dumps(args.workers), "1" if args.progress else "0"]
-        )
-        r = json.loads(out_text.strip().splitlines()[-1])
-        cpu = (_children_cpu() - cpu0) / (text_bytes / 1e6)
-        mbs = text_bytes / 1e6 / r["seconds"]
-        workers = args.workers or cores
-        peaks = sorted(hwm.values(), reverse=True)
-        print(
-            f"prepare: {r['seconds']:.1f}s, {mbs:.2f} MB/s of text ({r['tokens']:,} tokens, {r['shards']} shards), "
-            f"{cores} cores, workers={workers}"
-        )
-        print(
-            f"peak RSS: all processes together {peak_sum:,.0f} MB (sampled every 50 ms); per process "
-            f"{', '.join(f'{m:,.0f}' for m in peaks[:6])} MB ({len(peaks)} processes)"
-        )
-        print(
-            f"CPU per MB: prepare {cpu:.3f}s (all processes), baseline {base_cpu:.3f}s: on {cores} idle cores "
-            f"prepare could reach {cores * base_cpu / cpu:.2f}x the baseline (a check that does not depend on load)"
-        )
-        ratio = mbs / base_mbs
-        ok_rss = peak_sum < 1024 and sum(peaks) < 1024
-        print(
-            f"targets: peak RSS < 1 GB (all processes together): {'PASS' if ok_rss else 'FAIL'}; "
-            f"throughput {ratio:.2f}x the baseline (target ≥ 1.6x on 2 cores): {'PASS' if ratio >= 1.6 else 'FAIL'}"
-        )
+        bench(args, work, cores)
         print(load_line("after"))
     finally:
         if args.keep:
             print(f"kept {work}")
         else:
-            import shutil
-
             shutil.rmtree(work, ignore_errors=True)
 
 

@@ -12,18 +12,15 @@ logits — llama.cpp's own loop with the least Python around it). The GGUF files
 export of the run (`quill export-gguf --type q8_0`, and f16 requantized to Q4_0 by llama.cpp's
 `llama_model_quantize`), so every engine decodes the same weights from the same prompt ids.
 
-Each row: median tokens/s over --reps (interleaved, so load bursts hit all alike), the weight
-bytes one token reads in that engine's format, and the fraction of the weight-streaming bound
-(read bandwidth of a buffer that size, measured in the same run, / those bytes). Prefill and
-loading are not timed. Prints one markdown table, the CPU and the load average before and after,
-then each quill row against its llama.cpp counterpart (int8 schemes: Q8_0, int4: Q4_0) as the
-median of the per-rep ratios: the two ran seconds apart in each rep, so on a shared machine whose
-speed drifts over minutes that ratio is steadier than the ratio of the medians.
+Each row of the markdown table: median tokens/s over --reps (interleaved), the weight bytes one
+token reads in that engine's format, and the fraction of the weight-streaming bound (the read
+bandwidth of a buffer that size, measured in this run, / those bytes); prefill and loading are not
+timed. Then each quill row over its llama.cpp counterpart (int8 schemes: Q8_0, int4: Q4_0) as the
+median of the per-rep ratios, steadier on a drifting machine than the ratio of the medians.
 
-OpenMP's wait policy is left as the user has it (unset: threads spin a while before they sleep,
-as `quill sample` runs). torch and llama.cpp both read OMP_WAIT_POLICY once at start; measured
-here, PASSIVE slowed llama.cpp from ~90 to ~15-40 tokens/s and quill's int8 from ~25 to ~13, so
-compare rows only under one policy. --smoke times fp32 and int8 on a tiny random model, a few tokens.
+OpenMP's wait policy is left as the user has it (as `quill sample` runs); torch and llama.cpp read
+OMP_WAIT_POLICY once at start and PASSIVE slows both (docs/performance.md), so compare rows only
+under one policy. --smoke times fp32 and int8 on a tiny random model, a few tokens.
 """
 
 from __future__ import annotations

@@ -5,14 +5,13 @@
     python scripts/bench_tasks.py --quill RUN --hf HF_DIR --questions 20 --reps 1 --batch 1,8
 
 A local multiple-choice task is written to a temporary folder (YAML + jsonl, nothing downloaded):
---questions passages of Tiny Shakespeare (data/downloads/input.txt, the README's download, or --data-path), each two
-lines as the context and four candidate third lines (the true one and three others), so 4
-loglikelihood requests a question. Each row is lm-eval's evaluator (`simple_evaluate`) over that
-task with one model object loaded before the clock starts: quill fp32, quill --quantize int8, and
-lm-eval's HF backend, at each --batch size. The reps of all rows are interleaved so load bursts
-hit them alike; it prints the median requests/s with min-max, the ratio to the HF backend at the
-same batch, each row's acc and acc_norm (quill fp32 and HF must agree), and the load average
-before and after. Compare ratios within one run.
+--questions passages of Tiny Shakespeare (--data-path, or the README's download), two lines as the
+context and four candidate third lines (the true one and three others): 4 loglikelihood requests
+a question. Each row is lm-eval's `simple_evaluate` over that task with one model object loaded
+before the clock starts: quill fp32, quill --quantize int8 and lm-eval's HF backend, at each
+--batch size, the reps interleaved. Printed: median requests/s with min-max, the ratio to the HF
+backend at the same batch, each row's acc and acc_norm (quill fp32 and HF must agree), the load
+average before and after.
 """
 
 from __future__ import annotations

@@ -4,20 +4,16 @@ with full fine-tuning, side by side with the base it started from.
     quill train --config configs/quickstart.yaml              # the base, ~1.5 minutes (once)
     python scripts/finetune_recipe.py                         # the chat set, both fine-tunes, the table
 
-Each fine-tune is `python -m quillgpt train --config C --overwrite -q` in a subprocess (the
-same chat data, prepared once before): its wall time, and its peak resident memory from the
-kernel (wait4's ru_maxrss: the Python and torch runtime included, which a model this small is
-dwarfed by). Then every model answers each held-out line (scripts/make_chat_data.py: speeches
-none of whose lines were trained on) greedily through quill's chat prompt, exactly as `quill
-chat` would ask it, and its answer (the reply's first line) is right when it is the speaker;
-its loss on the held-out answers is `quill eval --format chat`'s. Checkpoint sizes are the files
-on disk: a LoRA run keeps its adapters only (best.pt) and their AdamW state (ckpt.pt).
-
-Last, why rows are padded rather than packed (data/chat_batches.py): the share of a padded
-row's tokens that are a conversation's, and the time of one training forward + backward at the
-recipe's shape on the fast causal path (padded rows) against the same with the explicit
-attention mask that packed rows would need (a mask's cost does not depend on what it masks),
-timed in turns in this process.
+Each fine-tune is `python -m quillgpt train --config C --overwrite -q` in a subprocess (the chat
+data prepared once before): its wall time and peak RSS (wait4's, the Python and torch runtime
+included). Then every model answers each held-out line (scripts/make_chat_data.py: speeches none
+of whose lines were trained on) greedily through quill's chat prompt, as `quill chat` asks it;
+an answer (the reply's first line) is right when it is the speaker. Its held-out loss is `quill
+eval --format chat`'s; checkpoint sizes are the files (LoRA: its adapters in best.pt, with their
+AdamW state in ckpt.pt). Last, why rows are padded rather than packed (data/chat_batches.py): the
+share of a padded row's tokens that are a conversation's, and one training forward + backward at
+the recipe's shape on the causal path (padded rows) against the same with the attention mask
+packed rows would need, timed in turns in this process.
 
     python scripts/finetune_recipe.py --score data/chat/speakers_heldout.jsonl --ckpt out/smollm2 --ckpt out/smol-ft
 
@@ -122,8 +118,8 @@ def padding_against_packing(base: Path, data_dir: Path, block: int, batch: int, 
 
 def unreliable(causal: list[float], masked: list[float], others: float, spread: float = 0.15, busy: float = 0.25) -> str | None:
     """Why a timing is not to be trusted, or None: another process used the cores meanwhile
-    (from /proc), or a step's repeats varied by more than `spread` (max/min - 1). Beside one
-    busy process the mask came out at 0.53× the causal step, reversing the quiet 1.01×."""
+    (from /proc), or a step's repeats varied by more than `spread` (max/min - 1): beside a busy
+    process the figure can reverse (docs/performance.md)."""
     reasons = [f"other processes used {others:.1f} cores meanwhile"] if others > busy else []
     for name, times in (("causal", causal), ("masked", masked)):
         if max(times) / min(times) - 1 > spread:

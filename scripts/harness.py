@@ -118,9 +118,10 @@ def timed(fn: Callable[[], Any], n: int = 1) -> float:
 # --- memory ----------------------------------------------------------------------------------------
 
 
-def _proc_status_kb(key: str) -> int | None:
+def proc_status_kb(key: str, pid: int | str = "self") -> int | None:
+    """A process's /proc status figure in kB (VmRSS, VmHWM), or None (no such process, not Linux)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             return next((int(line.split()[1]) for line in f if line.startswith(key + ":")), None)
     except OSError:
         return None
@@ -146,7 +147,7 @@ class PeakMemory:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            self._base = _proc_status_kb("VmRSS")
+            self._base = proc_status_kb("VmRSS")
         except OSError:
             self._base = None
         if self.cuda:
@@ -154,7 +155,7 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        peak = _proc_status_kb("VmHWM") if self._base is not None else None
+        peak = proc_status_kb("VmHWM") if self._base is not None else None
         if peak is None or self._base is None:
             self.rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         else:
@@ -348,6 +349,28 @@ def trainer(model: torch.nn.Module, tc: Any, sampler: Any, dtype: torch.dtype = 
     t = Trainer(Config(model=model.config, train=tc), Dist(), device, dtype, Path(tc.out_dir), None, model, opt, scaler, sampler, {}, None)
     t.model = torch.compile(model) if compile else model
     return t
+
+
+def add_toy_task(p: argparse.ArgumentParser, steps: int, batch: int) -> None:
+    """The options of a toy task's two small models (passkey.py, prefix_task.py), and --smoke."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-n", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    add_common(p)
+
+
+def train_toy(model: torch.nn.Module, args: argparse.Namespace, sampler: Any) -> float:
+    """add_toy_task's --steps of the package's train_step on `sampler` (warmup a quarter, at most 50;
+    cosine to a tenth of --lr; no weight decay); returns seconds."""
+    from quillgpt.config import TrainConfig
+
+    schedule = dict(learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=min(50, args.steps // 4))
+    tc = TrainConfig(batch_size=args.batch, weight_decay=0.0, beta2=0.999, device="cpu", **schedule)
+    return train(trainer(model, tc, sampler), args.steps)
 
 
 def train(t: Any, steps: int) -> float:

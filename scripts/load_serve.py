@@ -7,15 +7,12 @@ Starts `quill serve` on 127.0.0.1 (a free port) for --ckpt, or uses a running se
   16 clients    16 clients doing the same at once: aggregate tokens/s vs 1 client (target ≥ 3×)
   32 mixed      32 clients, mixed prompts and max_tokens (1/8 .. 3/4 of block_size, at most 256)
 
-Requests stay within the model's context (block_size): there every decode step is one batched
-step. Past block_size a learned-position model re-prefills each row at every step (see
-quillgpt/inference/engine.py), which batching does not speed up.
-
+Requests stay within block_size, where every decode step is one batched step (past it a
+learned-position model re-prefills each row every step, which batching does not speed up).
 Every response must be a well-formed stream (status 200, `data:` JSON events with one id,
-finish_reason null until the last chunk, a usage chunk, `data: [DONE]`) and hold as many tokens
-as the usage says; any malformed response makes the exit code 1. Each phase reports requests/s,
-aggregate completion tokens/s and p50/p95 time to first token. Request counts are fixed and the
-whole run is bounded by --time-limit.
+finish_reason null until the last chunk, a usage chunk, `data: [DONE]`) with as many tokens as
+its usage says, else the exit code is 1. Each phase reports requests/s, aggregate completion
+tokens/s and p50/p95 time to first token; the whole run is bounded by --time-limit.
 
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu
     python scripts/load_serve.py --ckpt out/shakespeare_char_cpu --quantize int8   # int8 linears
@@ -163,18 +160,9 @@ def bodies_for(clients: int, per_client: int, tokens: int | None, rng: random.Ra
             prompt = PROMPTS[0] if tokens is not None else rng.choice(PROMPTS)
             n = tokens if tokens is not None else rng.choice(MIXED_FRACTIONS) * block
             n = max(4, min(int(n), MAX_MIXED_TOKENS, block - len(prompt)))
-            mine.append(
-                {
-                    "model": model["id"],
-                    "prompt": prompt,
-                    "max_tokens": n,
-                    "temperature": 0.8,
-                    "top_p": 0.95,
-                    "seed": 1000 * c + i,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-            )
+            sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 1000 * c + i}
+            stream = {"stream": True, "stream_options": {"include_usage": True}}
+            mine.append({"model": model["id"], "prompt": prompt, "max_tokens": n} | sampling | stream)
         out.append(mine)
     return out
 
@@ -189,9 +177,7 @@ def main() -> None:
     parser.add_argument("--quantize", default="none", help="--quantize of the server this script starts (int8, int8-channel, int4 or none)")
     parser.add_argument("--compile", action="store_true", help="start the server with --compile (its decode step compiled)")
     parser.add_argument("--requests-per-client", type=int, default=4)
-    parser.add_argument(
-        "--tokens", type=int, default=None, help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)"
-    )
+    parser.add_argument("--tokens", type=int, help="max_tokens in the 1- and 16-client phases (default: half the model's block_size)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     add_common(parser)

@@ -20,14 +20,10 @@ import collections
 import json
 import random
 import re
-import sys
 import tempfile
 from pathlib import Path
 
-from harness import ROOT, add_common
-
-from quillgpt.data.download import local_text
-from quillgpt.errors import QuillError
+from harness import ROOT, add_common, text_path
 
 SPEAKER = re.compile(r"([A-Z][A-Za-z' ]*):")
 
@@ -65,10 +61,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=float, default=0.1, help="fraction of the speeches held out")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    try:
-        text = local_text(args.text, ROOT).read_text(encoding="utf-8")
-    except (QuillError, OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: {e}")
+    text = text_path(args.text).read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory() as tmp:
         args.out = args.out or (Path(tmp) if args.smoke else ROOT / "data" / "chat")
         write(args, text)
@@ -76,7 +69,6 @@ def main() -> None:
 
 def write(args: argparse.Namespace, text: str) -> None:
     """The chosen speakers' lines as conversations, speeches split between the two files."""
-
     all_speeches = speeches(text)
     counts = collections.Counter(s for s, _ in all_speeches)
     chosen = [s for s, _ in counts.most_common() if len(s) <= args.max_name][: args.speakers]

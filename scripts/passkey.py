@@ -14,8 +14,8 @@ most, less than the distance to the key, so its figure is the chance baseline by
     python scripts/passkey.py --generate 100000   # then each model generates 100,000 tokens, one at a
                                                   # time, reporting its state bytes and the process's RSS
 
-Both train through the package's train_step (build_optimizer's groups, the gates' lr_mult, clipping)
-at lr_at's schedule: warmup 50 steps, cosine to a tenth.
+Both train through the package's train_step (harness.train_toy: the gates' lr_mult, clipping,
+warmup 50 steps, cosine to a tenth).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import resource
 import time
 
 import torch
-from harness import add_common, train, trainer
+from harness import add_toy_task, train_toy
 
-from quillgpt.config import ModelConfig, TrainConfig
+from quillgpt.config import ModelConfig
 from quillgpt.inference.engine import Engine
 from quillgpt.model.gpt import GPT
 from quillgpt.sampling_params import SamplingParams
@@ -69,15 +69,6 @@ class Windows:
         return windows(self.args.batch, self.args, self.g)
 
 
-def train_model(model: GPT, args: argparse.Namespace) -> float:
-    """args.steps of the package's train_step; returns seconds."""
-    warmup = min(50, args.steps // 4)
-    tc = TrainConfig(
-        batch_size=args.batch, learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=warmup, weight_decay=0.0, beta2=0.999, device="cpu"
-    )
-    return train(trainer(model, tc, Windows(args)), args.steps)
-
-
 @torch.no_grad()
 def accuracy(model: GPT, args: argparse.Namespace) -> tuple[float, float]:
     """(both digits, per digit) accuracy of the greedy answer on held-out windows."""
@@ -114,15 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--segment", type=int, default=16)
     ap.add_argument("--segments", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval-n", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--generate", type=int, default=0, help="then generate this many tokens with each model")
-    add_common(ap)
+    add_toy_task(ap, steps=400, batch=32)
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.batch, args.eval_n, args.generate = 3, 4, 8, min(args.generate, 20)
@@ -134,7 +118,7 @@ def main() -> None:
     print(f"{'attention':<16} {'params':>7} {'both':>6} {'per digit':>9} {'train s':>7}")
     for kind, name in (("window", f"sliding window {args.segment}"), ("infini", "infini")):
         model = make_model(kind, args)
-        seconds = train_model(model, args)
+        seconds = train_toy(model, args, Windows(args))
         both, digit = accuracy(model, args)
         print(f"{name:<16} {model.num_params():>7,} {both:>6.1%} {digit:>9.1%} {seconds:>7.1f}")
         if kind == "infini":

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from harness import add_common, train, trainer
+from harness import add_toy_task, train_toy
 
-from quillgpt.config import ModelConfig, TrainConfig
+from quillgpt.config import ModelConfig
 from quillgpt.data.prefix_batches import mask_prefix_targets
 from quillgpt.model.gpt import GPT
 
@@ -56,15 +56,6 @@ class Examples:
         return (x, y, P) if self.prefix else (x, y)
 
 
-def train_model(model: GPT, args: argparse.Namespace) -> float:
-    """args.steps of the package's train_step; returns seconds."""
-    warmup = min(50, args.steps // 4)
-    tc = TrainConfig(
-        batch_size=args.batch, learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=warmup, weight_decay=0.0, beta2=0.999, device="cpu"
-    )
-    return train(trainer(model, tc, Examples(args, model.config.attention == "prefix")), args.steps)
-
-
 @torch.no_grad()
 def accuracy(model: GPT, args: argparse.Namespace) -> tuple[float, float]:
     """(exact-match, per-token) accuracy of greedy answers on held-out strings."""
@@ -84,14 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=["sort", "reverse"], default="sort")
     ap.add_argument("--length", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval-n", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0)
-    add_common(ap)
+    add_toy_task(ap, steps=200, batch=64)
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.batch, args.eval_n = 3, 4, 8
@@ -102,7 +86,7 @@ def main() -> None:
     print(f"{'attention':<9} {'params':>7} {'exact':>6} {'per-token':>9} {'train s':>7}")
     for attention in ("causal", "prefix"):
         model = make_model(attention, args.length, args)
-        seconds = train_model(model, args)
+        seconds = train_toy(model, args, Examples(args, attention == "prefix"))
         exact, token = accuracy(model, args)
         print(f"{attention:<9} {model.num_params():>7,} {exact:>6.1%} {token:>9.1%} {seconds:>7.1f}")
 

@@ -5,14 +5,13 @@ with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first 
     python scripts/quant_real.py --ckpt out/smollm2 --text ../shared/data/tinyshakespeare.txt \\
         --scheme int8 --scheme int8-channel --scheme int4 --scheme int4-g64 --group 64
 
-Each scheme's weights are dequantized into float32 linears (fp32 activations: the weights'
-error alone, at float speed); each is also run as --quantize runs it (an int8 scheme through the
-kernels its plan picks on this machine, an int4 scheme through its layers' kernels); --gguf FILE adds
-llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights, e.g.
-`quill export-gguf --type q8_0`); --gguf-type TYPE adds the run as `quill export-gguf --type
-TYPE` writes it, imported back (what a GGUF type costs, its file's MB in the row); --int8-activations
-adds each scheme with its linears' inputs rounded to int8 per 32, what a kernel multiplying int8
-activations (`vpdpbusd`) would cost. Prints one markdown table and the load average before and after.
+Each scheme's weights are dequantized into float32 linears (the weights' error alone), and also
+run as --quantize runs them (through the kernels this machine's plan picks); --gguf FILE adds
+llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights);
+--gguf-type TYPE adds the run as `quill export-gguf --type TYPE` writes it, imported back (with
+its file's MB); --int8-activations adds each scheme with its linears' inputs rounded to int8 per
+32, what a kernel multiplying int8 activations (`vpdpbusd`) would cost. Prints one markdown table
+and the load average before and after.
 """
 
 from __future__ import annotations
@@ -134,13 +133,8 @@ def main() -> None:
     p.add_argument("--group", type=int, action="append", default=[], help="int8 with this many weights per scale (repeatable)")
     p.add_argument("--int8-activations", action="store_true", help="also each scheme with its linears' inputs rounded to int8 per 32")
     p.add_argument("--gguf", type=Path, action="append", default=[], help="the same model as a GGUF file: llama.cpp's row (repeatable)")
-    p.add_argument(
-        "--gguf-type",
-        action="append",
-        default=[],
-        choices=list(WRITE_TYPES),
-        help="also the run as export-gguf writes this type, imported back",
-    )
+    gguf_type = "also the run as export-gguf writes this type, imported back"
+    p.add_argument("--gguf-type", action="append", default=[], choices=list(WRITE_TYPES), help=gguf_type)
     add_common(p, text=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

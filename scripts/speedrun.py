@@ -5,15 +5,13 @@ with `quill eval`, and print one row per run.
     python scripts/speedrun.py --budget 3m --compare       # + the previous recipe, same budget
     python scripts/speedrun.py --budget 10m --config my.yaml --data-path ../shared/data/tinyshakespeare.txt
 
-Each run is `python -m quillgpt train --config C train.time_budget=B` (a subprocess: imports,
-data and model set-up are outside the budget, which covers the training loop with its
-evaluations and checkpoints), then `python -m quillgpt eval --ckpt RUN` (best.pt, the weights
-the run's own logged evaluation chose; a full pass over the val split). --compare trains the
-previous recipe (configs/shakespeare_char_cpu.yaml) with the same budget in the same process,
-after the new one. Row: budget, steps, tokens, train loss (the final logged evaluation's, on its
-fixed train windows), full-pass val loss, tokens/s (tokens over the loop's time up to the final
-evaluation), the loop's time when the last checkpoint was written (≤ the budget) and the wall
-time of the whole `quill train` command (start-up included).
+Each run is `python -m quillgpt train --config C train.time_budget=B` in a subprocess (the budget
+covers the training loop with its evaluations and checkpoints, not the set-up), then `python -m
+quillgpt eval --ckpt RUN` (best.pt; a full pass over the val split). --compare then trains the
+previous recipe (configs/shakespeare_char_cpu.yaml) with the same budget. Row: budget, steps,
+tokens, train loss (the final logged evaluation's), full-pass val loss, tokens/s (up to the final
+evaluation), the loop's time at the last checkpoint (≤ the budget) and the wall time of the
+whole `quill train` command (start-up included).
 """
 
 from __future__ import annotations
@@ -63,19 +61,9 @@ def run(name: str, config: Path, budget: str, args: argparse.Namespace) -> dict:
     last = [r for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r][-1]  # the final evaluation
     shown = config.resolve().relative_to(ROOT) if config.resolve().is_relative_to(ROOT) else config
     loop_s = load_checkpoint(out / "ckpt.pt")["elapsed_s"]  # when the last checkpoint was written
-    return {
-        "run": name,
-        "budget": budget,
-        "steps": last["step"],
-        "tokens": last["tokens"],
-        "train_loss": last["eval_train_loss"],
-        "val_loss": scored["loss"],
-        "eval_step": scored.get("step"),
-        "tokens_per_s": last["tokens"] / last["elapsed_s"],
-        "loop_s": loop_s,
-        "wall_s": wall,
-        "config": str(shown),
-    }
+    row = dict(run=name, budget=budget, steps=last["step"], tokens=last["tokens"], train_loss=last["eval_train_loss"])
+    row |= dict(val_loss=scored["loss"], eval_step=scored.get("step"), tokens_per_s=last["tokens"] / last["elapsed_s"])
+    return row | dict(loop_s=loop_s, wall_s=wall, config=str(shown))
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -1,5 +1,5 @@
 """Shared fixtures. Tests run offline: data and tiktoken files come from ../shared (or from
-$QUILL_SHARED: scripts/gpu_check.sh points it at the copy that travels to a GPU machine).
+$QUILL_SHARED: tests/gpu_check.sh points it at the copy that travels to a GPU machine).
 Tests marked `cuda` are skipped where torch sees no CUDA device."""
 
 import os
@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(alone)
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (tests/gpu_check.sh runs these on a GPU)")
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh, the GPU check, as far as a machine without a GPU can take it: its dry run
+"""tests/gpu_check.sh, the GPU check, as far as a machine without a GPU can take it: its dry run
 (every file and command it needs is here), its one-line refusal of missing offline files, the
 bench's gpu suite skipping cleanly, and its two Python checks run small on CPU: the training
 check's figures, and torchrun with one process for DDP and FSDP (gloo here, NCCL there), whose
@@ -14,14 +14,15 @@ import pytest
 import torch
 from support import ROOT
 
-SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-HELPER = [sys.executable, str(ROOT / "scripts" / "gpu_check.py")]
+SCRIPT = ROOT / "tests" / "gpu_check.sh"
+ENTRY = ROOT / "scripts" / "gpu_check.sh"  # what a GPU session runs: it hands over to SCRIPT
+HELPER = [sys.executable, str(ROOT / "tests" / "gpu_check.py")]
 ENV = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
 
 
 def test_dry_run_lists_every_step_and_finds_what_they_need(shakespeare_path, tmp_path):
     done = subprocess.run(
-        [str(SCRIPT), str(tmp_path / "out"), "--shared", str(shakespeare_path.parents[1]), "--dry-run"],
+        [str(ENTRY), str(tmp_path / "out"), "--shared", str(shakespeare_path.parents[1]), "--dry-run"],
         capture_output=True,
         text=True,
         env=ENV,
@@ -51,7 +52,7 @@ def test_only_names_steps_that_exist(tmp_path):
     assert done.returncode == 2 and done.stderr == "--only: no step 5; the steps are 1a 1b 2 3 4\n"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the suite runs (scripts/gpu_check.sh step 3)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the suite runs (tests/gpu_check.sh step 3)")
 def test_bench_gpu_suite_skips_cleanly_without_cuda(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "gpu", "--json", str(tmp_path / "b.json")],

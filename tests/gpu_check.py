@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""The Python half of scripts/gpu_check.sh: the steps whose pass or fail needs more than an exit code.
+"""The Python half of tests/gpu_check.sh: the steps whose pass or fail needs more than an exit code.
 
-    python scripts/gpu_check.py train WORK --text FILE       # step 2: configs/shakespeare_char.yaml, compiled, + quill eval
-    python scripts/gpu_check.py torchrun WORK --text FILE    # step 4: torchrun --nproc_per_node 1, DDP and FSDP, resume
+    python tests/gpu_check.py train WORK --text FILE       # step 2: configs/shakespeare_char.yaml, compiled, + quill eval
+    python tests/gpu_check.py torchrun WORK --text FILE    # step 4: torchrun --nproc_per_node 1, DDP and FSDP, resume
 
 Both run the commands users run (`python -m quillgpt ...`, `torchrun ... -m quillgpt train`) in
 subprocesses from this checkout, print each command's output, then their figures on lines that

@@ -19,8 +19,12 @@ server's log), hangs (a case past its time limit), 5xx answers, and overwrites (
 run, its data or the HF export that changed). It prints the counts with a few examples of each
 failure and exits 1 if any count but "cases" is non-zero.
 
-    python scripts/fuzz.py --minutes 10
-    python scripts/fuzz.py --smoke                # the workspace, then a few seconds of cases
+It is a test tool, not a benchmark: tests/test_properties.py throws generated bad input at the
+commands in the suite; this is its long-running cousin with more cases (not collected by pytest;
+tests/test_scripts.py runs its --smoke).
+
+    python tests/fuzz.py --minutes 10
+    python tests/fuzz.py --smoke                  # the workspace, then a few seconds of cases
 """
 
 from __future__ import annotations
@@ -592,7 +596,7 @@ def check(tally: Tally, r, what: object) -> None:
 
 
 def start_server(w: dict, tree: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    from harness import serve  # (here: nothing is imported before main runs again with --tree first)
+    from harness import serve  # scripts/harness.py: main puts this checkout's scripts/ on PYTHONPATH
 
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     env.pop("QUILL_API_KEY", None)
@@ -617,9 +621,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few seconds of cases after the workspace is built")
     args = parser.parse_args()
     tree = str(args.tree.resolve())
-    if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != tree:  # quillgpt is imported from --tree: run again with it first
-        paths = os.pathsep.join([tree, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONPATH": paths})
+    first = [tree, str(ROOT / "scripts")]  # quillgpt from --tree, the harness (its serve) from this checkout
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if paths[:2] != first:  # run again with them first
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONPATH": os.pathsep.join(first + paths)})
     if args.smoke:
         args.minutes = 0.05
     global TEXT
