@@ -2,9 +2,8 @@
 per model (and per structure of it), with dynamo's guards on the model left out on the CPU.
 
 Why: at each call dynamo checks every guard of the graphs it keeps for the compiled code before it
-runs one. For a model passed as an argument those pin the whole module tree: on SmolLM2-135M
-~3,300 checks a call (1,017 type matches, 684 constants, 491 tensors, 435 attribute absences,
-250 duplicate-input checks, ...), ~1.5 ms of a 12 ms int8 step. Here each model gets a copy of
+runs one. For a model passed as an argument those pin the whole module tree: thousands of checks
+a call on SmolLM2-135M, a tenth of an int8 step (docs/performance.md). Here each model gets a copy of
 `decode_over` with a code object of its own, so the graphs dynamo keeps for that copy serve that
 model alone, and what the dropped guards pinned is this module's key instead, computed once per
 engine (`structure_key`: the config, every module's type and plain attributes, every tensor's

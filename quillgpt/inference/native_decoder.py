@@ -155,8 +155,8 @@ def decode_tokens(
 
 def argmax_finite(logits: Tensor) -> Tensor | None:
     """(n, V) logits → (2, n) int64: each row's argmax (its first maximum), and 1 where the row is not
-    finite (a NaN or infinite logit, or a sum past float's range), in one C++ pass: the same from
-    torch ops cost ~0.5 ms a SmolLM2 token, cold after a step that streamed the weights. None where
+    finite (a NaN or infinite logit, or a sum past float's range), in one C++ pass (the same from
+    torch ops read the logits twice, cold after a step that streamed the weights). None where
     it does not run: not float32 on the CPU, or the library not built (a model whose layers do not
     use it need not wait for its build)."""
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or not native.built() or torch.compiler.is_compiling():

@@ -151,8 +151,8 @@ def attend(
 def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """attend for one query per row, q (R, H, 1, hd), k, v (R, KV, S, hd), as products and sums in
     fp32, query heads grouped over their K/V head: inside a compiled CPU step inductor fuses it into
-    a few loops, where SDPA's CPU kernel cost ~50 us a call (30 a SmolLM2 token; 9% of the decode
-    step measured end to end, same tokens). mask: as attend's (None: every key is visible)."""
+    a few loops, where SDPA's CPU kernel cost more per call than the attention itself
+    (docs/performance.md). mask: as attend's (None: every key is visible)."""
     R, H, _, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
     qg = stored(q.reshape(R, KV, H // KV, 1, hd).float())  # else its RoPE is recomputed for every key

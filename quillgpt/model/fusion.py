@@ -3,8 +3,8 @@
 Inductor inlines a cheap producer into each loop that reads it. Where that loop runs many times
 over the same values (an RMSNorm's rsqrt inside a matmul's loop over weights, RoPE's cos/sin
 inside attention's loop over keys, the decode step's mask inside each of 30 layers) the
-recomputation costs more than a store: measured on SmolLM2's compiled decode step, attention's
-kernel went from 74 to 34 us a layer when its query was stored once. An as_strided view is the
+recomputation costs more than a store (SmolLM2's compiled attention took half the time with its
+query stored once: docs/performance.md). An as_strided view is the
 barrier (inductor realizes its input) of a contiguous tensor: given a view's own strides (a query
 sliced from q/k/v, rows 3·C apart), inductor applied them to a buffer it had laid out afresh and
 read past row 0 (tests/model/test_fusion.py). Eager, it is a free view of a contiguous t.
