@@ -33,7 +33,7 @@ from quillgpt.interop.gguf_family import WRITE_TYPES
 from quillgpt.interop.gguf_read import import_gguf
 from quillgpt.interop.gguf_write import export_gguf
 from quillgpt.model.gpt import GPT
-from quillgpt.quant import SCHEMES, QuantLinear, plan_of, quantize
+from quillgpt.quant import SCHEMES, dequantize, plan_of, quantize
 from quillgpt.quant.int4 import Int4Linear
 from quillgpt.quant.int8 import Int8Linear
 from quillgpt.runs import load_run
@@ -56,20 +56,6 @@ PROMPTS = [
 def scored(model: GPT, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     logits = model(ids[:, :-1], all_logits=True)[0]
     return F.cross_entropy(logits.flatten(0, 1), ids[0, 1:]).item(), logits.argmax(-1)
-
-
-def dequantized(model: GPT) -> GPT:
-    """Each quantized linear replaced by an nn.Linear of its dequantized weights (and its bias)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear):
-                lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                with torch.no_grad():
-                    lin.weight.copy_(child.dequantized())
-                    if child.bias is not None:
-                        lin.bias.copy_(child.bias)
-                setattr(parent, name, lin)
-    return model
 
 
 class RoundedInputs(torch.nn.Module):
@@ -199,7 +185,7 @@ def compare(args: argparse.Namespace, work: Path) -> None:
             fours = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
             plan = plan_of(model)  # int8: the decode step's kernel
             run_as = f"as run: {', '.join(fours) if fours else plan.pick(plan.rows)}"
-            model = dequantized(model) if kernel != "plan" else model
+            model = dequantize(model) if kernel != "plan" else model
             if kernel == "int8 activations":
                 rounded_inputs(model, 127)
             name = scheme if group is None else f"int8, {group or 'per-row'} per scale"

@@ -6,6 +6,7 @@ to a model from outside it (torchtitan's converters: the model stays pure).
                      and tests/quant/test_schemes.py read it
     quantize()       every linear of a model swapped for its scheme's Linear, in place
     weights_note()   the stats line's words for a quantized model
+    dequantize()     the float model a quantized one computes: each quantized linear an nn.Linear
 
 A new scheme is a module with its record, its Linear and its pack/unpack (the reference), and one
 line below.
@@ -13,6 +14,7 @@ line below.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from quillgpt.errors import QuillError
@@ -22,7 +24,18 @@ from quillgpt.quant.scheme import ConvertOptions, QuantLinear, Scheme
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (INT8, INT8_CHANNEL, INT4, INT4_G64, INT4_G128)}
 
-__all__ = ["SCHEMES", "ConvertOptions", "QuantLinear", "Scheme", "help_text", "parse_quantize", "plan_of", "quantize", "weights_note"]
+__all__ = [
+    "SCHEMES",
+    "ConvertOptions",
+    "QuantLinear",
+    "Scheme",
+    "dequantize",
+    "help_text",
+    "parse_quantize",
+    "plan_of",
+    "quantize",
+    "weights_note",
+]
 
 
 def parse_quantize(name: str | None, setting: str = "--quantize") -> str | None:
@@ -69,3 +82,19 @@ def weights_note(model: nn.Module, sep: str = ", ", compiled: bool = False) -> s
             if any(isinstance(m, s.layer) for m in modules):
                 return s.note(model, sep, compiled)
     return ""
+
+
+def dequantize(model: nn.Module) -> nn.Module:
+    """Every quantized linear of `model` replaced by an nn.Linear of its dequantized weight and its
+    bias, in place, and the model returned: the float model the quantized one computes (what its
+    kernels are checked against, and what a scheme's quality is measured from)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantLinear):
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    plain.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        plain.bias.copy_(child.bias)
+                setattr(parent, name, plain)
+    return model

@@ -14,27 +14,11 @@ import json
 import sys
 
 import torch
-from torch import nn
 
 from quillgpt.config import ModelConfig
 from quillgpt.model.gpt import GPT
-from quillgpt.quant import quantize
-from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant import dequantize, quantize
 from quillgpt.quant.int8_kernels import KERNELS
-
-
-def dequantized_copy(model: GPT) -> GPT:
-    ref = copy.deepcopy(model)
-    for parent in list(ref.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Int8Linear):
-                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                with torch.no_grad():
-                    lin.weight.copy_(child.dequantized())
-                    if child.bias is not None:
-                        lin.bias.copy_(child.bias)
-                setattr(parent, name, lin)
-    return ref
 
 
 def main() -> None:
@@ -47,7 +31,7 @@ def main() -> None:
         for kernel in KERNELS:
             for scheme in ("int8", "int8-channel"):  # per 32 where the width holds groups, and per row
                 model = quantize(copy.deepcopy(base), scheme, kernel=kernel)
-                ref = dequantized_copy(model)
+                ref = dequantize(copy.deepcopy(model))
                 for t in (1, 3, 8):
                     ids = torch.randint(0, 29, (2, t))
                     with torch.no_grad():

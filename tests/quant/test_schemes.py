@@ -70,21 +70,6 @@ def check_kernel(scheme, kernel: str, bias: bool) -> None:
         assert rel_err(got, reference(x, layer)) <= scheme.kernels[kernel], (rows, kernel)
 
 
-def dequantized_model(model: GPT) -> GPT:
-    """The same model with every quantized linear replaced by an nn.Linear of its weight."""
-    ref = copy.deepcopy(model)
-    for parent in list(ref.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear) and not isinstance(child, nn.Linear):
-                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                with torch.no_grad():
-                    plain.weight.copy_(child.dequantized())
-                    if child.bias is not None:
-                        plain.bias.copy_(child.bias)
-                setattr(parent, name, plain)
-    return ref
-
-
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 def test_a_converted_model_is_its_dequantized_model_and_names_its_scheme(scheme):
     torch.manual_seed(2)
@@ -97,7 +82,7 @@ def test_a_converted_model_is_its_dequantized_model_and_names_its_scheme(scheme)
     idx = torch.randint(0, 50, (2, 9))
     with torch.no_grad():
         got, _ = model(idx, all_logits=True)
-        want, _ = dequantized_model(model)(idx, all_logits=True)
+        want, _ = quant.dequantize(copy.deepcopy(model))(idx, all_logits=True)
     assert rel_err(got, want) <= max(scheme.kernels.values())
     with pytest.raises(ValueError, match="already quantized"):
         quant.quantize(model, scheme.name)
