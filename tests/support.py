@@ -156,6 +156,44 @@ def two_ranks(worker: str, *args: str) -> list[tuple[int, str]]:
     return [(p.returncode, err[-3000:]) for p, (_, err) in zip(procs, results)]
 
 
+def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node N ARGS` with its output captured;
+    past `timeout` the launcher is asked to stop (SIGTERM: it ends its workers, each in a session of
+    its own), then it and every worker still alive are killed, and the test fails: a hung run never
+    leaves a rank behind to wait on its group (and on the next run's) forever."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        workers = descendants(proc.pid)
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        err = ""
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a process it missed would hold the pipes open
+            err = proc.communicate(timeout=30)[1]
+        raise AssertionError(f"torchrun still running after {timeout} s (stopped, its workers killed): {err[-2000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux: read from /proc; elsewhere none are found)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [child for child, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
 CPU_CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"
 
 

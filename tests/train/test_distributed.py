@@ -3,15 +3,13 @@ stream, and exact resume of every rank's stream."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from support import CPU_CONFIG as CONFIG
-from support import assert_same_state, free_port, losses, tiny, two_ranks
+from support import assert_same_state, free_port, losses, tiny, torchrun, two_ranks
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig, TrainConfig, load_config
@@ -37,27 +35,7 @@ def test_ddp_two_processes_match_one_process(shakespeare_path, data_dir, tmp_pat
     )
     ddp = tiny(shakespeare_path, data_dir, tmp_path / "ddp", "train.max_iters=4", "train.batch_size=2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "quillgpt",
-            "train",
-            "--config",
-            str(CONFIG),
-            "-q",
-            *ddp,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    proc = torchrun(2, ["-m", "quillgpt", "train", "--config", str(CONFIG), "-q", *ddp], env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     single, multi = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert [s for s, *_ in single] == [s for s, *_ in multi]
@@ -125,3 +103,15 @@ def test_one_process_under_torchrun_joins_a_group_only_for_a_named_strategy(monk
         finally:
             teardown_distributed(group)
         assert not dist.is_initialized()
+
+
+def test_a_hung_torchrun_fails_its_test_and_leaves_no_rank_behind(tmp_path):
+    """support.torchrun past its timeout: the test fails, and neither the launcher nor any worker
+    (each in a session of its own) is left running to wait on its group."""
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\nopen(__import__('sys').argv[1] + '/' + __import__('os').environ['RANK'], 'w').close()\ntime.sleep(600)\n")
+    with pytest.raises(AssertionError, match="still running after"):
+        torchrun(2, [str(hang), str(tmp_path)], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=20)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["0", "1"]  # both ranks had started
+    alive = [line for line in os.popen("ps -eo args").read().splitlines() if str(hang) in line]
+    assert alive == []

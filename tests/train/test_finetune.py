@@ -7,13 +7,11 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from support import CPU_CONFIG, ROOT, assert_same_state, interrupt_after, losses, tiny
+from support import CPU_CONFIG, assert_same_state, interrupt_after, losses, tiny, torchrun
 
 import quillgpt.train.loop as loop_mod
 from quillgpt.checkpoint import load_checkpoint, save_checkpoint, weights_checksum
@@ -243,28 +241,9 @@ def test_lora_is_refused_where_it_cannot_work(base, tmp_path):
 def test_ddp_lora_two_processes_match_one_process(base, tmp_path):
     finetune(base, tmp_path / "single", "lora.rank=4", "train.max_iters=4")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "quillgpt",
-            "train",
-            "--config",
-            str(CPU_CONFIG),
-            "-q",
-            *chat_overrides(base, tmp_path / "ddp", "lora.rank=4", "train.max_iters=4", "train.batch_size=2"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=ROOT,
-    )
+    args = ["-m", "quillgpt", "train", "--config", str(CPU_CONFIG), "-q"]
+    overrides = chat_overrides(base, tmp_path / "ddp", "lora.rank=4", "train.max_iters=4", "train.batch_size=2")
+    proc = torchrun(2, [*args, *overrides], env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     single, multi = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert [s for s, *_ in single] == [s for s, *_ in multi]
