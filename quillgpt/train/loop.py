@@ -163,7 +163,13 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
             if state is not None and t.step >= t.horizon:  # nothing left to do: say how to go on
                 return TrainResult(t.out_dir, t.step, t.best_val, None, t.elapsed(), "finished", extend_hint(t))
             t.model = wrap_model(torch.compile(t.raw_model) if cfg.train.compile else t.raw_model, ddp, device)
-            return loop(t, progress, resumed=state is not None)
+            result = loop(t, progress, resumed=state is not None)
+            # the DDP wrapper's reducer holds the process group: dropped while every rank is still
+            # here, then a barrier, so no rank tears its group down while a peer's gloo threads
+            # still talk to it (a rank that exited first left the other's teardown waiting forever)
+            t.model = t.raw_model
+            ddp.barrier()
+            return result
     finally:
         teardown_distributed(ddp)
 
