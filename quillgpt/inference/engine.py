@@ -455,7 +455,7 @@ class Engine(Rows):
         super().__init__(model, max_rows, dtype, unit, capacity, memory_fix)
         self.static = self.variant.static_cache
         self.decoder = Decoder(self.model, native)  # the decode step: native where the model runs it, else op by op
-        self.cache_dtype = cache_dtype or native_decoder.cache_dtype(self.model, native)
+        self.cache_dtype = cache_dtype or self.decoder.cache_dtype
         self.cache = self.model.make_cache(max_rows, self.capacity, dtype=self.cache_dtype) if self.static else None
         self._tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # each row's newest token
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # ... and its position

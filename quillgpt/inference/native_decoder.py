@@ -179,7 +179,7 @@ def runs_natively(model: GPT) -> bool:
 def cache_dtype(model: GPT, native_step: bool = True) -> torch.dtype:
     """The KV cache's default dtype: float16 where the decode step runs natively (see the module
     docstring; native_step=False: asked to run op by op), else the model's own."""
-    return torch.float16 if native_step and runs_natively(model) else model.dtype
+    return Decoder(model, native_step).cache_dtype
 
 
 class Decoder:
@@ -192,13 +192,19 @@ class Decoder:
         self.model = model
         self.native = native_step and runs_natively(model)
         self._stacks: dict[int, Stack | None] = {}  # rows → stack_arguments, where the cache is one it reads
+        self._embedding = self.embedding() if self.native else None  # the model does not change under a decoder
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's default dtype for this step (see cache_dtype)."""
+        return torch.float16 if self.native else self.model.dtype
 
     def __call__(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None = None, masked: bool = True) -> Tensor:
         stack = self.stack(len(pos)) if self.native and cache.k[0].dtype in CACHE_DTYPES else None
         if stack is None:
             return self.model.decode(idx, pos, cache, n_keys, masked)
         m = self.model
-        embedding = None if masked or torch.compiler.is_compiling() else self.embedding()
+        embedding = None if masked or torch.compiler.is_compiling() else self._embedding
         if embedding is not None:  # the whole step in one native call, its embedding and slots too
             out = decode_tokens(idx, pos, stack, *embedding, cache, n_keys)
         else:
