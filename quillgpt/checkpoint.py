@@ -126,6 +126,7 @@ STATE_TYPES: dict[str, tuple[type, ...]] = {
     "val_loss": (float, int),
     "elapsed_s": (float, int),
     "lora_base": (dict,),
+    "weights_file": (dict,),  # a quantized run's: its weights file (runs.py)
 }
 
 

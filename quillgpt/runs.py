@@ -8,11 +8,17 @@ Loading it for use (`load_state`, `load_run`) loads the base, refuses one whose 
 since, and merges the adapters into it: every command gets a plain GPT, as fast as the base.
 `merge_run` writes that merged model as a run of its own. `check_fits` refuses a model that the
 machine's free memory cannot hold before it is built.
+
+A quantized run (quill quantize, quill import-gguf of a quantized file) keeps its weights in
+weights.safetensors beside a ckpt.pt without them (its "weights_file" names the file): each quantized
+layer in its scheme's stored form, read one tensor at a time straight into the layers
+(quant/stored.py), so loading never builds the float model.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,8 @@ from quillgpt.errors import QuillError
 from quillgpt.files import made_dir, output_path, shown
 from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_shapes, merge_adapters
+from quillgpt.quant import stored
+from quillgpt.tensor_file import TensorFile, TensorWriter
 
 
 @dataclass
@@ -40,6 +48,14 @@ class LoadedRun:
     config: Config
     step: int
     path: Path
+
+
+WEIGHTS_FILE = "weights.safetensors"  # a quantized run's weights, beside its ckpt.pt
+
+
+def quantized_layers(state: dict[str, Any]) -> bool:
+    """Whether a checkpoint's weights live in a quantized run's weights file."""
+    return "weights_file" in state
 
 
 def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[GPT, Config]:
@@ -56,6 +72,8 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu", 
         ) from None
     if config.model.vocab_size is None:  # a trained or imported model always knows its vocabulary
         raise QuillError("the checkpoint's config has no model.vocab_size; the file is damaged")
+    if quantized_layers(state):
+        return _quantized_model(state, config, torch.device(device), dtype), config
     weights = clean_state_dict(state["model"])
     state["model"] = {}  # the caller's references go, so each converted source can be freed
     problems = weight_mismatches(weights, config.model)
@@ -75,6 +93,27 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu", 
     model.load_state_dict(weights, assign=True)
     model.materialize()
     return model.to(device), config
+
+
+def _quantized_model(state: dict[str, Any], config: Config, device: torch.device, dtype: torch.dtype | None) -> GPT:
+    """The model of a quantized run: its weights file checked, its size against free memory, then
+    read into the layers one tensor at a time (quant/stored.py)."""
+    where = state["weights_file"].get("path")
+    if not isinstance(where, Path) or state["weights_file"].get("file") != WEIGHTS_FILE:
+        raise QuillError(f"its 'weights_file' must name {WEIGHTS_FILE} beside it; the file is damaged")
+    if not where.is_file():
+        raise QuillError(f"its weights file {shown(where)} is missing; the run is incomplete: import or quantize it again")
+    f = TensorFile(where)
+    need = sum(e.end - e.start for e in f.entries.values())
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise QuillError(f"its weights need {need / 1e9:.1f} GB but {device.type} has {free / 1e9:.1f} GB free; close other programs")
+    try:
+        layers = stored.parse_layers(f.metadata.get("quantized"))
+        model = stored.build_model(config.model, layers, f.read, set(f.entries), dtype)
+    except QuillError as e:
+        raise QuillError(f"{shown(where)}: {e}") from None
+    return model.to(device)
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -175,6 +214,8 @@ def load_run(path: str | Path, options: LoadOptions | None = None, **keywords: A
     except QuillError as e:
         raise QuillError(f"{shown(ckpt)}: {e}") from None
     model.eval()
+    if quantized_layers(state) and options.quantize is not None:
+        raise QuillError(f"{shown(ckpt)} holds quantized weights already (a quantized run); drop --quantize")
     quant.quantize(model, options.quantize, rows=options.rows, cache=True)  # the kernel plan measured once per machine and shape
     return LoadedRun(model, tokenizer, config, state["step"], ckpt)
 
@@ -184,6 +225,8 @@ def load_state(path: str | Path, which: str = "best", dtype: torch.dtype | None 
     LoRA run's adapters are merged into its base (in `dtype`; None: the base's own)."""
     ckpt = resolve_checkpoint(path, which)
     state = load_checkpoint(ckpt, map_location="cpu")
+    if quantized_layers(state) and isinstance(state["weights_file"], dict):
+        state["weights_file"]["path"] = ckpt.parent / WEIGHTS_FILE
     return (with_base(state, ckpt, dtype) if "lora_base" in state else state), ckpt
 
 
@@ -266,14 +309,14 @@ def write_run(
     weights: dict[str, torch.Tensor],
     step: int = 0,
     tokens_seen: int = 0,
-    **provenance: str,
+    **provenance: Any,
 ) -> None:
     """A run directory of given weights (an import, a merge): config.yaml, tokenizer.json and
-    ckpt.pt with `provenance` (e.g. imported_from=...); an earlier best.pt and metrics.jsonl,
-    there only with --force, are not this model's and go."""
+    ckpt.pt with `provenance` (e.g. imported_from=...; weights_file= for a quantized run's); an
+    earlier best.pt, metrics.jsonl and weights file, there only with --force, are not this model's and go."""
     save_config(cfg, out_dir / "config.yaml")
     save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-    for stale in (BEST, "metrics.jsonl"):
+    for stale in (BEST, "metrics.jsonl", *([] if "weights_file" in provenance else [WEIGHTS_FILE])):
         (out_dir / stale).unlink(missing_ok=True)
     save_checkpoint(
         {"model": weights, "config": cfg.to_dict(), "tokenizer": tokenizer.spec(), "step": step, "tokens_seen": tokens_seen, **provenance},
@@ -288,3 +331,46 @@ def config_differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ..
         for f in fields(ModelConfig)
         if f.name not in ignore and getattr(old, f.name) != getattr(new, f.name)
     ]
+
+
+def write_quantized_run(
+    out_dir: Path,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    layers: dict[str, str],
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    **provenance: str,
+) -> None:
+    """A quantized run directory: weights.safetensors written one tensor at a time as `tensors`
+    yields them (in `specs`' order), then config.yaml, tokenizer.json and a ckpt.pt naming the file."""
+    with TensorWriter(out_dir / WEIGHTS_FILE, specs, {"quantized": stored.layers_json(layers)}) as w:
+        for name, t in tensors:
+            w.write(name, t)
+    write_run(out_dir, cfg, tokenizer, {}, **provenance, weights_file={"file": WEIGHTS_FILE})
+
+
+def quantize_run(path: str | Path, out_dir: str | Path, scheme: str, which: str = "best", force: bool = False) -> Path:
+    """`quill quantize`: a float run → a quantized run in `out_dir` holding exactly the weights
+    `--quantize scheme` makes at load (the same codes; its layers' kernels chosen by rule at load,
+    not measured), so it loads in seconds, at a fraction of the size."""
+    name = quant.parse_quantize(scheme, "--quantize")
+    out_dir = output_path(out_dir, "--out")
+    if name is None:
+        raise QuillError("--quantize must name a scheme (int4, int8, ...): none would copy the run")
+    loaded = load_run(path, which=which, dtype=None)
+    if out_dir.resolve() == loaded.path.parent.resolve():
+        raise QuillError(f"--out {shown(out_dir)} is the run being quantized; choose a new directory")
+    taken = [n for n in (LATEST, BEST, WEIGHTS_FILE, "config.yaml") if (out_dir / n).exists()]
+    if taken and not force:
+        raise QuillError(f"--out {shown(out_dir)} already holds a run ({', '.join(taken)}); choose another or pass --force")
+    # int8's kernel plan is not stored (a quantized run's layers take a rule's): none is measured here
+    quant.quantize(loaded.model, name, kernel="dequant/model" if quant.SCHEMES[name].bits == 8 else None)
+    layers, tensors = stored.model_tensors(loaded.model)
+    tensors = list(tensors)
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    cfg = loaded.config
+    cfg.train.init_from, cfg.train.out_dir = None, str(out_dir)
+    with made_dir(out_dir):
+        write_quantized_run(out_dir, cfg, loaded.tokenizer, layers, specs, tensors, quantized_from=str(loaded.path))
+    return out_dir

@@ -13,7 +13,7 @@ LAYERS = [
     {"errors"},
     {"files", "device", "sampling_params", "native"},
     {"config", "metrics_log"},
-    {"data", "model", "checkpoint"},
+    {"data", "model", "checkpoint", "tensor_file"},
     {"quant"},
     {"runs"},
     {"inference"},

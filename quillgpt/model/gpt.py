@@ -160,14 +160,14 @@ class GPT(nn.Module):
         under a meta-device context)."""
         cpu = torch.device("cpu")
         cos, sin = rope_cos_sin(torch.arange(self.config.block_size, device=cpu), self.inv_freq(cpu))
-        self.rope_cos, self.rope_sin = cos.to(self.lm_head.weight.dtype), sin.to(self.lm_head.weight.dtype)
+        self.rope_cos, self.rope_sin = cos.to(self.dtype), sin.to(self.dtype)
 
     def materialize(self) -> None:
         """After load_state_dict(assign=True) into a model built on the meta device: the buffers no
         checkpoint holds (the RoPE table), and the tie of the head to the embedding."""
         if self.config.pos == "rope":
             self._rope_table()
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear) and isinstance(self.transformer.wte, nn.Embedding):
             self.transformer.wte.weight = self.lm_head.weight
 
     @staticmethod
@@ -179,13 +179,13 @@ class GPT(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.wte.weight.device
+        return self.transformer.ln_f.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        """The float dtype of the activations and the KV cache: the embedding's (which int8
-        quantization never touches, quant/)."""
-        return self.transformer.wte.weight.dtype
+        """The float dtype of the activations and the KV cache: the final norm's (quantization,
+        which swaps the linears and may swap the embedding, never touches a norm)."""
+        return self.transformer.ln_f.weight.dtype
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -398,7 +398,7 @@ class GPT(nn.Module):
             if self.config.pos == "learned":
                 n -= self.transformer.wpe.weight.numel()
             if not self.config.tie_embeddings:
-                n -= self.transformer.wte.weight.numel()
+                n -= sum(t.numel() for t in self.transformer.wte.parameters())
         return n
 
     def flops_per_token(self) -> float:

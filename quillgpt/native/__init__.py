@@ -23,7 +23,7 @@ for every instruction-set build).
 """
 
 from quillgpt.native.build import available, build_name, built, why_not
-from quillgpt.native.layout import BLOCK, Format, deinterleave, interleave, pack4, unpack4
+from quillgpt.native.layout import BLOCK, Format, deinterleave, interleave, nibbles, pack4, rows_of, unpack4
 from quillgpt.native.ops import argmax_finite, decode_blocks, decode_tokens, group_gemv, group_gemv4
 
 __all__ = [
@@ -39,7 +39,9 @@ __all__ = [
     "group_gemv",
     "group_gemv4",
     "interleave",
+    "nibbles",
     "pack4",
+    "rows_of",
     "unpack4",
     "why_not",
 ]

@@ -46,6 +46,25 @@ def pack4(q: Tensor) -> Tensor:
 
 def unpack4(packed: Tensor) -> Tensor:
     """pack4's inverse: (N, K / 2) uint8 → (N, K) uint8 codes."""
-    n, half = packed.shape
-    p = deinterleave(packed).view(n, half // 32, 1, 32)
+    return nibbles(deinterleave(packed))
+
+
+def nibbles(rows: Tensor) -> Tensor:
+    """(n, K / 2) rows of pack4's bytes, deinterleaved (rows_of) → their (n, K) uint8 codes."""
+    n, half = rows.shape
+    p = rows.view(n, half // 32, 1, 32)
     return torch.cat([p & 15, p >> 4], dim=2).view(n, 2 * half)
+
+
+def rows_of(codes: Tensor, idx: Tensor) -> Tensor:
+    """Rows `idx` (a 1-D index tensor) of interleaved (N, B) codes, each as it was before interleave:
+    what an embedding lookup in a quantized table reads, without deinterleaving the whole table."""
+    n, width = codes.shape
+    full = n - n % 4
+    out = torch.empty(len(idx), width, dtype=codes.dtype, device=codes.device)
+    body, tail = idx < full, idx >= full
+    blocks = codes[:full].view(full // 4, width // BLOCK, 4, BLOCK)
+    i = idx[body]
+    out[body] = blocks[i // 4, :, i % 4].reshape(-1, width)
+    out[tail] = codes[idx[tail]]
+    return out

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quillgpt import native
+from quillgpt.errors import QuillError
 from quillgpt.quant import group_codes
-from quillgpt.quant.int8 import INT8, Int8Linear
-from quillgpt.quant.plan import KernelPlan
+from quillgpt.quant.int8 import INT8, RULE_PLAN, Int8Linear
 from quillgpt.quant.scheme import ConvertOptions, Packed, Scheme
 
 GROUPS = (32, 64, 128, 256)  # what the kernels take
@@ -129,10 +129,26 @@ class Int4Linear(nn.Module):
         sz = self.scales_zeros  # a model cast to another dtype casts this buffer too; the kernel takes bf16
         return sz if sz.dtype == torch.bfloat16 else sz.to(torch.bfloat16)
 
+    @classmethod
+    def from_stored(cls, stored: Packed, bias: Tensor | None = None) -> Int4Linear:
+        """The layer of a quantized run's tensors (`store`'s form: pack4's codes, a scale and an
+        offset per group), the codes kept as read; through group_gemv4 where it runs them, else
+        dequantized for each call."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        codes, scale, offset = stored["codes"], stored["scale"], stored["offset"]
+        layer.out_features, layer.in_features = codes.shape[0], 2 * codes.shape[1]
+        layer.group = layer.in_features // scale.shape[1]
+        fits = scale.dtype == torch.float16 and codes.device.type == "cpu"
+        layer.kernel = "group_gemv4" if fits and gemv4_fits(layer.out_features, layer.in_features, layer.group) else "dequantize"
+        for name, t in (("codes", codes), ("scales_zeros", None), ("scale", scale), ("offset", offset), ("bias", bias)):
+            layer.register_buffer(name, t)
+        return layer
+
     def dequantized(self) -> Tensor:
         """(out, in) float32: the weight this layer multiplies by (int4pack_mm's layout is read back
         through the kernel on the identity: exact, bf16 values)."""
-        if self.kernel == "group_gemv4":
+        if self.scale is not None:  # pack4's codes with a scale and an offset per group
             n, groups = self.out_features, self.scale.shape[1]
             q = native.unpack4(self.codes).float().view(n, groups, -1)
             return (q * self.scale.float()[:, :, None] + self.offset.float()[:, :, None]).view(n, self.in_features)
@@ -145,6 +161,20 @@ class Int4Linear(nn.Module):
 
     def runs_native(self) -> bool:
         return self.kernel == "group_gemv4"
+
+    def stored(self) -> Packed:
+        """The layer's tensors as a run stores them (store's form): group_gemv4's, as they are."""
+        if self.scale is None or self.scale.dtype != torch.float16:
+            why = native.why_not() or "its groups' ranges are past fp16's"
+            raise QuillError(f"an int4 run is written in quill's C++ kernel's layout, which this layer could not take ({why})")
+        return {"codes": self.codes, "scale": self.scale, "offset": self.offset}
+
+    def rows(self, idx: Tensor) -> Tensor:
+        """(len(idx), in) float32 rows of the weight (an embedding lookup), without the whole weight."""
+        if self.scale is None:
+            return self.dequantized()[idx]
+        q = native.nibbles(native.rows_of(self.codes, idx)).float().view(len(idx), self.scale.shape[1], -1)
+        return (q * self.scale[idx].float()[:, :, None] + self.offset[idx].float()[:, :, None]).view(len(idx), self.in_features)
 
     def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
         """(4-bit codes, fp16 s, fp16 o, their format) for the native decoder, where this layer runs group_gemv4 at `rows` rows."""
@@ -191,6 +221,9 @@ class Bf16Linear(nn.Module):
     def native_weights(self, rows: int) -> None:
         return None
 
+    def rows(self, idx: Tensor) -> Tensor:
+        return self.weight[idx].float()
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, bf16"
 
@@ -200,10 +233,6 @@ class Bf16Linear(nn.Module):
 # kernel (Int4Linear's layouts, in the order tried) → its relative error against the reference:
 # int16 activations per 32, bf16 activations, float32
 KERNELS = {"group_gemv4": 1e-4, "int4pack_mm": 1e-2, "dequantize": 1e-5}
-
-# the int8 head of an int4 model: group_gemv up to GEMV_ROWS rows (a decode step), the weight
-# dequantized for more (a prompt scored at every position)
-HEAD_PLAN = KernelPlan((GEMV_ROWS,), ("group_gemv", "dequant/model"))
 
 
 def pack(w: Tensor, group: int) -> Packed:
@@ -231,6 +260,20 @@ def linear(lin: nn.Linear, group: int, kernel: str | None = None) -> Int4Linear:
     return Int4Linear(lin, group, kernel)
 
 
+def store(packed: Packed) -> Packed:
+    """pack's tensors as a run stores them: the codes in pack4's layout (group_gemv4's), two a byte."""
+    return {"codes": native.pack4(packed["codes"]), "scale": packed["scale"], "offset": packed["offset"]}
+
+
+def stored_shapes(out_features: int, in_features: int, group: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    scales = (torch.float16, (out_features, in_features // group))
+    return {"codes": (torch.uint8, (out_features, in_features // 2)), "scale": scales, "offset": scales}
+
+
+def load(stored: Packed, bias: Tensor | None, dtype: torch.dtype) -> Int4Linear:
+    return Int4Linear.from_stored(stored, None if bias is None else bias.to(dtype))
+
+
 def convert(model: nn.Module, group: int, options: ConvertOptions) -> None:
     """Every nn.Linear of the blocks whose in_features a kernel group (≤ `group`) divides → an
     Int4Linear, in place; the others keep their float weights (the stats line counts them). The
@@ -245,7 +288,7 @@ def convert(model: nn.Module, group: int, options: ConvertOptions) -> None:
             if isinstance(child, nn.Linear) and (g := group_for(child.in_features, group)):
                 setattr(parent, name, Int4Linear(child, g))
     if isinstance(model.lm_head, nn.Linear):
-        head = Int8Linear.from_linear(model.lm_head, HEAD_PLAN, INT8.group) if native.available() else None
+        head = Int8Linear.from_linear(model.lm_head, RULE_PLAN, INT8.group) if native.available() else None
         model.lm_head = head if head is not None and head.runs["group_gemv"] == "group_gemv" else Bf16Linear(model.lm_head)
 
 
@@ -274,7 +317,7 @@ def _scheme(group: int) -> Scheme:
         if group == 32
         else f"int4 with a scale and a zero per {group} weights"
     )
-    return Scheme(name, help, 4, group, Int4Linear, linear, convert, note, pack, unpack, KERNELS)
+    return Scheme(name, help, 4, group, Int4Linear, linear, convert, note, pack, unpack, KERNELS, store, stored_shapes, load)
 
 
 INT4, INT4_G64, INT4_G128 = _scheme(32), _scheme(64), _scheme(128)

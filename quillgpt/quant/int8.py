@@ -97,6 +97,16 @@ class Int8Linear(nn.Module):
     def runs_native(self) -> bool:
         return self.runs["group_gemv"] == "group_gemv" and self.plan.may_pick("group_gemv")
 
+    def stored(self) -> Packed:
+        """The layer's tensors as a run stores them (store's form)."""
+        return store({"codes": self.codes(), "scale": self.scale, "offset": self.offset})
+
+    def rows(self, idx: Tensor) -> Tensor:
+        """(len(idx), in) float32 rows of the weight (an embedding lookup), without the whole weight."""
+        q = native.rows_of(self.weight, idx) if self.interleaved else self.weight[idx]
+        offset = None if self.offset is None else self.offset[idx]
+        return unpack({"codes": q, "scale": self.scale[idx], "offset": offset})
+
     def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
         """(int8 q, fp16 s, fp16 o, their format) for the native decoder, where this layer runs group_gemv at `rows` rows."""
         if self.runs["group_gemv"] != "group_gemv" or self.plan.pick(rows) != "group_gemv":
@@ -172,6 +182,38 @@ def unpack(packed: Packed) -> Tensor:
     return (w if offset is None else w + offset.float()[:, :, None]).view(n, k)
 
 
+# a layer loaded from a quantized run, where no float weight is at hand to measure a plan against:
+# group_gemv up to 64 rows where it builds (a decode step; it led every measured decode batch), the
+# weight dequantized for more (a prompt; dequant/model led at 128+ rows: docs/kernels.md)
+RULE_PLAN = KernelPlan((64,), ("group_gemv", "dequant/model"))
+
+
+def store(packed: Packed) -> Packed:
+    """pack's tensors as a run stores them: the codes row after row, the scales and offsets fp16 (a
+    per-row form of a group-wise scheme spread to its groups, so every layer of a scheme has one
+    layout); weights beyond fp16's range cannot be stored."""
+    codes, scale, offset = packed["codes"], packed["scale"], packed.get("offset")
+    half = scale.half()
+    if not half.isfinite().all() or (offset is not None and not offset.half().isfinite().all()):
+        raise ValueError("a scale or offset is past fp16's range (weights past 8e6)")
+    out = {"codes": codes, "scale": half}
+    return out if offset is None else {**out, "offset": offset.half()}
+
+
+def stored_shapes(out_features: int, in_features: int, group: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    shapes = {"codes": (torch.int8, (out_features, in_features))}
+    if group == 0 or group >= in_features:
+        return {**shapes, "scale": (torch.float16, (out_features,))}
+    groups = (torch.float16, (out_features, in_features // group))
+    return {**shapes, "scale": groups, "offset": groups}
+
+
+def load(stored: Packed, bias: Tensor | None, dtype: torch.dtype) -> Int8Linear:
+    offset = stored.get("offset")
+    bias = None if bias is None else bias.to(dtype)
+    return Int8Linear(stored["codes"], stored["scale"].to(dtype), bias, RULE_PLAN, None if offset is None else offset.to(dtype))
+
+
 def linear(lin: nn.Linear, group: int, kernel: str | None = None) -> Int8Linear:
     """One layer in int8 running `kernel` for every input (None: dequant/model until a plan is set)."""
     return Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",)), group)
@@ -223,7 +265,7 @@ TOLERANCES = {k: 1e-2 if kern.bf16 else max(1e-5, kern.rounding) for k, kern in 
 
 
 def _scheme(name: str, group: int, help: str) -> Scheme:
-    return Scheme(name, help, 8, group, Int8Linear, linear, convert, note, pack, unpack, TOLERANCES)
+    return Scheme(name, help, 8, group, Int8Linear, linear, convert, note, pack, unpack, TOLERANCES, store, stored_shapes, load)
 
 
 INT8 = _scheme(

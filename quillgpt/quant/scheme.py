@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -49,6 +50,14 @@ class QuantLinear(Protocol):
         them at `rows` input rows (the native decoder then takes the layer); None elsewhere."""
         ...
 
+    def rows(self, idx: Tensor) -> Tensor:
+        """(len(idx), in) float32: rows `idx` of the dequantized weight (an embedding lookup in it)."""
+        ...
+
+    def stored(self) -> Packed:
+        """The layer's tensors as a quantized run stores them (its scheme's `store` form)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ConvertOptions:
@@ -77,9 +86,21 @@ class Scheme:
     linear: Callable[[nn.Linear, int, str | None], nn.Module]  # (float layer, group, kernel or None: its own choice)
     convert: Callable[[nn.Module, int, ConvertOptions], None]  # (model, group, options): every linear swapped, in place
     note: Callable[[nn.Module, str, bool], str]  # (model, sep, compiled) → the stats line's words
-    pack: Callable[[Tensor, int], Packed]  # (weight (out, in), group) → its stored tensors
-    unpack: Callable[[Packed], Tensor]  # stored tensors → the (out, in) float32 weight
+    pack: Callable[[Tensor, int], Packed]  # (weight (out, in), group) → its codes, scales and offsets
+    unpack: Callable[[Packed], Tensor]  # packed tensors → the (out, in) float32 weight
     kernels: Mapping[str, float]  # kernel → its relative error against reference (the rounding of its activations)
+    # a quantized run's file (runs.py): pack's tensors as stored (the kernels' layout, so loading is
+    # one read a tensor), their dtypes and shapes for (out, in, group) known before any is made, and
+    # the layer made from them (with its float bias, scales in the model's dtype)
+    store: Callable[[Packed], Packed]
+    stored_shapes: Callable[[int, int, int], dict[str, tuple[torch.dtype, tuple[int, ...]]]]
+    load: Callable[[Packed, Tensor | None, torch.dtype], nn.Module]
+
+    def stores(self, out_features: int, in_features: int) -> bool:
+        """Whether a run's file can hold a layer of this shape in this scheme (int4's layout needs
+        in_features a multiple of 64; the group must divide it)."""
+        fits = self.group == 0 or in_features % self.group == 0
+        return fits and (self.bits != 4 or in_features % 64 == 0)
 
 
 def reference(x: Tensor, layer: QuantLinear) -> Tensor:
