@@ -472,7 +472,11 @@ def _print_imported(src: str | Path, done: Converted) -> None:
     print(
         f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
         f"{m.n_embd} wide, block_size {m.block_size:,}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
-        f"fine-tune with `quill train ... train.init_from={done.path}`"
+        + (
+            f"{done.note}; chat with `quill chat {done.path}` (to fine-tune, import with --dequantize)"
+            if done.note
+            else f"fine-tune with `quill train ... train.init_from={done.path}`"
+        )
     )
 
 
@@ -503,14 +507,37 @@ def export_hf_cmd(
 def import_gguf_cmd(
     src: Path = typer.Argument(..., help="GGUF file of llama.cpp's llama (Llama, Mistral, SmolLM...), qwen2, qwen3 or gpt2."),
     out: Path = typer.Option(
-        ..., "--out", "-o", parser=_out_path, help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt (fp32)."
+        ...,
+        "--out",
+        "-o",
+        parser=_out_path,
+        help="Run directory to write: config.yaml, tokenizer.json, ckpt.pt (+ weights.safetensors, quantized).",
+    ),
+    dequantize: bool = typer.Option(
+        False, "--dequantize", help="Write fp32 weights instead of keeping the file's quantization (a run you can fine-tune)."
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
 ) -> None:
-    """Import a GGUF file (dequantized) as a quill run: sample, chat, eval, fine-tune it."""
-    from quillgpt.interop.gguf_read import import_gguf
+    """Import a GGUF file as a quill run, its quantization kept (Q4 → int4, Q5/Q6/Q8 → int8): sample, chat, eval, serve it."""
+    from quillgpt.interop.gguf_import import import_gguf
 
-    _print_imported(src, import_gguf(src, out, force=force))
+    _print_imported(src, import_gguf(src, out, force=force, dequantize=dequantize))
+
+
+@app.command("quantize")
+def quantize_cmd(
+    run: Path = typer.Argument(..., help="Run directory (or .pt) with float weights: trained, import-hf'd or import-gguf --dequantize'd."),
+    out: Path = typer.Option(..., "--out", "-o", parser=_out_path, help="Run directory to write the quantized run to."),
+    quantize: str = typer.Option(..., "--quantize", "-q", help=QUANT_HELP),
+    which: str = typer.Option("best", "--which", help="Checkpoint: best or latest."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a run already in --out."),
+) -> None:
+    """Write a run's weights quantized once (what --quantize does at every load), to load in seconds."""
+    from quillgpt.runs import quantize_run
+
+    done = quantize_run(run, out, quantize, which=which, force=force)
+    size = sum(p.stat().st_size for p in done.iterdir() if p.is_file())
+    print(f"quantized {run} ({which}) to {quantize} → {done} ({size / 1e6:,.1f} MB): `quill chat {done}`")
 
 
 @app.command("export-gguf")

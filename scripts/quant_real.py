@@ -30,7 +30,7 @@ from harness import add_common, load_line, skipped, tiny_run
 from quillgpt.inference.chat_session import chat_prompt_ids
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.interop.gguf_family import WRITE_TYPES
-from quillgpt.interop.gguf_read import import_gguf
+from quillgpt.interop.gguf_import import import_gguf
 from quillgpt.interop.gguf_write import export_gguf
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import SCHEMES, dequantize, plan_of, quantize

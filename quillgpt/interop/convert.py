@@ -30,7 +30,7 @@ from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, require, r
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
 # What import-hf writes or removes in --out, and what export-hf writes: either refuses without
 # --force when any one of these is already there (a run and an HF model never share a directory).
-RUN_FILES = (ckpt.LATEST, ckpt.BEST, "config.yaml", "tokenizer.json", "metrics.jsonl")
+RUN_FILES = (ckpt.LATEST, ckpt.BEST, "config.yaml", "tokenizer.json", "metrics.jsonl", runs.WEIGHTS_FILE)
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json", "chat_template.jinja", QUILL_TOKENIZER)
 
 
@@ -42,6 +42,7 @@ class Converted:
     model: ModelConfig
     tokenizer: str
     architecture: str = "GPT2LMHeadModel"
+    note: str = ""  # what the conversion kept or rounded (import-gguf's quantization)
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
@@ -89,13 +90,18 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
 
 def write_imported_run(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer, state: dict, source: str) -> None:
     """A run directory at step 0 of an imported model (import-hf, import-gguf): its config.yaml fine-tunes it."""
+    runs.write_run(out_dir, imported_config(out_dir, model_cfg, tokenizer), tokenizer, state, imported_from=source)
+
+
+def imported_config(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer) -> Config:
+    """An import's config.yaml: its model, its tokenizer file, and training that fine-tunes it."""
     cfg = Config(model=model_cfg)
     tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
     cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")
     cfg.data.out_dir = f"data/{out_dir.name}_data"
     # Training with this config.yaml fine-tunes the import into a new directory, never over it.
     cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
-    runs.write_run(out_dir, cfg, tokenizer, state, imported_from=source)
+    return cfg
 
 
 def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: bool = False) -> Converted:

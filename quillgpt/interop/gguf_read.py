@@ -24,15 +24,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quillgpt import checkpoint as ckpt
 from quillgpt.config import ModelConfig, shown_value
 from quillgpt.data.chat_template import end_of_turn
 from quillgpt.data.hf_tokenizer import HFTokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import input_file, made_dir, shown
-from quillgpt.interop import convert, gpt2, llama
+from quillgpt.files import input_file, shown
+from quillgpt.interop import gpt2, llama
 from quillgpt.interop.gguf_family import FAMILIES, PRE_TOKENIZERS, READ_TYPES, GGUFFamily
-from quillgpt.interop.hf_files import check_out_dir, require
+from quillgpt.interop.hf_files import require
 
 GGUF_INSTALL = 'pip install -e ".[gguf]"'
 BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
@@ -171,6 +170,12 @@ class GGUFWeights(Mapping[str, Tensor]):
                 raise QuillError(f"{shown(self.f.path)}: {self._gguf_of[name]} has {t.shape[0]} rows, not a multiple of 2 × {heads} heads")
             t = unpermute(t, heads)
         return t
+
+    def gguf_name(self, hf_name: str) -> str:
+        """The file's name of a tensor, or one QuillError saying it is missing."""
+        if hf_name not in self._gguf_of:
+            raise QuillError(f"{shown(self.f.path)} has no tensor for {hf_name} that a model of its metadata needs")
+        return self._gguf_of[hf_name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._gguf_of)
@@ -314,20 +319,3 @@ def gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
         stops.append(end_of_turn(template, [t.content for t in tok.tk.get_added_tokens_decoder().values()], bos, eos))
     tok.stop_tokens = tuple(dict.fromkeys(s for s in stops if s is not None and s != eos))
     return tok
-
-
-def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False) -> convert.Converted:
-    """A GGUF file → a quill run directory at step 0 (config.yaml, tokenizer.json, ckpt.pt in fp32),
-    usable with every quill command and as train.init_from."""
-    out_dir = Path(out_dir)
-    check_out_dir(out_dir, convert.RUN_FILES + convert.HF_FILES, force, "a run's or a model's files")
-    f = GGUFFile(src)
-    hf_config(f)  # the architecture and its keys, before the tokenizer
-    tokenizer = gguf_tokenizer(f)
-    cfg, state = model_of(f)
-    if cfg.vocab_size < tokenizer.vocab_size:
-        raise QuillError(f"{shown(f.path)}: vocab_size {cfg.vocab_size} is fewer than its tokenizer's {tokenizer.vocab_size} tokens")
-    ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(f.path))  # finite weights
-    with made_dir(out_dir):  # a failed write leaves no --out it made
-        convert.write_imported_run(out_dir, cfg, tokenizer, state, str(src))  # import-hf's run layout
-    return convert.Converted(out_dir, cfg, tokenizer.name, f"GGUF {f.family.arch}")

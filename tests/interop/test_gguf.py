@@ -18,7 +18,7 @@ from quillgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
 from quillgpt.interop import gguf_write  # noqa: E402
-from quillgpt.interop.gguf_read import import_gguf  # noqa: E402
+from quillgpt.interop.gguf_import import import_gguf  # noqa: E402
 from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
 from quillgpt.runs import load_run, write_run  # noqa: E402
