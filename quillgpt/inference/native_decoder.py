@@ -224,9 +224,10 @@ class Decoder:
 
     def embedding(self) -> tuple[list[Tensor], Tensor | None] | None:
         """decode_tokens' [wte] or [wte, wpe] and RoPE frequencies (None: learned positions); None
-        where the variant embeds other positions than the absolute ones (Infini's restart)."""
+        where the variant embeds other positions than the absolute ones (Infini's restart), or the
+        table is kept quantized (quant/embedding.py: the model looks its rows up)."""
         m = self.model
-        if type(m.variant).embed_positions is not Variant.embed_positions:
+        if type(m.variant).embed_positions is not Variant.embed_positions or not isinstance(m.transformer.wte, nn.Embedding):
             return None
         t = m.transformer
         if m.config.pos == "learned":
