@@ -30,7 +30,7 @@ from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import made_dir, shown
 from quillgpt.interop import convert, gguf_blocks, gguf_read, llama
-from quillgpt.interop.gguf_read import GGUFFile, GGUFWeights, unpermute
+from quillgpt.interop.gguf_read import GGUFFile, GGUFWeights, gguf_module, unpermute
 from quillgpt.interop.hf_files import check_out_dir
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import SCHEMES
@@ -38,7 +38,8 @@ from quillgpt.quant.stored import EMBEDDING, Spec, layer_specs
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # the types kept as int4 (the others int8)
-COST_ROWS = 64  # rows of each rounded tensor its cost is measured on
+COST_ROWS = 256  # rows of a large rounded tensor its cost is measured on (ggml's dequantization: ~50M weights/s)
+SMALL = 1 << 24  # a rounded tensor up to this many weights is measured whole
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Report:
 
     kept: dict[str, int] = field(default_factory=dict)  # ggml type → tensors mapped bit for bit
     rounded: dict[str, float] = field(default_factory=dict)  # ggml type → the largest measured cost
+
+    def note(self, kind: str, cost: float) -> None:
+        self.rounded[kind] = max(self.rounded.get(kind, 0.0), cost)
 
     def line(self) -> str:
         kept = ", ".join(f"{t} ×{n}" for t, n in sorted(self.kept.items()))
@@ -164,24 +168,25 @@ def _groups(f: GGUFFile, name: str, heads: int | None, scheme: str, report: Repo
     """One part as `scheme`'s codes, scales and offsets (rows unpermuted), the rounding noted."""
     t = f.tensors[name]
     kind, (cols, rows) = t.tensor_type.name, (int(t.shape[0]), math.prod(int(d) for d in t.shape[1:]))
+    raw = _read(f, name)
     try:
-        g = gguf_blocks.to_groups(_read(f, name), kind, rows, cols)
+        g = gguf_blocks.to_groups(raw, kind, rows, cols)
     except ValueError as e:
         raise QuillError(f"{shown(f.path)}: {name} ({kind}) cannot be kept: {str(e)[:100]}; import it with --dequantize") from None
     if g is None:  # a type with no exact form: dequantized, requantized to int8
         w = torch.from_numpy(f.array(name).copy()).view(rows, cols)
         packed = SCHEMES["int8"].pack(w, SCHEMES["int8"].group)
         codes, scale, offset = packed["codes"], packed["scale"].half(), packed["offset"].half()
-        cost = _cost(SCHEMES["int8"].unpack(packed)[:COST_ROWS].numpy(), w[:COST_ROWS].numpy())
-        report.rounded[kind] = max(report.rounded.get(kind, 0.0), cost)
+        report.note(kind, _cost(SCHEMES["int8"].unpack(packed).numpy(), w.numpy()))
     else:
         codes, scale, offset = (torch.from_numpy(a) for a in (g.codes, g.scale, g.offset))
         if g.exact:
             report.kept[kind] = report.kept.get(kind, 0) + 1
-        else:
-            sample = gguf_blocks.Groups(g.bits, g.codes[:COST_ROWS], g.scale[:COST_ROWS], g.offset[:COST_ROWS], g.exact)
-            cost = gguf_blocks.rounding_cost(sample, np.asarray(f.array(name)[:COST_ROWS]).reshape(-1, cols))
-            report.rounded[kind] = max(report.rounded.get(kind, 0.0), cost)
+        else:  # measured against ggml's own dequantization: every row of a small tensor, else COST_ROWS spread rows
+            at = np.unique(np.linspace(0, rows - 1, min(rows, COST_ROWS if rows * cols > SMALL else rows)).astype(np.int64))
+            sample = gguf_blocks.Groups(g.bits, g.codes[at], g.scale[at], g.offset[at], g.exact)
+            want = gguf_module().quants.dequantize(raw.reshape(rows, -1)[at], t.tensor_type)
+            report.note(kind, gguf_blocks.rounding_cost(sample, want))
         if scheme != "int4" and codes.dtype == torch.uint8:  # 4-bit codes in an int8 layer: the same values
             codes = codes.to(torch.int8)
     return {k: _permuted(v, heads) for k, v in (("codes", codes), ("scale", scale), ("offset", offset))}

@@ -37,7 +37,8 @@ GGUF_INSTALL = 'pip install -e ".[gguf]"'
 BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
 
-def _gguf() -> Any:
+def gguf_module() -> Any:
+    """The gguf package, or one line saying how to install it."""
     try:
         import gguf
     except ImportError:
@@ -49,7 +50,7 @@ class GGUFFile:
     """A GGUF file's metadata (key → value) and tensors (name → ggml tensor), checked as it opens."""
 
     def __init__(self, path: str | Path) -> None:
-        gguf, self.path = _gguf(), Path(path)
+        gguf, self.path = gguf_module(), Path(path)
         if not input_file(self.path, "GGUF file"):
             raise QuillError(f"{shown(self.path)} not found: pass a .gguf file")
         try:
@@ -83,7 +84,7 @@ class GGUFFile:
         """One tensor dequantized to fp32, in PyTorch's shape order (ggml lists dimensions innermost first)."""
         t = self.tensors[name]
         try:
-            return np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            return np.asarray(gguf_module().quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except (ValueError, NotImplementedError) as e:
             raise QuillError(f"{shown(self.path)}: cannot dequantize {name} ({t.tensor_type.name}: {str(e)[:100]})") from None
 
@@ -149,7 +150,7 @@ class GGUFWeights(Mapping[str, Tensor]):
     """A GGUF file's tensors under their Hugging Face names, dequantized one at a time when read."""
 
     def __init__(self, f: GGUFFile, hf: dict[str, Any], hf_names: list[str]) -> None:
-        gguf = _gguf()
+        gguf = gguf_module()
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[f.family.arch.upper()], hf.get("num_hidden_layers", hf.get("n_layer", 0)))
         self.f, self.hf, self._gguf_of = f, hf, {}
         for hf_name in hf_names:

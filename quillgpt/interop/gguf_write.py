@@ -33,7 +33,7 @@ from quillgpt.files import check_output_file, os_error, write_file
 from quillgpt.interop import gpt2, llama
 from quillgpt.interop.families import export_family
 from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily
-from quillgpt.interop.gguf_read import _gguf
+from quillgpt.interop.gguf_read import gguf_module
 
 
 @dataclass
@@ -72,7 +72,7 @@ def permute(w: Tensor, heads: int) -> Tensor:
 
 def gguf_tensors(state: dict[str, Tensor], cfg: ModelConfig, fam: GGUFFamily) -> dict[str, np.ndarray]:
     """quill state dict → llama.cpp's tensors (fp32 numpy, PyTorch shape order), by llama.cpp's names."""
-    gguf = _gguf()
+    gguf = gguf_module()
     if fam.model_type == "gpt2":
         hf = {k: v.t() if k.endswith(gpt2.CONV1D_WEIGHTS) else v for k, v in gpt2.quill_to_hf_state(state, cfg).items()}
     else:
@@ -92,7 +92,7 @@ def gguf_tensors(state: dict[str, Tensor], cfg: ModelConfig, fam: GGUFFamily) ->
 
 
 def _add_tensor(writer: Any, name: str, a: np.ndarray, kind: str) -> None:
-    gguf = _gguf()
+    gguf = gguf_module()
     Q = gguf.GGMLQuantizationType
     if a.ndim == 1 or kind == "f32":
         writer.add_tensor(name, a)
@@ -105,7 +105,7 @@ def _add_tensor(writer: Any, name: str, a: np.ndarray, kind: str) -> None:
 
 
 def _add_config(writer: Any, cfg: ModelConfig, fam: GGUFFamily, name: str, kind: str) -> None:
-    gguf = _gguf()
+    gguf = gguf_module()
     writer.add_name(name)
     types = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
     writer.add_file_type(gguf.LlamaFileType[types[kind]])
@@ -200,7 +200,7 @@ def tokenizer_fields(tok: Tokenizer, vocab_size: int) -> dict[str, Any]:
 
 
 def _add_tokenizer(writer: Any, t: dict[str, Any]) -> None:
-    gguf = _gguf()
+    gguf = gguf_module()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(t["pre"])
     writer.add_token_list(t["tokens"])
@@ -219,7 +219,7 @@ def _add_tokenizer(writer: Any, t: dict[str, Any]) -> None:
 def _writer(path: Path, arch: str) -> Any:
     """gguf.GGUFWriter, writing an empty array as GGUF allows (a count of 0; GGUFWriter refuses one):
     a char vocabulary has no merges, and llama.cpp needs the key all the same."""
-    gguf = _gguf()
+    gguf = gguf_module()
 
     class Writer(gguf.GGUFWriter):
         def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:

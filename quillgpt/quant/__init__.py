@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from quillgpt.errors import QuillError
+from quillgpt.quant.embedding import QuantEmbedding
 from quillgpt.quant.int4 import INT4, INT4_G64, INT4_G128
 from quillgpt.quant.int8 import INT8, INT8_CHANNEL, plan_of
 from quillgpt.quant.scheme import ConvertOptions, QuantLinear, Scheme
@@ -87,7 +88,11 @@ def weights_note(model: nn.Module, sep: str = ", ", compiled: bool = False) -> s
 def dequantize(model: nn.Module) -> nn.Module:
     """Every quantized linear of `model` replaced by an nn.Linear of its dequantized weight and its
     bias, in place, and the model returned: the float model the quantized one computes (what its
-    kernels are checked against, and what a scheme's quality is measured from)."""
+    kernels are checked against, and what a scheme's quality is measured from). An embedding table
+    kept quantized becomes an nn.Embedding (tied to the head again where it was the head's)."""
+    wte, tied = model.transformer.wte, model.lm_head
+    if isinstance(wte, QuantEmbedding):
+        model.transformer.wte = nn.Embedding.from_pretrained(wte.table.dequantized().to(wte.dtype), freeze=False)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, QuantLinear):
@@ -97,4 +102,6 @@ def dequantize(model: nn.Module) -> nn.Module:
                     if child.bias is not None:
                         plain.bias.copy_(child.bias)
                 setattr(parent, name, plain)
+    if isinstance(wte, QuantEmbedding) and wte.table is tied:
+        model.transformer.wte.weight = model.lm_head.weight
     return model

@@ -3,6 +3,7 @@ and loaded back (by transformers and by quill), each quant type imported, bad fi
 Tests marked gguf_slow (the real SmolLM2 GGUF, llama.cpp) run with `pytest -m gguf_slow`."""
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,15 +13,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from quillgpt import quant  # noqa: E402
 from quillgpt.cli import main  # noqa: E402
 from quillgpt.config import Config, ModelConfig  # noqa: E402
 from quillgpt.data.tokenizer import CharTokenizer  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.interop import gguf_write  # noqa: E402
+from quillgpt.interop import gguf_blocks, gguf_write  # noqa: E402
 from quillgpt.interop.gguf_import import import_gguf  # noqa: E402
 from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
 from quillgpt.model.gpt import GPT  # noqa: E402
+from quillgpt.quant import QuantLinear  # noqa: E402
 from quillgpt.runs import load_run, write_run  # noqa: E402
 
 CHARS = "\n !',-.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -125,11 +128,29 @@ def test_each_quant_type_imports_as_transformers_dequantizes_it(tmp_path, monkey
     make_run(tmp_path / "run", "llama", n_embd=256, mlp_hidden=256)
     path = export_gguf(tmp_path / "run", tmp_path / "q.gguf", which="latest").path
     assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} == {"F32", qtype}
-    import_gguf(path, tmp_path / "back")
+    import_gguf(path, tmp_path / "back", dequantize=True)
     run = load_run(tmp_path / "back", which="latest")
     ids = run.tokenizer.encode(TEXT)
     got, want = logits(run, ids), hf_logits(path, ids)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5  # fp32 rounding of logits this large
+    # kept quantized: the same model where the file's blocks map exactly (a prompt this long runs the
+    # dequantized weights through F.linear), within the import line's named rounding where not
+    done = import_gguf(path, tmp_path / "kept")
+    kept = load_run(tmp_path / "kept", which="latest")
+    err = ((logits(kept, ids) - want).abs().max() / want.abs().max()).item()
+    if qtype in gguf_blocks.EXACT_TYPES or qtype in ("F16", "BF16"):
+        assert err < 1e-5 and "not exact" not in done.note
+        return
+    # rounded: each kept weight within the import line's cost of ggml's (measured on every row of
+    # tensors this small), and the run computes exactly its kept weights
+    cost = float(re.search(rf"{qtype} not exact \(.*max error ([0-9.e+-]+) of the largest weight\)", done.note).group(1))
+    floats = dict(run.model.named_modules())
+    for name, layer in kept.model.named_modules():
+        if isinstance(layer, QuantLinear) and name in floats:
+            w = floats[name].weight
+            assert 0 < ((layer.dequantized() - w).abs().max() / w.abs().max()).item() <= cost * 1.01  # the line's 2 digits
+    plain = quant.dequantize(load_run(tmp_path / "kept", which="latest").model)
+    torch.testing.assert_close(logits(kept, ids), plain(torch.tensor([ids]), all_logits=True)[0].detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_export_refuses_what_llama_cpp_cannot_compute(tmp_path):
