@@ -473,7 +473,7 @@ def _print_imported(src: str | Path, done: Converted) -> None:
         f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
         f"{m.n_embd} wide, block_size {m.block_size:,}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
         + (
-            f"{done.note}; chat with `quill chat {done.path}` (to fine-tune, import with --dequantize)"
+            f"{done.note}; chat with `quill chat --ckpt {done.path}` (to fine-tune, import with --dequantize)"
             if done.note
             else f"fine-tune with `quill train ... train.init_from={done.path}`"
         )
@@ -537,7 +537,7 @@ def quantize_cmd(
 
     done = quantize_run(run, out, quantize, which=which, force=force)
     size = sum(p.stat().st_size for p in done.iterdir() if p.is_file())
-    print(f"quantized {run} ({which}) to {quantize} → {done} ({size / 1e6:,.1f} MB): `quill chat {done}`")
+    print(f"quantized {run} ({which}) to {quantize} → {done} ({size / 1e6:,.1f} MB): `quill chat --ckpt {done}`")
 
 
 @app.command("export-gguf")

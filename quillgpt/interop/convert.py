@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from quillgpt import checkpoint as ckpt
-from quillgpt import runs
+from quillgpt import quant, runs
 from quillgpt.config import Config, ModelConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
@@ -112,6 +112,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     out_dir = Path(out_dir)
     check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
     loaded = runs.load_run(run, which=which)
+    quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer
     family = export_family_of(loaded.path, cfg, tok)
     tensors, config = CODECS[family.codec].hf_files(loaded.model.state_dict(), cfg, family, tok)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from quillgpt import runs
+from quillgpt import quant, runs
 from quillgpt.config import ModelConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
@@ -319,6 +319,7 @@ def export_gguf(
     if modelfile is not None:
         check_output_file(modelfile, "the Modelfile", force=force)
     loaded = runs.load_run(run, which=which)
+    quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer
     fam = gguf_family_of(cfg)
     fields = tokenizer_fields(tok, cfg.vocab_size)

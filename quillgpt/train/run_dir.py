@@ -198,6 +198,11 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     only INIT_APPLIED apply; one given on the command line that would change the architecture is
     refused (the weights fix it), never silently ignored."""
     state, path = runs.load_state(cfg.train.init_from, which="best")
+    if runs.quantized_layers(state):
+        raise QuillError(
+            f"train.init_from={cfg.train.init_from} is a quantized run (int4/int8 codes), which training cannot update; "
+            "fine-tune a float run: `quill import-gguf FILE.gguf --dequantize -o DIR` (or the run it was quantized from)"
+        )
     if path.resolve().parent == Path(cfg.train.out_dir).resolve():
         raise QuillError(
             f"train.init_from={cfg.train.init_from} is the run in train.out_dir, which this run would "
