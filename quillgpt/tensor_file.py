@@ -161,30 +161,37 @@ class TensorFile:
     def _parse(self, raw: bytes, data_size: int) -> tuple[dict[str, Entry], dict[str, str]]:
         try:
             header = json.loads(raw)
-            meta = header.pop("__metadata__", {})
+            meta = header.pop("__metadata__", {}) if isinstance(header, dict) else None
             crcs = json.loads(meta.get("crc32", "{}")) if isinstance(meta, dict) else None
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, TypeError) as e:
             raise QuillError(self._damaged.format(f"its header is not JSON: {str(e)[:60]}")) from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(crcs, dict):
             raise QuillError(f"{shown(self.path)} is not a quill weights file (no {FORMAT!r} marker)")
-        entries, at = {}, 0
-        for name, e in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0] if isinstance(kv[1], dict) else 0):
-            try:
-                dtype, shape, (start, end) = DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-                ok = all(isinstance(d, int) and d >= 0 for d in shape) and start == at and end - start == math.prod(shape) * dtype.itemsize
-            except (KeyError, TypeError, ValueError):
-                ok = False
-            if not ok:
+        entries = {name: self._entry(name, e) for name, e in header.items()}
+        at = 0
+        for name, e in sorted(entries.items(), key=lambda kv: kv[1].start):
+            if e.start != at:  # no gap, no overlap: every byte is one tensor's
                 raise QuillError(self._damaged.format(f"tensor {str(name)[:60]} has a bad dtype, shape or byte range"))
-            at = end
-            if not name.startswith("__pad"):
-                entries[name] = Entry(dtype, shape, start, end)
+            at = e.end
         if at != data_size:
             raise QuillError(self._damaged.format(f"it holds {data_size:,} bytes of tensors, its header says {at:,}: truncated?"))
+        entries = {n: e for n, e in entries.items() if not n.startswith("__pad")}
         if set(crcs) != set(entries):
             raise QuillError(self._damaged.format("its checksums do not name its tensors"))
         self._crc = crcs
         return entries, meta
+
+    def _entry(self, name: str, e: object) -> Entry:
+        """One header entry, typed: its byte range as long as its dtype and shape make it."""
+        try:
+            dtype, shape, (start, end) = DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, start, end))
+            ok = ok and end - start == math.prod(shape) * dtype.itemsize
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise QuillError(self._damaged.format(f"tensor {str(name)[:60]} has a bad dtype, shape or byte range"))
+        return Entry(dtype, shape, start, end)
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, read into memory of its own and checked against its CRC-32."""

@@ -2,7 +2,7 @@
 tensor as each is read, so an 8B file imports in a little more memory than its largest tensor.
 
 Each linear of the run (and the embedding table) takes the file's own blocks: Q4_0, Q4_1 and Q4_K
-become int4 groups of 32, Q8_0, Q5_0, Q5_1, Q5_K and Q6_K int8 groups of 32
+become int4 groups of 32, Q5_0 and Q5_K int5 ones (quant/int5.py), Q8_0, Q5_1 and Q6_K int8 ones
 (interop/gguf_blocks.py: which map bit for bit, and which are rounded and how). Parts fused into one
 of quill's layers (q, k, v → c_attn; gate, up → c_fc) that differ in type share the wider form
 (int4 codes are int8 codes exactly). Other quantized types (Q2_K, Q3_K, ...) are dequantized and
@@ -37,7 +37,8 @@ from quillgpt.quant import SCHEMES
 from quillgpt.quant.stored import EMBEDDING, Spec, layer_specs
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # the types kept as int4 (the others int8)
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # the types kept as int4
+FIVE_BIT = ("Q5_0", "Q5_K")  # kept as int5 (codes in [-16, 15]); the others int8
 COST_ROWS = 256  # rows of a large rounded tensor its cost is measured on (ggml's dequantization: ~50M weights/s)
 SMALL = 1 << 24  # a rounded tensor up to this many weights is measured whole
 
@@ -106,14 +107,13 @@ def _heads(f: GGUFFile, hf_name: str, heads: int, kv: int) -> int | None:
 
 def _choose(f: GGUFFile, piece: Piece, cfg: ModelConfig) -> None:
     """A 2-D piece's scheme from its parts' types: int4 where all are 4-bit blocks (and the layout
-    takes the width), int8 where any is wider or not mapped; float where any part is float."""
+    takes the width), int5 where all are 4- or 5-bit ones with codes in [-16, 15], int8 where any
+    is wider or not mapped; float where any part is float."""
     types = [f.tensors[p].tensor_type.name for p in piece.parts]
     if any(t in FLOAT_TYPES for t in types):
         return
-    four = all(t in FOUR_BIT for t in types)
-    scheme = SCHEMES["int4" if four else "int8"]
-    if not scheme.stores(*piece.shape):
-        scheme = SCHEMES["int8"]
+    four, five = all(t in FOUR_BIT for t in types), all(t in FOUR_BIT + FIVE_BIT for t in types)
+    scheme = SCHEMES["int4" if four and SCHEMES["int4"].stores(*piece.shape) else "int5" if five else "int8"]
     embedding = piece.name == EMBEDDING + ".weight"
     tied = embedding and cfg.tie_embeddings
     piece.name = "lm_head" if tied else piece.name.removesuffix(".weight")
@@ -144,7 +144,8 @@ def tensors(f: GGUFFile, pieces: list[Piece], report: Report) -> Iterator[tuple[
             yield p.name, (parts[0] if len(parts) == 1 else torch.cat(parts)).to(p.dtype)
             continue
         groups = [_groups(f, n, h, p.scheme, report) for n, h in zip(p.parts, p.heads)]
-        packed = {k: torch.cat([g[k] for g in groups]) for k in ("codes", "scale", "offset")}
+        packed = {k: groups[0][k] if len(groups) == 1 else torch.cat([g[k] for g in groups]) for k in ("codes", "scale", "offset")}
+        del groups
         for key, t in SCHEMES[p.scheme].store(packed).items():
             yield f"{p.name}.{key}", t
 
@@ -171,6 +172,7 @@ def _groups(f: GGUFFile, name: str, heads: int | None, scheme: str, report: Repo
     raw = _read(f, name)
     try:
         g = gguf_blocks.to_groups(raw, kind, rows, cols)
+        raw = raw if g is not None and not g.exact else None  # kept only to measure the rounding
     except ValueError as e:
         raise QuillError(f"{shown(f.path)}: {name} ({kind}) cannot be kept: {str(e)[:100]}; import it with --dequantize") from None
     if g is None:  # a type with no exact form: dequantized, requantized to int8
@@ -232,6 +234,7 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False, dequa
     tokenizer = gguf_read.gguf_tokenizer(f)
     quantized = any(t.tensor_type.name not in FLOAT_TYPES for t in f.tensors.values())
     if quantized and not dequantize and f.family.model_type != "gpt2":
+        f.drop_vocabulary()
         cfg = llama.llama_to_model_config(hf, str(f.path))
         if cfg.vocab_size < tokenizer.vocab_size:
             raise QuillError(f"{shown(f.path)}: vocab_size {cfg.vocab_size} is fewer than its tokenizer's {tokenizer.vocab_size} tokens")

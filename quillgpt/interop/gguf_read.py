@@ -68,6 +68,13 @@ class GGUFFile:
                 f"{shown(self.path)} has {', '.join(unknown)} tensors (e.g. {first}); quill dequantizes {', '.join(READ_TYPES)}"
             )
 
+    def drop_vocabulary(self) -> None:
+        """Forget the tokenizer's arrays (a 151k vocabulary's strings and the reader's views of them:
+        hundreds of MB) once the tokenizer is built, before the tensors are read."""
+        for key in BIG_ARRAYS:
+            self.meta.pop(key, None)
+            self.reader.fields.pop(key, None)
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(key, default)
 

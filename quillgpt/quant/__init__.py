@@ -1,7 +1,7 @@
 """--quantize: the schemes, each one record (quant/scheme.py), and the converter that applies one
 to a model from outside it (torchtitan's converters: the model stays pure).
 
-    SCHEMES          name → Scheme: int8 and int8-channel (quant/int8.py), int4, int4-g64 and
+    SCHEMES          name → Scheme: int8 and int8-channel (quant/int8.py), int5 (quant/int5.py), int4, int4-g64 and
                      int4-g128 (quant/int4.py); --quantize's help, its parsing, the stats line
                      and tests/quant/test_schemes.py read it
     quantize()       every linear of a model swapped for its scheme's Linear, in place
@@ -20,10 +20,11 @@ from torch import nn
 from quillgpt.errors import QuillError
 from quillgpt.quant.embedding import QuantEmbedding
 from quillgpt.quant.int4 import INT4, INT4_G64, INT4_G128
+from quillgpt.quant.int5 import INT5
 from quillgpt.quant.int8 import INT8, INT8_CHANNEL, plan_of
 from quillgpt.quant.scheme import ConvertOptions, QuantLinear, Scheme
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (INT8, INT8_CHANNEL, INT4, INT4_G64, INT4_G128)}
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (INT8, INT8_CHANNEL, INT5, INT4, INT4_G64, INT4_G128)}
 
 __all__ = [
     "SCHEMES",

@@ -162,12 +162,12 @@ class Int4Linear(nn.Module):
     def runs_native(self) -> bool:
         return self.kernel == "group_gemv4"
 
-    def stored(self) -> Packed:
-        """The layer's tensors as a run stores them (store's form): group_gemv4's, as they are."""
+    def packed(self) -> Packed:
+        """The layer's codes, scales and offsets in pack's form (what `store` writes): group_gemv4's."""
         if self.scale is None or self.scale.dtype != torch.float16:
             why = native.why_not() or "its groups' ranges are past fp16's"
             raise QuillError(f"an int4 run is written in quill's C++ kernel's layout, which this layer could not take ({why})")
-        return {"codes": self.codes, "scale": self.scale, "offset": self.offset}
+        return {"codes": native.unpack4(self.codes), "scale": self.scale, "offset": self.offset}
 
     def rows(self, idx: Tensor) -> Tensor:
         """(len(idx), in) float32 rows of the weight (an embedding lookup), without the whole weight."""

@@ -32,9 +32,10 @@ class Int8Linear(nn.Module):
     (…, in) → (…, out) in x's dtype. Where group_gemv runs the layer, `weight` holds q in its
     layout (native.interleave: four rows at a time); `codes()` is q row after row."""
 
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None) -> None:
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None, plan: KernelPlan, offset: Offset = None, bits: int = 8) -> None:
+        """`bits`: the codes' range, 8 or fewer (int5's codes are int8 codes in [-16, 15])."""
         super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.in_features, self.out_features, self.bits = weight.shape[1], weight.shape[0], bits
         self.register_buffer("scale", scale)  # (out,) or (out, in / group) in the model's dtype
         self.register_buffer("offset", offset)  # None, or (out, in / group) as the scales
         self.group = self.in_features // scale.shape[1] if scale.dim() == 2 else 0  # 0: per output channel
@@ -57,7 +58,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", native.interleave(weight) if self.interleaved else weight)  # (out, in) int8
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0, bits: int = 8) -> Int8Linear:
         """Symmetric quantization per row (group 0, or a group that does not divide in_features):
         s = max|w| / 127, q = round(w / s) in [-127, 127]. Or per `group` weights of a row, each
         group in whichever of two forms reconstructs it with less squared error: over its range,
@@ -65,10 +66,11 @@ class Int8Linear(nn.Module):
         o = 0, q in [-127, 127] (exact on weights that were Q8_0, as real models' embeddings often
         are). s and o are rounded to fp16 values first, so q rounds to what is multiplied. A group
         whose offset fp16 cannot hold is kept symmetric; a layer with a group neither form holds
-        (|w| past 127 × 65504) keeps per-row scales, in fp32 where fp16 cannot hold them either."""
+        (|w| past 127 × 65504) keeps per-row scales, in fp32 where fp16 cannot hold them either.
+        `bits` < 8: the same forms over 2**bits levels (int5: [-16, 15])."""
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        p = pack(linear.weight, group)
-        return cls(p["codes"], p["scale"], bias, plan, p.get("offset"))
+        p = pack(linear.weight, group, bits)
+        return cls(p["codes"], p["scale"], bias, plan, p.get("offset"), bits)
 
     def codes(self) -> Tensor:
         """q (out, in) int8, row after row (what every kernel but group_gemv takes)."""
@@ -97,9 +99,10 @@ class Int8Linear(nn.Module):
     def runs_native(self) -> bool:
         return self.runs["group_gemv"] == "group_gemv" and self.plan.may_pick("group_gemv")
 
-    def stored(self) -> Packed:
-        """The layer's tensors as a run stores them (store's form)."""
-        return store({"codes": self.codes(), "scale": self.scale, "offset": self.offset})
+    def packed(self) -> Packed:
+        """The layer's codes, scales and offsets in pack's form (what `store` writes)."""
+        packed = {"codes": self.codes(), "scale": self.scale}
+        return packed if self.offset is None else {**packed, "offset": self.offset}
 
     def rows(self, idx: Tensor) -> Tensor:
         """(len(idx), in) float32 rows of the weight (an embedding lookup), without the whole weight."""
@@ -130,19 +133,20 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         scales = f"{self.group} weights per scale" if self.group else "per-channel scales"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8, {scales}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int{self.bits}, {scales}"
 
 
-def _group_codes(w: Tensor, group: int) -> Form:
-    """int8 codes, scales and offsets of w's groups, each in the form (symmetric or over its range,
-    see Int8Linear.from_linear) with the smaller squared error."""
+def _group_codes(w: Tensor, group: int, bits: int) -> Form:
+    """Codes of `bits` (int8 for 8), scales and offsets of w's groups, each in the form (symmetric
+    or over its range, see Int8Linear.from_linear) with the smaller squared error."""
+    top, mid = 2 ** (bits - 1) - 1, 2 ** (bits - 1)  # 127, 128 for int8
     wg, low, high = group_codes.grouped(w, group)
-    sym = _fp16_values(torch.maximum(-low, high) / 127, w.dtype)
+    sym = _fp16_values(torch.maximum(-low, high) / top, w.dtype)
     zero = torch.zeros_like(sym)
-    symmetric = (group_codes.codes(wg, sym, zero, -127, 127), sym, zero)
-    scale = _fp16_values((high - low) / 255, w.dtype)
-    offset = _fp16_values(low + 128 * scale, w.dtype)
-    ranged = (group_codes.codes(wg, scale, offset, -128, 127), scale, offset)
+    symmetric = (group_codes.codes(wg, sym, zero, -top, top), sym, zero)
+    scale = _fp16_values((high - low) / (top + mid), w.dtype)
+    offset = _fp16_values(low + mid * scale, w.dtype)
+    ranged = (group_codes.codes(wg, scale, offset, -mid, top), scale, offset)
     return group_codes.better(wg, symmetric, ranged)
 
 
@@ -155,20 +159,20 @@ def _fp16_values(t: Tensor, dtype: torch.dtype) -> Tensor:
 # --- the scheme: storage, conversion, the stats line ---------------------------------------------
 
 
-def pack(w: Tensor, group: int) -> Packed:
+def pack(w: Tensor, group: int, bits: int = 8) -> Packed:
     """w (out, in) → {"codes": int8 (out, in), "scale": (out,) or (out, in / group), and "offset"
-    where group-wise} in w's dtype: see Int8Linear.from_linear for the forms."""
+    where group-wise} in w's dtype: see Int8Linear.from_linear for the forms (`bits`: their range)."""
     out, inp = w.shape
-    w = w.detach()
+    w, top = w.detach(), 2 ** (bits - 1) - 1
     if group and inp % group == 0 and group < inp:
-        q, scale, offset = _group_codes(w, group)
+        q, scale, offset = _group_codes(w, group, bits)
         if scale.isfinite().all() and offset.isfinite().all():
             return {"codes": q.view(out, inp).to(torch.int8), "scale": scale.to(w.dtype), "offset": offset.to(w.dtype)}
     tiny = torch.finfo(torch.float32).tiny
-    scale = w.float().abs().amax(dim=1) / 127
+    scale = w.float().abs().amax(dim=1) / top
     if (half := _fp16_values(scale, w.dtype)).isfinite().all():  # fp16 values where they hold (group_gemv reads fp16)
         scale = half
-    q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-127, 127)
+    q = torch.round(w.float() / scale.clamp(min=tiny)[:, None]).clamp_(-top, top)
     return {"codes": q.to(torch.int8), "scale": scale.to(w.dtype)}
 
 
@@ -208,10 +212,10 @@ def stored_shapes(out_features: int, in_features: int, group: int) -> dict[str, 
     return {**shapes, "scale": groups, "offset": groups}
 
 
-def load(stored: Packed, bias: Tensor | None, dtype: torch.dtype) -> Int8Linear:
+def load(stored: Packed, bias: Tensor | None, dtype: torch.dtype, bits: int = 8) -> Int8Linear:
     offset = stored.get("offset")
     bias = None if bias is None else bias.to(dtype)
-    return Int8Linear(stored["codes"], stored["scale"].to(dtype), bias, RULE_PLAN, None if offset is None else offset.to(dtype))
+    return Int8Linear(stored["codes"], stored["scale"].to(dtype), bias, RULE_PLAN, None if offset is None else offset.to(dtype), bits)
 
 
 def linear(lin: nn.Linear, group: int, kernel: str | None = None) -> Int8Linear:
@@ -219,17 +223,18 @@ def linear(lin: nn.Linear, group: int, kernel: str | None = None) -> Int8Linear:
     return Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",)), group)
 
 
-def convert(model: nn.Module, group: int, options: ConvertOptions) -> None:
+def convert(model: nn.Module, group: int, options: ConvertOptions, bits: int = 8) -> None:
     """Swap every nn.Linear of `model` (a GPT: the blocks' and the head) for an Int8Linear, in
     place. options.kernel (a KERNELS name) fixes one kernel for every input; else one plan for
-    every layer, measured at options.rows (or the one kept for this machine: options.cache)."""
+    every layer, measured at options.rows (or the one kept for this machine: options.cache).
+    `bits`: the codes' range (int5: 5)."""
     kernel, rows = options.kernel, options.rows
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     places = [
         (parent, name, child) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)
     ]
-    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows), group) for _, _, lin in places]
+    layers = [Int8Linear.from_linear(lin, KernelPlan((1,), (kernel or "dequant/model",), rows), group, bits) for _, _, lin in places]
     if kernel is None:
         first = {id(m) for m in model.transformer.h[0].modules()}
         pairs = [(lin, q) for (_, _, lin), q in zip(places, layers)]
@@ -250,13 +255,14 @@ def note(model: nn.Module, sep: str, compiled: bool) -> str:
     (`compiled`); why group_gemv is missing where it was asked for but did not build."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     group = max(m.group for m in layers)  # a layer whose width the group does not divide has per-channel scales
+    what = f"int{max(m.bits for m in layers)} weights"
     missing = f" (group_gemv did not build: {native.why_not()})" if group and native.why_not() else ""
     if group and compiled:
         gemv = any(m.runs["group_gemv"] == "group_gemv" for m in layers)
         how = "group_gemv in the compiled step" if gemv else "grouped_sum fused into the compiled step"
         more = " and where measured fastest" if gemv and layers[0].plan.pick(layers[0].plan.rows) == "group_gemv" else ""
-        return f"{sep}int8 weights ({group} per scale), {how} (up to {FUSED_ROWS} rows{more}){missing}"
-    return f"{sep}{layers[0].plan.describe(f' ({group} per scale)' if group else ' (per-channel scales)')}{missing}"
+        return f"{sep}{what} ({group} per scale), {how} (up to {FUSED_ROWS} rows{more}){missing}"
+    return f"{sep}{layers[0].plan.describe(f' ({group} per scale)' if group else ' (per-channel scales)', what)}{missing}"
 
 
 # kernel → the relative error it may have against the reference: its activations' rounding (bf16:

@@ -52,16 +52,16 @@ class KernelPlan:
         any size: which one wins is the timing's), a fixed plan's own kernels."""
         return kernel in self.kernels or any(kernel in ms for ms in self.ms)
 
-    def describe(self, scales: str = "") -> str:
+    def describe(self, scales: str = "", what: str = "int8 weights") -> str:
         """A few words for the stats line: the decode step's kernel and what it was measured against
-        (`scales`: a note on the weights' scales, after "int8 weights")."""
+        (`scales`: a note on the weights' scales, after `what`)."""
         kernel = self.pick(self.rows)
         if not self.ms:
-            return f"int8 weights{scales}, {kernel}"
+            return f"{what}{scales}, {kernel}"
         ms = self.ms[self.sizes.index(self.rows)]
         slower = " (slower here: a model this small, or a busy machine while it was measured)" if ms[kernel] >= ms["float"] else ""
         how = f"; {self.source}" if self.source else ""
-        return f"int8 weights{scales}, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}{how}"
+        return f"{what}{scales}, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}{how}"
 
 
 def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:

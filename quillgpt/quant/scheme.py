@@ -54,8 +54,8 @@ class QuantLinear(Protocol):
         """(len(idx), in) float32: rows `idx` of the dequantized weight (an embedding lookup in it)."""
         ...
 
-    def stored(self) -> Packed:
-        """The layer's tensors as a quantized run stores them (its scheme's `store` form)."""
+    def packed(self) -> Packed:
+        """The layer's codes, scales and offsets in its scheme's `pack` form (a run stores their `store`)."""
         ...
 
 

@@ -31,7 +31,7 @@ Spec = tuple[str, torch.dtype, tuple[int, ...]]
 def scheme_of(layer: nn.Module) -> Scheme:
     """The registered scheme a quantized layer is (its Linear type and group)."""
     for s in SCHEMES.values():
-        if type(layer) is s.layer and s.group == layer.group:
+        if type(layer) is s.layer and s.group == layer.group and getattr(layer, "bits", s.bits) == s.bits:
             return s
     raise ValueError(f"{type(layer).__name__} with {layer.group} weights per scale is no registered scheme")
 
@@ -53,7 +53,7 @@ def model_tensors(model: GPT) -> tuple[dict[str, str], Iterator[tuple[str, Tenso
 
     def tensors() -> Iterator[tuple[str, Tensor]]:
         for name, m in quantized.items():
-            yield from ((f"{name}.{k}", t) for k, t in m.stored().items())
+            yield from ((f"{name}.{k}", t) for k, t in scheme_of(m).store(m.packed()).items())
             if m.bias is not None:
                 yield f"{name}.bias", m.bias
         tied = model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear)
