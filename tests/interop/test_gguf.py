@@ -37,11 +37,13 @@ SHAPES = {  # run → the llama.cpp architecture it exports as
 }
 
 
-def make_run(out: Path, shape: str, n_embd: int = 64, n_head: int = 4, block_size: int = 128, seed: int = 0, **extra) -> Path:
+def make_run(
+    out: Path, shape: str, n_embd: int = 64, n_head: int = 4, block_size: int = 128, seed: int = 0, n_layer: int = 2, **extra
+) -> Path:
     """A random run of `shape` with a char tokenizer, written as import-hf writes one."""
     torch.manual_seed(seed)
     keys = {**SHAPES[shape][0], **extra}
-    cfg = ModelConfig(vocab_size=len(CHARS), block_size=block_size, n_layer=2, n_head=n_head, n_embd=n_embd, **keys)
+    cfg = ModelConfig(vocab_size=len(CHARS), block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, **keys)
     out.mkdir(parents=True, exist_ok=True)
     write_run(out, Config(model=cfg), CharTokenizer(CHARS), random_weights(cfg))
     return out
