@@ -10,8 +10,12 @@ run as --quantize runs them (through the kernels this machine's plan picks); --g
 llama.cpp's loss, agreement and greedy tokens on the same ids (a GGUF of the same weights);
 --gguf-type TYPE adds the run as `quill export-gguf --type TYPE` writes it, imported back (with
 its file's MB); --int8-activations adds each scheme with its linears' inputs rounded to int8 per
-32, what a kernel multiplying int8 activations (`vpdpbusd`) would cost. Prints one markdown table
-and the load average before and after.
+32, what a kernel multiplying int8 activations (`vpdpbusd`) would cost; --kept FILE adds the run
+`quill import-gguf FILE` writes (the file's quantization kept) against --ckpt, which is then
+`quill import-gguf FILE --dequantize` (fp32 of the same blocks). --prompts coding asks 10 everyday
+coding questions instead of chat ones. Prints one markdown table and the load average before and after.
+
+    python scripts/quant_real.py --ckpt out/qwen-fp32 --kept qwen2.5-coder-0.5b.gguf --prompts coding --text FILE
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from quillgpt.model.gpt import GPT
 from quillgpt.quant import SCHEMES, dequantize, plan_of, quantize
 from quillgpt.quant.int4 import Int4Linear
 from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant.stored import scheme_of
 from quillgpt.runs import load_run
 
 PROMPTS = [
@@ -49,6 +54,18 @@ PROMPTS = [
     "How can I save money on groceries?",
     "What should I pack for a beach trip?",
     "Why is the sky blue?",
+]
+CODING = [
+    "Write a Python function that reverses a string.",
+    "How do I read a JSON file in Python?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a bash command that finds every .txt file under the current directory.",
+    "How do I sort a dictionary by its values in Python?",
+    "Write a JavaScript function that checks whether a number is prime.",
+    "What does `git rebase` do?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "How do I remove duplicates from a list in Python while keeping the order?",
 ]
 
 
@@ -121,6 +138,8 @@ def main() -> None:
     p.add_argument("--gguf", type=Path, action="append", default=[], help="the same model as a GGUF file: llama.cpp's row (repeatable)")
     gguf_type = "also the run as export-gguf writes this type, imported back"
     p.add_argument("--gguf-type", action="append", default=[], choices=list(WRITE_TYPES), help=gguf_type)
+    p.add_argument("--kept", type=Path, action="append", default=[], help="a GGUF file imported keeping its quantization (repeatable)")
+    p.add_argument("--prompts", choices=["chat", "coding"], default="chat", help="the 10 prompts asked: everyday chat or coding")
     add_common(p, text=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,9 +190,9 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     run = load_run(args.ckpt)
     tok = run.tokenizer
     ids = torch.tensor(tok.encode(args.text.read_text())[-args.positions - 1 :])[None]
-    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}])[0] for q in PROMPTS]
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}])[0] for q in (CODING if args.prompts == "coding" else PROMPTS)]
     base = Baseline(*scored(run.model, ids), greedy(run.model, prompts, args.tokens), args.tokens)
-    print(f"fp32 loss {base.loss:.4f}; fp32 sleeping tips: {tok.decode(base.greedy[0])!r}\n", flush=True)
+    print(f"fp32 loss {base.loss:.4f}; fp32 on the first prompt: {tok.decode(base.greedy[0])!r}\n", flush=True)
     kept = f"prompts keeping {args.tokens} greedy tokens"
     print(f"| weights | activations | loss | Δ loss | top-1 agreement | {kept} | tokens kept per prompt |\n|---|---|---|---|---|---|---|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
@@ -194,6 +213,19 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     for kind in args.gguf_type:
         model, mb = gguf_round_trip(args.ckpt, kind, work)
         base.row(f"export-gguf {kind} ({mb:.1f} MB), imported back", "fp32", *scored(model, ids), greedy(model, prompts, args.tokens))
+    for path in args.kept:
+        done = import_gguf(path, work / f"kept-{path.stem}")
+        model = load_run(done.path, which="latest").model
+        layers = sorted({scheme_of(m).name for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))})
+        mb = (done.path / "weights.safetensors").stat().st_size / 1e6
+        note = f" <!-- {done.note} -->"
+        base.row(
+            f"import-gguf {path.name}, kept ({mb:.1f} MB, file {path.stat().st_size / 1e6:.1f} MB)",
+            "/".join(layers),
+            *scored(model, ids),
+            greedy(model, prompts, args.tokens),
+            note,
+        )
     for path in args.gguf:
         base.row(f"llama.cpp {path.name}", "its own", *llama_scored(path, ids, prompts, args.tokens))
 
