@@ -6,7 +6,8 @@ every command can load (import-hf, export-hf's inverse, merge). A LoRA run (lora
 its adapters only, with `lora_base`: the base checkpoint's path and a checksum of its weights.
 Loading it for use (`load_state`, `load_run`) loads the base, refuses one whose weights changed
 since, and merges the adapters into it: every command gets a plain GPT, as fast as the base.
-`merge_run` writes that merged model as a run of its own. `check_fits` refuses a model that the
+`merge_run` writes that merged model as a run of its own (a quantized base: its dequantized weights
+with the adapters merged in, a float run). `check_fits` refuses a model that the
 machine's free memory cannot hold before it is built.
 
 A quantized run (quill quantize, quill import-gguf of a quantized file) keeps its weights in
@@ -17,6 +18,8 @@ layer in its scheme's stored form, read one tensor at a time straight into the l
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
@@ -114,6 +117,24 @@ def _quantized_model(state: dict[str, Any], config: Config, device: torch.device
     except QuillError as e:
         raise QuillError(f"{shown(where)}: {e}") from None
     return model.to(device)
+
+
+def base_identity(state: dict[str, Any]) -> str:
+    """What a LoRA run's base must keep: the checksum of its weights (of a quantized run: of its
+    weights file's per-tensor CRCs and layer table, no tensor read)."""
+    if not quantized_layers(state):
+        return weights_checksum(state["model"])
+    f = TensorFile(state["weights_file"]["path"])
+    return hashlib.sha256(json.dumps([f.metadata.get("crc32"), f.metadata.get("quantized")]).encode()).hexdigest()
+
+
+def float_weights(state: dict[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A checked state's weights as float tensors: a quantized run's built and dequantized (the
+    float values its codes hold, fp32 memory: what a LoRA fine-tune of it trains on)."""
+    if not quantized_layers(state):
+        return clean_state_dict(state["model"])
+    model, _ = model_from_state(state, dtype=dtype or torch.float32)
+    return quant.dequantize(model).state_dict()
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -251,7 +272,7 @@ def with_base(state: dict[str, Any], ckpt: Path, dtype: torch.dtype | None = Non
             "base back there (adapters only work on the weights they were trained on)"
         )
     base_state, _ = load_state(base["path"])
-    if weights_checksum(base_state["model"]) != base["checksum"]:
+    if base_identity(base_state) != base["checksum"]:
         raise QuillError(
             f"{shown(ckpt)} holds LoRA adapters for the base {base['path']}, whose weights have changed "
             f"since (checksum {base['checksum'][:12]}…); adapters only work on the weights they were "
@@ -268,7 +289,7 @@ def with_base(state: dict[str, Any], ckpt: Path, dtype: torch.dtype | None = Non
             f"{shown(ckpt)}: its adapters do not match its lora config (lora.rank={config.lora.rank}, "
             f"lora.targets={config.lora.targets}); the file is damaged"
         )
-    weights = crop_positions(clean_state_dict(base_state["model"]), config.model)
+    weights = crop_positions(float_weights(base_state), config.model)
     merged = merge_adapters(weights, adapters, config.model, config.lora, dtype)
     return {**{k: v for k, v in state.items() if k != "lora_base"}, "model": merged}
 

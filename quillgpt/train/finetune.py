@@ -93,6 +93,7 @@ def finetune_config(base: Path, data: Path, out: Path, full: bool = False, epoch
         "train.grad_accum=1",
         "train.weight_decay=0.0",
         f"train.learning_rate={FULL_LR if full else LORA_LR}",
+        "train.min_lr=0",  # the plan sets a tenth of the rate; the base's may exceed --full's lower rate
         *(["lora.rank=0"] if full else ["lora.rank=8", "lora.alpha=16", "lora.targets=[q,k,v,o,mlp]"]),
     ]
     return load_config(base / "config.yaml", recipe + list(overrides or []))

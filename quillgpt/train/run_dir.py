@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from quillgpt import checkpoint as ckpt
-from quillgpt import runs
+from quillgpt import quant, runs
 from quillgpt.config import Config, DataConfig, LoraConfig, ModelConfig, TrainConfig, load_config, save_config, with_base_tokenizer
 from quillgpt.data.prepare import PreparedData, prepare
 from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
@@ -198,20 +198,22 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     only INIT_APPLIED apply; one given on the command line that would change the architecture is
     refused (the weights fix it), never silently ignored."""
     state, path = runs.load_state(cfg.train.init_from, which="best")
-    if runs.quantized_layers(state):
+    if runs.quantized_layers(state) and not cfg.lora.rank:
         raise QuillError(
             f"train.init_from={cfg.train.init_from} is a quantized run (int4/int8 codes), which training cannot update; "
-            "fine-tune a float run: `quill import-gguf FILE.gguf --dequantize -o DIR` (or the run it was quantized from)"
+            "train LoRA adapters on it (lora.rank=8; quill finetune does) or fine-tune a float run: "
+            "`quill import-gguf FILE.gguf --dequantize -o DIR` (or the run it was quantized from)"
         )
     if path.resolve().parent == Path(cfg.train.out_dir).resolve():
         raise QuillError(
             f"train.init_from={cfg.train.init_from} is the run in train.out_dir, which this run would "
             "replace; fine-tune into another train.out_dir"
         )
-    base = {"path": str(path.resolve()), "checksum": ckpt.weights_checksum(state["model"])} if cfg.lora.rank else None
+    base = {"path": str(path.resolve()), "checksum": runs.base_identity(state)} if cfg.lora.rank else None
     try:
         spec = tokenizer_from_spec(state["tokenizer"]).spec()
         model, source_cfg = runs.model_from_state(state, dtype=torch.float32)
+        quant.dequantize(model)  # a quantized base: LoRA trains on the float values its codes hold
     except QuillError as e:
         raise QuillError(f"{shown(path)}: {e}") from None
     if spec != tokenizer_spec:

@@ -122,7 +122,23 @@ def test_a_quantized_run_refuses_quantize_and_training_in_one_line(tmp_path, qui
     assert code == 2 and "quantized weights already" in err and err.count("\n") == 1
     conversations = tmp_path / "chats.jsonl"
     conversations.write_text('{"prompt": "ROMEO: hi", "completion": " JULIET: hello"}\n' * 6)
-    code, _, err = quill("finetune", tmp_path / "q", "-d", conversations, "-o", tmp_path / "ft")
-    assert code == 2 and "quantized run" in err and "--dequantize" in err and err.count("\n") == 1
+    code, _, err = quill("finetune", tmp_path / "q", "-d", conversations, "-o", tmp_path / "ft", "--full", "train.min_lr=0")
+    assert code == 2 and "quantized run" in err and "--dequantize" in err and err.count("\n") == 1  # LoRA only
     code, _, err = quill("sample", "--ckpt", tmp_path / "q", "-p", "ROMEO:", "-n", 4, "--temperature", 0)
     assert code == 0
+
+
+def test_lora_fine_tunes_a_quantized_run_on_its_dequantized_weights(tmp_path, quill):
+    src = float_run(tmp_path / "float", "qkv-bias")  # untied (a tied one trains with its embedding = its int8 head's values)
+    base = quantize_run(src, tmp_path / "q", "int4", which="latest")
+    conversations = tmp_path / "chats.jsonl"
+    conversations.write_text('{"prompt": "ROMEO: hi", "completion": " JULIET: hello"}\n' * 6)
+    code, out, err = quill("finetune", base, "-d", conversations, "-o", tmp_path / "ft", "train.max_iters=2")
+    assert code == 0, err
+    tuned = load_run(tmp_path / "ft", which="latest")  # the base's dequantized weights with the adapters merged in
+    plain = quant.dequantize(load_run(base, which="latest").model)
+    changed = [k for k, v in plain.state_dict().items() if not torch.equal(v, tuned.model.state_dict()[k])]
+    assert changed and all(".attn." in k or ".mlp." in k for k in changed)  # only the adapted linears moved
+    quantize_run(src, base, "int8", which="latest", force=True)  # the base's weights change under the adapters
+    code, _, err = quill("sample", "--ckpt", tmp_path / "ft", "-p", "ROMEO:", "-n", 2)
+    assert code == 2 and "have changed" in err and err.count("\n") == 1

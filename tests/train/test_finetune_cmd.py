@@ -12,7 +12,7 @@ from quillgpt.inference.chat_session import chat_prompt_ids
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.interop.convert import import_hf
 from quillgpt.runs import load_run
-from quillgpt.train.finetune import finetune
+from quillgpt.train.finetune import FULL_LR, finetune, finetune_config
 
 NAMES = ["Romeo", "Juliet", "Tybalt", "Mercutio", "Benvolio", "Paris", "Nurse", "Friar"]
 HOUSES = ["Montague", "Capulet", "Capulet", "Prince", "Montague", "Prince", "Capulet", "Prince"]
@@ -62,3 +62,9 @@ def test_finetune_refuses_bad_input_in_one_line(base, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and want in err and len(err.strip().splitlines()) == 1
+
+
+def test_full_fine_tuning_plans_with_its_own_rate_whatever_the_base_run_s_min_lr(base):
+    assert load_run(base / "run", which="latest").config.train.min_lr > FULL_LR  # what used to refuse --full's rate
+    cfg = finetune_config(base / "run", base / "chat.jsonl", base / "full", full=True)
+    assert cfg.train.learning_rate == FULL_LR and cfg.train.min_lr <= FULL_LR
