@@ -363,12 +363,12 @@ CASES = {
     "eval_device_torch_lacks": lambda w: (["eval", "--ckpt", str(w.run), "--device", "xpu"], ["got 'xpu'"]),
     "attention_meta_device": lambda w: (["attention", "--ckpt", str(w.run), "-p", "To be", "--device", "meta"], ["got 'meta'"]),
     "eval_unknown_quantization": lambda w: (
-        ["eval", "--ckpt", str(w.run), "--quantize", "int5"],
-        ["--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none, got 'int5'"],
+        ["eval", "--ckpt", str(w.run), "--quantize", "int3"],
+        ["--quantize must be int8, int8-channel, int5, int4, int4-g64, int4-g128 or none, got 'int3'"],
     ),
     "attention_unknown_quantization": lambda w: (
         ["attention", "--ckpt", str(w.run), "-p", "To be", "--quantize", "fp8"],
-        ["--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none, got 'fp8'"],
+        ["--quantize must be int8, int8-channel, int5, int4, int4-g64, int4-g128 or none, got 'fp8'"],
     ),
     "eval_cpu_index": lambda w: (["eval", "--ckpt", str(w.run), "--device", "cpu:3"], ["there is one CPU device"]),
     # --- numbers

@@ -251,8 +251,8 @@ BAD = {
     "huge max-new-tokens": (["-n", str(10**30)], "--max-new-tokens must be at most"),
     "unknown dtype": (["--dtype", "float8"], "--dtype must be float32, bfloat16 or float16"),
     "unknown quantization": (
-        ["--quantize", "int5"],
-        "--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none, got 'int5'",
+        ["--quantize", "int3"],
+        "--quantize must be int8, int8-channel, int5, int4, int4-g64, int4-g128 or none, got 'int3'",
     ),
     "unknown device": (["--device", "tpu"], "--device must be"),
     "empty stop string": (["--stop", ""], "stop string must not be empty"),

@@ -138,9 +138,9 @@ def test_chat_quantize_int8_replies_with_the_int8_model(imported, fixed_int8_ker
     assert e.value.code == 0 and f"int8 weights (32 per scale), {fixed_int8_kernel}" in err
     assert out == f"> {want}\n> \n"
     with pytest.raises(SystemExit) as e:
-        main(["chat", "--ckpt", str(imported.path), "--quantize", "int5"])
+        main(["chat", "--ckpt", str(imported.path), "--quantize", "int3"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none, got 'int5'" in err
+    assert e.value.code == 2 and "--quantize must be int8, int8-channel, int5, int4, int4-g64, int4-g128 or none, got 'int3'" in err
 
 
 def test_a_compiled_chat_replies_as_eager_and_later_replies_reuse_its_graph(imported, monkeypatch, capsys):

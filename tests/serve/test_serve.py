@@ -608,7 +608,7 @@ def test_cli_mistakes_are_one_line(capsys, tmp_path):
         (["--ckpt", tmp_path / "nothing"], "checkpoint not found"),
         (["--ckpt", tmp_path, "--max-batch", "0"], "--max-batch"),
         (["--ckpt", tmp_path, "--dtype", "int8"], "--dtype"),
-        (["--ckpt", tmp_path, "--quantize", "int5"], "--quantize must be int8, int8-channel, int4, int4-g64, int4-g128 or none"),
+        (["--ckpt", tmp_path, "--quantize", "int3"], "--quantize must be int8, int8-channel, int5, int4, int4-g64, int4-g128 or none"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(["serve", *map(str, args)])
