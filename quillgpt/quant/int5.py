@@ -48,12 +48,18 @@ def store(packed: Packed) -> Packed:
 
 
 def codes_of(stored: Packed) -> Tensor:
-    """store's 5-bit codes → int8 codes (out, in) in [-16, 15]."""
+    """store's 5-bit codes → int8 codes (out, in) in [-16, 15], a few rows at a time (an embedding's
+    temporaries stay small)."""
     low, high = stored["codes"], stored["high"]
     n, half = low.shape
-    u = torch.stack([low & 15, low >> 4], dim=-1).view(n, 2 * half)
-    fifth = (high[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-    return (u | fifth.view(n, 2 * half) << 4).to(torch.int8) + LOW
+    out = torch.empty(n, 2 * half, dtype=torch.int8)
+    shifts, step = torch.arange(8, dtype=torch.uint8), max(1, (1 << 20) // max(2 * half, 1))
+    for r in range(0, n, step):
+        lo, hi = low[r : r + step], high[r : r + step]
+        u = torch.stack([lo & 15, lo >> 4], dim=-1).view(len(lo), 2 * half)
+        fifth = ((hi[:, :, None] >> shifts) & 1).view(len(lo), 2 * half)
+        out[r : r + step] = (u | fifth << 4).view(torch.int8) + LOW
+    return out
 
 
 def stored_shapes(out_features: int, in_features: int, group: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

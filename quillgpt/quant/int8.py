@@ -39,9 +39,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)  # (out,) or (out, in / group) in the model's dtype
         self.register_buffer("offset", offset)  # None, or (out, in / group) as the scales
         self.group = self.in_features // scale.shape[1] if scale.dim() == 2 else 0  # 0: per output channel
-        low = torch.bfloat16 if scale.dtype == torch.float32 else scale.dtype  # bf16/fp16 models: their own
-        self.register_buffer("scale_low", scale.to(low))  # the same scales for the "/bf16" kernels
-        self.register_buffer("offset_low", None if offset is None else offset.to(low))
         # group_gemv's copies (per channel: one group of the whole row, offsets 0); None where the
         # scales are not fp16 values (a range fp16 cannot hold)
         groups = scale if offset is not None else scale[:, None]  # (out, in / group)
@@ -71,6 +68,11 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         p = pack(linear.weight, group, bits)
         return cls(p["codes"], p["scale"], bias, plan, p.get("offset"), bits)
+
+    @property
+    def low_dtype(self) -> torch.dtype:
+        """The "/bf16" kernels' activation dtype: bf16 for a float32 model, a bf16/fp16 model's own."""
+        return torch.bfloat16 if self.scale.dtype == torch.float32 else self.scale.dtype
 
     def codes(self) -> Tensor:
         """q (out, in) int8, row after row (what every kernel but group_gemv takes)."""
@@ -123,8 +125,9 @@ class Int8Linear(nn.Module):
 
     def scales_for(self, kern: Kernel) -> tuple[Tensor, Offset]:
         """The copy of the scales and offsets `kern` takes: bf16, fp16 (group_gemv) or the model's dtype."""
-        if kern.bf16:
-            return self.scale_low, self.offset_low
+        if kern.bf16:  # cast per call (1/32 of the weight's elements at most): no third copy kept
+            low = self.low_dtype
+            return self.scale.to(low), None if self.offset is None else self.offset.to(low)
         return (self.scale_half, self.offset_half) if kern.half else (self.scale, self.offset)
 
     def _out(self, y: Tensor, x: Tensor) -> Tensor:

@@ -140,7 +140,7 @@ def _candidates(q: Any) -> list[str]:
     the "/model" ones; group-wise scales are asked for their quality, and a bf16 prefill parted
     SmolLM2's greedy answer from fp32's where group_gemv's decode alone kept it); group_gemv only
     where it runs (else it is dequant/model again)."""
-    bf16 = q.scale_low.dtype != q.scale.dtype and not q.group
+    bf16 = q.low_dtype != q.scale.dtype and not q.group
     return [k for k, kern in KERNELS.items() if (bf16 or not kern.bf16) and (k != "group_gemv" or q.runs[k] == k)]
 
 
