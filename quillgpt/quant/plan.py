@@ -27,6 +27,10 @@ from quillgpt.quant import plan_cache
 from quillgpt.quant.int8_kernels import KERNELS
 
 Pair = tuple[nn.Linear, Any]  # a float layer and its int8 copy (an int8.Int8Linear)
+PLAN_SECONDS = 5.0  # a plan's measurement past the decode batch stops after this long
+# the rule for sizes not measured: the decode batch's kernel up to RULE_ROWS rows, RULE_LARGE past
+# them (the dequantized weight through F.linear: it led every measured prompt of 128+ rows)
+RULE_ROWS, RULE_LARGE = 64, "dequant/model"
 
 
 @dataclass(frozen=True)
@@ -89,24 +93,38 @@ def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) ->
     return plan
 
 
-def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int = 256) -> KernelPlan:
+def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int = 256, seconds: float = PLAN_SECONDS) -> KernelPlan:
     """Time the kernels against F.linear: at `rows` on every layer (what a decode step streams:
-    in a real model more than the last-level cache holds), at 1, 2, 4, … up to `largest` rows
-    on one block's layers (compute decides there). A kernel 20× slower than F.linear is not timed at
-    larger sizes, but the fastest always is (a burst of load may slow them all), and a size
-    where none runs takes the kernel chosen at `rows`."""
+    in a real model more than the last-level cache holds), then at 1, 2, 4, … up to `largest` rows
+    on one block's layers (compute decides there) while `seconds` last: a size past them takes the
+    rule's kernel (RULE_ROWS), so a large model's first load measures seconds, not minutes. A
+    kernel 20× slower than F.linear on one layer is not timed on every layer (int8pack_mm's
+    group-wise form took 15 s a decode step of Qwen2.5-0.5B), nor at larger sizes, but the fastest
+    always is (a burst of load may slow them all), and a size where none runs takes the kernel
+    chosen at `rows`."""
     sizes = sorted({2**i for i in range(largest.bit_length())} | {rows})
-    kernels, chosen, table = _candidates(every[0][1]), [], []
+    sizes = [rows] + [m for m in sizes if m != rows]  # the decode batch first: it decides the step
+    kernels, chosen, table, start = _candidates(every[0][1]), {}, {}, time.perf_counter()
+    probe = _timings(block[:1] or every[:1], kernels, rows, budget_s=0)  # one layer: what cannot win anywhere goes first
+    kernels = [k for k in kernels if k in probe and probe[k] < 20 * probe["float"]] or kernels
     for m in sizes:
+        if m != rows and time.perf_counter() - start > seconds:
+            table[m], chosen[m] = {}, None  # not measured: the rule's below
+            continue
         ms = _timings(every, kernels, m, budget_s=0.3) if m == rows else _timings(block, kernels, m)
         best = min((k for k in ms if k != "float"), key=ms.get, default=None)
         if m == rows and best is None:
             raise QuillError(f"--quantize int8: no int8 kernel runs on {every[0][0].weight.device.type} here; run without --quantize")
         kernels = [k for k in kernels if k in ms and ms[k] < 20 * ms["float"]] or ([best] if best else kernels)
-        chosen.append(best)
-        table.append(ms)
-    at_rows = chosen[sizes.index(rows)]
-    return KernelPlan(tuple(sizes), tuple(k or at_rows for k in chosen), rows, tuple(table))
+        chosen[m], table[m] = best, ms
+    at_rows, ordered = chosen[rows], sorted(chosen)
+
+    def pick(m: int) -> str:
+        if not table[m]:  # past the measurement's seconds
+            return at_rows if m <= RULE_ROWS else RULE_LARGE
+        return chosen[m] or at_rows
+
+    return KernelPlan(tuple(ordered), tuple(pick(m) for m in ordered), rows, tuple(table[m] for m in ordered))
 
 
 def _timings(pairs: list[Pair], kernels: list[str], m: int, budget_s: float = 0.05) -> dict[str, float]:
