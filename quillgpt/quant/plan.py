@@ -93,10 +93,10 @@ def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) ->
     return plan
 
 
-def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int = 256, seconds: float = PLAN_SECONDS) -> KernelPlan:
+def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int = 256, seconds: float | None = None) -> KernelPlan:
     """Time the kernels against F.linear: at `rows` on every layer (what a decode step streams:
     in a real model more than the last-level cache holds), then at 1, 2, 4, … up to `largest` rows
-    on one block's layers (compute decides there) while `seconds` last: a size past them takes the
+    on one block's layers (compute decides there) while `seconds` last (None: PLAN_SECONDS): a size past them takes the
     rule's kernel (RULE_ROWS), so a large model's first load measures seconds, not minutes. A
     kernel 20× slower than F.linear on one layer is not timed on every layer (int8pack_mm's
     group-wise form took 15 s a decode step of Qwen2.5-0.5B), nor at larger sizes, but the fastest
@@ -104,6 +104,7 @@ def measure_plan(every: list[Pair], block: list[Pair], rows: int, largest: int =
     chosen at `rows`."""
     sizes = sorted({2**i for i in range(largest.bit_length())} | {rows})
     sizes = [rows] + [m for m in sizes if m != rows]  # the decode batch first: it decides the step
+    seconds = PLAN_SECONDS if seconds is None else seconds
     kernels, chosen, table, start = _candidates(every[0][1]), {}, {}, time.perf_counter()
     probe = _timings(block[:1] or every[:1], kernels, rows, budget_s=0)  # one layer: what cannot win anywhere goes first
     kernels = [k for k in kernels if k in probe and probe[k] < 20 * probe["float"]] or kernels

@@ -295,9 +295,22 @@ def test_plan_takes_the_fastest_kernel_per_size_and_drops_hopeless_ones(monkeypa
     assert plan.sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     assert plan.kernels == (a,) * 5 + (b,) * 4
     every = sum(isinstance(m, Int8Linear) for m in model.modules())
-    assert [n for m, n, _ in calls] == [every] + [4] * 8  # the decode size on every layer, the rest on block 0
-    assert c in calls[1][2] and c not in calls[2][2]  # 25× float at 2 rows: not timed again
+    assert [n for m, n, _ in calls] == [1, every] + [4] * 8  # a probe on one layer, the decode size on every layer, the rest on block 0
+    assert c in calls[2][2] and c not in calls[3][2]  # 25× float at 2 rows: not timed again
     assert "int8pack_mm/bf16" in plan.describe() and "0.20 ms vs 1.00 ms float" in plan.describe()
+
+
+def test_a_plan_measures_seconds_not_minutes(monkeypatch):
+    """A kernel hopeless on one layer is never timed on every layer; past the measurement's seconds
+    the sizes take the rule: the decode batch's kernel up to 64 rows, the dequantized weight past them."""
+    a, slow = "dequant/model", "int8pack_mm/model"
+    table = {2**i: {"float": 1.0, a: 0.5, slow: 30.0} for i in range(9)}
+    timings, calls = scripted(table)
+    monkeypatch.setattr(planning, "_timings", timings)
+    monkeypatch.setattr(planning, "PLAN_SECONDS", 0.0)
+    plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=1))
+    assert len(calls) == 2 and slow in calls[0][2] and slow not in calls[1][2]  # the probe, then every layer at 1 row
+    assert plan.pick(1) == plan.pick(64) == a and plan.pick(128) == planning.RULE_LARGE
 
 
 def test_a_burst_of_load_at_one_size_leaves_the_plan_a_kernel_for_every_size(monkeypatch):
@@ -311,7 +324,7 @@ def test_a_burst_of_load_at_one_size_leaves_the_plan_a_kernel_for_every_size(mon
     monkeypatch.setattr(planning, "_timings", timings)
     plan = plan_of(quantize(random_model("mha-learned"), "int8", rows=1))
     assert None not in plan.kernels and plan.pick(4) == a and plan.pick(64) == a and plan.pick(256) == a
-    assert calls[3][2] == [a]  # at 8 rows: only the fastest of 4 rows is timed again
+    assert calls[4][2] == [a]  # at 8 rows: only the fastest of 4 rows is timed again
 
 
 def test_where_no_int8_kernel_beats_the_float_linears_the_fastest_runs_and_says_so(monkeypatch):
@@ -380,10 +393,12 @@ def test_the_kernel_plan_is_measured_once_per_machine_and_shape_and_kept_in_the_
     timings, calls = scripted(table)
     monkeypatch.setattr(planning, "_timings", timings)
     first = plan_of(quantize(random_model("mha-learned"), "int8", cache=True))
-    assert first.source.startswith("measured in ") and first.source.endswith(", cached for the next load") and len(calls) == 9
+    assert (
+        first.source.startswith("measured in ") and first.source.endswith(", cached for the next load") and len(calls) == 10
+    )  # a probe, then 9 sizes
     assert (tmp_path / "cache" / "kernel_plans.json").is_file()
     again = plan_of(quantize(random_model("mha-learned", seed=1), "int8", cache=True))  # other weights, the same shapes
-    assert len(calls) == 9 and again.source == "cached"
+    assert len(calls) == 10 and again.source == "cached"
     assert (again.sizes, again.kernels, again.ms) == (first.sizes, first.kernels, first.ms)
     plan_of(quantize(random_model("gqa"), "int8", cache=True))  # other shapes: measured
     plan_of(quantize(random_model("mha-learned"), "int8-channel", cache=True))  # other scales: measured
