@@ -241,6 +241,13 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False, dequa
         with made_dir(out_dir):
             note = write_quantized(f, out_dir, cfg, hf, tokenizer, str(src))
         return convert.Converted(out_dir, cfg, tokenizer.name, f"GGUF {f.family.arch}", note)
+    fp32 = 4 * sum(t.n_elements for t in f.tensors.values())
+    free = available_bytes(torch.device("cpu"))
+    if free is not None and 2 * fp32 > free:  # the weights dequantized, and the checkpoint written from them
+        raise QuillError(
+            f"--dequantize needs about {2 * fp32 / 1e9:.1f} GB of memory (the model in fp32, twice) but {free / 1e9:.1f} GB is free; "
+            "import without --dequantize to keep the file's quantization"
+        )
     cfg, state = gguf_read.model_of(f)
     if cfg.vocab_size < tokenizer.vocab_size:
         raise QuillError(f"{shown(f.path)}: vocab_size {cfg.vocab_size} is fewer than its tokenizer's {tokenizer.vocab_size} tokens")

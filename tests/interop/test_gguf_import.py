@@ -67,3 +67,21 @@ def test_import_and_load_peak_memory_is_bounded_by_the_largest_tensor_not_the_mo
     assert fp32 > 8 * bound  # the model in fp32 is many times the bound below
     assert m["import"] < bound  # streamed: a layer's bytes, codes and scales at a time (each ¼ of its fp32 or less)
     assert m["load"] < run_bytes + bound  # the run's bytes as stored, no float copy of a layer
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_an_import_the_memory_or_disk_cannot_take_is_refused_before_it_starts(tmp_path, monkeypatch, dequantize):
+    from quillgpt.errors import QuillError
+    from quillgpt.interop import gguf_import
+
+    path = q4_0_file(tmp_path, 64, 1, "small")
+    monkeypatch.setattr(gguf_import, "available_bytes", lambda device: 1000)
+    with pytest.raises(QuillError, match=r"GB of memory (\(.*\) )?but 0.0 GB is free") as e:
+        gguf_import.import_gguf(path, tmp_path / "out", dequantize=dequantize)
+    assert not (tmp_path / "out").exists() and "\n" not in str(e.value)
+    if not dequantize:
+        monkeypatch.setattr(gguf_import, "available_bytes", lambda device: None)
+        monkeypatch.setattr(gguf_import.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+        with pytest.raises(QuillError, match="on disk but"):
+            gguf_import.import_gguf(path, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
