@@ -78,11 +78,13 @@ _LAYERS = tuple({s.layer for s in SCHEMES.values()})
 
 def weights_note(model: nn.Module, sep: str = ", ", compiled: bool = False) -> str:
     """`sep` + the few words of a quantized model's start-up or stats line ("" for float weights):
-    the note of the scheme whose Linear its blocks hold. `compiled`: the decode step ran compiled."""
+    the note of the scheme whose Linear its blocks hold, each one's where they hold several (a GGUF
+    file's mix, kept). `compiled`: the decode step ran compiled."""
     for modules in (list(model.transformer.h.modules()), list(model.modules())):  # the blocks decide; else the head
-        for s in SCHEMES.values():
-            if any(isinstance(m, s.layer) for m in modules):
-                return s.note(model, sep, compiled)
+        kinds = [layer for layer in dict.fromkeys(s.layer for s in SCHEMES.values()) if any(isinstance(m, layer) for m in modules)]
+        notes = [next(s for s in SCHEMES.values() if s.layer is layer).note(model, "", compiled) for layer in kinds]
+        if notes:
+            return sep + "; ".join(notes)
     return ""
 
 
