@@ -132,7 +132,7 @@ def open_chat(
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system, compile=options.compile)
     kind = run_kind(run.config, run.tokenizer, run.step)
     note = quant.weights_note(run.model, "; ", compiled=options.compile and run.model.variant.static_cache)
-    return session, f"chatting with {run.path}: {kind}{note}; /reset, /stats, /quit"
+    return session, f"chatting with {run.path}: {kind}{note}; /reset, /stats, /quit, /help"
 
 
 def _pieces(batch: TextBatch, ids: list[int], params: SamplingParams, stats: ReplyStats) -> Iterator[str]:
@@ -168,12 +168,20 @@ def typing_kept(fd: int | None) -> Iterator[None]:
         yield
         return
     quiet = list(attrs)
-    quiet[3] &= ~termios.ECHO  # lflag: no echo; canonical mode stays, so typed lines are buffered
+    # lflag: no echo (canonical mode stays, so typed lines are buffered), and NOFLSH: the Ctrl-C that
+    # stops a reply does not flush what was typed during it (a /quit typed ahead is read next)
+    quiet[3] = quiet[3] & ~termios.ECHO | termios.NOFLSH
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
     try:
         yield
     finally:
         termios.tcsetattr(fd, termios.TCSANOW, attrs)  # TCSANOW, never TCSAFLUSH: the typed input stays
+
+
+HELP = (
+    "/reset forgets the conversation, /stats shows the last reply's speed, /quit (or /exit, Ctrl-D) ends the chat, "
+    "Ctrl-C stops a reply; a message that starts with / is sent when it starts with a space"
+)
 
 
 def repl(
@@ -184,9 +192,10 @@ def repl(
     tty: int | None = None,
 ) -> int:
     """The terminal loop of `quill chat`: a line is a message, /reset forgets the conversation,
-    /stats shows the last reply's speed, /quit (or end of input) ends; Ctrl-C stops one reply, not
-    the session. `note` gets each reply's speed line; `tty`: the terminal typed into during a
-    reply (not echoed, kept for the next line). Returns replies made."""
+    /stats shows the last reply's speed, /quit (or end of input) ends, /help (or any other line that
+    starts with /) lists them without reaching the model; Ctrl-C stops one reply, not the session.
+    `note` gets each reply's speed line; `tty`: the terminal typed into during a reply (not echoed,
+    kept for the next line). Returns replies made."""
     replies = 0
     while True:
         try:
@@ -197,7 +206,7 @@ def repl(
         except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
             write("\n(/quit or Ctrl-D ends the chat)\n")
             continue
-        command = line.strip()
+        command = line.rstrip()
         if command in ("/quit", "/exit"):
             return replies
         if command == "/reset":
@@ -207,7 +216,11 @@ def repl(
         if command == "/stats":
             write((session.last.line() if session.last.tokens else "(no reply yet)") + "\n")
             continue
-        if not command:
+        if command.startswith("/"):  # /help, or a command quill does not have: never sent to the model
+            known = command.split()[0] in ("/help", "/?")
+            write(("" if known else f"(no command {command.split()[0][:40]}) ") + HELP + "\n")
+            continue
+        if not command.strip():
             continue
         with typing_kept(tty):
             made = _turn(session, line, write)

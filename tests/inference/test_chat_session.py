@@ -73,6 +73,16 @@ def test_a_prefix_lm_reply_fits_its_block():
     assert fitting(causal, 10, 500) == 500
 
 
+def test_help_and_unknown_commands_are_answered_by_quill_never_sent_to_the_model(imported):
+    session = ChatSession(imported.model, imported.tokenizer, SamplingParams(max_new_tokens=5, temperature=0.0))
+    lines = iter(["/help", "/models", " /etc/hosts is a file?", "/quit"])
+    out = []
+    assert repl(session, lambda prompt: next(lines), out.append) == 1  # only the line starting with a space replied to
+    printed = "".join(out)
+    assert printed.count("/reset forgets the conversation") == 2 and "(no command /models)" in printed
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == [" /etc/hosts is a file?"]
+
+
 def test_repl_commands_and_ctrl_c_stops_one_reply_not_the_session(quill_run):
     session = ChatSession(quill_run.model, quill_run.tokenizer, SamplingParams(max_new_tokens=30, temperature=0.0))
     lines = iter(["Speak.", "", KeyboardInterrupt, "/reset", "Speak again.", "Once more.", "/quit", "never read"])
@@ -241,7 +251,9 @@ def test_each_reply_ends_with_its_speed_and_stats_repeats_it(quill_run):
 def test_typing_during_a_reply_is_not_echoed_and_is_kept_for_the_next_line():
     import os
     import pty
+    import select
     import termios
+    import time
 
     from quillgpt.inference.chat_session import typing_kept
 
@@ -252,8 +264,15 @@ def test_typing_during_a_reply_is_not_echoed_and_is_kept_for_the_next_line():
         with typing_kept(follower):
             assert not termios.tcgetattr(follower)[3] & termios.ECHO and termios.tcgetattr(follower)[3] & termios.ICANON
             os.write(leader, b"next question\n")  # typed while the reply streams
+            os.write(leader, b"/quit\n\x03")  # a /quit typed ahead, then Ctrl-C to stop the reply
+            time.sleep(0.3)  # the line discipline takes typed input in a worker: the Ctrl-C lands while the reply streams
         assert termios.tcgetattr(follower) == before
-        assert os.read(follower, 100) == b"next question\n"  # kept for the next turn
+
+        def line():  # the next line typed, or b"" (never a hang: without NOFLSH the Ctrl-C flushed them all)
+            return os.read(follower, 100) if select.select([follower], [], [], 2)[0] else b""
+
+        assert line() == b"next question\n"  # kept for the next turn
+        assert line() == b"/quit\n"  # not flushed by the interrupt
         with typing_kept(None):  # no terminal (a pipe, a test): nothing to do
             pass
     finally:
