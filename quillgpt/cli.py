@@ -179,15 +179,21 @@ def finetune_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     overrides: list[str] | None = OVERRIDES_ARG,
 ) -> None:
-    """Fine-tune a run on conversations with settings sized from the data: block size from the
-    longest conversation, batches by a token budget, steps from --epochs, warmup as a fraction of
-    them, the last data.val_fraction held out. Prints the plan, then trains (as `quill train`)."""
-    from quillgpt.train.finetune import finetune
+    """Fine-tune a run on conversations with settings sized from the data: batches by a token
+    budget (rows as long as their conversations; the model keeps the base's context), steps from
+    --epochs, warmup as a fraction of them, the last data.val_fraction held out. Prints the plan,
+    then trains (as `quill train`; train.resume=true continues it)."""
+    from quillgpt.train.finetune import best_checkpoint, finetune
 
     extra = [*(overrides or []), *(["train.overwrite=true"] if overwrite else [])]
     _, result = finetune(base, data, out, full=full, epochs=epochs, overrides=extra, progress=not quiet)
     val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
     print(f"{result.stopped}: step {result.step}, held-out loss {val}, {result.elapsed_s:.0f}s → {result.out_dir}")
+    best = best_checkpoint(result.out_dir)
+    if best is not None:  # what a user gets: the lowest held-out loss's weights, not the last step's
+        step, loss = best
+        latest = "" if step == result.step else f"; step {result.step}'s weights: --which latest"
+        print(f"  best.pt (step {step}, held-out loss {loss:.4f}, the lowest) is what chat, merge and export use{latest}")
     print(f"  chat with it: quill chat --ckpt {result.out_dir}; merge it: quill merge {result.out_dir} --out DIR")
     if result.stopped == "interrupted":
         raise typer.Exit(130)

@@ -1,23 +1,28 @@
 """`quill finetune BASE --data FILE.jsonl -o OUT`: the fine-tuning recipe as one command.
 
 It reads the base run's config, prepares the conversations with the base's tokenizer (val: the
-last data.val_fraction of the lines, held out), and sizes the run from the data: model.block_size
-= the longest conversation (capped by the base's), batches by a token budget with rows of
-similar length together, steps = epochs × batches an epoch, and the learning rate's warmup as a
-fraction of those steps. It prints that plan with an estimated time, then trains as `quill train`
-would with those settings (every one of them can be overridden with section.key=value, which
-`quill train` also takes). LoRA by default (rank 8 on every linear), `full=True` for every weight.
+last data.val_fraction of the lines, held out), and sizes the run from the data: batches by a
+token budget with rows of similar length together (a row is as long as its conversation, so the
+longest one sizes the batches, not the context), steps = epochs × batches an epoch, and the
+learning rate's warmup as a fraction of those steps. The model keeps the base's context
+(model.block_size): a fine-tune on short conversations still reads long chats. It prints that
+plan with an estimated time, then trains as `quill train` would with those settings (every one
+of them can be overridden with section.key=value, which `quill train` also takes). LoRA by
+default (rank 8 on every linear), `full=True` for every weight.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from quillgpt.config import Config, load_config
+from quillgpt import checkpoint as ckpt
+from quillgpt.config import Config, TrainConfig, load_config
 from quillgpt.data.chat_batches import ChatRows, ChatSampler
 from quillgpt.data.prepare import prepare
 from quillgpt.device import peak_flops, resolve_device, resolve_dtype
@@ -26,6 +31,7 @@ from quillgpt.files import check_input
 from quillgpt.model.kv_cache import prefix_worth_sharing
 from quillgpt.train.loop import TrainResult, train
 from quillgpt.train.memory import count_params
+from quillgpt.train.run_dir import describe_run
 
 # The recipe's defaults (docs/finetuning.md has the runs they come from).
 LORA_LR, FULL_LR = 1e-3, 5e-5  # peak learning rates: adapters start at zero and move fast; full weights move little
@@ -59,7 +65,8 @@ class Plan:
         return (
             f"plan: {what} of {cfg.train.init_from} on {self.train_conversations:,} conversations "
             f"({self.train_tokens:,} tokens, the longest {self.longest:,}; {self.val_conversations:,} held out), "
-            f"model.block_size={self.block_size:,}, train.batch_tokens={self.batch_tokens:,}, {self.epochs} epoch(s) = "
+            f"model.block_size={self.block_size:,} (the context; a row is as long as its conversation), "
+            f"train.batch_tokens={self.batch_tokens:,}, {self.epochs} epoch(s) = "
             f"{self.steps:,} steps, learning rate {self.learning_rate:.0e} after {self.warmup_iters} warmup step(s), "
             f"about {_duration(self.est_seconds)} here → {cfg.train.out_dir}"
         )
@@ -112,11 +119,12 @@ def epoch_tokens(sampler: ChatSampler) -> int:
 
 
 def plan_finetune(cfg: Config, epochs: int, given: frozenset[str] = frozenset()) -> Plan:
-    """Prepare the data and size the run from it, setting cfg's block size, batches, steps,
-    schedule and evaluation (except the keys the user gave: `given`)."""
-    base_block = cfg.model.block_size
-    prepared = prepare(cfg.data, progress=False, chat_tokens=base_block + 1)
-    rows = {split: ChatRows.prepared(prepared.out_dir, split, base_block) for split in ("train", "val")}
+    """Prepare the data and size the run from it, setting cfg's batches, steps, schedule and
+    evaluation (except the keys the user gave: `given`). model.block_size stays the base's (or the
+    smaller one the user gave): it is the model's context, which chat, serve and the exports read;
+    a row is only as long as its conversation, so a long context makes no step slower."""
+    prepared = prepare(cfg.data, progress=False, chat_tokens=cfg.model.block_size + 1)
+    rows = {split: ChatRows.prepared(prepared.out_dir, split, cfg.model.block_size) for split in ("train", "val")}
     longest = max(r.longest for r in rows.values())
     tc = cfg.train
 
@@ -125,12 +133,10 @@ def plan_finetune(cfg: Config, epochs: int, given: frozenset[str] = frozenset())
         if key not in given:
             setattr(getattr(cfg, section), name, value)
 
-    put("model.block_size", longest)
     train_tokens = rows["train"].real_tokens(np.arange(len(rows["train"])))
     put("train.batch_tokens", max(longest, min(MAX_BATCH_TOKENS, train_tokens // MIN_BATCHES)))
     put("train.batch_size", MAX_ROWS)
-    train_rows = ChatRows.prepared(prepared.out_dir, "train", cfg.model.block_size)
-    sampler = ChatSampler(train_rows, tc.batch_size, tc.seed, "cpu", tc.batch_tokens)
+    sampler = ChatSampler(rows["train"], tc.batch_size, tc.seed, "cpu", tc.batch_tokens)
     steps = epochs * math.ceil(sampler.batches_per_epoch() / tc.grad_accum)
     put("train.max_iters", steps)
     put("train.warmup_iters", max(1, round(WARMUP_FRAC * tc.max_iters)))
@@ -159,11 +165,34 @@ def plan_finetune(cfg: Config, epochs: int, given: frozenset[str] = frozenset())
     )
 
 
+def check_out_dir(tc: TrainConfig) -> None:
+    """Refuse a run already in -o before its data is prepared over OUT/data, in finetune's own
+    words: it has no --resume flag (train.resume=true continues a fine-tune), and -o names the run."""
+    out = Path(tc.out_dir)
+    if tc.resume or tc.overwrite or not any((out / name).is_file() for name in (ckpt.LATEST, ckpt.BEST)):
+        return  # training decides: it resumes, replaces, or refuses (a resume with nothing to resume)
+    raise QuillError(
+        f"{out} already holds a run ({describe_run(out)}); fine-tune into another -o, continue this one "
+        "with train.resume=true, or replace it with --overwrite"
+    )
+
+
+def best_checkpoint(out_dir: Path) -> tuple[int, float] | None:
+    """(step, held-out loss) of a run's best.pt, the weights chat, merge and the exports load by
+    default; None when it has none. Read without its tensors (mmap): only the header is needed."""
+    try:
+        state = torch.load(Path(out_dir) / ckpt.BEST, map_location="cpu", mmap=True, weights_only=True)
+        return int(state["step"]), float(state["val_loss"])
+    except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError):
+        return None
+
+
 def finetune(
     base: Path, data: Path, out: Path, full: bool = False, epochs: int = 3, overrides: list[str] | None = None, progress: bool = True
 ) -> tuple[Plan, TrainResult]:
     """Plan the fine-tune (printing it), then train it."""
     cfg = finetune_config(base, data, out, full, epochs, overrides)
+    check_out_dir(cfg.train)
     given = frozenset(item.split("=", 1)[0].strip() for item in overrides or [])
     plan = plan_finetune(cfg, epochs, given)
     print(plan.describe(cfg), flush=True)
