@@ -65,7 +65,7 @@ from quillgpt.train.distributed import (
 from quillgpt.train.memory import check_train_memory
 from quillgpt.train.optim import build_optimizer
 from quillgpt.train.progress import Progress, startup_line
-from quillgpt.train.run_dir import init_from_run, load_resume_state, open_run, start_run
+from quillgpt.train.run_dir import check_resume_state, init_from_run, last_val_loss, open_run, start_run
 from quillgpt.train.schedule import follow_budget, lr_at
 from quillgpt.train.state import FIT_AFTER_STEPS, Trainer, Windows
 
@@ -155,13 +155,13 @@ def train(cfg: Config, progress: bool = True) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
     try:
         with contextlib.ExitStack() as stack:
-            prepared, resuming = open_run(cfg, ddp, stack, progress)
-            t, state = setup(cfg, ddp, device, prepared, resuming)
+            prepared, state = open_run(cfg, ddp, stack, progress)
+            t = setup(cfg, ddp, device, prepared, state)
             if state is not None:
                 restore(t, state)
             stack.callback(lambda: t.log.close() if t.log is not None else None)
             if state is not None and t.step >= t.horizon:  # nothing left to do: say how to go on
-                return TrainResult(t.out_dir, t.step, t.best_val, None, t.elapsed(), "finished", extend_hint(t))
+                return finished(t)
             t.model = wrap_model(torch.compile(t.raw_model) if cfg.train.compile else t.raw_model, ddp, device)
             result = loop(t, progress, resumed=state is not None)
             # the DDP wrapper's reducer holds the process group: dropped while every rank is still
@@ -185,8 +185,8 @@ def _fit_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
         )
 
 
-def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, resuming: bool) -> tuple[Trainer, dict[str, Any] | None]:
-    """Build everything a run needs (and check a resume fits it) without writing anything."""
+def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, state: dict[str, Any] | None) -> Trainer:
+    """Build everything a run needs (and check that a resume's `state` fits it) without writing anything."""
     tc = cfg.train
     _, tokenizer = load_prepared(prepared.out_dir)
     _fit_vocab(cfg, tokenizer)
@@ -195,7 +195,8 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
         cfg, init_state, lora_base = init_from_run(cfg, tokenizer.spec())
     strategy = resolve_strategy(tc, cfg.model, ddp, device)
     _check_combination(cfg, strategy)
-    state = load_resume_state(Path(tc.out_dir), cfg, tokenizer.spec(), strategy, lora_base) if resuming else None
+    if state is not None:
+        check_resume_state(state, Path(tc.out_dir), cfg, tokenizer.spec(), strategy, lora_base)
     chat = cfg.data.format == "chat"  # its batches' shape comes from the conversations, known once they are read
     if strategy != "fsdp" and not chat:  # FSDP holds a 1/world_size share of the state per device
         _check_memory(cfg, device, None)  # before anything big is allocated, windows included
@@ -239,7 +240,7 @@ def setup(cfg: Config, ddp: Dist, device: torch.device, prepared: PreparedData, 
         lora_base=lora_base,
         notes=notes + batch_notes + warmup_warning(tc),
     )
-    return t, state
+    return t
 
 
 def warmup_warning(tc: TrainConfig) -> list[str]:
@@ -337,6 +338,12 @@ def restore(t: Trainer, state: dict[str, Any]) -> None:
         t.budget_ended = bool(state.get("budget_ended", False))
     elif t.budget_s is not None:  # a new budget on resume (an extension): fitted again, from this
         t.fit_at = max(t.fit_at, t.step + FIT_AFTER_STEPS // 2)  # process's own pace after a few steps
+
+
+def finished(t: Trainer) -> TrainResult:
+    """A resume of a run that had already ended: nothing trains, and the run's own figures are
+    given (the time it trained, its last and best val loss) with how to go on."""
+    return TrainResult(t.out_dir, t.step, t.best_val, last_val_loss(t.out_dir, t.step), t.elapsed_before, "finished", extend_hint(t))
 
 
 def extend_hint(t: Trainer) -> str:

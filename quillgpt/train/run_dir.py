@@ -1,6 +1,7 @@
 """The run directory and its policy: one process owns it, an existing run is never replaced
-without --overwrite, a resume must match the run it continues, and nothing is written until
-the first step has given a finite loss.
+without --overwrite, a resume continues the run's own model and data and must match the run
+otherwise (tokenizer, optimizer, adapters), and nothing is written until the first step has
+given a finite loss.
 
     config.yaml      the resolved config that produced it
     tokenizer.json   the tokenizer spec (rebuilds the tokenizer without the corpus)
@@ -33,7 +34,7 @@ from quillgpt.data.prepare import PreparedData, prepare
 from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.errors import QuillError
 from quillgpt.files import check_output_dir, probe_writable, shown
-from quillgpt.metrics_log import METRICS
+from quillgpt.metrics_log import METRICS, read_metrics
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import Dist
 from quillgpt.train.metrics import MetricsWriter, check_tensorboard, truncate_metrics
@@ -95,11 +96,12 @@ class RunLock:
             self._fd = None
 
 
-def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool) -> tuple[PreparedData, bool]:
+def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool) -> tuple[PreparedData, dict[str, Any] | None]:
     """Lock the run directory, decide whether this is a resume, prepare the data; returns the
-    prepared data and whether to resume. Rank 0 does the checks before any rank does work, and a
-    refusal there stops every rank (instead of leaving them waiting for rank 0 forever)."""
-    out_dir, failure, resuming = Path(cfg.train.out_dir), None, False
+    prepared data and, for a resume, the checkpoint it continues (read_resume_state). Rank 0 does
+    the checks before any rank does work, and a refusal there stops every rank (instead of
+    leaving them waiting for rank 0 forever)."""
+    out_dir, failure, saved = Path(cfg.train.out_dir), None, None
     with_base_tokenizer(cfg)  # a Config built in Python, not by load_config
     if ddp.master:
         try:
@@ -108,9 +110,8 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
             stack.enter_context(RunLock(out_dir))
             remove_stale_temps(out_dir)
             sharded.remove_stale(out_dir)
-            resuming = _resuming(cfg.train, out_dir)
-            if resuming:
-                cfg.data = recorded_data(cfg, out_dir, tqdm.write)
+            if _resuming(cfg.train, out_dir):
+                saved = _continue_run(cfg, out_dir, tqdm.write)
             if cfg.train.tensorboard:
                 check_tensorboard()
             prepared = prepare(cfg.data, progress=progress, chat_tokens=cfg.model.block_size + 1)
@@ -118,12 +119,21 @@ def open_run(cfg: Config, ddp: Dist, stack: contextlib.ExitStack, progress: bool
             failure = e
     if ddp.any(failure is not None):
         raise failure or QuillError("rank 0 could not start the run (its message says why)")
-    resuming = bool(ddp.broadcast_int(int(resuming)))
+    resuming = bool(ddp.broadcast_int(int(saved is not None)))
     if not ddp.master:
         if resuming:
-            cfg.data = recorded_data(cfg, out_dir, None)
+            saved = _continue_run(cfg, out_dir, None)
         prepared = prepare(cfg.data, progress=False, chat_tokens=cfg.model.block_size + 1)
-    return prepared, resuming
+    return prepared, saved
+
+
+def _continue_run(cfg: Config, out_dir: Path, say: Callable[[str], None] | None) -> dict[str, Any]:
+    """A resume continues the run as it was: its checkpoint, the data it recorded and its model
+    (before the data is prepared: a chat row's cap is the model's block_size)."""
+    state = read_resume_state(out_dir)
+    cfg.data = recorded_data(cfg, out_dir, say)
+    cfg.model = recorded_model(cfg, state, _state_path(out_dir, state), say)
+    return state
 
 
 def recorded_data(cfg: Config, out_dir: Path, say: Callable[[str], None] | None) -> DataConfig:
@@ -141,6 +151,39 @@ def recorded_data(cfg: Config, out_dir: Path, say: Callable[[str], None] | None)
         shown_keys = ", ".join(f"data.{k}={getattr(data, k)}" for k in changed)
         say(f"resuming on the data the run recorded ({shown_keys}, from {out_dir / 'config.yaml'})")
     return data
+
+
+RESUME_APPLIED = ("dropout",)  # the model keys a resume takes from the config given (the rest are the run's)
+
+
+def recorded_model(cfg: Config, state: dict[str, Any], path: Path, say: Callable[[str], None] | None) -> ModelConfig:
+    """A resume's model is the one its checkpoint was trained as (as nanoGPT resumes from the
+    checkpoint's model args), not the given config's (`--config RECIPE --resume` of a run trained
+    with model.block_size=64 on the command line); of the given model keys only RESUME_APPLIED
+    apply. One given on the command line that differs is refused: a trained model cannot take it."""
+    run = ModelConfig(**state["config"]["model"])
+    given = {k.split(".", 1)[1] for k in cfg.overridden if k.startswith("model.")}
+    refused = [
+        f"model.{k}: {getattr(run, k)!r} → {getattr(cfg.model, k)!r}"
+        for k in sorted(given)
+        if k not in RESUME_APPLIED and getattr(run, k) != getattr(cfg.model, k)
+    ]
+    if refused:
+        raise QuillError(
+            f"cannot resume {path}: the command line changes {'; '.join(refused)}, which a trained model cannot take; "
+            f"drop {'it' if len(refused) == 1 else 'them'} to go on with the run's model (or use the run's own config.yaml), "
+            "or train a new run in another train.out_dir"
+        )
+    model = dataclasses.replace(run, **{k: getattr(cfg.model, k) for k in RESUME_APPLIED})
+    changed = [
+        f.name
+        for f in dataclasses.fields(model)
+        if getattr(model, f.name) != getattr(cfg.model, f.name) and not (f.name == "vocab_size" and cfg.model.vocab_size is None)
+    ]
+    if changed and say is not None:
+        shown_keys = ", ".join(f"model.{k}={getattr(model, k)}" for k in changed)
+        say(f"resuming with the model the run recorded ({shown_keys}, from {path})")
+    return model
 
 
 def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
@@ -173,6 +216,16 @@ def _free_name(out_dir: Path) -> Path:
     while (out_dir.parent / f"{out_dir.name}-{n}").exists():
         n += 1
     return out_dir.parent / f"{out_dir.name}-{n}"
+
+
+def last_val_loss(out_dir: Path, step: int) -> float | None:
+    """The run's last val loss up to `step`, as its metrics.jsonl logged it (None: no line has one)."""
+    try:
+        records = read_metrics(out_dir / METRICS)
+    except QuillError:  # no readable log: the loss is not known, the run still is
+        return None
+    logged = [r["val_loss"] for r in records if "val_loss" in r and r["step"] <= step]
+    return logged[-1] if logged else None
 
 
 def describe_run(out_dir: Path) -> str:
@@ -245,30 +298,41 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     return cfg, runs.crop_positions(model.state_dict(), model_cfg), base
 
 
-def load_resume_state(
-    out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str, lora_base: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory),
-    checked against the config (and a LoRA run against its base); a damaged one says what
-    `train` can do instead."""
-    latest, shards = out_dir / ckpt.LATEST, sharded.latest_sharded(out_dir)
-    if (shards is not None) != (strategy == "fsdp"):
-        raise QuillError(_strategy_mismatch(out_dir, shards is not None))
+def read_resume_state(out_dir: Path) -> dict[str, Any]:
+    """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory); a
+    damaged one, or one without the optimizer state a resume needs, says what `train` can do instead."""
+    shards = sharded.latest_sharded(out_dir)
+    latest = shards / sharded.TRAIN_STATE if shards is not None else out_dir / ckpt.LATEST
     try:
-        if shards is not None:
-            latest = shards / sharded.TRAIN_STATE
-            state = {**sharded.load_train_state(shards), "shards": shards}
-        else:
-            state = ckpt.load_checkpoint(latest)
-        if "optimizer" in state:  # weights only (import-hf): _check_compatible says what to do
+        state = {**sharded.load_train_state(shards), "shards": shards} if shards is not None else ckpt.load_checkpoint(latest)
+        if "optimizer" in state:  # weights only (import-hf): refused below with what to do instead
             ckpt.check_state(state, str(latest), ckpt.RESUME_KEYS)
     except QuillError as e:
         what = str(e).split("; ")[0]  # what is wrong, without advice meant for sample/eval (--which)
         best = out_dir / ckpt.BEST
         keep = f", or keep {ckpt.BEST}'s weights with train.init_from={best} and a new train.out_dir" if best.is_file() else ""
         raise QuillError(f"cannot resume: {what}; start over with --overwrite{keep}") from None
-    _check_compatible(state, cfg, tokenizer_spec, latest, lora_base)
+    if "optimizer" not in state and "shards" not in state:
+        raise QuillError(
+            f"cannot resume {latest}: it holds weights only (e.g. from quill import-hf); "
+            f"fine-tune it with train.init_from={out_dir} and a new train.out_dir"
+        )
     return state
+
+
+def check_resume_state(
+    state: dict[str, Any], out_dir: Path, cfg: Config, tokenizer_spec: dict, strategy: str, lora_base: dict[str, str] | None = None
+) -> None:
+    """Refuse a resume the run cannot take: another strategy's checkpoint, another model shape,
+    optimizer, tokenizer, adapters or LoRA base."""
+    if ("shards" in state) != (strategy == "fsdp"):
+        raise QuillError(_strategy_mismatch(out_dir, "shards" in state))
+    _check_compatible(state, cfg, tokenizer_spec, _state_path(out_dir, state), lora_base)
+
+
+def _state_path(out_dir: Path, state: dict[str, Any]) -> Path:
+    """The file a resume's state comes from: ckpt.pt, or a sharded checkpoint's train state."""
+    return state["shards"] / sharded.TRAIN_STATE if "shards" in state else out_dir / ckpt.LATEST
 
 
 def _strategy_mismatch(out_dir: Path, has_shards: bool) -> str:
@@ -316,11 +380,6 @@ def _check_compatible(
     state: dict[str, Any], cfg: Config, tokenizer_spec: dict, path: Path, lora_base: dict[str, str] | None = None
 ) -> None:
     """Refuse to resume a run whose model shape, adapters, tokenizer or LoRA base differ from now."""
-    if "optimizer" not in state and "shards" not in state:
-        raise QuillError(
-            f"cannot resume {path}: it holds weights only (e.g. from quill import-hf); "
-            f"fine-tune it with train.init_from={path.parent} and a new train.out_dir"
-        )
     old = ModelConfig(**state["config"]["model"])
     diffs = runs.config_differences(old, cfg.model)
     old_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")

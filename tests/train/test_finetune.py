@@ -86,7 +86,7 @@ def test_fresh_adapters_compute_the_base_exactly(base, tmp_path):
     cfg = load_config(CPU_CONFIG, chat_overrides(base, tmp_path / "lora", "lora.rank=4"))
     with contextlib.ExitStack() as stack:
         prepared, _ = open_run(cfg, Dist(), stack, progress=False)
-        t, _ = setup(cfg, Dist(), torch.device("cpu"), prepared, resuming=False)
+        t = setup(cfg, Dist(), torch.device("cpu"), prepared, state=None)
     x, _ = t.sampler.next()
     want, _ = load_run(base / "base").model(x, all_logits=True)
     got, _ = t.raw_model.eval()(x, all_logits=True)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import deadline, interrupt_after, poison_loss_at
+from support import assert_same_state, deadline, interrupt_after, poison_loss_at
 
 import quillgpt.train.loop as train_mod
 import quillgpt.train.schedule as schedule
 from quillgpt.checkpoint import load_checkpoint, save_checkpoint
-from quillgpt.config import TrainConfig, load_config
+from quillgpt.config import TrainConfig, load_config, save_config
 from quillgpt.errors import QuillError
 from quillgpt.metrics_log import read_metrics
 from quillgpt.runs import load_run
@@ -238,12 +238,12 @@ def snapshot(run):
     return {name: (run / name).read_bytes() for name in RUN_FILES}
 
 
-def quill_train(capsys, overrides, *flags):
+def quill_train(capsys, overrides, *flags, config=CONFIG):
     """`quill train` in-process: (exit code, stdout, stderr)."""
     from quillgpt.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["train", "--config", str(CONFIG), "-q", *flags, *overrides])
+        main(["train", "--config", str(config), "-q", *flags, *overrides])
     out, err = capsys.readouterr()
     return exit_.value.code, out, err
 
@@ -534,6 +534,43 @@ def test_train_says_what_it_is_about_to_do_and_how_to_go_on_once_finished(shakes
     code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, fresh, "train.max_iters=1"))
     params = load_checkpoint(fresh / "ckpt.pt")
     assert f"training {fresh}: " in out and "cpu, " in out and "64 tokens/step, 1 step\n" in out and params["step"] == 1
+
+
+def test_resuming_a_finished_run_prints_its_own_time_and_val_loss(shakespeare_path, data_dir, finished, tmp_path, capsys):
+    """The last line gives the run's recorded figures: the time it trained (ckpt.pt's elapsed_s),
+    its last val loss (metrics.jsonl) and its best; not this process's clock, nor `n/a`. (The run is
+    made to have trained 754 s, its best earlier than its last evaluation.)"""
+    run = copy_run(finished, tmp_path)
+    val = [r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r][-1]
+    saved = {**load_checkpoint(run / "ckpt.pt"), "elapsed_s": 754.4, "best_val_loss": val - 0.25}
+    save_checkpoint(saved, run / "ckpt.pt")
+    code, out, err = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=2"), "--resume")
+    assert code == 0, err
+    want = f"finished: step 2, val loss {val:.4f} (best {val - 0.25:.4f}), 754s → {run}"
+    assert want in out.splitlines(), out
+
+
+def test_resume_takes_the_model_from_the_run_not_from_the_recipe(shakespeare_path, data_dir, tmp_path, capsys, monkeypatch):
+    """A run trained with model.n_layer=1 on the command line, resumed with its recipe alone (which
+    says 2), goes on with its own model and ends as the uninterrupted run, bit for bit; a model key
+    that the command line changes is refused in one line, and nothing is written."""
+    run, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    save_config(load_config(CONFIG, tiny_overrides(shakespeare_path, data_dir, run)), recipe)
+    assert quill_train(capsys, [f"train.out_dir={tmp_path / 'straight'}", "model.n_layer=1"], config=recipe)[0] == 0
+    interrupt_after(monkeypatch, 5)
+    assert quill_train(capsys, ["model.n_layer=1"], config=recipe)[0] == 130
+    monkeypatch.undo()
+    before = snapshot(run)
+    code, _, err = quill_train(capsys, ["model.n_layer=3"], "--resume", config=recipe)
+    assert code == 2 and "model.n_layer: 1 → 3" in one_error_line(err)
+    assert snapshot(run) == before
+    code, out, err = quill_train(capsys, [], "--resume", config=recipe)
+    assert code == 0, err
+    assert "resuming with the model the run recorded (model.n_layer=1, from " in out and "done: step 8" in out
+    straight, resumed = (load_checkpoint(tmp_path / name / "ckpt.pt") for name in ("straight", "run"))
+    assert_same_state(straight["model"], resumed["model"])
+    assert losses(tmp_path / "straight") == losses(run)
+    assert load_config(run / "config.yaml").model.n_layer == 1
 
 
 def test_a_budgeted_run_says_where_it_ends_and_extends_on_a_larger_budget(shakespeare_path, data_dir, tmp_path, monkeypatch, capsys):
