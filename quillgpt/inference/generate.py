@@ -135,14 +135,28 @@ class GenerationStats:
     prefill_ms: float = 0.0  # time to the first new token: the forward pass over the prompt
     total_s: float = 0.0
     compile_s: float = 0.0  # of total_s: compiling the decode step (--compile), not counted in tokens/s
+    past_context: str = ""  # what happens to a prompt longer than the model's context ("" when none is)
 
     @property
     def tokens_per_s(self) -> float:
         generating = self.total_s - self.compile_s
         return sum(self.new_tokens) / generating if generating > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each row's first over the time after the first: the decode speed alone, apart
+        from the prompt's (a long prompt's prefill no longer reads as a slow decode)."""
+        after = sum(max(0, n - 1) for n in self.new_tokens)
+        decoding = self.total_s - self.compile_s - self.prefill_ms / 1000
+        return after / decoding if decoding > 0 and after else 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return sum(self.prompt_tokens) / (self.prefill_ms / 1000) if self.prefill_ms > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+        speeds = {"tokens_per_s": self.tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
+        return {**asdict(self), **speeds, "prompt_tokens_per_s": self.prompt_tokens_per_s}
 
     def line(self) -> str:
         n, rows = self.prompt_tokens, len(self.prompt_tokens)
@@ -151,7 +165,22 @@ class GenerationStats:
         else:
             prompt = f"prompts {'/'.join(map(str, n))} tokens"
         compiling = f", compile {self.compile_s:.1f} s (not in tokens/s)" if self.compile_s else ""
-        return f"{prompt}, {sum(self.new_tokens)} new tokens, {self.tokens_per_s:.1f} tokens/s, prefill {self.prefill_ms:.1f} ms{compiling}"
+        new = f"{sum(self.new_tokens)} new tokens, {self.decode_tokens_per_s:.1f} tokens/s after the first"
+        prefill = f"prefill {self.prefill_ms:.1f} ms ({self.prompt_tokens_per_s:,.0f} prompt tokens/s)"
+        return f"{prompt}, {new}, {prefill}{compiling}{self.past_context}"
+
+
+def past_context(model: GPT, prompts: list[list[int]]) -> str:
+    """The stats line's words for a prompt longer than the model's context: what the model reads of
+    it (learned positions: its last block_size tokens; RoPE: every position its last span keys)."""
+    longest, context = max(map(len, prompts), default=0), model.config.block_size
+    if longest <= context:
+        return ""
+    if model.variant.crops(model.config):
+        what = f"only its last {context:,} tokens are read (cropped)"
+    else:
+        what = f"each position attends to at most the {model.span:,} before it (a sliding window)"
+    return f"; the prompt ({longest:,} tokens) is past the model's {context:,}-token context: {what}"
 
 
 class Generation:
@@ -196,7 +225,7 @@ class Generation:
         self.engine = make_engine(model, len(prompts) * samples, use_cache, dtype, compile, unit="sample", tokens=tokens, memory_fix=fix)
         self.prompt_ids = [ids for ids in encoded for _ in range(samples)]
         self.streams = [TextStream(tokenizer, self.params.stop) for _ in self.prompt_ids]
-        self.stats = GenerationStats(prompt_tokens=[len(p) for p in self.prompt_ids])
+        self.stats = GenerationStats(prompt_tokens=[len(p) for p in self.prompt_ids], past_context=past_context(model, encoded))
 
     @property
     def texts(self) -> list[str]:

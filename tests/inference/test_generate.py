@@ -267,9 +267,29 @@ def test_compile_time_is_on_the_stats_line_and_not_in_tokens_per_s():
     from quillgpt.inference.generate import GenerationStats
 
     stats = GenerationStats(prompt_tokens=[4], new_tokens=[30], steps=30, prefill_ms=2.0, total_s=4.0, compile_s=3.0)
-    assert stats.tokens_per_s == 30.0 and "30.0 tokens/s" in stats.line() and "compile 3.0 s (not in tokens/s)" in stats.line()
+    assert stats.tokens_per_s == 30.0 and "compile 3.0 s (not in tokens/s)" in stats.line()
+    assert "29.1 tokens/s after the first" in stats.line()  # 29 tokens after the first in 4 - 3 - 0.002 s
     eager = GenerationStats(prompt_tokens=[4], new_tokens=[30], steps=30, total_s=4.0)
     assert eager.tokens_per_s == 7.5 and "compile" not in eager.line()
+
+
+def test_prompt_and_decode_speeds_are_apart_and_a_prompt_past_the_context_says_what_happens():
+    """A long prompt's prefill is its own figure, not a slow decode; a prompt longer than the
+    context says what the model reads of it (learned positions: cropped; RoPE: a window)."""
+    from quillgpt.inference.generate import GenerationStats
+
+    slow = GenerationStats(prompt_tokens=[8501], new_tokens=[20], steps=20, prefill_ms=73816.3, total_s=74.0)
+    line = slow.line()
+    assert "20 new tokens, 103.4 tokens/s after the first, prefill 73816.3 ms (115 prompt tokens/s)" in line, line
+    for variant, word in (("mha-learned", "cropped"), ("rope", "sliding window")):
+        model = random_model(variant)
+        gen = Generation(model, CharTokenizer(CHARS), ["ab" * BLOCK], 3, temperature=0.0)
+        list(gen)
+        assert f"the prompt ({2 * BLOCK} tokens) is past the model's {BLOCK}-token context" in gen.stats.line()
+        assert word in gen.stats.line()
+    short = Generation(random_model("rope"), CharTokenizer(CHARS), ["ab"], 3, temperature=0.0)
+    list(short)
+    assert "past the model" not in short.stats.line()
 
 
 def test_join_all_refuses_a_key_already_generating_before_it_claims_a_row():
