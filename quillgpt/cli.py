@@ -479,9 +479,9 @@ def _print_imported(src: str | Path, done: Converted) -> None:
         f"imported {src} ({done.architecture}) → {done.path}: {m.n_layer} layers, {m.n_head} heads ({m.kv_heads} K/V), "
         f"{m.n_embd} wide, block_size {m.block_size:,}, vocab {m.vocab_size:,}, tokenizer {done.tokenizer}; "
         + (
-            f"{done.note}; chat with `quill chat --ckpt {done.path}` (to fine-tune, import with --dequantize)"
+            f"{done.note}; chat with `quill chat --ckpt {done.path}`, fine-tune (LoRA) with `quill finetune {done.path} --data CHATS.jsonl -o OUT`"
             if done.note
-            else f"fine-tune with `quill train ... train.init_from={done.path}`"
+            else f"chat with `quill chat --ckpt {done.path}`, fine-tune with `quill finetune {done.path} --data CHATS.jsonl -o OUT`"
         )
     )
 

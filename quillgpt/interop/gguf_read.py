@@ -54,6 +54,13 @@ class GGUFFile:
         if not input_file(self.path, "GGUF file"):
             raise QuillError(f"{shown(self.path)} not found: pass a .gguf file")
         try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError:
+            magic = b"GGUF"  # the reader says what is wrong
+        if magic != b"GGUF":
+            raise QuillError(f"{shown(self.path)} is not a GGUF file (it does not start with GGUF's magic bytes): pass a llama.cpp model")
+        try:
             self.reader = gguf.GGUFReader(self.path)
             self.meta = {k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
         except Exception as e:  # noqa: BLE001 — a damaged header fails in numpy or the reader with many types

@@ -188,6 +188,8 @@ def resolve_source(src: str | Path) -> Path:
     resolved from huggingface_hub's cache, downloading when online."""
     path = Path(src)
     if os.path.exists(path):  # os.path: False, not an OSError, for a name too long to exist
+        if os.path.isfile(path) and path.suffix.lower() == ".gguf":
+            raise QuillError(f"{shown(path)} is a GGUF file: import it with `quill import-gguf {shown(path)} -o RUN`")
         if not os.path.isfile(path / "config.json"):
             raise QuillError(f"{shown(path)} is not a Hugging Face model directory (no config.json in it)")
         return path
@@ -213,7 +215,7 @@ def resolve_source(src: str | Path) -> Path:
         raise QuillError(
             f"{name} is not a local directory, not in the Hugging Face cache ({cache}), and could not be "
             f"downloaded ({why}); on a machine with internet run `hf download {name} config.json "
-            f"model.safetensors --local-dir DIR` (`huggingface-cli download` before huggingface_hub 1.0), "
+            f"model.safetensors tokenizer.json --local-dir DIR` (`huggingface-cli download` before huggingface_hub 1.0), "
             f"copy DIR here, then run `quill import-hf DIR --out RUN_DIR`"
         ) from None
     raise QuillError(f"the Hub repository {name} has no model.safetensors or pytorch_model.bin")

@@ -397,6 +397,10 @@ BAD = {
     "unknown arch": (_unknown_arch, "general.architecture is 'mamba'"),
     "no merges": (_no_merges, "no tokenizer.ggml.merges"),
     "unknown quant": (_unknown_quant, "TQ2_0"),
+    "a text file": (
+        lambda good, tmp: (tmp / "bad.gguf").write_text("a model card, saved as .gguf\n"),
+        "is not a GGUF file (it does not start",
+    ),
 }
 
 
@@ -651,3 +655,11 @@ def test_sentencepiece_without_byte_tokens_is_refused_by_name(tmp_path, monkeypa
     with pytest.raises(QuillError, match="lacks byte tokens <0x00>..<0xFF>"):
         import_gguf(path, tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+def test_import_hf_given_a_gguf_file_names_import_gguf(tmp_path, capsys):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as e:
+        main(["import-hf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is a GGUF file: import it with `quill import-gguf" in err and err.count("\n") == 1

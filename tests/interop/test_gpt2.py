@@ -325,7 +325,7 @@ def test_hub_name_offline_says_what_to_download(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
-    assert "hf download gpt2 config.json model.safetensors --local-dir DIR" in proc.stderr
+    assert "hf download gpt2 config.json model.safetensors tokenizer.json --local-dir DIR" in proc.stderr
     assert "quill import-hf DIR" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
 
 
