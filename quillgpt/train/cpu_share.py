@@ -63,13 +63,8 @@ class CpuShare:
 
     @classmethod
     def for_run(cls, device: torch.device, world_size: int) -> CpuShare | None:
-        """None where threads stay as they are: a GPU run, several processes sharing the CPU on
-        purpose (DDP), a thread count set by the user, or no /proc to read."""
-        if device.type != "cpu" or world_size > 1 or "OMP_NUM_THREADS" in os.environ:
-            return None
-        if not (os.path.exists("/proc/stat") and os.path.exists("/proc/self/stat")):
-            return None
-        return cls(torch.get_num_threads(), os.cpu_count() or 1, read_proc)
+        """None where threads stay as they are (gives_way is False)."""
+        return cls(torch.get_num_threads(), os.cpu_count() or 1, read_proc) if gives_way(device, world_size) else None
 
     def others(self, now: Sample) -> float:
         """Cores the other processes used on average since the last look."""
@@ -92,6 +87,14 @@ class CpuShare:
             f"threads: {want} of {self.max_threads} (other processes are using {others:.1f} of "
             f"{self.cores} cores; set OMP_NUM_THREADS to fix the count)"
         )
+
+
+def gives_way(device: torch.device, world_size: int) -> bool:
+    """Whether a run's threads give way to other processes: not a GPU run, not several processes
+    sharing the CPU on purpose (DDP), not a thread count set by the user, and /proc to read."""
+    if device.type != "cpu" or world_size > 1 or "OMP_NUM_THREADS" in os.environ:
+        return False
+    return os.path.exists("/proc/stat") and os.path.exists("/proc/self/stat")
 
 
 def others_during(measure: Callable[[], T], sample: Callable[[], Sample] = read_proc) -> tuple[T, float]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from quillgpt.train.cpu_share import gives_way
 from quillgpt.train.state import Trainer
 
 
@@ -25,6 +26,8 @@ def startup_line(t: Trainer, tokens_per_step: str, resumed: bool) -> str:
     params = t.raw_model.num_params(non_embedding=False)
     dtype = str(t.dtype).removeprefix("torch.")
     where = f"{t.device.type}, {dtype}, {torch.get_num_threads()} thread(s)"
+    if gives_way(t.device, t.ddp.world_size):  # cpu_share may take fewer: say so before its first "threads: 1 of 2"
+        where += " (fewer while other processes use the cores)"
     if t.ddp.world_size > 1:
         where += f", {t.ddp.world_size} processes"
     if t.budget_s is not None:

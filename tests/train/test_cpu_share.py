@@ -11,7 +11,7 @@ from support import ROOT, losses, tiny
 
 from quillgpt.config import load_config
 from quillgpt.train import cpu_share
-from quillgpt.train.cpu_share import CpuShare, read_proc, sharing_cpu
+from quillgpt.train.cpu_share import CpuShare, gives_way, read_proc, sharing_cpu
 from quillgpt.train.loop import train
 
 
@@ -147,3 +147,30 @@ def test_a_cpu_peak_is_kept_only_when_measured_on_a_quiet_machine():
     assert cpu_share.measured_quietly(lambda: measure(1.0), proc) is None  # one core busy elsewhere: no MFU
     assert gpu_peak("NVIDIA H200", torch.bfloat16) == 989e12 and gpu_peak("NVIDIA H200", torch.float32) == 989e12 / 2
     assert gpu_peak("Some Future GPU", torch.bfloat16) is None  # not guessed
+
+
+def test_the_first_line_says_the_thread_count_may_give_way(monkeypatch):
+    """Training's first line says its threads may give way to other processes where they will (so a
+    later "threads: 1 of 2" contradicts nothing), and not where the count is the user's."""
+    from types import SimpleNamespace
+
+    from quillgpt.train.progress import startup_line
+
+    model = SimpleNamespace(num_params=lambda non_embedding: 1e6)
+    t = SimpleNamespace(
+        cfg=SimpleNamespace(train=SimpleNamespace(max_iters=4, time_budget=None)),
+        raw_model=model,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        ddp=SimpleNamespace(world_size=1),
+        budget_s=None,
+        out_dir="out/run",
+        step=0,
+    )
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert gives_way(torch.device("cpu"), 1) == os.path.exists("/proc/stat")
+    if gives_way(torch.device("cpu"), 1):
+        assert "thread(s) (fewer while other processes use the cores), 64 tokens/step" in startup_line(t, "64", False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not gives_way(torch.device("cpu"), 1) and "fewer while" not in startup_line(t, "64", False)
+    assert not gives_way(torch.device("cuda"), 1) and not gives_way(torch.device("cpu"), 2)
