@@ -54,6 +54,14 @@ class LoadedRun:
 
 
 WEIGHTS_FILE = "weights.safetensors"  # a quantized run's weights, beside its ckpt.pt
+RUN_FILES = (LATEST, BEST, "config.yaml", "tokenizer.json", "metrics.jsonl", WEIGHTS_FILE)  # what a run directory holds
+
+
+def refuse_a_run_in(out_dir: Path, force: bool) -> None:
+    """Refuse to write a run over one already in --out, unless --force (merge, quantize)."""
+    taken = [n for n in RUN_FILES if (out_dir / n).exists()]
+    if taken and not force:
+        raise QuillError(f"--out {shown(out_dir)} already holds a run ({', '.join(taken)}); choose another or pass --force")
 
 
 def quantized_layers(state: dict[str, Any]) -> bool:
@@ -108,9 +116,7 @@ def _quantized_model(state: dict[str, Any], config: Config, device: torch.device
         raise QuillError(f"its weights file {shown(where)} is missing; the run is incomplete: import or quantize it again")
     f = TensorFile(where)
     need = sum(e.end - e.start for e in f.entries.values())
-    free = available_bytes(device)
-    if free is not None and need > free:
-        raise QuillError(f"its weights need {need / 1e9:.1f} GB but {device.type} has {free / 1e9:.1f} GB free; close other programs")
+    refuse_beyond_free(need, device, f"its weights need {need / 1e9:.1f} GB", "close other programs")
     try:
         layers = stored.parse_layers(f.metadata.get("quantized"))
         model = stored.build_model(config.model, layers, f.read, set(f.entries), dtype)
@@ -151,13 +157,16 @@ def check_fits(weights: dict[str, torch.Tensor], dtype: torch.dtype | None, devi
         if key not in seen:
             seen.add(key)
             nbytes += t.numel() * (dtype or t.dtype).itemsize
+    what = f"the model's weights need {nbytes / 1e9:.1f} GB in {str(dtype or 'their dtype').replace('torch.', '')}"
+    refuse_beyond_free(nbytes, device, what, "load it in a smaller dtype (--dtype bfloat16) or on another device")
+
+
+def refuse_beyond_free(nbytes: int, device: torch.device, what: str, fix: str) -> None:
+    """Refuse work whose `nbytes` the device's free memory cannot hold, in one line: `what` needs
+    them, how much is free, and `fix`."""
     free = available_bytes(device)
     if free is not None and nbytes > free:
-        raise QuillError(
-            f"the model's weights need {nbytes / 1e9:.1f} GB in {str(dtype or 'their dtype').replace('torch.', '')} "
-            f"but {device.type} has {free / 1e9:.1f} GB free; load it in a smaller dtype "
-            "(--dtype bfloat16) or on another device"
-        )
+        raise QuillError(f"{what} but {device.type} has {free / 1e9:.1f} GB free; {fix}")
 
 
 def weight_mismatches(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> str:
@@ -304,9 +313,7 @@ def merge_run(path: str | Path, out_dir: str | Path, which: str = "best", force:
     inputs = {ckpt.parent.resolve(), Path(state["lora_base"].get("path", "")).resolve().parent}
     if out_dir.resolve() in inputs:
         raise QuillError(f"--out {shown(out_dir)} is where the LoRA run or its base lives; choose a new directory")
-    taken = [n for n in (LATEST, BEST, "config.yaml", "tokenizer.json", "metrics.jsonl") if (out_dir / n).exists()]
-    if taken and not force:
-        raise QuillError(f"--out {shown(out_dir)} already holds a run ({', '.join(taken)}); choose another or pass --force")
+    refuse_a_run_in(out_dir, force)
     state = with_base(state, ckpt)
     cfg = config_from_dict(state["config"])
     cfg.lora, cfg.train.init_from, cfg.train.out_dir = LoraConfig(), None, str(out_dir)
@@ -382,9 +389,7 @@ def quantize_run(path: str | Path, out_dir: str | Path, scheme: str, which: str 
     loaded = load_run(path, which=which, dtype=None)
     if out_dir.resolve() == loaded.path.parent.resolve():
         raise QuillError(f"--out {shown(out_dir)} is the run being quantized; choose a new directory")
-    taken = [n for n in (LATEST, BEST, WEIGHTS_FILE, "config.yaml") if (out_dir / n).exists()]
-    if taken and not force:
-        raise QuillError(f"--out {shown(out_dir)} already holds a run ({', '.join(taken)}); choose another or pass --force")
+    refuse_a_run_in(out_dir, force)
     # int8's kernel plan is not stored (a quantized run's layers take a rule's): none is measured here
     quant.quantize(loaded.model, name, kernel="dequant/model" if quant.SCHEMES[name].bits == 8 else None)
     layers, tensors = stored.model_tensors(loaded.model)

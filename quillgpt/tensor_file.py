@@ -79,7 +79,7 @@ class TensorWriter:
         self.path, self.entries = Path(path), _layout(specs)
         self.names = [n for n in self.entries if not n.startswith("__pad")]
         self.metadata = {"format": FORMAT, **metadata, "crc32": json.dumps(dict.fromkeys(self.names, "00000000"))}
-        self._next, self._crc = 0, {}
+        self._order, self._next, self._crc = list(self.entries.items()), 0, {}  # (name, Entry) in file order
         try:
             self.f = open(self.path, "wb")  # noqa: SIM115 — closed in close()
             self.f.write(self._header())
@@ -96,13 +96,12 @@ class TensorWriter:
 
     def write(self, name: str, t: torch.Tensor) -> None:
         """The next tensor of the layout: its name, dtype and shape must be the planned ones."""
-        while self._next < len(self.entries) and list(self.entries)[self._next].startswith("__pad"):
-            pad = list(self.entries.values())[self._next]
+        while self._next < len(self._order) and self._order[self._next][0].startswith("__pad"):
+            pad = self._order[self._next][1]
             self.f.write(bytes(pad.end - pad.start))
             self._next += 1
-        want = list(self.entries)[self._next] if self._next < len(self.entries) else None
-        e = self.entries.get(name)
-        if name != want or e is None or t.dtype != e.dtype or tuple(t.shape) != e.shape:
+        want, e = self._order[self._next] if self._next < len(self._order) else (None, None)
+        if name != want or t.dtype != e.dtype or tuple(t.shape) != e.shape:
             raise ValueError(f"wrote {name} {t.dtype} {tuple(t.shape)}; the layout's next is {want} {e}")
         data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         self._crc[name] = f"{zlib.crc32(data):08x}"

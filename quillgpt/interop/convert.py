@@ -28,9 +28,8 @@ from quillgpt.interop.hf_config import check_fields, check_weights
 from quillgpt.interop.hf_files import check_out_dir, load_hf_weights, require, resolve_source, write_json
 
 QUILL_TOKENIZER = "quill_tokenizer.json"  # written by export-hf so that import-hf restores it
-# What import-hf writes or removes in --out, and what export-hf writes: either refuses without
-# --force when any one of these is already there (a run and an HF model never share a directory).
-RUN_FILES = (ckpt.LATEST, ckpt.BEST, "config.yaml", "tokenizer.json", "metrics.jsonl", runs.WEIGHTS_FILE)
+# What export-hf writes: it and import-hf (which writes runs.RUN_FILES) refuse without --force
+# when any file of either kind is already in --out (a run and an HF model never share a directory).
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json", "chat_template.jinja", QUILL_TOKENIZER)
 
 
@@ -67,7 +66,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     """A Hugging Face model (directory or hub name) → a quill run directory at step 0: config.yaml,
     tokenizer.json, ckpt.pt, usable with every quill command and as train.init_from."""
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, RUN_FILES + HF_FILES, force, "a run's or a model's files")
+    check_out_dir(out_dir, runs.RUN_FILES + HF_FILES, force, "a run's or a model's files")
     path = resolve_source(src)
     hf_config = read_hf_config(path)
     check_fields(hf_config, str(path / "config.json"))  # typed and ranged before any family reads it
@@ -110,7 +109,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     model.safetensors, generation_config.json, tokenizer files and quill_tokenizer.json."""
     st_torch = require("safetensors.torch")
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, HF_FILES + RUN_FILES, force, "a model's or a run's files")
+    check_out_dir(out_dir, HF_FILES + runs.RUN_FILES, force, "a model's or a run's files")
     loaded = runs.load_run(run, which=which)
     quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer

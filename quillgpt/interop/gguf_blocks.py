@@ -85,7 +85,11 @@ def dequantize(g: Groups) -> np.ndarray:
 def rounding_cost(g: Groups, reference: np.ndarray) -> float:
     """max |dequantize(g) − reference| / max |reference| (reference: gguf.quants.dequantize of the same bytes)."""
     got = dequantize(g)
-    want = np.asarray(reference, dtype=np.float32).reshape(got.shape)
+    return relative_error(got, np.asarray(reference, dtype=np.float32).reshape(got.shape))
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got − want| / max |want| (the error itself where want is all zeros)."""
     top = float(np.abs(want).max(initial=0.0))
     err = float(np.abs(got - want).max(initial=0.0))
     return err / top if top > 0 else err

@@ -30,7 +30,7 @@ from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import made_dir, shown
 from quillgpt.interop import convert, gguf_blocks, gguf_read, llama
-from quillgpt.interop.gguf_read import GGUFFile, GGUFWeights, gguf_module, unpermute
+from quillgpt.interop.gguf_read import GGUFFile, GGUFWeights, gguf_module
 from quillgpt.interop.hf_files import check_out_dir
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import SCHEMES
@@ -48,8 +48,7 @@ class Piece:
     """One tensor (float) or layer (quantized) of the run and the file's tensors it is made of."""
 
     name: str  # a float tensor's name, or a quantized layer's module path
-    parts: list[str]  # the file's tensors, concatenated along the rows
-    heads: list[int | None]  # per part: the heads whose rows llama.cpp permuted (q, k), or None
+    parts: list[str]  # its tensors by their Hugging Face names (GGUFWeights'), concatenated along the rows
     shape: tuple[int, ...]
     scheme: str | None = None  # None: float
     dtype: torch.dtype = torch.float32  # a float piece's
@@ -74,55 +73,38 @@ class Report:
         return out
 
 
-def plan(f: GGUFFile, cfg: ModelConfig, hf: dict) -> list[Piece]:
-    """The run's tensors in order, each from its parts of the file, with the form each is kept in."""
-    o_bias = "blk.0.attn_output.bias" in f.tensors
+def plan(f: GGUFFile, cfg: ModelConfig, hf: dict) -> tuple[GGUFWeights, list[Piece]]:
+    """The file's tensors by their Hugging Face names, and the run's tensors in order, each from
+    its parts, with the form each is kept in."""
+    if "blk.0.attn_output.bias" in f.tensors:
+        raise QuillError(f"{shown(f.path)} has attn_output biases; import it with --dequantize")
     names = llama.weight_names(cfg)
     weights = GGUFWeights(f, hf, [n for parts in names.values() for n in parts])
-    if o_bias:
-        raise QuillError(f"{shown(f.path)} has attn_output biases; import it with --dequantize")
     with torch.device("meta"):
         meta = GPT(cfg).state_dict()
-    kv = hf.get("num_key_value_heads", hf["num_attention_heads"])
     pieces = []
-    for name, hf_parts in names.items():
+    for name, parts in names.items():
         if cfg.tie_embeddings and name == "lm_head.weight":
             continue
-        parts = [weights.gguf_name(p) for p in hf_parts]
-        heads = [_heads(f, p, hf["num_attention_heads"], kv) for p in hf_parts]
-        piece = Piece(name, parts, heads, tuple(meta[name].shape))
-        if meta[name].dim() == 2:  # a linear or the embedding: quantized where its parts are
-            _choose(f, piece, cfg)
-        if piece.scheme is None:
-            piece.dtype = _float_dtype(f, parts)
+        types = [f.tensors[weights.gguf_name(p)].tensor_type.name for p in parts]
+        piece = Piece(name, parts, tuple(meta[name].shape))
+        if meta[name].dim() == 2 and not any(t in FLOAT_TYPES for t in types):  # a linear or the embedding, quantized
+            tied = name == EMBEDDING + ".weight" and cfg.tie_embeddings
+            piece.name, piece.scheme = "lm_head" if tied else name.removesuffix(".weight"), _scheme_for(types, piece.shape)
+        else:
+            kinds = {FLOAT_TYPES.get(t, torch.float32) for t in types}
+            piece.dtype = kinds.pop() if len(kinds) == 1 else torch.float32
         pieces.append(piece)
-    return pieces
+    return weights, pieces
 
 
-def _heads(f: GGUFFile, hf_name: str, heads: int, kv: int) -> int | None:
-    if not f.family.permuted_qk or not hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-        return None
-    return heads if ".q_proj." in hf_name else kv
-
-
-def _choose(f: GGUFFile, piece: Piece, cfg: ModelConfig) -> None:
-    """A 2-D piece's scheme from its parts' types: int4 where all are 4-bit blocks (and the layout
-    takes the width), int5 where all are 4- or 5-bit ones with codes in [-16, 15], int8 where any
-    is wider or not mapped; float where any part is float."""
-    types = [f.tensors[p].tensor_type.name for p in piece.parts]
-    if any(t in FLOAT_TYPES for t in types):
-        return
-    four, five = all(t in FOUR_BIT for t in types), all(t in FOUR_BIT + FIVE_BIT for t in types)
-    scheme = SCHEMES["int4" if four and SCHEMES["int4"].stores(*piece.shape) else "int5" if five else "int8"]
-    embedding = piece.name == EMBEDDING + ".weight"
-    tied = embedding and cfg.tie_embeddings
-    piece.name = "lm_head" if tied else piece.name.removesuffix(".weight")
-    piece.scheme = scheme.name
-
-
-def _float_dtype(f: GGUFFile, parts: list[str]) -> torch.dtype:
-    kinds = {FLOAT_TYPES.get(f.tensors[p].tensor_type.name, torch.float32) for p in parts}
-    return kinds.pop() if len(kinds) == 1 else torch.float32
+def _scheme_for(types: list[str], shape: tuple[int, ...]) -> str:
+    """A quantized piece's scheme from its parts' types: int4 where all are 4-bit blocks (and the
+    layout takes the width), int5 where all are 4- or 5-bit ones with codes in [-16, 15], int8
+    where any is wider or not mapped."""
+    if all(t in FOUR_BIT for t in types) and SCHEMES["int4"].stores(*shape):
+        return "int4"
+    return "int5" if all(t in FOUR_BIT + FIVE_BIT for t in types) else "int8"
 
 
 def specs(pieces: list[Piece]) -> list[Spec]:
@@ -136,22 +118,18 @@ def specs(pieces: list[Piece]) -> list[Spec]:
     return out
 
 
-def tensors(f: GGUFFile, pieces: list[Piece], report: Report) -> Iterator[tuple[str, Tensor]]:
+def tensors(weights: GGUFWeights, pieces: list[Piece], report: Report) -> Iterator[tuple[str, Tensor]]:
     """Each piece converted in turn (the file read one tensor at a time), in specs' order."""
     for p in pieces:
         if p.scheme is None:
-            parts = [_permuted(torch.from_numpy(f.array(n).copy()), h) for n, h in zip(p.parts, p.heads)]
+            parts = [weights[n] for n in p.parts]
             yield p.name, (parts[0] if len(parts) == 1 else torch.cat(parts)).to(p.dtype)
             continue
-        groups = [_groups(f, n, h, p.scheme, report) for n, h in zip(p.parts, p.heads)]
+        groups = [_groups(weights, n, p.scheme, report) for n in p.parts]
         packed = {k: groups[0][k] if len(groups) == 1 else torch.cat([g[k] for g in groups]) for k in ("codes", "scale", "offset")}
         del groups
         for key, t in SCHEMES[p.scheme].store(packed).items():
             yield f"{p.name}.{key}", t
-
-
-def _permuted(t: Tensor, heads: int | None) -> Tensor:
-    return t if heads is None else unpermute(t, heads)
 
 
 def _read(f: GGUFFile, name: str) -> np.ndarray:
@@ -165,8 +143,9 @@ def _read(f: GGUFFile, name: str) -> np.ndarray:
     return buf
 
 
-def _groups(f: GGUFFile, name: str, heads: int | None, scheme: str, report: Report) -> dict[str, Tensor]:
+def _groups(weights: GGUFWeights, hf_name: str, scheme: str, report: Report) -> dict[str, Tensor]:
     """One part as `scheme`'s codes, scales and offsets (rows unpermuted), the rounding noted."""
+    f, name = weights.f, weights.gguf_name(hf_name)
     t = f.tensors[name]
     kind, (cols, rows) = t.tensor_type.name, (int(t.shape[0]), math.prod(int(d) for d in t.shape[1:]))
     raw = _read(f, name)
@@ -179,7 +158,7 @@ def _groups(f: GGUFFile, name: str, heads: int | None, scheme: str, report: Repo
         w = torch.from_numpy(f.array(name).copy()).view(rows, cols)
         packed = SCHEMES["int8"].pack(w, SCHEMES["int8"].group)
         codes, scale, offset = packed["codes"], packed["scale"].half(), packed["offset"].half()
-        report.note(kind, _cost(SCHEMES["int8"].unpack(packed).numpy(), w.numpy()))
+        report.note(kind, gguf_blocks.relative_error(SCHEMES["int8"].unpack(packed).numpy(), w.numpy()))
     else:
         codes, scale, offset = (torch.from_numpy(a) for a in (g.codes, g.scale, g.offset))
         if g.exact:
@@ -191,11 +170,7 @@ def _groups(f: GGUFFile, name: str, heads: int | None, scheme: str, report: Repo
             report.note(kind, gguf_blocks.rounding_cost(sample, want))
         if scheme != "int4" and codes.dtype == torch.uint8:  # 4-bit codes in an int8 layer: the same values
             codes = codes.to(torch.int8)
-    return {k: _permuted(v, heads) for k, v in (("codes", codes), ("scale", scale), ("offset", offset))}
-
-
-def _cost(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
+    return {k: weights.unpermuted(hf_name, v) for k, v in (("codes", codes), ("scale", scale), ("offset", offset))}
 
 
 def check_room(f: GGUFFile, out_dir: Path, layout: list[Spec]) -> None:
@@ -214,12 +189,12 @@ def check_room(f: GGUFFile, out_dir: Path, layout: list[Spec]) -> None:
 
 def write_quantized(f: GGUFFile, out_dir: Path, cfg: ModelConfig, hf: dict, tokenizer: Tokenizer, source: str) -> str:
     """The run of a GGUF file with its quantization kept, written to `out_dir`; the report's line."""
-    pieces = plan(f, cfg, hf)
+    weights, pieces = plan(f, cfg, hf)
     layout = specs(pieces)
     check_room(f, out_dir, layout)
     report, config = Report(), convert.imported_config(out_dir, cfg, tokenizer)
     layers = {p.name: p.scheme for p in pieces if p.scheme is not None}
-    runs.write_quantized_run(out_dir, config, tokenizer, layers, layout, tensors(f, pieces, report), imported_from=source)
+    runs.write_quantized_run(out_dir, config, tokenizer, layers, layout, tensors(weights, pieces, report), imported_from=source)
     return report.line()
 
 
@@ -228,16 +203,14 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False, dequa
     run keeping the file's quantization (interop/gguf_import.py), or with `dequantize` (or a file
     of float tensors, or a gpt2 one) its weights in fp32 in ckpt.pt, usable as train.init_from too."""
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, convert.RUN_FILES + convert.HF_FILES, force, "a run's or a model's files")
+    check_out_dir(out_dir, runs.RUN_FILES + convert.HF_FILES, force, "a run's or a model's files")
     f = gguf_read.GGUFFile(src)
     hf = gguf_read.hf_config(f)  # the architecture and its keys, before the tokenizer
     tokenizer = gguf_read.gguf_tokenizer(f)
     quantized = any(t.tensor_type.name not in FLOAT_TYPES for t in f.tensors.values())
     if quantized and not dequantize and f.family.model_type != "gpt2":
         f.drop_vocabulary()
-        cfg = llama.llama_to_model_config(hf, str(f.path))
-        if cfg.vocab_size < tokenizer.vocab_size:
-            raise QuillError(f"{shown(f.path)}: vocab_size {cfg.vocab_size} is fewer than its tokenizer's {tokenizer.vocab_size} tokens")
+        cfg = _checked_vocab(f, llama.llama_to_model_config(hf, str(f.path)), tokenizer)
         with made_dir(out_dir):
             note = write_quantized(f, out_dir, cfg, hf, tokenizer, str(src))
         return convert.Converted(out_dir, cfg, tokenizer.name, f"GGUF {f.family.arch}", note)
@@ -249,9 +222,14 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False, dequa
             "import without --dequantize to keep the file's quantization"
         )
     cfg, state = gguf_read.model_of(f)
-    if cfg.vocab_size < tokenizer.vocab_size:
-        raise QuillError(f"{shown(f.path)}: vocab_size {cfg.vocab_size} is fewer than its tokenizer's {tokenizer.vocab_size} tokens")
+    _checked_vocab(f, cfg, tokenizer)
     ckpt.check_state({"model": state, "config": {}, "tokenizer": {}, "step": 0}, str(f.path))  # finite weights
     with made_dir(out_dir):  # a failed write leaves no --out it made
         convert.write_imported_run(out_dir, cfg, tokenizer, state, str(src))  # import-hf's run layout
     return convert.Converted(out_dir, cfg, tokenizer.name, f"GGUF {f.family.arch}")
+
+
+def _checked_vocab(f: GGUFFile, cfg: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    if cfg.vocab_size < tokenizer.vocab_size:
+        raise QuillError(f"{shown(f.path)}: vocab_size {cfg.vocab_size} is fewer than its tokenizer's {tokenizer.vocab_size} tokens")
+    return cfg

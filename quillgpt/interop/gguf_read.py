@@ -176,15 +176,17 @@ class GGUFWeights(Mapping[str, Tensor]):
             raise QuillError(f"{shown(f.path)} has tensors a {f.family.arch} model of its metadata does not: {', '.join(unmapped[:3])}")
 
     def __getitem__(self, name: str) -> Tensor:
-        t = torch.from_numpy(self.f.array(self._gguf_of[name]).copy())
-        if self.f.family.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            heads = (
-                self.hf["num_attention_heads"] if ".q_proj." in name else self.hf.get("num_key_value_heads", self.hf["num_attention_heads"])
-            )
-            if t.shape[0] % (2 * heads):
-                raise QuillError(f"{shown(self.f.path)}: {self._gguf_of[name]} has {t.shape[0]} rows, not a multiple of 2 × {heads} heads")
-            t = unpermute(t, heads)
-        return t
+        return self.unpermuted(name, torch.from_numpy(self.f.array(self._gguf_of[name]).copy()))
+
+    def unpermuted(self, name: str, t: Tensor) -> Tensor:
+        """Rows of the tensor HF calls `name` (or anything row-aligned with them: codes, scales) with
+        llama.cpp's q/k permutation undone, where the family's converter permuted them."""
+        if not self.f.family.permuted_qk or not name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            return t
+        heads = self.hf["num_attention_heads"] if ".q_proj." in name else self.hf.get("num_key_value_heads", self.hf["num_attention_heads"])
+        if t.shape[0] % (2 * heads):
+            raise QuillError(f"{shown(self.f.path)}: {self._gguf_of[name]} has {t.shape[0]} rows, not a multiple of 2 × {heads} heads")
+        return unpermute(t, heads)
 
     def gguf_name(self, hf_name: str) -> str:
         """The file's name of a tensor, or one QuillError saying it is missing."""

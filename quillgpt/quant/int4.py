@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from quillgpt import native
 from quillgpt.errors import QuillError
 from quillgpt.quant import group_codes
-from quillgpt.quant.int8 import INT8, RULE_PLAN, Int8Linear
+from quillgpt.quant.int8 import INT8, Int8Linear
+from quillgpt.quant.plan import RULE_PLAN
 from quillgpt.quant.scheme import ConvertOptions, Packed, Scheme
 
 GROUPS = (32, 64, 128, 256)  # what the kernels take

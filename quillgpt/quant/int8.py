@@ -19,7 +19,7 @@ from quillgpt import native
 from quillgpt.quant import group_codes
 from quillgpt.quant.group_codes import Form
 from quillgpt.quant.int8_kernels import FUSED_ROWS, KERNELS, Kernel, Offset, dequant_linear, grouped_sum
-from quillgpt.quant.plan import KernelPlan, cached_plan
+from quillgpt.quant.plan import RULE_PLAN, KernelPlan, cached_plan
 from quillgpt.quant.scheme import ConvertOptions, Packed, Scheme
 
 
@@ -187,12 +187,6 @@ def unpack(packed: Packed) -> Tensor:
     w = q.float().view(n, s.shape[1], -1) * s[:, :, None]
     offset = packed.get("offset")
     return (w if offset is None else w + offset.float()[:, :, None]).view(n, k)
-
-
-# a layer loaded from a quantized run, where no float weight is at hand to measure a plan against:
-# group_gemv up to 64 rows where it builds (a decode step; it led every measured decode batch), the
-# weight dequantized for more (a prompt; dequant/model led at 128+ rows: docs/kernels.md)
-RULE_PLAN = KernelPlan((64,), ("group_gemv", "dequant/model"))
 
 
 def store(packed: Packed) -> Packed:

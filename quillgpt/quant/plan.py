@@ -28,8 +28,8 @@ from quillgpt.quant.int8_kernels import KERNELS
 
 Pair = tuple[nn.Linear, Any]  # a float layer and its int8 copy (an int8.Int8Linear)
 PLAN_SECONDS = 5.0  # a plan's measurement past the decode batch stops after this long
-# the rule for sizes not measured: the decode batch's kernel up to RULE_ROWS rows, RULE_LARGE past
-# them (the dequantized weight through F.linear: it led every measured prompt of 128+ rows)
+# the rule where nothing is measured: the decode batch's kernel up to RULE_ROWS rows, RULE_LARGE
+# past them (the dequantized weight through F.linear: it led every measured prompt of 128+ rows)
 RULE_ROWS, RULE_LARGE = 64, "dequant/model"
 
 
@@ -66,6 +66,11 @@ class KernelPlan:
         slower = " (slower here: a model this small, or a busy machine while it was measured)" if ms[kernel] >= ms["float"] else ""
         how = f"; {self.source}" if self.source else ""
         return f"{what}{scales}, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}{how}"
+
+
+# a layer loaded from a quantized run, where no float weight is at hand to measure against: the rule,
+# with group_gemv (it led every measured decode batch) as the decode batch's kernel
+RULE_PLAN = KernelPlan((RULE_ROWS,), ("group_gemv", RULE_LARGE))
 
 
 def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:

@@ -22,7 +22,7 @@ from quillgpt.errors import QuillError
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import SCHEMES
 from quillgpt.quant.embedding import QuantEmbedding
-from quillgpt.quant.scheme import Packed, Scheme
+from quillgpt.quant.scheme import Scheme
 
 EMBEDDING = "transformer.wte"
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
@@ -137,8 +137,3 @@ def parse_layers(text: object) -> dict[str, str]:
     if not isinstance(layers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in layers.items()):
         raise QuillError("its layer table (metadata 'quantized') is not a JSON object of layer → scheme")
     return layers
-
-
-def packed_of(scheme: Scheme, w: Tensor) -> Packed:
-    """A float weight (out, in) as `scheme` stores it: pack, then store."""
-    return scheme.store(scheme.pack(w, scheme.group))

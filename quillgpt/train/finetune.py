@@ -14,12 +14,10 @@ default (rank 8 on every linear), `full=True` for every weight.
 from __future__ import annotations
 
 import math
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, TrainConfig, load_config
@@ -31,7 +29,7 @@ from quillgpt.files import check_input
 from quillgpt.model.kv_cache import prefix_worth_sharing
 from quillgpt.train.loop import TrainResult, train
 from quillgpt.train.memory import count_params
-from quillgpt.train.run_dir import describe_run
+from quillgpt.train.run_dir import describe_run, holds_run
 
 # The recipe's defaults (docs/finetuning.md has the runs they come from).
 LORA_LR, FULL_LR = 1e-3, 5e-5  # peak learning rates: adapters start at zero and move fast; full weights move little
@@ -169,7 +167,7 @@ def check_out_dir(tc: TrainConfig) -> None:
     """Refuse a run already in -o before its data is prepared over OUT/data, in finetune's own
     words: it has no --resume flag (train.resume=true continues a fine-tune), and -o names the run."""
     out = Path(tc.out_dir)
-    if tc.resume or tc.overwrite or not any((out / name).is_file() for name in (ckpt.LATEST, ckpt.BEST)):
+    if tc.resume or tc.overwrite or not holds_run(out):
         return  # training decides: it resumes, replaces, or refuses (a resume with nothing to resume)
     raise QuillError(
         f"{out} already holds a run ({describe_run(out)}); fine-tune into another -o, continue this one "
@@ -179,12 +177,13 @@ def check_out_dir(tc: TrainConfig) -> None:
 
 def best_checkpoint(out_dir: Path) -> tuple[int, float] | None:
     """(step, held-out loss) of a run's best.pt, the weights chat, merge and the exports load by
-    default; None when it has none. Read without its tensors (mmap): only the header is needed."""
+    default; None when it has none (or none that reads)."""
     try:
-        state = torch.load(Path(out_dir) / ckpt.BEST, map_location="cpu", mmap=True, weights_only=True)
-        return int(state["step"]), float(state["val_loss"])
-    except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError):
+        state = ckpt.load_checkpoint(Path(out_dir) / ckpt.BEST)
+    except QuillError:
         return None
+    loss = state.get("val_loss")
+    return (state["step"], float(loss)) if isinstance(loss, (int, float)) else None
 
 
 def finetune(

@@ -186,11 +186,21 @@ def recorded_model(cfg: Config, state: dict[str, Any], path: Path, say: Callable
     return model
 
 
+def _resumable(out_dir: Path) -> bool:
+    """Whether out_dir holds a checkpoint to resume: ckpt.pt, or an FSDP run's shards."""
+    return (out_dir / ckpt.LATEST).is_file() or (out_dir / sharded.SHARDED / sharded.POINTER).is_file()
+
+
+def holds_run(out_dir: Path) -> bool:
+    """Whether out_dir holds a run that a new one must not silently replace (its checkpoints)."""
+    return _resumable(out_dir) or (out_dir / ckpt.BEST).is_file()
+
+
 def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
     """Resume, start afresh, or refuse: a run already in out_dir is continued only with
     train.resume and replaced only with train.overwrite, never by a forgotten flag."""
     latest, best = out_dir / ckpt.LATEST, out_dir / ckpt.BEST
-    saved = latest.is_file() or (out_dir / sharded.SHARDED / sharded.POINTER).is_file()  # or an FSDP run's shards
+    saved = _resumable(out_dir)
     if tc.resume is True and tc.overwrite:
         raise QuillError("--resume continues the run in train.out_dir and --overwrite replaces it; pass one of them")
     if tc.resume is True and not saved:
@@ -201,7 +211,7 @@ def _resuming(tc: TrainConfig, out_dir: Path) -> bool:
         )
         raise QuillError(f"cannot resume: no checkpoint at {latest}; {hint}")
     resuming = bool(tc.resume) and not tc.overwrite and saved
-    if not resuming and not tc.overwrite and (saved or best.is_file()):
+    if not resuming and not tc.overwrite and holds_run(out_dir):
         raise QuillError(
             f"{out_dir} already holds a run ({describe_run(out_dir)}); start a new run beside it with "
             f"train.out_dir={_free_name(out_dir)}, continue this one with --resume (train.resume=true), or replace it "
@@ -302,7 +312,7 @@ def read_resume_state(out_dir: Path) -> dict[str, Any]:
     """ckpt.pt, or an FSDP run's sharded checkpoint (then state["shards"] is its directory); a
     damaged one, or one without the optimizer state a resume needs, says what `train` can do instead."""
     shards = sharded.latest_sharded(out_dir)
-    latest = shards / sharded.TRAIN_STATE if shards is not None else out_dir / ckpt.LATEST
+    latest = _state_file(out_dir, shards)
     try:
         state = {**sharded.load_train_state(shards), "shards": shards} if shards is not None else ckpt.load_checkpoint(latest)
         if "optimizer" in state:  # weights only (import-hf): refused below with what to do instead
@@ -331,8 +341,13 @@ def check_resume_state(
 
 
 def _state_path(out_dir: Path, state: dict[str, Any]) -> Path:
+    """The file a resume's state came from (read_resume_state's)."""
+    return _state_file(out_dir, state.get("shards"))
+
+
+def _state_file(out_dir: Path, shards: Path | None) -> Path:
     """The file a resume's state comes from: ckpt.pt, or a sharded checkpoint's train state."""
-    return state["shards"] / sharded.TRAIN_STATE if "shards" in state else out_dir / ckpt.LATEST
+    return shards / sharded.TRAIN_STATE if shards is not None else out_dir / ckpt.LATEST
 
 
 def _strategy_mismatch(out_dir: Path, has_shards: bool) -> str:

@@ -13,7 +13,8 @@ from quillgpt.cli import main
 from quillgpt.config import Config, ModelConfig
 from quillgpt.data.tokenizer import CharTokenizer
 from quillgpt.model.gpt import GPT
-from quillgpt.quant.int8 import RULE_PLAN, Int8Linear
+from quillgpt.quant.int8 import Int8Linear
+from quillgpt.quant.plan import RULE_PLAN
 from quillgpt.quant.stored import model_tensors
 from quillgpt.runs import WEIGHTS_FILE, load_run, quantize_run, write_run
 from quillgpt.tensor_file import TensorFile
