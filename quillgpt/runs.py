@@ -64,8 +64,8 @@ def refuse_a_run_in(out_dir: Path, force: bool) -> None:
         raise QuillError(f"--out {shown(out_dir)} already holds a run ({', '.join(taken)}); choose another or pass --force")
 
 
-def quantized_layers(state: dict[str, Any]) -> bool:
-    """Whether a checkpoint's weights live in a quantized run's weights file."""
+def is_quantized_run(state: dict[str, Any]) -> bool:
+    """Whether a checkpoint is a quantized run's: its weights live in the weights file beside it."""
     return "weights_file" in state
 
 
@@ -83,7 +83,7 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu", 
         ) from None
     if config.model.vocab_size is None:  # a trained or imported model always knows its vocabulary
         raise QuillError("the checkpoint's config has no model.vocab_size; the file is damaged")
-    if quantized_layers(state):
+    if is_quantized_run(state):
         return _quantized_model(state, config, torch.device(device), dtype), config
     weights = clean_state_dict(state["model"])
     state["model"] = {}  # the caller's references go, so each converted source can be freed
@@ -128,7 +128,7 @@ def _quantized_model(state: dict[str, Any], config: Config, device: torch.device
 def base_identity(state: dict[str, Any]) -> str:
     """What a LoRA run's base must keep: the checksum of its weights (of a quantized run: of its
     weights file's per-tensor CRCs and layer table, no tensor read)."""
-    if not quantized_layers(state):
+    if not is_quantized_run(state):
         return weights_checksum(state["model"])
     f = TensorFile(state["weights_file"]["path"])
     return hashlib.sha256(json.dumps([f.metadata.get("crc32"), f.metadata.get("quantized")]).encode()).hexdigest()
@@ -137,7 +137,7 @@ def base_identity(state: dict[str, Any]) -> str:
 def float_weights(state: dict[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A checked state's weights as float tensors: a quantized run's built and dequantized (the
     float values its codes hold, fp32 memory: what a LoRA fine-tune of it trains on)."""
-    if not quantized_layers(state):
+    if not is_quantized_run(state):
         return clean_state_dict(state["model"])
     model, _ = model_from_state(state, dtype=dtype or torch.float32)
     return quant.dequantize(model).state_dict()
@@ -244,7 +244,7 @@ def load_run(path: str | Path, options: LoadOptions | None = None, **keywords: A
     except QuillError as e:
         raise QuillError(f"{shown(ckpt)}: {e}") from None
     model.eval()
-    if quantized_layers(state) and options.quantize is not None:
+    if is_quantized_run(state) and options.quantize is not None:
         raise QuillError(f"{shown(ckpt)} holds quantized weights already (a quantized run); drop --quantize")
     quant.quantize(model, options.quantize, rows=options.rows, cache=True)  # the kernel plan measured once per machine and shape
     return LoadedRun(model, tokenizer, config, state["step"], ckpt)
@@ -255,7 +255,7 @@ def load_state(path: str | Path, which: str = "best", dtype: torch.dtype | None 
     LoRA run's adapters are merged into its base (in `dtype`; None: the base's own)."""
     ckpt = resolve_checkpoint(path, which)
     state = load_checkpoint(ckpt, map_location="cpu")
-    if quantized_layers(state) and isinstance(state["weights_file"], dict):
+    if is_quantized_run(state) and isinstance(state["weights_file"], dict):
         state["weights_file"]["path"] = ckpt.parent / WEIGHTS_FILE
     return (with_base(state, ckpt, dtype) if "lora_base" in state else state), ckpt
 

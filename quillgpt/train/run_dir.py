@@ -261,7 +261,7 @@ def init_from_run(cfg: Config, tokenizer_spec: dict) -> tuple[Config, dict[str, 
     only INIT_APPLIED apply; one given on the command line that would change the architecture is
     refused (the weights fix it), never silently ignored."""
     state, path = runs.load_state(cfg.train.init_from, which="best")
-    if runs.quantized_layers(state) and not cfg.lora.rank:
+    if runs.is_quantized_run(state) and not cfg.lora.rank:
         raise QuillError(
             f"train.init_from={cfg.train.init_from} is a quantized run (int4/int8 codes), which training cannot update; "
             "train LoRA adapters on it (lora.rank=8; quill finetune does) or fine-tune a float run: "
