@@ -39,13 +39,13 @@ from harness import ROOT, add_common, load_line, run_child, skipped, tiny_run
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import load_config
+from quillgpt.cpu_share import others_during
 from quillgpt.data.chat_batches import ChatRows
 from quillgpt.device import resolve_dtype
 from quillgpt.evaluate.scores import chat_rows, evaluate_rows
 from quillgpt.inference.chat_session import chat_prompt_ids
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.runs import load_run
-from quillgpt.train.cpu_share import others_during
 from quillgpt.train.loop import autocast
 
 CONFIGS = {"LoRA": ROOT / "configs" / "shakespeare_chat_lora.yaml", "full": ROOT / "configs" / "shakespeare_chat_full.yaml"}

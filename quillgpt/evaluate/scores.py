@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from quillgpt.cpu_share import FIRST_LOOK_S, CpuShare, holding
 from quillgpt.data.batches import batch_from_starts
 from quillgpt.data.chat_batches import ChatRows
 from quillgpt.data.chat_data import encode_lines
@@ -155,9 +156,11 @@ def evaluate_tokens(
     device: str | torch.device | None = None,
     progress: bool = False,
     tokenizer: Tokenizer | None = None,
+    threads: CpuShare | None = None,
 ) -> EvalResult:
     """Score tokens 1..N-1 of `tokens` once each with a sliding pass (stride defaults to
-    block_size). With `tokenizer`, also count the bytes and characters of the scored text."""
+    block_size). With `tokenizer`, also count the bytes and characters of the scored text; with
+    `threads` (a CpuShare), torch's threads give way to other processes between batches."""
     if batch_size < 1:
         raise QuillError(f"--batch-size must be at least 1, got {batch_size}")
     block_size = model.config.block_size
@@ -171,6 +174,8 @@ def evaluate_tokens(
     bar = tqdm(total=len(tokens) - 1, unit="tok", unit_scale=True, disable=not progress, delay=1.0, leave=False)
     with evaluating(model):
         for i in range(0, len(starts), batch_size):
+            if threads is not None:
+                threads.update()
             idx = starts[i : i + batch_size, None] + offsets  # (B, L) positions of the inputs
             x = torch.from_numpy(tokens[idx].astype(np.int64))
             y = torch.from_numpy(tokens[idx + 1].astype(np.int64))
@@ -238,9 +243,11 @@ def evaluate_rows(
     batch_size: int = 16,
     device: str | torch.device | None = None,
     tokenizer: Tokenizer | None = None,
+    threads: CpuShare | None = None,
 ) -> EvalResult:
     """Summed loss over the assistant's tokens of the conversations `picks` (default: all), as
-    training scores them; with `tokenizer`, also the bytes and characters of those tokens."""
+    training scores them; with `tokenizer`, also the bytes and characters of those tokens; with
+    `threads`, torch's threads give way to other processes between batches."""
     if batch_size < 1:
         raise QuillError(f"--batch-size must be at least 1, got {batch_size}")
     device = torch.device(device) if device is not None else _model_device(model)
@@ -249,6 +256,8 @@ def evaluate_rows(
     total, scored, n_bytes, n_chars = 0.0, 0, 0, 0
     with evaluating(model):
         for i in range(0, len(picks), batch_size):
+            if threads is not None:
+                threads.update()
             x, y = rows.batch(picks[i : i + batch_size], device)
             total += _scored_nats(model, x, y)
             targets = y[y != -1]
@@ -294,6 +303,7 @@ def evaluate_text(
     progress: bool = False,
     skip_unknown: bool = False,
     name: str = "the text",
+    threads: CpuShare | None = None,
 ) -> EvalResult:
     """Tokenize `text` with the model's tokenizer and score it. Characters the tokenizer
     cannot encode are an error, or with skip_unknown are dropped (bytes/chars then count
@@ -307,7 +317,8 @@ def evaluate_text(
     tokens = np.asarray(bos + tokenizer.encode(text), dtype=np.int64)
     if len(tokens) < 2:
         raise QuillError(f"{name} is {len(tokens)} token(s) long; scoring needs at least 2 (the first is context only)")
-    result = evaluate_tokens(model, tokens, stride=stride, batch_size=batch_size, device=device, progress=progress, tokenizer=tokenizer)
+    settings = dict(stride=stride, batch_size=batch_size, device=device, progress=progress, tokenizer=tokenizer, threads=threads)
+    result = evaluate_tokens(model, tokens, **settings)
     result.unknown_dropped = sum(unknown.values())
     return result
 
@@ -346,7 +357,7 @@ def _score_rows(run: Any, rows: ChatRows, kwargs: dict[str, Any]) -> EvalResult:
     """Conversations, the loss on the assistant's tokens: each is one window (no stride)."""
     if kwargs["stride"] is not None:
         raise QuillError("--stride does not apply to chat data: each conversation is one window")
-    return evaluate_rows(run.model, rows, batch_size=kwargs["batch_size"], tokenizer=run.tokenizer)
+    return evaluate_rows(run.model, rows, batch_size=kwargs["batch_size"], tokenizer=run.tokenizer, threads=kwargs["threads"])
 
 
 def evaluate_checkpoint(
@@ -378,15 +389,17 @@ def evaluate_checkpoint(
     if text_format == "chat" and stride is not None:  # before the load (a chat split: _score_rows says so)
         raise QuillError("--stride does not apply to --format chat: each conversation is one window")
     options = LoadOptions.parse(device=device, quantize=quantize, which=which)
+    threads = CpuShare.for_run(torch.device(options.device), first_s=FIRST_LOOK_S)  # the load: its first look's window
     run = load_run(path, options)  # a quantized model scored even where it runs no faster
-    kwargs = dict(stride=stride, batch_size=batch_size, progress=progress)
-    if texts:
-        results = [_score_text(run, t, text_format == "chat", skip_unknown, kwargs) for t in texts]
-        for result, t in zip(results, texts):
-            result.data = str(t)
-    else:
-        results = [_score_split(run, split, run.config.data.format == "chat", kwargs)]
-        results[0].data = split
+    kwargs = dict(stride=stride, batch_size=batch_size, progress=progress, threads=threads)
+    with holding(threads):
+        if texts:
+            results = [_score_text(run, t, text_format == "chat", skip_unknown, kwargs) for t in texts]
+            for result, t in zip(results, texts):
+                result.data = str(t)
+        else:
+            results = [_score_split(run, split, run.config.data.format == "chat", kwargs)]
+            results[0].data = split
     for result in results:
         result.checkpoint, result.step, result.quantize = str(path), run.step, options.quantize
     return results

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from quillgpt import quant
+from quillgpt.cpu_share import FIRST_LOOK_S, CpuShare, holding, threads_note
 from quillgpt.data.chat_template import TRANSCRIPT_STOPS, Message, conversation_ids
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
@@ -53,6 +56,7 @@ class ReplyStats:
     prefill_s: float = 0.0  # the prompt and the first token
     seconds: float = 0.0  # the whole reply, prefill and compiling included
     compile_s: float = 0.0  # of seconds: compiling the decode step (compile=True, a new cache size)
+    threads: str = ""  # the CPU threads it ran on and, when fewer than all, why (cpu_share.threads_note)
 
     def line(self) -> str:
         rest = self.seconds - self.prefill_s - self.compile_s
@@ -60,7 +64,8 @@ class ReplyStats:
         prefill = f"prompt {self.prompt_tokens} tokens, {self.prefill_s * 1e3:.0f} ms to the first"
         # (a graph an earlier reply compiled: its first call takes milliseconds, not worth a word)
         compiled = f"; compiling the decode step {self.compile_s:.1f}s" if self.compile_s >= 0.05 else ""
-        return f"({self.tokens} token(s) in {self.seconds:.2f}s{rate}; {prefill}{compiled})"
+        threads = f"; {self.threads}" if self.threads else ""
+        return f"({self.tokens} token(s) in {self.seconds:.2f}s{rate}; {prefill}{compiled}{threads})"
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], tuple[str, ...]]:
@@ -81,12 +86,22 @@ def fitting(model: GPT, prompt_len: int, max_new_tokens: int) -> int:
 class ChatSession:
     """The messages so far and the settings every reply is sampled with. compile: each reply's
     decode step compiled (the cache sized by compiled_step.shared_capacity, so later replies reuse
-    the graph until the conversation outgrows it)."""
+    the graph until the conversation outgrows it); threads: a CpuShare, so each reply's threads give
+    way to other processes (kept across replies: its decision, and its hold)."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None, compile: bool = False) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        system: str | None = None,
+        compile: bool = False,
+        threads: CpuShare | None = None,
+    ) -> None:
         if params.max_new_tokens < 1:
             raise QuillError(f"a reply needs max_new_tokens of at least 1 (it is {params.max_new_tokens}); pass -n 1 or more")
         self.model, self.tokenizer, self.params, self.system, self.compile = model, tokenizer, params, system, compile
+        self.threads = threads
         self.messages: list[Message] = []
         self.last = ReplyStats()  # the last reply's speed (/stats)
         self.reset()
@@ -105,17 +120,19 @@ class ChatSession:
         )
         tokens = len(ids) + params.max_new_tokens
         engine = make_engine(self.model, 1, compile=self.compile, tokens=shared_capacity(tokens) if self.compile else tokens)
-        batch = TextBatch(engine, self.tokenizer)
+        batch = TextBatch(engine, self.tokenizer, self.threads)
         said: list[str] = []
         self.last = ReplyStats(prompt_tokens=len(ids))
-        try:
-            for piece in _pieces(batch, ids, params, self.last):
-                said.append(piece)
-                self.last.compile_s = engine.compile_s
-                yield piece
-        finally:
-            batch.leave(0)
-            self.messages.append({"role": "assistant", "content": "".join(said)})
+        with holding(self.threads):
+            try:
+                for piece in _pieces(batch, ids, params, self.last):
+                    said.append(piece)
+                    self.last.compile_s = engine.compile_s
+                    yield piece
+            finally:
+                batch.leave(0)
+                self.messages.append({"role": "assistant", "content": "".join(said)})
+                self.last.threads = threads_note(self.threads, self.model.device)
 
 
 def open_chat(
@@ -128,8 +145,9 @@ def open_chat(
     n = flags.get("max_new_tokens")
     if n is not None and n < 1:
         raise QuillError(f"--max-new-tokens {n}: a reply needs at least 1 token")
+    threads = CpuShare.for_run(torch.device(options.device), first_s=FIRST_LOOK_S)  # the load: its first look's window
     run = load_run(ckpt, dataclasses.replace(options, rows=1))
-    session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system, compile=options.compile)
+    session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system, options.compile, threads)
     kind = run_kind(run.config, run.tokenizer, run.step)
     note = quant.weights_note(run.model, "; ", compiled=options.compile and run.model.variant.static_cache)
     return session, f"chatting with {run.path}: {kind}{note}; /reset, /stats, /quit, /help"

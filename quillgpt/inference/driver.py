@@ -17,6 +17,7 @@ import codecs
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from quillgpt.cpu_share import CpuShare
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.inference.engine import Finish, Prompt, RowFailed, Rows, RowToken, TokenLogprob
@@ -170,10 +171,11 @@ class _Text:
 class TextBatch:
     """Rows of text over one engine: `join` a prompt (prefilled at once: its first Piece), `step`
     every row (a Piece each), `leave` when the reader is gone. A finished row leaves the engine
-    by itself. Without a tokenizer the pieces carry tokens only (generate_tokens)."""
+    by itself. Without a tokenizer the pieces carry tokens only (generate_tokens). With `threads`
+    (a CpuShare), torch's threads give way to other processes between steps (cpu_share.py)."""
 
-    def __init__(self, engine: Rows, tokenizer: Tokenizer | None = None) -> None:
-        self.engine, self.tokenizer = engine, tokenizer
+    def __init__(self, engine: Rows, tokenizer: Tokenizer | None = None, threads: CpuShare | None = None) -> None:
+        self.engine, self.tokenizer, self.threads = engine, tokenizer, threads
         self._rows: dict[int, _Text] = {}  # engine row → its text
         self._where: dict[Hashable, int] = {}  # key → engine row
 
@@ -209,6 +211,8 @@ class TextBatch:
             if j.key in keys:
                 raise ValueError(f"row {j.key!r} is already generating")
             keys.add(j.key)
+        if self.threads is not None:
+            self.threads.update()
         firsts = self.engine.add_all([j.prompt for j in joins])
         pieces = []
         for j, first in zip(joins, firsts):
@@ -221,6 +225,8 @@ class TextBatch:
 
     def step(self) -> list[Piece]:
         """One new token for every row: a Piece each."""
+        if self.threads is not None:
+            self.threads.update()
         return [self._piece(t) for t in self.engine.step()]
 
     def leave(self, key: Hashable) -> None:

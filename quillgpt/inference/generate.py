@@ -27,6 +27,7 @@ from torch import Tensor
 
 from quillgpt import quant
 from quillgpt.config import SampleConfig
+from quillgpt.cpu_share import FIRST_LOOK_S, CpuShare, holding, threads_note
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.inference.driver import Join, Piece, TextBatch, TextStream, encode_prompt
@@ -136,6 +137,7 @@ class GenerationStats:
     total_s: float = 0.0
     compile_s: float = 0.0  # of total_s: compiling the decode step (--compile), not counted in tokens/s
     past_context: str = ""  # what happens to a prompt longer than the model's context ("" when none is)
+    threads: str = ""  # the CPU threads it ran on and, when fewer than all, why (cpu_share.threads_note)
 
     @property
     def tokens_per_s(self) -> float:
@@ -192,7 +194,8 @@ class Generation:
     leaves the engine at once. Afterwards `texts` holds each row's completion and `stats` its
     counts and timings. `samples` rows continue each prompt (row i samples with seed + i).
     Sampling: `params` and/or SamplingParams fields as keywords; `use_cache=False` recomputes
-    (the reference); `dtype`, `compile` as in generate_tokens.
+    (the reference); `dtype`, `compile` as in generate_tokens; `threads`: a CpuShare, so torch's
+    threads give way to other processes between steps (None: they stay as they are).
     """
 
     def __init__(
@@ -207,8 +210,10 @@ class Generation:
         use_cache: bool = True,
         dtype: torch.dtype | None = None,
         compile: bool | None = None,
+        threads: CpuShare | None = None,
         **settings: Any,
     ) -> None:
+        self.threads = threads
         if max_new_tokens is not None:
             settings["max_new_tokens"] = max_new_tokens
         self.params = make_params(params, **settings)
@@ -241,26 +246,28 @@ class Generation:
         stats.new_tokens, stats.finish = [0] * n, ["length"] * n
         if self.params.max_new_tokens == 0:
             return
-        batch = TextBatch(self.engine, self.tokenizer)
+        batch = TextBatch(self.engine, self.tokenizer, self.threads)
         eot = self.tokenizer.stop_ids  # end of text (and an imported model's end of turn)
-        try:
-            t0 = time.perf_counter()
-            joins = [Join(r, Prompt(ids, row_params(self.params, r), eot), self.streams[r]) for r, ids in enumerate(self.prompt_ids)]
-            pieces = batch.join_all(joins)  # prompts of one length prefill together
-            while True:
-                stats.total_s += time.perf_counter() - t0
-                stats.compile_s = self.engine.compile_s
-                if stats.steps == 0:
-                    stats.prefill_ms = 1000 * stats.total_s  # time to the first new token
-                stats.steps += 1
-                yield self._record(pieces)
-                if not len(batch):
-                    return
+        with holding(self.threads):
+            try:
                 t0 = time.perf_counter()
-                pieces = batch.step()
-        finally:
-            for r in range(n):
-                batch.leave(r)
+                joins = [Join(r, Prompt(ids, row_params(self.params, r), eot), self.streams[r]) for r, ids in enumerate(self.prompt_ids)]
+                pieces = batch.join_all(joins)  # prompts of one length prefill together
+                while True:
+                    stats.total_s += time.perf_counter() - t0
+                    stats.compile_s = self.engine.compile_s
+                    if stats.steps == 0:
+                        stats.prefill_ms = 1000 * stats.total_s  # time to the first new token
+                    stats.steps += 1
+                    yield self._record(pieces)
+                    if not len(batch):
+                        return
+                    t0 = time.perf_counter()
+                    pieces = batch.step()
+            finally:
+                for r in range(n):
+                    batch.leave(r)
+                stats.threads = threads_note(self.threads, self.engine.model.device)
 
     def _record(self, pieces: list[Piece]) -> list[str]:
         """One step's pieces → each row's new text; counts and finish reasons into stats."""
@@ -333,7 +340,8 @@ class Sample:
         gen = self.generation
         how = "compiled kv cache" if gen.compiled else "kv cache" if self.use_cache else "no kv cache"
         note = quant.weights_note(gen.engine.model, compiled=gen.compiled)
-        where = f"{self.run.model.device.type}, {self.options.dtype_name}{note}"
+        threads = f", {gen.stats.threads}" if gen.stats.threads else ""
+        where = f"{self.run.model.device.type}{threads}, {self.options.dtype_name}{note}"
         return f"{gen.stats.line()} ({how}, {where}; load {self.load_s:.1f} s, not in tokens/s)"
 
     def to_json(self) -> str:
@@ -364,13 +372,16 @@ def open_sample(
     """Load a run (its int8 kernels measured at `samples` rows) and set up the generation of
     `samples` continuations of `prompt`: `flags` (SampleConfig's fields, None: not given) over the
     run's sample: config. The flags and stop strings are checked before the checkpoint loads, and
-    the engine checks the KV cache fits before anything is made per sample."""
+    the engine checks the KV cache fits before anything is made per sample. On a CPU its threads
+    give way to other processes (cpu_share.py; the load is its first look's window)."""
     flags = flags or {}
     if samples < 1:
         raise QuillError(f"--num-samples must be at least 1, got {samples}")
     SampleConfig().params(**flags, stop=stop)  # a bad flag fails before the checkpoint loads
     started = time.perf_counter()
+    threads = CpuShare.for_run(torch.device(options.device), first_s=FIRST_LOOK_S)
     run = load_run(ckpt, dataclasses.replace(options, rows=samples))
     params = run.config.sample.params(**flags, stop=stop)
-    gen = Generation(run.model, run.tokenizer, [prompt], samples=samples, params=params, use_cache=use_cache, compile=options.compile)
+    settings = dict(params=params, use_cache=use_cache, compile=options.compile, threads=threads)
+    gen = Generation(run.model, run.tokenizer, [prompt], samples=samples, **settings)
     return Sample(run, gen, options, prompt, use_cache, time.perf_counter() - started)

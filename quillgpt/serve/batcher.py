@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from quillgpt.cpu_share import CpuShare, holding
 from quillgpt.errors import QuillError
 from quillgpt.inference.driver import Join, Piece, TextBatch, TextStream
 from quillgpt.inference.engine import Prompt
@@ -73,12 +74,13 @@ class Busy(Exception):
 class Batcher:
     """Owns the engine on its own thread; `submit` jobs, `cancel` them, `call` functions."""
 
-    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+    def __init__(self, engine: Engine, max_waiting: int = 256, threads: CpuShare | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.threads = threads  # torch's threads on the engine thread give way to other processes
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._batch = TextBatch(engine)  # jobs are the keys; each brings its own TextStream
+        self._batch = TextBatch(engine, threads=threads)  # jobs are the keys; each brings its own TextStream
         self._rows: dict[int, Job] = {}  # id(job) → job, for the jobs that hold a row
         self._queued = 0  # jobs submitted and not yet prefilled (inbox + waiting)
         self._lock = threading.Lock()
@@ -127,7 +129,10 @@ class Batcher:
         return None if self._failure is None else f"the engine's last step failed: {self._failure}"
 
     def load(self) -> dict[str, int]:
-        return {"active": len(self._rows), "waiting": self._queued, "max_batch": self.engine.max_rows}
+        """/health's figures: rows at work, choices waiting, the batch's size and, where they give
+        way to other processes, the engine's threads now."""
+        threads = {} if self.threads is None else {"threads": self.threads.threads}
+        return {"active": len(self._rows), "waiting": self._queued, "max_batch": self.engine.max_rows, **threads}
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new work, end the jobs still running (as errors) and join the thread."""
@@ -139,6 +144,11 @@ class Batcher:
     # --- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        with holding(self.threads):
+            self._loop()
+        self._fail_all("the server stopped before this request finished")
+
+    def _loop(self) -> None:
         while True:
             try:
                 if not self._take_inbox(block=not self._rows and not self._waiting):
@@ -158,7 +168,6 @@ class Batcher:
                     self._batch.leave(key)
                     job.emit(Event(job.index, "internal error while generating (logged on the server)", "error", job.tokens))
                 self._rows.clear()
-        self._fail_all("the server stopped before this request finished")
 
     def _fail_all(self, message: str) -> None:
         while True:  # nothing can enter the inbox any more (stop() holds _stopping)

@@ -32,6 +32,7 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch.dtype | None = None, compile: bool = False) -> FastAPI:
     """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows; compile: its
     decode step compiled here (Engine.warm), before any request can wait for it."""
+    from quillgpt.cpu_share import FIRST_LOOK_S, CpuShare
     from quillgpt.device import release_thread_pool
     from quillgpt.inference.engine import Engine
     from quillgpt.serve.batcher import Batcher
@@ -42,7 +43,8 @@ def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch
     engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens, memory_fix=fix, compile=compile)
     compile_s = engine.warm()
     release_thread_pool()  # the batcher's thread runs the engine from here on
-    app = create_app(run, Batcher(engine, max_waiting=options.max_waiting), options)
+    threads = CpuShare.for_run(run.model.device, first_s=FIRST_LOOK_S)  # given way between steps as load changes
+    app = create_app(run, Batcher(engine, max_waiting=options.max_waiting, threads=threads), options)
     app.state.compiled, app.state.compile_s = engine.compiled, compile_s
     return app
 

@@ -35,6 +35,7 @@ import torch
 
 from quillgpt import checkpoint as ckpt
 from quillgpt.config import Config, TrainConfig, parse_duration
+from quillgpt.cpu_share import measured_quietly, sharing_cpu
 from quillgpt.data.batches import BatchSampler, fixed_windows
 from quillgpt.data.chat_batches import ChatRows, ChatSampler
 from quillgpt.data.prefix_batches import PrefixLengths, PrefixSampler, separator_id
@@ -47,7 +48,6 @@ from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_state, add_lora, is_adapter
 from quillgpt.model.variants import variant_of
 from quillgpt.train import fsdp_checkpoint as sharded
-from quillgpt.train.cpu_share import measured_quietly, sharing_cpu
 from quillgpt.train.distributed import (
     Dist,
     full_weights,

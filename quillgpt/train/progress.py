@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from quillgpt.train.cpu_share import gives_way
+from quillgpt.cpu_share import gives_way
 from quillgpt.train.state import Trainer
 
 

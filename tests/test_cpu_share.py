@@ -1,17 +1,19 @@
-"""Threads that give way to other processes (quillgpt/train/cpu_share.py): the decision from
+"""Threads that give way to other processes (quillgpt/cpu_share.py): the decision from
 /proc's readings, who is left alone, the count restored after a run, and a run whose threads
 change mid-way training as one at a fixed count."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from support import ROOT, losses, tiny
 
+from quillgpt import cpu_share
 from quillgpt.config import load_config
-from quillgpt.train import cpu_share
-from quillgpt.train.cpu_share import CpuShare, gives_way, read_proc, sharing_cpu
+from quillgpt.cpu_share import CpuShare, gives_way, read_proc, sharing_cpu
 from quillgpt.train.loop import train
 
 
@@ -174,3 +176,111 @@ def test_the_first_line_says_the_thread_count_may_give_way(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert not gives_way(torch.device("cpu"), 1) and "fewer while" not in startup_line(t, "64", False)
     assert not gives_way(torch.device("cuda"), 1) and not gives_way(torch.device("cpu"), 2)
+
+
+def test_the_first_look_can_come_sooner_and_the_note_says_what_was_decided(threads):
+    """Inference looks once FIRST_LOOK_S has passed (a short sample decodes in about a second),
+    then every interval_s; its note is what the stats lines print."""
+    torch.set_num_threads(2)
+    proc = FakeProc()
+    share = CpuShare(max_threads=2, cores=2, sample=proc, clock=lambda: proc.wall, first_s=cpu_share.FIRST_LOOK_S)
+    assert share.note() == "2 threads"
+    proc.advance(0.15, others=1.0)
+    share.update()
+    assert share.threads == 1 == torch.get_num_threads()
+    assert share.note() == "1 of 2 threads (other processes used 1.0 of 2 cores)"
+    proc.advance(0.15, others=0.0)
+    assert share.update() is None and share.others_seen == 1.0  # the next look waits interval_s
+
+
+def test_the_driver_gives_way_between_decode_steps_and_a_held_share_restores_the_count(threads):
+    """TextBatch looks before every prefill and step (sample, chat and serve all drive through it);
+    held() sets the decided count on entry and the starting one back on exit."""
+    from support import V, random_model
+
+    from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.inference.driver import TextBatch
+    from quillgpt.inference.generate import make_engine
+    from quillgpt.sampling_params import SamplingParams
+
+    torch.set_num_threads(2)
+    proc = FakeProc()
+    share = CpuShare(max_threads=2, cores=2, sample=proc, clock=lambda: proc.wall, hold_s=0.0)
+    looks = []
+    with share.held():
+        batch = TextBatch(make_engine(random_model(), 1), CharTokenizer("".join(map(chr, range(65, 65 + V)))), share)
+        proc.advance(1.0, others=1.0)
+        batch.join(0, [1, 2, 3], SamplingParams(max_new_tokens=6, temperature=0.0))
+        looks.append(torch.get_num_threads())
+        for others in (1.0, 0.0, 0.0):
+            proc.advance(1.0, others=others)
+            batch.step()
+            looks.append(torch.get_num_threads())
+        assert looks == [1, 1, 2, 2]  # a busy neighbour, then a quiet machine: every core again
+        proc.advance(1.0, others=1.0)
+        batch.step()
+        assert share.threads == 1
+    assert torch.get_num_threads() == 2
+
+
+@pytest.fixture
+def cpu_hog():
+    """A child process that keeps one core busy for at most 60 s; killed when the test ends."""
+    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"])
+    try:
+        time.sleep(0.3)  # running at full speed before the test looks
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait(timeout=10)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="giving a core away needs two of them")
+def test_sample_beside_a_busy_process_takes_fewer_threads_and_says_so(tmp_path, monkeypatch, threads, cpu_hog):
+    """`quill sample`'s path (open_sample) beside a process that keeps a core busy: fewer threads
+    than torch's starting count from the first step, the stats line says why, and the count is
+    back afterwards. (Other load on the machine only adds to the busy cores the test needs.)"""
+    from support import V, random_model
+
+    from quillgpt.config import Config
+    from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.inference.generate import open_sample
+    from quillgpt.runs import LoadOptions, write_run
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(os.cpu_count())
+    model = random_model()
+    (tmp_path / "run").mkdir()
+    write_run(tmp_path / "run", Config(model=model.config), CharTokenizer("".join(map(chr, range(65, 65 + V)))), model.state_dict())
+    real_load = cpu_share.read_proc
+
+    def slow_first_look():  # the load of a real model takes longer than this tiny one's
+        time.sleep(0.2)
+        return real_load()
+
+    monkeypatch.setattr(cpu_share, "read_proc", slow_first_look)
+    sample = open_sample(tmp_path / "run", "ABC", LoadOptions(), flags={"max_new_tokens": 8, "temperature": 0.0})
+    seen = []
+    for _ in sample.generation:
+        seen.append(torch.get_num_threads())
+    assert seen[0] < os.cpu_count() and max(seen) < os.cpu_count(), seen
+    assert f"of {os.cpu_count()} threads (other processes used" in sample.stats_line()
+    assert torch.get_num_threads() == os.cpu_count()
+
+
+def test_a_chat_reply_gives_way_and_its_stats_line_says_so(threads):
+    from support import random_model
+
+    from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.inference.chat_session import ChatSession
+    from quillgpt.sampling_params import SamplingParams
+
+    torch.set_num_threads(2)
+    proc = FakeProc()
+    share = CpuShare(max_threads=2, cores=2, sample=proc, clock=lambda: proc.wall, first_s=cpu_share.FIRST_LOOK_S)
+    tok = CharTokenizer("".join(sorted("\n :AU012345abcdefghijklmnopqrstuvwxyz")))  # V characters: the transcript's
+    session = ChatSession(random_model(), tok, SamplingParams(max_new_tokens=4, temperature=0.0), threads=share)
+    proc.advance(0.5, others=1.0)
+    "".join(session.reply("hi"))
+    assert "; 1 of 2 threads (other processes used 1.0 of 2 cores))" in session.last.line()
+    assert torch.get_num_threads() == 2  # between replies: the starting count
