@@ -284,3 +284,16 @@ def test_a_chat_reply_gives_way_and_its_stats_line_says_so(threads):
     "".join(session.reply("hi"))
     assert "; 1 of 2 threads (other processes used 1.0 of 2 cores))" in session.last.line()
     assert torch.get_num_threads() == 2  # between replies: the starting count
+
+
+def test_the_servers_health_reports_the_engine_threads_it_gives_way_with(threads):
+    from support import random_model
+
+    from quillgpt.inference.engine import Engine
+    from quillgpt.serve.batcher import Batcher
+
+    proc = FakeProc()
+    share = CpuShare(max_threads=2, cores=2, sample=proc, clock=lambda: proc.wall)
+    engine = Engine(random_model(), max_rows=1)
+    assert Batcher(engine, threads=share).load()["threads"] == 2
+    assert "threads" not in Batcher(engine).load()  # a fixed count (OMP_NUM_THREADS) or a GPU: nothing to report
