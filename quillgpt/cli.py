@@ -151,6 +151,7 @@ def train(
     """
     from quillgpt.config import load_config
     from quillgpt.train.loop import train as run_training
+    from quillgpt.train.progress import say
 
     cfg = load_config(config, overrides)
     if resume:
@@ -158,12 +159,12 @@ def train(
     if overwrite:
         cfg.train.overwrite = True
     result = run_training(cfg, progress=not quiet)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # said to the terminal if Ctrl-C took `| tee` with it
         val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
         best = f"{result.best_val_loss:.4f}" if math.isfinite(result.best_val_loss) else "none yet"
-        print(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.time_text()} → {result.out_dir}")
+        say(f"{result.stopped}: step {result.step}, val loss {val} (best {best}), {result.time_text()} → {result.out_dir}")
         if result.reason:
-            print(f"  ({result.reason})")
+            say(f"  ({result.reason})")
     if result.stopped == "interrupted":
         raise typer.Exit(130)
 
@@ -184,17 +185,18 @@ def finetune_cmd(
     --epochs, warmup as a fraction of them, the last data.val_fraction held out. Prints the plan,
     then trains (as `quill train`; train.resume=true continues it)."""
     from quillgpt.train.finetune import best_checkpoint, finetune
+    from quillgpt.train.progress import say
 
     extra = [*(overrides or []), *(["train.overwrite=true"] if overwrite else [])]
     _, result = finetune(base, data, out, full=full, epochs=epochs, overrides=extra, progress=not quiet)
     val = f"{result.last_val_loss:.4f}" if result.last_val_loss is not None else "n/a"
-    print(f"{result.stopped}: step {result.step}, held-out loss {val}, {result.elapsed_s:.0f}s → {result.out_dir}")
+    say(f"{result.stopped}: step {result.step}, held-out loss {val}, {result.elapsed_s:.0f}s → {result.out_dir}")
     best = best_checkpoint(result.out_dir)
     if best is not None:  # what a user gets: the lowest held-out loss's weights, not the last step's
         step, loss = best
         latest = "" if step == result.step else f"; step {result.step}'s weights: --which latest"
-        print(f"  best.pt (step {step}, held-out loss {loss:.4f}, the lowest) is what chat, merge and export use{latest}")
-    print(f"  chat with it: quill chat --ckpt {result.out_dir}; merge it: quill merge {result.out_dir} --out DIR")
+        say(f"  best.pt (step {step}, held-out loss {loss:.4f}, the lowest) is what chat, merge and export use{latest}")
+    say(f"  chat with it: quill chat --ckpt {result.out_dir}; merge it: quill merge {result.out_dir} --out DIR")
     if result.stopped == "interrupted":
         raise typer.Exit(130)
 

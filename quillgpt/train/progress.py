@@ -4,20 +4,69 @@ from the first step, and the reason a run stopped when it is not the obvious one
 A run with a step budget (train.max_iters) shows steps of max_iters. A run with a time budget
 shows seconds of the budget instead: its number of steps is only known once the schedule's end is
 fitted to the pace, and may still change with it (see schedule.follow_budget).
+
+`quill train … 2>&1 | tee log` and Ctrl-C end tee with quill, and a write into the dead pipe must
+neither come before nor prevent the checkpoint the stop saves: a write that finds its pipe closed
+sends the output to the terminal instead, where there is one (follow_the_reader_away).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import select
+import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
 
 from quillgpt.cpu_share import gives_way
 from quillgpt.train.state import Trainer
+
+
+def _reader_gone(fd: int) -> bool:
+    """Whether fd is a pipe whose reading end has closed (poll flags the writing end POLLERR)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def follow_the_reader_away() -> None:
+    """After a write hit a closed pipe: stdout and stderr whose reader is gone write to the
+    terminal from now on (or to /dev/null without one: a service, a test), so nothing raises
+    again, at exit either. The same Python streams stay, so tqdm keeps its bookkeeping."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            fd = stream.fileno()
+            if _reader_gone(fd):
+                try:
+                    target = os.open("/dev/tty", os.O_WRONLY | os.O_NOCTTY)
+                except OSError:
+                    target = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(target, fd)
+                os.close(target)
+
+
+@contextlib.contextmanager
+def reader_may_go() -> Iterator[None]:
+    """Run a write; if its pipe has closed, follow the reader away (the write itself is lost)."""
+    try:
+        yield
+    except BrokenPipeError:
+        follow_the_reader_away()
+
+
+def say(line: str, file: TextIO | None = None) -> None:
+    """print(line), to the terminal instead if the pipe it went to has closed."""
+    file = file or sys.stdout
+    with reader_may_go():
+        print(line, file=file, flush=True)
+        return
+    with contextlib.suppress(OSError):
+        print(line, file=file, flush=True)
 
 
 def startup_line(t: Trainer, tokens_per_step: str, resumed: bool) -> str:
@@ -59,15 +108,18 @@ class Progress:
 
     def update(self, t: Trainer) -> None:
         if not self.timed:
-            self.bar.update(1)
+            with reader_may_go():
+                self.bar.update(1)
             return
         self.step = f"{t.step:,}" + (f"/{t.horizon:,}" if t.fitted else "")
         self.set_postfix(refresh=False, **self.stats)
-        self.bar.update(min(round(t.elapsed()), self.bar.total) - self.bar.n)  # redraws at tqdm's own pace
+        with reader_may_go():
+            self.bar.update(min(round(t.elapsed()), self.bar.total) - self.bar.n)  # redraws at tqdm's own pace
 
     def set_postfix(self, refresh: bool = True, **stats: str) -> None:
         self.stats = stats
-        self.bar.set_postfix({"step": self.step, **stats} if self.timed else stats, refresh=refresh)
+        with reader_may_go():
+            self.bar.set_postfix({"step": self.step, **stats} if self.timed else stats, refresh=refresh)
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -84,7 +136,12 @@ class Progress:
             self.set_postfix(refresh=False, **stats)
 
     def write(self, line: str) -> None:
-        self.bar.write(line)
+        with reader_may_go():
+            self.bar.write(line)
+            return
+        with contextlib.suppress(OSError):  # the same line, to where the output goes now
+            self.bar.write(line)
 
     def close(self) -> None:
-        self.bar.close()
+        with reader_may_go():
+            self.bar.close()
