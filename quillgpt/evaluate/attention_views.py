@@ -273,7 +273,7 @@ def _layout(n_tokens: int, n_layers: int, n_heads: int) -> tuple[int, int, float
     return rows, cols, round(panel * 4) / 4  # quarter inches: whole pixels at common dpis
 
 
-SMALLEST_LABEL_PT = 4.0  # token labels shrink to this before only every k-th one is drawn
+SMALLEST_LABEL_PT = 5.0  # token labels shrink to this (7 px at the default 100 dpi) before only every k-th one is drawn
 
 
 def tick_labels(n_tokens: int, panel: float, fontsize: float) -> tuple[list[int], float]:
@@ -285,6 +285,11 @@ def tick_labels(n_tokens: int, panel: float, fontsize: float) -> tuple[list[int]
     size = min(fontsize, SMALLEST_LABEL_PT)
     fit = max(1, int(panel * 72 / (size * 1.25)))
     return list(range(0, n_tokens, max(1, math.ceil(n_tokens / fit)))), size
+
+
+def key_label_rotation(labels: list[str]) -> int:
+    """The key axis's labels side by side: characters read best upright, words on their side."""
+    return 0 if max(map(len, labels), default=0) <= 2 else 90
 
 
 def attention_figsize(n_tokens: int, n_layers: int, n_heads: int) -> tuple[float, float]:
@@ -325,8 +330,9 @@ def plot_attention(
         axes = fig.subplots(rows, cols, squeeze=False)
         panels = [(layer, h) for layer in layers for h in heads]
         outer_only = len(layers) > 1  # thumbnails: labels on the left column and bottom row
-        fontsize = 9 if rows * cols == 1 else 7 if rows * cols <= 16 else 5
+        fontsize = 9 if rows * cols == 1 else 7  # thumbnails too: 7 pt is the least a title reads at 100 dpi
         ticks, label_size = tick_labels(T, panel, fontsize)
+        rotation = key_label_rotation([tokens[i] for i in ticks])
         future = ~visible(T, prefix)
         image = None
         for n, ax in enumerate(axes.flat):
@@ -341,7 +347,7 @@ def plot_attention(
             r, c = divmod(n, cols)
             left, bottom = not outer_only or c == 0, not outer_only or r == rows - 1
             ax.set_yticks(ticks, [tokens[i] for i in ticks] if left else [], fontsize=label_size)
-            ax.set_xticks(ticks, [tokens[i] for i in ticks] if bottom else [], fontsize=label_size, rotation=90)
+            ax.set_xticks(ticks, [tokens[i] for i in ticks] if bottom else [], fontsize=label_size, rotation=rotation)
             ax.tick_params(length=0)
             if c == 0:
                 ax.set_ylabel("query", fontsize=fontsize)

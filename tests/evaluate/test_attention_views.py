@@ -315,6 +315,19 @@ def test_every_token_of_the_readmes_prompt_is_labelled_in_the_4x4_grid():
     assert size == SMALLEST_LABEL_PT and ticks[:2] == [0, ticks[1]] and 1 < ticks[1] and len(ticks) <= 2.0 * 72 / (size * 1.25) + 1
 
 
+def test_layer_all_labels_stay_readable_and_characters_stand_upright():
+    """`--layer all` of a 6-layer × 6-head model on the README's prompt: its labels were 4.4 pt
+    (6 px at 100 dpi) and every character was rotated on its side. Now at least SMALLEST_LABEL_PT
+    (every other token where all do not fit), and one-character tokens stand upright."""
+    from quillgpt.evaluate.attention_views import SMALLEST_LABEL_PT, _layout, key_label_rotation, tick_labels
+
+    prompt = list("To be, or not to be: that is the question.")
+    _, _, panel = _layout(len(prompt), 6, 6)
+    ticks, size = tick_labels(len(prompt), panel, 7)
+    assert size >= SMALLEST_LABEL_PT >= 5.0 and ticks[:2] == [0, 2]
+    assert key_label_rotation(prompt) == 0 and key_label_rotation(["To", "␣be", ","]) == 90
+
+
 # --- attention_report: quill attention ---------------------------------------------------------
 
 
