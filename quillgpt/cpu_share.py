@@ -115,7 +115,7 @@ class CpuShare:
     def note(self) -> str:
         """For a stats line: the threads used and, when fewer than all, why."""
         if self.threads == self.max_threads:
-            return f"{self.threads} threads"
+            return f"{self.threads} thread" + "s" * (self.threads > 1)
         return f"{self.threads} of {self.max_threads} threads (other processes used {self.others_seen or 0:.1f} of {self.cores} cores)"
 
 
@@ -131,7 +131,8 @@ def threads_note(share: CpuShare | None, device: torch.device) -> str:
     if share is not None:
         return share.note()
     fixed = " (OMP_NUM_THREADS)" if "OMP_NUM_THREADS" in os.environ else ""
-    return f"{torch.get_num_threads()} threads{fixed}"
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' * (n > 1)}{fixed}"
 
 
 def gives_way(device: torch.device, world_size: int) -> bool:

@@ -27,6 +27,7 @@ TEXT = {
 SMOKE = {  # script → extra arguments of its smoke run
     "bench.py": [],
     "bench_attention.py": [],
+    "bench_busy.py": [],
     "bench_commits.py": [],
     "bench_finetune.py": [],
     "bench_prepare.py": [],
