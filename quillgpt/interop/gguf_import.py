@@ -29,7 +29,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
 from quillgpt.files import made_dir, shown
-from quillgpt.interop import convert, gguf_blocks, gguf_read, llama
+from quillgpt.interop import convert, gguf_blocks, gguf_checks, gguf_read, llama
 from quillgpt.interop.gguf_read import GGUFFile, GGUFWeights, gguf_module
 from quillgpt.interop.hf_files import check_out_dir
 from quillgpt.model.gpt import GPT
@@ -149,6 +149,7 @@ def _groups(weights: GGUFWeights, hf_name: str, scheme: str, report: Report) -> 
     t = f.tensors[name]
     kind, (cols, rows) = t.tensor_type.name, (int(t.shape[0]), math.prod(int(d) for d in t.shape[1:]))
     raw = _read(f, name)
+    gguf_checks.check_finite(f.path, name, kind, raw=raw)  # a damaged block named as damage, before it is mapped
     try:
         g = gguf_blocks.to_groups(raw, kind, rows, cols)
         raw = raw if g is not None and not g.exact else None  # kept only to measure the rounding
@@ -210,7 +211,8 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False, dequa
     quantized = any(t.tensor_type.name not in FLOAT_TYPES for t in f.tensors.values())
     if quantized and not dequantize and f.family.model_type != "gpt2":
         f.drop_vocabulary()
-        cfg = _checked_vocab(f, llama.llama_to_model_config(hf, str(f.path)), tokenizer)
+        cfg = _checked_vocab(f, gguf_read.model_config(f, hf), tokenizer)
+        gguf_read.check_tensors(f, cfg)
         with made_dir(out_dir):
             note = write_quantized(f, out_dir, cfg, hf, tokenizer, str(src))
         return convert.Converted(out_dir, cfg, tokenizer.name, f"GGUF {f.family.arch}", note)
