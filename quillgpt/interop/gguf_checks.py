@@ -67,7 +67,7 @@ class _Header:
         return len(self.data) - self.at
 
     def unpack(self, fmt: str, what: str) -> tuple:
-        size = struct.calcsize(fmt)
+        size = struct.calcsize(self.order + fmt)
         if size > self.left():
             raise self.damaged(f"{what} runs past the end of the file")
         out = struct.unpack_from(self.order + fmt, self.data, self.at)
