@@ -21,7 +21,7 @@ from quillgpt.config import Config, ModelConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_json_object
+from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_json_object, refuse_onto_inputs
 from quillgpt.interop import gpt2, llama
 from quillgpt.interop.families import GPT2, Family, export_family, family_of_config
 from quillgpt.interop.hf_config import check_fields, check_weights
@@ -68,6 +68,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     out_dir = Path(out_dir)
     check_out_dir(out_dir, runs.RUN_FILES + HF_FILES, force, "a run's or a model's files")
     path = resolve_source(src)
+    refuse_onto_inputs([out_dir / n for n in runs.RUN_FILES], [p for p in path.iterdir() if p.is_file()], "--out")
     hf_config = read_hf_config(path)
     check_fields(hf_config, str(path / "config.json"))  # typed and ranged before any family reads it
     family = family_of_config(hf_config)
@@ -110,6 +111,7 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     st_torch = require("safetensors.torch")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, HF_FILES + runs.RUN_FILES, force, "a model's or a run's files")
+    refuse_onto_inputs([out_dir / n for n in (*HF_FILES, "tokenizer.json")], runs.run_inputs(run, which), "--out")
     loaded = runs.load_run(run, which=which)
     quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer

@@ -191,20 +191,21 @@ def _check_tensors(h: _Header, infos: list[TensorInfo], start: int, alignment: i
 
 def check_shapes(path: Path, have: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]], optional: set[str], model: str) -> None:
     """The file's tensors (name → shape, PyTorch's order) are exactly those the model of its
-    metadata (`model`, e.g. "2-layer llama") needs: `want`, of which `optional` may be absent."""
+    metadata (`model`, e.g. "2-layer model of its llama metadata") needs: `want`, of which
+    `optional` may be absent."""
     missing = [n for n in want if n not in have and n not in optional]
     extra = sorted(set(have) - set(want))
     if missing or extra:
         what = f"missing {', '.join(missing[:3])}" if missing else f"it has {', '.join(extra[:3])} too"
         raise QuillError(
-            f"{shown(path)}: the weights do not match a {model} model of its metadata ({what}): "
+            f"{shown(path)}: the weights do not match a {model} ({what}): "
             "the file is damaged, or its block_count is wrong"
         )
     for name, shape in want.items():
         if name in have and have[name] != shape:
             raise QuillError(
-                f"{shown(path)}: tensor {name} is {_dims(have[name])}, but a {model} model of its metadata (embedding_length, "
-                f"head counts, feed_forward_length, vocabulary) needs {_dims(shape)}: the file is damaged"
+                f"{shown(path)}: tensor {name} is {_dims(have[name])}, but a {model} (embedding_length, head counts, "
+                f"feed_forward_length, vocabulary) needs {_dims(shape)}: the file is damaged"
             )
 
 

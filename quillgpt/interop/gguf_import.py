@@ -28,7 +28,7 @@ from quillgpt.config import ModelConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
-from quillgpt.files import made_dir, shown
+from quillgpt.files import made_dir, refuse_onto_inputs, shown
 from quillgpt.interop import convert, gguf_blocks, gguf_checks, gguf_read, llama
 from quillgpt.interop.gguf_read import GGUFFile, GGUFWeights, gguf_module
 from quillgpt.interop.hf_files import check_out_dir
@@ -205,6 +205,7 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False, dequa
     of float tensors, or a gpt2 one) its weights in fp32 in ckpt.pt, usable as train.init_from too."""
     out_dir = Path(out_dir)
     check_out_dir(out_dir, runs.RUN_FILES + convert.HF_FILES, force, "a run's or a model's files")
+    refuse_onto_inputs([out_dir / n for n in runs.RUN_FILES], [src], "--out")
     f = gguf_read.GGUFFile(src)
     hf = gguf_read.hf_config(f)  # the architecture and its keys, before the tokenizer
     tokenizer = gguf_read.gguf_tokenizer(f)

@@ -235,7 +235,7 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     want = {names.get_name(n, try_suffixes=(".weight", ".bias")): s for n, s in shapes.items()}
     optional = {names.get_name(n, try_suffixes=(".weight", ".bias")) for n in o_biases}
     have = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in f.tensors.items()}
-    gguf_checks.check_shapes(f.path, have, want, optional, f"{cfg.n_layer}-layer {f.family.arch}")
+    gguf_checks.check_shapes(f.path, have, want, optional, f"{cfg.n_layer}-layer model of its {f.family.arch} metadata")
 
 
 def _gpt2_names(cfg: ModelConfig) -> list[str]:

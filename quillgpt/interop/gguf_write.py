@@ -314,10 +314,11 @@ def export_gguf(
     gpt2, matrices in `kind` (f32, f16, bf16, q8_0); with `ollama`, a Modelfile beside it."""
     if kind not in WRITE_TYPES:
         raise QuillError(f"--type {kind!r} is not a GGUF type export writes; choose one of {', '.join(WRITE_TYPES)}")
-    out = check_output_file(out, "-o", force=force)
+    inputs = runs.run_inputs(run, which)
+    out = check_output_file(out, "-o", force=force, inputs=inputs)
     modelfile = out.with_name("Modelfile") if ollama else None
     if modelfile is not None:
-        check_output_file(modelfile, "the Modelfile", force=force)
+        check_output_file(modelfile, "the Modelfile", force=force, inputs=inputs)
     loaded = runs.load_run(run, which=which)
     quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer
