@@ -367,7 +367,7 @@ def gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
         backend.post_processor = None
     template = f.get("tokenizer.chat_template")
     template = template if isinstance(template, str) and template.strip() else None
-    tok = HFTokenizer(backend.to_str(), f.path.stem, bos, eos, chat_template=template)
+    tok = HFTokenizer(backend.to_str(), f.path.stem, bos, eos, chat_template=template, source=str(f.path))
     stops = [eot]
     if template is not None:
         stops.append(end_of_turn(template, [t.content for t in tok.tk.get_added_tokens_decoder().values()], bos, eos))
