@@ -88,10 +88,12 @@ def plan(f: GGUFFile, cfg: ModelConfig, hf: dict) -> tuple[GGUFWeights, list[Pie
             continue
         types = [f.tensors[weights.gguf_name(p)].tensor_type.name for p in parts]
         piece = Piece(name, parts, tuple(meta[name].shape))
-        if meta[name].dim() == 2 and not any(t in FLOAT_TYPES for t in types):  # a linear or the embedding, quantized
+        # a linear or the embedding, quantized (one group per row is int8's per-row form, which has no offset: kept float)
+        if meta[name].dim() == 2 and not any(t in FLOAT_TYPES for t in types) and piece.shape[1] > gguf_blocks.GROUP:
             tied = name == EMBEDDING + ".weight" and cfg.tie_embeddings
             piece.name, piece.scheme = "lm_head" if tied else name.removesuffix(".weight"), _scheme_for(types, piece.shape)
-        else:
+        else:  # a tied float head is stored as lm_head.weight only (quant/stored.py)
+            piece.name = "lm_head.weight" if cfg.tie_embeddings and name == EMBEDDING + ".weight" else name
             kinds = {FLOAT_TYPES.get(t, torch.float32) for t in types}
             piece.dtype = kinds.pop() if len(kinds) == 1 else torch.float32
         pieces.append(piece)
