@@ -61,7 +61,7 @@ def refused(tmp_path, capsys, path: Path, message: str, *flags: str) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def _reshaped(target: str, rows: int = 0, cols: int = 0):
+def reshaped(target: str, rows: int = 0, cols: int = 0):
     """A change giving tensor `target` `rows` more rows and `cols` more columns (negative: fewer)."""
 
     def change(name, a, kind):
@@ -93,13 +93,13 @@ MISSHAPEN = {
 @pytest.mark.parametrize("case", list(MISSHAPEN))
 def test_a_tensor_of_the_wrong_shape_is_named(tmp_path, capsys, files, kind, case):
     target, rows, cols = MISSHAPEN[case]
-    bad = rewritten(files[kind], tmp_path / "bad.gguf", _reshaped(target, rows, cols))
+    bad = rewritten(files[kind], tmp_path / "bad.gguf", reshaped(target, rows, cols))
     refused(tmp_path, capsys, bad, f"tensor {target} is ")
 
 
 @pytest.mark.parametrize("target", ["output_norm.weight", "blk.1.attn_norm.weight", "blk.0.ffn_norm.weight"])
 def test_a_norm_of_the_wrong_length_is_named(tmp_path, capsys, files, target):
-    bad = rewritten(files["q8_0"], tmp_path / "bad.gguf", _reshaped(target, cols=5))
+    bad = rewritten(files["q8_0"], tmp_path / "bad.gguf", reshaped(target, cols=5))
     refused(tmp_path, capsys, bad, f"tensor {target} is ")
 
 
@@ -115,7 +115,7 @@ def test_an_extra_tensor_is_named(tmp_path, capsys, files):
     refused(tmp_path, capsys, rewritten(files["f32"], tmp_path / "bad.gguf", change), "blk.0.attn_extra.weight")
 
 
-def _field_at(path: Path, key: str) -> tuple[bytearray, int]:
+def field_at(path: Path, key: str) -> tuple[bytearray, int]:
     """The file's bytes and the offset of metadata field `key`'s value (after its key and type)."""
     r = gguf.GGUFReader(path)
     f = r.fields[key]
@@ -123,20 +123,20 @@ def _field_at(path: Path, key: str) -> tuple[bytearray, int]:
 
 
 def test_a_huge_array_count_is_one_line_not_memory(tmp_path, capsys, files):
-    data, at = _field_at(files["f32"], "tokenizer.ggml.tokens")
+    data, at = field_at(files["f32"], "tokenizer.ggml.tokens")
     data[at + 4 : at + 12] = (1 << 62).to_bytes(8, "little")  # after the item type: the count
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     refused(tmp_path, capsys, tmp_path / "bad.gguf", "tokenizer.ggml.tokens's array count says 4,611,686,018,427,387,904 entries")
 
 
 def test_a_huge_string_length_is_one_line(tmp_path, capsys, files):
-    data, at = _field_at(files["f32"], "general.name")
+    data, at = field_at(files["f32"], "general.name")
     data[at : at + 8] = (1 << 62).to_bytes(8, "little")
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     refused(tmp_path, capsys, tmp_path / "bad.gguf", "the length of the value of general.name")
 
 
-def _tensor_field(path: Path, name: str) -> tuple[bytearray, int, int]:
+def tensor_field(path: Path, name: str) -> tuple[bytearray, int, int]:
     """The file's bytes, and the offsets of tensor `name`'s first dim and of its data offset."""
     r = gguf.GGUFReader(path)
     t = next(t for t in r.tensors if t.name == name)
@@ -146,25 +146,27 @@ def _tensor_field(path: Path, name: str) -> tuple[bytearray, int, int]:
 
 
 def test_overlapping_tensors_are_named(tmp_path, capsys, files):
-    data, _, offset_at = _tensor_field(files["f32"], "blk.0.attn_k.weight")
-    _, _, q_offset_at = _tensor_field(files["f32"], "blk.0.attn_q.weight")
+    data, _, offset_at = tensor_field(files["f32"], "blk.0.attn_k.weight")
+    _, _, q_offset_at = tensor_field(files["f32"], "blk.0.attn_q.weight")
     data[offset_at : offset_at + 8] = data[q_offset_at : q_offset_at + 8]
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     refused(tmp_path, capsys, tmp_path / "bad.gguf", "overlap in the file")
 
 
 def test_a_row_that_is_not_whole_blocks_is_named(tmp_path, capsys, files):
-    data, dims_at, _ = _tensor_field(files["q8_0"], "blk.0.attn_q.weight")
+    data, dims_at, _ = tensor_field(files["q8_0"], "blk.0.attn_q.weight")
     data[dims_at : dims_at + 8] = (48).to_bytes(8, "little")  # 48 weights: not whole 32-weight blocks
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     refused(tmp_path, capsys, tmp_path / "bad.gguf", "tensor blk.0.attn_q.weight is Q8_0 with rows of 48 weights")
 
 
-def _nan_scale(target: str, block: int):
+def bad_scale(target: str, block: int, value: float = np.nan):
+    """A change setting the fp16 scale of Q8_0 block `block` of tensor `target` to `value`."""
+
     def change(name, a, kind):
         if name == target:
             flat = a.reshape(-1, 34)
-            flat[block, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+            flat[block, 0:2] = np.array([value], dtype=np.float16).view(np.uint8)
         return name, a, kind
 
     return change
@@ -172,7 +174,7 @@ def _nan_scale(target: str, block: int):
 
 @pytest.mark.parametrize("flags", [(), ("--dequantize",)])
 def test_a_damaged_quantization_block_is_damage_not_divergence(tmp_path, capsys, files, flags):
-    bad = rewritten(files["q8_0"], tmp_path / "bad.gguf", _nan_scale("blk.1.attn_q.weight", 17))
+    bad = rewritten(files["q8_0"], tmp_path / "bad.gguf", bad_scale("blk.1.attn_q.weight", 17))
     refused(tmp_path, capsys, bad, "tensor blk.1.attn_q.weight: block 17 has a non-finite scale (Q8_0): the file is damaged", *flags)
 
 
