@@ -461,7 +461,11 @@ def lying_gguf_header(w: dict, r: random.Random) -> list[str]:
     src = good_gguf(w, r.choice(["f32", "q8_0"]))
     how = r.choice(["count", "length", "overlap", "blocks"])
     if how in ("count", "length"):
-        key = r.choice(["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"] if how == "count" else ["general.name", "tokenizer.ggml.model"])
+        key = r.choice(
+            ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"]
+            if how == "count"
+            else ["general.name", "tokenizer.ggml.model"]
+        )
         data, at = t.field_at(src, key)
         at += 4 if how == "count" else 0  # an array's count follows its item type
         data[at : at + 8] = r.choice([2**62, 2**63 - 1, 2**64 - 1, 2**32, 10**6 * len(data)]).to_bytes(8, "little")
@@ -557,7 +561,10 @@ def hostile_tokenizer(w: dict, r: random.Random) -> list[str]:
     data = json.loads((src / "tokenizer.json").read_text())
     if r.random() < 0.5:
         split = {"type": "Split", "pattern": {"Regex": r.choice(HOSTILE_REGEXES)}, "behavior": "Isolated", "invert": False}
-        data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split] + ([data["pre_tokenizer"]] if data.get("pre_tokenizer") else [])}
+        data["pre_tokenizer"] = {
+            "type": "Sequence",
+            "pretokenizers": [split] + ([data["pre_tokenizer"]] if data.get("pre_tokenizer") else []),
+        }
     else:
         data["normalizer"] = _hostile_normalizer(r)
     (src / "tokenizer.json").write_text(json.dumps(data))

@@ -197,10 +197,7 @@ def check_shapes(path: Path, have: dict[str, tuple[int, ...]], want: dict[str, t
     extra = sorted(set(have) - set(want))
     if missing or extra:
         what = f"missing {', '.join(missing[:3])}" if missing else f"it has {', '.join(extra[:3])} too"
-        raise QuillError(
-            f"{shown(path)}: the weights do not match a {model} ({what}): "
-            "the file is damaged, or its block_count is wrong"
-        )
+        raise QuillError(f"{shown(path)}: the weights do not match a {model} ({what}): the file is damaged, or its block_count is wrong")
     for name, shape in want.items():
         if name in have and have[name] != shape:
             raise QuillError(

@@ -45,7 +45,10 @@ LOAD_REFUSALS = {
         tokenizer_json(normalizer=chain(*[replace("a", "a" * 20)] * 8)),
         "its normalizer can multiply a text's length 2.56e+10 times",
     ),
-    "a Replace of the empty regex": (tokenizer_json(normalizer=chain(*[replace("", "ab", regex=True)] * 6)), "multiply a text's length 729"),
+    "a Replace of the empty regex": (
+        tokenizer_json(normalizer=chain(*[replace("", "ab", regex=True)] * 6)),
+        "multiply a text's length 729",
+    ),
     "a Replace of the empty string": (tokenizer_json(normalizer=replace("", "x" * 100)), "multiply a text's length 101"),
 }
 
