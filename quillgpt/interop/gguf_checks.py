@@ -228,13 +228,41 @@ def damaged_block(raw: np.ndarray, qtype: str) -> int | None:
     return None
 
 
-def check_finite(path: Path, name: str, qtype: str, raw: np.ndarray | None = None, values: np.ndarray | None = None) -> None:
-    """A tensor's blocks (`raw`: its bytes) or its values (`values`: as read or dequantized), refused
-    by name where a scale or a value is NaN or infinite: damage in the file, not a trained model's."""
+def check_finite(
+    path: Path, name: str, qtype: str, raw: np.ndarray | None = None, values: np.ndarray | None = None, first_block: int = 0
+) -> None:
+    """A tensor's blocks (`raw`: its bytes, from block `first_block` on) or its values (`values`: as
+    read or dequantized), refused by name where a scale or a value is NaN or infinite: damage in
+    the file, not a trained model's."""
     block = None if raw is None else damaged_block(raw, qtype)
     if block is not None:
         raise QuillError(
-            f"{shown(path)}: tensor {name}: block {block} has a non-finite scale ({qtype}): the file is damaged; download it again"
+            f"{shown(path)}: tensor {name}: block {first_block + block} has a non-finite scale ({qtype}): "
+            "the file is damaged; download it again"
         )
     if values is not None and not np.isfinite(values).all():
         raise QuillError(f"{shown(path)}: tensor {name} ({qtype}) holds NaN or infinite values: the file is damaged; download it again")
+
+
+FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16}
+SCAN_BYTES = 1 << 24  # bytes of a tensor read at a time by scan_tensors
+
+
+def scan_tensors(path: Path, tensors: list[tuple[str, str, int, int]]) -> None:
+    """Every tensor's data (name, ggml type, offset, bytes) read in chunks (not mapped: mapped pages
+    count in the process's memory) and checked by check_finite: a whole file's damage found before
+    a byte is written."""
+    import gguf
+
+    with open(path, "rb") as fh:
+        for name, qtype, offset, n_bytes in tensors:
+            size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+            step = max(size, SCAN_BYTES // size * size)
+            fh.seek(offset)
+            for start in range(0, n_bytes, step):
+                raw = np.frombuffer(fh.read(min(step, n_bytes - start)), dtype=np.uint8)
+                if qtype == "BF16":
+                    values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+                else:
+                    values = raw.view(FLOAT_VIEWS[qtype]) if qtype in FLOAT_VIEWS else None
+                check_finite(path, name, qtype, raw=None if values is not None else raw, values=values, first_block=start // size)

@@ -195,6 +195,8 @@ def write_quantized(f: GGUFFile, out_dir: Path, cfg: ModelConfig, hf: dict, toke
     weights, pieces = plan(f, cfg, hf)
     layout = specs(pieces)
     check_room(f, out_dir, layout)
+    if out_dir.exists():  # (--force) a damaged tensor found mid-write would leave a half-replaced run: all are read first
+        gguf_checks.scan_tensors(f.path, [(n, t.tensor_type.name, t.data_offset, t.n_bytes) for n, t in f.tensors.items()])
     report, config = Report(), convert.imported_config(out_dir, cfg, tokenizer)
     layers = {p.name: p.scheme for p in pieces if p.scheme is not None}
     runs.write_quantized_run(out_dir, config, tokenizer, layers, layout, tensors(weights, pieces, report), imported_from=source)

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from quillgpt.cli import main  # noqa: E402
 from quillgpt.interop import gguf_write  # noqa: E402
+from quillgpt.interop.gguf_import import import_gguf  # noqa: E402
 from quillgpt.interop.gguf_write import export_gguf  # noqa: E402
 from tests.interop.test_gguf import make_run  # noqa: E402
 
@@ -189,3 +190,21 @@ def test_a_float_tensor_holding_nan_is_damage_not_divergence(tmp_path, capsys, f
     with pytest.raises(SystemExit):
         main(["import-gguf", str(bad), "--out", str(tmp_path / "out")])
     assert "diverged" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["block", "float"])
+def test_a_damaged_file_forced_over_a_run_leaves_that_run_as_it_was(tmp_path, capsys, files, damage):
+    """With --force over an existing run, damage in the file's last tensors is found before the
+    first byte is written (a new --out is removed on failure; an old run must not be half replaced)."""
+    import_gguf(files["q8_0"], tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    if damage == "block":
+        bad = rewritten(files["q8_0"], tmp_path / "bad.gguf", bad_scale("blk.1.ffn_down.weight", 3, np.inf))
+    else:
+        bad = rewritten(files["q8_0"], tmp_path / "bad.gguf", lambda n, a, k: (n, a * np.inf if n == "output_norm.weight" else a, k))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["import-gguf", str(bad), "--out", str(tmp_path / "run"), "--force"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "the file is damaged" in err and len(err.splitlines()) == 1, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
