@@ -57,11 +57,16 @@ WEIGHTS_FILE = "weights.safetensors"  # a quantized run's weights, beside its ck
 RUN_FILES = (LATEST, BEST, "config.yaml", "tokenizer.json", "metrics.jsonl", WEIGHTS_FILE)  # what a run directory holds
 
 
-def run_inputs(path: str | Path, which: str = "best") -> tuple[Path, ...]:
-    """The files loading a run reads (its checkpoint, a quantized run's weights file beside it):
-    what no output of the same command may replace (files.refuse_onto_inputs)."""
+def run_inputs(path: str | Path, which: str = "best", config: Config | None = None) -> tuple[Path, ...]:
+    """The files loading a run reads (its checkpoint, a quantized run's weights file beside it, and
+    with the loaded run's `config`, a LoRA run's base: its train.init_from): what no output of the
+    same command may replace (files.refuse_onto_inputs)."""
     ckpt = resolve_checkpoint(path, which)
-    return ckpt, ckpt.parent / WEIGHTS_FILE
+    files = [ckpt, ckpt.parent / WEIGHTS_FILE]
+    if config is not None and config.lora.rank > 0 and config.train.init_from:
+        base = Path(config.train.init_from).expanduser()
+        files += [base / n for n in (LATEST, BEST, WEIGHTS_FILE)] if base.is_dir() else [base, base.parent / WEIGHTS_FILE]
+    return tuple(files)
 
 
 def refuse_a_run_in(out_dir: Path, force: bool) -> None:
@@ -398,7 +403,7 @@ def quantize_run(path: str | Path, out_dir: str | Path, scheme: str, which: str 
     loaded = load_run(path, which=which, dtype=None)
     if out_dir.resolve() == loaded.path.parent.resolve():
         raise QuillError(f"--out {shown(out_dir)} is the run being quantized; choose a new directory")
-    refuse_onto_inputs([out_dir / n for n in RUN_FILES], run_inputs(loaded.path), "--out")
+    refuse_onto_inputs([out_dir / n for n in RUN_FILES], run_inputs(loaded.path, config=loaded.config), "--out")
     refuse_a_run_in(out_dir, force)
     # int8's kernel plan is not stored (a quantized run's layers take a rule's): none is measured here
     quant.quantize(loaded.model, name, kernel="dequant/model" if quant.SCHEMES[name].bits == 8 else None)

@@ -203,6 +203,7 @@ def _run(directory, lora_base=None):
     import torch
 
     cfg.lora = LoraConfig(rank=2, alpha=4.0)
+    cfg.train.init_from = str(lora_base.parent)
     adapters = {k: torch.zeros(s) for k, s in adapter_shapes(cfg.model, cfg.lora).items()}
     base = {"path": str(lora_base.resolve()), "checksum": base_identity(load_checkpoint(lora_base))}
     write_run(directory, cfg, tok, adapters, lora_base=base)
@@ -264,7 +265,21 @@ def _merge_onto_its_lora_checkpoint(tmp):
     return ["merge", str(tmp / "lora.pt"), "-o", str(tmp / "out")], tmp / "lora.pt"
 
 
+def _export_gguf_of_a_lora_run_onto_its_base(tmp):
+    _run(tmp / "base")
+    _run(tmp / "lora", lora_base=tmp / "base" / "ckpt.pt")
+    return ["export-gguf", str(tmp / "lora"), "-o", str(tmp / "base" / "ckpt.pt")], tmp / "base" / "ckpt.pt"
+
+
+def _quantize_a_lora_run_onto_its_base(tmp):
+    _run(tmp / "base")
+    _run(tmp / "lora", lora_base=tmp / "base" / "ckpt.pt")
+    return ["quantize", str(tmp / "lora"), "-o", str(tmp / "base"), "--quantize", "int8"], tmp / "base" / "ckpt.pt"
+
+
 ONTO_INPUT = [
+    _export_gguf_of_a_lora_run_onto_its_base,
+    _quantize_a_lora_run_onto_its_base,
     _export_gguf_onto_its_checkpoint,
     _export_gguf_through_a_linked_directory,
     _export_gguf_of_a_single_pt,

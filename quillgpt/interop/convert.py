@@ -111,8 +111,10 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     st_torch = require("safetensors.torch")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, HF_FILES + runs.RUN_FILES, force, "a model's or a run's files")
-    refuse_onto_inputs([out_dir / n for n in (*HF_FILES, "tokenizer.json")], runs.run_inputs(run, which), "--out")
+    outputs = [out_dir / n for n in (*HF_FILES, "tokenizer.json")]
+    refuse_onto_inputs(outputs, runs.run_inputs(run, which), "--out")
     loaded = runs.load_run(run, which=which)
+    refuse_onto_inputs(outputs, runs.run_inputs(loaded.path, config=loaded.config), "--out")  # a LoRA run's base too
     quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer
     family = export_family_of(loaded.path, cfg, tok)

@@ -29,7 +29,7 @@ from quillgpt import quant, runs
 from quillgpt.config import ModelConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import check_output_file, os_error, write_file
+from quillgpt.files import check_output_file, os_error, refuse_onto_inputs, write_file
 from quillgpt.interop import gpt2, llama
 from quillgpt.interop.families import export_family
 from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily
@@ -320,6 +320,7 @@ def export_gguf(
     if modelfile is not None:
         check_output_file(modelfile, "the Modelfile", force=force, inputs=inputs)
     loaded = runs.load_run(run, which=which)
+    refuse_onto_inputs([out, *([modelfile] if modelfile else [])], runs.run_inputs(loaded.path, config=loaded.config), "-o")
     quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer
     fam = gguf_family_of(cfg)
