@@ -110,6 +110,9 @@ def check_input(path: str | Path, what: str, directory: bool = False) -> os.stat
     and a FIFO waits for a writer, so reading either would hang. Raises FileNotFoundError for a
     missing path (the caller words it) and other OSErrors as they come."""
     path = Path(path)
+    if "\0" in str(path):  # no file system has such a name (os.stat raises ValueError for it)
+        name = shown(str(path).replace("\0", "\\0"))
+        raise QuillError(f"{what} {name} has a NUL byte in its name, which no file has: is the name damaged?")
     st = path.stat()  # follows symlinks: a link to /dev/zero is /dev/zero
     kind = SPECIAL_FILES.get(stat.S_IFMT(st.st_mode))
     if kind is not None:

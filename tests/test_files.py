@@ -310,3 +310,10 @@ def test_no_force_writes_over_what_the_command_reads(tmp_path, capsys, make):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "is also the input" in err, err
     assert kept.read_bytes() == before and sorted(p for p in tmp_path.rglob("*")) == listing
+
+
+def test_a_nul_byte_in_an_input_name_is_one_line(tmp_path):
+    from quillgpt.files import input_file
+
+    with pytest.raises(QuillError, match=r"^--x .*a\\0b has a NUL byte in its name, which no file has"):
+        input_file(tmp_path / "a\0b", "--x")

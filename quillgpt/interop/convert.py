@@ -17,7 +17,7 @@ from typing import Any
 
 from quillgpt import checkpoint as ckpt
 from quillgpt import quant, runs
-from quillgpt.config import Config, ModelConfig
+from quillgpt.config import Config, ModelConfig, shown_value
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
@@ -45,8 +45,13 @@ class Converted:
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
-    """config.json of an HF model directory, as a dict (one clear error when it is not one)."""
-    return read_json_object(path / "config.json", "config.json", limit=1 << 24)
+    """config.json of an HF model directory, as a dict (one clear error when it is not one, or
+    when its model_type, which picks the family, is not a string)."""
+    config = read_json_object(path / "config.json", "config.json", limit=1 << 24)
+    kind = config.get("model_type")
+    if kind is not None and not isinstance(kind, str):
+        raise QuillError(f'{path / "config.json"}: model_type must be a string such as "llama", got {shown_value(kind)[:60]}')
+    return config
 
 
 CODECS = {"gpt2": gpt2.CODEC, "llama": llama.CODEC}  # Family.codec → how its weights and config map
