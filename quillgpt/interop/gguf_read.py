@@ -1,7 +1,8 @@
 """`quill import-gguf`: a GGUF file (llama.cpp's format) → a quill run directory.
 
-The file is read with the `gguf` package (ggml's own reader, memory-mapped: a header that lies
-about sizes or offsets fails there, before anything is allocated) and its tensors dequantized with
+The file is untrusted: its header is walked and bounded, and every tensor checked against the
+model its metadata describes, by interop/gguf_checks.py before anything is allocated. It is then
+read with the `gguf` package (ggml's own reader, memory-mapped) and its tensors dequantized with
 gguf.quants, ggml's reference code, one at a time, to fp32. The metadata becomes a config.json-like
 dict through interop/gguf_family.py's table, and the Hugging Face converters (interop/llama.py,
 gpt2.py) build and check the model from it, so a GGUF imports exactly as the same model's
