@@ -129,3 +129,18 @@ def test_serve_answers_a_prompt_the_normalizer_would_explode_with_a_400(tmp_path
     with running_server(tmp_path / "run") as (url, _), httpx.Client(base_url=url, timeout=60) as c:
         r = c.post("/v1/completions", json={"prompt": "q" * 400_000, "max_tokens": 1})
     assert r.status_code == 400 and "could grow to 20,000,000 under the normalizer" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("pattern", ["(x+x+)+y", "[a-z]+", "\\s+"])
+def test_a_bpe_tokenizer_json_whose_split_pattern_drops_text_is_refused(tmp_path, pattern):
+    """quill's own bpe tokenizer.json carries its split pattern: one that matches only part of a
+    text would silently drop the rest (tiktoken encodes only what the pattern matches)."""
+    from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
+
+    save_tokenizer(build_tokenizer("bpe", "Hello, world! " * 50, vocab_size=260), tmp_path / "tok.json")
+    assert load_tokenizer(tmp_path / "tok.json").decode(load_tokenizer(tmp_path / "tok.json").encode("wörld 日本")) == "wörld 日本"
+    data = json.loads((tmp_path / "tok.json").read_text())
+    data["tokenizer"]["pattern"] = pattern
+    (tmp_path / "tok.json").write_text(json.dumps(data))
+    with pytest.raises(QuillError, match="invalid 'bpe' tokenizer spec: its split pattern drops or changes text"):
+        load_tokenizer(tmp_path / "tok.json")
