@@ -169,7 +169,8 @@ def unpermute(w: Tensor, heads: int) -> Tensor:
 
 
 class GGUFWeights(Mapping[str, Tensor]):
-    """A GGUF file's tensors under their Hugging Face names, dequantized one at a time when read."""
+    """A GGUF file's tensors under their Hugging Face names, dequantized one at a time when read
+    (the file's tensors checked against `hf_names`' model first: check_tensors)."""
 
     def __init__(self, f: GGUFFile, hf: dict[str, Any], hf_names: list[str]) -> None:
         gguf = gguf_module()
@@ -179,9 +180,6 @@ class GGUFWeights(Mapping[str, Tensor]):
             g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if g in f.tensors:
                 self._gguf_of[hf_name] = g
-        unmapped = sorted(set(f.tensors) - set(self._gguf_of.values()))
-        if unmapped:  # e.g. a layer more than block_count says, or a tensor quill has no slot for
-            raise QuillError(f"{shown(f.path)} has tensors a {f.family.arch} model of its metadata does not: {', '.join(unmapped[:3])}")
 
     def __getitem__(self, name: str) -> Tensor:
         return self.unpermuted(name, torch.from_numpy(self.f.array(self._gguf_of[name]).copy()))
