@@ -71,8 +71,8 @@ def rust_call(call: Callable[[], T], source: str) -> T:
         if type(e).__name__ != "PanicException":
             raise
         raise QuillError(
-            f"{source}: the tokenizer failed inside the tokenizers library ({str(e)[:100]}); its pre-tokenizer regex "
-            "or normalizer is broken: use the model's original tokenizer.json"
+            f"{source}: the tokenizer failed inside the tokenizers library ({str(e)[:100]}); its normalizer, pre-tokenizer "
+            "regex or post-processor is broken: use the model's original tokenizer.json"
         ) from None
 
 
@@ -99,8 +99,12 @@ def probe(encode: Callable[[str], list[int]], grows: float, source: str) -> None
     def run() -> None:
         try:
             result["ids"] = rust_call(lambda: encode(PROBE), source)
-        except BaseException as e:  # noqa: BLE001 — handed to the loading thread
+        except QuillError as e:
             result["error"] = e
+        except Exception as e:  # noqa: BLE001 — the library's own errors (a template naming a missing token...)
+            result["error"] = QuillError(
+                f"{source}: the tokenizer fails on a probe text ({str(e)[:100]}); use the model's original tokenizer.json"
+            )
 
     with _rust_messages_silenced():
         worker = threading.Thread(target=run, daemon=True, name="tokenizer-probe")

@@ -16,14 +16,22 @@ from quillgpt.errors import QuillError  # noqa: E402
 CHARS = "\n !',-.:;?abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
-def tokenizer_json(pre_tokenizer=None, normalizer=None) -> str:
-    """A character-level BPE over CHARS with the given pre-tokenizer and normalizer (JSON)."""
+def tokenizer_json(pre_tokenizer=None, normalizer=None, post_processor=None) -> str:
+    """A character-level BPE over CHARS with the given pre-tokenizer, normalizer and post-processor (JSON)."""
     from tokenizers import Tokenizer, models
 
     tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
     data = json.loads(tk.to_str())
-    data["pre_tokenizer"], data["normalizer"] = pre_tokenizer, normalizer
+    data["pre_tokenizer"], data["normalizer"], data["post_processor"] = pre_tokenizer, normalizer, post_processor
     return json.dumps(data)
+
+
+A_MISSING_SPECIAL_TOKEN = {  # a template naming a token its special_tokens lack: the library panics
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [],
+    "special_tokens": {},
+}
 
 
 def split(regex: str) -> dict:
@@ -48,6 +56,10 @@ LOAD_REFUSALS = {
     "a Replace of the empty regex": (
         tokenizer_json(normalizer=chain(*[replace("", "ab", regex=True)] * 6)),
         "multiply a text's length 729",
+    ),
+    "a post-processor naming a missing token": (
+        tokenizer_json(post_processor=A_MISSING_SPECIAL_TOKEN),
+        "failed inside the tokenizers library (no entry found for key); its normalizer, pre-tokenizer regex or post-processor",
     ),
     "a Replace of the empty string": (tokenizer_json(normalizer=replace("", "x" * 100)), "multiply a text's length 101"),
 }
