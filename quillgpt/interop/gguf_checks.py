@@ -175,7 +175,7 @@ def _check_tensors(h: _Header, infos: list[TensorInfo], start: int, alignment: i
         if t.dims[0] % block:
             raise QuillError(
                 f"{shown(h.path)}: tensor {t.name} is {qtype.name} with rows of {t.dims[0]} weights, not a whole number "
-                f"of its {block}-weight blocks: the file is damaged or was not written by llama.cpp's tools"
+                f"of its {block}-weight blocks: the file is damaged; download it again"
             )
         n_bytes = math.prod(t.dims) // block * type_size
         begin = start + t.offset
@@ -197,12 +197,15 @@ def check_shapes(path: Path, have: dict[str, tuple[int, ...]], want: dict[str, t
     extra = sorted(set(have) - set(want))
     if missing or extra:
         what = f"missing {', '.join(missing[:3])}" if missing else f"it has {', '.join(extra[:3])} too"
-        raise QuillError(f"{shown(path)}: the weights do not match a {model} ({what}): the file is damaged, or its block_count is wrong")
+        raise QuillError(
+            f"{shown(path)}: the weights do not match a {model} ({what}): "
+            "the file is damaged or its block_count is wrong; download it again"
+        )
     for name, shape in want.items():
         if name in have and have[name] != shape:
             raise QuillError(
                 f"{shown(path)}: tensor {name} is {_dims(have[name])}, but a {model} (embedding_length, head counts, "
-                f"feed_forward_length, vocabulary) needs {_dims(shape)}: the file is damaged"
+                f"feed_forward_length, vocabulary) needs {_dims(shape)}: the file is damaged; download it again"
             )
 
 
