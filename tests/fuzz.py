@@ -206,10 +206,10 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
 
     kind = pick(
         ["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve", "hfcfg", "longchat"]
-        + sorted(MORE_CLI_CASES)
+        + list(CASE_MAKERS)
     )
-    if kind in MORE_CLI_CASES:
-        return MORE_CLI_CASES[kind](w, r)
+    if kind in CASE_MAKERS:
+        return CASE_MAKERS[kind](w, r)
     if kind == "hfcfg":
         return hostile_hf_dir(w, r)
     if kind == "longchat":
@@ -399,11 +399,9 @@ def long_chat(w: dict, r: random.Random) -> list[str]:
     ]
 
 
-# --- issue 67: files a user brings, checked where they enter ------------------------------------
-# Each class is one function of (workspace, random) → argv, registered in MORE_CLI_CASES, which
-# cli_case picks from as often as from its own kinds.
-
-MORE_CLI_CASES: dict = {}
+# --- issue 67: GGUF tensors and headers, damaged blocks, outputs onto inputs, hostile tokenizer.json.
+# Each a case maker (w, r) → argv, registered in CASE_MAKERS (cli_case picks from it as from its
+# own kinds); output_onto_input leaves w["onto_input"]: its --force asks for nothing to be replaced.
 
 
 def _gguf_helpers():
@@ -574,11 +572,13 @@ def hostile_tokenizer(w: dict, r: random.Random) -> list[str]:
     return ["prepare", "--config", str(CONFIG), *tiny(w), f"data.tokenizer={src / 'tokenizer.json'}", f"data.out_dir={out}"]
 
 
-MORE_CLI_CASES["gguf_shapes"] = misshapen_gguf
-MORE_CLI_CASES["gguf_header"] = lying_gguf_header
-MORE_CLI_CASES["gguf_blocks"] = damaged_gguf_blocks
-MORE_CLI_CASES["onto_input"] = output_onto_input
-MORE_CLI_CASES["tokenizer_json"] = hostile_tokenizer
+CASE_MAKERS = {
+    "gguf_shapes": misshapen_gguf,
+    "gguf_header": lying_gguf_header,
+    "gguf_blocks": damaged_gguf_blocks,
+    "onto_input": output_onto_input,
+    "tokenizer_json": hostile_tokenizer,
+}
 
 
 def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
