@@ -12,6 +12,10 @@ Every token also has its raw bytes (`decode_bytes`), so streaming prints whole c
 `quill attention` labels byte-level tokens as text: byte-level vocabularies (GPT-2's byte ↔
 unicode table), SentencePiece-style ones ("▁" for a space, <0xNN> byte fallback), and added
 tokens as their text.
+
+A tokenizer.json is untrusted input: data/hf_tokenizer_guard.py runs it on a probe text when it
+loads (a Rust panic, a slow regex or a normalizer that multiplies text fails there, in one line)
+and bounds every encode by what its normalizer can make of the text.
 """
 
 from __future__ import annotations
