@@ -10,7 +10,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -110,6 +110,9 @@ def check_input(path: str | Path, what: str, directory: bool = False) -> os.stat
     and a FIFO waits for a writer, so reading either would hang. Raises FileNotFoundError for a
     missing path (the caller words it) and other OSErrors as they come."""
     path = Path(path)
+    if "\0" in str(path):  # no file system has such a name (os.stat raises ValueError for it)
+        name = shown(str(path).replace("\0", "\\0"))
+        raise QuillError(f"{what} {name} has a NUL byte in its name, which no file has: is the name damaged?")
     st = path.stat()  # follows symlinks: a link to /dev/zero is /dev/zero
     kind = SPECIAL_FILES.get(stat.S_IFMT(st.st_mode))
     if kind is not None:
@@ -322,8 +325,7 @@ def check_output_file(
             raise QuillError(f"{what} {shown(path)} is a directory; pass a file name")
         if exists and not stat.S_ISREG(path.stat().st_mode):  # /dev/zero, a FIFO: renaming over it replaces it
             raise QuillError(f"{what} {shown(path)} is not a regular file (a device, pipe or socket); pass a file name")
-        if exists and any(_same_file(path, Path(i)) for i in inputs):
-            raise QuillError(f"{what} {shown(path)} is also the input; write the output to another file")
+        refuse_onto_inputs([path], inputs, what)
         if exists and not force:
             _check_replaceable(path, what, kind, fresh)
     except OSError as e:  # e.g. a name longer than the file system allows
@@ -371,10 +373,27 @@ def _check_replaceable(path: Path, what: str, kind: str | None, fresh: bool) -> 
         raise QuillError(f"{what} {shown(path)} exists and is {shape}; choose another name, or pass --force to replace it")
 
 
+def refuse_onto_inputs(outputs: Iterable[str | Path], inputs: Iterable[str | Path], what: str) -> None:
+    """--force replaces an earlier output, never what the same command reads: an output that is
+    one of `inputs` (paths resolved, symbolic and hard links followed) is refused before anything
+    is written. Every command with an output and --force calls this with the files it writes."""
+    inputs = [Path(i) for i in inputs]
+    for out in outputs:
+        same = next((i for i in inputs if _same_file(Path(out), i)), None)
+        if same is not None:
+            it = "it" if os.path.abspath(out) == os.path.abspath(same) else f"it as {shown(same)}"
+            raise QuillError(
+                f"{what} {shown(out)} is also the input; write the output to another file (this command reads {it}; "
+                "--force never replaces a command's own input)"
+            )
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
-        return b.exists() and os.path.samefile(a, b)
-    except OSError:
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except (OSError, ValueError):  # ValueError: a NUL in a name
         return False
 
 

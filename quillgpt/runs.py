@@ -35,7 +35,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.data.tokenizer_files import save_tokenizer, tokenizer_from_spec
 from quillgpt.device import available_bytes, parse_dtype, resolve_device
 from quillgpt.errors import QuillError
-from quillgpt.files import made_dir, output_path, shown
+from quillgpt.files import made_dir, output_path, refuse_onto_inputs, shown
 from quillgpt.model.gpt import GPT
 from quillgpt.model.lora import adapter_shapes, merge_adapters
 from quillgpt.quant import stored
@@ -55,6 +55,18 @@ class LoadedRun:
 
 WEIGHTS_FILE = "weights.safetensors"  # a quantized run's weights, beside its ckpt.pt
 RUN_FILES = (LATEST, BEST, "config.yaml", "tokenizer.json", "metrics.jsonl", WEIGHTS_FILE)  # what a run directory holds
+
+
+def run_inputs(path: str | Path, which: str = "best", config: Config | None = None) -> tuple[Path, ...]:
+    """The files loading a run reads (its checkpoint, a quantized run's weights file beside it, and
+    with the loaded run's `config`, a LoRA run's base: its train.init_from): what no output of the
+    same command may replace (files.refuse_onto_inputs)."""
+    ckpt = resolve_checkpoint(path, which)
+    files = [ckpt, ckpt.parent / WEIGHTS_FILE]
+    if config is not None and config.lora.rank > 0 and config.train.init_from:
+        base = Path(config.train.init_from).expanduser()
+        files += [base / n for n in (LATEST, BEST, WEIGHTS_FILE)] if base.is_dir() else [base, base.parent / WEIGHTS_FILE]
+    return tuple(files)
 
 
 def refuse_a_run_in(out_dir: Path, force: bool) -> None:
@@ -310,9 +322,11 @@ def merge_run(path: str | Path, out_dir: str | Path, which: str = "best", force:
     state = load_checkpoint(ckpt)
     if "lora_base" not in state:
         raise QuillError(f"{shown(ckpt)} is not a LoRA run (its lora.rank is 0): its weights are plain already, use it as it is")
-    inputs = {ckpt.parent.resolve(), Path(state["lora_base"].get("path", "")).resolve().parent}
+    base = Path(state["lora_base"].get("path", ""))
+    inputs = {ckpt.parent.resolve(), base.resolve().parent}
     if out_dir.resolve() in inputs:
         raise QuillError(f"--out {shown(out_dir)} is where the LoRA run or its base lives; choose a new directory")
+    refuse_onto_inputs([out_dir / n for n in RUN_FILES], (*run_inputs(ckpt), base, base.parent / WEIGHTS_FILE), "--out")
     refuse_a_run_in(out_dir, force)
     state = with_base(state, ckpt)
     cfg = config_from_dict(state["config"])
@@ -389,6 +403,7 @@ def quantize_run(path: str | Path, out_dir: str | Path, scheme: str, which: str 
     loaded = load_run(path, which=which, dtype=None)
     if out_dir.resolve() == loaded.path.parent.resolve():
         raise QuillError(f"--out {shown(out_dir)} is the run being quantized; choose a new directory")
+    refuse_onto_inputs([out_dir / n for n in RUN_FILES], run_inputs(loaded.path, config=loaded.config), "--out")
     refuse_a_run_in(out_dir, force)
     # int8's kernel plan is not stored (a quantized run's layers take a rule's): none is measured here
     quant.quantize(loaded.model, name, kernel="dequant/model" if quant.SCHEMES[name].bits == 8 else None)

@@ -206,7 +206,10 @@ def cli_case(w: dict, r: random.Random) -> list[str]:
 
     kind = pick(
         ["sample", "sample", "chat", "eval", "attention", "plot", "tokenizer", "prepare", "train", "hf", "serve", "hfcfg", "longchat"]
+        + list(CASE_MAKERS)
     )
+    if kind in CASE_MAKERS:
+        return CASE_MAKERS[kind](w, r)
     if kind == "hfcfg":
         return hostile_hf_dir(w, r)
     if kind == "longchat":
@@ -396,9 +399,192 @@ def long_chat(w: dict, r: random.Random) -> list[str]:
     ]
 
 
+# --- issue 67: GGUF tensors and headers, damaged blocks, outputs onto inputs, hostile tokenizer.json.
+# Each a case maker (w, r) → argv, registered in CASE_MAKERS (cli_case picks from it as from its
+# own kinds); output_onto_input leaves w["onto_input"]: its --force asks for nothing to be replaced.
+
+
+def _gguf_helpers():
+    """The GGUF tests' writers (tests/interop/test_gguf_checks.py of this checkout, whatever --tree is)."""
+    import importlib.util
+
+    if "gguf_checks_helpers" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gguf_checks_helpers", ROOT / "tests" / "interop" / "test_gguf_checks.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["gguf_checks_helpers"] = module
+    return sys.modules["gguf_checks_helpers"]
+
+
+def good_gguf(w: dict, kind: str) -> Path:
+    """The workspace's Llama-shaped run exported as a GGUF of `kind` (f32 or q8_0), once."""
+    path = w["scratch"] / f"good_{kind}.gguf"
+    if not path.exists():
+        code, _, err = quill(["export-gguf", str(w["run_llama"]), "-o", str(path), "--type", kind], limit=300)
+        if code != 0:
+            sys.exit(f"could not export the workspace's GGUF: {err}")
+    return path
+
+
+def _import_gguf(w: dict, r: random.Random, path: Path) -> list[str]:
+    extra = ["--dequantize"] if r.random() < 0.3 else []
+    return ["import-gguf", str(path), "--out", str(w["scratch"] / f"ggufout_{r.randrange(1 << 30)}"), *extra]
+
+
+def misshapen_gguf(w: dict, r: random.Random) -> list[str]:
+    """import-gguf of a GGUF with one tensor of other dims, missing, or one extra (a layer past block_count...)."""
+    import gguf
+
+    t = _gguf_helpers()
+    src = good_gguf(w, r.choice(["f32", "q8_0"]))
+    target = r.choice([x.name for x in gguf.GGUFReader(src).tensors])
+    how = r.choice(["reshape", "reshape", "drop", "extra"])
+    dst = w["scratch"] / f"shape_{r.randrange(1 << 30)}.gguf"
+    if how == "reshape":
+        change = t.reshaped(target, r.choice([-2, -1, 0, 1, 3, 32]), r.choice([-32, 0, 32, 64]))
+    elif how == "drop":
+        change = lambda n, a, k: None if n == target else (n, a, k)  # noqa: E731
+    else:
+        extra = r.choice(["blk.9.attn_q.weight", "blk.0.attn_extra.weight", "rope_freqs.weight", "output.bias", "token_embd.weight2"])
+        change = lambda n, a, k: [(n, a, k), (extra, a, k)] if n == target else (n, a, k)  # noqa: E731
+    with contextlib.suppress(ValueError):  # a shape np.resize cannot make: the good file itself
+        return _import_gguf(w, r, t.rewritten(src, dst, change))
+    return _import_gguf(w, r, src)
+
+
+def lying_gguf_header(w: dict, r: random.Random) -> list[str]:
+    """import-gguf of a GGUF whose header lies: an array count or string length of up to 2^64, two
+    tensors' data overlapping, or rows that are not whole quantization blocks."""
+    t = _gguf_helpers()
+    src = good_gguf(w, r.choice(["f32", "q8_0"]))
+    how = r.choice(["count", "length", "overlap", "blocks"])
+    if how in ("count", "length"):
+        key = r.choice(
+            ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"]
+            if how == "count"
+            else ["general.name", "tokenizer.ggml.model"]
+        )
+        data, at = t.field_at(src, key)
+        at += 4 if how == "count" else 0  # an array's count follows its item type
+        data[at : at + 8] = r.choice([2**62, 2**63 - 1, 2**64 - 1, 2**32, 10**6 * len(data)]).to_bytes(8, "little")
+    else:
+        import gguf
+
+        names = [x.name for x in gguf.GGUFReader(src).tensors if len(x.shape) == 2]
+        a, b = r.sample(names, 2)
+        data, dims_at, offset_at = t.tensor_field(src, a)
+        if how == "overlap":
+            _, _, other_at = t.tensor_field(src, b)
+            data[offset_at : offset_at + 8] = data[other_at : other_at + 8]
+        else:
+            data[dims_at : dims_at + 8] = r.choice([1, 31, 33, 48, 100]).to_bytes(8, "little")
+    dst = w["scratch"] / f"header_{r.randrange(1 << 30)}.gguf"
+    dst.write_bytes(bytes(data))
+    return _import_gguf(w, r, dst)
+
+
+def damaged_gguf_blocks(w: dict, r: random.Random) -> list[str]:
+    """import-gguf of a Q8_0 GGUF with a NaN or infinite block scale, or an F32 one holding NaN or inf
+    (damage of that tensor in the file: not a model that diverged)."""
+    import gguf
+    import numpy as np
+
+    t = _gguf_helpers()
+    kind = r.choice(["q8_0", "f32"])
+    src = good_gguf(w, kind)
+    tensors = {x.name: x for x in gguf.GGUFReader(src).tensors if kind == "f32" or x.tensor_type.name == "Q8_0"}
+    target = r.choice(sorted(tensors))
+    value = r.choice([np.nan, np.inf, -np.inf])
+    if kind == "q8_0":
+        change = t.bad_scale(target, r.randrange(tensors[target].n_bytes // 34), value)
+    else:
+        at = r.randrange(int(tensors[target].n_elements))
+
+        def change(name, a, k):
+            if name == target:
+                a.reshape(-1)[at] = value
+            return name, a, k
+
+    return _import_gguf(w, r, t.rewritten(src, w["scratch"] / f"blocks_{r.randrange(1 << 30)}.gguf", change))
+
+
+def output_onto_input(w: dict, r: random.Random) -> list[str]:
+    """A command with --force whose output is (by its name, through a linked directory or a linked
+    checkpoint) a file the same command reads: it must be refused, --force or not."""
+    run, hf = w["run"], w["hf"]
+    alias, hf_alias = w["scratch"] / "run_alias", w["scratch"] / "hf_alias"
+    for link, target in ((alias, run), (hf_alias, hf)):
+        if not link.is_symlink():
+            link.symlink_to(target)
+    linked = w["scratch"] / f"linked_{r.randrange(1 << 30)}"
+    linked.mkdir()
+    (linked / "ckpt.pt").symlink_to(run / "best.pt")
+    (linked / "model.safetensors").symlink_to(run / "best.pt")
+    w["onto_input"] = True  # the --force below does not ask for the input to be replaced
+    return r.choice(
+        [
+            ["export-gguf", str(run), "-o", str(run / "best.pt")],
+            ["export-gguf", str(run / "best.pt"), "-o", str(run / "best.pt")],
+            ["export-gguf", str(run), "-o", str(alias / "best.pt")],
+            ["export-gguf", str(linked), "--which", "latest", "-o", str(run / "best.pt")],
+            ["import-hf", str(hf), "-o", str(hf)],
+            ["import-hf", str(hf), "-o", str(hf_alias)],
+            ["quantize", str(linked), "--which", "latest", "-o", str(run), "--quantize", "int8"],
+            ["export-hf", str(run), "-o", str(linked)],
+        ]
+    ) + ["--force"]
+
+
+# pre-tokenizer regexes the regex engine gives up on (a Rust panic), and normalizers that multiply text
+HOSTILE_REGEXES = ["(x+x+)+y", "(\\w+\\s?)+$", "(a+a+)+b", "(\\d+\\d+)+x", "(.+.+)+!z", "([a-z]+[a-z]+)+0"]
+
+
+def _hostile_normalizer(r: random.Random) -> dict:
+    c = r.choice("ae \n1日")
+    steps = [
+        {"type": "Replace", "pattern": {"String": c}, "content": c * r.choice([2, 10, 100, 1000])},
+        {"type": "Replace", "pattern": {"Regex": r.choice(["", "\\b", "$", "(?=a)"])}, "content": "xy" * r.choice([1, 50])},
+        {"type": "Replace", "pattern": {"String": ""}, "content": "z" * r.choice([1, 100])},
+        {"type": "Prepend", "prepend": "\u2581" * r.choice([1, 1000, 100000])},
+    ]
+    return {"type": "Sequence", "normalizers": [r.choice(steps) for _ in range(r.choice([1, 3, 8, 20]))]}
+
+
+def hostile_tokenizer(w: dict, r: random.Random) -> list[str]:
+    """import-hf (or prepare with data.tokenizer) of an HF directory whose tokenizer.json has a
+    pre-tokenizer regex that makes the regex engine panic, or a normalizer that multiplies text."""
+    src = w["scratch"] / f"toksrc_{r.randrange(1 << 30)}"
+    shutil.copytree(w["hf_llama"], src)
+    (src / "quill_tokenizer.json").unlink(missing_ok=True)  # the directory's own tokenizer.json is read
+    data = json.loads((src / "tokenizer.json").read_text())
+    if r.random() < 0.5:
+        split = {"type": "Split", "pattern": {"Regex": r.choice(HOSTILE_REGEXES)}, "behavior": "Isolated", "invert": False}
+        data["pre_tokenizer"] = {
+            "type": "Sequence",
+            "pretokenizers": [split] + ([data["pre_tokenizer"]] if data.get("pre_tokenizer") else []),
+        }
+    else:
+        data["normalizer"] = _hostile_normalizer(r)
+    (src / "tokenizer.json").write_text(json.dumps(data))
+    if r.random() < 0.5:
+        return ["import-hf", str(src), "--out", str(w["scratch"] / f"tokout_{r.randrange(1 << 30)}")]
+    out = w["scratch"] / f"tokdata_{r.randrange(1 << 30)}"
+    return ["prepare", "--config", str(CONFIG), *tiny(w), f"data.tokenizer={src / 'tokenizer.json'}", f"data.out_dir={out}"]
+
+
+CASE_MAKERS = {
+    "gguf_shapes": misshapen_gguf,
+    "gguf_header": lying_gguf_header,
+    "gguf_blocks": damaged_gguf_blocks,
+    "onto_input": output_onto_input,
+    "tokenizer_json": hostile_tokenizer,
+}
+
+
 def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     argv = cli_case(w, r)
-    asked = "--force" in argv or "train.resume=true" in argv  # replacing or continuing was asked for
+    onto_input = w.pop("onto_input", False)  # such a case's --force asks for nothing to be replaced
+    asked = ("--force" in argv and not onto_input) or "train.resume=true" in argv  # replacing or continuing was asked for
     before = w["built"]
     code, _, err = quill(argv)
     tally.add("cli", "cases")

@@ -164,3 +164,156 @@ def test_an_empty_or_whitespace_output_path_is_refused_by_every_output_check(pat
             main([*cmd, "-o", path])
         assert e.value.code == 2
         assert "--out is" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+# --- an output onto the command's own input: refused, whatever --force says -------------------
+
+
+def test_refuse_onto_inputs_follows_links(tmp_path):
+    from quillgpt.files import refuse_onto_inputs
+
+    (tmp_path / "run").mkdir()
+    src = tmp_path / "run" / "best.pt"
+    src.write_text("keep")
+    (tmp_path / "alias").symlink_to(tmp_path / "run")
+    os.link(src, tmp_path / "hard.pt")
+    for out in (src, tmp_path / "run" / ".." / "run" / "best.pt", tmp_path / "alias" / "best.pt", tmp_path / "hard.pt"):
+        with pytest.raises(QuillError, match=r"is also the input; write the output to another file \(this command reads it"):
+            refuse_onto_inputs([tmp_path / "other", out], [tmp_path / "missing", src], "-o")
+    refuse_onto_inputs([tmp_path / "run" / "ckpt.pt"], [src], "-o")  # beside it: fine
+    assert src.read_text() == "keep"
+
+
+def _run(directory, lora_base=None):
+    """A tiny float run (or, with `lora_base`, a LoRA run of zero adapters on that base's ckpt.pt)."""
+    from support import random_model
+
+    from quillgpt.checkpoint import load_checkpoint
+    from quillgpt.config import Config, LoraConfig
+    from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.model.lora import adapter_shapes
+    from quillgpt.runs import base_identity, write_run
+
+    model = random_model("rmsnorm-swiglu")
+    directory.mkdir(parents=True)
+    cfg, tok = Config(model=model.config), CharTokenizer("\n 012345678abcdefghijklmnopqrstuvwxyz")
+    if lora_base is None:
+        write_run(directory, cfg, tok, model.state_dict())
+        return directory
+    import torch
+
+    cfg.lora = LoraConfig(rank=2, alpha=4.0)
+    cfg.train.init_from = str(lora_base.parent)
+    adapters = {k: torch.zeros(s) for k, s in adapter_shapes(cfg.model, cfg.lora).items()}
+    base = {"path": str(lora_base.resolve()), "checksum": base_identity(load_checkpoint(lora_base))}
+    write_run(directory, cfg, tok, adapters, lora_base=base)
+    return directory
+
+
+def _export_gguf_onto_its_checkpoint(tmp):
+    _run(tmp / "run")
+    return ["export-gguf", str(tmp / "run"), "-o", str(tmp / "run" / "ckpt.pt")], tmp / "run" / "ckpt.pt"
+
+
+def _export_gguf_through_a_linked_directory(tmp):
+    _run(tmp / "run")
+    (tmp / "alias").symlink_to(tmp / "run")
+    return ["export-gguf", str(tmp / "run"), "-o", str(tmp / "alias" / "ckpt.pt")], tmp / "run" / "ckpt.pt"
+
+
+def _export_gguf_of_a_single_pt(tmp):
+    _run(tmp / "run")
+    os.replace(tmp / "run" / "ckpt.pt", tmp / "model.pt")
+    return ["export-gguf", str(tmp / "model.pt"), "-o", str(tmp / "model.pt")], tmp / "model.pt"
+
+
+def _export_hf_onto_a_linked_checkpoint(tmp):
+    _run(tmp / "run")
+    (tmp / "hf").mkdir()
+    (tmp / "hf" / "model.safetensors").symlink_to(tmp / "run" / "ckpt.pt")
+    return ["export-hf", str(tmp / "run"), "-o", str(tmp / "hf")], tmp / "run" / "ckpt.pt"
+
+
+def _import_hf_onto_its_own_directory(tmp):
+    from hf_support import make_hf_model
+
+    make_hf_model(tmp / "hf", "smollm2")
+    return ["import-hf", str(tmp / "hf"), "-o", str(tmp / "hf")], tmp / "hf" / "tokenizer.json"
+
+
+def _import_gguf_of_a_file_named_as_the_run_it_writes(tmp):
+    _run(tmp / "run")
+    from quillgpt.interop.gguf_write import export_gguf
+
+    export_gguf(tmp / "run", tmp / "ckpt.pt", which="latest", force=True)
+    return ["import-gguf", str(tmp / "ckpt.pt"), "-o", str(tmp)], tmp / "ckpt.pt"
+
+
+def _quantize_a_run_whose_checkpoint_links_into_the_output(tmp):
+    _run(tmp / "other")
+    (tmp / "run").mkdir()
+    (tmp / "run" / "ckpt.pt").symlink_to(tmp / "other" / "ckpt.pt")
+    return ["quantize", str(tmp / "run"), "-o", str(tmp / "other"), "--quantize", "int8"], tmp / "other" / "ckpt.pt"
+
+
+def _merge_onto_its_lora_checkpoint(tmp):
+    _run(tmp / "base")
+    _run(tmp / "lora", lora_base=tmp / "base" / "ckpt.pt")
+    os.replace(tmp / "lora" / "ckpt.pt", tmp / "lora.pt")
+    (tmp / "out").mkdir()
+    os.link(tmp / "lora.pt", tmp / "out" / "ckpt.pt")
+    return ["merge", str(tmp / "lora.pt"), "-o", str(tmp / "out")], tmp / "lora.pt"
+
+
+def _export_gguf_of_a_lora_run_onto_its_base(tmp):
+    _run(tmp / "base")
+    _run(tmp / "lora", lora_base=tmp / "base" / "ckpt.pt")
+    return ["export-gguf", str(tmp / "lora"), "-o", str(tmp / "base" / "ckpt.pt")], tmp / "base" / "ckpt.pt"
+
+
+def _quantize_a_lora_run_onto_its_base(tmp):
+    _run(tmp / "base")
+    _run(tmp / "lora", lora_base=tmp / "base" / "ckpt.pt")
+    return ["quantize", str(tmp / "lora"), "-o", str(tmp / "base"), "--quantize", "int8"], tmp / "base" / "ckpt.pt"
+
+
+ONTO_INPUT = [
+    _export_gguf_of_a_lora_run_onto_its_base,
+    _quantize_a_lora_run_onto_its_base,
+    _export_gguf_onto_its_checkpoint,
+    _export_gguf_through_a_linked_directory,
+    _export_gguf_of_a_single_pt,
+    _export_hf_onto_a_linked_checkpoint,
+    _import_hf_onto_its_own_directory,
+    _import_gguf_of_a_file_named_as_the_run_it_writes,
+    _quantize_a_run_whose_checkpoint_links_into_the_output,
+    _merge_onto_its_lora_checkpoint,
+]
+
+
+@pytest.mark.parametrize("make", ONTO_INPUT, ids=lambda f: f.__name__.strip("_"))
+def test_no_force_writes_over_what_the_command_reads(tmp_path, capsys, make):
+    """Each command with -o and --force: an output resolving to a file it reads is one line, exit
+    2, before anything is written (the input byte for byte as it was)."""
+    from quillgpt.cli import main
+
+    if "gguf" in make.__name__:
+        pytest.importorskip("gguf")
+    if "hf" in make.__name__:
+        pytest.importorskip("transformers")
+    cmd, kept = make(tmp_path)
+    capsys.readouterr()
+    before = kept.read_bytes()
+    listing = sorted(p for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--force"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "is also the input" in err, err
+    assert kept.read_bytes() == before and sorted(p for p in tmp_path.rglob("*")) == listing
+
+
+def test_a_nul_byte_in_an_input_name_is_one_line(tmp_path):
+    from quillgpt.files import input_file
+
+    with pytest.raises(QuillError, match=r"^--x .*a\\0b has a NUL byte in its name, which no file has"):
+        input_file(tmp_path / "a\0b", "--x")

@@ -12,6 +12,10 @@ Every token also has its raw bytes (`decode_bytes`), so streaming prints whole c
 `quill attention` labels byte-level tokens as text: byte-level vocabularies (GPT-2's byte ↔
 unicode table), SentencePiece-style ones ("▁" for a space, <0xNN> byte fallback), and added
 tokens as their text.
+
+A tokenizer.json is untrusted input: data/hf_tokenizer_guard.py runs it on a probe text when it
+loads (a Rust panic, a slow regex or a normalizer that multiplies text fails there, in one line)
+and bounds every encode by what its normalizer can make of the text.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from quillgpt.data import hf_tokenizer_guard as guard
 from quillgpt.data.chat_template import end_of_turn
 from quillgpt.data.hf_tokenizer_files import check_generation_config, check_tokenizer_config, read_json_file
 from quillgpt.data.tokenizer import Tokenizer, find_safe_cut
@@ -72,12 +77,15 @@ class HFTokenizer(Tokenizer):
         eos_token: str | None = None,
         stop_tokens: Iterable[str] = (),
         chat_template: str | None = None,
+        source: str = "tokenizer.json",
     ) -> None:
         try:
             self.tk = _tokenizers().Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # noqa: BLE001 — the Rust parser raises its own exception type
             raise QuillError(f"tokenizer.json is not a tokenizer the tokenizers library reads ({str(e)[:120]})") from None
-        self._json, self.name, self.chat_template = tokenizer_json, name, chat_template
+        self._json, self.name, self.chat_template, self.source = tokenizer_json, name, chat_template, source
+        self.growth = guard.growth(tokenizer_json)  # untrusted: exercised here, not at the first request
+        guard.probe(lambda text: self.tk.encode(text, add_special_tokens=True).ids, self.growth, source)
         self.bos_token, self.eos_token, self.stop_tokens = bos_token, eos_token, tuple(stop_tokens)
         self.vocab_size = max(self.tk.get_vocab(with_added_tokens=True).values()) + 1
         self.bos_id = self._prefix_id()
@@ -93,8 +101,7 @@ class HFTokenizer(Tokenizer):
 
     def _prefix_id(self) -> int | None:
         """The one token the post-processor puts before a text (BOS), or None."""
-        plain = self.tk.encode("a", add_special_tokens=False).ids
-        full = self.tk.encode("a", add_special_tokens=True).ids
+        plain, full = self.encode("a"), guard.rust_call(lambda: self.tk.encode("a", add_special_tokens=True).ids, self.source)
         start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
         if start > 1:
             raise QuillError(f"the tokenizer puts {start} tokens before a text; quill supports one (a BOS token)")
@@ -105,19 +112,27 @@ class HFTokenizer(Tokenizer):
         ids = [self.eot_id] + [self._id(t) for t in self.stop_tokens]
         return tuple(dict.fromkeys(i for i in ids if i is not None))
 
+    def _encodings(self, texts: list[str]) -> list[Any]:
+        """The library's encodings of texts, bounded (hf_tokenizer_guard): a text the normalizer could
+        grow beyond its limit, or a panic in the library, is one QuillError, never memory exhaustion."""
+        guard.check_length(sum(map(len, texts)), self.growth, self.source)
+        if len(texts) == 1:
+            return [guard.rust_call(lambda: self.tk.encode(texts[0], add_special_tokens=False), self.source)]
+        return guard.rust_call(lambda: self.tk.encode_batch(texts, add_special_tokens=False), self.source)
+
     def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+        return self._encodings([text])[0].ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._encodings(texts)]
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """(ids, each id's [start, end) characters in text): where chat templates' spans land."""
-        encoding = self.tk.encode(text, add_special_tokens=False)
+        encoding = self._encodings([text])[0]
         return encoding.ids, encoding.offsets
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int64) for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._encodings(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tk.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=False)
@@ -217,6 +232,7 @@ def load_hf_tokenizer(directory: Any, name: str = "hf") -> HFTokenizer:
         _token_text(config.get("bos_token")),
         _token_text(config.get("eos_token")),
         chat_template=chat_template_of(directory, config),
+        source=str(path),
     )
     check_tokenizer_config(config, tok.vocab_size, str(directory / "tokenizer_config.json"))
     check_generation_config(generation, tok.vocab_size, str(directory / "generation_config.json"))

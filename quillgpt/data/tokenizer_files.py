@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from quillgpt.config import shown_value
+from quillgpt.data import hf_tokenizer_guard as guard
 from quillgpt.data.hf_tokenizer import hf_tokenizer_from_spec, load_hf_tokenizer
 from quillgpt.data.tokenizer import (
     MAX_TOKENIZER_BYTES,
@@ -70,7 +71,10 @@ def tokenizer_from_spec(spec: dict[str, Any]) -> Tokenizer:
                 raise ValueError("ranks must contain all 256 single bytes")
             if any(v < len(ranks) for v in specials.values()):
                 raise ValueError("special token ids must come after the ranks")
-            return bpe_tokenizer(ranks, str(spec["pattern"]), specials)
+            tok = bpe_tokenizer(ranks, str(spec["pattern"]), specials)
+            if tok.decode(guard.rust_call(lambda: tok.encode(guard.PROBE), "the bpe tokenizer")) != guard.PROBE:
+                raise ValueError("its split pattern drops or changes text (a byte-level BPE encodes every text back exactly)")
+            return tok
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise QuillError(f"invalid {shown_value(kind)} tokenizer spec: {str(e)[:200]}") from None
     raise QuillError(f"unknown tokenizer spec type {shown_value(kind)} (expected char, tiktoken, bpe or hf)")

@@ -17,11 +17,11 @@ from typing import Any
 
 from quillgpt import checkpoint as ckpt
 from quillgpt import quant, runs
-from quillgpt.config import Config, ModelConfig
+from quillgpt.config import Config, ModelConfig, shown_value
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.data.tokenizer_files import build_tokenizer, load_tokenizer, save_tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_json_object
+from quillgpt.files import atomic_write_bytes, atomic_write_text, input_file, made_dir, os_error, read_json_object, refuse_onto_inputs
 from quillgpt.interop import gpt2, llama
 from quillgpt.interop.families import GPT2, Family, export_family, family_of_config
 from quillgpt.interop.hf_config import check_fields, check_weights
@@ -45,8 +45,13 @@ class Converted:
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
-    """config.json of an HF model directory, as a dict (one clear error when it is not one)."""
-    return read_json_object(path / "config.json", "config.json", limit=1 << 24)
+    """config.json of an HF model directory, as a dict (one clear error when it is not one, or
+    when its model_type, which picks the family, is not a string)."""
+    config = read_json_object(path / "config.json", "config.json", limit=1 << 24)
+    kind = config.get("model_type")
+    if kind is not None and not isinstance(kind, str):
+        raise QuillError(f'{path / "config.json"}: model_type must be a string such as "llama", got {shown_value(kind)[:60]}')
+    return config
 
 
 CODECS = {"gpt2": gpt2.CODEC, "llama": llama.CODEC}  # Family.codec → how its weights and config map
@@ -68,6 +73,7 @@ def import_hf(src: str | Path, out_dir: str | Path, force: bool = False) -> Conv
     out_dir = Path(out_dir)
     check_out_dir(out_dir, runs.RUN_FILES + HF_FILES, force, "a run's or a model's files")
     path = resolve_source(src)
+    refuse_onto_inputs([out_dir / n for n in runs.RUN_FILES], [p for p in path.iterdir() if p.is_file()], "--out")
     hf_config = read_hf_config(path)
     check_fields(hf_config, str(path / "config.json"))  # typed and ranged before any family reads it
     family = family_of_config(hf_config)
@@ -110,7 +116,10 @@ def export_hf(run: str | Path, out_dir: str | Path, which: str = "best", force: 
     st_torch = require("safetensors.torch")
     out_dir = Path(out_dir)
     check_out_dir(out_dir, HF_FILES + runs.RUN_FILES, force, "a model's or a run's files")
+    outputs = [out_dir / n for n in (*HF_FILES, "tokenizer.json")]
+    refuse_onto_inputs(outputs, runs.run_inputs(run, which), "--out")
     loaded = runs.load_run(run, which=which)
+    refuse_onto_inputs(outputs, runs.run_inputs(loaded.path, config=loaded.config), "--out")  # a LoRA run's base too
     quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer
     family = export_family_of(loaded.path, cfg, tok)

@@ -28,8 +28,8 @@ from quillgpt.config import ModelConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.device import available_bytes
 from quillgpt.errors import QuillError
-from quillgpt.files import made_dir, shown
-from quillgpt.interop import convert, gguf_blocks, gguf_read, llama
+from quillgpt.files import made_dir, refuse_onto_inputs, shown
+from quillgpt.interop import convert, gguf_blocks, gguf_checks, gguf_read, llama
 from quillgpt.interop.gguf_read import GGUFFile, GGUFWeights, gguf_module
 from quillgpt.interop.hf_files import check_out_dir
 from quillgpt.model.gpt import GPT
@@ -88,10 +88,12 @@ def plan(f: GGUFFile, cfg: ModelConfig, hf: dict) -> tuple[GGUFWeights, list[Pie
             continue
         types = [f.tensors[weights.gguf_name(p)].tensor_type.name for p in parts]
         piece = Piece(name, parts, tuple(meta[name].shape))
-        if meta[name].dim() == 2 and not any(t in FLOAT_TYPES for t in types):  # a linear or the embedding, quantized
+        # a linear or the embedding, quantized (one group per row is int8's per-row form, which has no offset: kept float)
+        if meta[name].dim() == 2 and not any(t in FLOAT_TYPES for t in types) and piece.shape[1] > gguf_blocks.GROUP:
             tied = name == EMBEDDING + ".weight" and cfg.tie_embeddings
             piece.name, piece.scheme = "lm_head" if tied else name.removesuffix(".weight"), _scheme_for(types, piece.shape)
-        else:
+        else:  # a tied float head is stored as lm_head.weight only (quant/stored.py)
+            piece.name = "lm_head.weight" if cfg.tie_embeddings and name == EMBEDDING + ".weight" else name
             kinds = {FLOAT_TYPES.get(t, torch.float32) for t in types}
             piece.dtype = kinds.pop() if len(kinds) == 1 else torch.float32
         pieces.append(piece)
@@ -149,6 +151,7 @@ def _groups(weights: GGUFWeights, hf_name: str, scheme: str, report: Report) -> 
     t = f.tensors[name]
     kind, (cols, rows) = t.tensor_type.name, (int(t.shape[0]), math.prod(int(d) for d in t.shape[1:]))
     raw = _read(f, name)
+    gguf_checks.check_finite(f.path, name, kind, raw=raw)  # a damaged block named as damage, before it is mapped
     try:
         g = gguf_blocks.to_groups(raw, kind, rows, cols)
         raw = raw if g is not None and not g.exact else None  # kept only to measure the rounding
@@ -192,6 +195,8 @@ def write_quantized(f: GGUFFile, out_dir: Path, cfg: ModelConfig, hf: dict, toke
     weights, pieces = plan(f, cfg, hf)
     layout = specs(pieces)
     check_room(f, out_dir, layout)
+    if out_dir.exists():  # (--force) a damaged tensor found mid-write would leave a half-replaced run: all are read first
+        gguf_checks.scan_tensors(f.path, [(n, t.tensor_type.name, t.data_offset, t.n_bytes) for n, t in f.tensors.items()])
     report, config = Report(), convert.imported_config(out_dir, cfg, tokenizer)
     layers = {p.name: p.scheme for p in pieces if p.scheme is not None}
     runs.write_quantized_run(out_dir, config, tokenizer, layers, layout, tensors(weights, pieces, report), imported_from=source)
@@ -204,13 +209,15 @@ def import_gguf(src: str | Path, out_dir: str | Path, force: bool = False, dequa
     of float tensors, or a gpt2 one) its weights in fp32 in ckpt.pt, usable as train.init_from too."""
     out_dir = Path(out_dir)
     check_out_dir(out_dir, runs.RUN_FILES + convert.HF_FILES, force, "a run's or a model's files")
+    refuse_onto_inputs([out_dir / n for n in runs.RUN_FILES], [src], "--out")
     f = gguf_read.GGUFFile(src)
     hf = gguf_read.hf_config(f)  # the architecture and its keys, before the tokenizer
     tokenizer = gguf_read.gguf_tokenizer(f)
     quantized = any(t.tensor_type.name not in FLOAT_TYPES for t in f.tensors.values())
     if quantized and not dequantize and f.family.model_type != "gpt2":
         f.drop_vocabulary()
-        cfg = _checked_vocab(f, llama.llama_to_model_config(hf, str(f.path)), tokenizer)
+        cfg = _checked_vocab(f, gguf_read.model_config(f, hf), tokenizer)
+        gguf_read.check_tensors(f, cfg)
         with made_dir(out_dir):
             note = write_quantized(f, out_dir, cfg, hf, tokenizer, str(src))
         return convert.Converted(out_dir, cfg, tokenizer.name, f"GGUF {f.family.arch}", note)

@@ -1,7 +1,8 @@
 """`quill import-gguf`: a GGUF file (llama.cpp's format) → a quill run directory.
 
-The file is read with the `gguf` package (ggml's own reader, memory-mapped: a header that lies
-about sizes or offsets fails there, before anything is allocated) and its tensors dequantized with
+The file is untrusted: its header is walked and bounded, and every tensor checked against the
+model its metadata describes, by interop/gguf_checks.py before anything is allocated. It is then
+read with the `gguf` package (ggml's own reader, memory-mapped) and its tensors dequantized with
 gguf.quants, ggml's reference code, one at a time, to fp32. The metadata becomes a config.json-like
 dict through interop/gguf_family.py's table, and the Hugging Face converters (interop/llama.py,
 gpt2.py) build and check the model from it, so a GGUF imports exactly as the same model's
@@ -29,7 +30,7 @@ from quillgpt.data.chat_template import end_of_turn
 from quillgpt.data.hf_tokenizer import HFTokenizer
 from quillgpt.errors import QuillError
 from quillgpt.files import input_file, shown
-from quillgpt.interop import gpt2, llama
+from quillgpt.interop import gguf_checks, gpt2, llama
 from quillgpt.interop.gguf_family import FAMILIES, PRE_TOKENIZERS, READ_TYPES, GGUFFamily
 from quillgpt.interop.hf_files import require
 
@@ -60,6 +61,10 @@ class GGUFFile:
             magic = b"GGUF"  # the reader says what is wrong
         if magic != b"GGUF":
             raise QuillError(f"{shown(self.path)} is not a GGUF file (it does not start with GGUF's magic bytes): pass a llama.cpp model")
+        try:
+            gguf_checks.check_layout(self.path)  # every count, length and tensor range bounded before the reader maps them
+        except OSError as e:
+            raise QuillError(f"{shown(self.path)} cannot be read ({e.strerror}); check the path and its permissions") from None
         try:
             self.reader = gguf.GGUFReader(self.path)
             self.meta = {k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
@@ -96,11 +101,14 @@ class GGUFFile:
 
     def array(self, name: str) -> np.ndarray:
         """One tensor dequantized to fp32, in PyTorch's shape order (ggml lists dimensions innermost first)."""
-        t = self.tensors[name]
+        t, kind = self.tensors[name], self.tensors[name].tensor_type.name
+        gguf_checks.check_finite(self.path, name, kind, raw=t.data)
         try:
-            return np.asarray(gguf_module().quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            values = np.asarray(gguf_module().quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except (ValueError, NotImplementedError) as e:
-            raise QuillError(f"{shown(self.path)}: cannot dequantize {name} ({t.tensor_type.name}: {str(e)[:100]})") from None
+            raise QuillError(f"{shown(self.path)}: cannot dequantize {name} ({kind}: {str(e)[:100]})") from None
+        gguf_checks.check_finite(self.path, name, kind, values=values)
+        return values
 
 
 REAL_KEYS = ("epsilon", "freq_base")  # metadata keys that hold a positive real; the others a count or a length
@@ -161,7 +169,8 @@ def unpermute(w: Tensor, heads: int) -> Tensor:
 
 
 class GGUFWeights(Mapping[str, Tensor]):
-    """A GGUF file's tensors under their Hugging Face names, dequantized one at a time when read."""
+    """A GGUF file's tensors under their Hugging Face names, dequantized one at a time when read
+    (the file's tensors checked against `hf_names`' model first: check_tensors)."""
 
     def __init__(self, f: GGUFFile, hf: dict[str, Any], hf_names: list[str]) -> None:
         gguf = gguf_module()
@@ -171,9 +180,6 @@ class GGUFWeights(Mapping[str, Tensor]):
             g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if g in f.tensors:
                 self._gguf_of[hf_name] = g
-        unmapped = sorted(set(f.tensors) - set(self._gguf_of.values()))
-        if unmapped:  # e.g. a layer more than block_count says, or a tensor quill has no slot for
-            raise QuillError(f"{shown(f.path)} has tensors a {f.family.arch} model of its metadata does not: {', '.join(unmapped[:3])}")
 
     def __getitem__(self, name: str) -> Tensor:
         return self.unpermuted(name, torch.from_numpy(self.f.array(self._gguf_of[name]).copy()))
@@ -201,6 +207,36 @@ class GGUFWeights(Mapping[str, Tensor]):
         return len(self._gguf_of)
 
 
+def model_config(f: GGUFFile, hf: dict[str, Any]) -> ModelConfig:
+    """The quill config of the file's metadata (hf_config's dict), as its family's converter makes it."""
+    if f.family.model_type == "gpt2":
+        return gpt2.hf_to_model_config(hf, str(f.path))
+    return llama.llama_to_model_config(hf, str(f.path))
+
+
+def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Every tensor of the file against the model its metadata describes, before any is read:
+    none missing, none extra, each of the shape the model needs (gguf_checks.check_shapes)."""
+    gguf = gguf_module()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[f.family.arch.upper()], cfg.n_layer)
+    with torch.device("meta"):
+        from quillgpt.model.gpt import GPT
+
+        meta = GPT(cfg).state_dict()
+    o_biases = {f"model.layers.{i}.self_attn.o_proj.bias": (cfg.n_embd,) for i in range(cfg.n_layer)}
+    if f.family.model_type == "gpt2":
+        bias_of = lambda n: (meta[n.removesuffix(".bias") + ".weight"].shape[0],)  # noqa: E731
+        shapes = {n: tuple(meta[n].shape) if n in meta else bias_of(n) for n in _gpt2_names(cfg)}
+    else:
+        names_of = llama.weight_names(cfg)
+        split = llama.quill_to_llama_state(meta, cfg, f.family.family)
+        shapes = {n: tuple(split[n].shape) for parts in names_of.values() for n in parts} | o_biases
+    want = {names.get_name(n, try_suffixes=(".weight", ".bias")): s for n, s in shapes.items()}
+    optional = {names.get_name(n, try_suffixes=(".weight", ".bias")) for n in o_biases}
+    have = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in f.tensors.items()}
+    gguf_checks.check_shapes(f.path, have, want, optional, f"{cfg.n_layer}-layer model of its {f.family.arch} metadata")
+
+
 def _gpt2_names(cfg: ModelConfig) -> list[str]:
     """The HF GPT-2 tensor names of a model of `cfg` (quill's own names are GPT-2's)."""
     with torch.device("meta"):
@@ -215,11 +251,11 @@ def _gpt2_names(cfg: ModelConfig) -> list[str]:
 
 def model_of(f: GGUFFile) -> tuple[ModelConfig, dict[str, Tensor]]:
     """(model config, quill state dict in fp32) of a GGUF file, checked as import-hf checks a directory."""
-    hf, source = hf_config(f), str(f.path)
+    hf = hf_config(f)
+    cfg = model_config(f, hf)
+    check_tensors(f, cfg)
     if f.family.model_type == "gpt2":
-        cfg = gpt2.hf_to_model_config(hf, source)
         return cfg, gpt2.hf_to_quill_state(_gpt2_state(f, hf, cfg), cfg)
-    cfg = llama.llama_to_model_config(hf, source)
     o_bias = "blk.0.attn_output.bias" in f.tensors
     names = [n for parts in llama.weight_names(cfg).values() for n in parts]
     names += [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.n_layer)] if o_bias else []
@@ -330,7 +366,7 @@ def gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
         backend.post_processor = None
     template = f.get("tokenizer.chat_template")
     template = template if isinstance(template, str) and template.strip() else None
-    tok = HFTokenizer(backend.to_str(), f.path.stem, bos, eos, chat_template=template)
+    tok = HFTokenizer(backend.to_str(), f.path.stem, bos, eos, chat_template=template, source=str(f.path))
     stops = [eot]
     if template is not None:
         stops.append(end_of_turn(template, [t.content for t in tok.tk.get_added_tokens_decoder().values()], bos, eos))

@@ -29,7 +29,7 @@ from quillgpt import quant, runs
 from quillgpt.config import ModelConfig
 from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
-from quillgpt.files import check_output_file, os_error, write_file
+from quillgpt.files import check_output_file, os_error, refuse_onto_inputs, write_file
 from quillgpt.interop import gpt2, llama
 from quillgpt.interop.families import export_family
 from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily
@@ -314,11 +314,13 @@ def export_gguf(
     gpt2, matrices in `kind` (f32, f16, bf16, q8_0); with `ollama`, a Modelfile beside it."""
     if kind not in WRITE_TYPES:
         raise QuillError(f"--type {kind!r} is not a GGUF type export writes; choose one of {', '.join(WRITE_TYPES)}")
-    out = check_output_file(out, "-o", force=force)
+    inputs = runs.run_inputs(run, which)
+    out = check_output_file(out, "-o", force=force, inputs=inputs)
     modelfile = out.with_name("Modelfile") if ollama else None
     if modelfile is not None:
-        check_output_file(modelfile, "the Modelfile", force=force)
+        check_output_file(modelfile, "the Modelfile", force=force, inputs=inputs)
     loaded = runs.load_run(run, which=which)
+    refuse_onto_inputs([out, *([modelfile] if modelfile else [])], runs.run_inputs(loaded.path, config=loaded.config), "-o")
     quant.dequantize(loaded.model)  # a quantized run's weights as the float values its codes hold
     cfg, tok = loaded.config.model, loaded.tokenizer
     fam = gguf_family_of(cfg)

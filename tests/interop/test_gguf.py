@@ -99,6 +99,18 @@ def test_rounded_types_stay_within_their_rounding(tmp_path, kind, tol):
     assert 0 < err < tol  # rounded, and no more than the type rounds
 
 
+def test_a_quantized_file_one_group_wide_imports_and_loads(tmp_path):
+    """Layers 32 weights wide (one group per row: int8's per-row form has no offset) stay float,
+    and a tied float embedding is the run's lm_head.weight: the run loads and computes the model."""
+    run = load_run(make_run(tmp_path / "run", "llama", n_embd=32, n_head=2), which="latest")
+    export_gguf(tmp_path / "run", tmp_path / "q8.gguf", kind="q8_0", which="latest")
+    import_gguf(tmp_path / "q8.gguf", tmp_path / "back")
+    import_gguf(tmp_path / "q8.gguf", tmp_path / "fp32", dequantize=True)
+    ids = run.tokenizer.encode(TEXT)
+    want = logits(load_run(tmp_path / "fp32", which="latest"), ids)  # Q8_0 kept is exact: as its fp32 import
+    torch.testing.assert_close(logits(load_run(tmp_path / "back", which="latest"), ids), want, atol=1e-4, rtol=1e-4)
+
+
 def _k_blocks(rows: int, cols: int, kind, rng) -> np.ndarray:
     """Random K-quant blocks (gguf.quants cannot quantize these) with sane fp16 scales."""
     block, size = gguf.GGML_QUANT_SIZES[kind]
