@@ -94,7 +94,10 @@ def test_good_fields_pass_and_nullable_ones_may_be_null():
         ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_parameters.rope_theta is '1e4'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": -4.0}}, "rope_scaling.factor is -4.0"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 1e300}}, "rope_scaling.factor is 1e+300"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": -1}}, "rope_parameters.original_max_position"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": -1}},
+            "rope_parameters.original_max_position",
+        ),
         ({"rope_parameters": 0}, "rope_parameters is 0; it must be an object"),
         ({"rope_scaling": [1, 2]}, "rope_scaling is [1, 2]; it must be an object"),
     ],
