@@ -373,7 +373,17 @@ def eval_cmd(
     limit: float | None = typer.Option(
         None, "--limit", help="--tasks: score only the first N documents of each task (below 1: that fraction)."
     ),
-    include_path: Path | None = typer.Option(None, "--include-path", help="--tasks: a folder of task YAML files (local tasks, offline)."),
+    include_path: Path | None = typer.Option(
+        None,
+        "--include-path",
+        help="--tasks: a folder of task YAML files (local tasks, offline). A task folder is code: see --trust-task-code.",
+    ),
+    trust_task_code: bool = typer.Option(
+        False,
+        "--trust-task-code",
+        help="--tasks: run the Python that --include-path's YAML names (!function) and its templates outside Jinja's sandbox; "
+        "only for a folder you have read.",
+    ),
     chat_template: bool = typer.Option(False, "--apply-chat-template", help="--tasks: put each prompt through the model's chat template."),
     output_path: Path | None = typer.Option(None, "--output-path", help="--tasks: write lm-eval's results JSON to this file."),
     dtype: str = typer.Option("float32", "--dtype", help="--tasks: float32, bfloat16 or float16 weights."),
@@ -392,14 +402,20 @@ def eval_cmd(
 
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         task_settings = dict(
-            num_fewshot=num_fewshot, limit=limit, include_path=include_path, apply_chat_template=chat_template, dtype=dtype
+            num_fewshot=num_fewshot,
+            limit=limit,
+            include_path=include_path,
+            apply_chat_template=chat_template,
+            dtype=dtype,
+            trust_task_code=trust_task_code,
         )
         done = evaluate_runs(ckpt, names, output_path=output_path, announce=None if as_json else print, **task_settings, **load)
         if as_json:
             print(done.to_json())
         return
     task_flags = {"--num-fewshot": num_fewshot, "--limit": limit, "--include-path": include_path, "--output-path": output_path}
-    used = [name for name, value in task_flags.items() if value is not None] + (["--apply-chat-template"] if chat_template else [])
+    used = [name for name, value in task_flags.items() if value is not None]
+    used += [name for name, given in (("--apply-chat-template", chat_template), ("--trust-task-code", trust_task_code)) if given]
     if used or dtype != "float32":
         raise QuillError(f"{(used or ['--dtype'])[0]} applies to lm-eval tasks: add --tasks T1,T2")
     from quillgpt.evaluate.scores import evaluate_checkpoints
