@@ -23,7 +23,7 @@ import yaml
 
 from quillgpt.config import MAX_INT
 from quillgpt.errors import QuillError
-from quillgpt.files import read_text, shown
+from quillgpt.files import check_input, read_text, shown
 
 TRUST_FLAG = "--trust-task-code"
 MAX_TASK_FILES = 10_000  # YAML files in a task folder (and the files they include)
@@ -199,6 +199,7 @@ def _check_fields(name: str, cfg: dict[str, Any]) -> None:
         raise QuillError(f"task {name}: its YAML has no {missing[0]} (lm-eval needs dataset_path, doc_to_text and a test split)")
     if cfg.get("test_split") is None and cfg.get("validation_split") is None:
         raise QuillError(f"task {name}: its YAML has no test_split (or validation_split): lm-eval scores one of them")
+    _check_data_files(name, cfg)
     kind = cfg.get("output_type", "generate_until")
     if kind not in OUTPUT_TYPES:
         raise QuillError(f"task {name}: output_type {str(kind)[:60]!r} is not one of {', '.join(OUTPUT_TYPES)}")
@@ -207,6 +208,24 @@ def _check_fields(name: str, cfg: dict[str, Any]) -> None:
         metric = item.get("metric") if isinstance(item, dict) else item
         if isinstance(metric, str) and metric not in metric_registry and get_metric_aggregation(metric) is None:
             raise QuillError(f"task {name}: unknown metric {metric[:60]!r} (not one of lm-eval's metrics)")
+
+
+def _check_data_files(name: str, cfg: dict[str, Any]) -> None:
+    """A local task's data files (dataset_kwargs.data_files): each one there and a regular file
+    (a device or FIFO would be read forever); URLs and globs are the datasets library's to resolve."""
+    kwargs = cfg.get("dataset_kwargs")
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    values = files.values() if isinstance(files, dict) else [files]
+    paths = [p for v in values for p in (v if isinstance(v, list) else [v]) if isinstance(p, str)]
+    for path in paths:
+        if "://" in path or any(c in path for c in "*?["):
+            continue
+        try:
+            check_input(path, f"task {name}: data file")
+        except FileNotFoundError:
+            raise QuillError(f"task {name}: data file {shown(Path(path))} does not exist (dataset_kwargs.data_files)") from None
+        except OSError as e:
+            raise QuillError(f"task {name}: cannot read data file {shown(Path(path))}: {e.strerror}") from None
 
 
 def _probe(task: Any, num_fewshot: int | None) -> None:
