@@ -440,14 +440,15 @@ def _resume_damages(r: random.Random) -> list:
             }
         ),
         lambda s: s["rng"]["python"][1].__setitem__(r.randrange(625), r.choice([-1, 2**40, 10**30])),
-        lambda s: s["rng"]["numpy"].__setitem__(r.choice([2, 3]), r.choice([-5, 10**6, 2])),
+        lambda s: s["rng"]["numpy"].__setitem__(2, r.choice([-5, 625, 10**6])),  # its position
+        lambda s: s["rng"]["numpy"].__setitem__(3, r.choice([-1, 2, 10**6])),  # has_gauss
         lambda s: s.update(rank_rng=r.choice([[], "x", [{}]])),
         lambda s: s["config"].update(model=r.choice(["gpt", 7, [1], None])),
         lambda s: s["config"]["model"].update(
             **{r.choice(["n_layers", "zzz", "n_layer", "n_embd", "pos"]): r.choice(["two", -3, 1.5, [], 2**70])}
         ),
         lambda s: s["model"].update(**{f"extra{r.randrange(99)}": torch.zeros(r.randint(1, 4))}),
-        lambda s: s["model"].pop(r.choice(sorted(s["model"]))),
+        lambda s: s["model"].pop(r.choice(sorted(k for k in s["model"] if not k.startswith("extra")))),  # (not the one just added)
         embedding,
         lambda s: s.update(tokens_seen=r.choice([-1, -(2**40), 2**63])),
         lambda s: s.update(elapsed_s=r.choice([math.inf, -1.0, math.nan, -(10**300)])),
@@ -501,7 +502,7 @@ def hostile_task_folder(w: dict, r: random.Random) -> list[str]:
     folder = w["scratch"] / f"tasks_{r.randrange(1 << 30)}"
     folder.mkdir()
     marker = folder / "RAN"
-    docs = [{"q": f"ROMEO: what light {i}", "choices": [" yes", " no"], "label": i % 2} for i in range(r.randint(0, 6))]
+    docs = [{"q": f"ROMEO: what light {'abc'[i % 3]}", "choices": [" yes", " no"], "label": i % 2} for i in range(r.randint(0, 6))]
     (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (folder / "utils.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n\ndef f(doc):\n    return doc['q']\n")
     name = f"fz{r.randrange(1 << 20)}"
@@ -612,6 +613,8 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     before = w["built"]
     watched = {p: _digest(p) for p in w.pop("watch", [])}  # a case's own files: none may change (or appear)
     code, _, err = quill(argv, stdin=w.pop("stdin", b"ROMEO:"))
+    if argv[0] == "chat" and err.startswith("chatting with "):  # chat's header line comes before whatever it says
+        err = err.split("\n", 1)[1]
     tally.add("cli", "cases")
     tally.add("cli", f"={argv[0]} exit {code}")  # what the cases did, to show they reach the work
     shown = "quill " + " ".join(repr(a) if " " in a or not a else a for a in argv)[:300]

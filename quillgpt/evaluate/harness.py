@@ -172,7 +172,8 @@ class QuillLM(TemplateLM):
             inputs.append((context + cont)[-(self.max_length + 1) :][:-1])
             conts.append(len(cont))
         prefixes = [tuple(ids[: len(ids) - n]) for ids, n in zip(inputs, conts)]
-        shared = len(set(prefixes)) < len(prefixes) and all(prefixes) and self.model.variant.static_cache
+        fits = all(len(p) + max(conts) <= self.max_length for p in prefixes)  # the padding's positions too
+        shared = len(set(prefixes)) < len(prefixes) and all(prefixes) and fits and self.model.variant.static_cache
         logits = self._shared_logits(inputs, conts, prefixes) if shared else self._plain_logits(inputs, conts)
         out = []
         for lg in logits:

@@ -14,6 +14,7 @@ not a traceback halfway through the evaluation. --limit and --num-fewshot are bo
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,7 +148,7 @@ def check_tasks(manager: Any, tasks: list[str], num_fewshot: int | None) -> None
     """Each task (and every task of a group) as lm-eval builds it, its first document put through
     its templates; the folder's own tasks first checked field by field, so that lm-eval's
     unhelpful errors (a TypeError for a missing dataset_path) become a line naming the field."""
-    with quiet_datasets():
+    with quiet_loading():
         for name in tasks:
             _check_entries(manager, name, ())
             try:
@@ -161,15 +162,19 @@ def check_tasks(manager: Any, tasks: list[str], num_fewshot: int | None) -> None
 
 
 @contextlib.contextmanager
-def quiet_datasets() -> Iterator[None]:
-    """datasets' progress bars off while the tasks are checked: a refusal stays one line."""
+def quiet_loading() -> Iterator[None]:
+    """datasets' progress bars and lm-eval's warnings off while the tasks are checked (each task
+    is built again, and says so, when it is evaluated): a refusal stays one line."""
     import datasets
 
-    was_on = datasets.is_progress_bar_enabled()
+    was_on, logger = datasets.is_progress_bar_enabled(), logging.getLogger("lm_eval")
+    level = logger.level
     datasets.disable_progress_bars()
+    logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        logger.setLevel(level)
         if was_on:
             datasets.enable_progress_bars()
 
@@ -206,8 +211,10 @@ def _check_fields(name: str, cfg: dict[str, Any]) -> None:
     metrics = cfg.get("metric_list") or []
     for item in metrics if isinstance(metrics, list) else [metrics]:
         metric = item.get("metric") if isinstance(item, dict) else item
-        if isinstance(metric, str) and metric not in metric_registry and get_metric_aggregation(metric) is None:
-            raise QuillError(f"task {name}: unknown metric {metric[:60]!r} (not one of lm-eval's metrics)")
+        if isinstance(metric, str) and metric.startswith("/"):  # a !function (read unresolved: its path), allowed only when trusted
+            continue
+        if not isinstance(metric, str) or (metric not in metric_registry and get_metric_aggregation(metric) is None):
+            raise QuillError(f"task {name}: unknown metric {str(metric)[:60]!r} (not one of lm-eval's metrics)")
 
 
 def _check_data_files(name: str, cfg: dict[str, Any]) -> None:

@@ -227,7 +227,7 @@ HOSTILE_TASKS = {
     "undefined": (lambda t: t.replace('"{{question}}"', '"{{nothing}}"'), "'nothing' is undefined"),
     "escape": (lambda t: t.replace('"{{question}}"', '"{{ question.__class__.__mro__ }}"'), "SecurityError"),
     "no_data": (lambda t: t.replace("mc.jsonl", "none.jsonl"), "task no_data: data file"),
-    "endless_data": (lambda t: t.replace(t.split("train: ")[1].split("\n")[0], "/dev/zero"), "task endless_data: data file /dev/zero is a device"),
+    "endless_data": (lambda t: t.replace(t.split("train: ")[1].split("\n")[0], "/dev/zero"), "data file /dev/zero is a device"),
     "function": (lambda t: t.replace('doc_to_text: "{{question}}"', "doc_to_text: !function utils.f"), "--trust-task-code"),
     "python_tag": (lambda t: t + "x: !!python/name:os.system\n", "runs Python from the task folder"),
 }
