@@ -200,6 +200,25 @@ def test_a_char_run_scores_each_choice_as_its_own_log_softmax(setup, tmp_path):
     assert mine == pytest.approx(want, abs=1e-4)
 
 
+def test_choices_of_a_context_at_the_block_size_score_without_passing_it(setup, tmp_path):
+    """Learned positions stop at block_size - 1: choices of different lengths after a context that
+    fills the block (cropped on the left) score as each alone, never at a position past it."""
+    from quillgpt.config import Config, ModelConfig
+    from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.model.gpt import GPT
+
+    tok = CharTokenizer.from_text("".join(CORPUS))
+    torch.manual_seed(0)
+    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    lm = QuillLM(GPT(cfg.model).eval(), tok, batch_size=8)
+    context = tok.encode(CORPUS[0][:40])
+    chunk = [(None, context, tok.encode(c)) for c in (" a", " b", " def")]  # two share a context: the fast path
+    got = lm._score_chunk(chunk)
+    for (_, c, k), (logp, _) in zip(chunk, got):
+        alone = lm._score_chunk([(None, c, k)])[0][0]
+        assert logp.shape == alone.shape and (logp - alone).abs().max() < 1e-5
+
+
 def hostile_folder(tasks, tmp_path, name, change):
     """A folder with one task: tiny_mc's YAML renamed `name` and changed by `change`, and a utils.py
     that leaves a mark if anything runs it."""
