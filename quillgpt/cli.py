@@ -7,6 +7,7 @@ code 2; `QUILL_DEBUG=1` shows the traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import inspect
@@ -19,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from quillgpt.config import MAX_INT
 from quillgpt.errors import QuillError
 from quillgpt.files import check_input, check_output_file
 from quillgpt.quant import help_text
 from quillgpt.runs import LoadOptions, merge_run
+from quillgpt.sampling_params import MAX_PROMPT_BYTES, MAX_PROMPT_CHARS
 
 if TYPE_CHECKING:
     from quillgpt.interop.convert import Converted
@@ -80,6 +83,13 @@ COMPILE_OPT = typer.Option(
 )
 # --quantize: the schemes, described once; each command's option says first what it does with them.
 QUANT_HELP = help_text()  # each scheme of the registry (quillgpt.quant.SCHEMES) in a phrase, then none
+
+
+def count_option(default: int | None, *names: str, help: str) -> Any:  # noqa: A002 (typer's own name)
+    """An integer flag, bounded where it is parsed as every integer of a config is (±2**62,
+    config.MAX_INT): 9223372036854775808 is one line here, not an overflow deep inside. The
+    command checks its own smaller range (at least 1, at most the documents...)."""
+    return typer.Option(default, *names, help=help, min=-MAX_INT, max=MAX_INT)
 
 
 def quant_option(purpose: str = "") -> Any:
@@ -175,7 +185,7 @@ def finetune_cmd(
     data: Path = typer.Option(..., "--data", "-d", help="Conversations, one JSON object a line (messages, or prompt + completion)."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory to write (the prepared data goes into OUT/data)."),
     full: bool = typer.Option(False, "--full", help="Train every weight instead of LoRA adapters (rank 8 on every linear)."),
-    epochs: int = typer.Option(3, "--epochs", help="Passes over the conversations."),
+    epochs: int = count_option(3, "--epochs", help="Passes over the conversations."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in --out."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     overrides: list[str] | None = OVERRIDES_ARG,
@@ -216,7 +226,7 @@ def sample_cmd(
     ),
     which: str = WHICH_OPT,
     flags: dict[str, Any] = {},  # noqa: B006 (with_sampling_flags puts the shared flags here)
-    num_samples: int = typer.Option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
+    num_samples: int = count_option(1, "--num-samples", help="Samples of the same prompt, generated together in one batch."),
     stop: list[str] | None = typer.Option(
         None, "--stop", help=r"End a sample at the first occurrence of this text, which is not printed; repeatable; \n \t \\ are escapes."
     ),
@@ -286,7 +296,13 @@ def chat_cmd(
 
     if hasattr(sys.stdin, "reconfigure"):  # an invalid byte becomes a lone surrogate: that message's error line, not the end
         sys.stdin.reconfigure(errors="surrogateescape")
-    repl(session, input, write, lambda line: print(line, file=sys.stderr), tty=sys.stdin.fileno() if sys.stdin.isatty() else None)
+    repl(
+        session,
+        input if sys.stdin.isatty() else _read_line,
+        write,
+        lambda line: print(line, file=sys.stderr),
+        tty=sys.stdin.fileno() if sys.stdin.isatty() else None,
+    )
 
 
 @app.command("serve")
@@ -344,10 +360,10 @@ def eval_cmd(
     text_format: str = typer.Option(
         "text", "--format", help="text, or chat: --text files are jsonl conversations, scored on the assistant's tokens as training does."
     ),
-    stride: int | None = typer.Option(
+    stride: int | None = count_option(
         None, "--stride", help="Tokens between windows (default block_size); smaller = more context per token, slower."
     ),
-    batch_size: int = typer.Option(16, "--batch-size", help="Windows per forward pass."),
+    batch_size: int = count_option(16, "--batch-size", help="Windows per forward pass."),
     device: str = DEVICE_OPT,
     quant: str = quant_option("Score the model with these weights, as quill sample --quantize runs it, to see what they cost in loss."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or a list for several rows) and no progress bar."),
@@ -355,11 +371,21 @@ def eval_cmd(
     tasks: str | None = typer.Option(
         None, "--tasks", help="lm-evaluation-harness tasks, comma-separated (e.g. hellaswag,arc_easy): scored by lm-eval's evaluator."
     ),
-    num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="--tasks: examples in each prompt (default: the task's own)."),
+    num_fewshot: int | None = count_option(None, "--num-fewshot", help="--tasks: examples in each prompt (default: the task's own)."),
     limit: float | None = typer.Option(
         None, "--limit", help="--tasks: score only the first N documents of each task (below 1: that fraction)."
     ),
-    include_path: Path | None = typer.Option(None, "--include-path", help="--tasks: a folder of task YAML files (local tasks, offline)."),
+    include_path: Path | None = typer.Option(
+        None,
+        "--include-path",
+        help="--tasks: a folder of task YAML files (local tasks, offline). A task folder is code: see --trust-task-code.",
+    ),
+    trust_task_code: bool = typer.Option(
+        False,
+        "--trust-task-code",
+        help="--tasks: run the Python that --include-path's YAML names (!function) and its templates outside Jinja's sandbox; "
+        "only for a folder you have read.",
+    ),
     chat_template: bool = typer.Option(False, "--apply-chat-template", help="--tasks: put each prompt through the model's chat template."),
     output_path: Path | None = typer.Option(None, "--output-path", help="--tasks: write lm-eval's results JSON to this file."),
     dtype: str = typer.Option("float32", "--dtype", help="--tasks: float32, bfloat16 or float16 weights."),
@@ -378,14 +404,20 @@ def eval_cmd(
 
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         task_settings = dict(
-            num_fewshot=num_fewshot, limit=limit, include_path=include_path, apply_chat_template=chat_template, dtype=dtype
+            num_fewshot=num_fewshot,
+            limit=limit,
+            include_path=include_path,
+            apply_chat_template=chat_template,
+            dtype=dtype,
+            trust_task_code=trust_task_code,
         )
         done = evaluate_runs(ckpt, names, output_path=output_path, announce=None if as_json else print, **task_settings, **load)
         if as_json:
             print(done.to_json())
         return
     task_flags = {"--num-fewshot": num_fewshot, "--limit": limit, "--include-path": include_path, "--output-path": output_path}
-    used = [name for name, value in task_flags.items() if value is not None] + (["--apply-chat-template"] if chat_template else [])
+    used = [name for name, value in task_flags.items() if value is not None]
+    used += [name for name, given in (("--apply-chat-template", chat_template), ("--trust-task-code", trust_task_code)) if given]
     if used or dtype != "float32":
         raise QuillError(f"{(used or ['--dtype'])[0]} applies to lm-eval tasks: add --tasks T1,T2")
     from quillgpt.evaluate.scores import evaluate_checkpoints
@@ -591,13 +623,38 @@ def _sample_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     try:
         if prompt_file is not None:
             check_input(prompt_file, "--prompt-file")  # a FIFO or device is refused by name, unread
-        data = sys.stdin.buffer.read() if prompt_file is None else prompt_file.read_bytes()
+        with open(prompt_file, "rb") if prompt_file is not None else contextlib.nullcontext(sys.stdin.buffer) as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)  # an endless stream stops here
     except OSError as e:
         raise QuillError(f"cannot read {where}: {e.strerror}") from None
+    if len(data) > MAX_PROMPT_BYTES:  # more characters than MAX_PROMPT_CHARS, at 4 bytes a character
+        raise _too_long(where)
     try:
-        return data.decode("utf-8")
+        return _bounded_prompt(data.decode("utf-8"), where)
     except UnicodeDecodeError as e:
         raise QuillError(f"{where} is not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def _bounded_prompt(text: str, where: str) -> str:
+    """A prompt of at most MAX_PROMPT_CHARS characters, else one line saying the bound."""
+    if len(text) > MAX_PROMPT_CHARS:
+        raise _too_long(where)
+    return text
+
+
+def _too_long(where: str) -> QuillError:
+    return QuillError(f"{where} holds more than {MAX_PROMPT_CHARS:,} characters, far more than any model's context; pass a shorter prompt")
+
+
+def _read_line(prompt: str) -> str:
+    """input() for chat's piped standard input, one line bounded (a stream with no newline,
+    such as /dev/zero, would grow until memory ran out)."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = sys.stdin.readline(MAX_PROMPT_CHARS + 1)
+    if not line:
+        raise EOFError
+    return _bounded_prompt(line, "a line of standard input").removesuffix("\n")
 
 
 def _unescape(text: str) -> str:

@@ -584,15 +584,43 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return out
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a document whose aliases expand it past MAX_YAML_NODES nodes
-    (a 400-byte "billion laughs" file would otherwise become gigabytes when printed or copied)."""
+MAX_YAML_INT_DIGITS = 4000  # below int()'s own limit (4,300 digits); a config's integers are at most 2**62
+SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")  # YAML 1.1's base 60: 1:30 is 90
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """The one loader of every config and YAML file quill reads: SafeLoader, except that a
+    document whose aliases expand it past MAX_YAML_NODES nodes is refused (a 400-byte "billion
+    laughs" file would otherwise become gigabytes), `1:30` stays the text it looks like (not
+    YAML 1.1's 90), `!!binary` is refused (no value of a config is bytes), and an integer too long
+    to be a value is a YAML error (Python refuses int() of over 4,300 digits with a ValueError)."""
 
     def compose_document(self) -> yaml.Node | None:
         node = super().compose_document()
         if node is not None:
             _expanded_size(node, {}, set())
         return node
+
+    def resolve(self, kind: type, value: Any, implicit: tuple[bool, bool]) -> str:
+        if kind is yaml.ScalarNode and implicit[0] and isinstance(value, str) and SEXAGESIMAL.fullmatch(value):
+            return "tag:yaml.org,2002:str"
+        return super().resolve(kind, value, implicit)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > MAX_YAML_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value):,} digits is too long for any config value (at most 2**62)", node.start_mark
+            )
+        return super().construct_yaml_int(node)
+
+    def refuse_binary(self, node: yaml.Node) -> None:
+        raise yaml.constructor.ConstructorError(
+            None, None, "a !!binary value (bytes): no config value is bytes; write the text or number itself", node.start_mark
+        )
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+ConfigLoader.add_constructor("tag:yaml.org,2002:binary", ConfigLoader.refuse_binary)
 
 
 def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
@@ -619,7 +647,7 @@ def parse_yaml(text: str, what: str) -> Any:
     """yaml.safe_load with aliases bounded; nesting too deep for the parser is a QuillError.
     Syntax errors stay yaml.YAMLError for the caller to word."""
     try:
-        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 — a SafeLoader subclass
+        return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 — a SafeLoader subclass
     except RecursionError:
         raise QuillError(f"{what} is nested too deeply to be a config") from None
 

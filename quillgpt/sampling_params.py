@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from quillgpt.errors import QuillError
 
 MAX_SEED = 2**32 - 1  # every seed quill takes (train.seed, sampling seeds): numpy's seed range, so one value seeds every generator
+# A prompt read from a stream or file (sample's --prompt - and --prompt-file, chat's piped lines): far
+# beyond any model's context, and a bound, so /dev/zero or an endless pipe is refused, not read until
+# memory runs out. UTF-8 needs at most 4 bytes a character.
+MAX_PROMPT_CHARS = 1 << 24
+MAX_PROMPT_BYTES = 4 * MAX_PROMPT_CHARS
 
 
 class InvalidParam(QuillError):

@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -82,15 +83,17 @@ class Tally:
 # --- the workspace --------------------------------------------------------------------------
 
 
-def quill(argv: list[str], limit: float = 60.0) -> tuple[int | str, str, str]:
-    """`quill ARGV` in this process: (exit code, or "hang" / "raised", stdout, stderr)."""
+def quill(argv: list[str], limit: float = 60.0, stdin: bytes | Path = b"ROMEO:") -> tuple[int | str, str, str]:
+    """`quill ARGV` in this process: (exit code, or "hang" / "raised", stdout, stderr); `stdin`:
+    the bytes standard input holds, or a file (/dev/zero) it reads."""
     from quillgpt.cli import main
 
     def expired(signum: int, frame: object) -> None:
         raise TimeoutError
 
     out, err = io.StringIO(), io.StringIO()
-    stdin, sys.stdin = sys.stdin, io.TextIOWrapper(io.BytesIO(b"ROMEO:"))  # for `-p -`
+    source = open(stdin, "rb") if isinstance(stdin, Path) else io.BytesIO(stdin)  # noqa: SIM115 — closed below
+    stdin, sys.stdin = sys.stdin, io.TextIOWrapper(source)  # for `-p -` and chat
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, limit)
     try:
@@ -108,6 +111,7 @@ def quill(argv: list[str], limit: float = 60.0) -> tuple[int | str, str, str]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         sys.stdin = stdin
+        source.close()
     return code, out.getvalue(), err.getvalue()
 
 
@@ -572,12 +576,217 @@ def hostile_tokenizer(w: dict, r: random.Random) -> list[str]:
     return ["prepare", "--config", str(CONFIG), *tiny(w), f"data.tokenizer={src / 'tokenizer.json'}", f"data.out_dir={out}"]
 
 
+# --- issue 67: damaged resume states, hostile task folders and limits, huge numbers and YAML
+# tags, stream bombs. Each a case maker (w, r) → argv, registered in CASE_MAKERS; a maker may
+# leave w["watch"] (paths that must not change or appear) and w["stdin"] (what stdin holds).
+
+
+def _resume_damages(r: random.Random) -> list:
+    """Ways to damage a ckpt.pt's training state, each drawn with its own random values."""
+    import torch
+
+    def moment(s: dict) -> None:
+        entry = r.choice(list(s["optimizer"]["state"].values()))
+        key = r.choice(["exp_avg", "exp_avg_sq"])
+        entry[key] = r.choice(
+            [entry[key].reshape(-1)[: -r.randint(1, 3)].clone(), torch.full_like(entry[key], r.choice([math.nan, math.inf]))]
+        )
+
+    def embedding(s: dict) -> None:
+        key = r.choice(sorted(s["model"]))
+        s["model"][key] = torch.zeros(r.randint(1, 9), r.randint(1, 40))
+
+    return [
+        lambda s: s.update(optimizer=r.choice([{}, {"state": {}}, [], {"state": {}, "param_groups": []}])),
+        moment,
+        lambda s: next(iter(s["optimizer"]["state"].values())).update(step=torch.tensor(r.choice([math.nan, -1.0, math.inf]))),
+        lambda s: s["optimizer"]["param_groups"][0].update(
+            **{r.choice(["lr", "betas", "params", "eps"]): r.choice(["x", None, [7], math.nan])}
+        ),
+        lambda s: s["optimizer"]["state"].update({r.randint(100, 10**6): {"step": torch.tensor(1.0)}}),
+        lambda s: s.update(sampler=r.choice([{}, {"generator": torch.zeros(r.randint(0, 6000), dtype=torch.uint8)}, {"generator": "x"}])),
+        lambda s: s["rng"].update(
+            **{
+                r.choice(["torch", "python", "numpy", "cuda"]): r.choice(
+                    [torch.zeros(r.randint(0, 9), dtype=torch.uint8), [3, [1], None], "x", 7]
+                )
+            }
+        ),
+        lambda s: s["rng"]["python"][1].__setitem__(r.randrange(625), r.choice([-1, 2**40, 10**30])),
+        lambda s: s["rng"]["numpy"].__setitem__(2, r.choice([-5, 625, 10**6])),  # its position
+        lambda s: s["rng"]["numpy"].__setitem__(3, r.choice([-1, 2, 10**6])),  # has_gauss
+        lambda s: s.update(rank_rng=r.choice([[], "x", [{}]])),
+        lambda s: s["config"].update(model=r.choice(["gpt", 7, [1], None])),
+        lambda s: s["config"]["model"].update(
+            **{r.choice(["n_layers", "zzz", "n_layer", "n_embd", "pos"]): r.choice(["two", -3, 1.5, [], 2**70])}
+        ),
+        lambda s: s["model"].update(**{f"extra{r.randrange(99)}": torch.zeros(r.randint(1, 4))}),
+        lambda s: s["model"].pop(r.choice(sorted(k for k in s["model"] if not k.startswith("extra")))),  # (not the one just added)
+        embedding,
+        lambda s: s.update(tokens_seen=r.choice([-1, -(2**40), 2**63])),
+        lambda s: s.update(elapsed_s=r.choice([math.inf, -1.0, math.nan, -(10**300)])),
+        lambda s: s.update(best_val_loss=r.choice([math.nan, -2.0])),
+        lambda s: s.update(horizon=r.choice([-3, 0, 2**70, "x"]), budget_ended=r.choice([True, "yes"])),
+        lambda s: s.update(scaler=r.choice([[], "x", 7])),
+    ]
+
+
+def damaged_resume(w: dict, r: random.Random) -> list[str]:
+    """`train --resume` of a copy of the run whose ckpt.pt's training state is damaged (or has
+    bytes after its zip): one line, and the copy byte for byte unchanged."""
+    import torch
+
+    run = w["scratch"] / f"resume_{r.randrange(1 << 30)}"
+    shutil.copytree(w["run"], run)
+    path = run / "ckpt.pt"
+    if r.random() < 0.15:
+        with open(path, "ab") as f:
+            f.write(r.randbytes(r.randint(1, 70_000)))
+    else:
+        state = torch.load(path, weights_only=True)
+        for damage in r.sample(_resume_damages(r), r.randint(1, 2)):
+            with contextlib.suppress(Exception):  # a first damage may leave nothing for the second to damage
+                damage(state)
+        torch.save(state, path)
+    w["watch"] = [run]
+    return ["train", "--config", str(CONFIG), "-q", "--resume", *tiny(w, f"train.out_dir={run}", "train.max_iters=4")]
+
+
+TASK_DAMAGES = [
+    lambda t, r: t.replace("dataset_path: json\n", ""),
+    lambda t, r: t.replace('doc_to_text: "{{q}}"\n', ""),
+    lambda t, r: t.replace("test_split: train\n", ""),
+    lambda t, r: t.replace("output_type: multiple_choice", "output_type: " + r.choice(["essay", "1", "[]", "null"])),
+    lambda t, r: t.replace("metric: acc", "metric: " + r.choice(["vibes", "accuracy!", "1"])),
+    lambda t, r: t.replace('"{{q}}"', r.choice(['"{{q"', '"{% for %}"', '"{{ q | nosuchfilter }}"', '"{{ nothing }}"'])),
+    lambda t, r: t.replace(
+        '"{{q}}"', r.choice(['"{{ q.__class__.__mro__ }}"', '"{{ cycler.__init__.__globals__ }}"', '"{{ range(10**9)|list }}"'])
+    ),
+    lambda t, r: t.replace("DOCS", r.choice(["none.jsonl", "/dev/zero", ".", "/proc/self/mem"])),
+    lambda t, r: t.replace('doc_to_text: "{{q}}"', "doc_to_text: !function utils.f"),
+    lambda t, r: t + r.choice(["class: !function utils.T\n", "x: !!python/name:os.system\n", "include: t.yaml\n"]),
+]
+
+
+def hostile_task_folder(w: dict, r: random.Random) -> list[str]:
+    """`eval --tasks` of a task folder written here (a multiple-choice task over a local jsonl),
+    damaged or hostile (code, sandbox escapes, self-including groups), with hostile --limit and
+    --num-fewshot; its utils.py leaves a marker that must never appear."""
+    folder = w["scratch"] / f"tasks_{r.randrange(1 << 30)}"
+    folder.mkdir()
+    marker = folder / "RAN"
+    docs = [{"q": f"ROMEO: what light {'abc'[i % 3]}", "choices": [" yes", " no"], "label": i % 2} for i in range(r.randint(0, 6))]
+    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "utils.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n\ndef f(doc):\n    return doc['q']\n")
+    name = f"fz{r.randrange(1 << 20)}"
+    text = (
+        f"task: {name}\ndataset_path: json\ntest_split: train\ndataset_kwargs:\n  cache_dir: {folder / 'cache'}\n"
+        "  data_files:\n    train: DOCS\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{q}}"\ndoc_to_target: "{{label}}"\ndoc_to_choice: "{{choices}}"\nmetric_list:\n  - metric: acc\n'
+    )
+    for damage in r.sample(TASK_DAMAGES, r.choice([0, 1, 1, 2])):
+        text = damage(text, r)
+    (folder / "t.yaml").write_text(text.replace("DOCS", str(folder / "docs.jsonl")))
+    asked = name
+    if r.random() < 0.2:  # a group that includes itself, directly or through another
+        (folder / "g.yaml").write_text(f"group: {name}_g\ntask:\n  - {name}_h\n")
+        (folder / "h.yaml").write_text(f"group: {name}_h\ntask:\n  - {r.choice([name + '_g', name + '_h'])}\n")
+        asked = f"{name}_g"
+    flags = r.choice(
+        [[], ["--limit", r.choice(FLOATS + ["0.5", "2", "1e300", "2.5"])], ["--num-fewshot", r.choice(INTS + ["5000", "1025"])]]
+    )
+    w["watch"] = [marker, w["run"]]
+    return ["eval", "--ckpt", str(w["run"]), "--which", "latest", "--tasks", asked, "--include-path", str(folder), *flags]
+
+
+HUGE = ["9223372036854775808", str(2**64), "1" * 400, "-9223372036854775809", "1e300"]
+
+
+def huge_numbers(w: dict, r: random.Random) -> list[str]:
+    """Integers past every bound, as flags, overrides and YAML (5,000 digits; !!binary; 1:30),
+    finetune --epochs by the billion, and HF configs with numbers a model cannot mean."""
+    kind = r.choice(["flag", "yaml", "override", "epochs", "hf"])
+    if kind == "flag":
+        flag, command = r.choice([("--batch-size", "eval"), ("--stride", "eval"), ("--num-samples", "sample"), ("-n", "sample")])
+        extra = ["--text", str(w["text"])] if command == "eval" else ["-p", "ROMEO:"]
+        return [command, "--ckpt", str(w["run"]), flag, r.choice(HUGE), *extra]
+    if kind in ("yaml", "override"):
+        key = r.choice(["train.max_iters", "model.n_layer", "train.seed", "data.shard_tokens", "train.learning_rate", "data.path"])
+        value = r.choice(
+            ["1" * r.choice([4000, 5000, 20000]), "0x" + "f" * 5000, "!!binary aGVsbG8=", "1:30", "-1:30:00", "1:30.5", "!!python/none"]
+        )
+        out = w["scratch"] / f"huge_{r.randrange(1 << 30)}"
+        base = [f"data.out_dir={out}/data", f"train.out_dir={out}/run", *([f"data.path={w['text']}"] if key != "data.path" else [])]
+        if kind == "override":
+            return ["prepare", "--config", str(CONFIG), *tiny(w), *base, f"{key}={value}"]
+        section, name = key.split(".")
+        path = w["scratch"] / f"huge_{r.randrange(1 << 30)}.yaml"
+        path.write_text(f"{section}:\n  {name}: {value}\n")
+        return ["prepare", "--config", str(path), *base]
+    if kind == "epochs":
+        data = w["scratch"] / "chat.jsonl"
+        data.write_text(json.dumps({"prompt": "Who?", "completion": "ROMEO"}) + "\n")
+        out = w["scratch"] / f"ft_{r.randrange(1 << 30)}"
+        w["watch"] = [out]
+        return [
+            "finetune",
+            str(w["run"]),
+            "--data",
+            str(data),
+            "-o",
+            str(out),
+            "--epochs",
+            r.choice(["1000000000", "1001", *HUGE, "0", "-5"]),
+        ]
+    src = w["scratch"] / f"hfnum_{r.randrange(1 << 30)}"
+    shutil.copytree(w["hf_llama"], src)
+    config = json.loads((src / "config.json").read_text())
+    field, value = r.choice(
+        [
+            ("rms_norm_eps", r.choice([2e64, 1e300, -1e-6, "1e-6", None])),
+            ("rope_theta", r.choice(["10000.0", None, 1e300, -1, [1]])),
+            ("rope_scaling", r.choice([{"rope_type": "linear", "factor": r.choice([-4.0, 0, 1e300, "8"])}, 0, [1, 2], "linear"])),
+            (
+                "rope_parameters",
+                r.choice([{"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": r.choice([-1, 2**40, "x"])}, 0, []]),
+            ),
+        ]
+    )
+    config[field] = value
+    (src / "config.json").write_text(json.dumps(config))
+    return ["import-hf", str(src), "--out", str(w["scratch"] / f"hfnumout_{r.randrange(1 << 30)}")]
+
+
+def stream_bomb(w: dict, r: random.Random) -> list[str]:
+    """A prompt from an endless stream (/dev/zero as sample's `-p -` or chat's standard input, a
+    link to it as --prompt-file): one line at the bound, never memory until it runs out."""
+    kind = r.choice(["sample", "chat", "file"])
+    if kind == "file":
+        return [
+            "sample",
+            "--ckpt",
+            str(w["run"]),
+            "-n",
+            "1",
+            "--prompt-file",
+            r.choice([str(w["root"] / "special" / "zero.txt"), "/dev/zero"]),
+        ]
+    w["stdin"] = Path("/dev/zero") if r.random() < 0.8 else b"ROMEO:\n" + b"a" * r.randint(0, 100_000)
+    if kind == "sample":
+        return ["sample", "--ckpt", str(w["run"]), "-n", "1", "-p", "-"]
+    return ["chat", "--ckpt", str(w["run"]), "-n", "1"]
+
+
 CASE_MAKERS = {
     "gguf_shapes": misshapen_gguf,
     "gguf_header": lying_gguf_header,
     "gguf_blocks": damaged_gguf_blocks,
     "onto_input": output_onto_input,
     "tokenizer_json": hostile_tokenizer,
+    "resume": damaged_resume,
+    "tasks": hostile_task_folder,
+    "numbers": huge_numbers,
+    "streams": stream_bomb,
 }
 
 
@@ -586,7 +795,10 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     onto_input = w.pop("onto_input", False)  # such a case's --force asks for nothing to be replaced
     asked = ("--force" in argv and not onto_input) or "train.resume=true" in argv  # replacing or continuing was asked for
     before = w["built"]
-    code, _, err = quill(argv)
+    watched = {p: _digest(p) for p in w.pop("watch", [])}  # a case's own files: none may change (or appear)
+    code, _, err = quill(argv, stdin=w.pop("stdin", b"ROMEO:"))
+    if argv[0] == "chat" and err.startswith("chatting with "):  # chat's header line comes before whatever it says
+        err = err.split("\n", 1)[1]
     tally.add("cli", "cases")
     tally.add("cli", f"={argv[0]} exit {code}")  # what the cases did, to show they reach the work
     shown = "quill " + " ".join(repr(a) if " " in a or not a else a for a in argv)[:300]
@@ -600,11 +812,24 @@ def run_cli(w: dict, r: random.Random, tally: Tally) -> None:
     ):
         tally.add("cli", "tracebacks", f"{shown} → exit {code}: {err[-300:]}")
     after = snapshot(w)
+    touched = [str(p) for p, h in watched.items() if _digest(p) != h]
+    if touched:
+        tally.add("cli", "overwrites", f"{shown} changed or created {touched[:3]}")
     changed = [p for p, h in before.items() if after.get(p) != h]
     if changed and not asked and not all(rebuilt_dataset(argv, Path(p)) for p in changed):
         tally.add("cli", "overwrites", f"{shown} changed {changed[:3]}")
     if changed:  # restore the workspace, so later cases meet the same files
         rebuild(w)
+
+
+def _digest(path: Path) -> str | None:
+    """A file's sha256 (None: no file), or a directory's files' (the run a damaged resume must not touch)."""
+    path = Path(path)
+    if path.is_dir():
+        return hashlib.sha256(
+            "".join(f"{p}:{_digest(p)}" for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".lock").encode()
+        ).hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def rebuilt_dataset(argv: list[str], path: Path) -> bool:

@@ -1,5 +1,6 @@
 """Config: YAML → typed dataclasses, overrides, and one clear error per mistake."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,27 @@ def test_a_shape_key_under_init_from_says_the_architecture_comes_from_the_base_r
         load_config(None, ["train.init_from=base", "model.n_embd=128"])
     with pytest.raises(QuillError, match=r"^model.n_embd \(128\) must be divisible"):
         load_config(None, ["model.n_embd=128"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train:\n  max_iters: " + "1" * 5000, "an integer of 5,000 digits is too long"),
+        ("train:\n  max_iters: 0x" + "f" * 5000, "is too long for any config value"),
+        ("data:\n  path: !!binary aGVsbG8=", "a !!binary value (bytes)"),
+        ("train:\n  max_iters: 1:30", "train.max_iters must be int, got '1:30'"),
+        ("train:\n  learning_rate: 1:30.5", "train.learning_rate must be float, got '1:30.5'"),
+    ],
+)
+def test_yaml_tags_and_numbers_a_config_cannot_mean_are_refused(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(QuillError, match=re.escape(message)) as e:
+        load_config(path)
+    assert "\n" not in str(e.value)
+
+
+def test_sexagesimal_looking_text_stays_text_and_huge_override_integers_name_their_key():
+    assert load_config(None, ["data.path=1:30"]).data.path == "1:30"  # YAML 1.1 would make it 90
+    with pytest.raises(QuillError, match=r"train\.max_iters must be int"):
+        load_config(None, ["train.max_iters=" + "9" * 5000])

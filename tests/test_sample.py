@@ -284,3 +284,30 @@ def test_bad_input_from_the_shell_has_no_traceback(corrupt_ckpts):
     )
     assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+
+
+def test_a_prompt_from_an_endless_stream_is_refused_at_its_bound(quill, run_dir, tmp_path, monkeypatch):
+    import quillgpt.cli as cli
+
+    monkeypatch.setattr(cli, "MAX_PROMPT_CHARS", 1000)
+    monkeypatch.setattr(cli, "MAX_PROMPT_BYTES", 4000)
+    zero = open("/dev/zero", "rb")  # noqa: SIM115 — the endless stream the prompt is read from
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(zero))
+    code, _, err = quill("sample", "--ckpt", run_dir, "-p", "-", "-n", 1)
+    zero.close()
+    assert code == 2 and "standard input holds more than 1,000 characters" in err and len(err.strip().splitlines()) == 1
+    big = tmp_path / "big.txt"
+    big.write_text("a" * 1001)
+    code, _, err = quill("sample", "--ckpt", run_dir, "--prompt-file", big, "-n", 1)
+    assert code == 2 and f"--prompt-file {big} holds more than 1,000 characters" in err
+    code, _, err = quill("sample", "--ckpt", run_dir, "-p", "a", "--num-samples", 9223372036854775808)
+    assert code == 2 and "--num-samples" in err and "4611686018427387904" in err and len(err.strip().splitlines()) == 1
+
+
+def test_chat_s_piped_lines_are_bounded(quill, run_dir, monkeypatch):
+    import quillgpt.cli as cli
+
+    monkeypatch.setattr(cli, "MAX_PROMPT_CHARS", 1000)
+    code, _, err = quill("chat", "--ckpt", run_dir, "-n", 2, stdin=b"hello\n" + b"\0" * 5000)
+    assert code == 2 and "a line of standard input holds more than 1,000 characters" in err
+    assert "Traceback" not in err

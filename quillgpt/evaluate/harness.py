@@ -56,6 +56,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 from quillgpt.data.chat_template import render, template_messages, transcript  # noqa: E402
+from quillgpt.evaluate.task_checks import check_limits, check_task_code, check_tasks, sandboxed_templates  # noqa: E402
 from quillgpt.files import atomic_write_text, check_output_file  # noqa: E402
 from quillgpt.inference.driver import TextBatch, TextStream  # noqa: E402
 from quillgpt.inference.engine import Engine  # noqa: E402
@@ -171,7 +172,8 @@ class QuillLM(TemplateLM):
             inputs.append((context + cont)[-(self.max_length + 1) :][:-1])
             conts.append(len(cont))
         prefixes = [tuple(ids[: len(ids) - n]) for ids, n in zip(inputs, conts)]
-        shared = len(set(prefixes)) < len(prefixes) and all(prefixes) and self.model.variant.static_cache
+        fits = all(len(p) + max(conts) <= self.max_length for p in prefixes)  # the padding's positions too
+        shared = len(set(prefixes)) < len(prefixes) and all(prefixes) and fits and self.model.variant.static_cache
         logits = self._shared_logits(inputs, conts, prefixes) if shared else self._plain_logits(inputs, conts)
         out = []
         for lg in logits:
@@ -289,9 +291,12 @@ def evaluate_tasks(
     dtype: str = "float32",
     quantize: str | None = None,
     log_samples: bool = False,
+    trust_task_code: bool = False,
 ) -> dict[str, Any]:
     """Load a run and score it on lm-eval `tasks` with lm-eval's evaluator: its results dict
-    (results, configs, versions, n-shot; with log_samples each request's responses)."""
+    (results, configs, versions, n-shot; with log_samples each request's responses). The tasks
+    are checked first (task_checks: code in the task folder refused unless `trust_task_code`,
+    each task built and its first document rendered, --limit and --num-fewshot bounded)."""
     from quillgpt.device import resolve_dtype
     from quillgpt.runs import LoadOptions, load_run
 
@@ -299,35 +304,40 @@ def evaluate_tasks(
         raise QuillError("--tasks needs at least one task name, e.g. --tasks hellaswag,arc_easy")
     if batch_size < 1:
         raise QuillError(f"--batch-size must be at least 1, got {batch_size}")
-    manager = task_manager(tasks, include_path)
-    options = LoadOptions.parse(device=device, dtype=None, quantize=quantize, which=which, rows=batch_size)
-    options = dataclasses.replace(options, dtype=resolve_dtype(dtype, options.device))  # auto: what the device runs best
-    run = load_run(path, options)
-    lm = QuillLM(run.model, run.tokenizer, batch_size=batch_size)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        apply_chat_template=apply_chat_template,
-        log_samples=log_samples,
-        bootstrap_iters=0,
-    )
+    check_limits(limit, num_fewshot)
+    manager = task_manager(tasks, include_path, trust_task_code)
+    with sandboxed_templates(trust_task_code):
+        check_tasks(manager, [n for t in tasks for n in (manager.match_tasks([t]) if "*" in t else [t])], num_fewshot)
+        options = LoadOptions.parse(device=device, dtype=None, quantize=quantize, which=which, rows=batch_size)
+        options = dataclasses.replace(options, dtype=resolve_dtype(dtype, options.device))  # auto: what the device runs best
+        run = load_run(path, options)
+        lm = QuillLM(run.model, run.tokenizer, batch_size=batch_size)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            apply_chat_template=apply_chat_template,
+            log_samples=log_samples,
+            bootstrap_iters=0,
+        )
     results["config"].update(
         {"model": "quill", "model_args": {"ckpt": str(path), "which": which, "dtype": dtype, "quantize": options.quantize}}
     )
     return results
 
 
-def task_manager(tasks: list[str], include_path: str | Path | None = None) -> Any:
+def task_manager(tasks: list[str], include_path: str | Path | None = None, trust_task_code: bool = False) -> Any:
     """lm-eval's TaskManager that knows `tasks`: the local folder's alone when it has them all
-    (indexing lm-eval's many built-in tasks is slow: docs/performance.md), else the built-in ones too."""
+    (indexing lm-eval's many built-in tasks is slow: docs/performance.md), else the built-in ones
+    too. A folder whose YAML names Python is refused first, unless `trust_task_code`."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
         if not Path(include_path).is_dir():
             raise QuillError(f"--include-path {include_path}: not a directory (a folder of task YAML files)")
+        check_task_code(Path(include_path), trust_task_code)
         local = TaskManager(include_path=str(include_path), include_defaults=False)
         if all(t in set(local.all_tasks) for t in tasks):
             return local

@@ -29,7 +29,12 @@ INT_FIELDS = {
     "max_window_layers": (0, 1 << 16),
     "sliding_window": (1, 2**24),
 }
-FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+# field → the largest value (each must be finite and above 0): a norm's epsilon is a small fraction,
+# RoPE's base and scaling factors are at most a few million and a few hundred in any real model
+FLOAT_FIELDS = {"rms_norm_eps": 1.0, "layer_norm_epsilon": 1.0, "rope_theta": 1e12}
+ROPE_FIELDS = {"rope_theta": 1e12, "factor": 1e4, "low_freq_factor": 1e4, "high_freq_factor": 1e4}
+ROPE_INT_FIELDS = {"original_max_position_embeddings": 2**24}
+NOT_NULL = frozenset({"rope_theta"})  # null here is no value at all (leave the field out for the default)
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 NULLABLE = frozenset({"n_inner", "head_dim", "sliding_window", "num_key_value_heads"})
 
@@ -44,14 +49,37 @@ def check_fields(hf: dict[str, Any], source: str = "config.json") -> None:
                 raise QuillError(f"{source}: {name} is {_shown(value)}, not an integer; fix the file (an integer from {lo} to {hi:,})")
             if not lo <= value <= hi:
                 raise QuillError(f"{source}: {name}={_shown(value)} is out of range; it must be from {lo} to {hi:,}")
-    for name in FLOAT_FIELDS:
-        value = hf.get(name)
-        if name in hf and value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise QuillError(f"{source}: {name} is {_shown(value)}; it must be a finite number above 0")
+    for name, most in FLOAT_FIELDS.items():
+        if name in hf and (hf[name] is not None or name in NOT_NULL):
+            _check_number(hf[name], most, name, source)
     for name in BOOL_FIELDS:
         if name in hf and hf[name] is not None and not isinstance(hf[name], bool):
             raise QuillError(f"{source}: {name} is {_shown(hf[name])}, not true or false")
+    check_rope(hf, source)
+
+
+def check_rope(hf: dict[str, Any], source: str) -> None:
+    """rope_parameters (transformers 5) and rope_scaling (older): null or an object whose base
+    and factors are numbers in range (a string "1e4" is not read as one)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = hf.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise QuillError(f"{source}: {key} is {_shown(params)}; it must be an object (or null for plain RoPE)")
+        for name, most in ROPE_FIELDS.items():
+            if name in params:
+                _check_number(params[name], most, f"{key}.{name}", source)
+        for name, most in ROPE_INT_FIELDS.items():
+            value = params.get(name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise QuillError(f"{source}: {key}.{name} is {_shown(value)}; it must be an integer from 1 to {most:,}")
+
+
+def _check_number(value: Any, most: float, name: str, source: str) -> None:
+    """A finite number above 0 and at most `most`, else one QuillError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and 0 < value <= most):
+        raise QuillError(f"{source}: {name} is {_shown(value)}; it must be a finite number above 0 and at most {most:g}")
 
 
 def _shown(value: Any) -> str:

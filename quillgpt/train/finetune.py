@@ -37,6 +37,7 @@ WARMUP_FRAC = 0.05  # of the run's steps
 MIN_BATCHES = 16  # an epoch of a small set still has this many steps (batches), when the data allows
 MAX_BATCH_TOKENS = 4096  # a micro-batch's token budget (rows × the longest), at most
 MAX_ROWS = 64  # conversations a batch, at most
+MAX_EPOCHS = 1000  # --epochs: a fine-tune of a billion passes would never end
 # the share of the matmul peak a CPU fine-tune reaches, for the plan's time: SmolLM2 LoRA on 2 quiet
 # AVX2 cores ran at 0.68 of it by this count (docs/finetuning.md), 0.15 on a machine at load 13-16
 EST_MFU = 0.5
@@ -80,8 +81,8 @@ def finetune_config(base: Path, data: Path, out: Path, full: bool = False, epoch
     base, out = Path(base), Path(out)
     if not (base / "config.yaml").is_file():
         raise QuillError(f"{base} is not a run directory (no config.yaml): pass a quill run or a `quill import-hf` output")
-    if epochs < 1:
-        raise QuillError(f"--epochs must be at least 1, got {epochs}")
+    if not 1 <= epochs <= MAX_EPOCHS:
+        raise QuillError(f"--epochs must be at least 1 and at most {MAX_EPOCHS:,}, got {epochs:,}")
     try:
         check_input(data, "--data")
     except FileNotFoundError:

@@ -45,7 +45,7 @@ from quillgpt.device import peak_flops, resolve_dtype
 from quillgpt.errors import QuillError
 from quillgpt.evaluate.scores import evaluate_rows, evaluate_windows
 from quillgpt.model.gpt import GPT
-from quillgpt.model.lora import adapter_state, add_lora, is_adapter
+from quillgpt.model.lora import adapter_state, add_lora
 from quillgpt.model.variants import variant_of
 from quillgpt.train import fsdp_checkpoint as sharded
 from quillgpt.train.distributed import (
@@ -65,7 +65,7 @@ from quillgpt.train.distributed import (
 from quillgpt.train.memory import check_train_memory
 from quillgpt.train.optim import build_optimizer
 from quillgpt.train.progress import Progress, startup_line
-from quillgpt.train.run_dir import check_resume_state, init_from_run, last_val_loss, open_run, start_run
+from quillgpt.train.run_dir import check_restorable, check_resume_state, init_from_run, last_val_loss, open_run, start_run
 from quillgpt.train.schedule import follow_budget, lr_at
 from quillgpt.train.state import FIT_AFTER_STEPS, Trainer, Windows
 
@@ -317,14 +317,11 @@ def _batches(
 def restore(t: Trainer, state: dict[str, Any]) -> None:
     """Bring a checkpoint back: weights, optimizer, scaler, sampler, this rank's random stream,
     counters, and a time budget's fitted horizon (so the schedule continues, not restarts)."""
+    check_restorable(t, state)
     if "shards" in state:  # FSDP: every rank reads its own part
         sharded.load_sharded(state["shards"], t.raw_model, t.optimizer)
-    else:  # a LoRA run saved its adapters only: the rest is the base, loaded already
-        missing, unexpected = t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]), strict=t.lora_base is None)
-        if unexpected or any(is_adapter(k) for k in missing):
-            raise QuillError(
-                f"cannot resume: {t.out_dir / ckpt.LATEST} does not hold this run's LoRA adapters; start over with --overwrite"
-            )
+    else:  # a LoRA run saved its adapters only (check_restorable: all of them): the rest is the base, loaded already
+        t.raw_model.load_state_dict(ckpt.clean_state_dict(state["model"]), strict=t.lora_base is None)
         t.optimizer.load_state_dict(state["optimizer"])
     t.scaler.load_state_dict(state["scaler"])
     t.sampler.load_state_dict(state["sampler"])

@@ -36,6 +36,7 @@ from quillgpt.errors import QuillError
 from quillgpt.files import check_output_dir, probe_writable, shown
 from quillgpt.metrics_log import METRICS, read_metrics
 from quillgpt.train import fsdp_checkpoint as sharded
+from quillgpt.train import state_check
 from quillgpt.train.distributed import Dist
 from quillgpt.train.metrics import MetricsWriter, check_tensorboard, truncate_metrics
 from quillgpt.train.state import Trainer
@@ -315,19 +316,41 @@ def read_resume_state(out_dir: Path) -> dict[str, Any]:
     latest = _state_file(out_dir, shards)
     try:
         state = {**sharded.load_train_state(shards), "shards": shards} if shards is not None else ckpt.load_checkpoint(latest)
-        if "optimizer" in state:  # weights only (import-hf): refused below with what to do instead
-            ckpt.check_state(state, str(latest), ckpt.RESUME_KEYS)
+        if "optimizer" in state or "shards" in state:  # weights only (import-hf): refused below with what to do instead
+            ckpt.check_state(state, str(latest), ckpt.RESUME_KEYS if shards is None else sharded.TRAIN_STATE_KEYS)
+            state_check.check_resume_file(state, shown(latest))
     except QuillError as e:
-        what = str(e).split("; ")[0]  # what is wrong, without advice meant for sample/eval (--which)
-        best = out_dir / ckpt.BEST
-        keep = f", or keep {ckpt.BEST}'s weights with train.init_from={best} and a new train.out_dir" if best.is_file() else ""
-        raise QuillError(f"cannot resume: {what}; start over with --overwrite{keep}") from None
+        raise refused_resume(out_dir, str(e)) from None
     if "optimizer" not in state and "shards" not in state:
         raise QuillError(
             f"cannot resume {latest}: it holds weights only (e.g. from quill import-hf); "
             f"fine-tune it with train.init_from={out_dir} and a new train.out_dir"
         )
     return state
+
+
+def refused_resume(out_dir: Path, problem: str) -> QuillError:
+    """A damaged resume state, refused with what to do instead: the run's other checkpoint
+    (best.pt: its weights seed a new run) where there is one, else starting over."""
+    what = problem.split("; ")[0]  # what is wrong, without advice meant for sample/eval (--which)
+    best = out_dir / ckpt.BEST
+    if best.is_file():
+        return QuillError(
+            f"cannot resume: {what}; use the run's other checkpoint ({ckpt.BEST}): train.init_from={best} "
+            "with a new train.out_dir keeps its weights, or start over with --overwrite"
+        )
+    return QuillError(f"cannot resume: {what}; start over with --overwrite")
+
+
+def check_restorable(t: Trainer, state: dict[str, Any]) -> None:
+    """Before anything of a resume's state is restored: it fits the model, optimizer, sampler
+    and scaler this run built (state_check), or the resume is refused in one line."""
+    try:
+        state_check.check_against(
+            state, shown(_state_path(t.out_dir, state)), t.raw_model, t.optimizer, t.sampler, t.scaler, t.lora_base is not None
+        )
+    except QuillError as e:
+        raise refused_resume(t.out_dir, str(e)) from None
 
 
 def check_resume_state(

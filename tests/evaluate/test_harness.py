@@ -198,3 +198,112 @@ def test_a_char_run_scores_each_choice_as_its_own_log_softmax(setup, tmp_path):
             want.append(sum(logp[i - 1, ids[i]].item() for i in range(n, len(ids))))
     mine = [r[0][0] for r in responses(got)["tiny_mc"]]
     assert mine == pytest.approx(want, abs=1e-4)
+
+
+def test_choices_of_a_context_at_the_block_size_score_without_passing_it(setup, tmp_path):
+    """Learned positions stop at block_size - 1: choices of different lengths after a context that
+    fills the block (cropped on the left) score as each alone, never at a position past it."""
+    from quillgpt.config import Config, ModelConfig
+    from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.model.gpt import GPT
+
+    tok = CharTokenizer.from_text("".join(CORPUS))
+    torch.manual_seed(0)
+    cfg = Config(model=ModelConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    lm = QuillLM(GPT(cfg.model).eval(), tok, batch_size=8)
+    context = tok.encode(CORPUS[0][:40])
+    chunk = [(None, context, tok.encode(c)) for c in (" a", " b", " def")]  # two share a context: the fast path
+    got = lm._score_chunk(chunk)
+    for (_, c, k), (logp, _) in zip(chunk, got):
+        alone = lm._score_chunk([(None, c, k)])[0][0]
+        assert logp.shape == alone.shape and (logp - alone).abs().max() < 1e-5
+
+
+def hostile_folder(tasks, tmp_path, name, change):
+    """A folder with one task: tiny_mc's YAML renamed `name` and changed by `change`, and a utils.py
+    that leaves a mark if anything runs it."""
+    folder = tmp_path / name
+    folder.mkdir()
+    text = (tasks / "tiny_mc.yaml").read_text().replace("task: tiny_mc", f"task: {name}")
+    (folder / f"{name}.yaml").write_text(change(text))
+    (folder / "utils.py").write_text(
+        f"import pathlib\n\ndef f(doc):\n    pathlib.Path({str(tmp_path / 'RAN')!r}).touch()\n    return 'x'\n"
+    )
+    return folder
+
+
+# name → (how tiny_mc's YAML is damaged, what the one line says)
+HOSTILE_TASKS = {
+    "no_dataset": (lambda t: t.replace("dataset_path: json\n", ""), "task no_dataset: its YAML has no dataset_path"),
+    "no_text": (lambda t: t.replace('doc_to_text: "{{question}}"\n', ""), "task no_text: its YAML has no doc_to_text"),
+    "no_split": (lambda t: t.replace("test_split: train\n", ""), "task no_split: its YAML has no test_split"),
+    "bad_output": (lambda t: t.replace("output_type: multiple_choice", "output_type: essay"), "output_type 'essay' is not one of"),
+    "bad_metric": (lambda t: t.replace("metric: acc_norm", "metric: vibes"), "task bad_metric: unknown metric 'vibes'"),
+    "bad_template": (
+        lambda t: t.replace('"{{question}}"', '"{{question"'),
+        "task bad_template: lm-eval cannot load it (TemplateSyntaxError",
+    ),
+    "undefined": (lambda t: t.replace('"{{question}}"', '"{{nothing}}"'), "'nothing' is undefined"),
+    "escape": (lambda t: t.replace('"{{question}}"', '"{{ question.__class__.__mro__ }}"'), "SecurityError"),
+    "no_data": (lambda t: t.replace("mc.jsonl", "none.jsonl"), "task no_data: data file"),
+    "endless_data": (lambda t: t.replace(t.split("train: ")[1].split("\n")[0], "/dev/zero"), "data file /dev/zero is a device"),
+    "function": (lambda t: t.replace('doc_to_text: "{{question}}"', "doc_to_text: !function utils.f"), "--trust-task-code"),
+    "python_tag": (lambda t: t + "x: !!python/name:os.system\n", "runs Python from the task folder"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_TASKS)
+def test_a_hostile_or_malformed_task_folder_is_one_line_and_runs_nothing(setup, tmp_path, capsys, name):
+    _, run_dir, tasks = setup
+    change, expected = HOSTILE_TASKS[name]
+    folder = hostile_folder(tasks, tmp_path, name, change)
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--ckpt", str(run_dir), "--which", "latest", "--tasks", name, "--include-path", str(folder)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and expected in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_a_group_that_includes_itself_is_named(setup, tmp_path, capsys):
+    _, run_dir, _ = setup
+    folder = tmp_path / "groups"
+    folder.mkdir()
+    (folder / "a.yaml").write_text("group: loop_a\ntask:\n  - loop_b\n")
+    (folder / "b.yaml").write_text("group: loop_b\ntask:\n  - loop_a\n")
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--ckpt", str(run_dir), "--which", "latest", "--tasks", "loop_a", "--include-path", str(folder)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "group loop_a includes itself (loop_a → loop_b → loop_a)" in err and len(err.splitlines()) == 1
+
+
+def test_trusted_task_code_runs(setup, tmp_path):
+    _, run_dir, tasks = setup
+    folder = hostile_folder(
+        tasks, tmp_path, "trusted", lambda t: t.replace('doc_to_text: "{{question}}"', "doc_to_text: !function utils.f")
+    )
+    got = evaluate_tasks(run_dir, ["trusted"], which="latest", include_path=folder, limit=2, trust_task_code=True)
+    assert (tmp_path / "RAN").exists() and "trusted" in got["results"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--limit", "0"], "--limit must be a number of documents"),
+        (["--limit", "-1"], "--limit must be"),
+        (["--limit", "nan"], "--limit must be"),
+        (["--limit", "inf"], "--limit must be"),
+        (["--limit", "1e300"], "--limit must be"),
+        (["--limit", "2.5"], "--limit must be"),
+        (["--num-fewshot", "-1"], "--num-fewshot must be between 0 and 1,024"),
+        (["--num-fewshot", "100000"], "--num-fewshot must be between 0 and 1,024"),
+        (["--num-fewshot", "9223372036854775808"], "--num-fewshot"),
+        (["--num-fewshot", "50"], "--num-fewshot 50: task tiny_mc has only 5 documents"),
+        (["--batch-size", "9223372036854775808"], "--batch-size"),
+    ],
+)
+def test_limit_and_fewshot_are_bounded(setup, capsys, flags, expected):
+    _, run_dir, tasks = setup
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--ckpt", str(run_dir), "--which", "latest", "--tasks", "tiny_mc", "--include-path", str(tasks), *flags])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and expected in err and len(err.splitlines()) == 1, err

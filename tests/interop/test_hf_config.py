@@ -85,6 +85,30 @@ def test_good_fields_pass_and_nullable_ones_may_be_null():
         check_fields({"head_dim": 0}, "x.json")
 
 
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"rms_norm_eps": 2e64}, "rms_norm_eps is 2e+64; it must be a finite number above 0 and at most 1"),
+        ({"rope_theta": "10000.0"}, "rope_theta is '10000.0'"),
+        ({"rope_theta": None}, "rope_theta is None"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_parameters.rope_theta is '1e4'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": -4.0}}, "rope_scaling.factor is -4.0"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 1e300}}, "rope_scaling.factor is 1e+300"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": -1}},
+            "rope_parameters.original_max_position",
+        ),
+        ({"rope_parameters": 0}, "rope_parameters is 0; it must be an object"),
+        ({"rope_scaling": [1, 2]}, "rope_scaling is [1, 2]; it must be an object"),
+    ],
+)
+def test_numbers_without_bounds_and_rope_settings_are_refused_by_name(hf_dir, tmp_path, changes, field):
+    src, _ = edited(hf_dir, tmp_path, **changes)
+    with pytest.raises(QuillError, match="config.json: " + re.escape(field)) as e:
+        import_hf(src, tmp_path / "run")
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
 def edited_json(hf_dir, tmp_path, name, **changes):
     """A copy of the model directory with `name` (generation_config.json, tokenizer_config.json) edited."""
     copy = tmp_path / "src"

@@ -76,6 +76,15 @@ def test_finetune_refuses_bad_input_in_one_line(base, capsys):
         assert e.value.code == 2 and want in err and len(err.strip().splitlines()) == 1
 
 
+def test_finetune_s_epochs_are_bounded_before_anything_is_planned(base, capsys):
+    for epochs, want in [("1000000000", "--epochs must be at least 1 and at most 1,000"), ("9223372036854775808", "--epochs")]:
+        with pytest.raises(SystemExit) as e:
+            main(["finetune", str(base / "run"), "--data", str(base / "chat.jsonl"), "-o", str(base / "x"), "--epochs", epochs])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and len(err.strip().splitlines()) == 1
+        assert not (base / "x").exists()
+
+
 def test_full_fine_tuning_plans_with_its_own_rate_whatever_the_base_run_s_min_lr(base):
     assert load_run(base / "run", which="latest").config.train.min_lr > FULL_LR  # what used to refuse --full's rate
     cfg = finetune_config(base / "run", base / "chat.jsonl", base / "full", full=True)
