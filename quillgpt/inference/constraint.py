@@ -80,13 +80,12 @@ def _special_ids(tokenizer: Tokenizer) -> list[int]:
 class _Vocabulary:
     """quill's tokenizer as llguidance's TokenizerWrapper reads it: each id's bytes and an encoder."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, eos: int) -> None:
         self.tokenizer = tokenizer
         self.tokens = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
-        self.special_token_ids = _special_ids(tokenizer)
-        stops = tokenizer.stop_ids
-        self.eos_token_id = stops[0] if stops else (self.special_token_ids or [0])[0]
-        self.bos_token_id = tokenizer.bos_id
+        self.tokens += [b""] * (n_vocab - len(self.tokens))  # a model's padding ids: no text
+        self.special_token_ids = sorted({*_special_ids(tokenizer), eos})
+        self.eos_token_id, self.bos_token_id = eos, tokenizer.bos_id
 
     def __call__(self, text: bytes | str) -> list[int]:
         text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
@@ -97,10 +96,13 @@ class _Vocabulary:
 @lru_cache(maxsize=4)
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
     """llguidance's tokenizer over quill's (built once per tokenizer: about a second for 150k ids);
-    vocab_size: the model's, which may be padded past the tokenizer's."""
+    vocab_size: the model's, which may be padded past the tokenizer's. A tokenizer without a stop
+    id (quill's char vocabularies) gets one past the model's vocabulary, which no row can draw."""
     llg = _llguidance()
-    vocab = _Vocabulary(tokenizer)
-    return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=list(tokenizer.stop_ids) or None)
+    stops = list(tokenizer.stop_ids) or [vocab_size]
+    n_vocab = max(vocab_size, stops[0] + 1)
+    vocab = _Vocabulary(tokenizer, n_vocab, stops[0])
+    return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n_vocab, eos_token=stops)
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:
@@ -149,23 +151,24 @@ class Grammar:
 
     def constraint(self) -> GrammarConstraint:
         llg = _llguidance()
-        return GrammarConstraint(llg.LLMatcher(grammar_tokenizer(self.tokenizer, self.vocab_size), self.grammar, log_level=0))
+        lltok = grammar_tokenizer(self.tokenizer, self.vocab_size)
+        return GrammarConstraint(llg.LLMatcher(lltok, self.grammar, log_level=0), lltok.vocab_size)
 
 
 class GrammarConstraint:
     """A row's llguidance matcher: masks from its bitmask, done once the grammar is complete."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, n_vocab: int) -> None:
         self.matcher = matcher
         self.done = False
-        self._bits = np.zeros(0, dtype=np.int32)
+        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)  # one bit a token, in little-endian words
 
     def allowed(self, vocab_size: int) -> Tensor:
-        words = (vocab_size + 31) // 32
-        if self._bits.shape[0] != words:
-            self._bits = np.zeros(words, dtype=np.int32)
+        """The model's vocab_size ids, True where the grammar allows them (none once it failed)."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:vocab_size]  # little-endian words
+        if self.matcher.is_error():  # a dead end: llguidance would offer only its end token
+            return torch.zeros(vocab_size, dtype=torch.bool)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:vocab_size]
         return torch.from_numpy(bits.astype(bool))
 
     def advance(self, token: int) -> None:
