@@ -5,7 +5,9 @@ chat_template.jinja). It is untrusted code from the Hub, so it is rendered as tr
 it: a sandboxed, immutable Jinja environment with trim_blocks and lstrip_blocks, loop controls,
 the `{% generation %}` tag, and the same helpers (tojson, raise_exception, strftime_now, dict,
 namespace), given the messages, add_generation_prompt and the special tokens (bos_token,
-eos_token). The reply ends at the template's end-of-turn token (a stop id).
+eos_token). The reply ends at the template's end-of-turn token (a stop id). A request's tools
+reach the template as apply_chat_template(tools=...) passes them; `tools_refusal` says when a
+template cannot take them (it never reads `tools`, or writes calls in a format quill does not parse).
 
 quill's own models are base models (trained to continue text), so their chat is a transcript:
 

@@ -129,30 +129,28 @@ def tool_call_grammar(open_tag: str, close_tag: str, calls: list[dict[str, Any]]
 
 @dataclass(frozen=True)
 class Grammar:
-    """A checked grammar over one tokenizer: `constraint()` makes a row's parser state."""
+    """A checked grammar over one tokenizer's vocabulary: `constraint()` makes a row's parser state
+    (a copy of the start state: the compiled grammar is shared, so it costs microseconds)."""
 
-    grammar: str
-    tokenizer: Tokenizer
-    vocab_size: int
+    start: Any  # llguidance's LLMatcher before any token
+    n_vocab: int  # llguidance's vocabulary: the model's (and a stop id past it, where the tokenizer has none)
 
     @classmethod
     def compile(cls, grammar: str, tokenizer: Tokenizer, vocab_size: int, what: str = "the grammar") -> Grammar:
         """Check `grammar` against the tokenizer: InvalidGrammar naming what is wrong, or when the
-        model's vocabulary cannot write even its first token."""
+        model's vocabulary (vocab_size ids) cannot write even its first token."""
         llg = _llguidance()
         lltok = grammar_tokenizer(tokenizer, vocab_size)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
         if is_error:
             raise InvalidGrammar(f"{what} is not supported: {' '.join(messages[0].split())[:300]}")
-        out = cls(grammar, tokenizer, vocab_size)
+        out = cls(llg.LLMatcher(lltok, grammar, log_level=0), lltok.vocab_size)
         if not out.constraint().allowed(vocab_size).any():
             raise InvalidGrammar(f"the model's vocabulary cannot write {what}: none of its tokens can start it")
         return out
 
     def constraint(self) -> GrammarConstraint:
-        llg = _llguidance()
-        lltok = grammar_tokenizer(self.tokenizer, self.vocab_size)
-        return GrammarConstraint(llg.LLMatcher(lltok, self.grammar, log_level=0), lltok.vocab_size)
+        return GrammarConstraint(self.start.deep_copy(), self.n_vocab)
 
 
 class GrammarConstraint:

@@ -6,6 +6,8 @@ to the batcher and turns the `Event`s that come back into OpenAI's JSON or SSE c
 is checked whole before its reply starts (a streamed one too), bodies are JSON only (a web
 page's form or text/plain "simple request" cannot reach the model), and on shutdown the `Drain`
 ends each reply that cannot finish in time: a stream with an error event and [DONE].
+`response_format` and `tools` become a grammar each choice is held to and the template's tools,
+and a reply's tool calls are parsed back (serve/structured.py).
 """
 
 from __future__ import annotations

@@ -126,22 +126,19 @@ def _format_schema(fmt: ResponseFormat | None) -> tuple[dict[str, Any] | None, s
 
 
 def _call_grammar(req: ChatRequest, tools: Tools, tokenizer: Tokenizer, vocab_size: int) -> Grammar:
-    """One call of the forced function (or of any tool, "required"), in the template's wrapper."""
-    calls = []
-    for i, t in enumerate(req.tools):
-        if tools.forced in ("required", t.function.name):
-            params = t.function.parameters or NO_ARGUMENTS
-            calls.append(
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": t.function.name}, "arguments": params},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-            )
-            what = f"the parameters schema in tools.{i}.function.parameters"
-    if len(calls) > 1:
-        what = "the tools' parameters schemas"
+    """One call of the forced function (or of any tool, "required"), in the template's wrapper:
+    {"name": its name, "arguments": its parameters schema}."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or NO_ARGUMENTS},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in req.tools
+        if tools.forced in ("required", t.function.name)
+    ]
+    what = "the tools' parameters schemas" if len(calls) > 1 else "the function's parameters schema"
     return Grammar.compile(tool_call_grammar(OPEN + "\n", "\n" + CLOSE, calls), tokenizer, vocab_size, what=what)
 
 

@@ -6,6 +6,7 @@ templates without tools are 400s naming what is wrong. Ported from llama.cpp's s
 response formats refused with an error object."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -186,6 +187,17 @@ def test_every_reply_validates_and_streams_the_same(client, name):
         assert (text, finish) == (whole.message.content, "stop")
 
 
+def test_a_free_reply_beside_a_constrained_one_is_the_one_it_gets_alone(client):
+    free = dict(messages=[{"role": "user", "content": "Say something."}], max_tokens=40, temperature=0.9, seed=5)
+    alone = client.create(**free).choices[0].message.content
+    held = dict(messages=ASK, response_format=schema_format(SCHEMAS["nested"]), max_tokens=120, temperature=0.9, seed=5)
+    with ThreadPoolExecutor(2) as pool:
+        constrained = pool.submit(client.create, **held)
+        beside = pool.submit(client.create, **free)
+        assert beside.result().choices[0].message.content == alone
+        jsonschema.validate(json.loads(constrained.result().choices[0].message.content), SCHEMAS["nested"])
+
+
 def test_const_schema_as_llama_cpp_tests_it(client):
     reply = client.create(messages=ASK, response_format=schema_format({"const": "foooooo"}), max_tokens=10)
     assert reply.choices[0].message.content == '"foooooo"'
@@ -261,6 +273,7 @@ def test_tool_choice_errors(server):
         ({"tool_choice": "required"}, "tool_choice needs tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
         ({"tools": [WEATHER, WEATHER]}, "share a function name"),
+        ({"tools": [{**WEATHER, "function": {"name": "f", "parameters": {"type": "hiccup"}}}], "tool_choice": "required"}, "hiccup"),
     ]
     for extra, says in bad:
         r = httpx.post(server + "/v1/chat/completions", json={"messages": ASK, **extra}, timeout=60)
