@@ -28,6 +28,7 @@ from quillgpt.serve.schemas import ChatMessage, ChatRequest, CompletionRequest, 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 OPEN, CLOSE = TOOL_CALL_TAGS
 CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)  # the last may be cut by its end of turn
+BARE = re.compile(r"^```(?:json)?\s*|\s*```$")  # a fence around a bare call
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -144,7 +145,12 @@ def _call_grammar(req: ChatRequest, tools: Tools, tokenizer: Tokenizer, vocab_si
 
 def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str | None, list[dict[str, Any]]]:
     """A reply's text → (its content without the calls, None if nothing is left; the calls in
-    OpenAI's shape). A call whose JSON does not parse, or names no tool, stays in the content."""
+    OpenAI's shape). A call whose JSON does not parse, or names no tool, stays in the content. A
+    reply that is nothing but one call's JSON, without the tags (in a ```json fence or not), is that
+    call: small models write them bare (Qwen2.5-Coder-0.5B does, for every call it makes)."""
+    bare = _call(BARE.sub("", text.strip()), names)
+    if bare is not None:
+        return None, [bare]
     calls, kept, at = [], [], 0
     for match in CALL.finditer(text):
         call = _call(match.group(1), names)

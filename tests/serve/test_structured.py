@@ -299,6 +299,14 @@ def test_tool_calls_are_parsed_from_the_reply():
         assert parse_tool_calls(text, names) == (text, [])
     _, calls = parse_tool_calls('<tool_call>\n{"name": "get_weather", "arguments": {}}', names)  # cut by its end of turn
     assert len(calls) == 1
+    for bare in (
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+        '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',
+    ):
+        content, calls = parse_tool_calls(bare, names)  # the whole reply one call, without the tags
+        assert content is None and calls[0]["function"]["arguments"] == '{"city": "Oslo"}'
+    text = 'Here: {"name": "get_weather", "arguments": {}} and more'
+    assert parse_tool_calls(text, names) == (text, [])
 
 
 def test_the_extra_missing_is_a_400_naming_it(server, monkeypatch):
