@@ -41,6 +41,7 @@ SMOKE = {  # script → extra arguments of its smoke run
     "prefix_task.py": [],
     "quant_real.py": [],
     "serve_screenshots.py": [],
+    "structured_real.py": [],
     "speedrun.py": [],
 }
 ELSEWHERE = {"fuzz.py": ROOT / "tests" / "fuzz.py"}  # smoked here, but not in scripts/

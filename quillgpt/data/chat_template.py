@@ -5,7 +5,9 @@ chat_template.jinja). It is untrusted code from the Hub, so it is rendered as tr
 it: a sandboxed, immutable Jinja environment with trim_blocks and lstrip_blocks, loop controls,
 the `{% generation %}` tag, and the same helpers (tojson, raise_exception, strftime_now, dict,
 namespace), given the messages, add_generation_prompt and the special tokens (bos_token,
-eos_token). The reply ends at the template's end-of-turn token (a stop id).
+eos_token). The reply ends at the template's end-of-turn token (a stop id). A request's tools
+reach the template as apply_chat_template(tools=...) passes them; `tools_refusal` says when a
+template cannot take them (it never reads `tools`, or writes calls in a format quill does not parse).
 
 quill's own models are base models (trained to continue text), so their chat is a transcript:
 
@@ -50,7 +52,9 @@ if TYPE_CHECKING:
 
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 TRANSCRIPT_STOPS = ("\nUser:", "\nSystem:")
-Message = dict[str, str]  # {"role": ..., "content": ...}
+Message = dict[str, Any]  # {"role": ..., "content": ...} (an assistant's may carry tool_calls, a tool's a tool_call_id)
+Tool = dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")  # Hermes / Qwen2.5: each call a JSON object between these
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 TEMPLATE_NAME = "the model's chat template"
 RENDER_SECONDS = 10.0  # a rendering past this is stopped (a template's loop that never ends)
@@ -215,9 +219,11 @@ def render(
     bos_token: str | None = None,
     eos_token: str | None = None,
     name: str = TEMPLATE_NAME,
+    tools: list[Tool] | None = None,
 ) -> str:
-    """The conversation as the model's template writes it (what apply_chat_template(tokenize=False) gives)."""
-    return render_spans(template, messages, add_generation_prompt, bos_token, eos_token, name)[0]
+    """The conversation as the model's template writes it (what apply_chat_template(tokenize=False,
+    tools=tools) gives)."""
+    return render_spans(template, messages, add_generation_prompt, bos_token, eos_token, name, tools)[0]
 
 
 def render_spans(
@@ -227,6 +233,7 @@ def render_spans(
     bos_token: str | None = None,
     eos_token: str | None = None,
     name: str = TEMPLATE_NAME,
+    tools: list[Tool] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered text, the [start, end) characters of each {% generation %} block in it),
     tracked as transformers tracks them: by the text rendered before each block."""
@@ -241,7 +248,7 @@ def render_spans(
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos_token,
                 eos_token=eos_token,
-                tools=None,
+                tools=tools,
                 documents=None,
             )
             return _capped(pieces, blocks)
@@ -285,10 +292,12 @@ def template_messages(messages: list[Message]) -> list[Message]:
     return [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
 
 
-def conversation_ids(tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+def conversation_ids(
+    tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None
+) -> list[int]:
     """The ids of a conversation as the model reads it: its template's rendering (special tokens
     read as such, nothing added: templates write their own BOS), or quill's transcript after the
-    tokenizer's BOS, as every prompt starts."""
+    tokenizer's BOS, as every prompt starts. `tools`: given to the template (check tools_refusal first)."""
     if tokenizer.chat_template is not None:
         text = render(
             tokenizer.chat_template,
@@ -296,9 +305,31 @@ def conversation_ids(tokenizer: Tokenizer, messages: list[Message], add_generati
             add_generation_prompt,
             getattr(tokenizer, "bos_token", None),
             getattr(tokenizer, "eos_token", None),
+            tools=tools,
         )
         return tokenizer.encode(text)
     return _bos(tokenizer) + tokenizer.encode(transcript(messages, add_generation_prompt))
+
+
+def tools_refusal(template: str | None) -> str | None:
+    """Why tools cannot be given to a model with this template (None: they can). It must read the
+    `tools` variable (a template without a tools section would drop them silently) and write calls
+    as TOOL_CALL_TAGS, the format quill parses back into tool calls."""
+    if template is None:
+        return (
+            "this model has no chat template (quill's transcript has no tools section); "
+            "serve a model whose template renders tools, such as Qwen2.5's"
+        )
+    import jinja2.meta
+
+    if "tools" not in jinja2.meta.find_undeclared_variables(_compiled(template).environment.parse(template)):
+        return "the model's chat template has no tools section (it never reads `tools`), so the model cannot be shown tools"
+    if TOOL_CALL_TAGS[0] not in template:
+        return (
+            "the model's chat template writes tool calls in a format quill does not parse "
+            f"(quill reads {TOOL_CALL_TAGS[0]}{{json}}{TOOL_CALL_TAGS[1]}, as Qwen2.5's)"
+        )
+    return None
 
 
 def _bos(tokenizer: Tokenizer) -> list[int]:

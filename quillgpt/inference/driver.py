@@ -5,10 +5,10 @@ character split across BPE tokens is printed whole, and `StopStrings`, which wor
 decoded text, so a stop string may span tokens). `TextBatch` is the one place rows of text
 join an engine, step, finish and leave: `quill sample` (through Generation), generate_tokens and
 the server's batcher all drive their engine through it. A row finishes at max_new_tokens
-("length"), at a stop token such as end-of-text ("eot": not part of the text) or at its first
-stop string ("stop": the text before it); the vocabulary is engine.FINISH_REASONS. A row that
-fails (engine.RowFailed: in the engine, or while its tokens become text) ends with finish
-"error" and leaves; the other rows go on.
+("length"), at a stop token such as end-of-text ("eot": not part of the text), at its first
+stop string ("stop": the text before it) or where its constraint is complete ("stop": all of
+it); the vocabulary is engine.FINISH_REASONS. A row that fails (engine.RowFailed: in the engine,
+or while its tokens become text) ends with finish "error" and leaves; the other rows go on.
 """
 
 from __future__ import annotations
@@ -263,6 +263,6 @@ class TextBatch:
         text = stream.push(token)
         if stream.stopped:
             return text, "stop"
-        if finish == "length":
-            text += stream.finish(cut=True)
+        if finish in ("length", "stop"):  # "stop" here: the row's constraint is complete (its whole text is out)
+            text += stream.finish(cut=finish == "length")
         return text, finish

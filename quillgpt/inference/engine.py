@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -54,7 +54,10 @@ from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import Cache
 from quillgpt.sampling_params import SamplingParams
 
-# max_new_tokens reached; a stop string; a stop token (end of text / turn); the row failed (RowFailed)
+if TYPE_CHECKING:
+    from quillgpt.inference.constraint import Constraint
+
+# max_new_tokens reached; a stop string or a complete grammar; a stop token (end of text / turn); the row failed (RowFailed)
 Finish = Literal["length", "stop", "eot", "error"]
 FINISH_REASONS: tuple[Finish, ...] = get_args(Finish)
 NOT_FINITE = (
@@ -98,13 +101,15 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A row for add_all: its prompt ids, sampling params, stop ids, and with logprobs = N each
-    token's logprob and the top N."""
+    """A row for add_all: its prompt ids, sampling params, stop ids, with logprobs = N each
+    token's logprob and the top N, and a constraint (inference/constraint.py): the tokens it may
+    draw, masked before each draw; the row ends ("stop") once the constraint is done."""
 
     ids: list[int]
     params: SamplingParams
     stop_ids: Iterable[int] = ()
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, n: int) -> list[TokenLogprob]:
@@ -136,6 +141,7 @@ class _Row:
     refill: bool = False  # learned positions past block_size: every step re-prefills
     logprobs: int | None = None  # report each token's logprob and the top N (None: not asked)
     cache: Cache | None = field(default=None, repr=False)  # a row's own cache (variants without the static cache)
+    constraint: Constraint | None = None  # the tokens it may draw (None: any, and no mask work)
 
 
 def check_prompt(ids: list[int], vocab_size: int, what: str = "the prompt") -> None:
@@ -301,7 +307,7 @@ class Rows:
         r = self._rows.index(None)
         ids = list(p.ids[-self.context :] if self.context else p.ids)
         row = _Row(p.params, row_generator(p.params, self.device), frozenset(p.stop_ids), deque(ids, maxlen=self._keep()), len(p.ids))
-        row.logprobs = p.logprobs
+        row.logprobs, row.constraint = p.logprobs, p.constraint
         self._rows[r] = row
         if p.params.repetition_penalty != 1.0:
             seen = self._seen_rows()
@@ -316,8 +322,8 @@ class Rows:
             _, toks, bad = self._draw(logits[None], [r], first=r)
         except Exception as e:
             return self._fail(r, RowFailed.of("the prefill", e))
-        if bad[0]:
-            return self._fail(r, RowFailed(NOT_FINITE))
+        if bad[0] is not None:
+            return self._fail(r, bad[0])
         tok = toks[0]
         lp = None if row.logprobs is None else token_logprobs(logits[None], torch.tensor([tok], device=self.device), row.logprobs)[0]
         self._started(r, row, tok)
@@ -340,7 +346,7 @@ class Rows:
             return [self._fail(r, error) for r in active]
         lps = self._step_logprobs(logits, nxt, active)
         self._after_step(nxt)
-        out = [self._fail(r, RowFailed(NOT_FINITE)) if bad[r] else self._advance(r, ids[r]) for r in active]
+        out = [self._fail(r, bad[r]) if bad[r] is not None else self._advance(r, ids[r]) for r in active]
         for rt in out:
             rt.logprob = lps.get(rt.row) if rt.finish != "error" else None
         return out
@@ -395,20 +401,47 @@ class Rows:
             self._seen = torch.zeros(self.max_rows, V, dtype=torch.bool, device=self.device)
         return self._seen
 
-    def _draw(self, logits: Tensor, rows: list[int | None], first: int = 0) -> tuple[Tensor, list[int], list[bool]]:
-        """(n, V) logits of rows first..first+n-1 → (n,) device tokens, the same as ints, and which
-        rows' logits were not finite (their token is meaningless): the step's one wait for the device."""
+    def _draw(self, logits: Tensor, rows: list[int | None], first: int = 0) -> tuple[Tensor, list[int], list[RowFailed | None]]:
+        """(n, V) logits of rows first..first+n-1 → (n,) device tokens, the same as ints, and why each
+        row cannot go on (None: it can; its logits were not finite, or its constraint allows no
+        token: its token is meaningless): the step's one wait for the device."""
         drawn = native_decoder.argmax_finite(logits)  # (2, n): each row's argmax, 1 where it is not finite
         if drawn is None:  # a non-finite logit makes its row's sum non-finite (as do logits past ~1e34, as
             # broken): one vectorized pass, where isfinite().all() would make a second one over the logits
             drawn = torch.stack([logits.argmax(dim=-1), (~logits.sum(dim=-1).isfinite()).long()])
+        failed: dict[int, RowFailed] = {}
+        constrained = [i for i, r in enumerate(rows) if r is not None and self._rows[r].constraint is not None]
+        if constrained:  # rows without a constraint do no mask work at all
+            logits, drawn = self._constrain(logits, drawn, [rows[i] for i in constrained], constrained, failed)
         params = [None if r is None else self._rows[r].params for r in rows]
         if any(p is not None and not (p.greedy and p.repetition_penalty == 1.0) for p in params):  # not argmax alone
             if any(p is not None and not p.greedy for p in params):
                 logits = logits.masked_fill(drawn[1, :, None].bool(), 0.0)  # a bad row draws harmlessly
             drawn = torch.stack([self._sample(logits, rows, first, drawn[0]), drawn[1]])
         ids, flags = drawn.tolist()
-        return drawn[0], ids, [bool(b) for b in flags]
+        return drawn[0], ids, [failed.get(i) or (RowFailed(NOT_FINITE) if b else None) for i, b in enumerate(flags)]
+
+    def _constrain(
+        self, logits: Tensor, drawn: Tensor, rows: list[int], at: list[int], failed: dict[int, RowFailed]
+    ) -> tuple[Tensor, Tensor]:
+        """The logits with each constrained row's (rows[j], at index at[j]) forbidden tokens at -inf,
+        and the drawn argmax of those rows anew; a row whose constraint allows nothing goes in `failed`."""
+        V = logits.shape[1]
+        masks = []
+        for r, i in zip(rows, at):
+            try:
+                mask = self._rows[r].constraint.allowed(V)
+                if mask is not None and not mask.any():
+                    raise ValueError("it allows no next token: the model's vocabulary cannot go on with it")
+            except Exception as e:  # this row's constraint failed: the row alone fails
+                failed[i], mask = RowFailed.of("the row's constraint", e), None
+            masks.append(torch.ones(V, dtype=torch.bool) if mask is None else mask)
+        index = torch.tensor(at, device=logits.device)
+        allowed = torch.stack(masks).to(logits.device)  # (c, V)
+        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        drawn = drawn.clone()
+        drawn[0, index] = masked.argmax(dim=-1)
+        return logits.index_copy(0, index, masked), drawn
 
     def _sample(self, logits: Tensor, rows: list[int | None], first: int, argmax: Tensor) -> Tensor:
         """(n, V) logits, row i belonging to row rows[i] = first + i (None: idle), and their argmax →
@@ -425,7 +458,14 @@ class Rows:
         row = self._rows[r]
         row.new, row.length = row.new + 1, row.length + 1
         row.tokens.append(tok)
-        finish = "eot" if tok in row.stop_ids else "length" if row.new >= row.params.max_new_tokens else None
+        done = False
+        if row.constraint is not None and tok not in row.stop_ids:
+            try:
+                row.constraint.advance(tok)
+            except Exception as e:  # the constraint's own failure: this row's alone
+                return self._fail(r, RowFailed.of("the row's constraint", e))
+            done = row.constraint.done
+        finish = "eot" if tok in row.stop_ids else "stop" if done else "length" if row.new >= row.params.max_new_tokens else None
         if finish is not None:
             self.release(r)
         else:

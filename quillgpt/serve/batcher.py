@@ -28,6 +28,7 @@ from quillgpt.inference.driver import Join, Piece, TextBatch, TextStream
 from quillgpt.inference.engine import Prompt
 
 if TYPE_CHECKING:
+    from quillgpt.inference.constraint import Constraint
     from quillgpt.inference.engine import Engine, TokenLogprob
     from quillgpt.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class Job:
     emit: Callable[[Event], None]  # thread-safe: called on the engine thread
     stop_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # report each token's logprob and the top N
+    constraint: Constraint | None = None  # response_format / a forced tool call: the tokens it may draw
     tokens: int = 0
     pending: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # logprobs not yet emitted (text held back)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -64,7 +66,7 @@ class Job:
 
     def prompt(self) -> Prompt:
         """The job as the engine takes it."""
-        return Prompt(self.prompt_ids, self.params, self.stop_ids, self.logprobs)
+        return Prompt(self.prompt_ids, self.params, self.stop_ids, self.logprobs, self.constraint)
 
 
 class Busy(Exception):

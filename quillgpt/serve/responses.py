@@ -57,14 +57,22 @@ class Reply:
         }
 
     def chunk(
-        self, index: int, text: str = "", finish: str | None = None, role: bool = False, logprobs: dict[str, Any] | None = None
+        self,
+        index: int,
+        text: str = "",
+        finish: str | None = None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One streamed piece of choice `index` (role=True: the chat stream's opening chunk), with
-        the logprobs of its tokens when asked for."""
+        the logprobs of its tokens when asked for, and the tool calls a reply ended with."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -78,20 +86,32 @@ class Reply:
         return {**self._head(True), "choices": [], "usage": self.usage(completion_tokens)}
 
     def full(
-        self, texts: list[str], finishes: list[str], completion_tokens: int, logprobs: list[dict[str, Any] | None] | None = None
+        self,
+        texts: list[str | None],
+        finishes: list[str],
+        completion_tokens: int,
+        logprobs: list[dict[str, Any] | None] | None = None,
+        tool_calls: list[list[dict[str, Any]]] | None = None,
     ) -> dict[str, Any]:
-        """The non-streamed response: every choice whole (with its logprobs when asked for), and the usage."""
+        """The non-streamed response: every choice whole (with its logprobs when asked for, a chat
+        reply's tool calls), and the usage."""
         lps = logprobs or [None] * len(texts)
+        calls = tool_calls or [[] for _ in texts]
         if self.chat:
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
-                for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))
+                {"index": i, "message": _message(t, c), "logprobs": lp, "finish_reason": f}
+                for i, (t, f, lp, c) in enumerate(zip(texts, finishes, lps, calls))
             ]
         else:
             choices = [
                 {"index": i, "text": t, "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, lps))
             ]
         return {**self._head(False), "choices": choices, "usage": self.usage(completion_tokens)}
+
+
+def _message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat reply's message: its content (None when it is only tool calls), and its tool calls."""
+    return {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
 
 
 def token_text(raw: bytes) -> str:

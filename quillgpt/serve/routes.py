@@ -6,6 +6,8 @@ to the batcher and turns the `Event`s that come back into OpenAI's JSON or SSE c
 is checked whole before its reply starts (a streamed one too), bodies are JSON only (a web
 page's form or text/plain "simple request" cannot reach the model), and on shutdown the `Drain`
 ends each reply that cannot finish in time: a stream with an error event and [DONE].
+`response_format` and `tools` become a grammar each choice is held to and the template's tools,
+and a reply's tool calls are parsed back (serve/structured.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from quillgpt.data.chat_template import TemplateFailed
+from quillgpt.data.chat_template import TemplateFailed, conversation_ids
 from quillgpt.errors import QuillError
 from quillgpt.inference.chat_session import chat_prompt_ids, fitting
 from quillgpt.inference.driver import TextStream, encode_prompt
@@ -47,8 +49,10 @@ from quillgpt.serve.schemas import (
     reject_unsupported,
     stop_strings,
 )
+from quillgpt.serve.structured import Tools, parse_tool_calls, request_grammar, request_tools, template_message
 
 if TYPE_CHECKING:
+    from quillgpt.inference.constraint import Grammar
     from quillgpt.runs import LoadedRun
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -279,7 +283,8 @@ class Routes:
         ids = [self._encode(p, "prompt") if isinstance(p, str) else self._token_prompt(p) for p in prompts]
         texts = [p if isinstance(p, str) else self.run.tokenizer.decode(p) for p in prompts]
         out = Output(False, logprob_count(req), texts if req.echo else None)
-        return await self._generate(request, req, ids, stops=(), default_max=16, out=out)
+        grammar = await self._grammar(req, None)
+        return await self._generate(request, req, ids, stops=(), default_max=16, out=out, grammar=grammar)
 
     def _token_prompt(self, ids: list[int]) -> list[int]:
         """A prompt sent as token ids (lm-eval's local-completions sends them): used as they are."""
@@ -293,17 +298,30 @@ class Routes:
         req = parse_body(await request.body(), ChatRequest)
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        tok = self.run.tokenizer
+        tools = request_tools(req, tok.chat_template)
+        messages = [template_message(m) for m in req.messages]
         try:  # the model's template (untrusted code, time-limited) in a worker thread: a slow one holds up no other request
-            ids, stops = await asyncio.to_thread(chat_prompt_ids, self.run.tokenizer, messages)
+            if tools is None:
+                ids, stops = await asyncio.to_thread(chat_prompt_ids, tok, messages)
+            else:  # a template that renders tools (request_tools checked): no stop strings
+                ids, stops = await asyncio.to_thread(conversation_ids, tok, messages, True, tools.tools), ()
         except TemplateFailed as e:  # the template's own failure, not the messages'
             raise APIError(500, str(e), code="chat_template_failed") from None
         except QuillError as e:
             raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
-        out = Output(True, logprob_count(req))
+        out = Output(True, logprob_count(req), tools=tools if tools is not None and tools.parse else None)
+        grammar = await self._grammar(req, tools)
         return await self._generate(
-            request, req, [self._checked(ids, "messages")], stops=stops, default_max=self.options.max_tokens, out=out
+            request, req, [self._checked(ids, "messages")], stops=stops, default_max=self.options.max_tokens, out=out, grammar=grammar
         )  # _max_tokens fits the room
+
+    async def _grammar(self, req: ChatRequest | CompletionRequest, tools: Tools | None) -> Grammar | None:
+        """The grammar the request's choices are held to (response_format, a forced tool call), or None."""
+        if req.response_format is None and (tools is None or tools.forced is None):
+            return None
+        vocab = self.run.model.config.vocab_size
+        return await asyncio.to_thread(request_grammar, req, tools, self.run.tokenizer, vocab)  # the first builds llguidance's vocabulary
 
     async def attention(self, request: Request) -> dict[str, Any]:
         from quillgpt.evaluate.attention_views import attention_weights
@@ -391,9 +409,17 @@ class Routes:
         return n
 
     async def _generate(
-        self, request: Request, req: SamplingFields, ids: list[list[int]], stops: tuple[str, ...], default_max: int, out: Output
+        self,
+        request: Request,
+        req: SamplingFields,
+        ids: list[list[int]],
+        stops: tuple[str, ...],
+        default_max: int,
+        out: Output,
+        grammar: Grammar | None = None,
     ) -> Any:
-        """Check the request, queue one job per choice, answer with SSE or the whole reply."""
+        """Check the request, queue one job per choice (each held to `grammar` where given),
+        answer with SSE or the whole reply."""
         self._check_model(req.model)
         reject_unsupported(req)
         n, rows = (1 if req.n is None else req.n), self.batcher.engine.max_rows
@@ -419,7 +445,16 @@ class Routes:
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
         tok = self.run.tokenizer
         jobs = [
-            Job(i * n + k, ids[i], params[k], TextStream(tok, stops), emit, stop_ids=tok.stop_ids, logprobs=out.logprobs)
+            Job(
+                i * n + k,
+                ids[i],
+                params[k],
+                TextStream(tok, stops),
+                emit,
+                stop_ids=tok.stop_ids,
+                logprobs=out.logprobs,
+                constraint=None if grammar is None else grammar.constraint(),
+            )
             for i in range(len(ids))
             for k in range(n)
         ]
@@ -487,10 +522,10 @@ class Routes:
                     break
                 merged: dict[int, Event] = {}
                 for e in batch:
-                    m = merged.setdefault(e.index, Event(e.index))
-                    m.text, m.finish, m.tokens, m.logprobs = m.text + e.text, e.finish, e.tokens, m.logprobs + e.logprobs
-                tok = self.run.tokenizer
-                yield "".join(sse(reply.chunk(m.index, m.text, m.finish, logprobs=out.more(tok, m))) for m in merged.values())
+                    merge(merged.setdefault(e.index, Event(e.index)), e)
+                shown = list(merged.values()) if out.tools is None else out.hold(merged.values())
+                if shown:
+                    yield "".join(self._chunk(reply, out, m) for m in shown)
                 tokens.update((m.index, m.tokens) for m in merged.values())
                 reply.completion_tokens = sum(tokens.values())
                 left -= sum(m.finish is not None for m in merged.values())
@@ -503,6 +538,15 @@ class Routes:
             self.drain.running -= 1
             for job in jobs:
                 self.batcher.cancel(job)
+
+    def _chunk(self, reply: Reply, out: Output, m: Event) -> str:
+        """A choice's new text as an SSE chunk; with tools, its end: the calls parsed from its whole text."""
+        tok = self.run.tokenizer
+        if out.tools is not None and m.finish is not None:
+            content, calls = parse_tool_calls(m.text, out.tools.names)
+            if calls:
+                return sse(reply.chunk(m.index, content or "", "tool_calls", logprobs=out.more(tok, m), tool_calls=calls))
+        return sse(reply.chunk(m.index, m.text, m.finish, logprobs=out.more(tok, m)))
 
     async def _collect(self, request: Request, reply: Reply, jobs: list[Job], events: asyncio.Queue, out: Output) -> Any:
         """Wait for every choice to finish (or the client to leave) and build the whole reply."""
@@ -533,7 +577,13 @@ class Routes:
             for job in jobs:
                 self.batcher.cancel(job)
         whole = [out.whole(self.run.tokenizer, i, "".join(t), entries[i]) for i, t in enumerate(texts)]
-        return reply.full([t for t, _ in whole], finishes, sum(tokens), [lp for _, lp in whole])
+        contents: list[str | None] = [t for t, _ in whole]
+        calls: list[list[dict[str, Any]]] = [[] for _ in whole]
+        if out.tools is not None:
+            for i, text in enumerate(contents):
+                contents[i], calls[i] = parse_tool_calls(text, out.tools.names)
+                finishes[i] = "tool_calls" if calls[i] else finishes[i]
+        return reply.full(contents, finishes, sum(tokens), [lp for _, lp in whole], tool_calls=calls)
 
 
 @dataclass
@@ -545,6 +595,8 @@ class Output:
     logprobs: int | None = None
     echo: list[str] | None = None
     echo_entries: list[list[Entry]] | None = None
+    tools: Tools | None = None  # the reply's tool calls are parsed (its text held until it ends when streamed)
+    held: dict[int, Event] = field(default_factory=dict)  # with tools: each streamed choice's text so far
     per_choice: int = 1  # choices per prompt (n)
     offsets: dict[int, int] = field(default_factory=dict)  # choice → characters of text so far (text_offset)
 
@@ -556,6 +608,16 @@ class Output:
         shaped = completion_logprobs(entries, lambda i: tok.decode_bytes([i]), self.offsets.get(index, 0))
         self.offsets[index] = sum(map(len, shaped["tokens"])) + self.offsets.get(index, 0)
         return shaped
+
+    def hold(self, events: Any) -> list[Event]:
+        """With tools, a streamed choice's events are held until it ends (a call is parsed whole):
+        the choices that ended, each as one event of all its text."""
+        ended = []
+        for e in events:
+            merge(self.held.setdefault(e.index, Event(e.index)), e)
+            if e.finish is not None:
+                ended.append(self.held.pop(e.index))
+        return ended
 
     def first(self, tok: Any, index: int) -> tuple[str, dict[str, Any] | None]:
         """Choice `index`'s echo: its prompt's text and logprobs (the start of its text_offset)."""
@@ -574,6 +636,11 @@ class Output:
             prompt = index // self.per_choice
             head, entries = self.echo[prompt], list(self.echo_entries[prompt]) if self.echo_entries is not None else []
         return head + text, self._shape(tok, index, entries + [(t, lp.logprob, lp.top) for t, lp in generated])
+
+
+def merge(into: Event, e: Event) -> None:
+    """Add a later event of the same choice to `into` (its text and logprobs after; its finish and count)."""
+    into.text, into.finish, into.tokens, into.logprobs = into.text + e.text, e.finish, e.tokens, into.logprobs + e.logprobs
 
 
 def _shutdown_event() -> Event:

@@ -6,6 +6,7 @@ The body is read by hand (UTF-8, JSON, an object) and then validated by pydantic
 unknown field. Value ranges of the sampling settings are checked once, by `SamplingParams`.
 OpenAI fields quill does not implement are accepted only at their neutral value. Logprobs are
 OpenAI's: `logprobs` N ≤ 5 and `echo` for completions, `logprobs` + `top_logprobs` N ≤ 20 for chat.
+`response_format`, `tools` and `tool_choice` are OpenAI's shapes (serve/structured.py gives them meaning).
 """
 
 from __future__ import annotations
@@ -50,10 +51,66 @@ class SamplingFields(BaseModel):
 MAX_LOGPROBS = {"completions": 5, "chat": 20}  # OpenAI's limits on the alternatives per token
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # accepted: quill always holds the reply to the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format; json_object may carry a `schema` (llama.cpp's extension)."""
+
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: no arguments)
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids (as lm-eval sends them)
     echo: bool | None = None  # the prompt's tokens (and with logprobs their logprobs) before the completion
     logprobs: int | None = None  # each token's logprob and the top N alternatives (0..5)
+    response_format: ResponseFormat | None = None  # the completion held to JSON (a schema)
     suffix: str | None = None  # neutral only (null)
     best_of: int | None = None  # neutral only (null or n)
 
@@ -66,9 +123,11 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @property
     def text(self) -> str:
@@ -83,6 +142,10 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None  # each reply token's logprob
     top_logprobs: int | None = None  # and the top N alternatives (0..20; needs logprobs: true)
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call
 
 
 class AttentionRequest(BaseModel):
