@@ -338,7 +338,8 @@ def test_open_sample_is_generate_text_on_the_loaded_run_and_says_so_as_json(samp
         "quantize": "none",
     }
     assert got["stats"]["prompt_tokens"] == [2, 2] and got["checkpoint"] == str(run / "ckpt.pt")
-    pattern = r"prompt 2 tokens x 2 samples, \d+ new tokens, .*\(kv cache, cpu, \d+ threads? \(OMP_NUM_THREADS\), float32; load \d+\.\d s, not in tokens/s\)"
+    how = r"\(kv cache, cpu, \d+ threads? \(OMP_NUM_THREADS\), float32; load \d+\.\d s, not in tokens/s\)"
+    pattern = r"prompt 2 tokens x 2 samples, \d+ new tokens, .*" + how
     assert re.fullmatch(pattern, sample.stats_line())
 
 
