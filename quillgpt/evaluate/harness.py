@@ -40,6 +40,12 @@ from quillgpt.errors import QuillError
 EVAL_INSTALL = 'pip install -e ".[eval]"'
 
 
+# Standard errors as lm-eval's own CLI reports them (±, not N/A): a mean-type metric (acc) has a
+# closed form and takes no draws; the metrics lm-eval bootstraps (perplexity, f1, bleu) take this
+# many resamples (its CLI's 100,000 are minutes on two cores for a figure's second digit).
+BOOTSTRAP_ITERS = 1000
+
+
 def _lm_eval() -> Any:
     try:
         import lm_eval
@@ -320,7 +326,7 @@ def evaluate_tasks(
             task_manager=manager,
             apply_chat_template=apply_chat_template,
             log_samples=log_samples,
-            bootstrap_iters=0,
+            bootstrap_iters=BOOTSTRAP_ITERS,
         )
     results["config"].update(
         {"model": "quill", "model_args": {"ckpt": str(path), "which": which, "dtype": dtype, "quantize": options.quantize}}

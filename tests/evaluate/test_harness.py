@@ -93,7 +93,10 @@ def test_quill_eval_tasks_prints_the_table_and_writes_the_results(setup, tmp_pat
     table = capsys.readouterr().out
     assert "tiny_mc" in table and "acc_norm" in table
     saved = json.loads(out.read_text())
-    assert saved["results"]["tiny_mc"]["acc,none"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    acc, stderr = saved["results"]["tiny_mc"]["acc,none"], saved["results"]["tiny_mc"]["acc_stderr,none"]
+    assert acc in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert stderr == pytest.approx((acc * (1 - acc) / 3) ** 0.5)  # the sample standard error of 4 answers: lm-eval's ±, not N/A
+    assert "N/A" not in table
     assert saved["config"]["model"] == "quill"
     other = tmp_path / "notes.json"
     other.write_text('{"mine": 1}')
