@@ -99,8 +99,6 @@ class DataConfig:
             raise QuillError("data.skip_bad_lines applies to chat data (data.format=chat)")
         if not 0.0 < self.val_fraction < 1.0:
             raise QuillError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.path is None and self.url is None:
-            raise QuillError("set data.path (a local text file) or data.url (a file to download)")
         if not 1024 <= self.shard_tokens <= 2**40:
             raise QuillError(f"data.shard_tokens must be between 1024 and 2^40, got {self.shard_tokens}")
         if self.workers is not None and not 1 <= self.workers <= 1024:

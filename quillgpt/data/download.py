@@ -61,9 +61,12 @@ def download(url: str, sha256: str | None, dest: str | Path, progress: bool = Tr
 
 
 def source_path(cfg: DataConfig, progress: bool = True) -> Path:
-    """The local text file for `cfg`: data.path, else data.url downloaded into data/downloads/."""
+    """The local text file for `cfg`: data.path, else data.url downloaded into data/downloads/
+    (neither: an imported model's config.yaml names no data until the user does)."""
     if cfg.path is not None:
         return Path(cfg.path)
+    if cfg.url is None:
+        raise QuillError("no data to prepare: set data.path (a local text file, folder or glob) or data.url (a file to download)")
     return download(cfg.url, cfg.sha256, download_path(cfg), progress)
 
 

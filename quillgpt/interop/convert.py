@@ -104,6 +104,7 @@ def imported_config(out_dir: Path, model_cfg: ModelConfig, tokenizer: Tokenizer)
     tiktoken_name = tokenizer.spec().get("type") == "tiktoken"
     cfg.data.tokenizer = tokenizer.name if tiktoken_name else str(out_dir / "tokenizer.json")
     cfg.data.out_dir = f"data/{out_dir.name}_data"
+    cfg.data.url = cfg.data.sha256 = None  # no data of its own (not the quickstart's Tiny Shakespeare): the user names it
     # Training with this config.yaml fine-tunes the import into a new directory, never over it.
     cfg.train.out_dir, cfg.train.init_from = f"{out_dir}-finetune", str(out_dir)
     return cfg

@@ -128,6 +128,10 @@ def test_imported_run_speaks_gpt2s_vocabulary(imported, tmp_path, capsys):
     assert isinstance(tok.decode(new), str)
     saved = load_config(imported / "config.yaml")  # training with it fine-tunes, never overwrites
     assert saved.train.init_from == str(imported) and saved.train.out_dir == f"{imported}-finetune"
+    assert saved.data.path is None and saved.data.url is None  # no data of its own (it kept Tiny Shakespeare's URL)
+    with pytest.raises(SystemExit) as exit_:  # preparing it asks for the user's data in one line
+        main(["prepare", "--config", str(imported / "config.yaml"), f"data.out_dir={tmp_path / 'data'}"])
+    assert exit_.value.code == 2 and "no data to prepare: set data.path" in capsys.readouterr().err
 
     greedy = [int(t) for t in generate_tokens(run.model, [tok.encode("Hello world")], 8)]
     with pytest.raises(SystemExit) as exit_:  # quill sample encodes and decodes with GPT-2's vocabulary
