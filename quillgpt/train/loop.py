@@ -351,11 +351,12 @@ def extend_hint(t: Trainer) -> str:
             f"{t.out_dir} already ended at step {t.step:,} after {t.elapsed_before:.0f}s of its "
             f"train.time_budget={tc.time_budget}; to go on, resume with a larger budget (the total, counted "
             "from the run's start: --resume train.time_budget=10m) or by steps (train.time_budget=null "
-            f"train.max_iters={2 * t.step})"
+            f"train.max_iters={2 * t.step}); `quill finetune` takes train.resume=true for --resume"
         )
     return (
         f"{t.out_dir} already reached train.max_iters={tc.max_iters:,}; to go on, resume with more steps "
-        f"(--resume train.max_iters={2 * tc.max_iters}); its lr schedule then runs over the new total"
+        f"(--resume train.max_iters={2 * tc.max_iters}, or train.resume=true train.max_iters={2 * tc.max_iters} "
+        "on `quill finetune`); its lr schedule then runs over the new total"
     )
 
 
@@ -504,7 +505,7 @@ def _save_on_stop(t: Trainer, loss: torch.Tensor, bar: Progress) -> None:
     _checked_loss(loss, t.step, t.ddp)
     save_latest(t, rank_rng_states(t.ddp, t.device), full_weights(t.raw_model))
     if t.ddp.master:
-        bar.write(f"stopped at step {t.step}; checkpoint saved to {t.out_dir / ckpt.LATEST} (resume with --resume)")
+        bar.write(f"stopped at step {t.step}; checkpoint saved to {t.out_dir / ckpt.LATEST} (resume with --resume; a fine-tune with train.resume=true)")
 
 
 def save_latest(t: Trainer, rngs: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:

@@ -523,7 +523,8 @@ def test_train_says_what_it_is_about_to_do_and_how_to_go_on_once_finished(shakes
     run = copy_run(finished, tmp_path)
     code, out, err = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=2"), "--resume")
     assert code == 0 and "Traceback" not in err
-    assert "already reached train.max_iters=2; to go on, resume with more steps (--resume train.max_iters=4)" in out
+    assert "already reached train.max_iters=2; to go on, resume with more steps (--resume train.max_iters=4," in out
+    assert "train.resume=true train.max_iters=4 on `quill finetune`" in out  # which has no --resume flag
     code, out, _ = quill_train(capsys, tiny_overrides(shakespeare_path, data_dir, run, "train.max_iters=4"), "--resume")
     assert code == 0 and f"resuming {run} from step 2: " in out and ", 64 tokens/step, 4 steps" in out
     gives = "OMP_NUM_THREADS" not in os.environ  # cpu_share may take fewer threads: the first line says so
