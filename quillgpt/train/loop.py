@@ -505,7 +505,8 @@ def _save_on_stop(t: Trainer, loss: torch.Tensor, bar: Progress) -> None:
     _checked_loss(loss, t.step, t.ddp)
     save_latest(t, rank_rng_states(t.ddp, t.device), full_weights(t.raw_model))
     if t.ddp.master:
-        bar.write(f"stopped at step {t.step}; checkpoint saved to {t.out_dir / ckpt.LATEST} (resume with --resume; a fine-tune with train.resume=true)")
+        how = "resume with --resume; a fine-tune with train.resume=true"
+        bar.write(f"stopped at step {t.step}; checkpoint saved to {t.out_dir / ckpt.LATEST} ({how})")
 
 
 def save_latest(t: Trainer, rngs: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
