@@ -310,14 +310,14 @@ def serve_cmd(
     ckpt: Path = typer.Option(..., "--ckpt", help="Run directory or .pt file to serve (fixed for the server's life)."),
     which: str = WHICH_OPT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; the default is this machine only."),
-    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
+    port: int = count_option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
     api_key: str | None = typer.Option(
         None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request (or set QUILL_API_KEY)."
     ),
-    max_batch: int = typer.Option(
+    max_batch: int = count_option(
         16, "--max-batch", help="Requests decoded together (continuous batching); also the most choices (n x prompts) per request."
     ),
-    max_tokens: int = typer.Option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
+    max_tokens: int = count_option(2048, "--max-tokens", help="The largest max_tokens a request may ask for."),
     device: str = DEVICE_OPT,
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the weights (a converted copy) and the KV cache."),
     quant: str = quant_option("The weights served (int8's kernel measured at --max-batch rows)."),
@@ -435,7 +435,7 @@ def attention_cmd(
     layer: str = typer.Option(
         "-1", "--layer", help="Layer to show (negative counts from the end; default -1 = last) or 'all' for a layer × head grid."
     ),
-    head: int | None = typer.Option(None, "--head", help="Show one head as a single large map (default: every head)."),
+    head: int | None = count_option(None, "--head", help="Show one head as a single large map (default: every head)."),
     out: Path | None = typer.Option(
         None, "--out", "-o", parser=_out_path, help="Image to write, .png or .svg; without it a text view is printed."
     ),
@@ -444,7 +444,7 @@ def attention_cmd(
         "--format",
         help="png, svg or text (default: from --out's extension, text without --out; png/svg without --out write attention.png/.svg).",
     ),
-    top_k: int = typer.Option(3, "--top-k", help="Text view: attended tokens listed per query token."),
+    top_k: int = count_option(3, "--top-k", help="Text view: attended tokens listed per query token."),
     summary_json: Path | None = typer.Option(
         None, "--summary-json", help="Where to save the per-head summary (default: <out stem>.heads.json beside --out)."
     ),
@@ -671,7 +671,7 @@ app.add_typer(tokenizer_app, name="tokenizer")
 @tokenizer_app.command("train")
 def tokenizer_train_cmd(
     input_path: Path = typer.Option(..., "--input", "-i", help="UTF-8 text file to learn the BPE merges from."),
-    vocab_size: int = typer.Option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
+    vocab_size: int = count_option(4096, "--vocab-size", help="Ids in the vocabulary: 256 bytes + merges + <|endoftext|>."),
     out: Path = typer.Option(
         Path("tokenizer.json"), "--out", "-o", parser=_out_path, help="Where to write the tokenizer JSON (a new file unless --force)."
     ),

@@ -168,6 +168,13 @@ CASES = {
     "wrong_type": lambda w: (train_cmd(w, "train.max_iters=lots"), ["train.max_iters must be int, got 'lots'"]),
     "wrong_choice": lambda w: (train_cmd(w, "model.pos=sinusoidal"), ["model.pos must be learned | rope"]),
     "negative_count": lambda w: (train_cmd(w, "train.max_iters=-1"), ["train.max_iters must be at least 1, got -1"]),
+    # --- integer flags past any machine integer: one line where they are parsed (cli.count_option)
+    "huge_port": lambda w: (["serve", "--ckpt", str(w.run), "--port", str(2**63)], ["--port", "4611686018427387904"]),
+    "huge_max_batch": lambda w: (["serve", "--ckpt", str(w.run), "--max-batch", str(2**64)], ["--max-batch"]),
+    "huge_max_tokens": lambda w: (["serve", "--ckpt", str(w.run), "--max-tokens", str(2**63)], ["--max-tokens"]),
+    "huge_top_k": lambda w: (["attention", "--ckpt", str(w.run), "-p", "a", "--top-k", str(2**63)], ["--top-k"]),
+    "huge_head": lambda w: (["attention", "--ckpt", str(w.run), "-p", "a", "--head", str(-(2**63))], ["--head"]),
+    "huge_vocab_size": lambda w: (["tokenizer", "train", str(w.text), "--vocab-size", str(2**63)], ["--vocab-size"]),
     "heads_do_not_divide_width": lambda w: (
         train_cmd(w, "model.n_embd=30", "model.n_head=4"),
         ["model.n_embd (30) must be divisible by model.n_head (4)"],
