@@ -1,5 +1,6 @@
 """Shared fixtures. Tests run offline from a clean clone: Tiny Shakespeare and GPT-2's BPE files
-(tiktoken's gpt2 and r50k_base) ship in tests/fixtures/ (tests/fixtures/README.md says what each is).
+(tiktoken's gpt2 and r50k_base) ship in tests/fixtures/offline/
+(tests/fixtures/README.md says what each is).
 Tests marked `cuda` are skipped where torch sees no CUDA device, `gguf_slow` and
 `memory_calibration` unless selected with -m; the summary's last lines count every skip by reason."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
+OFFLINE = ROOT / "tests" / "fixtures" / "offline"  # laid out as ../shared is (tests/gpu_check.sh --shared takes it)
 
 # A fixed thread count: training would otherwise give way to other processes on a busy machine
 # (quillgpt/train/cpu_share.py), and sums split over another count round differently, which the
@@ -21,13 +22,13 @@ os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 # tiktoken reads its BPE files from this cache (each file named by the sha1 of its URL, checked
 # against its sha256) instead of downloading them; subprocesses inherit it. A cache the caller
 # set is kept.
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(FIXTURES / "tiktoken_cache"))
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(OFFLINE / "tiktoken_cache"))
 
 
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
     """Tiny Shakespeare (1.1 MB, public domain), whole: some tests compare against recorded runs."""
-    return FIXTURES / "tinyshakespeare.txt"
+    return OFFLINE / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(autouse=True, scope="session")
