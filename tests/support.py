@@ -9,7 +9,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import quillgpt.train.loop as train_mod
@@ -143,25 +144,35 @@ TAG_ENV = "QUILL_TEST_PROCESS_TAG"  # in the environment of every process `ended
 GROUP_TIMEOUT_S = "120"  # QUILL_DIST_TIMEOUT for test ranks: a stuck collective fails in 2 minutes, naming itself
 
 
-@contextlib.contextmanager
-def ended() -> Iterator[Callable[..., subprocess.Popen]]:
-    """A `start(cmd, env=None, **popen_kwargs)` for the body. On every way out of it (done, an
-    assertion failed, a timeout, Ctrl-C) every process it started and everything those started is
-    killed and reaped: found by a tag in their environment, which their children inherit, so a
-    rank in a session of its own (torchrun starts them so) or one orphaned by its launcher's
-    death is found too (Linux; elsewhere the started processes themselves are killed)."""
-    tag, started = uuid.uuid4().hex, []
+@dataclass
+class Started:
+    """Processes a test started, tagged in their environment (TAG_ENV), which their children
+    inherit: so a rank in a session of its own (torchrun starts them so), or one orphaned by its
+    launcher's death, is found by kill() too (Linux; elsewhere the started processes themselves)."""
 
-    def start(cmd: list[str], env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
-        started.append(subprocess.Popen(cmd, env={**(os.environ if env is None else env), TAG_ENV: tag}, **popen))
-        return started[-1]
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex)
+    procs: list[subprocess.Popen] = field(default_factory=list)
 
-    try:
-        yield start
-    finally:
-        kill_tagged(tag)
-        for proc in started:
+    def start(self, cmd: list[str], env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+        self.procs.append(subprocess.Popen(cmd, env={**(os.environ if env is None else env), TAG_ENV: self.tag}, **popen))
+        return self.procs[-1]
+
+    def kill(self) -> None:
+        kill_tagged(self.tag)
+        for proc in self.procs:
             proc.kill()
+
+
+@contextlib.contextmanager
+def ended() -> Iterator[Started]:
+    """Processes started in the body are killed and reaped on every way out of it (done, an
+    assertion failed, a timeout, Ctrl-C), with everything they started."""
+    started = Started()
+    try:
+        yield started
+    finally:
+        started.kill()
+        for proc in started.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):  # reaps it and closes its pipes
                 proc.communicate(timeout=30)
 
@@ -194,7 +205,7 @@ def two_ranks(worker: str, *args: str, timeout: float = 240) -> list[tuple[int, 
     to pick, so none another process can take first) and fail a collective that waits past
     GROUP_TIMEOUT_S. Past `timeout` both are killed and the test fails; on every path no rank,
     nor anything a rank started, is left running (`ended`)."""
-    with tempfile.TemporaryDirectory() as meet, ended() as start:
+    with tempfile.TemporaryDirectory() as meet, ended() as group:
         env = {
             TIMEOUT_ENV: GROUP_TIMEOUT_S,
             **os.environ,
@@ -203,7 +214,7 @@ def two_ranks(worker: str, *args: str, timeout: float = 240) -> list[tuple[int, 
             "WORLD_INIT": f"file://{meet}/rendezvous",
         }
         procs = [
-            start(
+            group.start(
                 [sys.executable, str(ROOT / "tests" / worker), *args],
                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                 cwd=ROOT,
@@ -217,8 +228,7 @@ def two_ranks(worker: str, *args: str, timeout: float = 240) -> list[tuple[int, 
         try:
             results = [proc.communicate(timeout=max(1.0, ends - time.monotonic())) for proc in procs]
         except subprocess.TimeoutExpired:
-            for proc in procs:
-                proc.kill()
+            group.kill()
             tails = [last_words(proc) for proc in procs]
             raise AssertionError(f"{worker} still running after {timeout} s (both ranks killed); their stderr: {tails}") from None
     return [(p.returncode, err[-3000:]) for p, (_, err) in zip(procs, results)]
@@ -248,12 +258,14 @@ def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 
     its own) and anything they started are killed (`ended`): a hung run never leaves a rank
     behind to wait on its group (and on the next run's) forever."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
-    with ended() as start:
-        proc = start(cmd, env={TIMEOUT_ENV: GROUP_TIMEOUT_S, **env}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with ended() as group:
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = group.start(cmd, env={TIMEOUT_ENV: GROUP_TIMEOUT_S, **env}, cwd=ROOT, **pipes)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"torchrun still running after {timeout} s (stopped, its workers killed)") from None
+            group.kill()
+            raise AssertionError(f"torchrun still running after {timeout} s (killed, with its workers): {last_words(proc, 2000)}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -147,8 +147,8 @@ def test_ended_kills_what_a_test_started_and_their_children_on_every_path(leaves
     """support.ended, which two_ranks and torchrun run their processes under: the process and its
     grandchild in another session are both gone after the body, whether it failed or finished."""
     with pytest.raises(RuntimeError) if leaves_by == "an error" else contextlib.nullcontext():
-        with ended() as start:
-            proc = start([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+        with ended() as started:
+            proc = started.start([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
             pids = [proc.pid, int(proc.stdout.readline())]
             assert all(alive(pid) for pid in pids)
             if leaves_by == "an error":
