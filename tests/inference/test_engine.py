@@ -88,6 +88,7 @@ def drawn(model, params, use_cache: bool) -> tuple[list[list[int]], list[list[to
     with pytest.MonkeyPatch.context() as m:
         m.setattr(Rows, "_draw", recording)
         toks = tokens(model, params, use_cache)
+    assert [len(logits.get(r, ())) for r in range(len(toks))] == [len(row) for row in toks]  # every draw seen
     return toks, [logits[r] for r in range(len(toks))]
 
 
