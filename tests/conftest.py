@@ -1,32 +1,34 @@
-"""Shared fixtures. Tests run offline: data and tiktoken files come from ../shared (or from
-$QUILL_SHARED: tests/gpu_check.sh points it at the copy that travels to a GPU machine).
-Tests marked `cuda` are skipped where torch sees no CUDA device."""
+"""Shared fixtures. Tests run offline from a clean clone: Tiny Shakespeare and GPT-2's BPE files
+(tiktoken's gpt2 and r50k_base) ship in tests/fixtures/offline/
+(tests/fixtures/README.md says what each is).
+Tests marked `cuda` are skipped where torch sees no CUDA device, `gguf_slow` and
+`memory_calibration` unless selected with -m; the summary's last lines count every skip by reason."""
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("QUILL_SHARED") or ROOT.parent / "shared")
+OFFLINE = ROOT / "tests" / "fixtures" / "offline"  # laid out as ../shared is (tests/gpu_check.sh --shared takes it)
 
 # A fixed thread count: training would otherwise give way to other processes on a busy machine
 # (quillgpt/train/cpu_share.py), and sums split over another count round differently, which the
 # bit-exact tests would see. tests/train/test_cpu_share.py unsets it where it tests giving way.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
-# tiktoken reads its BPE files from this cache instead of downloading them.
-if (SHARED / "tiktoken_cache").is_dir():
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
+# tiktoken reads its BPE files from this cache (each file named by the sha1 of its URL, checked
+# against its sha256) instead of downloading them; subprocesses inherit it. A cache the caller
+# set is kept.
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(OFFLINE / "tiktoken_cache"))
 
 
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
-    path = SHARED / "data" / "tinyshakespeare.txt"
-    if not path.is_file():
-        pytest.skip(f"{path} not found (a local copy of Tiny Shakespeare)")
-    return path
+    """Tiny Shakespeare (1.1 MB, public domain), whole: some tests compare against recorded runs."""
+    return OFFLINE / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -86,3 +88,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reason a test was skipped, with its count: what a run left out, and why."""
+    reasons = Counter(skip_reason(report) for report in terminalreporter.stats.get("skipped", []))
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"skipped {count}: {reason}")
+
+
+def skip_reason(report) -> str:
+    """A skip's reason as pytest -rs shows it (its longrepr is (path, line, 'Skipped: reason'))."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")

@@ -1,5 +1,5 @@
-"""One rank of tests/train/test_distributed.py's two-process run (started with RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set, as torchrun would).
+"""One rank of tests/train/test_distributed.py's two-process run (started by support.two_ranks, with
+RANK, WORLD_SIZE and WORLD_INIT set).
 
     python tests/ddp_worker.py OUT_DIR override...
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from support import join_group_from_env
 
 from quillgpt.config import load_config
 from quillgpt.train.loop import train
@@ -36,7 +37,7 @@ def record_first_mask(masks: list) -> None:
 
 def main() -> None:
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
-    dist.init_process_group("gloo")  # ours: train() uses it and leaves it open
+    join_group_from_env()  # ours: train() uses it and leaves it open
     masks: list = []
     record_first_mask(masks)
     run = lambda name, *extra: train(load_config(CONFIG, [*overrides, f"train.out_dir={out / name}", *extra]), progress=False)

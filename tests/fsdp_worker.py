@@ -1,5 +1,5 @@
-"""One rank of tests/train/test_fsdp_checkpoint.py's two-process FSDP runs (started with RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set, as torchrun would).
+"""One rank of tests/train/test_fsdp_checkpoint.py's two-process FSDP runs (started by support.two_ranks, with
+RANK, WORLD_SIZE and WORLD_INIT set).
 
     python tests/fsdp_worker.py train OUT_DIR override...    straight: 6 steps; crashed: killed mid-save at step 4
     python tests/fsdp_worker.py resume OUT_DIR override...   crashed: resumed to step 6
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from support import join_group_from_env
 
 from quillgpt.config import load_config
 from quillgpt.train import fsdp_checkpoint as sharded
@@ -36,7 +37,7 @@ def kill_after_shards_of(step: int) -> None:
 
 def main() -> None:
     phase, out, overrides = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-    dist.init_process_group("gloo")  # ours: train() uses it and leaves it open
+    join_group_from_env()  # ours: train() uses it and leaves it open
     run = lambda name, *extra: train(load_config(CONFIG, [*overrides, f"train.out_dir={out / name}", *extra]), progress=False)
     if phase == "train":
         assert run("straight").step == 6

@@ -6,9 +6,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import quillgpt.train.loop as train_mod
+from quillgpt.train.distributed import TIMEOUT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,70 +134,139 @@ def interrupt_after(monkeypatch, n_steps: int) -> None:
 
 
 def free_port() -> int:
+    """A port free now (another process may take it before it is bound: for one process alone)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def two_ranks(worker: str, *args: str) -> list[tuple[int, str]]:
-    """Run tests/<worker> as ranks 0 and 1 of a loopback process group (one thread each, killed
-    after 240 s); each rank's (return code, last 3,000 characters of stderr)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / worker), *args],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
+TAG_ENV = "QUILL_TEST_PROCESS_TAG"  # in the environment of every process `ended` starts, and so of all they start
+GROUP_TIMEOUT_S = "120"  # QUILL_DIST_TIMEOUT for test ranks: a stuck collective fails in 2 minutes, naming itself
+
+
+@dataclass
+class Started:
+    """Processes a test started, tagged in their environment (TAG_ENV), which their children
+    inherit: so a rank in a session of its own (torchrun starts them so), or one orphaned by its
+    launcher's death, is found by kill() too (Linux; elsewhere the started processes themselves)."""
+
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(self, cmd: list[str], env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+        self.procs.append(subprocess.Popen(cmd, env={**(os.environ if env is None else env), TAG_ENV: self.tag}, **popen))
+        return self.procs[-1]
+
+    def kill(self) -> None:
+        kill_tagged(self.tag)
+        for proc in self.procs:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def ended() -> Iterator[Started]:
+    """Processes started in the body are killed and reaped on every way out of it (done, an
+    assertion failed, a timeout, Ctrl-C), with everything they started."""
+    started = Started()
     try:
-        results = [p.communicate(timeout=240) for p in procs]
+        yield started
     finally:
-        for p in procs:
-            p.kill()
+        started.kill()
+        for proc in started.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # reaps it and closes its pipes
+                proc.communicate(timeout=30)
+
+
+def tagged(tag: str) -> list[int]:
+    """The processes whose environment holds TAG_ENV=tag (Linux: /proc; elsewhere none)."""
+    mark, found = f"{TAG_ENV}={tag}".encode(), []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError, ValueError):
+            if mark in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+    return found
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process tagged `tag`, again while any is left (one may start another meanwhile)."""
+    for _ in range(50):
+        pids = tagged(tag)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def two_ranks(worker: str, *args: str, timeout: float = 240) -> list[tuple[int, str]]:
+    """Run tests/<worker> as ranks 0 and 1 of a gloo process group (one thread each); each rank's
+    (return code, last 3,000 characters of stderr). They meet through a file (WORLD_INIT: no port
+    to pick, so none another process can take first) and fail a collective that waits past
+    GROUP_TIMEOUT_S. Past `timeout` both are killed and the test fails; on every path no rank,
+    nor anything a rank started, is left running (`ended`)."""
+    with tempfile.TemporaryDirectory() as meet, ended() as group:
+        env = {
+            TIMEOUT_ENV: GROUP_TIMEOUT_S,
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "WORLD_SIZE": "2",
+            "WORLD_INIT": f"file://{meet}/rendezvous",
+        }
+        procs = [
+            group.start(
+                [sys.executable, str(ROOT / "tests" / worker), *args],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
+        ends = time.monotonic() + timeout
+        try:
+            results = [proc.communicate(timeout=max(1.0, ends - time.monotonic())) for proc in procs]
+        except subprocess.TimeoutExpired:
+            group.kill()
+            tails = [last_words(proc) for proc in procs]
+            raise AssertionError(f"{worker} still running after {timeout} s (both ranks killed); their stderr: {tails}") from None
     return [(p.returncode, err[-3000:]) for p, (_, err) in zip(procs, results)]
 
 
+def last_words(proc: subprocess.Popen, chars: int = 1500) -> str:
+    """The end of a killed process's stderr (empty if something it started still holds the pipe)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        return (proc.communicate(timeout=10)[1] or "")[-chars:]
+    return ""
+
+
+def join_group_from_env() -> None:
+    """A worker's gloo group as two_ranks describes it (RANK, WORLD_SIZE, WORLD_INIT)."""
+    import torch.distributed as dist
+
+    from quillgpt.train.distributed import group_timeout
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=os.environ["WORLD_INIT"], rank=rank, world_size=world, timeout=group_timeout())
+
+
 def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --standalone --nproc_per_node N ARGS` with its output captured;
-    past `timeout` the launcher is asked to stop (SIGTERM: it ends its workers, each in a session of
-    its own), then it and every worker still alive are killed, and the test fails: a hung run never
-    leaves a rank behind to wait on its group (and on the next run's) forever."""
+    """`python -m torch.distributed.run --standalone --nproc_per_node N ARGS` with its output captured,
+    its ranks failing a collective that waits past GROUP_TIMEOUT_S (unless env sets QUILL_DIST_TIMEOUT).
+    Past `timeout` the test fails; on every path the launcher, its workers (each in a session of
+    its own) and anything they started are killed (`ended`): a hung run never leaves a rank
+    behind to wait on its group (and on the next run's) forever."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        workers = descendants(proc.pid)
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        for pid in [proc.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        err = ""
-        with contextlib.suppress(subprocess.TimeoutExpired):  # a process it missed would hold the pipes open
-            err = proc.communicate(timeout=30)[1]
-        raise AssertionError(f"torchrun still running after {timeout} s (stopped, its workers killed): {err[-2000:]}") from None
+    with ended() as group:
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = group.start(cmd, env={TIMEOUT_ENV: GROUP_TIMEOUT_S, **env}, cwd=ROOT, **pipes)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            group.kill()
+            raise AssertionError(f"torchrun still running after {timeout} s (killed, with its workers): {last_words(proc, 2000)}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux: read from /proc; elsewhere none are found)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [child for child, parent in parents.items() if parent in frontier]
-        found += kids
-        frontier = kids
-    return found
 
 
 CPU_CONFIG = ROOT / "configs" / "shakespeare_char_cpu.yaml"

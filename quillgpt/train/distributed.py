@@ -14,9 +14,11 @@ and given back to that rank on resume, so a resumed DDP run with dropout is exac
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from quillgpt.model.gpt import GPT
 from quillgpt.train.memory import estimate_train_bytes
 
 FITS_FRACTION = 0.7  # auto: ddp when one micro-step's whole training state takes ≤ 70% of free device memory
+TIMEOUT_ENV = "QUILL_DIST_TIMEOUT"  # seconds a rank waits for its peers in a collective before it fails
 
 
 @dataclass
@@ -107,8 +110,26 @@ def setup_distributed(device_name: str, strategy: str = "auto") -> tuple[Dist, t
         torch.cuda.set_device(device)
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=group_timeout())
     return Dist(rank, local_rank, world, device, owns, grouped=True), device
+
+
+def group_timeout() -> timedelta | None:
+    """How long a rank waits for its peers (at the start and in each collective) before it fails
+    with an error naming the wait, instead of waiting on a stuck or vanished peer: $QUILL_DIST_TIMEOUT
+    seconds, else torch's default (30 minutes: rank 0 alone prepares the data while the others wait)."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise QuillError(
+            f"{TIMEOUT_ENV} must be a number of seconds above 0, got {value[:100]!r}; unset it for torch's default (30 minutes)"
+        )
+    return timedelta(seconds=seconds)
 
 
 def teardown_distributed(ddp: Dist) -> None:

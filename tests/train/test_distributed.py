@@ -1,20 +1,27 @@
 """DDP on CPU (gloo, 2 processes): the same windows as one process, each rank its own dropout
 stream, and exact resume of every rank's stream."""
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from support import CPU_CONFIG as CONFIG
-from support import assert_same_state, free_port, losses, tiny, torchrun, two_ranks
+from support import assert_same_state, ended, free_port, losses, tiny, torchrun, two_ranks
 
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import ModelConfig, TrainConfig, load_config
+from quillgpt.errors import QuillError
 from quillgpt.train.distributed import (
+    TIMEOUT_ENV,
     Dist,
+    group_timeout,
     rank_rng_states,
     resolve_strategy,
     restore_rank_rng,
@@ -115,3 +122,99 @@ def test_a_hung_torchrun_fails_its_test_and_leaves_no_rank_behind(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["0", "1"]  # both ranks had started
     alive = [line for line in os.popen("ps -eo args").read().splitlines() if str(hang) in line]
     assert alive == []
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie, killed and not yet reaped by its parent, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# A process that starts a grandchild in a session of its own (as torchrun starts its ranks), says
+# both pids, and waits: what `ended` must find and end however the body leaves.
+PARENT = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+@pytest.mark.parametrize("leaves_by", ["an error", "the end of the body"])
+def test_ended_kills_what_a_test_started_and_their_children_on_every_path(leaves_by):
+    """support.ended, which two_ranks and torchrun run their processes under: the process and its
+    grandchild in another session are both gone after the body, whether it failed or finished."""
+    with pytest.raises(RuntimeError) if leaves_by == "an error" else contextlib.nullcontext():
+        with ended() as started:
+            proc = started.start([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+            pids = [proc.pid, int(proc.stdout.readline())]
+            assert all(alive(pid) for pid in pids)
+            if leaves_by == "an error":
+                raise RuntimeError("the test failed here")
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_a_failing_rank_fails_its_test_and_leaves_no_process_behind(tmp_path):
+    """Rank 1 fails at once; rank 0 has started a child in a session of its own and waits for a
+    peer that is gone: two_ranks fails the test past its timeout and neither rank nor the child
+    is left running."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, subprocess, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit('rank 1 failed')\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        "open(sys.argv[1] + '/child', 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    with pytest.raises(AssertionError, match="still running after"):
+        two_ranks(str(worker), str(tmp_path), timeout=15)
+    child = int((tmp_path / "child").read_text())
+    assert not alive(child)
+    assert [line for line in os.popen("ps -eo args").read().splitlines() if str(worker) in line] == []
+
+
+def test_a_collective_waiting_past_the_group_timeout_fails_the_rank(tmp_path, monkeypatch):
+    """QUILL_DIST_TIMEOUT bounds a rank's wait on a peer that never joins the collective (alive,
+    elsewhere): an error naming the wait, where gloo would wait 30 minutes."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "import torch, torch.distributed as dist\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from support import join_group_from_env\n"
+        "join_group_from_env()\n"
+        "done = Path(sys.argv[1]) / 'rank0.done'\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    try:\n"
+        "        dist.all_reduce(torch.ones(1))\n"
+        "    finally:\n"
+        "        done.touch()\n"
+        "while not done.exists():\n"
+        "    time.sleep(0.1)\n"
+    )
+    monkeypatch.setenv(TIMEOUT_ENV, "3")
+    (code0, err0), (code1, _) = two_ranks(str(worker), str(tmp_path), timeout=120)
+    assert code0 != 0 and "timed out" in err0.lower(), err0[-1000:]
+    assert code1 == 0
+
+
+def test_the_group_timeout_comes_from_quill_dist_timeout(monkeypatch):
+    """setup_distributed hands QUILL_DIST_TIMEOUT to the process group (unset: torch's 30 minutes);
+    a value that is not a positive number of seconds is one clear error."""
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout=None: seen.update(backend=backend, timeout=timeout))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", TIMEOUT_ENV: "7.5"}.items():
+        monkeypatch.setenv(key, value)
+    setup_distributed("cpu", "ddp")
+    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=7.5)}
+    monkeypatch.delenv(TIMEOUT_ENV)
+    assert group_timeout() is None
+    for bad in ("0", "-3", "soon", "nan", "inf"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(QuillError, match=f"QUILL_DIST_TIMEOUT must be a number of seconds above 0, got '{bad}'"):
+            group_timeout()
