@@ -28,8 +28,9 @@ INT_FIELDS = {
     "n_positions": (1, 2**24),
     "max_window_layers": (0, 1 << 16),
     "sliding_window": (1, 2**24),
+    "query_pre_attn_scalar": (1, 2**24),  # Gemma: the attention scores' scale is its ^-0.5
 }
-FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "final_logit_softcapping", "rope_local_base_freq")
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 NULLABLE = frozenset({"n_inner", "head_dim", "sliding_window", "num_key_value_heads"})
 
