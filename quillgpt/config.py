@@ -148,13 +148,19 @@ class ModelConfig:
     rope_original_context: int = 8192  # llama3: the context length the frequencies were trained for
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: relu(x)² (modded-nanogpt, Primer)
-    mlp_hidden: int | None = None  # None = 4·n_embd for gelu/relu2, ≈ 8/3·n_embd (multiple of 64) for swiglu
+    # relu2: relu(x)² (modded-nanogpt, Primer); geglu: SwiGLU's gate through GELU (tanh) instead of SiLU (Gemma)
+    mlp: Literal["gelu", "swiglu", "relu2", "geglu"] = "gelu"
+    mlp_hidden: int | None = None  # None = 4·n_embd for gelu/relu2, ≈ 8/3·n_embd (multiple of 64) for swiglu/geglu
     qk_norm: bool = False  # RMSNorm (learned gains) on each head's q and k before attention and RoPE
     logit_softcap: float | None = None  # c: logits = c·tanh(logits/c), bounded in (-c, c) (Gemma 2); null = off
     zero_init_proj: bool = False  # output projections (attn.c_proj, mlp.c_proj) start at zero: blocks start as identity
     window: int | None = None  # sliding-window attention: token i sees tokens (i-window, i]
     tie_embeddings: bool = True  # share the token embedding with the output head
+    embed_scale: bool = False  # token embeddings × √n_embd, the factor rounded to the weights' dtype (Gemma)
+    sandwich_norm: bool = False  # a norm after attention and after the MLP too, before each adds to the residual (Gemma 2/3)
+    attn_scale: float | None = None  # the attention scores' scale; null = 1/√head_dim (Gemma: query_pre_attn_scalar^-0.5)
+    global_every: int | None = None  # with model.window: every k-th layer attends globally, the others through the window
+    local_rope_theta: float | None = None  # with global_every: the windowed layers' RoPE base (no scaling); null = rope_theta
     attn_impl: Literal["sdpa", "math"] = "sdpa"  # fused kernel, or explicit softmax(QK^T/√d)V
     # causal | prefix (prefix-LM: the prompt/prefix attends both ways) | infini (Infini-attention)
     attention: Literal["causal", "prefix", "infini"] = "causal"
@@ -176,6 +182,11 @@ class ModelConfig:
     def train_prefix_max(self) -> int:
         """A prefix-LM's largest training prefix: model.prefix_max, or block_size / 2."""
         return self.block_size // 2 if self.prefix_max is None else self.prefix_max
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP's c_fc gives [gate | up] (SwiGLU, GeGLU)."""
+        return self.mlp in ("swiglu", "geglu")
 
     @property
     def hidden_dim(self) -> int:
@@ -206,6 +217,7 @@ class ModelConfig:
             raise QuillError(f"model.logit_softcap must be positive (e.g. 30) or null, got {self.logit_softcap}")
         self._validate_rope_scaling()
         self._validate_attention()
+        self._validate_layer_pattern()
 
     def _validate_rope_scaling(self) -> None:
         """The scaling keys need model.pos=rope and a scaling that reads them; factors are positive."""
@@ -237,6 +249,26 @@ class ModelConfig:
             raise QuillError("model.prefix_sep must be a non-empty string (or null)")
         if self.attention == "infini" and (self.segment_size is None or self.segment_size < 1 or self.block_size % self.segment_size):
             raise QuillError(f"{a} needs model.segment_size dividing model.block_size ({self.block_size}), got {self.segment_size}")
+        if self.attn_scale is not None and (self.attn_scale <= 0 or self.attention == "infini"):
+            raise QuillError(f"model.attn_scale must be positive (or null: 1/√head_dim) and needs causal or prefix attention, got {a}")
+
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer` attends through model.window: every layer, or with model.global_every=k
+        all but every k-th (layers k-1, 2k-1, …, as Gemma 3's 5 sliding then 1 global)."""
+        if self.window is None:
+            return False
+        return self.global_every is None or (layer + 1) % self.global_every != 0
+
+    def _validate_layer_pattern(self) -> None:
+        """model.global_every needs a window to alternate with; local_rope_theta needs both and RoPE."""
+        if self.global_every is not None and (self.window is None or not 2 <= self.global_every <= 1024):
+            raise QuillError(
+                f"model.global_every must be from 2 to 1,024 with model.window set, got {self.global_every} (window {self.window})"
+            )
+        if self.local_rope_theta is not None and (self.global_every is None or self.pos != "rope" or self.local_rope_theta <= 0):
+            raise QuillError(
+                f"model.local_rope_theta ({self.local_rope_theta}) must be positive and needs model.global_every and model.pos=rope"
+            )
 
 
 @dataclass

@@ -29,6 +29,12 @@ MISTRAL = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
+GEMMA = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) "
+    "+ '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]  # every 3rd global, as 6th in Gemma 3
 
 # family → (model_type, config keys, tokenizer specials, bos (post-processor) or None, eos, template)
 FAMILIES = {
@@ -83,12 +89,33 @@ FAMILIES = {
         "</s>",
         MISTRAL,
     ),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            tie_word_embeddings=True,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=4,
+            layer_types=GEMMA3_LAYERS,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        "<bos>",
+        "<end_of_turn>",
+        GEMMA,
+    ),
 }
 HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 

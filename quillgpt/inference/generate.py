@@ -32,6 +32,7 @@ from quillgpt.data.tokenizer import Tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.inference.driver import Join, Piece, TextBatch, TextStream, encode_prompt
 from quillgpt.inference.engine import MEMORY_FIX, Engine, Finish, Prompt, Rows, check_prompt
+from quillgpt.inference.native_decoder import step_note
 from quillgpt.inference.recompute import Recompute
 from quillgpt.model.gpt import GPT
 from quillgpt.runs import LoadedRun, LoadOptions, load_run
@@ -340,6 +341,7 @@ class Sample:
         gen = self.generation
         how = "compiled kv cache" if gen.compiled else "kv cache" if self.use_cache else "no kv cache"
         note = quant.weights_note(gen.engine.model, compiled=gen.compiled)
+        note += step_note(gen.engine.decoder) if isinstance(gen.engine, Engine) else ""
         threads = f", {gen.stats.threads}" if gen.stats.threads else ""
         where = f"{self.run.model.device.type}{threads}, {self.options.dtype_name}{note}"
         return f"{gen.stats.line()} ({how}, {where}; load {self.load_s:.1f} s, not in tokens/s)"

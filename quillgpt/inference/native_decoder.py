@@ -17,9 +17,13 @@ whole unmasked step from token ids, the embedding, the cache slots and the RoPE 
 `argmax_finite` the engine's greedy draw and its not-finite check in one pass over the logits.
 
 `fits(block)` says whether a block can run it: causal attention (its window or prefix mask comes
-in as the step's additive mask), RMSNorm or LayerNorm, a GELU, ReLU² or SwiGLU MLP, every linear
-offering `native_weights`. The step then also needs float32 activations on the CPU, and a cache
-of float32 or float16 (CACHE_DTYPES: attention reads float16 keys and values as float32).
+in as the step's additive mask) at the 1/√d scale, RMSNorm or LayerNorm before each branch and none
+after (no sandwich norms), a GELU, ReLU² or SwiGLU MLP, every linear offering `native_weights`;
+and the model's embedding unscaled, one mask and one RoPE for every layer (`unsupported` names what
+a model has beyond that: Gemma's GeGLU, sandwich norms, scaled embedding, score scale, per-layer
+windows; its step runs op by op and the stats line says why: `step_note`). The step then also
+needs float32 activations on the CPU, and a cache of float32 or float16 (CACHE_DTYPES: attention
+reads float16 keys and values as float32).
 
 The KV cache's dtype is a stated choice (`cache_dtype`, the engine's `cache_dtype=`): by default
 float16 where the step may run natively (half the bytes attention reads, as llama.cpp's default f16
@@ -58,11 +62,37 @@ def _norm_params(norm: nn.Module) -> tuple[Tensor, Tensor, float] | None:
     return norm.weight, NONE if bias is None else bias, eps
 
 
+def unsupported(model: GPT) -> list[str]:
+    """The features of `model`'s layers decode_block does not compute (empty: none), by their
+    model keys: its step then runs op by op (GPT.decode)."""
+    cfg = model.config
+    features = {
+        f"model.mlp={cfg.mlp}": cfg.mlp not in ACTIVATIONS,
+        "model.sandwich_norm": cfg.sandwich_norm,
+        "model.embed_scale": cfg.embed_scale,
+        "model.attn_scale": cfg.attn_scale is not None,
+        "model.global_every (per-layer windows and RoPE)": bool(model.local_layers),
+    }
+    return [name for name, present in features.items() if present]
+
+
+def step_note(decoder: Decoder) -> str:
+    """ ", decode step op by op (…)" for the stats line where a quantized model's blocks would run
+    natively but for features decode_block lacks (unsupported); else ""."""
+    model = decoder.model
+    if decoder.native or not any(isinstance(m, QuantLinear) for m in model.transformer.h.modules()):
+        return ""
+    missing = unsupported(model)
+    return f", decode step op by op (the native one lacks {', '.join(missing)})" if missing else ""
+
+
 def fits(block: nn.Module) -> bool:
     """Whether `block` (a gpt.Block) has the shape decode_block runs: see the module docstring."""
     attn, mlp = block.attn, block.mlp
     norms = [_norm_params(n) for n in (block.ln_1, block.ln_2)]
     if type(attn) is not CausalSelfAttention or mlp.kind not in ACTIVATIONS or None in norms:
+        return False
+    if block.sandwich or attn.scale is not None:
         return False
     if norms[0][2] != norms[1][2] or type(block.ln_1) is not type(block.ln_2):
         return False
@@ -171,7 +201,9 @@ def runs_natively(model: GPT) -> bool:
     """Whether `model`'s decode step can run natively: float32 on the CPU, every block fitting and
     every linear of theirs one the native kernels may run (its layout and plan, never a timing:
     which batch sizes run natively is each layer's plan's, per call)."""
-    if model.dtype != torch.float32 or model.device.type != "cpu" or not all(fits(block) for block in model.transformer.h):
+    if model.dtype != torch.float32 or model.device.type != "cpu" or unsupported(model):
+        return False
+    if not all(fits(block) for block in model.transformer.h):
         return False
     return all(lin.runs_native() for block in model.transformer.h for lin in _linears(block))
 

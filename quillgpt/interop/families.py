@@ -61,6 +61,9 @@ class Family:
     tie_embeddings: bool = False
     # llama.cpp's gguf_arch rotates (2i, 2i + 1) pairs: its converter permuted q/k rows (llama: yes; qwen: NEOX RoPE, no)
     gguf_permuted_qk: bool = False
+    # Gemma's decoder: GeGLU, sandwich norms, √n_embd-scaled embedding, query_pre_attn_scalar, windows
+    # on the layer_types that say so (model.global_every), RMSNorm weights w stored for (1 + w)
+    gemma: bool = False
 
     def defaults(self) -> dict[str, Any]:
         """transformers' values for the config.json keys this family may leave out."""
@@ -77,10 +80,17 @@ class Family:
         return (
             self.codec == "llama"
             and self.qk_norm == cfg.qk_norm
-            and self.exports_window == (cfg.window is not None)
+            and self.gemma == gemma_layers(cfg)
+            and (self.gemma or self.exports_window == (cfg.window is not None))
             and not (cfg.qkv_bias and self.qkv_bias == "never")
             and (self.qkv_bias != "always" or (cfg.qkv_bias and qwen_tokenizer))
         )
+
+
+def gemma_layers(cfg: ModelConfig) -> bool:
+    """Whether a run has Gemma's decoder layers (GeGLU, sandwich norms, scaled embedding): only the
+    Gemma record writes them, and it writes nothing else."""
+    return cfg.mlp == "geglu" and cfg.sandwich_norm and cfg.embed_scale
 
 
 GPT2 = Family("gpt2", "GPT2LMHeadModel", "GPT-2", "gpt2", "gpt2", 1024, qkv_bias="never", o_bias=False, tiktoken="gpt2")
@@ -112,10 +122,24 @@ MISTRAL = Family(
     gguf_permuted_qk=True,
 )
 
-FAMILIES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL)
+GEMMA3 = Family(
+    "gemma3_text",
+    "Gemma3ForCausalLM",
+    "Gemma 3",
+    "llama",
+    "gemma3",
+    131072,
+    window=4096,
+    qk_norm=True,
+    rope_theta=1_000_000.0,
+    tie_embeddings=True,
+    gemma=True,
+)
+
+FAMILIES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3)
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 LLAMA_FAMILY = tuple(f for f in FAMILIES if f.codec == "llama")
-EXPORT_ORDER = (QWEN3, QWEN2, MISTRAL, LLAMA)  # export-hf writes the first that fits: the most specific first
+EXPORT_ORDER = (GEMMA3, QWEN3, QWEN2, MISTRAL, LLAMA)  # export-hf writes the first that fits: the most specific first
 
 
 def family_of_config(hf: dict[str, Any]) -> Family:

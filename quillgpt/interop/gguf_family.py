@@ -38,6 +38,9 @@ GPT2_KEYS = {
 
 
 KEYS = {"llama": LLAMA_KEYS, "gpt2": GPT2_KEYS}  # by the family's codec
+# an architecture's keys beyond its codec's (llama.cpp's gemma3: 6-layer pattern, local RoPE base 10,000 and
+# 1/√head_dim scores are fixed in llama.cpp, as transformers' Gemma3TextConfig defaults them)
+ARCH_KEYS = {"gemma3": {"attention.sliding_window": "sliding_window"}}
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class GGUFFamily:
 
     @property
     def keys(self) -> dict[str, str]:
-        return KEYS[self.family.codec]
+        return {**KEYS[self.family.codec], **ARCH_KEYS.get(self.arch, {})}
 
     @property
     def permuted_qk(self) -> bool:

@@ -160,6 +160,8 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
             "rope_theta": hf.get("rope_theta"),
         }
     hf["attention_bias"] = fam.model_type != "qwen2" and "blk.0.attn_q.bias" in f.tensors
+    if fam.family.gemma:  # llama.cpp scales Gemma 3's scores by 1/√head_dim (the 27B's n_embd/n_head aside)
+        hf["query_pre_attn_scalar"] = head_dim
     return hf
 
 
@@ -259,7 +261,8 @@ def model_of(f: GGUFFile) -> tuple[ModelConfig, dict[str, Tensor]]:
     o_bias = "blk.0.attn_output.bias" in f.tensors
     names = [n for parts in llama.weight_names(cfg).values() for n in parts]
     names += [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.n_layer)] if o_bias else []
-    return cfg, llama.llama_to_quill_state(GGUFWeights(f, hf, names), cfg, o_bias)
+    # Gemma's norms: llama.cpp's converter stored (1 + w) already
+    return cfg, llama.llama_to_quill_state(GGUFWeights(f, hf, names), cfg, o_bias, norms_hold_one=f.family.family.gemma)
 
 
 def _gpt2_state(f: GGUFFile, hf: dict[str, Any], cfg: ModelConfig) -> dict[str, Tensor]:

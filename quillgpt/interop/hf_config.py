@@ -28,10 +28,17 @@ INT_FIELDS = {
     "n_positions": (1, 2**24),
     "max_window_layers": (0, 1 << 16),
     "sliding_window": (1, 2**24),
+    "query_pre_attn_scalar": (1, 2**24),  # Gemma: the attention scores' scale is its ^-0.5
 }
 # field → the largest value (each must be finite and above 0): a norm's epsilon is a small fraction,
 # RoPE's base and scaling factors are at most a few million and a few hundred in any real model
-FLOAT_FIELDS = {"rms_norm_eps": 1.0, "layer_norm_epsilon": 1.0, "rope_theta": 1e12}
+FLOAT_FIELDS = {
+    "rms_norm_eps": 1.0,
+    "layer_norm_epsilon": 1.0,
+    "rope_theta": 1e12,
+    "rope_local_base_freq": 1e12,  # Gemma 3's windowed layers
+    "final_logit_softcapping": 1e4,  # Gemma: tens
+}
 ROPE_FIELDS = {"rope_theta": 1e12, "factor": 1e4, "low_freq_factor": 1e4, "high_freq_factor": 1e4}
 ROPE_INT_FIELDS = {"original_max_position_embeddings": 2**24}
 NOT_NULL = frozenset({"rope_theta"})  # null here is no value at all (leave the field out for the default)

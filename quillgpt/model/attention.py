@@ -102,8 +102,10 @@ def attend(
     impl: str = "sdpa",
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    scale: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """softmax(QK^T/√d)·V for q (B, H, T, hd) and k, v (B, KV, S, hd), KV dividing H.
+    """softmax(QK^T/√d)·V for q (B, H, T, hd) and k, v (B, KV, S, hd), KV dividing H
+    (scale: the scores' factor instead of 1/√d, model.attn_scale).
 
     `mask`: boolean (True = attend) or additive float (see mask_to_bias), broadcastable to
     (B, H, T, S); None means plain causal, the T queries being the last T keys (T == S, or one
@@ -112,14 +114,14 @@ def attend(
     """
     T, S = q.shape[2], k.shape[2]
     if impl == "sdpa" and not need_weights and T == 1 and dropout_p == 0 and q.device.type == "cpu" and torch.compiler.is_compiling():
-        return attend_one(q, k, v, mask), None  # one query per row, compiled on a CPU (the decode step)
+        return attend_one(q, k, v, mask, scale), None  # one query per row, compiled on a CPU (the decode step)
     if impl == "sdpa" and not need_weights:
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             # torch's CPU attention kernels are far slower in bf16 than in fp32 (backward ~4.5×,
             # one-token decode ~9×), so bf16 models attend in fp32 (a small share of the FLOPs);
             # autocast is switched off around it, or it would cast the inputs straight back
             with torch.autocast("cpu", enabled=False):
-                y, _ = attend(q.float(), k.float(), v.float(), mask, impl, dropout_p)
+                y, _ = attend(q.float(), k.float(), v.float(), mask, impl, dropout_p, scale=scale)
             return y.to(q.dtype), None
         if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)  # e.g. under autocast
@@ -131,12 +133,13 @@ def attend(
             dropout_p=dropout_p,
             is_causal=mask is None and T > 1,
             enable_gqa=k.shape[1] != q.shape[1],
+            scale=scale,
         )
         return y, None
     if k.shape[1] != q.shape[1]:  # GQA/MQA: each K/V head serves a group of query heads
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)  # (B, H, T, S)
     if mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     if mask.dtype == torch.bool:
@@ -148,7 +151,7 @@ def attend(
     return y @ v, att
 
 
-def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
     """attend for one query per row, q (R, H, 1, hd), k, v (R, KV, S, hd), as products and sums in
     fp32, query heads grouped over their K/V head: inside a compiled CPU step inductor fuses it into
     a few loops, where SDPA's CPU kernel cost more per call than the attention itself
@@ -156,7 +159,7 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     R, H, _, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
     qg = stored(q.reshape(R, KV, H // KV, 1, hd).float())  # else its RoPE is recomputed for every key
-    scores = (qg * k.view(R, KV, 1, S, hd).float()).sum(-1) * (1.0 / math.sqrt(hd))  # (R, KV, H/KV, S)
+    scores = (qg * k.view(R, KV, 1, S, hd).float()).sum(-1) * (1.0 / math.sqrt(hd) if scale is None else scale)  # (R, KV, H/KV, S)
     if mask is not None:  # broadcast over (R, H, 1, S), as attend's
         per_head = scores.view(R, H, 1, S)
         per_head = per_head.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else per_head + mask.float()
@@ -198,7 +201,7 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_size
-        self.impl, self.dropout = cfg.attn_impl, cfg.dropout
+        self.impl, self.dropout, self.scale = cfg.attn_impl, cfg.dropout, cfg.attn_scale
         qkv = (self.n_head + 2 * self.kv_heads) * self.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, qkv, bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
@@ -244,7 +247,7 @@ class CausalSelfAttention(SelfAttention):
             k, v = inputs.cache.update(layer, k, v, inputs.plan)
             if k.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
-        y, weights = attend(q, k, v, inputs.mask, self.impl, self.dropout_p, inputs.need_weights)
+        y, weights = attend(q, k, v, inputs.mask, self.impl, self.dropout_p, inputs.need_weights, self.scale)
         return self.out(y), weights
 
     def decode(
@@ -271,5 +274,5 @@ class CausalSelfAttention(SelfAttention):
         k, v = cache.write_one(layer, k, v, at, n_keys)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        y, _ = attend(q, k, v, mask, self.impl)  # (R, H, 1, hd)
+        y, _ = attend(q, k, v, mask, self.impl, scale=self.scale)  # (R, H, 1, hd)
         return self.c_proj.forward(y.reshape(R, H * hd))

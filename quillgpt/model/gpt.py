@@ -2,7 +2,8 @@
 
 Parameter names mirror Hugging Face GPT-2 (transformer.wte / wpe / h.{i}.ln_1 / attn.c_attn /
 attn.c_proj / ln_2 / mlp.c_fc / mlp.c_proj / ln_f, lm_head) so GPT-2 weights load by name.
-Modern variants (RoPE, RMSNorm, SwiGLU, GQA/MQA, sliding window) are config switches.
+Modern variants (RoPE, RMSNorm, SwiGLU/GeGLU, GQA/MQA, sliding window, Gemma's sandwich norms and
+scaled embedding) are config switches.
 
 Positions. `forward(idx, pos=...)` takes absolute positions per row; a negative position marks a
 left-padding token that nothing attends to (see model/attention.py for the one masking rule).
@@ -13,11 +14,16 @@ Beyond block_size the two position schemes differ, and both inference engines fo
 * RoPE keeps absolute positions and every layer attends to at most the last
   span = min(window, block_size) positions — a banded mask over the whole stream, which a ring
   buffer of `span` keys reproduces exactly. `forward` accepts any length T under RoPE.
+
+Per-layer windows (model.global_every, Gemma 3): the global layers make the span block_size and
+the cache holds it; the windowed layers ("local") take their own band mask of min(window,
+block_size) and their own RoPE angles (model.local_rope_theta, unscaled) in every path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -56,14 +62,14 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """GELU (tanh approximation, = HF gelu_new), ReLU² (relu(x)²) or SwiGLU: c_fc gives
-    [gate | up], silu(gate)·up."""
+    """GELU (tanh approximation, = HF gelu_new), ReLU² (relu(x)²), or gated: c_fc gives
+    [gate | up], silu(gate)·up (SwiGLU) or gelu_tanh(gate)·up (GeGLU, Gemma)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.kind, self.swiglu = cfg.mlp, cfg.mlp == "swiglu"
+        self.kind, self.gated = cfg.mlp, cfg.gated_mlp
         hidden = cfg.hidden_dim
-        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.gated else 1) * hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -72,9 +78,9 @@ class MLP(nn.Module):
 
     def act(self, h: Tensor) -> Tensor:
         """c_fc's output → c_proj's input."""
-        if self.swiglu:
+        if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return (F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")) * up
         if self.kind == "relu2":
             return ReLUSquared.apply(h)
         return F.gelu(h, approximate="tanh")
@@ -97,7 +103,9 @@ class ReLUSquared(torch.autograd.Function):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-norm residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); with model.sandwich_norm
+    each branch is normed on its way out as well (ln_attn_out, ln_mlp_out: Gemma's
+    post_attention_layernorm and post_feedforward_layernorm)."""
 
     def __init__(self, cfg: ModelConfig, variant: Variant) -> None:
         super().__init__()
@@ -105,18 +113,24 @@ class Block(nn.Module):
         self.attn = variant.attention(cfg)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
+        if cfg.sandwich_norm:
+            self.ln_attn_out, self.ln_mlp_out = make_norm(cfg), make_norm(cfg)
+        self.sandwich = cfg.sandwich_norm
 
     def forward(self, x: Tensor, inputs: LayerInputs, layer: int = 0) -> tuple[Tensor, Tensor | None]:
         a, weights = self.attn(self.ln_1(x), inputs, layer)
-        x = x + a
-        return x + self.mlp(self.ln_2(x)), weights
+        x = x + (self.ln_attn_out(a) if self.sandwich else a)
+        m = self.mlp(self.ln_2(x))
+        return x + (self.ln_mlp_out(m) if self.sandwich else m), weights
 
     def decode(self, x: Tensor, **attn_kwargs: Any) -> Tensor:
         """forward for the decode step, x (R, C) in eval mode: the same ops without nn.Module calls
         or the (identity) dropouts, whose overhead is ~10% of a one-token step."""
-        x = x + self.attn.decode(self.ln_1.forward(x), **attn_kwargs)
+        a = self.attn.decode(self.ln_1.forward(x), **attn_kwargs)
+        x = x + (self.ln_attn_out.forward(a) if self.sandwich else a)
         mlp = self.mlp
-        return x + mlp.c_proj.forward(mlp.act(mlp.c_fc.forward(self.ln_2.forward(x))))
+        m = mlp.c_proj.forward(mlp.act(mlp.c_fc.forward(self.ln_2.forward(x))))
+        return x + (self.ln_mlp_out.forward(m) if self.sandwich else m)
 
 
 class GPT(nn.Module):
@@ -128,6 +142,9 @@ class GPT(nn.Module):
         self.config = cfg
         self.variant = variant_of(cfg)
         self.span = self.variant.span(cfg)  # every query sees at most this many positions back (itself included)
+        # model.global_every: the windowed layers, which see at most local_span positions back
+        self.local_layers = frozenset(i for i in range(cfg.n_layer) if cfg.global_every and cfg.windowed(i))
+        self.local_span = min(cfg.window or cfg.block_size, cfg.block_size)
         modules = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
         if cfg.pos == "learned":
             modules["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -140,7 +157,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
-        self._inv_freq: dict[torch.device, Tensor] = {}  # RoPE frequencies per device, fp32 whatever the weights
+        self._inv_freq: dict[tuple[torch.device, bool], Tensor] = {}  # RoPE frequencies per device (and local), fp32
         if cfg.pos == "rope":  # table for positions 0..block_size-1; other positions computed on the fly
             self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (block_size, hd)
             self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -264,9 +281,19 @@ class GPT(nn.Module):
         same n_keys ≤ span latest positions), so no mask is built or applied (~10% of attention).
         The op-by-op step: inference/native_decoder.py runs the same step natively where it can."""
         x, rope, mask, at = self.decode_inputs(idx, pos, cache, n_keys, masked)
+        local = self.decode_local(pos, cache, n_keys) if self.local_layers else None
         for i, block in enumerate(self.transformer.h):
-            x = block.decode(x, rope=rope, mask=mask, cache=cache, layer=i, at=at, n_keys=n_keys)
+            r, m = local if local and i in self.local_layers else (rope, mask)
+            x = block.decode(x, rope=r, mask=m, cache=cache, layer=i, at=at, n_keys=n_keys)
         return self.head(self.transformer.ln_f(x))  # (R, V)
+
+    def decode_local(self, pos: Tensor, cache: KVCache, n_keys: int | None) -> tuple[tuple[Tensor, Tensor] | None, Tensor]:
+        """The windowed layers' RoPE cos/sin (R, 1, 1, hd) or None and additive band mask (R, 1, 1, S)
+        for a decode step (model.global_every), after decode_inputs recorded the new positions.
+        Always masked: the slots may hold more than the window even where every row sees them all."""
+        mask = attention_mask(pos[:, None], cache.pos[: len(pos), :n_keys], self.local_span)
+        rope = self._rope(pos[:, None], T=1, local=True)
+        return rope and (stored(rope[0]), stored(rope[1])), stored(mask_to_bias(mask, self.dtype))
 
     def decode_inputs(self, idx: Tensor, pos: Tensor, cache: KVCache, n_keys: int | None, masked: bool) -> DecodeInputs:
         """What every block of a decode step takes (see decode): the embeddings (R, C), RoPE's
@@ -277,7 +304,7 @@ class GPT(nn.Module):
         if masked:
             mask = attention_mask(pos[:, None], cache.pos[: len(pos), :n_keys], self.span)  # (R, 1, 1, S)
             mask = stored(mask_to_bias(mask, self.dtype))  # once, not in each layer's attention
-        x = self.transformer.wte(idx)  # (R, C)
+        x = self._scale_embedding(self.transformer.wte(idx))  # (R, C)
         if self.config.pos == "learned":
             x = x + self.transformer.wpe(pos)
         rope = self._rope(pos[:, None], T=1)  # (R, 1, 1, hd): over heads
@@ -306,12 +333,25 @@ class GPT(nn.Module):
         mask, plan = self.variant.plan(pos, cache, rows, self.span, prefix_len, self.dtype)
         x = self.transformer.drop(self._embed(idx, pos))  # (B, T, C)
         inputs = LayerInputs(self._rope(pos, T), mask, cache, plan, need_weights)
+        local = self._local_inputs(inputs, idx, pos, prefix_len) if self.local_layers else inputs
         maps = []
         for i, block in enumerate(self.transformer.h):
-            x, w = block(x, inputs, i)
+            x, w = block(x, local if i in self.local_layers else inputs, i)
             if need_weights:
                 maps.append(w)
         return self.transformer.ln_f(x), maps
+
+    def _local_inputs(self, inputs: LayerInputs, idx: Tensor, pos: Tensor | None, prefix_len: Tensor | None) -> LayerInputs:
+        """The windowed layers' LayerInputs (model.global_every): the global layers' cache and write
+        plan, their own RoPE angles, and the variant's mask at local_span over the same keys (None:
+        plain causal, where no token is a window away from another)."""
+        T = idx.shape[1]
+        if pos is None and T <= self.local_span:
+            return dataclasses.replace(inputs, rope=self._rope(torch.arange(T, device=idx.device)[None], T, local=True))
+        q_pos = torch.arange(T, device=idx.device)[None] if pos is None else pos
+        key_pos = q_pos if inputs.plan is None else inputs.plan.key_pos
+        mask = mask_to_bias(self.variant.mask(q_pos, key_pos, self.local_span, prefix_len), self.dtype)
+        return dataclasses.replace(inputs, rope=self._rope(q_pos, T, local=True), mask=mask)
 
     def _positions(self, idx: Tensor, pos: Tensor | None, cache: Cache | None, prefix_len: Tensor | None) -> Tensor | None:
         """The tokens' absolute positions (B or 1, T), checked; None for the plain causal case
@@ -335,12 +375,15 @@ class GPT(nn.Module):
             )
         return pos
 
-    def inv_freq(self, device: torch.device) -> Tensor:
+    def inv_freq(self, device: torch.device, local: bool = False) -> Tensor:
         """The RoPE frequencies (head_size/2,) in float32 on `device`, scaled as model.rope_scaling
-        says; kept out of the buffers so that model.to(bfloat16) cannot round them."""
-        if device not in self._inv_freq:
-            c = self.config
-            self._inv_freq[device] = rope_inv_freq(
+        says; kept out of the buffers so that model.to(bfloat16) cannot round them. local: the
+        windowed layers' of model.global_every (model.local_rope_theta, never scaled)."""
+        key, c = (device, local), self.config
+        if key not in self._inv_freq and local:
+            self._inv_freq[key] = rope_inv_freq(c.head_size, c.local_rope_theta or c.rope_theta, device=device)
+        elif key not in self._inv_freq:
+            self._inv_freq[key] = rope_inv_freq(
                 c.head_size,
                 c.rope_theta,
                 c.rope_scaling,
@@ -350,25 +393,33 @@ class GPT(nn.Module):
                 c.rope_original_context,
                 device,
             )
-        return self._inv_freq[device]
+        return self._inv_freq[key]
+
+    def _scale_embedding(self, x: Tensor) -> Tensor:
+        """model.embed_scale: token embeddings × √n_embd, the factor rounded to their dtype (as HF Gemma)."""
+        if not self.config.embed_scale:
+            return x
+        return x * torch.tensor(math.sqrt(self.config.n_embd), dtype=torch.float32).to(x.dtype)
 
     def _embed(self, idx: Tensor, pos: Tensor | None) -> Tensor:
-        """Token embeddings, plus learned position embeddings (padding positions clamped to 0)."""
-        x = self.transformer.wte(idx)
+        """Token embeddings (scaled: model.embed_scale), plus learned position embeddings (padding
+        positions clamped to 0)."""
+        x = self._scale_embedding(self.transformer.wte(idx))
         if self.config.pos != "learned":
             return x
         p = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos.clamp(min=0)
         return x + self.transformer.wpe(self.variant.embed_positions(self.config, p))
 
-    def _rope(self, pos: Tensor | None, T: int) -> tuple[Tensor, Tensor] | None:
+    def _rope(self, pos: Tensor | None, T: int, local: bool = False) -> tuple[Tensor, Tensor] | None:
         """cos/sin for these tokens: the table's first T rows (T, hd), or from explicit positions
-        (B, 1, T, hd), rounded to the table's dtype (bf16 after model.to(bfloat16)); None when learned."""
+        (B, 1, T, hd), rounded to the table's dtype (bf16 after model.to(bfloat16)); None when learned.
+        local: the windowed layers' angles (see inv_freq), from explicit positions only."""
         cfg = self.config
         if cfg.pos != "rope":
             return None
         if pos is None:
             return self.rope_cos[:T], self.rope_sin[:T]  # (T, hd)
-        cos, sin = rope_cos_sin(self.variant.embed_positions(cfg, pos), self.inv_freq(pos.device))  # (B, T, hd)
+        cos, sin = rope_cos_sin(self.variant.embed_positions(cfg, pos), self.inv_freq(pos.device, local))  # (B, T, hd)
         dt = self.rope_cos.dtype
         return cos[:, None].to(dt), sin[:, None].to(dt)  # broadcast over heads
 

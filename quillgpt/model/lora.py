@@ -31,7 +31,7 @@ def lora_slots(cfg: ModelConfig, targets: list[str]) -> dict[str, Slots]:
     """Each targeted linear of a block (its path inside the block) → its adapters' rows."""
     q, kv = cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
     fused = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}  # c_attn: [q | k | v]
-    fc_rows = (2 if cfg.mlp == "swiglu" else 1) * cfg.hidden_dim
+    fc_rows = (2 if cfg.gated_mlp else 1) * cfg.hidden_dim
     slots: dict[str, Slots] = {}
     if attn := {name: rows for name, rows in fused.items() if name in targets}:
         slots["attn.c_attn"] = attn

@@ -573,3 +573,63 @@ def test_cuda_compiled_decode_equals_eager(variant, no_tf32):
     compiled = torch.stack(list(generate_tokens(model, PROMPTS, params=params, compile=True)), 1)
     assert compiled.device.type == "cuda"
     assert torch.equal(compiled, eager)
+
+
+GEMMA3 = dict(pos="rope", norm="rmsnorm", bias=False, qk_norm=True, n_kv_head=2, head_dim=16, mlp="geglu", embed_scale=True)
+GEMMA3.update(sandwich_norm=True, attn_scale=0.25, window=5, global_every=3, local_rope_theta=100.0, n_layer=4, tie_embeddings=False)
+
+
+def gemma_shaped_model() -> GPT:
+    """A tiny Gemma 3 (every feature of its layers; its head untied: a tied one, random, repeats the
+    last token), with support.random_model's decisive weights."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=V, block_size=BLOCK, n_head=4, n_embd=32, **GEMMA3))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, 0.3 if p.dim() > 1 else 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("scheme", [None, "int8"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_gemma_shaped_model_decodes_op_by_op_as_recompute_and_says_so(params, scheme):
+    """Past block_size, 5-position windows on layers 0, 1, 3 and a global layer 2: the cached
+    decode (which the native step declines: it falls back to GPT.decode) = recompute; a quantized
+    model's stats line names the features the native step lacks."""
+    from quillgpt.inference.native_decoder import step_note
+
+    model = gemma_shaped_model() if scheme is None else quantize(gemma_shaped_model(), scheme, kernel="dequant/model")
+    cached = tokens(model, params, use_cache=True)
+    assert cached == tokens(model, params, use_cache=False)
+    assert len({t for row in cached for t in row}) > 5
+    decoder = Engine(model, 1).decoder
+    assert not decoder.native
+    note = step_note(decoder)
+    assert note == "" if scheme is None else "decode step op by op (the native one lacks model.mlp=geglu, model.sandwich_norm" in note
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [dict(mlp="geglu"), dict(sandwich_norm=True), dict(embed_scale=True), dict(attn_scale=0.3), dict(window=8, global_every=2)],
+    ids=["geglu", "sandwich_norm", "embed_scale", "attn_scale", "global_every"],
+)
+def test_the_native_step_declines_each_gemma_feature_and_the_model_runs_op_by_op(feature):
+    """A Llama-shaped int8 model whose step runs natively stops doing so with any one of Gemma's
+    features (decode_block computes none of them), and the stats line says which."""
+    from quillgpt import native
+    from quillgpt.inference.native_decoder import Decoder, step_note
+
+    if not native.available():
+        pytest.skip(f"group_gemv did not build here: {native.why_not()}")
+    llama = dict(n_layer=2, n_embd=128, block_size=64, vocab_size=97, norm="rmsnorm", mlp="swiglu", pos="rope", n_head=4, bias=False)
+    plain = quantize(GPT(ModelConfig(**llama)).eval(), "int8", kernel="group_gemv")
+    assert Decoder(plain).native and step_note(Decoder(plain)) == ""
+    gemma = quantize(GPT(ModelConfig(**{**llama, **feature})).eval(), "int8", kernel="group_gemv")
+    decoder = Decoder(gemma)
+    assert not decoder.native and f"model.{list(feature)[-1]}" in step_note(decoder)
+    pos = torch.tensor([3, 9])
+    cache = gemma.make_cache(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            decoder(torch.tensor([5, 6]), pos, cache), gemma.decode(torch.tensor([5, 6]), pos, gemma.make_cache(2, 64))
+        )

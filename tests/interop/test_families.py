@@ -96,6 +96,7 @@ def test_the_gguf_table_is_the_family_records():
         "llama": LLAMA,  # Mistral writes "llama" too, and a GGUF states no window: it reads back as Llama
         "qwen2": QWEN2,
         "qwen3": QWEN3,
+        "gemma3": families.GEMMA3,
     }
     for f in families.FAMILIES:
         g = gguf_family.FAMILIES[f.gguf_arch]

@@ -104,7 +104,7 @@ def test_tokenizer_ids_and_chat_prompt_equal_autotokenizers(imported, family):
     rendered = render(tok.chat_template, messages, True, tok.bos_token, tok.eos_token)
     want = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert tok.encode(rendered) == want
-    end = {"llama3": "<|eot_id|>", "mistral": "</s>"}.get(family, "<|im_end|>")
+    end = {"llama3": "<|eot_id|>", "mistral": "</s>", "gemma3": "<end_of_turn>"}.get(family, "<|im_end|>")
     assert tok.tk.token_to_id(end) in tok.stop_ids  # a reply ends at the template's end of turn
 
 

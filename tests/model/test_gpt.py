@@ -300,3 +300,127 @@ def test_every_variant_learns_tiny_shakespeare(variant, shakespeare_path):
         losses.append(loss.item())
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.3, (first, last)
+
+
+# --- Gemma 3's layer features, each against the plain computation --------------------------------
+
+GEMMA = dict(pos="rope", norm="rmsnorm", bias=False, qk_norm=True, n_kv_head=2, head_dim=12, mlp="geglu", embed_scale=True)
+GEMMA.update(sandwich_norm=True, attn_scale=0.2, window=5, global_every=3, local_rope_theta=100.0, rope_theta=1e4)
+GEMMA_FEATURES = {  # each feature alone on a plain RoPE/RMSNorm model, then all of them (Gemma 3's shape)
+    "geglu": dict(mlp="geglu"),
+    "embed_scale": dict(embed_scale=True),
+    "sandwich_norm": dict(sandwich_norm=True),
+    "attn_scale": dict(attn_scale=0.2),
+    "global_every": dict(window=5, global_every=3, local_rope_theta=100.0),
+    "global_every-scaled": dict(window=5, global_every=2, rope_scaling="linear", rope_factor=4.0),
+    "gemma3": GEMMA,
+}
+
+
+def gemma_model(features: dict, seed: int = 0, **kw) -> GPT:
+    base = dict(pos="rope", norm="rmsnorm", bias=False, n_layer=3)
+    return random_model("mha-learned", seed, **{**base, **features, **kw})
+
+
+def plain_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The logits of idx (1, T) spelled out token by token from the weights, as transformers'
+    Gemma3ForCausalLM computes them (its (1 + w) norms being quill's w): no shared code but rms_norm."""
+    cfg, sd = model.config, {k: v.double() for k, v in model.state_dict().items()}
+    C, H, KV, hd, T = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size, idx.shape[1]
+
+    def norm(x, name):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), sd[name], cfg.norm_eps)
+
+    def rope(x, theta, factor):  # x (T, hd): rotate (i, i + hd/2) by t·θ^(-2i/hd)/factor
+        inv = theta ** -(torch.arange(0, hd, 2).double() / hd) / factor
+        ang = torch.arange(T).double()[:, None] * inv
+        c, s = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        return x * c + torch.cat([-x[:, hd // 2 :], x[:, : hd // 2]], -1) * s
+
+    x = sd["transformer.wte.weight"][idx[0]] * (C**0.5 if cfg.embed_scale else 1.0)
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        local = cfg.window is not None and (cfg.global_every is None or (i + 1) % cfg.global_every != 0)
+        theta = (cfg.local_rope_theta or cfg.rope_theta) if local and cfg.global_every else cfg.rope_theta
+        factor = cfg.rope_factor if cfg.rope_scaling == "linear" and not (local and cfg.global_every) else 1.0
+        h = norm(x, p + "ln_1.weight")
+        qkv = h @ sd[p + "attn.c_attn.weight"].T
+        heads = []
+        for j in range(H):
+            q = qkv[:, j * hd : (j + 1) * hd]
+            g = j // (H // KV)
+            k = qkv[:, (H + g) * hd : (H + g + 1) * hd]
+            v = qkv[:, (H + KV + g) * hd : (H + KV + g + 1) * hd]
+            if cfg.qk_norm:
+                q, k = norm(q, p + "attn.q_norm.weight"), norm(k, p + "attn.k_norm.weight")
+            q, k = rope(q, theta, factor), rope(k, theta, factor)
+            scores = (q @ k.T) * (cfg.attn_scale or hd**-0.5)
+            t = torch.arange(T)
+            seen = (t[None] <= t[:, None]) & ((t[None] > t[:, None] - cfg.window) if local else True)
+            heads.append(scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v)
+        a = torch.cat(heads, -1) @ sd[p + "attn.c_proj.weight"].T
+        x = x + (norm(a, p + "ln_attn_out.weight") if cfg.sandwich_norm else a)
+        gate, up = (norm(x, p + "ln_2.weight") @ sd[p + "mlp.c_fc.weight"].T).chunk(2, -1)
+        act = torch.nn.functional.gelu(gate, approximate="tanh") if cfg.mlp == "geglu" else torch.nn.functional.silu(gate)
+        m = (act * up) @ sd[p + "mlp.c_proj.weight"].T
+        x = x + (norm(m, p + "ln_mlp_out.weight") if cfg.sandwich_norm else m)
+    return norm(x, "transformer.ln_f.weight") @ sd["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("feature", list(GEMMA_FEATURES))
+def test_gemma_features_compute_the_plain_computation(feature):
+    """Each of Gemma 3's features (and all of them) = the spelled-out float64 computation, on a
+    sequence longer than the window so the windowed layers' band and RoPE base matter."""
+    model = gemma_model({"mlp": "swiglu", **GEMMA_FEATURES[feature]})
+    idx = torch.randint(0, V, (1, BLOCK))
+    logits, _ = model(idx, all_logits=True)
+    torch.testing.assert_close(logits[0].double(), plain_forward(model, idx), atol=2e-4, rtol=1e-4)
+    if feature != "gemma3":  # the feature changes what is computed
+        plain = gemma_model({"mlp": "swiglu"})
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert not torch.allclose(plain(idx, all_logits=True)[0], logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("feature", ["global_every", "gemma3"])
+def test_gemma_layers_through_the_cache_and_the_decode_step_equal_the_forward(feature):
+    """Per-layer windows in every path: sdpa = math, prefill in chunks through the cache, the
+    decode step (GPT.decode, each layer kind with its own mask and RoPE) = the full forward."""
+    model = gemma_model(GEMMA_FEATURES[feature])
+    math = gemma_model(GEMMA_FEATURES[feature], attn_impl="math")
+    math.load_state_dict(model.state_dict())
+    idx = torch.randint(0, V, (2, BLOCK))
+    full, _ = model(idx, all_logits=True)
+    torch.testing.assert_close(math(idx, all_logits=True)[0], full, atol=1e-5, rtol=1e-5)
+    assert model.span == BLOCK and model.make_cache(2).capacity == BLOCK
+    cache = model.make_cache(2)
+    outs = [model(idx[:, :4], pos=torch.arange(4), cache=cache, all_logits=True)[0]]
+    outs.append(model(idx[:, 4:9], pos=torch.arange(4, 9), cache=cache, all_logits=True)[0])
+    for t in range(9, BLOCK):
+        outs.append(model.decode(idx[:, t], torch.full((2,), t), cache)[:, None])
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_embed_scale_rounds_its_factor_to_the_weights_dtype():
+    """As transformers' Gemma: √n_embd in the embedding's dtype, then the product (bf16 here)."""
+    model = gemma_model({"embed_scale": True}).to(torch.bfloat16)
+    idx = torch.arange(6)[None]
+    factor = torch.tensor(32**0.5).to(torch.bfloat16)
+    torch.testing.assert_close(model._embed(idx, None), model.transformer.wte(idx) * factor, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(global_every=3), "global_every must be from 2 to 1,024 with model.window set"),
+        (dict(window=4, global_every=1), "global_every must be from 2"),
+        (dict(local_rope_theta=100.0), "local_rope_theta"),
+        (dict(window=4, global_every=2, local_rope_theta=-1.0), "local_rope_theta"),
+        (dict(attn_scale=0.0), "attn_scale must be positive"),
+        (dict(attn_scale=0.1, attention="infini", segment_size=8), "attn_scale"),
+    ],
+)
+def test_gemma_keys_are_checked(bad, match):
+    from quillgpt.errors import QuillError
+
+    with pytest.raises(QuillError, match=match):
+        ModelConfig(**{"vocab_size": V, "pos": "rope", **bad}).validate()

@@ -35,8 +35,9 @@ class Variant:
         return CausalSelfAttention(cfg)
 
     def span(self, cfg: ModelConfig) -> int:
-        """The most positions a query sees back (itself included) in the dot-product part."""
-        return min(cfg.window, cfg.block_size) if cfg.window else cfg.block_size
+        """The most positions a query sees back (itself included) in the dot-product part: with
+        global layers among windowed ones (model.global_every) theirs, block_size."""
+        return min(cfg.window, cfg.block_size) if cfg.window and cfg.global_every is None else cfg.block_size
 
     def mask(self, q_pos: Tensor, k_pos: Tensor, span: int, prefix_len: Tensor | None) -> Tensor:
         """(B, T) query and (B, S) key positions → (B, 1, T, S) boolean mask, True = may attend."""
