@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = ROOT / "tests" / "fixtures" / "offline"  # laid out as ../shared is (tests/gpu_check.sh --shared takes it)
 
 # A fixed thread count: training would otherwise give way to other processes on a busy machine
-# (quillgpt/train/cpu_share.py), and sums split over another count round differently, which the
-# bit-exact tests would see. tests/train/test_cpu_share.py unsets it where it tests giving way.
+# (quillgpt/cpu_share.py), and sums split over another count round differently, which the
+# bit-exact tests would see. tests/test_cpu_share.py unsets it where it tests giving way.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 # tiktoken reads its BPE files from this cache (each file named by the sha1 of its URL, checked
