@@ -36,7 +36,7 @@ from pathlib import Path
 
 from harness import add_common, load_line, machine_line, tiny_run
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old lighthouse keeper who"
 CHAT_RATE = re.compile(r"([\d.]+) tokens/s after the first.*?; ((?:\d+ of )?\d+ threads?[^)]*\)?)\)")
 
 
@@ -68,6 +68,8 @@ def sample(ckpt: Path, quantize: str, tokens: int, env: dict[str, str]) -> tuple
     if out.returncode != 0:
         raise SystemExit(f"quill sample failed:\n{out.stderr[-2000:]}")
     stats = json.loads(out.stdout)["stats"]
+    if sum(stats["new_tokens"]) < tokens // 2:
+        raise SystemExit(f"quill sample stopped after {stats['new_tokens']} tokens of {tokens}: too few to time; try another prompt")
     return stats["decode_tokens_per_s"], stats["threads"]
 
 
