@@ -244,6 +244,7 @@ def test_sample_beside_a_busy_process_takes_fewer_threads_and_says_so(tmp_path, 
 
     from quillgpt.config import Config
     from quillgpt.data.tokenizer import CharTokenizer
+    from quillgpt.inference import generate
     from quillgpt.inference.generate import open_sample
     from quillgpt.runs import LoadOptions, write_run
 
@@ -252,13 +253,13 @@ def test_sample_beside_a_busy_process_takes_fewer_threads_and_says_so(tmp_path, 
     model = random_model()
     (tmp_path / "run").mkdir()
     write_run(tmp_path / "run", Config(model=model.config), CharTokenizer("".join(map(chr, range(65, 65 + V)))), model.state_dict())
-    real_load = cpu_share.read_proc
+    real_load = generate.load_run
 
-    def slow_first_look():  # the load of a real model takes longer than this tiny one's
-        time.sleep(0.2)
-        return real_load()
+    def a_real_models_load(*args, **kwargs):  # seconds for a real model: the first look's window
+        time.sleep(0.3)
+        return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_share, "read_proc", slow_first_look)
+    monkeypatch.setattr(generate, "load_run", a_real_models_load)
     sample = open_sample(tmp_path / "run", "ABC", LoadOptions(), flags={"max_new_tokens": 8, "temperature": 0.0})
     seen = []
     for _ in sample.generation:
