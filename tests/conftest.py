@@ -1,6 +1,6 @@
-"""Shared fixtures. Tests run offline from a clean clone: Tiny Shakespeare and GPT-2's BPE files
-(tiktoken's gpt2 and r50k_base) ship in tests/fixtures/offline/
-(tests/fixtures/README.md says what each is).
+"""Shared fixtures. Tests run offline: Tiny Shakespeare and GPT-2's BPE files (tiktoken's gpt2 and
+r50k_base) come from ../shared, a folder beside the clone (or from $QUILL_SHARED); CONTRIBUTING.md
+says how to provide them. A test that needs the text is skipped without it, saying so.
 Tests marked `cuda` are skipped where torch sees no CUDA device, `gguf_slow` and
 `memory_calibration` unless selected with -m; the summary's last lines count every skip by reason."""
 
@@ -12,23 +12,26 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-OFFLINE = ROOT / "tests" / "fixtures" / "offline"  # laid out as ../shared is (tests/gpu_check.sh --shared takes it)
+SHARED = Path(os.environ.get("QUILL_SHARED") or ROOT.parent / "shared")
 
 # A fixed thread count: training would otherwise give way to other processes on a busy machine
 # (quillgpt/cpu_share.py), and sums split over another count round differently, which the
 # bit-exact tests would see. tests/test_cpu_share.py unsets it where it tests giving way.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
-# tiktoken reads its BPE files from this cache (each file named by the sha1 of its URL, checked
-# against its sha256) instead of downloading them; subprocesses inherit it. A cache the caller
-# set is kept.
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(OFFLINE / "tiktoken_cache"))
+# tiktoken reads its BPE files from this cache (each file named by the sha1 of its URL) instead of
+# downloading them; subprocesses inherit it. A cache the caller set is kept.
+if (SHARED / "tiktoken_cache").is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
 
 
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
     """Tiny Shakespeare (1.1 MB, public domain), whole: some tests compare against recorded runs."""
-    return OFFLINE / "data" / "tinyshakespeare.txt"
+    path = SHARED / "data" / "tinyshakespeare.txt"
+    if not path.is_file():
+        pytest.skip(f"needs Tiny Shakespeare at {path} (CONTRIBUTING.md: Tests)")
+    return path
 
 
 @pytest.fixture(autouse=True, scope="session")
