@@ -397,34 +397,53 @@ def eval_cmd(
     With --tasks: lm-evaluation-harness tasks instead (accuracy and the tasks' own metrics).
     """
     load = dict(which=which, batch_size=batch_size, device=device, quantize=quant)
+    task_settings = dict(
+        num_fewshot=num_fewshot,
+        limit=limit,
+        include_path=include_path,
+        output_path=output_path,
+        apply_chat_template=chat_template,
+        trust_task_code=trust_task_code,
+        dtype=dtype,
+    )
     if tasks is not None:
         if text or split != "val" or stride is not None or text_format != "text":
             raise QuillError("--tasks scores lm-eval tasks: --text, --split, --stride and --format do not apply")
-        from quillgpt.evaluate.harness import evaluate_runs  # QuillError without lm-eval
-
-        names = [t.strip() for t in tasks.split(",") if t.strip()]
-        task_settings = dict(
-            num_fewshot=num_fewshot,
-            limit=limit,
-            include_path=include_path,
-            apply_chat_template=chat_template,
-            dtype=dtype,
-            trust_task_code=trust_task_code,
-        )
-        done = evaluate_runs(ckpt, names, output_path=output_path, announce=None if as_json else print, **task_settings, **load)
-        if as_json:
-            print(done.to_json())
+        _eval_tasks(ckpt, tasks, as_json, task_settings, load)
         return
-    task_flags = {"--num-fewshot": num_fewshot, "--limit": limit, "--include-path": include_path, "--output-path": output_path}
-    used = [name for name, value in task_flags.items() if value is not None]
-    used += [name for name, given in (("--apply-chat-template", chat_template), ("--trust-task-code", trust_task_code)) if given]
-    if used or dtype != "float32":
-        raise QuillError(f"{(used or ['--dtype'])[0]} applies to lm-eval tasks: add --tasks T1,T2")
+    _refuse_task_flags(task_settings)
     from quillgpt.evaluate.scores import evaluate_checkpoints
 
     texts = dict(split=split, texts=text, text_format=text_format, stride=stride, skip_unknown=skip_unknown)
     scores = evaluate_checkpoints(ckpt, progress=not as_json, **texts, **load)
     print(scores.to_json() if as_json else scores.table())
+
+
+def _eval_tasks(ckpt: list[Path], tasks: str, as_json: bool, settings: dict[str, Any], load: dict[str, Any]) -> None:
+    """quill eval --tasks: each run scored on lm-eval's tasks (the table, or one JSON line)."""
+    from quillgpt.evaluate.harness import evaluate_runs  # QuillError without lm-eval
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    done = evaluate_runs(ckpt, names, announce=None if as_json else print, **settings, **load)
+    if as_json:
+        print(done.to_json())
+
+
+TASK_FLAGS = {  # eval's settings that only --tasks reads → their flags, in the order they are named
+    "num_fewshot": "--num-fewshot",
+    "limit": "--limit",
+    "include_path": "--include-path",
+    "output_path": "--output-path",
+    "apply_chat_template": "--apply-chat-template",
+    "trust_task_code": "--trust-task-code",
+}
+
+
+def _refuse_task_flags(settings: dict[str, Any]) -> None:
+    """A flag of lm-eval tasks given without --tasks: one line naming the first."""
+    used = [flag for key, flag in TASK_FLAGS.items() if settings[key] not in (None, False)]
+    if used or settings["dtype"] != "float32":
+        raise QuillError(f"{(used or ['--dtype'])[0]} applies to lm-eval tasks: add --tasks T1,T2")
 
 
 @app.command("attention")

@@ -17,7 +17,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,14 +422,7 @@ class Routes:
         answer with SSE or the whole reply."""
         self._check_model(req.model)
         reject_unsupported(req)
-        n, rows = (1 if req.n is None else req.n), self.batcher.engine.max_rows
-        if n < 1 or n * len(ids) > rows:
-            raise APIError(
-                400,
-                f"n × prompts must be between 1 and {rows} (the server's --max-batch), got {n} × {len(ids)}",
-                param="n",
-                code="invalid_value",
-            )
+        n = self._choices(req, len(ids))
         stops = stops + stop_strings(req.stop)
         max_tokens = self._max_tokens(req, default_max, ids, least=0 if out.echo is not None else 1)
         first = self._params(req, max(max_tokens, 1), req.seed, stops)  # checks the seed as the client sent it
@@ -443,21 +436,7 @@ class Routes:
         events: asyncio.Queue[Event] = asyncio.Queue()
         relay = self._relay(asyncio.get_running_loop())
         emit = lambda event: relay.post(events, event)  # noqa: E731 (called on the engine thread)
-        tok = self.run.tokenizer
-        jobs = [
-            Job(
-                i * n + k,
-                ids[i],
-                params[k],
-                TextStream(tok, stops),
-                emit,
-                stop_ids=tok.stop_ids,
-                logprobs=out.logprobs,
-                constraint=None if grammar is None else grammar.constraint(),
-            )
-            for i in range(len(ids))
-            for k in range(n)
-        ]
+        jobs = self._jobs(ids, params, stops, emit, out, grammar)
         try:
             self.batcher.submit(jobs)
         except Busy as e:
@@ -470,6 +449,45 @@ class Routes:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         return await self._collect(request, reply, jobs, events, out)
+
+    def _choices(self, req: SamplingFields, prompts: int) -> int:
+        """n, checked: n × prompts rows must fit the engine's batch."""
+        n, rows = (1 if req.n is None else req.n), self.batcher.engine.max_rows
+        if n < 1 or n * prompts > rows:
+            raise APIError(
+                400,
+                f"n × prompts must be between 1 and {rows} (the server's --max-batch), got {n} × {prompts}",
+                param="n",
+                code="invalid_value",
+            )
+        return n
+
+    def _jobs(
+        self,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        stops: tuple[str, ...],
+        emit: Callable[[Event], None],
+        out: Output,
+        grammar: Grammar | None,
+    ) -> list[Job]:
+        """One job per choice, prompt by prompt (choice k of a prompt samples with params[k]),
+        each with its own text stream and, with a grammar, its own copy of its state."""
+        tok = self.run.tokenizer
+        return [
+            Job(
+                i * len(params) + k,
+                prompt,
+                p,
+                TextStream(tok, stops),
+                emit,
+                stop_ids=tok.stop_ids,
+                logprobs=out.logprobs,
+                constraint=None if grammar is None else grammar.constraint(),
+            )
+            for i, prompt in enumerate(ids)
+            for k, p in enumerate(params)
+        ]
 
     async def _echo(self, out: Output, ids: list[list[int]], n: int) -> None:
         """With logprobs, each prompt's tokens scored (one forward on the engine thread, the
