@@ -1,6 +1,8 @@
-"""Shared fixtures. Tests run offline: Tiny Shakespeare and GPT-2's BPE files (tiktoken's gpt2 and
+"""Shared fixtures. Tests run offline. Tiny Shakespeare and GPT-2's BPE files (tiktoken's gpt2 and
 r50k_base) come from ../shared, a folder beside the clone (or from $QUILL_SHARED); CONTRIBUTING.md
-says how to provide them. A test that needs the text is skipped without it, saying so.
+says how to provide them. Without ../shared a test that trains on "a text" gets a play-shaped one
+made here (tests/made_text.py); only the tests that compare against runs recorded on the real text,
+or that need GPT-2's exact vocabulary where tiktoken cannot download it, are skipped, saying so.
 Tests marked `cuda` are skipped where torch sees no CUDA device, `gguf_slow` and
 `memory_calibration` unless selected with -m; the summary's last lines count every skip by reason."""
 
@@ -26,12 +28,50 @@ if (SHARED / "tiktoken_cache").is_dir():
 
 
 @pytest.fixture(scope="session")
-def shakespeare_path() -> Path:
-    """Tiny Shakespeare (1.1 MB, public domain), whole: some tests compare against recorded runs."""
+def real_shakespeare_path() -> Path:
+    """Tiny Shakespeare (1.1 MB, public domain), whole: for the tests that compare against runs
+    recorded on it."""
     path = SHARED / "data" / "tinyshakespeare.txt"
     if not path.is_file():
-        pytest.skip(f"needs Tiny Shakespeare at {path} (CONTRIBUTING.md: Tests)")
+        pytest.skip(f"compares against a run recorded on Tiny Shakespeare, which is not at {path} (CONTRIBUTING.md: Tests)")
     return path
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path(tmp_path_factory) -> Path:
+    """A training text: Tiny Shakespeare where ../shared has it, else a play-shaped text of the
+    same length and the same 65 characters made for the session (tests/made_text.py)."""
+    path = SHARED / "data" / "tinyshakespeare.txt"
+    if path.is_file():
+        return path
+    from made_text import write_made_text
+
+    return write_made_text(tmp_path_factory.mktemp("text") / "made_play.txt")
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe() -> None:
+    """GPT-2's BPE files through tiktoken: ../shared's cache, tiktoken's own, or a download. The
+    tests that need GPT-2's exact vocabulary (its HF import and export) are skipped where none
+    of the three has them."""
+    import tiktoken
+
+    try:
+        tiktoken.get_encoding("gpt2")
+    except Exception as e:  # noqa: BLE001 — tiktoken raises requests' errors offline
+        pytest.skip(f"needs GPT-2's BPE files: not in tiktoken's cache, download failed ({type(e).__name__}); CONTRIBUTING.md: Tests")
+
+
+@pytest.fixture(scope="session")
+def byte_bpe():
+    """A byte-level BPE of GPT-2's kind (the 256 bytes, then merges, then an end-of-text id) made
+    for the tests from a made text, for tests about byte-level tokens that need no GPT-2 id: it
+    merges "hello" and " world" and leaves CJK characters as byte tokens."""
+    from made_text import made_text
+
+    from quillgpt.data.tokenizer import train_bpe
+
+    return train_bpe(made_text(60_000) + "\nhello world, hello moon\n" * 300, vocab_size=600)
 
 
 @pytest.fixture(autouse=True, scope="session")

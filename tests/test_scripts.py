@@ -6,12 +6,12 @@ gpu_check.sh and gpu_check.py are tests/test_gpu_check.py's."""
 
 import ast
 import os
-import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from made_text import made_text
 from support import ROOT
 
 SCRIPTS = ROOT / "scripts"
@@ -48,16 +48,14 @@ ELSEWHERE = {"fuzz.py": ROOT / "tests" / "fuzz.py"}  # smoked here, but not in s
 NOT_SMOKED = {"harness.py"}  # the shared module
 
 
+NEEDS_GPT2 = {"bench_prepare.py"}  # measures prepare with GPT-2's own tokenizer
+
+
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory):
-    """A few hundred speeches in Tiny Shakespeare's shape (NAME:, lines, a blank line): 30 kB."""
-    rng, words = random.Random(0), "the king my lord good love sweet night day death life heart come hath thou thee shall".split()
-    speeches = []
-    for _ in range(600):
-        speaker = rng.choice(["ROMEO", "JULIET", "KING HENRY", "First Citizen"])
-        speeches.append(f"{speaker}:\n" + " ".join(rng.choice(words) for _ in range(8)).capitalize() + ".\n")
+    """Speeches in Tiny Shakespeare's shape (NAME:, lines, a blank line): 30 kB (tests/made_text.py)."""
     path = tmp_path_factory.mktemp("text") / "small.txt"
-    path.write_text("\n".join(speeches), encoding="utf-8")
+    path.write_text(made_text(30_000), encoding="utf-8")
     return path
 
 
@@ -86,7 +84,9 @@ def smoke_runs(request, small_text, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(SMOKE))
-def test_smoke_run(name, smoke_runs):
+def test_smoke_run(name, smoke_runs, request):
+    if name in NEEDS_GPT2:
+        request.getfixturevalue("gpt2_bpe")
     done = smoke_runs[name].result()
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     assert "Traceback" not in done.stderr, done.stderr[-3000:]

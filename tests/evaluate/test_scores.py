@@ -120,9 +120,9 @@ def test_bits_per_byte_by_hand_with_multibyte_chars(tiny_gpt):
     assert real.bits_per_byte == pytest.approx(real.nats / (math.log(2) * 16))
 
 
-def test_bytes_and_chars_under_bpe_count_the_scored_text():
-    gpt2 = build_tokenizer("gpt2")
-    text = "日本 ok"  # GPT-2 splits 日 into byte tokens: the first token is part of a character
+def test_bytes_and_chars_under_bpe_count_the_scored_text(byte_bpe):
+    gpt2 = byte_bpe
+    text = "日本 ok"  # a byte-level BPE (as GPT-2's) splits 日 into byte tokens: the first token is part of a character
     ids = gpt2.encode(text)
     r = evaluate_text(Uniform(gpt2.vocab_size, BLOCK), gpt2, text)
     assert r.tokens == len(ids) - 1

@@ -14,7 +14,6 @@ from support import BLOCK, PROMPTS, VARIANTS, V, random_model
 
 from quillgpt.config import Config, ModelConfig, SampleConfig
 from quillgpt.data.tokenizer import CharTokenizer
-from quillgpt.data.tokenizer_files import build_tokenizer
 from quillgpt.errors import QuillError
 from quillgpt.inference.driver import StopStrings, TextStream, encode_prompt
 from quillgpt.inference.generate import Generation, generate_text, generate_tokens, open_sample, stream_text
@@ -134,8 +133,9 @@ TEXT_PROMPTS = ["ab", "hello\nworld", "the quick brown fox jumps over"]  # the l
 
 
 @pytest.fixture(scope="module")
-def gpt2():
-    return build_tokenizer("gpt2")
+def gpt2(byte_bpe):
+    """A byte-level BPE as GPT-2's (conftest's byte_bpe), made without GPT-2's files."""
+    return byte_bpe
 
 
 def forced_model(targets: list[int], vocab_size: int) -> GPT:
@@ -200,7 +200,11 @@ def test_utf8_streaming_never_cuts_a_character(gpt2):
     pieces = [stream.push(t) for t in ids] + [stream.finish()]
     assert "".join(pieces) == UNICODE and not any("\ufffd" in piece for piece in pieces)
     cut = TextStream(gpt2)  # generation ending mid-character: one U+FFFD, nothing else lost
-    assert "".join(cut.push(t) for t in ids[:4]) == "héllo "  # and the first bytes of 😀
+    head = "héllo ".encode()
+    k = next(k for k in range(len(ids)) if len(gpt2.decode_bytes(ids[:k])) > len(head))  # into 😀
+    into = gpt2.decode_bytes(ids[:k])[len(head) :]
+    assert gpt2.decode_bytes(ids[:k]).startswith(head) and "😀".encode()[: len(into)] == into != "😀".encode()
+    assert "".join(cut.push(t) for t in ids[:k]) == "héllo "  # and the first bytes of 😀
     assert cut.finish() == "\ufffd"
 
 
@@ -213,8 +217,9 @@ def test_generation_streams_utf8_and_ends_at_end_of_text(gpt2):
     texts, stats = generate_text(model, gpt2, "", len(ids) + 4)
     assert texts == [UNICODE] and stats.finish == ["eot"] and stats.new_tokens == [len(ids) + 1]
     assert stats.prompt_tokens == [1] and stats.steps == len(ids) + 1  # prompt: <|endoftext|>
-    texts, stats = generate_text(model, gpt2, "", 5, stop=["llo"])
-    assert texts == ["hé"] and stats.finish == ["stop"] and stats.new_tokens == [3]
+    texts, stats = generate_text(model, gpt2, "", 8, stop=["llo"])
+    upto = next(k for k in range(1, len(ids) + 1) if "llo" in gpt2.decode(ids[:k]))  # the token that completes it
+    assert texts == ["hé"] and stats.finish == ["stop"] and stats.new_tokens == [upto]
 
 
 @variants

@@ -65,7 +65,7 @@ def save_legacy_bin(model: GPT2LMHeadModel, path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tmp_path_factory, gpt2_bpe):  # an import speaks GPT-2's vocabulary: tiktoken's files
     """A random GPT-2 with GPT-2's vocabulary, saved by transformers as safetensors."""
     model = random_gpt2()
     path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
@@ -299,7 +299,7 @@ def test_import_refuses_what_quill_cannot_run_exactly(hf_dir, tmp_path, change, 
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
-def test_upcast_attention_and_other_tanh_gelus_import_exactly(tmp_path):
+def test_upcast_attention_and_other_tanh_gelus_import_exactly(tmp_path, gpt2_bpe):
     """reorder_and_upcast_attn changes only rounding; gelu_pytorch_tanh is gelu_new."""
     hf = random_gpt2(
         seed=3,

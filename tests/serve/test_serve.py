@@ -162,16 +162,15 @@ def test_stop_strings_end_the_text(http):
 
 
 @pytest.fixture(scope="module")
-def utf8_run_dir(tmp_path_factory):
-    """GPT-2's byte-level BPE and a model whose logits ignore the input (ln_f gain 0, bias e0):
+def utf8_run_dir(tmp_path_factory, byte_bpe):
+    """A byte-level BPE as GPT-2's (conftest's byte_bpe) and a model whose logits ignore the input (ln_f gain 0, bias e0):
     "日" (bytes E6 97 A5) as three single-byte tokens ranked first, then "!". Greedy with a
     strong repetition penalty walks down that ranking: E6, 97, A5, "!"."""
     from quillgpt.config import config_from_dict
-    from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.model.gpt import GPT
 
-    tok = build_tokenizer("gpt2")
-    byte_id = {tok.decode_bytes([i]): i for i in range(256)}  # GPT-2's first 256 ids are the bytes
+    tok = byte_bpe
+    byte_id = {tok.decode_bytes([i]): i for i in range(256)}  # its first 256 ids are the bytes
     ranked = [byte_id[b"\xe6"], byte_id[b"\x97"], byte_id[b"\xa5"], byte_id[b"!"]]
     cfg = config_from_dict(
         {
