@@ -30,6 +30,7 @@ SMOKE = {  # script → extra arguments of its smoke run
     "bench_busy.py": [],
     "bench_commits.py": [],
     "bench_finetune.py": [],
+    "bench_pp.py": [],
     "bench_prepare.py": [],
     "bench_real.py": [],
     "bench_tasks.py": [],
