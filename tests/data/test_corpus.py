@@ -131,6 +131,7 @@ def cut(text, size, anywhere, split_at=None, feeds=None):
     return out
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_pieces_depend_only_on_the_text_and_keep_every_token(shakespeare_path, data):

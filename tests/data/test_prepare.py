@@ -82,6 +82,7 @@ def test_prepare_char_from_config(tmp_path, shakespeare_path):
     assert tok.decode(train) + tok.decode(val) == text
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_prepare_gpt2_from_config_matches_plain_encoding(tmp_path, shakespeare_path):
     text = shakespeare_path.read_text(encoding="utf-8")
     cfg = data_cfg(tmp_path, path=str(shakespeare_path), tokenizer="gpt2", out_dir=str(tmp_path / "gpt2"))
@@ -106,6 +107,7 @@ def test_prepare_bpe_rebuilds_its_tokenizer_from_meta(tmp_path, small_text):
     assert tok.decode(train[1:]) + tok.decode(load_tokens(cfg.out_dir, "val")) == text
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_prepare_is_idempotent_and_rebuilds_on_any_change(tmp_path, small_text):
     out = tmp_path / "out"
     cfg_file = write_config(tmp_path, path=str(small_text), tokenizer="char", out_dir=str(out))
@@ -309,6 +311,7 @@ def run_cli(args):
     return e.value.code
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_cli_prepare(tmp_path, small_text, capsys):
     cfg_file = write_config(tmp_path, path=str(small_text), out_dir=str(tmp_path / "o"))
     assert run_cli(["prepare", "--config", str(cfg_file)]) == 0
@@ -349,6 +352,7 @@ def split_stream(out_dir):
     return load_tokens(out_dir, "train"), load_tokens(out_dir, "val")
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_many_files_give_the_stream_of_each_document_whole(tmp_path, small_text):
     docs = make_corpus(tmp_path / "corpus", small_text.read_text(encoding="utf-8"))
     gpt2 = build_tokenizer("gpt2")
@@ -374,6 +378,7 @@ def test_many_files_give_the_stream_of_each_document_whole(tmp_path, small_text)
     assert tok.decode(np.concatenate(split_stream(cfgc.out_dir))) == "".join(docs[:16])
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_sharded_tokens_index_like_one_array(tmp_path, small_text):
     cfg = data_cfg(tmp_path, path=str(small_text), tokenizer="gpt2", out_dir=str(tmp_path / "o"), shard_tokens=1024)
     prepare(cfg, progress=False)
@@ -388,6 +393,7 @@ def test_sharded_tokens_index_like_one_array(tmp_path, small_text):
     assert torch.equal(x1, BatchSampler(whole, 32, 8, seed=5).next()[0])
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_killed_prepare_resumes_at_its_last_shard(tmp_path, small_text, monkeypatch):
     import quillgpt.data.prepare as data
     import quillgpt.data.shards as shards
@@ -459,7 +465,9 @@ def test_old_meta_without_shards_still_loads(tmp_path, small_text):
         ("data.path={tmp}/blank.jsonl data.tokenizer=gpt2", "blank.jsonl gives an empty train split"),
     ],
 )
-def test_unreadable_corpus_or_unwritable_out_dir_is_one_line(tmp_path, small_text, capsys, override, message):
+def test_unreadable_corpus_or_unwritable_out_dir_is_one_line(tmp_path, small_text, capsys, request, override, message):
+    if "gpt2" in override:
+        request.getfixturevalue("gpt2_bpe")
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
     (tmp_path / "nofield.jsonl").write_text('{"body": "x"}\n')
@@ -470,6 +478,7 @@ def test_unreadable_corpus_or_unwritable_out_dir_is_one_line(tmp_path, small_tex
     assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_gpt2_124m_recipe_prepares_a_parquet_corpus(tmp_path, small_text):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -489,6 +498,7 @@ def test_gpt2_124m_recipe_prepares_a_parquet_corpus(tmp_path, small_text):
     assert m.bias and m.tie_embeddings and params == 124_439_808
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_kill_9_mid_prepare_then_resume_gives_the_same_shards(tmp_path, shakespeare_path):
     import signal
     import subprocess
@@ -554,6 +564,7 @@ def test_a_full_disk_during_prepare_names_the_file_system(tmp_path, small_text, 
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+@pytest.mark.usefixtures("gpt2_bpe")
 def test_a_tokenizer_given_by_file_that_is_the_datas_own_neither_rebuilds_nor_is_refused(tmp_path, small_text):
     """A fine-tune names its base's tokenizer.json over data the base prepared with `char`: the same
     vocabulary, so the data stand as they are, for it and for `char` again."""

@@ -27,7 +27,7 @@ def bpe(text):
 
 
 @pytest.fixture(scope="module")
-def gpt2():
+def gpt2(gpt2_bpe):
     return build_tokenizer("gpt2")
 
 
