@@ -52,7 +52,7 @@ from quillgpt.inference.native_decoder import Decoder
 from quillgpt.inference.prompt_cache import ID_BYTES, PromptCache, default_budget
 from quillgpt.inference.sampling import row_generator, sample_rows
 from quillgpt.model.gpt import GPT
-from quillgpt.model.kv_cache import Cache
+from quillgpt.model.kv_cache import EMPTY_POS, Cache
 from quillgpt.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -640,7 +640,7 @@ class Engine(Rows):
             self.cache.reset(r)
             if row.reuse is not None:
                 self._load(r, row.reuse)
-        logits = self.prefill_rows(rs, ids, start, fresh=False)
+        logits = self.prefill_rows(rs, ids, start)
         for row in rows:
             row.reuse = None
         return logits
@@ -651,21 +651,21 @@ class Engine(Rows):
             self._store(r, row.ids, row.length)
 
     def prefill(self, r: int, ids: list[int], start: int = 0) -> Tensor:
-        """Forget row r's tokens and run `ids` at positions start.. into it: (V,) float logits of
-        the last token."""
+        """Forget row r's tokens from position start on and run `ids` at positions start.. into it,
+        after the positions before start that it holds (a prompt cache's prefix; none after a
+        reset): (V,) float logits of the last token."""
         return self.prefill_rows([r], [ids], start)[0]
 
-    def prefill_rows(self, rs: list[int], ids: list[list[int]], start: int = 0, fresh: bool = True) -> Tensor:
+    def prefill_rows(self, rs: list[int], ids: list[list[int]], start: int = 0) -> Tensor:
         """prefill for rows rs at once, their prompts of one length: (n, V) float logits. The
         model's ordinary forward over an (n, T) batch, writing rows rs of the cache (a variant
-        without the static cache: one row, given its own cache). fresh=False: the rows already
-        hold positions 0..start-1 (a prompt cache's prefix), which the new tokens attend over."""
+        without the static cache: one row, given its own cache)."""
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)  # (n, T)
         pos = torch.arange(start, start + idx.shape[1], device=self.device)[None]
         self.prefilled += idx.numel()
         if self.static:
-            for r in rs if fresh else ():
-                self.cache.reset(r)
+            for r in rs:
+                self._forget(r, start)
             cache, rows = self.cache, torch.tensor(rs, device=self.device)
         else:
             (r,) = rs
@@ -674,6 +674,13 @@ class Engine(Rows):
         prefix = torch.full((len(rs),), idx.shape[1], device=self.device) if self.variant.bidirectional_prefix else None
         logits, _ = self.model(idx, pos=pos, cache=cache, rows=rows, prefix_len=prefix)  # the prompt: the prefix
         return logits[:, -1].float()
+
+    def _forget(self, r: int, start: int) -> None:
+        """Forget row r's keys from position start on (all of them from 0)."""
+        if start == 0:
+            self.cache.reset(r)
+        else:
+            self.cache.pos[r].masked_fill_(self.cache.pos[r] >= start, EMPTY_POS)
 
     def _width(self, active: list[int]) -> int:
         need = max(active) + 1  # (add takes the lowest free row: busy rows gather at the start)
