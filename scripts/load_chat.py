@@ -174,7 +174,8 @@ def start_llama(gguf: str, threads: int, extra: list[str], wait_s: float = 300.0
     """llama-cpp-python's OpenAI-compatible server on a free loopback port, once it answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(threads)]
-    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd += ["--host", "127.0.0.1", "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + wait_s
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -222,8 +223,10 @@ def start_servers(args: argparse.Namespace) -> tuple[list[tuple[str, str]], list
     if args.url:
         servers.append(("url", args.url))
     if args.ckpt:
-        flags = ["--max-batch", str(args.max_batch), "--device", args.device, "--quantize", args.quantize, "--max-tokens", str(args.max_tokens)]
-        flags += ["--compile"] * args.compile + ([] if args.prompt_cache_mb is None else ["--prompt-cache-mb", str(args.prompt_cache_mb)])
+        given = {"--max-batch": args.max_batch, "--device": args.device, "--quantize": args.quantize, "--max-tokens": args.max_tokens}
+        if args.prompt_cache_mb is not None:
+            given["--prompt-cache-mb"] = args.prompt_cache_mb
+        flags = [str(word) for pair in given.items() for word in pair] + ["--compile"] * args.compile
         proc, url, _ = serve(args.ckpt, *flags)
         servers.append(("quill", url))
         procs.append(proc)
@@ -250,7 +253,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="start quill serve with --compile")
     p.add_argument("--prompt-cache-mb", type=int, help="--prompt-cache-mb of the quill serve this script starts (0: off)")
     p.add_argument("--llama-threads", type=int, default=2, help="llama_cpp.server's --n_threads")
-    p.add_argument("--llama-arg", action="append", default=[], help="one more word for llama_cpp.server's command line, e.g. --llama-arg=--n_ctx --llama-arg=4096")
+    p.add_argument(
+        "--llama-arg", action="append", default=[], help="a word more for llama_cpp.server: --llama-arg=--n_ctx --llama-arg=4096"
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one turn may take")
     p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON object")

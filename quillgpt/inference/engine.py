@@ -30,6 +30,15 @@ the engine: the model's blocks as one native call where they run it (`native=Fal
 over a KV cache of `cache_dtype` (default: float16 where the step runs natively, else the model's
 dtype). `compile=True` runs the decode step through torch.compile (eager is the default: it
 measured no slower on CPU, and stays the tested reference).
+
+With `prompt_cache=` bytes (quill serve's default; off elsewhere) the engine keeps the KV of recent
+sequences across rows (inference/prompt_cache.py): each prompt once prefilled, and a row's prompt
+and generated tokens when it is released (not when it failed). A new row whose prompt starts with
+a cached sequence (ids compared exactly) gets that prefix's KV copied into its row of the static
+cache and prefills only the rest, so its tokens are those it gets without the cache. Only KV whose
+positions start at 0 and are still in the row is kept: not past a window's ring, a learned-position
+refill or a cropped prompt; a prefix-LM and a variant without the static cache have none
+(`prompt_cache_note` says why). `prefilled` counts the tokens prefills ran.
 """
 
 from __future__ import annotations

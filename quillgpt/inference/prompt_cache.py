@@ -139,4 +139,3 @@ class PromptCache:
     def summary(self) -> dict[str, int]:
         """/health's figures: entries, bytes held and allowed, and the stats."""
         return {"entries": len(self), "bytes": self.nbytes, "budget_bytes": self.budget, **vars(self.stats)}
-

@@ -6,7 +6,7 @@ rows whose KV cannot be reused are left alone, and say so."""
 
 import pytest
 import torch
-from support import VARIANTS, V, random_model
+from support import V, random_model
 
 from quillgpt import native
 from quillgpt.config import ModelConfig
@@ -132,7 +132,7 @@ def test_a_cached_prefix_continues_exactly_as_uncached_prefilling_only_the_rest(
     assert cached[:3] == [0, len(SYSTEM), len(SYSTEM) + 3]  # the shared system prompt, then the longer match
     # the turn before's prompt and reply but its last token (drawn, never run)
     assert cached[3:] == [len(SYSTEM) + 2 + 2, len(SYSTEM) + 2 + 3 + 1 + 2]
-    for (toks, c, prefilled), (_, _, whole) in zip(on, off):
+    for (_, c, prefilled), (_, _, whole) in zip(on, off):
         assert prefilled == whole - c  # only the suffix ran
     stats = on_engine.prompt_cache.stats
     assert stats.hits == 4 and stats.cached_tokens == sum(cached)
