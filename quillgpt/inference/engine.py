@@ -587,11 +587,15 @@ class Engine(Rows):
         """Rows._claim; where the prompt cache holds a prefix of the prompt (ids compared exactly),
         that prefix's KV, loaded at the prefill, and only the rest to run (the last token at least:
         its logits). A cropped prompt neither reads nor leaves an entry: its keys are not those of
-        its own positions from the first token."""
+        its own positions from the first token. A row asking for logprobs leaves its KV but reads
+        none: its logprobs stay bit for bit those of its whole prompt's prefill (a cached prefix's
+        agree to float rounding)."""
         r, row, ids = super()._claim(p)
         if self.prompt_cache is None or len(ids) < len(p.ids):
             return r, row, ids
         row.ids = list(p.ids)
+        if p.logprobs is not None:
+            return r, row, ids
         entry, n = self.prompt_cache.lookup(p.ids, most=min(len(p.ids) - 1, self.capacity))
         if entry is not None:
             row.reuse, row.cached = entry.kv[:, :, :, :n], n  # a view: the KV lives while the row needs it

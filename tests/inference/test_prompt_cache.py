@@ -170,6 +170,17 @@ def test_quantized_rows_of_the_native_step_read_their_float16_cache_alike(scheme
     assert sum(c for _, c, _ in on) > 0 and engine.prompt_cache.nbytes > 0
 
 
+def test_a_row_asking_for_logprobs_reads_nothing_so_they_stay_bit_for_bit():
+    model = random_model("rope")
+    engine = Engine(model, 1, prompt_cache=10**6)
+    run(engine, SYSTEM + [1, 2])
+    plain = Engine(model, 1).add(SYSTEM + [1, 2, 3], GREEDY, logprobs=3)
+    first = engine.add(SYSTEM + [1, 2, 3], GREEDY, logprobs=3)
+    assert first.cached == 0 and first.logprob == plain.logprob
+    engine.release(first.row)
+    assert engine.add(SYSTEM + [1, 2, 3, 4], GREEDY).cached > 0  # and it left its KV
+
+
 def test_a_budget_smaller_than_a_row_keeps_the_start_that_fits():
     model = random_model("rope")
     per_token = 2 * model.config.n_layer * model.config.kv_heads * model.config.head_size * 4 + ID_BYTES
