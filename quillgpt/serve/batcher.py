@@ -6,7 +6,8 @@ decode step advances every active row, each with its own sampling settings and s
 tokens are the ones it gets alone. Rows join, step, finish and leave through the one driver,
 inference.driver.TextBatch, which turns each job's tokens into text with its own `TextStream`
 (UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side through the
-job's `emit` callback. Work that must not run beside a decode step (the attention view) is
+job's `emit` callback, with how many of its prompt tokens the engine's prompt cache held (the
+usage's cached_tokens). Work that must not run beside a decode step (the attention view) is
 queued as a plain call and runs between steps. A row that fails (engine.RowFailed) fails its
 job alone; when the engine's last step failed for every row in it, `problem` says so (/health).
 """
