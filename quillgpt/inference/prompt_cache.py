@@ -18,25 +18,26 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from torch import Tensor
 
 MAX_ENTRIES = 256  # a lookup compares the prompt with every entry
 DEFAULT_TOKENS = 65_536  # the default budget's tokens (e.g. 16 conversations of 4,096), memory permitting
 DEFAULT_SHARE = 4  # ... and at most this fraction (1/4) of the memory free when the server starts
-ID_BYTES = 8  # an entry's ids, counted in its bytes
+ID_BYTES = 8  # an entry's ids (int64), counted in its bytes
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids a and b (tuples, or both lists) share: a binary search over slice
-    comparisons, which run in C (a prompt of thousands of ids against a few hundred entries)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids a and b share (one vectorized compare: a prompt of thousands of ids
+    against a few hundred entries)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def as_ids(ids: Sequence[int]) -> np.ndarray:
+    """Token ids as the cache keeps and compares them: int64."""
+    return np.asarray(ids, dtype=np.int64)
 
 
 def default_budget(kv_bytes_per_token: int, free_bytes: int | None) -> int:
@@ -50,7 +51,7 @@ def default_budget(kv_bytes_per_token: int, free_bytes: int | None) -> int:
 class Entry:
     """A cached sequence: its ids and their KV (n_layer, 2, kv_heads, len(ids), head_dim)."""
 
-    ids: tuple[int, ...]
+    ids: np.ndarray  # int64
     kv: Tensor
 
     @property
@@ -88,7 +89,7 @@ class PromptCache:
     def lookup(self, ids: Sequence[int], most: int | None = None) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `ids` and that prefix's length, at most `most`
         (None, 0 where no entry shares a first id); the entry becomes the most recently used."""
-        ids, most = tuple(ids), len(ids) if most is None else most
+        ids, most = as_ids(ids), len(ids) if most is None else most
         best, found = None, 0
         for key, entry in self._entries.items():
             n = common_prefix(entry.ids, ids)
@@ -106,19 +107,19 @@ class PromptCache:
 
     def covers(self, ids: Sequence[int]) -> bool:
         """Whether an entry holds `ids` whole (then storing them again adds nothing)."""
-        ids = tuple(ids)
-        return any(len(e.ids) >= len(ids) and e.ids[: len(ids)] == ids for e in self._entries.values())
+        ids = as_ids(ids)
+        return any(common_prefix(e.ids, ids) == len(ids) for e in self._entries.values())
 
     def insert(self, ids: Sequence[int], kv: Tensor) -> bool:
         """Store `ids` with their KV (kv.shape[3] == len(ids)); False where it alone exceeds the
         budget. Entries whose ids are a prefix of these go; then the least recently used, until
         everything fits."""
-        entry = Entry(tuple(ids), kv)
+        entry = Entry(as_ids(ids), kv)
         if kv.shape[3] != len(entry.ids):
             raise ValueError(f"the KV holds {kv.shape[3]} positions for {len(entry.ids)} ids")
-        if entry.nbytes > self.budget or not entry.ids:
+        if entry.nbytes > self.budget or len(entry.ids) == 0:
             return False
-        for key in [k for k, e in self._entries.items() if entry.ids[: len(e.ids)] == e.ids]:
+        for key in [k for k, e in self._entries.items() if common_prefix(e.ids, entry.ids) == len(e.ids)]:
             self._drop(key)
         while self._entries and (self.nbytes + entry.nbytes > self.budget or len(self._entries) >= self.max_entries):
             self.evict()

@@ -11,7 +11,7 @@ from support import V, random_model
 from quillgpt import native
 from quillgpt.config import ModelConfig
 from quillgpt.inference.engine import Engine, Prompt, RowFailed
-from quillgpt.inference.prompt_cache import ID_BYTES, PromptCache, common_prefix, default_budget
+from quillgpt.inference.prompt_cache import ID_BYTES, PromptCache, as_ids, common_prefix, default_budget
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import quantize
 from quillgpt.sampling_params import SamplingParams
@@ -33,11 +33,14 @@ def entry_bytes(n: int) -> int:
 
 
 def test_common_prefix():
-    assert common_prefix((1, 2, 3), (1, 2, 4)) == 2
-    assert common_prefix((1, 2, 3), (1, 2, 3, 4)) == 3
-    assert common_prefix((5,), (1, 2)) == 0
-    assert common_prefix((), (1,)) == 0
-    assert common_prefix(tuple(range(1000)), tuple(range(999)) + (7,)) == 999
+    def common(a, b):
+        return common_prefix(as_ids(a), as_ids(b))
+
+    assert common([1, 2, 3], [1, 2, 4]) == 2
+    assert common([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common([5], [1, 2]) == 0
+    assert common([], [1]) == 0
+    assert common(range(1000), [*range(999), 7]) == 999
 
 
 def test_lookup_finds_the_longest_shared_prefix_and_never_matches_past_a_different_id():
@@ -45,7 +48,7 @@ def test_lookup_finds_the_longest_shared_prefix_and_never_matches_past_a_differe
     cache.insert([1, 2, 3, 4], kv(4, 1.0))
     cache.insert([1, 2, 9], kv(3, 2.0))
     entry, n = cache.lookup([1, 2, 3, 4, 5])
-    assert n == 4 and entry.ids == (1, 2, 3, 4)
+    assert n == 4 and entry.ids.tolist() == [1, 2, 3, 4]
     entry, n = cache.lookup([1, 2, 9, 9])
     assert n == 3 and float(entry.kv[0, 0, 0, 0, 0]) == 2.0
     assert cache.lookup([1, 2, 3, 4, 5], most=2)[1] == 2  # the engine keeps the last token to run
