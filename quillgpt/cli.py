@@ -325,6 +325,11 @@ def serve_cmd(
         None, "--cors", help="Allow browser pages from this origin (e.g. http://localhost:3000) to call the API; default: none."
     ),
     compile: bool = COMPILE_OPT,
+    prompt_cache_mb: int | None = count_option(
+        None,
+        "--prompt-cache-mb",
+        help="MiB of recent prompts' KV kept, so a prompt that starts with one (a chat's next turn, a shared system prompt) prefills only the rest; 0: off. Default: 64k tokens' KV, at most a quarter of the free memory.",
+    ),
 ) -> None:
     """Serve a model over HTTP: an OpenAI-compatible API at /v1 and a web page at /.
 
@@ -348,6 +353,7 @@ def serve_cmd(
         quantize=quant,
         cors=cors,
         compile=compile,
+        prompt_cache_mb=prompt_cache_mb,
     )
 
 

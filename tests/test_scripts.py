@@ -36,6 +36,7 @@ SMOKE = {  # script → extra arguments of its smoke run
     "bench_tasks.py": [],
     "finetune_recipe.py": [],
     "fuzz.py": [],
+    "load_chat.py": [],
     "load_serve.py": [],
     "make_chat_data.py": [],
     "passkey.py": ["--generate", "20"],

@@ -149,6 +149,7 @@ class Piece:
     tokens: int
     error: RowFailed | None = None
     logprob: TokenLogprob | None = None  # joined with logprobs=N: the token's logprob and the top N
+    cached: int = 0  # a row's first Piece: its prompt tokens read from the engine's prompt cache
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ class TextBatch:
         if finish is not None:
             del self._rows[rt.row]
             del self._where[text_row.key]
-        return Piece(text_row.key, rt.token, text, finish, text_row.tokens, error, rt.logprob)
+        return Piece(text_row.key, rt.token, text, finish, text_row.tokens, error, rt.logprob, rt.cached)
 
     @staticmethod
     def _text(stream: TextStream | None, token: int, finish: Finish | None) -> tuple[str, Finish | None]:

@@ -30,6 +30,15 @@ the engine: the model's blocks as one native call where they run it (`native=Fal
 over a KV cache of `cache_dtype` (default: float16 where the step runs natively, else the model's
 dtype). `compile=True` runs the decode step through torch.compile (eager is the default: it
 measured no slower on CPU, and stays the tested reference).
+
+With `prompt_cache=` bytes (quill serve's default; off elsewhere) the engine keeps the KV of recent
+sequences across rows (inference/prompt_cache.py): each prompt once prefilled, and a row's prompt
+and generated tokens when it is released (not when it failed). A new row whose prompt starts with
+a cached sequence (ids compared exactly) gets that prefix's KV copied into its row of the static
+cache and prefills only the rest, so its tokens are those it gets without the cache. Only KV whose
+positions start at 0 and are still in the row is kept: not past a window's ring, a learned-position
+refill or a cropped prompt; a prefix-LM and a variant without the static cache have none
+(`prompt_cache_note` says why). `prefilled` counts the tokens prefills ran.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -49,9 +58,10 @@ from quillgpt.errors import QuillError
 from quillgpt.inference import native_decoder
 from quillgpt.inference.compiled_step import compiled_step
 from quillgpt.inference.native_decoder import Decoder
+from quillgpt.inference.prompt_cache import ID_BYTES, PromptCache, default_budget
 from quillgpt.inference.sampling import row_generator, sample_rows
 from quillgpt.model.gpt import GPT
-from quillgpt.model.kv_cache import Cache
+from quillgpt.model.kv_cache import EMPTY_POS, Cache
 from quillgpt.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -88,6 +98,7 @@ class RowToken:
     finish: Finish | None = None
     error: RowFailed | None = None
     logprob: TokenLogprob | None = None  # with add(logprobs=N): the token's log-probability and the top N
+    cached: int = 0  # a row's first token: how many of its prompt's tokens came from the prompt cache
 
 
 @dataclass
@@ -142,6 +153,9 @@ class _Row:
     logprobs: int | None = None  # report each token's logprob and the top N (None: not asked)
     cache: Cache | None = field(default=None, repr=False)  # a row's own cache (variants without the static cache)
     constraint: Constraint | None = None  # the tokens it may draw (None: any, and no mask work)
+    ids: list[int] | None = None  # prompt + generated, while the row's KV may go to the prompt cache
+    cached: int = 0  # prompt tokens whose KV came from the prompt cache
+    reuse: Tensor | None = field(default=None, repr=False)  # that KV, until the prefill has loaded it
 
 
 def check_prompt(ids: list[int], vocab_size: int, what: str = "the prompt") -> None:
@@ -328,7 +342,7 @@ class Rows:
         lp = None if row.logprobs is None else token_logprobs(logits[None], torch.tensor([tok], device=self.device), row.logprobs)[0]
         self._started(r, row, tok)
         rt = self._advance(r, tok)
-        rt.logprob = lp
+        rt.logprob, rt.cached = lp, row.cached
         return rt
 
     @torch.inference_mode()
@@ -362,6 +376,8 @@ class Rows:
         return {r: TokenLogprob(f.logprob, f.top[: self._rows[r].logprobs]) for r, f in zip(asked, found)}
 
     def _fail(self, r: int, error: RowFailed) -> RowToken:
+        if self._rows[r] is not None:
+            self._rows[r].ids = None  # a failed row's KV is not kept
         self.release(r)
         return RowToken(r, -1, "error", error)
 
@@ -458,6 +474,8 @@ class Rows:
         row = self._rows[r]
         row.new, row.length = row.new + 1, row.length + 1
         row.tokens.append(tok)
+        if row.ids is not None:
+            row.ids.append(tok)
         done = False
         if row.constraint is not None and tok not in row.stop_ids:
             try:
@@ -491,12 +509,15 @@ class Engine(Rows):
         memory_fix: str = MEMORY_FIX,
         cache_dtype: torch.dtype | None = None,
         native: bool = True,
+        prompt_cache: int | None = 0,
     ) -> None:
         super().__init__(model, max_rows, dtype, unit, capacity, memory_fix)
         self.static = self.variant.static_cache
         self.decoder = Decoder(self.model, native)  # the decode step: native where the model runs it, else op by op
         self.cache_dtype = cache_dtype or self.decoder.cache_dtype
         self.cache = self.model.make_cache(max_rows, self.capacity, dtype=self.cache_dtype) if self.static else None
+        self.prefilled = 0  # tokens run through a prefill (a prompt's cached prefix is not)
+        self.prompt_cache, self.prompt_cache_note = self._make_prompt_cache(prompt_cache)
         self._tok = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # each row's newest token
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # ... and its position
         self._live = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # 1: decodes, pos advances
@@ -511,6 +532,31 @@ class Engine(Rows):
         if self.compiled:  # CUDA: fixed shapes over every slot, for CUDA graphs; CPU: dynamic in n_keys
             self._compiled = compiled_step(self.model, cuda=self._all_slots, native=self.decoder.native)
             self._widths = [max_rows]
+
+    def _make_prompt_cache(self, budget: int | None) -> tuple[PromptCache | None, str]:
+        """The prompt cache of `budget` bytes (None: prompt_cache.default_budget; 0: none), and a
+        note: its size, or why there is none."""
+        cfg = self.model.config
+        per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * self.cache_dtype.itemsize
+        self._cache_most = 0  # the longest entry that fits
+        if budget == 0:
+            return None, "off"
+        if not self.static:
+            return None, "off: the variant keeps a memory of its own per row, not the static KV cache"
+        if self.variant.bidirectional_prefix:
+            return None, "off: a prefix-LM's prompt attends both ways, so a prompt's keys depend on its last token"
+        if budget is None:
+            budget = default_budget(per_token, available_bytes(self.device))
+        self._cache_most = budget // (per_token + ID_BYTES)
+        if self._cache_most < 1:
+            return None, f"off: {budget:,} bytes hold no token's KV ({per_token:,} bytes a token)"
+        return PromptCache(budget), f"up to {budget / 2**20:,.0f} MiB ({self._cache_most:,} tokens of KV)"
+
+    def prompt_cache_summary(self) -> dict[str, Any]:
+        """The prompt cache's figures (prompt_cache.PromptCache.summary) and its note; or why it is off."""
+        if self.prompt_cache is None:
+            return {"enabled": False, "note": self.prompt_cache_note}
+        return {"enabled": True, "note": self.prompt_cache_note, **self.prompt_cache.summary()}
 
     @torch.inference_mode()
     def warm(self) -> float:
@@ -530,8 +576,53 @@ class Engine(Rows):
         return self.compile_s
 
     def release(self, row: int) -> None:
+        """Rows.release; a row that ran (not failed) first leaves its KV to the prompt cache."""
+        state = self._rows[row]
+        if self.prompt_cache is not None and state is not None and state.ids is not None and state.new > 0:
+            self._store(row, state.ids, state.length - 1)  # the newest token was drawn, not yet run
         super().release(row)
         self._set(row, live=0, pos=0, tok=0)  # an idle row keeps decoding harmlessly at position 0
+
+    def _claim(self, p: Prompt) -> tuple[int, _Row, list[int]]:
+        """Rows._claim; where the prompt cache holds a prefix of the prompt (ids compared exactly),
+        that prefix's KV, loaded at the prefill, and only the rest to run (the last token at least:
+        its logits). A cropped prompt neither reads nor leaves an entry: its keys are not those of
+        its own positions from the first token. A row asking for logprobs leaves its KV but reads
+        none: its logprobs stay bit for bit those of its whole prompt's prefill (a cached prefix's
+        agree to float rounding)."""
+        r, row, ids = super()._claim(p)
+        if self.prompt_cache is None or len(ids) < len(p.ids):
+            return r, row, ids
+        row.ids = list(p.ids)
+        if p.logprobs is not None:
+            return r, row, ids
+        entry, n = self.prompt_cache.lookup(p.ids, most=min(len(p.ids) - 1, self.capacity))
+        if entry is not None:
+            row.reuse, row.cached = entry.kv[:, :, :, :n], n  # a view: the KV lives while the row needs it
+        return r, row, ids[n:]
+
+    def _load(self, r: int, kv: Tensor) -> None:
+        """Row r's first n positions from a prompt cache entry's (n_layer, 2, kv_heads, n, hd) KV."""
+        n = kv.shape[3]
+        for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+            k[r, :, :n] = kv[layer, 0]
+            v[r, :, :n] = kv[layer, 1]
+        self.cache.pos[r, :n] = torch.arange(n, device=self.device)
+
+    def _store(self, r: int, ids: list[int], n: int) -> None:
+        """Copy row r's first n positions (the tokens ids[:n]) into the prompt cache, as far as they
+        fit its budget, unless an entry holds them already or the ring has overwritten them."""
+        n = min(n, self.capacity, self._cache_most)
+        if n < 1 or self.prompt_cache.covers(ids[:n]):
+            return
+        if not bool((self.cache.pos[r, :n] == torch.arange(n, device=self.device)).all()):
+            return
+        k0 = self.cache.k[0]
+        kv = torch.empty((len(self.cache.k), 2, k0.shape[1], n, k0.shape[3]), dtype=k0.dtype, device=self.device)
+        for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+            kv[layer, 0] = k[r, :, :n]
+            kv[layer, 1] = v[r, :, :n]
+        self.prompt_cache.insert(ids[:n], kv)
 
     def _set(self, row: int, live: int, pos: int, tok: int) -> None:
         self._live[row], self._pos[row], self._tok[row] = live, pos, tok
@@ -540,7 +631,8 @@ class Engine(Rows):
         return self.context if self.crops else 1  # a refill needs the crop window; else the cache has the rest
 
     def _start(self, row: _Row, ids: list[int]) -> int:
-        return 0 if self.crops else row.length - len(ids)  # RoPE: a crop keeps absolute positions
+        # learned: a crop starts at 0; RoPE: a crop keeps absolute positions; a cached prefix comes first
+        return row.cached if self.crops else row.length - len(ids)
 
     def _prefill_groups(self, claimed: list[tuple[_Row, list[int]]]) -> list[list[int]]:
         """The static cache: rows whose prompts have one length and start prefill as one batch."""
@@ -552,14 +644,29 @@ class Engine(Rows):
         return list(groups.values())
 
     def _first_logits(self, rs: list[int], rows: list[_Row], ids: list[list[int]]) -> Tensor:
-        return self.prefill_rows(rs, ids, self._start(rows[0], ids[0]))
+        """The rows' prefill, after their cached prefixes are loaded (anew at each try: a failed
+        forward may have written part of a row)."""
+        start = self._start(rows[0], ids[0])
+        if not self.static:
+            return self.prefill_rows(rs, ids, start)
+        for r, row in zip(rs, rows):
+            self.cache.reset(r)
+            if row.reuse is not None:
+                self._load(r, row.reuse)
+        logits = self.prefill_rows(rs, ids, start)
+        for row in rows:
+            row.reuse = None
+        return logits
 
     def _started(self, r: int, row: _Row, tok: int) -> None:
         self._set(r, live=1, pos=row.length, tok=tok)  # the new token's position (learned: refill if past)
+        if row.ids is not None:  # the prompt, for other rows now: a shared system prompt
+            self._store(r, row.ids, row.length)
 
     def prefill(self, r: int, ids: list[int], start: int = 0) -> Tensor:
-        """Forget row r's tokens and run `ids` at positions start.. into it: (V,) float logits of
-        the last token."""
+        """Forget row r's tokens from position start on and run `ids` at positions start.. into it,
+        after the positions before start that it holds (a prompt cache's prefix; none after a
+        reset): (V,) float logits of the last token."""
         return self.prefill_rows([r], [ids], start)[0]
 
     def prefill_rows(self, rs: list[int], ids: list[list[int]], start: int = 0) -> Tensor:
@@ -568,9 +675,10 @@ class Engine(Rows):
         without the static cache: one row, given its own cache)."""
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)  # (n, T)
         pos = torch.arange(start, start + idx.shape[1], device=self.device)[None]
+        self.prefilled += idx.numel()
         if self.static:
             for r in rs:
-                self.cache.reset(r)
+                self._forget(r, start)
             cache, rows = self.cache, torch.tensor(rs, device=self.device)
         else:
             (r,) = rs
@@ -579,6 +687,13 @@ class Engine(Rows):
         prefix = torch.full((len(rs),), idx.shape[1], device=self.device) if self.variant.bidirectional_prefix else None
         logits, _ = self.model(idx, pos=pos, cache=cache, rows=rows, prefix_len=prefix)  # the prompt: the prefix
         return logits[:, -1].float()
+
+    def _forget(self, r: int, start: int) -> None:
+        """Forget row r's keys from position start on (all of them from 0)."""
+        if start == 0:
+            self.cache.reset(r)
+        else:
+            self.cache.pos[r].masked_fill_(self.cache.pos[r] >= start, EMPTY_POS)
 
     def _width(self, active: list[int]) -> int:
         need = max(active) + 1  # (add takes the lowest free row: busy rows gather at the start)
@@ -634,5 +749,5 @@ class Engine(Rows):
 
     def _continue(self, r: int, row: _Row, tok: int) -> None:
         if self.crops and row.length > self.context and not row.refill:
-            row.refill = True  # positions would pass block_size: crop and refill from now on
+            row.refill, row.ids = True, None  # positions would pass block_size: crop and refill from now on
             self._set(r, live=0, pos=0, tok=0)

@@ -6,7 +6,8 @@ decode step advances every active row, each with its own sampling settings and s
 tokens are the ones it gets alone. Rows join, step, finish and leave through the one driver,
 inference.driver.TextBatch, which turns each job's tokens into text with its own `TextStream`
 (UTF-8-safe, stop strings); text and the finish reason go back to the HTTP side through the
-job's `emit` callback. Work that must not run beside a decode step (the attention view) is
+job's `emit` callback, with how many of its prompt tokens the engine's prompt cache held (the
+usage's cached_tokens). Work that must not run beside a decode step (the attention view) is
 queued as a plain call and runs between steps. A row that fails (engine.RowFailed) fails its
 job alone; when the engine's last step failed for every row in it, `problem` says so (/health).
 """
@@ -45,6 +46,7 @@ class Event:
     tokens: int = 0  # completion tokens so far
     status: int = 500  # with finish "error": the HTTP status it maps to
     logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # a job with logprobs: its new tokens since the last event
+    cached: int = 0  # prompt tokens read from the engine's prompt cache (usage.prompt_tokens_details)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Job:
     logprobs: int | None = None  # report each token's logprob and the top N
     constraint: Constraint | None = None  # response_format / a forced tool call: the tokens it may draw
     tokens: int = 0
+    cached: int = 0  # of its prompt's tokens, those the engine's prompt cache held
     pending: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # logprobs not yet emitted (text held back)
     cancelled: threading.Event = field(default_factory=threading.Event)
     admitted: bool = False  # prefilled into a row (set under the batcher's lock)
@@ -130,11 +133,12 @@ class Batcher:
             return "the engine thread has stopped"
         return None if self._failure is None else f"the engine's last step failed: {self._failure}"
 
-    def load(self) -> dict[str, int]:
-        """/health's figures: rows at work, choices waiting, the batch's size and, where they give
-        way to other processes, the engine's threads now."""
+    def load(self) -> dict[str, Any]:
+        """/health's figures: rows at work, choices waiting, the batch's size, where they give way
+        to other processes the engine's threads now, and the prompt cache's size and hits."""
         threads = {} if self.threads is None else {"threads": self.threads.threads}
-        return {"active": len(self._rows), "waiting": self._queued, "max_batch": self.engine.max_rows, **threads}
+        cache = {"prompt_cache": self.engine.prompt_cache_summary()}  # read while the engine thread works: plain ints
+        return {"active": len(self._rows), "waiting": self._queued, "max_batch": self.engine.max_rows, **threads, **cache}
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new work, end the jobs still running (as errors) and join the thread."""
@@ -250,6 +254,7 @@ class Batcher:
             return
         for job, first in zip(jobs, firsts):
             self._failure = None if first.error is None else str(first.error)  # a failed prefill: the engine released its row
+            job.cached = first.cached
             self._rows[id(job)] = job
             self._deliver(first)
 
@@ -269,4 +274,4 @@ class Batcher:
             job.pending.append((piece.token, piece.logprob))
         if piece.text or finish:
             logprobs, job.pending = job.pending, []
-            job.emit(Event(job.index, piece.text, finish, job.tokens, logprobs=logprobs))
+            job.emit(Event(job.index, piece.text, finish, job.tokens, logprobs=logprobs, cached=job.cached))

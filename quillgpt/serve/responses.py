@@ -37,6 +37,7 @@ class Reply:
     prompt_tokens: int
     include_usage: bool = False
     completion_tokens: int = 0  # so far: the access log's count (serve/access_log.py)
+    cached_tokens: int = 0  # of prompt_tokens, those read from the engine's prompt cache
     streamed: bool = False  # a stream was started...
     completed: bool = False  # ...and its last event ([DONE]) was taken by the server: not cut
     created: int = field(default_factory=lambda: int(time.time()))
@@ -49,11 +50,12 @@ class Reply:
         kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def chunk(

@@ -74,6 +74,7 @@ class ServeOptions:
     attention_max_tokens: int = 128  # the attention view keeps the last tokens: T×T weights per head get large fast
     cors: str | None = None
     body_timeout_s: float = 30.0  # a request body must arrive whole within this (a stalled upload is 408)
+    prompt_cache_mb: int | None = None  # the engine's prompt cache (None: sized from the KV and memory; 0: off)
 
 
 def create_app(run: LoadedRun, batcher: Batcher, options: ServeOptions) -> FastAPI:
@@ -528,7 +529,7 @@ class Routes:
                 for job in jobs:
                     text, lp = out.first(self.run.tokenizer, job.index)
                     yield sse(reply.chunk(job.index, text, logprobs=lp))
-            left, tokens = len(jobs), {}
+            left, tokens, cached = len(jobs), {}, {}
             while left:
                 first = await self.drain.next_event(events)
                 batch = [first or _shutdown_event()]
@@ -545,7 +546,8 @@ class Routes:
                 if shown:
                     yield "".join(self._chunk(reply, out, m) for m in shown)
                 tokens.update((m.index, m.tokens) for m in merged.values())
-                reply.completion_tokens = sum(tokens.values())
+                cached.update((e.index, e.cached) for e in batch)
+                reply.completion_tokens, reply.cached_tokens = sum(tokens.values()), out.cached_prompt_tokens(cached)
                 left -= sum(m.finish is not None for m in merged.values())
             else:
                 if reply.include_usage:
@@ -571,7 +573,7 @@ class Routes:
         texts: list[list[str]] = [[] for _ in jobs]
         entries: list[list[tuple]] = [[] for _ in jobs]
         finishes: list[str | None] = [None] * len(jobs)
-        tokens = [0] * len(jobs)
+        tokens, cached = [0] * len(jobs), {}
         gone = asyncio.ensure_future(_disconnected(request))
         self.drain.running += 1
         try:
@@ -587,7 +589,8 @@ class Routes:
                 texts[event.index].append(event.text)
                 entries[event.index] += event.logprobs
                 tokens[event.index] = event.tokens
-                reply.completion_tokens = sum(tokens)
+                cached[event.index] = event.cached
+                reply.completion_tokens, reply.cached_tokens = sum(tokens), out.cached_prompt_tokens(cached)
                 finishes[event.index] = event.finish
         finally:
             self.drain.running -= 1
@@ -636,6 +639,11 @@ class Output:
             if e.finish is not None:
                 ended.append(self.held.pop(e.index))
         return ended
+
+    def cached_prompt_tokens(self, by_choice: dict[int, int]) -> int:
+        """usage's cached prompt tokens: each prompt's, as its first choice found them (choices
+        share their prompt, counted once in prompt_tokens)."""
+        return sum(n for index, n in by_choice.items() if index % self.per_choice == 0)
 
     def first(self, tok: Any, index: int) -> tuple[str, dict[str, Any] | None]:
         """Choice `index`'s echo: its prompt's text and logprobs (the start of its text_offset)."""

@@ -30,8 +30,9 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch.dtype | None = None, compile: bool = False) -> FastAPI:
-    """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows; compile: its
-    decode step compiled here (Engine.warm), before any request can wait for it."""
+    """A FastAPI app serving `run` (a LoadedRun) with an Engine of `max_batch` rows and a prompt
+    cache of options.prompt_cache_mb; compile: its decode step compiled here (Engine.warm),
+    before any request can wait for it."""
     from quillgpt.cpu_share import FIRST_LOOK_S, CpuShare
     from quillgpt.device import release_thread_pool
     from quillgpt.inference.engine import Engine
@@ -40,12 +41,14 @@ def make_app(run: LoadedRun, options: ServeOptions, max_batch: int, dtype: torch
 
     tokens = options.max_prompt_tokens + options.max_tokens  # the most a request's row can hold
     fix = "serve fewer rows at once (--max-batch) or use a smaller dtype (--dtype bfloat16)"
-    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens, memory_fix=fix, compile=compile)
+    budget = None if options.prompt_cache_mb is None else options.prompt_cache_mb * 2**20
+    engine = Engine(run.model, max_rows=max_batch, dtype=dtype, capacity=tokens, memory_fix=fix, compile=compile, prompt_cache=budget)
     compile_s = engine.warm()
     release_thread_pool()  # the batcher's thread runs the engine from here on
     threads = CpuShare.for_run(run.model.device, first_s=FIRST_LOOK_S)  # given way between steps as load changes
     app = create_app(run, Batcher(engine, max_waiting=options.max_waiting, threads=threads), options)
     app.state.compiled, app.state.compile_s = engine.compiled, compile_s
+    app.state.prompt_cache = engine.prompt_cache_note
     return app
 
 
@@ -112,6 +115,7 @@ def serve(
     quantize: str = "none",
     cors: str | None = None,
     compile: bool = False,
+    prompt_cache_mb: int | None = None,
     drain_s: float = 5.0,
     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> None:
@@ -122,10 +126,10 @@ def serve(
     require_extra()
     from quillgpt.serve.routes import ServeOptions
 
-    _check_settings(max_batch, max_tokens, port, api_key)
+    _check_settings(max_batch, max_tokens, port, api_key, prompt_cache_mb)
     load = LoadOptions.parse(device=device, dtype=dtype, quantize=quantize, which=which, rows=max_batch, compile=compile)
     run = load_run(ckpt, load)  # int8 kernels measured at the engine's decode batch
-    options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors)
+    options = ServeOptions(model_id=model_id(ckpt), api_key=api_key, max_tokens=max_tokens, cors=cors, prompt_cache_mb=prompt_cache_mb)
     if compile:
         announce("compiling the decode step (30-60 s the first time on a machine, seconds from inductor's cache)")
     app = make_app(run, options, max_batch, compile=load.compile)
@@ -137,7 +141,7 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     announce(
         f"serving {run.path} (step {run.step}) as model {options.model_id!r}: http://{shown}:{bound}/ "
-        f"(OpenAI API at /v1, up to {max_batch} rows at once{weights})"
+        f"(OpenAI API at /v1, up to {max_batch} rows at once{weights}; prompt cache {app.state.prompt_cache})"
     )
     if host not in LOOPBACK and api_key is None:
         announce(f"warning: listening on {host} without an API key: anyone who can reach it can use the model")
@@ -145,7 +149,7 @@ def serve(
     announce("stopped")
 
 
-def _check_settings(max_batch: int, max_tokens: int, port: int, api_key: str | None) -> None:
+def _check_settings(max_batch: int, max_tokens: int, port: int, api_key: str | None, prompt_cache_mb: int | None = None) -> None:
     """The server's own settings, each wrong one as one line (before the checkpoint loads)."""
     if not 1 <= max_batch <= 1024:
         raise QuillError(f"--max-batch must be between 1 and 1024, got {max_batch}")
@@ -153,6 +157,8 @@ def _check_settings(max_batch: int, max_tokens: int, port: int, api_key: str | N
         raise QuillError(f"--max-tokens must be at least 1, got {max_tokens}")
     if not 0 <= port <= 65535:
         raise QuillError(f"--port must be between 0 and 65535, got {port}")
+    if prompt_cache_mb is not None and prompt_cache_mb < 0:
+        raise QuillError(f"--prompt-cache-mb must be 0 (off) or more, got {prompt_cache_mb}")
     if api_key is not None and not api_key.strip():  # "" from --api-key '' or QUILL_API_KEY= alike
         raise QuillError("the API key (--api-key or QUILL_API_KEY) is empty; pass a real key, or unset it to serve without one")
 
