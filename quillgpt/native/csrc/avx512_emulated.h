@@ -56,6 +56,7 @@ inline __m256i extracti64x4_epi64(m512i a, int i) { return _mm256_loadu_si256((c
 inline m512i broadcast_i32x4(__m128i a) { m512i r; for (int i = 0; i < 4; ++i) _mm_storeu_si128((__m128i*)(r.b + 16 * i), a); return r; }
 inline m512 castps128_ps512(__m128 a) { m512 r = setzero_ps(); _mm_storeu_ps(r.v, a); return r; }  // upper lanes: undefined in Intel's, zero here
 inline m512 permutexvar_ps(m512i idx, m512 a) { m512 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[lane<int32_t>(idx, i) & 15]; return r; }
+inline m512i set1_epi32(int v) { m512i r; for (int i = 0; i < 16; ++i) put<int32_t>(r, i, v); return r; }
 inline m512i set1_epi16(short v) { m512i r; for (int i = 0; i < 32; ++i) put<int16_t>(r, i, v); return r; }
 inline m512i srli_epi16(m512i a, unsigned n) { for (int i = 0; i < 32; ++i) put<uint16_t>(a, i, n > 15 ? 0 : uint16_t(lane<uint16_t>(a, i) >> n)); return a; }
 inline m512i and_si512(m512i a, m512i b) { for (int i = 0; i < 64; ++i) a.b[i] &= b.b[i]; return a; }
@@ -90,6 +91,7 @@ inline __m128 castps512_ps128(m512 a) { return _mm_loadu_ps(a.v); }
 #define _mm512_castps128_ps512 emu::castps128_ps512
 #define _mm512_permutexvar_ps emu::permutexvar_ps
 #define _mm512_set1_epi16 emu::set1_epi16
+#define _mm512_set1_epi32 emu::set1_epi32
 #define _mm512_srli_epi16 emu::srli_epi16
 #define _mm512_and_si512 emu::and_si512
 #define _mm512_add_ps emu::add_ps

@@ -37,10 +37,15 @@ static at::Tensor gemv(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t M = x.size(0), K = x.size(1);
   const Weights w = weights_of(q, s, o, K, format);
   Rounded r;
-  round_x(x.data_ptr<float>(), M, K, w.G, r);
+  round_room(M, K, r);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) round_row(xp, m, K, w.G, r);
+  });
   auto y = at::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (w.N + 15) / 16, 1, [&](int64_t c0, int64_t c1) { gemv_columns(w, r, M, yp, 16 * c0, std::min(w.N, 16 * c1)); });
+  auto columns = M >= GEMM_ROWS ? gemm_columns : gemv_columns;  // each thread a contiguous range of weight rows
+  at::parallel_for(0, (w.N + 15) / 16, 1, [&](int64_t c0, int64_t c1) { columns(w, r, M, yp, 16 * c0, std::min(w.N, 16 * c1)); });
   return y;
 }
 

@@ -2,6 +2,7 @@
 // library for one instruction set, the compiler's target (quillgpt/native/build.py picks -march):
 //   generic.cpp       the portable code: x rounded to int16, fp16 conversions, the plain kernels
 //   x86.cpp           the AVX2 and AVX-512 kernels (where this build targets either)
+//   gemm.cpp          the kernel for many activation rows (a prompt's forward), GEMM-blocked
 //   decode_block.cpp  pre-norm decoder blocks' decode step in one call, the greedy draw
 //   ops.cpp           the ops torch sees, declared once (TORCH_LIBRARY), and the weights' checks
 #pragma once
@@ -102,6 +103,13 @@ void round_x(const float* x, int64_t M, int64_t K, int64_t G, Rounded& r);
 // groups are the layout's. The decode block calls it inside its own parallel region; the gemv op
 // splits the columns over at::parallel_for, 16 at a time.
 void gemv_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1);
+
+// gemm.cpp: gemv_columns for many activation rows (the gemv op from GEMM_ROWS rows on): panels of
+// weight rows unpacked once per block of activation rows, register tiles of weight rows × activation
+// rows; the same sums as gemv_columns (the same rounded x). n0 a multiple of 16, n1 of 16 or N. A
+// build without AVX2 runs gemv_columns.
+constexpr int64_t GEMM_ROWS = 65;
+void gemm_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1);
 
 // softmax(q·kᵀ/√hd + bias)·v for one query head over S keys (rows ks apart; the cache float32 or
 // fp16), p: S floats of scratch, in vector registers: false where this build has no lanes for hd
