@@ -106,6 +106,43 @@ def test_group_gemv4_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(row
     torch.testing.assert_close(got, want, rtol=0, atol=float(1e-5 * bound.max()))
 
 
+def rounding_bound(x, q, s, o) -> torch.Tensor:
+    """How far the kernels may be from x·Wᵀ (W = q·s + o, float64) by their arithmetic, (rows, N):
+    x is rounded per block of 32 to a step of max|x|/32767, each input by at most half a step, so
+    |Δy| ≤ Σ|q·s|·step/2; and the sums run in float32 (int32 dot products per block, exact; their
+    scaling and the blocks', groups' and Σx's float sums, at most K/32 + group + G + 4 roundings
+    deep), each rounding at most 2⁻²⁴ of the sums of |terms|."""
+    rows, k = x.shape
+    n, groups = s.shape
+    qs = (q.double().view(n, groups, -1) * s.double()[:, :, None]).view(n, k).abs()
+    blocks = x.double().view(rows, k // 32, 32)
+    step = (blocks.abs().amax(-1, keepdim=True) / 32767).expand(-1, -1, 32).reshape(rows, k)
+    absx = x.double().abs()
+    terms = absx @ qs.t() + absx.view(rows, groups, -1).sum(-1) @ o.double().abs().t()
+    depth = k // 32 + k // groups + groups + 4
+    return (step / 2) @ qs.t() + depth * 2**-24 * terms
+
+
+GEMM_ROWS = [1, 63, 64, 65, 127, 300, 600]  # around the few-rows kernel's limit and the GEMM's tiles and blocks
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", GEMM_ROWS)
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 192, 64), (130, 640, 128), (33, 320, 32)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_rows_equal_the_dequantized_fp32_matmul_within_the_rounding_bound(bits, n, k, group, rows):
+    """Past 64 rows the op runs its GEMM (gemm.cpp): the same sums as the few-rows kernel, against
+    the float matmul of the dequantized weights within rounding_bound; widths no multiple of the
+    panel (16 weight rows) or the tile (12 activation rows), groups of 32, 64 and 128."""
+    x, q, s, o = (case4 if bits == 4 else case)(n, k, group, rows)
+    got = native.group_gemv4(x, native.pack4(q), s, o) if bits == 4 else native.group_gemv(x, native.interleave(q), s, o)
+    w = (q.double().view(n, k // group, group) * s.double()[:, :, None] + o.double()[:, :, None]).view(n, k)
+    want = x.double() @ w.t()
+    assert got.shape == (rows, n) and torch.isfinite(got).all()
+    assert ((got.double() - want).abs() <= rounding_bound(x, q, s, o)).all()
+    torch.testing.assert_close(got, reference(x, q, s, o), rtol=0, atol=float(1e-5 * want.abs().max()))  # x rounded as it rounds
+
+
 @needs_kernel
 def test_group_gemv_refuses_shapes_it_cannot_take():
     x, q, s, o = case(16, 64, 32, 1)
@@ -191,7 +228,7 @@ from quillgpt import native
 from test_kernels import case, case4, reference
 assert native.available(), native.why_not()
 errs = []
-for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2), (33, 128, 128, 2)]:
+for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2), (33, 128, 128, 2), (37, 192, 64, 70), (21, 128, 32, 130)]:
     x, q, s, o = case(n, k, group, rows)
     got, want = native.group_gemv(x, native.interleave(q), s, o), reference(x, q, s, o)
     errs.append(float((got - want).abs().max() / want.abs().max()))
@@ -211,8 +248,8 @@ print(json.dumps(errs))
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="x86-64 paths")
 @pytest.mark.parametrize("isa", ["avx2", "plain", "avx512-emulated"])
 def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
-    """The AVX2, plain-loop and AVX-512 paths, int8 and int4, the kernels and the native decode
-    block, built here with -march=haswell / x86-64 (a build each, cached); the AVX-512 one through
+    """The AVX2, plain-loop and AVX-512 paths, int8 and int4, the kernels (70 and 130 rows: the
+    GEMM's) and the native decode block, built here with -march=haswell / x86-64 (a build each, cached); the AVX-512 one through
     scalar stand-ins of its intrinsics (quillgpt/native/csrc/avx512_emulated.h), so it is checked on
     any AVX2 machine."""
     if not native.available():
