@@ -63,6 +63,24 @@ inline m512i and_si512(m512i a, m512i b) { for (int i = 0; i < 64; ++i) a.b[i] &
 inline m512 add_ps(m512 a, m512 b) { for (int i = 0; i < 16; ++i) a.v[i] += b.v[i]; return a; }
 inline m512 permute_ps(m512 a, int imm) { m512 r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[(i & ~3) + ((imm >> (2 * (i & 3))) & 3)]; return r; }
 inline __m128 castps512_ps128(m512 a) { return _mm_loadu_ps(a.v); }
+inline m512i unpacklo_epi32(m512i a, m512i b) {  // per 128-bit lane: a0 b0 a1 b1
+  m512i r;
+  for (int l = 0; l < 4; ++l) for (int k = 0; k < 2; ++k) put<int32_t>(r, 4 * l + 2 * k, lane<int32_t>(a, 4 * l + k)), put<int32_t>(r, 4 * l + 2 * k + 1, lane<int32_t>(b, 4 * l + k));
+  return r;
+}
+inline m512i unpackhi_epi32(m512i a, m512i b) {  // a2 b2 a3 b3
+  m512i r;
+  for (int l = 0; l < 4; ++l) for (int k = 0; k < 2; ++k) put<int32_t>(r, 4 * l + 2 * k, lane<int32_t>(a, 4 * l + 2 + k)), put<int32_t>(r, 4 * l + 2 * k + 1, lane<int32_t>(b, 4 * l + 2 + k));
+  return r;
+}
+inline m512i unpacklo_epi64(m512i a, m512i b) { m512i r; for (int l = 0; l < 4; ++l) put<int64_t>(r, 2 * l, lane<int64_t>(a, 2 * l)), put<int64_t>(r, 2 * l + 1, lane<int64_t>(b, 2 * l)); return r; }
+inline m512i unpackhi_epi64(m512i a, m512i b) { m512i r; for (int l = 0; l < 4; ++l) put<int64_t>(r, 2 * l, lane<int64_t>(a, 2 * l + 1)), put<int64_t>(r, 2 * l + 1, lane<int64_t>(b, 2 * l + 1)); return r; }
+inline m512i shuffle_i32x4(m512i a, m512i b, int imm) {  // 128-bit lanes: two of a, then two of b
+  m512i r;
+  for (int l = 0; l < 4; ++l) std::memcpy(r.b + 16 * l, (l < 2 ? a : b).b + 16 * ((imm >> (2 * l)) & 3), 16);
+  return r;
+}
+inline void storeu_si512(void* p, m512i a) { std::memcpy(p, a.b, 64); }
 }  // namespace emu
 #define __m512 emu::m512
 #define __m512i emu::m512i
@@ -92,6 +110,12 @@ inline __m128 castps512_ps128(m512 a) { return _mm_loadu_ps(a.v); }
 #define _mm512_permutexvar_ps emu::permutexvar_ps
 #define _mm512_set1_epi16 emu::set1_epi16
 #define _mm512_set1_epi32 emu::set1_epi32
+#define _mm512_unpacklo_epi32 emu::unpacklo_epi32
+#define _mm512_unpackhi_epi32 emu::unpackhi_epi32
+#define _mm512_unpacklo_epi64 emu::unpacklo_epi64
+#define _mm512_unpackhi_epi64 emu::unpackhi_epi64
+#define _mm512_shuffle_i32x4 emu::shuffle_i32x4
+#define _mm512_storeu_si512 emu::storeu_si512
 #define _mm512_srli_epi16 emu::srli_epi16
 #define _mm512_and_si512 emu::and_si512
 #define _mm512_add_ps emu::add_ps

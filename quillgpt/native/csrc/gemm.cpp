@@ -105,15 +105,77 @@ static void unpack_row(const Weights& w, int64_t n, int64_t i, int32_t* out) {
   }
 }
 
+#if defined(QUILL_AVX512)
+// r[j] lane i = r[i] lane j (16 × 16 int32): 32-bit, then 64-bit interleaves within 128-bit
+// lanes, then two rounds of 128-bit lane shuffles
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], 128-bit lane l: column 4l + c of rows i..i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), t[4 + c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    t[8 + c] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), t[12 + c] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88), r[4 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88), r[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xDD);
+  }
+}
+
+// unpack_row for 16 whole rows at once (four groups of 4 in the layout): each row's unit widened
+// to int16 (its int32 lane j then is its pair j), the 16 rows transposed into the panel's order,
+// where a scalar store per pair and row cost as much as the tiles' work on a block of rows
+template <Format F>
+static void unpack16(const Weights& w, int64_t n0, int32_t* out) {
+  const int64_t units = w.row_bytes / 32;
+  const uint8_t* q = w.q + n0 * w.row_bytes;
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  __m512i r[16], h[16];
+  for (int64_t u = 0; u < units; ++u) {
+    for (int i = 0; i < 16; ++i) {
+      const __m256i c = _mm256_loadu_si256((const __m256i*)unit<4>(q + (i / 4) * 4 * w.row_bytes, i % 4, u));
+      if constexpr (F == Format::INT4) {
+        const __m512i v = _mm512_cvtepu8_epi16(c);
+        r[i] = _mm512_and_si512(v, low), h[i] = _mm512_srli_epi16(v, 4);
+      } else {
+        r[i] = _mm512_cvtepi8_epi16(c);
+      }
+    }
+    transpose16(r);
+    int32_t* o = out + (F == Format::INT4 ? 32 : 16) * u * L;
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(o + j * L), r[j]);
+    if constexpr (F == Format::INT4) {
+      transpose16(h);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(o + (16 + j) * L), h[j]);
+    }
+  }
+}
+#endif
+
 // Weight rows n0.. (up to L of them) into the panel
 template <Format F>
 static void unpack(const Weights& w, int64_t n0, Panel& p) {
   const int64_t blocks = w.K / 32, per_group = blocks / w.G, rows = std::min<int64_t>(L, w.N - n0);
-  p.w.assign(w.K / 2 * L, 0);
   p.s.assign(blocks * L, 0.f);
   p.o.assign(w.G * L, 0.f);
+#if defined(QUILL_AVX512)
+  const bool whole = n0 + L <= w.N - w.N % 4;  // four whole groups of the layout
+#else
+  const bool whole = false;
+#endif
+  if (whole) {
+#if defined(QUILL_AVX512)
+    p.w.resize(w.K / 2 * L);
+    unpack16<F>(w, n0, p.w.data());
+#endif
+  } else {
+    p.w.assign(w.K / 2 * L, 0);
+  }
   for (int64_t i = 0; i < rows; ++i) {
-    unpack_row<F>(w, n0 + i, i, p.w.data());
+    if (!whole) unpack_row<F>(w, n0 + i, i, p.w.data());
     for (int64_t g = 0; g < w.G; ++g) {
       const float s = half_to_float(w.s[(n0 + i) * w.G + g]);
       for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) p.s[b * L + i] = s;
