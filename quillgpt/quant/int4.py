@@ -37,7 +37,7 @@ GROUPS = (32, 64, 128, 256)  # what the kernels take
 # the native decoder's linears up to this many rows (its decode block runs the few-rows kernel)
 GEMV_ROWS = 64
 # a prompt's rows through group_gemv4 this many at a time (its GEMM: docs/kernels.md): x's int16
-# copy and the kernel's scratch stay bounded, and the kernel already reads x in blocks of 192 rows
+# copy and the kernel's scratch stay bounded, and the kernel already reads x in blocks of 256 rows
 PREFILL_ROWS = 512
 
 

@@ -21,7 +21,7 @@
 #endif
 #include <immintrin.h>
 
-constexpr int64_t M_BLOCK = 192;  // activation rows a panel is unpacked for
+constexpr int64_t M_BLOCK = 256;  // activation rows a panel is unpacked for
 
 #if defined(QUILL_AVX512)
 struct Lanes {
