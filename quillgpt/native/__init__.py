@@ -1,7 +1,8 @@
-"""QuillGPT's native library: C++ kernels for int8 and 4-bit weights at a few rows (the decode
-step), y = x·Wᵀ with W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one
-group a row, o = 0; 4-bit: q in [0, 15], two codes a byte in pack4's layout), both reading the codes
-in interleave's layout; and pre-norm decoder blocks' decode step in one call (decode_blocks,
+"""QuillGPT's native library: C++ kernels for int8 and 4-bit weights, at a few rows (the decode
+step) and GEMM-blocked at many (a prompt's forward, csrc/gemm.cpp), y = x·Wᵀ with
+W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one group a row, o = 0;
+4-bit: q in [0, 15], two codes a byte in pack4's layout), both reading the codes in
+interleave's layout; and pre-norm decoder blocks' decode step in one call (decode_blocks,
 decode_tokens; inference/native_decoder.py says when it runs), and the greedy draw (argmax_finite).
 
 Why kernels of their own: written as torch ops, inductor dequantizes each weight to fp32 and
