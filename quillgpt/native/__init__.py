@@ -25,7 +25,7 @@ for every instruction-set build).
 
 from quillgpt.native.build import available, build_name, built, why_not
 from quillgpt.native.layout import BLOCK, Format, deinterleave, interleave, nibbles, pack4, rows_of, unpack4
-from quillgpt.native.ops import argmax_finite, decode_blocks, decode_tokens, group_gemv, group_gemv4
+from quillgpt.native.ops import argmax_finite, decode_blocks, decode_tokens, group_gemv, group_gemv4, group_gemv4_x8
 
 __all__ = [
     "BLOCK",
@@ -39,6 +39,7 @@ __all__ = [
     "deinterleave",
     "group_gemv",
     "group_gemv4",
+    "group_gemv4_x8",
     "interleave",
     "nibbles",
     "pack4",

@@ -81,6 +81,17 @@ inline m512i shuffle_i32x4(m512i a, m512i b, int imm) {  // 128-bit lanes: two o
   return r;
 }
 inline void storeu_si512(void* p, m512i a) { std::memcpy(p, a.b, 64); }
+inline m512i setzero_si512() { m512i r; std::memset(r.b, 0, 64); return r; }
+inline m512i castsi256_si512(__m256i a) { m512i r; std::memset(r.b, 0, 64); _mm256_storeu_si256((__m256i*)r.b, a); return r; }  // upper half: undefined in Intel's
+inline m512i inserti64x4(m512i a, __m256i b, int i) { _mm256_storeu_si256((__m256i*)(a.b + 32 * (i & 1)), b); return a; }
+inline m512i dpbusd_epi32(m512i acc, m512i a, m512i b) {  // acc + Σ of 4 products u8(a) · s8(b) per lane (wrapping)
+  for (int i = 0; i < 16; ++i) {
+    int32_t d = 0;
+    for (int t = 0; t < 4; ++t) d += int32_t(a.b[4 * i + t]) * int32_t(int8_t(b.b[4 * i + t]));
+    put<int32_t>(acc, i, int32_t(uint32_t(lane<int32_t>(acc, i)) + uint32_t(d)));
+  }
+  return acc;
+}
 }  // namespace emu
 #define __m512 emu::m512
 #define __m512i emu::m512i
@@ -110,6 +121,10 @@ inline void storeu_si512(void* p, m512i a) { std::memcpy(p, a.b, 64); }
 #define _mm512_permutexvar_ps emu::permutexvar_ps
 #define _mm512_set1_epi16 emu::set1_epi16
 #define _mm512_set1_epi32 emu::set1_epi32
+#define _mm512_setzero_si512 emu::setzero_si512
+#define _mm512_castsi256_si512 emu::castsi256_si512
+#define _mm512_inserti64x4 emu::inserti64x4
+#define _mm512_dpbusd_epi32 emu::dpbusd_epi32
 #define _mm512_unpacklo_epi32 emu::unpacklo_epi32
 #define _mm512_unpackhi_epi32 emu::unpackhi_epi32
 #define _mm512_unpacklo_epi64 emu::unpacklo_epi64

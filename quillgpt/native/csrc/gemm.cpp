@@ -34,6 +34,15 @@ struct Lanes {
 #else
   static Ints dot_add(Ints acc, Ints w, const int32_t* x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(*x))); }
 #endif
+  // int8 activations: lanes of 4 weight codes (u8) times 4 activations (s8), broadcast
+#if defined(QUILL_EMULATE_AVX512) || defined(__AVX512VNNI__)
+  static Ints dot8_add(Ints acc, Ints w, const int32_t* x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*x)); }
+#else
+  static Ints dot8_add(Ints acc, Ints w, const int32_t* x) {  // codes ≤ 15: the int16 pair sums cannot saturate
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_set1_epi32(*x)), _mm512_set1_epi16(1)));
+  }
+#endif
+  static Ints dot8(const int32_t* w, const int32_t* x) { return dot8_add(_mm512_setzero_si512(), load(w), x); }
   static Ints load(const int32_t* w) { return _mm512_loadu_si512((const void*)w); }
   static Floats zero() { return _mm512_setzero_ps(); }
   static Floats load(const float* p) { return _mm512_loadu_ps(p); }
@@ -55,6 +64,10 @@ struct Lanes {
   using Floats = __m256;
   static Ints dot(const int32_t* w, const int32_t* x) { return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)w), _mm256_set1_epi32(*x)); }
   static Ints dot_add(Ints acc, Ints w, const int32_t* x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(*x))); }
+  static Ints dot8_add(Ints acc, Ints w, const int32_t* x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(*x)), _mm256_set1_epi16(1)));
+  }
+  static Ints dot8(const int32_t* w, const int32_t* x) { return dot8_add(_mm256_setzero_si256(), load(w), x); }
   static Ints load(const int32_t* w) { return _mm256_loadu_si256((const __m256i*)w); }
   static Floats zero() { return _mm256_setzero_ps(); }
   static Floats load(const float* p) { return _mm256_loadu_ps(p); }
@@ -71,9 +84,18 @@ struct Lanes {
 #endif
 constexpr int64_t L = Lanes::LANES;
 
-// A panel of L weight rows, unpacked: w[p·L + i] = row i's codes at inputs 2p, 2p + 1 as two int16
-// (one int32 lane), s[b·L + i] the scale of row i's block b, o[g·L + i] the offset of its group g.
-// Rows past the layer's last are zeros.
+// The activations' codes: int16 (each int32 lane a pair of inputs, vpdpwssd) or, asked for by
+// round_x's levels 127, int8 with 4-bit weights (a lane 4 inputs, vpdpbusd: twice the products an
+// instruction). UNIT inputs a lane, PER_BLOCK lanes a block of 32.
+enum class Acts { I16, I8 };
+template <Acts A>
+constexpr int64_t UNIT = A == Acts::I16 ? 2 : 4;
+template <Acts A>
+constexpr int64_t PER_BLOCK = 32 / UNIT<A>;
+
+// A panel of L weight rows, unpacked: w[p·L + i] = row i's codes at inputs UNIT·p.. as int32 lane
+// (int16 activations: two int16; int8: four bytes), s[b·L + i] the scale of row i's block b,
+// o[g·L + i] the offset of its group g. Rows past the layer's last are zeros.
 struct Panel {
   std::vector<int32_t> w;
   std::vector<float> s, o;
@@ -86,13 +108,20 @@ static inline const uint8_t* row_unit(const Weights& w, int64_t n, int64_t u) {
 }
 
 // Lane i of the panel from row n's codes (INT4: unit u holds inputs 64u + j in its low nibbles and
-// 64u + 32 + j in its high ones; INT8: unit u is block u)
-template <Format F>
+// 64u + 32 + j in its high ones; INT8: unit u is block u; int8 activations take INT4 only)
+template <Format F, Acts A>
 static void unpack_row(const Weights& w, int64_t n, int64_t i, int32_t* out) {
   const int64_t units = w.row_bytes / 32;
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* c = row_unit(w, n, u);
-    if constexpr (F == Format::INT4) {
+    if constexpr (A == Acts::I8) {
+      int32_t* low = out + 16 * u * L;  // quads 16u..16u + 7: the low nibbles; then the high ones
+      for (int j = 0; j < 8; ++j) {
+        uint32_t lo = 0, hi = 0;
+        for (int t = 0; t < 4; ++t) lo |= uint32_t(c[4 * j + t] & 15) << (8 * t), hi |= uint32_t(c[4 * j + t] >> 4) << (8 * t);
+        low[j * L + i] = int32_t(lo), low[(8 + j) * L + i] = int32_t(hi);
+      }
+    } else if constexpr (F == Format::INT4) {
       int32_t* low = out + 32 * u * L;  // pairs 32u..32u + 15: the low nibbles; then the high ones
       for (int j = 0; j < 16; ++j) {
         low[j * L + i] = int32_t(c[2 * j] & 15) | (int32_t(c[2 * j + 1] & 15) << 16);
@@ -126,18 +155,23 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 // unpack_row for 16 whole rows at once (four groups of 4 in the layout): each row's unit widened
-// to int16 (its int32 lane j then is its pair j), the 16 rows transposed into the panel's order,
-// where a scalar store per pair and row cost as much as the tiles' work on a block of rows
-template <Format F>
+// to int16 (its int32 lane j then is its pair j; int8 activations: the low nibbles' 32 bytes, then
+// the high ones', lane j a quad), the 16 rows transposed into the panel's order, where a scalar
+// store per lane and row cost as much as the tiles' work on a block of rows
+template <Format F, Acts A>
 static void unpack16(const Weights& w, int64_t n0, int32_t* out) {
   const int64_t units = w.row_bytes / 32;
   const uint8_t* q = w.q + n0 * w.row_bytes;
   const __m512i low = _mm512_set1_epi16(0x0F);
+  const __m256i low8 = _mm256_set1_epi8(0x0F);
   __m512i r[16], h[16];
   for (int64_t u = 0; u < units; ++u) {
     for (int i = 0; i < 16; ++i) {
       const __m256i c = _mm256_loadu_si256((const __m256i*)unit<4>(q + (i / 4) * 4 * w.row_bytes, i % 4, u));
-      if constexpr (F == Format::INT4) {
+      if constexpr (A == Acts::I8) {
+        const __m256i lo = _mm256_and_si256(c, low8), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low8);
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      } else if constexpr (F == Format::INT4) {
         const __m512i v = _mm512_cvtepu8_epi16(c);
         r[i] = _mm512_and_si512(v, low), h[i] = _mm512_srli_epi16(v, 4);
       } else {
@@ -145,9 +179,9 @@ static void unpack16(const Weights& w, int64_t n0, int32_t* out) {
       }
     }
     transpose16(r);
-    int32_t* o = out + (F == Format::INT4 ? 32 : 16) * u * L;
+    int32_t* o = out + (F == Format::INT4 && A == Acts::I16 ? 32 : 16) * u * L;
     for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(o + j * L), r[j]);
-    if constexpr (F == Format::INT4) {
+    if constexpr (F == Format::INT4 && A == Acts::I16) {
       transpose16(h);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(o + (16 + j) * L), h[j]);
     }
@@ -156,7 +190,7 @@ static void unpack16(const Weights& w, int64_t n0, int32_t* out) {
 #endif
 
 // Weight rows n0.. (up to L of them) into the panel
-template <Format F>
+template <Format F, Acts A>
 static void unpack(const Weights& w, int64_t n0, Panel& p) {
   const int64_t blocks = w.K / 32, per_group = blocks / w.G, rows = std::min<int64_t>(L, w.N - n0);
   p.s.assign(blocks * L, 0.f);
@@ -168,14 +202,14 @@ static void unpack(const Weights& w, int64_t n0, Panel& p) {
 #endif
   if (whole) {
 #if defined(QUILL_AVX512)
-    p.w.resize(w.K / 2 * L);
-    unpack16<F>(w, n0, p.w.data());
+    p.w.resize(w.K / UNIT<A> * L);
+    unpack16<F, A>(w, n0, p.w.data());
 #endif
   } else {
-    p.w.assign(w.K / 2 * L, 0);
+    p.w.assign(w.K / UNIT<A> * L, 0);
   }
   for (int64_t i = 0; i < rows; ++i) {
-    if (!whole) unpack_row<F>(w, n0 + i, i, p.w.data());
+    if (!whole) unpack_row<F, A>(w, n0 + i, i, p.w.data());
     for (int64_t g = 0; g < w.G; ++g) {
       const float s = half_to_float(w.s[(n0 + i) * w.G + g]);
       for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) p.s[b * L + i] = s;
@@ -186,22 +220,30 @@ static void unpack(const Weights& w, int64_t n0, Panel& p) {
 
 // A block of activation rows in the tiles' order (the kernel then reads one pointer at fixed
 // offsets, where twelve row pointers and their steps spilled the registers): the tile of rows
-// t0..t0 + n (n ≤ TILE) starts at row t0's offsets, with q[p·n + m] row m's inputs 2p, 2p + 1 as
-// two int16 (one int32), step[b·n + m] row m's step of block b, sum[g·n + m] its sum of group g
+// t0..t0 + n (n ≤ TILE) starts at row t0's offsets, with q[p·n + m] row m's inputs UNIT·p.. as one
+// int32 (two int16 or four int8), step[b·n + m] row m's step of block b, sum[g·n + m] its sum of group g
 struct XBlock {
   std::vector<int32_t> q;
   std::vector<float> step, sum;
 };
 
+template <Acts A>
 static void pack_block(const Rounded& r, int64_t m0, int64_t m1, int64_t K, int64_t G, XBlock& xb) {
-  const int64_t pairs = K / 2, blocks = K / 32, rows = m1 - m0;
+  const int64_t pairs = K / UNIT<A>, blocks = K / 32, rows = m1 - m0;
   xb.q.resize(rows * pairs), xb.step.resize(rows * blocks), xb.sum.resize(rows * G);
   for (int64_t t0 = 0; t0 < rows; t0 += Lanes::TILE) {
     const int64_t n = std::min<int64_t>(Lanes::TILE, rows - t0);
     for (int64_t m = 0; m < n; ++m) {
       const int16_t* q = r.q.data() + (m0 + t0 + m) * K;
       int32_t* out = xb.q.data() + t0 * pairs + m;
-      for (int64_t p = 0; p < pairs; ++p) std::memcpy(out + p * n, q + 2 * p, 4);
+      if constexpr (A == Acts::I16) {
+        for (int64_t p = 0; p < pairs; ++p) std::memcpy(out + p * n, q + 2 * p, 4);
+      } else {  // codes in [-127, 127]: their low bytes
+        for (int64_t p = 0; p < pairs; ++p) {
+          const int8_t b[4] = {int8_t(q[4 * p]), int8_t(q[4 * p + 1]), int8_t(q[4 * p + 2]), int8_t(q[4 * p + 3])};
+          std::memcpy(out + p * n, b, 4);
+        }
+      }
       for (int64_t b = 0; b < blocks; ++b) xb.step[t0 * blocks + b * n + m] = r.step[(m0 + t0 + m) * blocks + b];
       for (int64_t g = 0; g < G; ++g) xb.sum[t0 * G + g * n + m] = r.sum[(m0 + t0 + m) * G + g];
     }
@@ -210,21 +252,22 @@ static void pack_block(const Rounded& r, int64_t m0, int64_t m1, int64_t K, int6
 
 // y[m·N + i] (m < T, i < lanes) for the panel and a tile of T activation rows (x, xs, xg: its
 // codes, steps and sums in XBlock's order)
-template <int T>
+template <Acts A, int T>
 static void tile(const Panel& p, const int32_t* x, const float* xs, const float* xg, int64_t K, int64_t G, float* y, int64_t N,
                  int64_t lanes) {
+  constexpr int64_t U = PER_BLOCK<A>;
   const int64_t blocks = K / 32, per_group = blocks / G;
   typename Lanes::Floats acc[T];
   for (int m = 0; m < T; ++m) acc[m] = Lanes::zero();
   int64_t g = 0, left = per_group;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int32_t *wb = p.w.data() + 16 * b * L, *xb = x + 16 * b * T;
+    const int32_t *wb = p.w.data() + U * b * L, *xb = x + U * b * T;
     typename Lanes::Ints d[T];
-    for (int m = 0; m < T; ++m) d[m] = Lanes::dot(wb, xb + m);
+    for (int m = 0; m < T; ++m) d[m] = A == Acts::I16 ? Lanes::dot(wb, xb + m) : Lanes::dot8(wb, xb + m);
 #pragma GCC unroll 16
-    for (int j = 1; j < 16; ++j) {
+    for (int j = 1; j < U; ++j) {
       const typename Lanes::Ints wj = Lanes::load(wb + j * L);
-      for (int m = 0; m < T; ++m) d[m] = Lanes::dot_add(d[m], wj, xb + j * T + m);
+      for (int m = 0; m < T; ++m) d[m] = A == Acts::I16 ? Lanes::dot_add(d[m], wj, xb + j * T + m) : Lanes::dot8_add(d[m], wj, xb + j * T + m);
     }
     const typename Lanes::Floats s = Lanes::load(p.s.data() + b * L);
     for (int m = 0; m < T; ++m) acc[m] = Lanes::scaled(acc[m], d[m], s, xs[b * T + m]);
@@ -238,34 +281,36 @@ static void tile(const Panel& p, const int32_t* x, const float* xs, const float*
 }
 
 // The panel against the block's rows, TILE at a time, then the rest in one smaller tile (rows t0..)
-template <int T = Lanes::TILE>
+template <Acts A, int T = Lanes::TILE>
 static void tiles(const Panel& p, const XBlock& xb, int64_t t0, int64_t rows, int64_t K, int64_t G, float* y, int64_t N, int64_t lanes) {
   for (; t0 + T <= rows; t0 += T)
-    tile<T>(p, xb.q.data() + t0 * K / 2, xb.step.data() + t0 * K / 32, xb.sum.data() + t0 * G, K, G, y + t0 * N, N, lanes);
+    tile<A, T>(p, xb.q.data() + t0 * K / UNIT<A>, xb.step.data() + t0 * K / 32, xb.sum.data() + t0 * G, K, G, y + t0 * N, N, lanes);
   if constexpr (T > 1) {
-    if (t0 < rows) tiles<T - 1>(p, xb, t0, rows, K, G, y, N, lanes);
+    if (t0 < rows) tiles<A, T - 1>(p, xb, t0, rows, K, G, y, N, lanes);
   }
 }
 
-template <Format F>
+template <Format F, Acts A>
 static void gemm(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1) {
   Panel p;
   XBlock xb;
   for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
     const int64_t m1 = std::min(M, m0 + M_BLOCK);
-    pack_block(r, m0, m1, w.K, w.G, xb);
+    pack_block<A>(r, m0, m1, w.K, w.G, xb);
     for (int64_t n = n0; n < n1; n += L) {
-      unpack<F>(w, n, p);
-      tiles(p, xb, 0, m1 - m0, w.K, w.G, y + m0 * w.N + n, w.N, std::min(L, n1 - n));
+      unpack<F, A>(w, n, p);
+      tiles<A>(p, xb, 0, m1 - m0, w.K, w.G, y + m0 * w.N + n, w.N, std::min(L, n1 - n));
     }
   }
 }
 
 void gemm_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1) {
-  if (w.format == Format::INT4)
-    gemm<Format::INT4>(w, r, M, y, n0, n1);
-  else
-    gemm<Format::INT8>(w, r, M, y, n0, n1);
+  if (w.format == Format::INT4 && r.levels == INT8_LEVELS)
+    gemm<Format::INT4, Acts::I8>(w, r, M, y, n0, n1);
+  else if (w.format == Format::INT4)
+    gemm<Format::INT4, Acts::I16>(w, r, M, y, n0, n1);
+  else  // int8 weights: int16 pairs at either rounding (signed codes times signed activations)
+    gemm<Format::INT8, Acts::I16>(w, r, M, y, n0, n1);
 }
 #else
 void gemm_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1) { gemv_columns(w, r, M, y, n0, n1); }

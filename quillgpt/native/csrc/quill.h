@@ -60,10 +60,14 @@ struct Weights {
   Format format;
 };
 
-// x rounded per block of 32 to int16 (q), each block's step, and each group's float sum
+// x rounded per block of 32 to int16 (q), each block's step, and each group's float sum; `levels`
+// the codes' range: ±32767 (int16, every kernel's), or ±127 (int8 activations, asked for by name:
+// the many-rows kernel then multiplies 4-bit weights with vpdpbusd)
+constexpr float INT16_LEVELS = 32767.f, INT8_LEVELS = 127.f;
 struct Rounded {
   std::vector<int16_t> q;  // small buffers, no tensors (each costs a dispatch)
   std::vector<float> step, sum;
+  float levels = INT16_LEVELS;
 };
 
 // e^x for x ≤ 0 (0 below -87: masked keys), 2^n·p(r) with Cephes' polynomial, written so the loops
@@ -126,6 +130,7 @@ Weights weights_of(const at::Tensor& q, const at::Tensor& s, const at::Tensor& o
 Format format_of(int64_t value);
 at::Tensor group_gemv(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o);
 at::Tensor group_gemv4(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o);
+at::Tensor group_gemv4_x8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o);
 at::Tensor decode_blocks(at::Tensor x, std::vector<at::Tensor> lin, std::vector<at::Tensor> norms, std::vector<at::Tensor> head,
                          std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor slots, at::Tensor cos, at::Tensor sin,
                          at::Tensor mask, std::vector<int64_t> ints, double eps);
