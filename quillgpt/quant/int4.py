@@ -22,6 +22,8 @@ at 8 bits or more (see `convert`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -39,6 +41,19 @@ GEMV_ROWS = 64
 # a prompt's rows through group_gemv4 this many at a time (its GEMM: docs/kernels.md): x's int16
 # copy and the kernel's scratch stay bounded, and the kernel already reads x in blocks of 256 rows
 PREFILL_ROWS = 512
+# the prompt's activations past GEMV_ROWS rows: int16 per 32 (the default: the float model's answers
+# by construction), or int8 per 32 asked for by QUILL_PREFILL_ACTIVATIONS=int8 (group_gemv4_x8:
+# 1.4-1.7x the GEMM's speed; what it costs in quality is docs/kernels.md's)
+PREFILL_ACTIVATIONS = ("int16", "int8")
+
+
+def prefill_activations() -> str:
+    """QUILL_PREFILL_ACTIVATIONS (PREFILL_ACTIVATIONS' names; unset: int16), read at each prompt's
+    call so that one process can compare both."""
+    acts = os.environ.get("QUILL_PREFILL_ACTIVATIONS") or "int16"
+    if acts not in PREFILL_ACTIVATIONS:
+        raise QuillError(f"QUILL_PREFILL_ACTIVATIONS must be one of {', '.join(PREFILL_ACTIVATIONS)}, got {acts!r}: unset it for int16")
+    return acts
 
 
 def group_for(in_features: int, group: int) -> int:
@@ -197,12 +212,14 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _gemv4(self, x: Tensor) -> Tensor:
-        """(M, in) float32 → (M, out) float32 through group_gemv4, PREFILL_ROWS rows a call."""
+        """(M, in) float32 → (M, out) float32 through group_gemv4, PREFILL_ROWS rows a call (past
+        GEMV_ROWS rows with the activations prefill_activations() names)."""
+        gemv = native.group_gemv4_x8 if x.shape[0] > GEMV_ROWS and prefill_activations() == "int8" else native.group_gemv4
         if x.shape[0] <= PREFILL_ROWS:
-            return native.group_gemv4(x, self.codes, self.scale, self.offset)  # fp16 as made
+            return gemv(x, self.codes, self.scale, self.offset)  # fp16 as made
         y = x.new_empty(x.shape[0], self.out_features)
         for i in range(0, x.shape[0], PREFILL_ROWS):
-            y[i : i + PREFILL_ROWS] = native.group_gemv4(x[i : i + PREFILL_ROWS], self.codes, self.scale, self.offset)
+            y[i : i + PREFILL_ROWS] = gemv(x[i : i + PREFILL_ROWS], self.codes, self.scale, self.offset)
         return y
 
     def extra_repr(self) -> str:

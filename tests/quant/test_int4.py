@@ -13,6 +13,7 @@ from support import PROMPTS, kernel_rounded, random_model
 from torch import nn
 
 from quillgpt import native
+from quillgpt.errors import QuillError
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.quant import int4, quantize, weights_note
 from quillgpt.quant.int4 import Int4Linear
@@ -90,6 +91,26 @@ def test_a_prompts_rows_run_the_kernel_in_chunks_of_prefill_rows(monkeypatch):
     torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())  # 44 rows: the few-rows kernel's sum order
     want = (kernel_rounded(x.view(300, 192)) @ q.dequantized().double().t()).float().view(3, 100, 40) + lin.bias
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_kernel
+def test_int8_prefill_activations_are_asked_for_by_name(monkeypatch):
+    """QUILL_PREFILL_ACTIVATIONS=int8: past GEMV_ROWS rows x is rounded to int8 per 32
+    (group_gemv4_x8), up to them int16 as before; another value is one clear error."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 40, bias=False)
+    q = Int4Linear(lin, 32)
+    offsets = q.offset.double().repeat_interleave(32, 1).t()  # the offsets times x's own sums
+    scaled = q.dequantized().double().t() - offsets
+    few, many = torch.randn(int4.GEMV_ROWS, 128), torch.randn(int4.GEMV_ROWS + 36, 128)
+    monkeypatch.setenv("QUILL_PREFILL_ACTIVATIONS", "int8")
+    for x, levels in ((few, 32767), (many, 127)):
+        want = (kernel_rounded(x, levels) @ scaled + x.double() @ offsets).float()
+        torch.testing.assert_close(q(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (q(many) - (kernel_rounded(many) @ scaled + many.double() @ offsets).float()).abs().max() > 1e-4  # not int16's
+    monkeypatch.setenv("QUILL_PREFILL_ACTIVATIONS", "fp8")
+    with pytest.raises(QuillError, match="QUILL_PREFILL_ACTIVATIONS must be one of int16, int8, got 'fp8'"):
+        q(many)
 
 
 def range_form(w, group=32):
