@@ -1,5 +1,6 @@
 // The many-rows kernel (a prompt's forward): gemm_columns, y = x·Wᵀ for x rounded by round_x as the
-// decode kernels round it (int16 per block of 32), GEMM-blocked. gemv_columns streams every
+// decode kernels round it (int16 per block of 32; or int8, where round_x was asked for 127 levels:
+// then 4-bit weights are multiplied as bytes, a lane four inputs, vpdpbusd), GEMM-blocked. gemv_columns streams every
 // activation row past each 4 weight rows, so past a few dozen rows the activations fall out of L2
 // and each weight group's decode is paid again for every 8 rows. Here:
 //   - a panel of LANES weight rows (16 on AVX-512, 8 on AVX2) is unpacked once per block of
