@@ -264,9 +264,9 @@ print(json.dumps(errs))
 @pytest.mark.parametrize("isa", ["avx2", "plain", "avx512-emulated"])
 def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
     """The AVX2, plain-loop and AVX-512 paths, int8 and int4 (and int4 with int8 activations), the
-    kernels (70 and 130 rows: the GEMM's) and the native decode block, built here with -march=haswell / x86-64 (a build each, cached); the AVX-512 one through
-    scalar stand-ins of its intrinsics (quillgpt/native/csrc/avx512_emulated.h), so it is checked on
-    any AVX2 machine."""
+    kernels (70 and 130 rows: the GEMM's) and the native decode block, built here with
+    -march=haswell / x86-64 (a build each, cached); the AVX-512 one through scalar stand-ins of its
+    intrinsics (quillgpt/native/csrc/avx512_emulated.h), so it is checked on any AVX2 machine."""
     if not native.available():
         pytest.skip(f"group_gemv did not build here: {native.why_not()}")
     if isa != "plain" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
