@@ -5,10 +5,10 @@ about a sixth of fp32's weight bytes. Three layouts, the first that fits a layer
   over its range (llama.cpp's Q4_1) or symmetric (Q4_0), whichever rebuilds it better
   (gemv4_codes), through quill's C++ kernel (the C++ kernels: x rounded
   to int16 per 32, 20 bytes per 32 weights) at any number of rows: a decode step's few rows
-  weight rows against activation rows, a prompt's many rows (from 65) GEMM-blocked, PREFILL_ROWS
-  rows a call so that a long prompt's scratch stays bounded. It takes K a multiple of 64 and G of
-  32 where the kernel builds. Its decode step beat torch's int4pack_mm's, its prefill
-  dequantizing the weight for F.linear (docs/kernels.md).
+  against four weight rows at a time, a prompt's many (from 65) GEMM-blocked, PREFILL_ROWS rows a
+  call so that a long prompt's scratch stays bounded. It takes K a multiple of 64 and G of 32
+  where the kernel builds. Its decode step beat torch's int4pack_mm's, and its prefill the weight
+  dequantized for F.linear (docs/kernels.md).
 - "int4pack_mm": W ≈ (q - 8)·s + z with one bf16 scale s and zero z per group (gpt-fast's and
   torch's "tinygemm" layout) through torch's `_weight_int4pack_mm_for_cpu` (bf16 activations,
   the weight repacked once by `_convert_weight_to_int4pack_for_cpu`); out_features a multiple
