@@ -1,7 +1,8 @@
-"""QuillGPT's native library: C++ kernels for int8 and 4-bit weights at a few rows (the decode
-step), y = x·Wᵀ with W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one
-group a row, o = 0; 4-bit: q in [0, 15], two codes a byte in pack4's layout), both reading the codes
-in interleave's layout; and pre-norm decoder blocks' decode step in one call (decode_blocks,
+"""QuillGPT's native library: C++ kernels for int8 and 4-bit weights, at a few rows (the decode
+step) and GEMM-blocked at many (a prompt's forward, csrc/gemm.cpp), y = x·Wᵀ with
+W[n, k] = q[n, k]·s[n, g] + o[n, g], g = k // group (per-channel int8: one group a row, o = 0;
+4-bit: q in [0, 15], two codes a byte in pack4's layout), both reading the codes in
+interleave's layout; and pre-norm decoder blocks' decode step in one call (decode_blocks,
 decode_tokens; inference/native_decoder.py says when it runs), and the greedy draw (argmax_finite).
 
 Why kernels of their own: written as torch ops, inductor dequantizes each weight to fp32 and
@@ -24,7 +25,7 @@ for every instruction-set build).
 
 from quillgpt.native.build import available, build_name, built, why_not
 from quillgpt.native.layout import BLOCK, Format, deinterleave, interleave, nibbles, pack4, rows_of, unpack4
-from quillgpt.native.ops import argmax_finite, decode_blocks, decode_tokens, group_gemv, group_gemv4
+from quillgpt.native.ops import argmax_finite, decode_blocks, decode_tokens, group_gemv, group_gemv4, group_gemv4_x8
 
 __all__ = [
     "BLOCK",
@@ -38,6 +39,7 @@ __all__ = [
     "deinterleave",
     "group_gemv",
     "group_gemv4",
+    "group_gemv4_x8",
     "interleave",
     "nibbles",
     "pack4",

@@ -15,7 +15,7 @@ import torch
 from quillgpt.native import ops
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("generic.cpp", "x86.cpp", "decode_block.cpp", "ops.cpp")  # compiled one by one, linked as one library
+SOURCES = ("generic.cpp", "x86.cpp", "gemm.cpp", "decode_block.cpp", "ops.cpp")  # compiled one by one, linked as one library
 HEADERS = ("quill.h", "avx512_emulated.h")  # what they include, from beside them
 
 # QUILL_GEMV_ISA picks the instruction set to build for: "native" (this CPU: AVX-512BW, AVX2+FMA or

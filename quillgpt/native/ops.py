@@ -22,6 +22,14 @@ def group_gemv4(x: Tensor, q: Tensor, s: Tensor, o: Tensor) -> Tensor:
     return torch.ops.quill.group_gemv4(x.contiguous(), q, s, o)
 
 
+def group_gemv4_x8(x: Tensor, q: Tensor, s: Tensor, o: Tensor) -> Tensor:
+    """group_gemv4 with x rounded to int8 per 32 (a step of max|x|/127, llama.cpp's Q8_1 × Q4_1),
+    asked for by name: from 65 rows its GEMM multiplies bytes (`vpdpbusd`), twice the products an
+    instruction of int16's; the same sums at any row count (fewer rows: int16 arithmetic on the
+    int8 codes)."""
+    return torch.ops.quill.group_gemv4_x8(x.contiguous(), q, s, o)
+
+
 def decode_blocks(
     x: Tensor,
     lin: list[Tensor],
@@ -71,7 +79,7 @@ def argmax_finite(logits: Tensor) -> Tensor:
 @functools.cache
 def register_fakes() -> None:
     """The ops' fake kernels, once: torch takes them only for an op the loaded library defined."""
-    for name in ("quill::group_gemv", "quill::group_gemv4"):
+    for name in ("quill::group_gemv", "quill::group_gemv4", "quill::group_gemv4_x8"):
         torch.library.register_fake(name, _gemv_fake)
     torch.library.register_fake("quill::decode_blocks", _decode_blocks_fake)
     torch.library.register_fake("quill::decode_tokens", _decode_tokens_fake)

@@ -4,10 +4,11 @@ about a sixth of fp32's weight bytes. Three layouts, the first that fits a layer
 - "group_gemv4": W = q·s + o with q in [0, 15] and an fp16 scale and offset per group, each group
   over its range (llama.cpp's Q4_1) or symmetric (Q4_0), whichever rebuilds it better
   (gemv4_codes), through quill's C++ kernel (the C++ kernels: x rounded
-  to int16 per 32, 20 bytes per 32 weights) for inputs up to GEMV_ROWS rows; beyond, the weight
-  is dequantized once for the call and F.linear multiplies (a prompt's forward). It takes K a
-  multiple of 64 and G of 32 where the kernel builds. Its decode step beat torch's int4pack_mm's
-  (docs/kernels.md).
+  to int16 per 32, 20 bytes per 32 weights) at any number of rows: a decode step's few rows
+  against four weight rows at a time, a prompt's many (from 65) GEMM-blocked, PREFILL_ROWS rows a
+  call so that a long prompt's scratch stays bounded. It takes K a multiple of 64 and G of 32
+  where the kernel builds. Its decode step beat torch's int4pack_mm's, and its prefill the weight
+  dequantized for F.linear (docs/kernels.md).
 - "int4pack_mm": W ≈ (q - 8)·s + z with one bf16 scale s and zero z per group (gpt-fast's and
   torch's "tinygemm" layout) through torch's `_weight_int4pack_mm_for_cpu` (bf16 activations,
   the weight repacked once by `_convert_weight_to_int4pack_for_cpu`); out_features a multiple
@@ -21,6 +22,8 @@ at 8 bits or more (see `convert`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -33,10 +36,24 @@ from quillgpt.quant.plan import RULE_PLAN
 from quillgpt.quant.scheme import ConvertOptions, Packed, Scheme
 
 GROUPS = (32, 64, 128, 256)  # what the kernels take
-# group_gemv4 up to this many input rows, dequantize + F.linear beyond: the kernel multiplies in
-# int16 pairs, the dequantization is paid once a call, and they cross between 64 and 128 rows
-# (docs/kernels.md)
+# the native decoder's linears up to this many rows (its decode block runs the few-rows kernel)
 GEMV_ROWS = 64
+# a prompt's rows through group_gemv4 this many at a time (its GEMM: docs/kernels.md): x's int16
+# copy and the kernel's scratch stay bounded, and the kernel already reads x in blocks of 256 rows
+PREFILL_ROWS = 512
+# the prompt's activations past GEMV_ROWS rows: int16 per 32 (the default: the float model's answers
+# by construction), or int8 per 32 asked for by QUILL_PREFILL_ACTIVATIONS=int8 (group_gemv4_x8:
+# 1.4-1.7x the GEMM's speed; what it costs in quality is docs/kernels.md's)
+PREFILL_ACTIVATIONS = ("int16", "int8")
+
+
+def prefill_activations() -> str:
+    """QUILL_PREFILL_ACTIVATIONS (PREFILL_ACTIVATIONS' names; unset: int16), read at each prompt's
+    call so that one process can compare both."""
+    acts = os.environ.get("QUILL_PREFILL_ACTIVATIONS") or "int16"
+    if acts not in PREFILL_ACTIVATIONS:
+        raise QuillError(f"QUILL_PREFILL_ACTIVATIONS must be one of {', '.join(PREFILL_ACTIVATIONS)}, got {acts!r}: unset it for int16")
+    return acts
 
 
 def group_for(in_features: int, group: int) -> int:
@@ -185,14 +202,25 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "group_gemv4" and x2.shape[0] <= GEMV_ROWS:
-            y = native.group_gemv4(x2.float(), self.codes, self.scale, self.offset)  # fp16 as made
+        if self.kernel == "group_gemv4":
+            y = self._gemv4(x2.float())
         elif self.kernel == "int4pack_mm":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.codes, self.group, self._scales_zeros())
         else:
             y = F.linear(x2.float(), self.dequantized().to(x2.device))
         y = y.to(x.dtype) if self.bias is None else self.bias + y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _gemv4(self, x: Tensor) -> Tensor:
+        """(M, in) float32 → (M, out) float32 through group_gemv4, PREFILL_ROWS rows a call (past
+        GEMV_ROWS rows with the activations prefill_activations() names)."""
+        gemv = native.group_gemv4_x8 if x.shape[0] > GEMV_ROWS and prefill_activations() == "int8" else native.group_gemv4
+        if x.shape[0] <= PREFILL_ROWS:
+            return gemv(x, self.codes, self.scale, self.offset)  # fp16 as made
+        y = x.new_empty(x.shape[0], self.out_features)
+        for i in range(0, x.shape[0], PREFILL_ROWS):
+            y[i : i + PREFILL_ROWS] = gemv(x[i : i + PREFILL_ROWS], self.codes, self.scale, self.offset)
+        return y
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -298,7 +326,7 @@ def note(model: nn.Module, sep: str, compiled: bool) -> str:
     fours = [m for m in model.modules() if isinstance(m, Int4Linear)]
     kernels = sorted({m.kernel if m.kernel != "dequantize" else "dequantize (slow)" for m in fours})
     if "group_gemv4" in kernels:
-        kernels[kernels.index("group_gemv4")] = f"group_gemv4 (up to {GEMV_ROWS} rows)"
+        kernels[kernels.index("group_gemv4")] = f"group_gemv4 (GEMM-blocked past {GEMV_ROWS} rows)"
     floats = sum(isinstance(m, nn.Linear) for m in model.modules())
     kept = f", {floats} linears kept float (no group divides their width)" if floats else ""
     head = ""

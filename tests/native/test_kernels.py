@@ -39,13 +39,14 @@ def case(n: int, k: int, group: int, rows: int, seed: int = 0) -> tuple[torch.Te
     return x, q, s, o
 
 
-def reference(x, q, s, o) -> torch.Tensor:
-    """Σ q·s·x̃ + o·Σx per group in float64: x̃ rounded as the kernel rounds it, the offsets times x's own sums."""
+def reference(x, q, s, o, levels: int = 32767) -> torch.Tensor:
+    """Σ q·s·x̃ + o·Σx per group in float64: x̃ rounded as the kernel rounds it (to ±levels steps per
+    32), the offsets times x's own sums."""
     n, k = q.shape
     groups = s.shape[1]
     scaled = (q.double().view(n, groups, -1) * s.double()[:, :, None]).view(n, k)
     sums = x.double().view(x.shape[0], groups, -1).sum(-1)  # (rows, groups)
-    return (kernel_rounded(x) @ scaled.t() + sums @ o.double().t()).float()
+    return (kernel_rounded(x, levels) @ scaled.t() + sums @ o.double().t()).float()
 
 
 @needs_kernel
@@ -104,6 +105,55 @@ def test_group_gemv4_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(row
     assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
     bound = (kernel_rounded(x).abs() @ (q.double() * 0.02 + 1).t()).float()
     torch.testing.assert_close(got, want, rtol=0, atol=float(1e-5 * bound.max()))
+
+
+def rounding_bound(x, q, s, o, levels: int = 32767) -> torch.Tensor:
+    """How far the kernels may be from x·Wᵀ (W = q·s + o, float64) by their arithmetic, (rows, N):
+    x is rounded per block of 32 to a step of max|x|/levels, each input by at most half a step, so
+    |Δy| ≤ Σ|q·s|·step/2; and the sums run in float32 (int32 dot products per block, exact; their
+    scaling and the blocks', groups' and Σx's float sums, at most K/32 + group + G + 4 roundings
+    deep), each rounding at most 2⁻²⁴ of the sums of |terms|."""
+    rows, k = x.shape
+    n, groups = s.shape
+    qs = (q.double().view(n, groups, -1) * s.double()[:, :, None]).view(n, k).abs()
+    blocks = x.double().view(rows, k // 32, 32)
+    step = (blocks.abs().amax(-1, keepdim=True) / levels).expand(-1, -1, 32).reshape(rows, k)
+    absx = x.double().abs()
+    terms = absx @ qs.t() + absx.view(rows, groups, -1).sum(-1) @ o.double().abs().t()
+    depth = k // 32 + k // groups + groups + 4
+    return (step / 2) @ qs.t() + depth * 2**-24 * terms
+
+
+GEMM_ROWS = [1, 63, 64, 65, 127, 300, 600]  # around the few-rows kernel's limit and the GEMM's tiles and blocks
+
+
+def many_rows_op(kind: str):
+    """(the op, its codes' layout, its activations' levels) of each kernel a prompt's rows may run."""
+    return {
+        "int4": (native.group_gemv4, native.pack4, 32767),
+        "int4-x8": (native.group_gemv4_x8, native.pack4, 127),
+        "int8": (native.group_gemv, native.interleave, 32767),
+    }[kind]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", GEMM_ROWS)
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 192, 64), (130, 640, 128), (33, 320, 32)])
+@pytest.mark.parametrize("kind", ["int4", "int4-x8", "int8"])
+def test_many_rows_equal_the_dequantized_fp32_matmul_within_the_rounding_bound(kind, n, k, group, rows):
+    """Past 64 rows the ops run their GEMM (gemm.cpp; group_gemv4_x8 with int8 activations): the
+    same sums as the few-rows kernel, against the float matmul of the dequantized weights within
+    rounding_bound; widths no multiple of the panel (16 weight rows) or the tile (12 activation
+    rows), groups of 32, 64 and 128."""
+    op, layout, levels = many_rows_op(kind)
+    x, q, s, o = (case if kind == "int8" else case4)(n, k, group, rows)
+    got = op(x, layout(q), s, o)
+    w = (q.double().view(n, k // group, group) * s.double()[:, :, None] + o.double()[:, :, None]).view(n, k)
+    want = x.double() @ w.t()
+    assert got.shape == (rows, n) and torch.isfinite(got).all()
+    assert ((got.double() - want).abs() <= rounding_bound(x, q, s, o, levels)).all()
+    x_rounded = reference(x, q, s, o, levels)  # x rounded as it rounds: the float sums' order alone
+    torch.testing.assert_close(got, x_rounded, rtol=0, atol=float(1e-5 * want.abs().max()))
 
 
 @needs_kernel
@@ -191,12 +241,14 @@ from quillgpt import native
 from test_kernels import case, case4, reference
 assert native.available(), native.why_not()
 errs = []
-for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2), (33, 128, 128, 2)]:
+for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2), (33, 128, 128, 2), (37, 192, 64, 70), (21, 128, 32, 130)]:
     x, q, s, o = case(n, k, group, rows)
     got, want = native.group_gemv(x, native.interleave(q), s, o), reference(x, q, s, o)
     errs.append(float((got - want).abs().max() / want.abs().max()))
     x, q, s, o = case4(n, k, group, rows)  # and 4-bit codes
     got, want = native.group_gemv4(x, native.pack4(q), s, o), reference(x, q, s, o)
+    errs.append(float((got - want).abs().max() / want.abs().max()))
+    got, want = native.group_gemv4_x8(x, native.pack4(q), s, o), reference(x, q, s, o, 127)  # int8 activations
     errs.append(float((got - want).abs().max() / want.abs().max()))
 import pytest
 import test_native_decoder as nb  # the native decoder built the same way: its steps = op by op
@@ -211,10 +263,10 @@ print(json.dumps(errs))
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="x86-64 paths")
 @pytest.mark.parametrize("isa", ["avx2", "plain", "avx512-emulated"])
 def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
-    """The AVX2, plain-loop and AVX-512 paths, int8 and int4, the kernels and the native decode
-    block, built here with -march=haswell / x86-64 (a build each, cached); the AVX-512 one through
-    scalar stand-ins of its intrinsics (quillgpt/native/csrc/avx512_emulated.h), so it is checked on
-    any AVX2 machine."""
+    """The AVX2, plain-loop and AVX-512 paths, int8 and int4 (and int4 with int8 activations), the
+    kernels (70 and 130 rows: the GEMM's) and the native decode block, built here with
+    -march=haswell / x86-64 (a build each, cached); the AVX-512 one through scalar stand-ins of its
+    intrinsics (quillgpt/native/csrc/avx512_emulated.h), so it is checked on any AVX2 machine."""
     if not native.available():
         pytest.skip(f"group_gemv did not build here: {native.why_not()}")
     if isa != "plain" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":

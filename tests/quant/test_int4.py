@@ -13,6 +13,7 @@ from support import PROMPTS, kernel_rounded, random_model
 from torch import nn
 
 from quillgpt import native
+from quillgpt.errors import QuillError
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.quant import int4, quantize, weights_note
 from quillgpt.quant.int4 import Int4Linear
@@ -56,7 +57,7 @@ def test_torch_layouts_equal_their_dequantized_computation_to_rounding(no_cpp, o
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 5, int4.GEMV_ROWS + 6], ids=["1", "5", "past-gemv-rows"])
 def test_group_gemv4_layout_equals_its_dequantized_computation(out_features, group, rows):
-    """x rounded to int16 per 32 (group_gemv4, up to GEMV_ROWS rows) or not (F.linear beyond): the
+    """x rounded to int16 per 32 (group_gemv4: its few-rows kernel, or past GEMV_ROWS its GEMM): the
     dequantized weights, q·s + o with the fp16 s and o gemv4_codes made."""
     torch.manual_seed(0)
     lin = nn.Linear(128, out_features)
@@ -69,6 +70,47 @@ def test_group_gemv4_layout_equals_its_dequantized_computation(out_features, gro
     got, want = q(x), F.linear(x, w, lin.bias)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_kernel
+def test_a_prompts_rows_run_the_kernel_in_chunks_of_prefill_rows(monkeypatch):
+    """Past GEMV_ROWS rows group_gemv4 still multiplies (its GEMM), PREFILL_ROWS rows a call, where
+    the weight was dequantized for F.linear before: the chunks' rows equal one call's (to float
+    sums' order), and the product x rounded to int16 per 32 times the dequantized weight."""
+    torch.manual_seed(0)
+    lin = nn.Linear(192, 40)
+    q = Int4Linear(lin, 32)
+    x = torch.randn(3, 100, 192)
+    whole = q(x)
+    calls = []
+    gemv4 = native.group_gemv4
+    monkeypatch.setattr(native, "group_gemv4", lambda x, *a: calls.append(x.shape[0]) or gemv4(x, *a))
+    monkeypatch.setattr(int4, "PREFILL_ROWS", 128)
+    got = q(x)
+    assert calls == [128, 128, 44]
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())  # 44 rows: the few-rows kernel's sum order
+    want = (kernel_rounded(x.view(300, 192)) @ q.dequantized().double().t()).float().view(3, 100, 40) + lin.bias
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_kernel
+def test_int8_prefill_activations_are_asked_for_by_name(monkeypatch):
+    """QUILL_PREFILL_ACTIVATIONS=int8: past GEMV_ROWS rows x is rounded to int8 per 32
+    (group_gemv4_x8), up to them int16 as before; another value is one clear error."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 40, bias=False)
+    q = Int4Linear(lin, 32)
+    offsets = q.offset.double().repeat_interleave(32, 1).t()  # the offsets times x's own sums
+    scaled = q.dequantized().double().t() - offsets
+    few, many = torch.randn(int4.GEMV_ROWS, 128), torch.randn(int4.GEMV_ROWS + 36, 128)
+    monkeypatch.setenv("QUILL_PREFILL_ACTIVATIONS", "int8")
+    for x, levels in ((few, 32767), (many, 127)):
+        want = (kernel_rounded(x, levels) @ scaled + x.double() @ offsets).float()
+        torch.testing.assert_close(q(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (q(many) - (kernel_rounded(many) @ scaled + many.double() @ offsets).float()).abs().max() > 1e-4  # not int16's
+    monkeypatch.setenv("QUILL_PREFILL_ACTIVATIONS", "fp8")
+    with pytest.raises(QuillError, match="QUILL_PREFILL_ACTIVATIONS must be one of int16, int8, got 'fp8'"):
+        q(many)
 
 
 def range_form(w, group=32):
@@ -171,8 +213,9 @@ class Bf16Reference(nn.Module):
 
 class Int16Reference(nn.Module):
     """A group_gemv4 layer (or an int8 head through group_gemv) computed in float64 from its
-    dequantized weights: up to GEMV_ROWS rows Σ q·s·x̃ + o·Σx, with x̃ x rounded to int16 per block
-    of 32 as the kernel rounds it (support.kernel_rounded), the offsets times x's float sums; beyond, float x."""
+    dequantized weights: Σ q·s·x̃ + o·Σx, with x̃ x rounded to int16 per block of 32 as the kernel
+    rounds it (support.kernel_rounded), the offsets times x's float sums; float x past GEMV_ROWS
+    rows for the int8 head (its plan's rule dequantizes there), group_gemv4 at every row count."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -180,10 +223,11 @@ class Int16Reference(nn.Module):
         offset = getattr(layer, "offset", None)  # (out, in / group), or None (per channel: 0)
         o = torch.zeros_like(w) if offset is None else offset.double().repeat_interleave(w.shape[1] // offset.shape[1], 1)
         self.scaled, self.offsets, self.whole, self.bias = w - o, o, w, layer.bias
+        self.rounds_all = isinstance(layer, Int4Linear)
 
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > int4.GEMV_ROWS:
+        if x2.shape[0] > int4.GEMV_ROWS and not self.rounds_all:
             y = F.linear(x2.double(), self.whole)
         else:
             y = F.linear(kernel_rounded(x2), self.scaled) + F.linear(x2.double(), self.offsets)
@@ -236,7 +280,7 @@ def test_quantize_int4_swaps_the_blocks_linears_gives_the_head_8_bits_or_more_an
     if kernels == "cpp":  # an int8 head, a scale and an offset per 32 weights
         assert isinstance(model.lm_head, Int8Linear) and model.lm_head.group == 0  # a 32-wide row: one group
         torch.testing.assert_close(model.lm_head.dequantized(), wte, rtol=0, atol=float(wte.abs().max()) / 200)
-        assert "group_gemv4 (up to 64 rows) + int4pack_mm" in note and "head int8 (per-channel scales, group_gemv)" in note
+        assert "group_gemv4 (GEMM-blocked past 64 rows) + int4pack_mm" in note and "head int8 (per-channel scales, group_gemv)" in note
     else:
         assert isinstance(model.lm_head, int4.Bf16Linear) and torch.equal(model.lm_head.weight, wte.bfloat16())
         assert "int4pack_mm" in note and "head in bf16" in note

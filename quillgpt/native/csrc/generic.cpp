@@ -46,10 +46,10 @@ void round_row(const float* x, int64_t m, int64_t K, int64_t G, Rounded& r) {
       amax = std::max(amax, std::fabs(v[i]));
       total += v[i];
     }
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const float inv = amax > 0.f ? r.levels / amax : 0.f;
 #pragma omp simd
     for (int i = 0; i < 32; ++i) q[i] = int16_t(std::nearbyint(v[i] * inv));
-    r.step[m * blocks + b] = amax / 32767.f;
+    r.step[m * blocks + b] = amax / r.levels;
     sum[b / per_group] += total;
   }
 }

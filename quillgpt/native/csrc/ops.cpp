@@ -32,15 +32,22 @@ Weights weights_of(const at::Tensor& q, const at::Tensor& s, const at::Tensor& o
 }
 
 // (M, N) float32 from x (M, K) float32 and weight rows of the format's codes
-static at::Tensor gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& o, Format format) {
+static at::Tensor gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& o, Format format,
+                       float levels = INT16_LEVELS) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous (M, K) float32");
   const int64_t M = x.size(0), K = x.size(1);
   const Weights w = weights_of(q, s, o, K, format);
   Rounded r;
-  round_x(x.data_ptr<float>(), M, K, w.G, r);
+  r.levels = levels;
+  round_room(M, K, r);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) round_row(xp, m, K, w.G, r);
+  });
   auto y = at::empty({M, w.N}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (w.N + 15) / 16, 1, [&](int64_t c0, int64_t c1) { gemv_columns(w, r, M, yp, 16 * c0, std::min(w.N, 16 * c1)); });
+  auto columns = M >= GEMM_ROWS ? gemm_columns : gemv_columns;  // each thread a contiguous range of weight rows
+  at::parallel_for(0, (w.N + 15) / 16, 1, [&](int64_t c0, int64_t c1) { columns(w, r, M, yp, 16 * c0, std::min(w.N, 16 * c1)); });
   return y;
 }
 
@@ -50,9 +57,14 @@ at::Tensor group_gemv(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o) { 
 // x (M, K) float32, q (N, K / 2) uint8 (4-bit codes, two a byte, in the layout of quill.h), s and o as group_gemv's
 at::Tensor group_gemv4(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o) { return gemv(x, q, s, o, Format::INT4); }
 
+// group_gemv4 with x rounded to int8 per 32 (a step of max|x|/127), asked for by name: its
+// many-rows kernel multiplies bytes (vpdpbusd), twice the products an instruction
+at::Tensor group_gemv4_x8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o) { return gemv(x, q, s, o, Format::INT4, INT8_LEVELS); }
+
 TORCH_LIBRARY(quill, m) {
   m.def("group_gemv(Tensor x, Tensor q, Tensor s, Tensor o) -> Tensor");
   m.def("group_gemv4(Tensor x, Tensor q, Tensor s, Tensor o) -> Tensor");
+  m.def("group_gemv4_x8(Tensor x, Tensor q, Tensor s, Tensor o) -> Tensor");
   m.def(
       "decode_blocks(Tensor x, Tensor[] lin, Tensor[] norms, Tensor[] head, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, "
       "Tensor cos, Tensor sin, Tensor mask, SymInt[] ints, float eps) -> Tensor");
@@ -65,6 +77,7 @@ TORCH_LIBRARY(quill, m) {
 TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("group_gemv", &group_gemv);
   m.impl("group_gemv4", &group_gemv4);
+  m.impl("group_gemv4_x8", &group_gemv4_x8);
   m.impl("decode_blocks", &decode_blocks);
   m.impl("decode_tokens", &decode_tokens);
   m.impl("argmax_finite", &argmax_finite);

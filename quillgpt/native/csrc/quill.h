@@ -2,6 +2,7 @@
 // library for one instruction set, the compiler's target (quillgpt/native/build.py picks -march):
 //   generic.cpp       the portable code: x rounded to int16, fp16 conversions, the plain kernels
 //   x86.cpp           the AVX2 and AVX-512 kernels (where this build targets either)
+//   gemm.cpp          the kernel for many activation rows (a prompt's forward), GEMM-blocked
 //   decode_block.cpp  pre-norm decoder blocks' decode step in one call, the greedy draw
 //   ops.cpp           the ops torch sees, declared once (TORCH_LIBRARY), and the weights' checks
 #pragma once
@@ -59,10 +60,14 @@ struct Weights {
   Format format;
 };
 
-// x rounded per block of 32 to int16 (q), each block's step, and each group's float sum
+// x rounded per block of 32 to int16 (q), each block's step, and each group's float sum; `levels`
+// the codes' range: ±32767 (int16, every kernel's), or ±127 (int8 activations, asked for by name:
+// the many-rows kernel then multiplies 4-bit weights with vpdpbusd)
+constexpr float INT16_LEVELS = 32767.f, INT8_LEVELS = 127.f;
 struct Rounded {
   std::vector<int16_t> q;  // small buffers, no tensors (each costs a dispatch)
   std::vector<float> step, sum;
+  float levels = INT16_LEVELS;
 };
 
 // e^x for x ≤ 0 (0 below -87: masked keys), 2^n·p(r) with Cephes' polynomial, written so the loops
@@ -103,6 +108,13 @@ void round_x(const float* x, int64_t M, int64_t K, int64_t G, Rounded& r);
 // splits the columns over at::parallel_for, 16 at a time.
 void gemv_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1);
 
+// gemm.cpp: gemv_columns for many activation rows (the gemv op from GEMM_ROWS rows on): panels of
+// weight rows unpacked once per block of activation rows, register tiles of weight rows × activation
+// rows; the same sums as gemv_columns (the same rounded x). n0 a multiple of 16, n1 of 16 or N. A
+// build without AVX2 runs gemv_columns.
+constexpr int64_t GEMM_ROWS = 65;
+void gemm_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64_t n0, int64_t n1);
+
 // softmax(q·kᵀ/√hd + bias)·v for one query head over S keys (rows ks apart; the cache float32 or
 // fp16), p: S floats of scratch, in vector registers: false where this build has no lanes for hd
 // (x86.cpp takes hd 64 and 128 on AVX2 and AVX-512; the decode block's portable loop runs then)
@@ -118,6 +130,7 @@ Weights weights_of(const at::Tensor& q, const at::Tensor& s, const at::Tensor& o
 Format format_of(int64_t value);
 at::Tensor group_gemv(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o);
 at::Tensor group_gemv4(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o);
+at::Tensor group_gemv4_x8(at::Tensor x, at::Tensor q, at::Tensor s, at::Tensor o);
 at::Tensor decode_blocks(at::Tensor x, std::vector<at::Tensor> lin, std::vector<at::Tensor> norms, std::vector<at::Tensor> head,
                          std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor slots, at::Tensor cos, at::Tensor sin,
                          at::Tensor mask, std::vector<int64_t> ints, double eps);
