@@ -68,9 +68,11 @@ class KernelPlan:
         return f"{what}{scales}, {kernel}: a step's linears {ms[kernel]:.2f} ms vs {ms['float']:.2f} ms float{slower}{how}"
 
 
-# a layer loaded from a quantized run, where no float weight is at hand to measure against: the rule,
-# with group_gemv (it led every measured decode batch) as the decode batch's kernel
-RULE_PLAN = KernelPlan((RULE_ROWS,), ("group_gemv", RULE_LARGE))
+# a layer loaded from a quantized run, where no float weight is at hand to measure against:
+# group_gemv at every row count (it led every measured decode batch, and past 64 rows its GEMM ran
+# 2.8-3.6x the dequantized weight through F.linear at 512 rows: docs/kernels.md); where it cannot
+# take the layer, its fallback (the dequantized weight)
+RULE_PLAN = KernelPlan((1,), ("group_gemv",))
 
 
 def cached_plan(every: list[Pair], block: list[Pair], rows: int, cache: bool) -> KernelPlan:

@@ -143,3 +143,25 @@ def test_lora_fine_tunes_a_quantized_run_on_its_dequantized_weights(tmp_path, qu
     quantize_run(src, base, "int8", which="latest", force=True)  # the base's weights change under the adapters
     code, _, err = quill("sample", "--ckpt", tmp_path / "ft", "-p", "ROMEO:", "-n", 2)
     assert code == 2 and "have changed" in err and err.count("\n") == 1
+
+
+def test_a_stored_int8_layer_runs_its_kernel_past_the_decode_rows(tmp_path, monkeypatch):
+    """A kept-quantized run's int8 layers take group_gemv at every row count (its GEMM past 64 rows),
+    not the dequantized weight: a 300-row prompt calls the kernel and matches the dequantized matmul."""
+    from quillgpt import native
+
+    if not native.available():
+        pytest.skip(f"the C++ kernels do not build here: {native.why_not()}")
+    stored = load_run(quantize_run(float_run(tmp_path / "float", "tied"), tmp_path / "q", "int8", which="latest"), which="latest")
+    layer = next(m for m in stored.model.modules() if isinstance(m, Int8Linear))
+    rows, real = [], native.group_gemv
+    monkeypatch.setattr(native, "group_gemv", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    x = torch.randn(300, layer.in_features)
+    y = layer(x)
+    assert rows == [300]
+    w = layer.dequantized()
+    # x is rounded to int16 per 32 (a step of max|x| / 32767 in each block): each output may move by
+    # half a step times |w| summed, plus float32's rounding of the sums
+    half_steps = (x.view(300, -1, 32).abs().amax(-1, keepdim=True) / 32767 / 2).expand(-1, -1, 32).reshape(300, -1)
+    bound = half_steps @ w.abs().t() + layer.in_features * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().t())
+    assert ((y - x @ w.t()).abs() <= bound).all()
