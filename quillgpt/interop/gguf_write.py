@@ -5,12 +5,15 @@ cannot express is refused there, by name), then into llama.cpp's tensor names (g
 and metadata keys (interop/gguf_family.py's table), written with the `gguf` package's GGUFWriter.
 Which llama.cpp architecture: GPT-2 for learned positions + LayerNorm + GELU; for RoPE + RMSNorm +
 SwiGLU qwen3 with QK-norm, qwen2 with q/k/v biases, else llama (whose q/k rows are permuted for
-llama.cpp's interleaved RoPE, as its own converter does). Matrices are written in --type
-(q8_0: rows whose length is not a multiple of 32 stay f16, as llama.cpp's converter does), norms
-and biases in f32. The tokenizer is written as llama.cpp's byte-level BPE ("gpt2"): tiktoken and
-trained BPE with their split, Hugging Face byte-level tokenizers with theirs, and a char
-tokenizer of ASCII characters as a vocabulary of single bytes without merges (same ids); any other
-is refused in one line.
+llama.cpp's interleaved RoPE, as its own converter does); Gemma's layers as gemma3, with the keys
+llama.cpp reads for its windowed layers (window, layer pattern, their RoPE base) and its norms as
+(1 + w), as llama.cpp's converter stores them. Matrices are written in --type (q8_0: rows whose
+length is not a multiple of 32 stay f16, as llama.cpp's converter does), norms and biases in f32.
+The tokenizer is written as llama.cpp's byte-level BPE ("gpt2"): tiktoken and trained BPE with
+their split, Hugging Face byte-level tokenizers with theirs, and a char tokenizer of ASCII
+characters as a vocabulary of single bytes without merges (same ids); or as its SentencePiece
+vocabulary ("llama"): a BPE with byte fallback and spaces written as ▁ (Gemma's, Llama 2's). Any
+other is refused in one line.
 """
 
 from __future__ import annotations
@@ -388,8 +391,8 @@ def modelfile_text(gguf_path: Path, tok: Tokenizer) -> str:
 def export_gguf(
     run: str | Path, out: str | Path, kind: str = "f32", which: str = "best", force: bool = False, ollama: bool = False
 ) -> Exported:
-    """A quill run (or .pt; a LoRA run merged) → one GGUF file of llama.cpp's llama, qwen2, qwen3 or
-    gpt2, matrices in `kind` (f32, f16, bf16, q8_0); with `ollama`, a Modelfile beside it."""
+    """A quill run (or .pt; a LoRA run merged) → one GGUF file of llama.cpp's llama, qwen2, qwen3,
+    gemma3 or gpt2, matrices in `kind` (f32, f16, bf16, q8_0); with `ollama`, a Modelfile beside it."""
     if kind not in WRITE_TYPES:
         raise QuillError(f"--type {kind!r} is not a GGUF type export writes; choose one of {', '.join(WRITE_TYPES)}")
     inputs = runs.run_inputs(run, which)
