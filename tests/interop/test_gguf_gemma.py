@@ -124,10 +124,18 @@ def test_llama_cpp_computes_the_export_as_quill(tiny):
     assert np.abs(logits - want).max() <= 0.01 * np.abs(want).max()
 
 
-def test_export_gguf_refuses_what_llama_cpps_gemma3_computes_otherwise(tmp_path):
-    """llama.cpp scales scores by 1/√head_dim: a query_pre_attn_scalar of another value is named."""
-    import_hf(make_hf_model(tmp_path / "hf", "gemma3"), tmp_path / "run")  # query_pre_attn_scalar 24, head_dim 16
-    with pytest.raises(QuillError, match=r"model.attn_scale=0.204124 \(llama.cpp's gemma3 scales a 4-layer model's scores by 0.25\)") as e:
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({}, r"model.attn_scale=0.204124 \(llama.cpp's gemma3 scales a 4-layer model's scores by 0.25\)"),  # scalar 24, head_dim 16
+        (dict(layer_types=["sliding_attention"] * 4, query_pre_attn_scalar=16), "model.window or model.global_every unset"),
+    ],
+)
+def test_export_gguf_refuses_what_llama_cpps_gemma3_computes_otherwise(tmp_path, change, message):
+    """llama.cpp scales scores by 1/√head_dim and alternates windowed layers with global ones: a
+    run of another scale, or windowed in every layer, is refused in one line, nothing written."""
+    import_hf(make_hf_model(tmp_path / "hf", "gemma3", **change), tmp_path / "run")
+    with pytest.raises(QuillError, match=message) as e:
         export_gguf(tmp_path / "run", tmp_path / "m.gguf", which="latest")
     assert "\n" not in str(e.value) and not (tmp_path / "m.gguf").exists()
 
