@@ -29,6 +29,7 @@ from quillgpt.inference.compiled_step import shared_capacity
 from quillgpt.inference.driver import TextBatch, TextStream
 from quillgpt.inference.engine import RowFailed
 from quillgpt.inference.generate import make_engine
+from quillgpt.inference.native_decoder import op_by_op_note
 from quillgpt.model.gpt import GPT
 from quillgpt.runs import LoadOptions, load_run
 from quillgpt.sampling_params import SamplingParams
@@ -149,7 +150,7 @@ def open_chat(
     run = load_run(ckpt, dataclasses.replace(options, rows=1))
     session = ChatSession(run.model, run.tokenizer, run.config.sample.params(**flags), system, options.compile, threads)
     kind = run_kind(run.config, run.tokenizer, run.step)
-    note = quant.weights_note(run.model, "; ", compiled=options.compile and run.model.variant.static_cache)
+    note = quant.weights_note(run.model, "; ", compiled=options.compile and run.model.variant.static_cache) + op_by_op_note(run.model)
     return session, f"chatting with {run.path}: {kind}{note}; /reset, /stats, /quit, /help"
 
 

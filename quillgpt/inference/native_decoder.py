@@ -76,14 +76,19 @@ def unsupported(model: GPT) -> list[str]:
     return [name for name, present in features.items() if present]
 
 
-def step_note(decoder: Decoder) -> str:
-    """ ", decode step op by op (…)" for the stats line where a quantized model's blocks would run
-    natively but for features decode_block lacks (unsupported); else ""."""
-    model = decoder.model
-    if decoder.native or not any(isinstance(m, QuantLinear) for m in model.transformer.h.modules()):
+def op_by_op_note(model: GPT) -> str:
+    """ ", decode step op by op (…)" where a quantized model's blocks would run natively but for
+    features decode_block lacks (unsupported); else "": what chat's and serve's first line and
+    sample's stats line say."""
+    if not any(isinstance(m, QuantLinear) for m in model.transformer.h.modules()):
         return ""
     missing = unsupported(model)
     return f", decode step op by op (the native one lacks {', '.join(missing)})" if missing else ""
+
+
+def step_note(decoder: Decoder) -> str:
+    """op_by_op_note for the stats line of a step that ran (nothing where it ran natively)."""
+    return "" if decoder.native else op_by_op_note(decoder.model)
 
 
 def fits(block: nn.Module) -> bool:

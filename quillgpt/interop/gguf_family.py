@@ -38,9 +38,24 @@ GPT2_KEYS = {
 
 
 KEYS = {"llama": LLAMA_KEYS, "gpt2": GPT2_KEYS}  # by the family's codec
-# an architecture's keys beyond its codec's (llama.cpp's gemma3: 6-layer pattern, local RoPE base 10,000 and
-# 1/√head_dim scores are fixed in llama.cpp, as transformers' Gemma3TextConfig defaults them)
-ARCH_KEYS = {"gemma3": {"attention.sliding_window": "sliding_window"}}
+# an architecture's keys beyond its codec's: llama.cpp's gemma3 reads its window, and where a file states
+# them the layer pattern (else 6), the windowed layers' RoPE base (else 10,000) and a final soft cap; its
+# score scale it computes (gemma3_score_scalar), as transformers' Gemma3TextConfig defaults them
+ARCH_KEYS = {
+    "gemma3": {
+        "attention.sliding_window": "sliding_window",
+        "attention.sliding_window_pattern": "sliding_window_pattern",
+        "rope.freq_base_swa": "rope_local_base_freq",
+        "final_logit_softcapping": "final_logit_softcapping",
+    }
+}
+GEMMA3_27B_LAYERS = 62  # llama.cpp's gemma3 takes a model of this many layers for the 27B, whose score scale differs
+
+
+def gemma3_score_scalar(n_layer: int, n_embd: int, n_head: int, head_dim: int) -> int:
+    """The query_pre_attn_scalar llama.cpp's gemma3 scales scores with (1/√ of it; it reads none
+    from the file): head_dim, or n_embd / n_head for a model of the 27B's 62 layers."""
+    return n_embd // n_head if n_layer == GEMMA3_27B_LAYERS else head_dim
 
 
 @dataclass(frozen=True)

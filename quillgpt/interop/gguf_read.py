@@ -31,7 +31,7 @@ from quillgpt.data.hf_tokenizer import HFTokenizer
 from quillgpt.errors import QuillError
 from quillgpt.files import input_file, shown
 from quillgpt.interop import gguf_checks, gpt2, llama
-from quillgpt.interop.gguf_family import FAMILIES, PRE_TOKENIZERS, READ_TYPES, GGUFFamily
+from quillgpt.interop.gguf_family import FAMILIES, PRE_TOKENIZERS, READ_TYPES, GGUFFamily, gemma3_score_scalar
 from quillgpt.interop.hf_files import require
 
 GGUF_INSTALL = 'pip install -e ".[gguf]"'
@@ -111,7 +111,8 @@ class GGUFFile:
         return values
 
 
-REAL_KEYS = ("epsilon", "freq_base")  # metadata keys that hold a positive real; the others a count or a length
+# metadata keys that hold a positive real; the others a count or a length
+REAL_KEYS = ("epsilon", "freq_base", "freq_base_swa", "softcapping")
 MAX_METADATA_INT = 2**24  # a count or length beyond this is no model quill can hold (block_size's own bound)
 
 
@@ -153,15 +154,12 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     scaling = f.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise QuillError(f"{shown(f.path)}: {arch}.rope.scaling.type={shown_value(scaling)} (quill imports linear RoPE scaling only)")
-    if scaling == "linear":
-        hf["rope_parameters"] = {
-            "rope_type": "linear",
-            "factor": f.get(f"{arch}.rope.scaling.factor", 1.0),
-            "rope_theta": hf.get("rope_theta"),
-        }
+    if scaling == "linear":  # config.json's older form (read with rope_theta), which Gemma's reads as its global layers'
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": f.get(f"{arch}.rope.scaling.factor", 1.0)}
     hf["attention_bias"] = fam.model_type != "qwen2" and "blk.0.attn_q.bias" in f.tensors
-    if fam.family.gemma:  # llama.cpp scales Gemma 3's scores by 1/√head_dim (the 27B's n_embd/n_head aside)
-        hf["query_pre_attn_scalar"] = head_dim
+    if fam.family.gemma:  # llama.cpp computes Gemma 3's score scale
+        shape = (hf.get("num_hidden_layers", 0), hf.get("hidden_size", 0), hf.get("num_attention_heads", 1))
+        hf["query_pre_attn_scalar"] = gemma3_score_scalar(*shape, head_dim)
     return hf
 
 

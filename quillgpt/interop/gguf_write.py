@@ -5,17 +5,21 @@ cannot express is refused there, by name), then into llama.cpp's tensor names (g
 and metadata keys (interop/gguf_family.py's table), written with the `gguf` package's GGUFWriter.
 Which llama.cpp architecture: GPT-2 for learned positions + LayerNorm + GELU; for RoPE + RMSNorm +
 SwiGLU qwen3 with QK-norm, qwen2 with q/k/v biases, else llama (whose q/k rows are permuted for
-llama.cpp's interleaved RoPE, as its own converter does). Matrices are written in --type
-(q8_0: rows whose length is not a multiple of 32 stay f16, as llama.cpp's converter does), norms
-and biases in f32. The tokenizer is written as llama.cpp's byte-level BPE ("gpt2"): tiktoken and
-trained BPE with their split, Hugging Face byte-level tokenizers with theirs, and a char
-tokenizer of ASCII characters as a vocabulary of single bytes without merges (same ids); any other
-is refused in one line.
+llama.cpp's interleaved RoPE, as its own converter does); Gemma's layers as gemma3, with the keys
+llama.cpp reads for its windowed layers (window, layer pattern, their RoPE base) and its norms as
+(1 + w), as llama.cpp's converter stores them. Matrices are written in --type (q8_0: rows whose
+length is not a multiple of 32 stay f16, as llama.cpp's converter does), norms and biases in f32.
+The tokenizer is written as llama.cpp's byte-level BPE ("gpt2"): tiktoken and trained BPE with
+their split, Hugging Face byte-level tokenizers with theirs, and a char tokenizer of ASCII
+characters as a vocabulary of single bytes without merges (same ids); or as its SentencePiece
+vocabulary ("llama"): a BPE with byte fallback and spaces written as ▁ (Gemma's, Llama 2's). Any
+other is refused in one line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -32,8 +36,10 @@ from quillgpt.errors import QuillError
 from quillgpt.files import check_output_file, os_error, refuse_onto_inputs, write_file
 from quillgpt.interop import gpt2, llama
 from quillgpt.interop.families import export_family
-from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily
+from quillgpt.interop.gguf_family import FAMILIES, PRE_NAMES, WRITE_TYPES, GGUFFamily, gemma3_score_scalar
 from quillgpt.interop.gguf_read import gguf_module
+
+SPIECE = "\u2581"  # SentencePiece's space
 
 
 @dataclass
@@ -53,16 +59,28 @@ def gguf_family_of(cfg: ModelConfig) -> GGUFFamily:
         return FAMILIES["gpt2"]
     if as_llama:
         raise QuillError(f"cannot export as GGUF: as GPT-2, {'; '.join(as_gpt2)}; as the Llama family, {'; '.join(as_llama)}")
-    problems = []
-    if cfg.window is not None:
-        problems.append(f"model.window={cfg.window} (llama.cpp's llama, qwen2 and qwen3 attend to the whole context)")
+    family = export_family(cfg, qwen_tokenizer=True)  # the family record: its llama.cpp name
+    problems = gemma3_problems(cfg) if family.gemma else []
     if cfg.rope_scaling == "llama3":
         problems.append("model.rope_scaling=llama3 (written as rope_freqs factors, which this export does not write)")
+    if cfg.window is not None and not family.gemma:
+        problems.append(f"model.window={cfg.window} (llama.cpp's llama, qwen2 and qwen3 attend to the whole context)")
     if cfg.qk_norm and cfg.qkv_bias:
         problems.append("model.qk_norm with model.qkv_bias (llama.cpp's qwen3 has no q/k/v biases)")
     if problems:
         raise QuillError("cannot export as GGUF: " + "; ".join(problems))
-    return FAMILIES[export_family(cfg, qwen_tokenizer=True).gguf_arch]  # the family record's llama.cpp name
+    return FAMILIES[family.gguf_arch]
+
+
+def gemma3_problems(cfg: ModelConfig) -> list[str]:
+    """What llama.cpp's gemma3 computes otherwise than a Gemma run, each named."""
+    problems = []
+    if cfg.window is None or cfg.global_every is None:
+        problems.append("model.window or model.global_every unset (llama.cpp's gemma3 alternates windowed layers with global ones)")
+    scale, theirs = cfg.attn_scale or cfg.head_size**-0.5, gemma3_score_scalar(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size) ** -0.5
+    if not math.isclose(scale, theirs, rel_tol=1e-6):
+        problems.append(f"model.attn_scale={scale:.6g} (llama.cpp's gemma3 scales a {cfg.n_layer}-layer model's scores by {theirs:.6g})")
+    return problems
 
 
 def permute(w: Tensor, heads: int) -> Tensor:
@@ -76,7 +94,7 @@ def gguf_tensors(state: dict[str, Tensor], cfg: ModelConfig, fam: GGUFFamily) ->
     if fam.model_type == "gpt2":
         hf = {k: v.t() if k.endswith(gpt2.CONV1D_WEIGHTS) else v for k, v in gpt2.quill_to_hf_state(state, cfg).items()}
     else:
-        hf = llama.quill_to_llama_state(state, cfg, fam.family)
+        hf = llama.quill_to_llama_state(state, cfg, fam.family, norms_hold_one=True)  # llama.cpp's Gemma norms hold (1 + w)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.n_layer)
     out = {}
     for name, t in hf.items():
@@ -127,6 +145,12 @@ def _add_config(writer: Any, cfg: ModelConfig, fam: GGUFFamily, name: str, kind:
     if cfg.rope_scaling == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_factor)
+    if fam.family.gemma:  # the windowed layers: their window, pattern and RoPE base
+        writer.add_sliding_window(cfg.window)
+        writer.add_uint32(f"{fam.arch}.attention.sliding_window_pattern", cfg.global_every)
+        writer.add_float32(f"{fam.arch}.rope.freq_base_swa", cfg.local_rope_theta or cfg.rope_theta)
+        if cfg.logit_softcap is not None:
+            writer.add_final_logit_softcapping(cfg.logit_softcap)
 
 
 def _byte_level(text: str) -> str:
@@ -157,7 +181,8 @@ def _pre_name(pre: Any) -> str | None:
 
 
 def tokenizer_fields(tok: Tokenizer, vocab_size: int) -> dict[str, Any]:
-    """llama.cpp's byte-level BPE vocabulary with the same ids as `tok`: tokens, types, merges, split."""
+    """llama.cpp's vocabulary with the same ids as `tok`: tokens, types, and byte-level BPE's merges
+    and split ("gpt2") or SentencePiece's scores ("llama")."""
     spec = tok.spec()
     if spec["type"] == "char":
         wide = [c for c in tok.chars if ord(c) > 127]
@@ -166,32 +191,24 @@ def tokenizer_fields(tok: Tokenizer, vocab_size: int) -> dict[str, Any]:
                 f"cannot export the char tokenizer exactly: {''.join(wide[:5])!r} are not ASCII, and llama.cpp's "
                 "byte-level vocabulary has no token for a character of several bytes without its bytes"
             )
-        tokens, merges, pre, added = [_byte_level(c) for c in tok.chars], [], "gpt-2", {}
+        tokens = [_byte_level(c) for c in tok.chars]
+        fields = {"model": "gpt2", "tokens": tokens, "types": [1] * len(tokens), "merges": [], "pre": "gpt-2", "added": {}}
     else:
         from quillgpt.data.hf_tokenizer import hf_files_of
 
-        data = json.loads(hf_files_of(tok)[0])
-        model, pre = data.get("model") or {}, _pre_name(data.get("pre_tokenizer"))
-        if model.get("type") != "BPE" or model.get("byte_fallback") or data.get("normalizer") or pre is None:
-            what = "a SentencePiece-style or normalizing" if model.get("type") != "BPE" or data.get("normalizer") else "this split's"
-            raise QuillError(f"cannot export {tok.name}'s tokenizer exactly: llama.cpp has no equivalent of {what} tokenizer here")
-        added = {t["id"]: t for t in data.get("added_tokens", [])}
-        by_id = {i: t for t, i in model["vocab"].items()} | {i: t["content"] for i, t in added.items()}
-        if sorted(by_id) != list(range(len(by_id))):
-            raise QuillError(f"cannot export {tok.name}'s tokenizer: its ids are not 0..{len(by_id) - 1} without gaps")
-        tokens = [by_id[i] for i in range(len(by_id))]
-        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    types = [(3 if added[i].get("special") else 4) if i in added else 1 for i in range(len(tokens))]
+        fields = _hf_vocabulary(tok.name, json.loads(hf_files_of(tok)[0]))
+    tokens, added, kinds = fields.pop("tokens"), fields.pop("added"), fields.pop("types")
     if vocab_size < len(tokens):
         raise QuillError(f"cannot export: the model has {vocab_size} token rows for a tokenizer of {len(tokens)}")
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # rows no token reaches, as llama.cpp pads
-    types += [5] * (vocab_size - len(types))
+    types = [(3 if added[i].get("special") else 4) if i in added else kind for i, kind in enumerate(kinds)]  # control, user-defined
+    pad = vocab_size - len(tokens)  # rows no token reaches, as llama.cpp pads them: unused, scored lowest
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    if "scores" in fields:
+        fields["scores"] += [min(fields["scores"]) - 1] * pad
     stops = [i for i in tok.stop_ids if i != tok.eot_id]
-    return {
+    return fields | {
         "tokens": tokens,
-        "types": types,
-        "merges": merges,
-        "pre": pre,
+        "types": types + [5] * pad,
         "bos": tok.bos_id,
         "eos": tok.eot_id,
         "eot": stops[0] if stops else None,
@@ -199,14 +216,78 @@ def tokenizer_fields(tok: Tokenizer, vocab_size: int) -> dict[str, Any]:
     }
 
 
+def _hf_vocabulary(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A tokenizer.json's vocabulary as llama.cpp's: byte-level BPE with a split llama.cpp names,
+    or SentencePiece-style BPE (byte fallback, spaces as ▁); any other is refused in one line."""
+    model = data.get("model") or {}
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        return _sentencepiece(name, data)
+    pre = _pre_name(data.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or data.get("normalizer") or pre is None:
+        what = "a SentencePiece-style or normalizing" if model.get("type") != "BPE" or data.get("normalizer") else "this split's"
+        raise QuillError(f"cannot export {name}'s tokenizer exactly: llama.cpp has no equivalent of {what} tokenizer here")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    tokens = _ids_in_order(name, data)
+    return {"model": "gpt2", "tokens": tokens, "types": [1] * len(tokens), "merges": merges, "pre": pre, "added": _added(data)}
+
+
+def _sentencepiece(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A BPE with byte fallback whose normalizer writes spaces as ▁ (with or without a leading one)
+    and no split: llama.cpp's SentencePiece ("llama") vocabulary. llama.cpp merges the adjacent pair
+    whose joined piece scores highest, so each piece scores minus the rank of the first merge that
+    makes it (the same choices as the merges' order); <0xXX> pieces are its byte tokens."""
+    steps = data.get("normalizer") or {}
+    steps = steps.get("normalizers", []) if steps.get("type") == "Sequence" else [steps]
+    shape = [(s.get("type"), s.get("pattern", {}).get("String"), s.get("content", s.get("prepend"))) for s in steps]
+    space, prefix = ("Replace", " ", SPIECE), ("Prepend", None, SPIECE)
+    if data.get("pre_tokenizer") is not None or shape not in ([space], [prefix, space]):
+        raise QuillError(f"cannot export {name}'s tokenizer exactly: llama.cpp has no equivalent of its normalizer or split here")
+    tokens = _ids_in_order(name, data)
+    merges = [m.split(" ") if isinstance(m, str) else m for m in data["model"].get("merges", [])]
+    rank: dict[str, int] = {}
+    for i, (a, b) in enumerate(merges):
+        rank.setdefault(a + b, i)
+    types = [6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else 1 for t in tokens]
+    scores = [-float(rank.get(t, len(merges))) if k == 1 else 0.0 for t, k in zip(tokens, types)]
+    unk = data["model"].get("unk_token")
+    return {
+        "model": "llama",
+        "tokens": tokens,
+        "types": types,
+        "scores": scores,
+        "space_prefix": shape[0] == prefix,
+        "unk": tokens.index(unk) if unk in tokens else None,
+        "added": _added(data),
+    }
+
+
+def _added(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {t["id"]: t for t in data.get("added_tokens", [])}
+
+
+def _ids_in_order(name: str, data: dict[str, Any]) -> list[str]:
+    """Every token of a tokenizer.json by id (its vocabulary and added tokens); gaps are refused."""
+    by_id = {i: t for t, i in data["model"]["vocab"].items()} | {i: t["content"] for i, t in _added(data).items()}
+    if sorted(by_id) != list(range(len(by_id))):
+        raise QuillError(f"cannot export {name}'s tokenizer: its ids are not 0..{len(by_id) - 1} without gaps")
+    return [by_id[i] for i in range(len(by_id))]
+
+
 def _add_tokenizer(writer: Any, t: dict[str, Any]) -> None:
     gguf = gguf_module()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(t["pre"])
+    writer.add_tokenizer_model(t["model"])
     writer.add_token_list(t["tokens"])
     writer.add_token_types(t["types"])
-    # an empty merge list is written too: llama.cpp needs the key (see _writer)
-    writer.add_key_value(gguf.Keys.Tokenizer.MERGES, t["merges"], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+    if t["model"] == "llama":
+        writer.add_tokenizer_pre("default")
+        writer.add_token_scores(t["scores"])
+        writer.add_add_space_prefix(t["space_prefix"])
+        if t["unk"] is not None:
+            writer.add_unk_token_id(t["unk"])
+    else:
+        writer.add_tokenizer_pre(t["pre"])
+        # an empty merge list is written too: llama.cpp needs the key (see _writer)
+        writer.add_key_value(gguf.Keys.Tokenizer.MERGES, t["merges"], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
     writer.add_add_bos_token(t["bos"] is not None)
     writer.add_add_eos_token(False)
     for key, value in (("bos", t["bos"]), ("eos", t["eos"]), ("eot", t["eot"])):
@@ -310,8 +391,8 @@ def modelfile_text(gguf_path: Path, tok: Tokenizer) -> str:
 def export_gguf(
     run: str | Path, out: str | Path, kind: str = "f32", which: str = "best", force: bool = False, ollama: bool = False
 ) -> Exported:
-    """A quill run (or .pt; a LoRA run merged) → one GGUF file of llama.cpp's llama, qwen2, qwen3 or
-    gpt2, matrices in `kind` (f32, f16, bf16, q8_0); with `ollama`, a Modelfile beside it."""
+    """A quill run (or .pt; a LoRA run merged) → one GGUF file of llama.cpp's llama, qwen2, qwen3,
+    gemma3 or gpt2, matrices in `kind` (f32, f16, bf16, q8_0); with `ollama`, a Modelfile beside it."""
     if kind not in WRITE_TYPES:
         raise QuillError(f"--type {kind!r} is not a GGUF type export writes; choose one of {', '.join(WRITE_TYPES)}")
     inputs = runs.run_inputs(run, which)

@@ -329,15 +329,17 @@ def _gemma_config(cfg: ModelConfig, rope: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig, family: Family) -> dict[str, Tensor]:
+def quill_to_llama_state(state: Mapping[str, Tensor], cfg: ModelConfig, family: Family, norms_hold_one: bool = False) -> dict[str, Tensor]:
     """quill state dict → the tensors of `family` (contiguous, none sharing memory): c_attn
     split into q/k/v, c_fc into gate/up, zero o_proj biases where attention_bias needs them; a tied
-    head is left for transformers to tie."""
+    head is left for transformers to tie. Gemma's norm weights go back to w for (1 + w), unless
+    the format holds (1 + w) itself (norms_hold_one: llama.cpp's files)."""
     H, KV, hd = cfg.n_head, cfg.kv_heads, cfg.head_size
     sizes = {"attn.c_attn": [H * hd, KV * hd, KV * hd], "mlp.c_fc": [cfg.hidden_dim, cfg.hidden_dim]}
     out = {}
+    less_one = gemma_layers(cfg) and not norms_hold_one
     for name, parts in weight_names(cfg).items():
-        t = state[name] - 1 if gemma_layers(cfg) and is_gemma_norm(name) else state[name]
+        t = state[name] - 1 if less_one and is_gemma_norm(name) else state[name]
         module = ".".join(name.split(".")[-3:-1])  # e.g. attn.c_attn
         pieces = t.split(sizes[module], dim=0) if len(parts) > 1 else [t]
         out.update({p: piece.contiguous().clone() for p, piece in zip(parts, pieces)})

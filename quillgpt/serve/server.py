@@ -122,6 +122,7 @@ def serve(
     """Serve a run over HTTP until SIGINT/SIGTERM (then drain for drain_s seconds and stop).
     Call it from the main thread (signal handlers); tests and embedders use make_app instead."""
     from quillgpt import quant
+    from quillgpt.inference.native_decoder import op_by_op_note
 
     require_extra()
     from quillgpt.serve.routes import ServeOptions
@@ -135,7 +136,7 @@ def serve(
     app = make_app(run, options, max_batch, compile=load.compile)
     if app.state.compiled:
         announce(f"compiled the decode step in {app.state.compile_s:.1f}s")
-    weights = quant.weights_note(run.model, "; ", compiled=app.state.compiled)
+    weights = quant.weights_note(run.model, "; ", compiled=app.state.compiled) + op_by_op_note(run.model)
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host

@@ -56,8 +56,9 @@ def layer_bytes_per_token(cfg: ModelConfig, act: int, lora: LoraConfig | None = 
     (in the activation dtype `act`: 2 under autocast, else 4), q/k/v before and after RoPE and
     attention's output, the MLP's wide tensors, and the adapters' rank-wide middles."""
     C, H, q, kv = cfg.n_embd, cfg.hidden_dim, cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
-    wide = 4 * H if cfg.mlp == "swiglu" else 2 * H  # [gate | up], silu(gate), their product / the activation's in and out
-    norms = 2 * (4 * C + 4 * C + act * C)  # each norm's fp32 input and normalized output, and its output cast for the linear
+    wide = 4 * H if cfg.gated_mlp else 2 * H  # [gate | up], act(gate), their product / the activation's in and out
+    # each norm's fp32 input and normalized output, and its output cast for the linear (sandwich: a norm after each branch too)
+    norms = (4 if cfg.sandwich_norm else 2) * (4 * C + 4 * C + act * C)
     attention = (q + 2 * kv) + (q + kv) + 2 * (q - kv) + 2 * q  # q/k/v, after RoPE, k/v repeated for GQA, out, c_proj's input
     per = norms + act * (attention + wide)
     if lora is not None and lora.rank:
@@ -97,7 +98,7 @@ def estimate_train_bytes(
     layers = L * 4 * rows * T * model_cfg.n_embd + block if train_cfg.activation_checkpointing else L * block
     embed = 3 * 4 * rows * T * model_cfg.n_embd  # embeddings, ln_f's input, the gradient flowing back
     logits = scored * V * (2 * act + 8)  # logits, fp32 log-softmax kept, and their gradients
-    wide = (6 if model_cfg.mlp == "swiglu" else 4) * model_cfg.hidden_dim
+    wide = (6 if model_cfg.gated_mlp else 4) * model_cfg.hidden_dim
     backward = 4 * rows * T * (3 * model_cfg.n_embd + wide)  # one block's gradients at a time, fp32
     # evaluation (no autograd): one block's widest tensors at a time, all-position logits and their log-softmax, fp32
     eval_bytes = (eval_rows or train_cfg.batch_size) * T * (4 * (3 * model_cfg.n_embd + wide) + 2 * 4 * V)

@@ -122,3 +122,22 @@ def test_what_quill_cannot_compute_is_refused_in_one_line(gemma, tmp_path, chang
     with pytest.raises(QuillError, match=message) as e:
         import_hf(hf_dir, tmp_path / "run")
     assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
+def test_chat_and_serve_first_lines_say_why_the_decode_step_runs_op_by_op(gemma, monkeypatch):
+    """With --quantize, quill chat's and quill serve's first lines name Gemma's features the native
+    decode step lacks, as sample's stats line does (native_decoder.op_by_op_note)."""
+    pytest.importorskip("fastapi")
+    from quillgpt.inference.chat_session import open_chat
+    from quillgpt.runs import LoadOptions
+    from quillgpt.serve import server
+
+    run_dir = gemma[2]
+    why = "decode step op by op (the native one lacks model.mlp=geglu, model.sandwich_norm, model.embed_scale"
+    _, header = open_chat(run_dir, LoadOptions(quantize="int8", which="latest"))
+    assert why in header and header.endswith("; /reset, /stats, /quit, /help")
+    assert why not in open_chat(run_dir, LoadOptions(which="latest"))[1]  # float weights: no native step to miss
+    lines: list[str] = []
+    monkeypatch.setattr(server, "_run_until_stopped", lambda app, sock, drain_s: sock.close())
+    server.serve(run_dir, which="latest", port=0, device="cpu", quantize="int8", max_batch=1, announce=lines.append)
+    assert lines[0].startswith(f"serving {run_dir}") and why in lines[0]

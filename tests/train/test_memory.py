@@ -110,3 +110,22 @@ def test_a_run_over_the_limit_is_refused_before_its_first_step(imported, monkeyp
     assert "GB is free" in message and "32 rows × " in message and "train.batch_tokens" in message
     assert "train.activation_checkpointing=true" in message
     assert steps == [] and not (imported / "refused" / "ckpt.pt").exists()
+
+
+def test_geglu_counts_as_swiglu_and_sandwich_norms_as_two_more_norms():
+    """GeGLU keeps SwiGLU's tensors for backward ([gate | up], the gate's activation, their
+    product); Gemma's norms after each branch keep what a norm before one does."""
+    from dataclasses import replace
+
+    from quillgpt.config import ModelConfig, TrainConfig
+    from quillgpt.train.memory import estimate_train_bytes, layer_bytes_per_token
+
+    swiglu = ModelConfig(
+        vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False
+    )
+    geglu = replace(swiglu, mlp="geglu")
+    gelu = replace(swiglu, mlp="gelu", mlp_hidden=swiglu.hidden_dim)
+    assert layer_bytes_per_token(geglu, 4) == layer_bytes_per_token(swiglu, 4) > layer_bytes_per_token(gelu, 4)
+    assert estimate_train_bytes(geglu, TrainConfig()).total == estimate_train_bytes(swiglu, TrainConfig()).total
+    sandwich = replace(geglu, sandwich_norm=True)
+    assert layer_bytes_per_token(sandwich, 4) - layer_bytes_per_token(geglu, 4) == 2 * (4 + 4 + 4) * 64
