@@ -30,10 +30,10 @@ if (SHARED / "tiktoken_cache").is_dir():
 @pytest.fixture(scope="session")
 def real_shakespeare_path() -> Path:
     """Tiny Shakespeare (1.1 MB, public domain), whole: for the tests that compare against runs
-    recorded on it."""
+    recorded on it, or run a tool that reads ../shared itself (CONTRIBUTING.md: Tests)."""
     path = SHARED / "data" / "tinyshakespeare.txt"
     if not path.is_file():
-        pytest.skip(f"compares against a run recorded on Tiny Shakespeare, which is not at {path} (CONTRIBUTING.md: Tests)")
+        pytest.skip(f"needs Tiny Shakespeare itself (a run recorded on it, or a tool reading ../shared), not at {path}")
     return path
 
 

@@ -69,7 +69,7 @@ def test_mismatches_compares_none_as_a_value():
 
 
 @pytest.mark.parametrize("kind", ["this CPU", "another CPU kind"])
-def test_an_old_run_resumes_to_the_uninterrupted_result(shakespeare_path, tmp_path, monkeypatch, kind):
+def test_an_old_run_resumes_to_the_uninterrupted_result(real_shakespeare_path, tmp_path, monkeypatch, kind):
     """A 6-step Muon run stopped after step 4 by the old code, resumed by this one: the weights and
     losses of the old code's uninterrupted run (fp32, CPU). Bit for bit on the CPU kind that wrote
     the fixture; another kind (AVX2 vs AVX-512, Intel vs AMD) sums in another order, so there the
@@ -87,7 +87,7 @@ def test_an_old_run_resumes_to_the_uninterrupted_result(shakespeare_path, tmp_pa
     want = json.loads((run / "uninterrupted.json").read_text())
     cfg = load_config(
         run / "config.yaml",
-        [f"data.path={shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={run}", "train.resume=true"],
+        [f"data.path={real_shakespeare_path}", f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={run}", "train.resume=true"],
     )
     result = train(cfg, progress=False)
     assert result.step == want["step"] == 6

@@ -20,9 +20,9 @@ HELPER = [sys.executable, str(ROOT / "tests" / "gpu_check.py")]
 ENV = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
 
 
-def test_dry_run_lists_every_step_and_finds_what_they_need(shakespeare_path, tmp_path):
+def test_dry_run_lists_every_step_and_finds_what_they_need(real_shakespeare_path, tmp_path):
     done = subprocess.run(
-        [str(ENTRY), str(tmp_path / "out"), "--shared", str(shakespeare_path.parents[1]), "--dry-run"],
+        [str(ENTRY), str(tmp_path / "out"), "--shared", str(real_shakespeare_path.parents[1]), "--dry-run"],
         capture_output=True,
         text=True,
         env=ENV,

@@ -34,6 +34,10 @@ from quillgpt.model.gpt import GPT
 from quillgpt.runs import LoadOptions, load_run
 from quillgpt.sampling_params import SamplingParams
 
+# a first call of the compiled step that took this long compiled it (seconds to minutes); a graph an
+# earlier reply compiled takes one step's time (milliseconds; ~0.1 s on a machine busy with other work)
+COMPILE_NOTED_S = 0.5
+
 
 def run_kind(config: Any, tokenizer: Tokenizer, step: int) -> str:
     """What the chat header says the model is, from its run's config: a fine-tune on chat data
@@ -63,8 +67,7 @@ class ReplyStats:
         rest = self.seconds - self.prefill_s - self.compile_s
         rate = f", {(self.tokens - 1) / rest:.1f} tokens/s after the first" if self.tokens > 1 and rest > 0 else ""
         prefill = f"prompt {self.prompt_tokens} tokens, {self.prefill_s * 1e3:.0f} ms to the first"
-        # (a graph an earlier reply compiled: its first call takes milliseconds, not worth a word)
-        compiled = f"; compiling the decode step {self.compile_s:.1f}s" if self.compile_s >= 0.05 else ""
+        compiled = f"; compiling the decode step {self.compile_s:.1f}s" if self.compile_s >= COMPILE_NOTED_S else ""
         threads = f"; {self.threads}" if self.threads else ""
         return f"({self.tokens} token(s) in {self.seconds:.2f}s{rate}; {prefill}{compiled}{threads})"
 

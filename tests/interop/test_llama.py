@@ -339,7 +339,7 @@ def test_fine_tuning_an_imported_model_with_its_own_tokenizer(imported, tmp_path
         ("char", {"window": 6}),
     ],
 )
-def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shakespeare_path, tokenizer, extra):
+def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shakespeare_path, request, tokenizer, extra):
     """RoPE + RMSNorm + SwiGLU (+ q/k/v biases → Llama's attention_bias with a zero o_proj bias, since
     transformers gives any qwen2 model Qwen's pre-tokenizer; QK-norm → Qwen3; a window → Mistral):
     transformers gives the same logits, and the exported tokenizer.json the same ids as quill's own."""
@@ -347,6 +347,8 @@ def test_a_quill_trained_modern_model_exports_to_the_llama_family(tmp_path, shak
     from quillgpt.data.tokenizer_files import build_tokenizer
     from quillgpt.model.gpt import GPT
 
+    if tokenizer == "gpt2":
+        request.getfixturevalue("gpt2_bpe")
     text = shakespeare_path.read_text(encoding="utf-8")[:20000]
     tok = build_tokenizer(tokenizer, text, 300)
     cfg = Config(

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_reference import Int16Reference
 from support import PROMPTS, kernel_rounded, random_model
 from torch import nn
 
@@ -209,30 +210,6 @@ class Bf16Reference(nn.Module):
     def forward(self, x):
         y = F.linear(x.bfloat16().float(), self.weight).bfloat16().float()
         return y if self.bias is None else y + self.bias
-
-
-class Int16Reference(nn.Module):
-    """A group_gemv4 layer (or an int8 head through group_gemv) computed in float64 from its
-    dequantized weights: Σ q·s·x̃ + o·Σx, with x̃ x rounded to int16 per block of 32 as the kernel
-    rounds it (support.kernel_rounded), the offsets times x's float sums; float x past GEMV_ROWS
-    rows for the int8 head (its plan's rule dequantizes there), group_gemv4 at every row count."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        w = layer.dequantized().double()
-        offset = getattr(layer, "offset", None)  # (out, in / group), or None (per channel: 0)
-        o = torch.zeros_like(w) if offset is None else offset.double().repeat_interleave(w.shape[1] // offset.shape[1], 1)
-        self.scaled, self.offsets, self.whole, self.bias = w - o, o, w, layer.bias
-        self.rounds_all = isinstance(layer, Int4Linear)
-
-    def forward(self, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > int4.GEMV_ROWS and not self.rounds_all:
-            y = F.linear(x2.double(), self.whole)
-        else:
-            y = F.linear(kernel_rounded(x2), self.scaled) + F.linear(x2.double(), self.offsets)
-        y = y.float() if self.bias is None else (y + self.bias.double()).float()
-        return y.view(*x.shape[:-1], -1)
 
 
 @pytest.mark.parametrize("kernels", ["cpp", "torch"])
