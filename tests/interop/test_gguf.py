@@ -110,7 +110,28 @@ def test_a_quantized_file_one_group_wide_imports_and_loads(tmp_path):
     import_gguf(tmp_path / "q8.gguf", tmp_path / "fp32", dequantize=True)
     ids = run.tokenizer.encode(TEXT)
     want = logits(load_run(tmp_path / "fp32", which="latest"), ids)  # Q8_0 kept is exact: as its fp32 import
-    torch.testing.assert_close(logits(load_run(tmp_path / "back", which="latest"), ids), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(plain_logits(tmp_path / "back", ids), want, atol=1e-4, rtol=1e-4)
+    assert_kernels_compute(tmp_path / "back", ids)
+
+
+def plain_logits(run_dir: Path, ids: list[int]) -> torch.Tensor:
+    """A quantized run's logits through its layers' plain computation (dequantized weights, F.linear)."""
+    with torch.no_grad():
+        return quant.dequantize(load_run(run_dir, which="latest").model)(torch.tensor([ids]), all_logits=True)[0]
+
+
+def assert_kernels_compute(run_dir: Path, ids: list[int]) -> None:
+    """A quantized run's kernels compute its model, rounding x as they round it: the same next token
+    at every position as their int16 reference (tests/kernel_reference.py; as tests/quant/test_int4.py
+    holds them), where the reference's top two logits are apart by more than the two computations."""
+    ran = logits(load_run(run_dir, which="latest"), ids)
+    model = load_run(run_dir, which="latest").model
+    natives = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.runs_native()}
+    with torch.no_grad():
+        computed = with_references(model, natives)(torch.tensor([ids]), all_logits=True)[0]
+    top2 = computed.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * (ran - computed).abs().max()
+    assert torch.equal(ran.argmax(-1)[clear], computed.argmax(-1)[clear]) and clear.float().mean() > 0.9
 
 
 def _k_blocks(rows: int, cols: int, kind, rng) -> np.ndarray:
@@ -178,18 +199,8 @@ def test_each_quant_type_imports_as_transformers_dequantizes_it(tmp_path, monkey
     # rounding where not; and its kernels compute that model, rounding x as they round it
     done = import_gguf(path, tmp_path / "kept")
     kept = load_run(tmp_path / "kept", which="latest")
-    plain = quant.dequantize(load_run(tmp_path / "kept", which="latest").model)
-    err = ((plain(torch.tensor([ids]), all_logits=True)[0].detach() - want).abs().max() / want.abs().max()).item()
-    natives = {n: m for n, m in kept.model.named_modules() if isinstance(m, QuantLinear) and m.runs_native()}
-    reference = with_references(load_run(tmp_path / "kept", which="latest").model, natives)
-    ran = logits(kept, ids)
-    with torch.no_grad():
-        computed = reference(torch.tensor([ids]), all_logits=True)[0]
-    # the same next token at every position (as tests/quant/test_int4.py holds the kernels to their
-    # reference), where the reference's top two logits are apart by more than the two computations
-    top2 = computed.topk(2, dim=-1).values
-    clear = top2[..., 0] - top2[..., 1] > 2 * (ran - computed).abs().max()
-    assert torch.equal(ran.argmax(-1)[clear], computed.argmax(-1)[clear]) and clear.float().mean() > 0.9
+    err = ((plain_logits(tmp_path / "kept", ids) - want).abs().max() / want.abs().max()).item()
+    assert_kernels_compute(tmp_path / "kept", ids)
     if qtype in gguf_blocks.EXACT_TYPES or qtype in ("F16", "BF16"):
         assert err < bound and "not exact" not in done.note
         return
