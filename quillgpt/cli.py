@@ -412,21 +412,26 @@ def eval_cmd(
         trust_task_code=trust_task_code,
         dtype=dtype,
     )
+    texts = dict(split=split, texts=text, text_format=text_format, stride=stride, skip_unknown=skip_unknown)
     if tasks is not None:
-        if text or split != "val" or stride is not None or text_format != "text":
-            raise QuillError("--tasks scores lm-eval tasks: --text, --split, --stride and --format do not apply")
-        _eval_tasks(ckpt, tasks, as_json, task_settings, load)
-        return
+        _eval_tasks(ckpt, tasks, as_json, task_settings, load, texts)
+    else:
+        _eval_texts(ckpt, as_json, task_settings, load, texts)
+
+
+def _eval_texts(ckpt: list[Path], as_json: bool, task_settings: dict[str, Any], load: dict[str, Any], texts: dict[str, Any]) -> None:
+    """quill eval without --tasks: each run's loss on a split or texts (the table, or JSON)."""
     _refuse_task_flags(task_settings)
     from quillgpt.evaluate.scores import evaluate_checkpoints
 
-    texts = dict(split=split, texts=text, text_format=text_format, stride=stride, skip_unknown=skip_unknown)
     scores = evaluate_checkpoints(ckpt, progress=not as_json, **texts, **load)
     print(scores.to_json() if as_json else scores.table())
 
 
-def _eval_tasks(ckpt: list[Path], tasks: str, as_json: bool, settings: dict[str, Any], load: dict[str, Any]) -> None:
+def _eval_tasks(ckpt: list[Path], tasks: str, as_json: bool, settings: dict[str, Any], load: dict[str, Any], texts: dict[str, Any]) -> None:
     """quill eval --tasks: each run scored on lm-eval's tasks (the table, or one JSON line)."""
+    if texts["texts"] or texts["split"] != "val" or texts["stride"] is not None or texts["text_format"] != "text":
+        raise QuillError("--tasks scores lm-eval tasks: --text, --split, --stride and --format do not apply")
     from quillgpt.evaluate.harness import evaluate_runs  # QuillError without lm-eval
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
