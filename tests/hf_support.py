@@ -193,3 +193,31 @@ def old_form_config(directory: Path) -> None:
     if rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = {**rope, "type": rope["rope_type"]}
     path.write_text(json.dumps(config))
+
+
+def ids_of(hf_dir: Path, text: str) -> list[int]:
+    """The ids transformers' tokenizer of `hf_dir` gives `text`."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(hf_dir)(text)["input_ids"]
+
+
+def assert_export_round_trip(run_dir: Path, hf_dir: Path, hf, out: Path, tol: float) -> Path:
+    """export-hf of run_dir into out/export: importing it again gives the run bit for bit, and
+    transformers computes from it the logits `hf` (the model run_dir was imported from) computes,
+    within tol. Returns the export's directory."""
+    import transformers
+
+    from quillgpt.checkpoint import load_checkpoint
+    from quillgpt.interop.convert import export_hf, import_hf
+
+    done = export_hf(run_dir, out / "export", which="latest")
+    assert done.architecture == hf.config.architectures[0]
+    again = import_hf(out / "export", out / "again")
+    a, b = (load_checkpoint(d / "ckpt.pt")["model"] for d in (run_dir, again.path))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out / "export", dtype=torch.float32).eval()
+    ids = torch.tensor([ids_of(hf_dir, CORPUS[0] + " " + CORPUS[2])])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=tol, rtol=tol)
+    return out / "export"

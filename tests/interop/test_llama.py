@@ -10,7 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_support import CORPUS, FAMILIES, make_hf_model, old_form_config  # noqa: E402
+import hf_support  # noqa: E402
+from hf_support import CORPUS, FAMILIES, assert_export_round_trip, make_hf_model, old_form_config  # noqa: E402
 from support import rel_err  # noqa: E402
 
 from quillgpt.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -45,7 +46,7 @@ def imported(tmp_path_factory):
 
 
 def ids_of(hf_dir, text=TEXT):
-    return transformers.AutoTokenizer.from_pretrained(hf_dir)(text)["input_ids"]
+    return hf_support.ids_of(hf_dir, text)
 
 
 @families
@@ -123,16 +124,8 @@ def test_eval_loss_equals_transformers_loss_on_the_same_ids(imported, family, tm
 @families
 def test_import_export_import_is_identical_and_transformers_loads_the_export(imported, family, tmp_path):
     hf_dir, hf, run_dir = imported[family]
-    done = export_hf(run_dir, tmp_path / "export", which="latest")
-    assert done.architecture == hf.config.architectures[0]
-    again = import_hf(tmp_path / "export", tmp_path / "again")
-    a, b = (load_checkpoint(d / "ckpt.pt")["model"] for d in (run_dir, again.path))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
-    ids = torch.tensor([ids_of(hf_dir)])
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
-    assert ids_of(tmp_path / "export") == ids_of(hf_dir)  # its tokenizer files too
+    export = assert_export_round_trip(run_dir, hf_dir, hf, tmp_path, tol=1e-5)
+    assert ids_of(export) == ids_of(hf_dir)  # its tokenizer files too
 
 
 def test_old_config_form_bf16_and_sharded_weights_import_the_same(imported, tmp_path):
