@@ -221,3 +221,26 @@ def assert_export_round_trip(run_dir: Path, hf_dir: Path, hf, out: Path, tol: fl
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=tol, rtol=tol)
     return out / "export"
+
+
+def real_gguf_import(path: Path | None, tmp_path_factory, name: str, how: str) -> Path:
+    """The fp32 import (--dequantize: the conversion itself, against transformers' fp32 load) of a
+    real model's GGUF file, in a folder of the test session's; skipped, saying `how` to get the
+    file, where `path` is None or missing."""
+    import pytest
+
+    from quillgpt.interop.gguf_import import import_gguf
+
+    if path is None or not path.is_file():
+        pytest.skip(f"no {name} GGUF: {how}")
+    out = tmp_path_factory.mktemp(name) / "run"
+    import_gguf(path, out, dequantize=True)
+    return out
+
+
+def transformers_gguf_load(path: Path):
+    """(model in float32, tokenizer): transformers' own load of a GGUF file, dequantized."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return hf, transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

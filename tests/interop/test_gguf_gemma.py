@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from hf_support import CORPUS, make_hf_model  # noqa: E402
+from hf_support import CORPUS, make_hf_model, real_gguf_import, transformers_gguf_load  # noqa: E402
 
 from quillgpt.checkpoint import load_checkpoint  # noqa: E402
 from quillgpt.errors import QuillError  # noqa: E402
@@ -217,19 +217,13 @@ def gemma3_path() -> Path | None:
 def gemma3_run(tmp_path_factory):
     """(the file, its import in fp32)."""
     path = gemma3_path()
-    if path is None:
-        pytest.skip("no Gemma 3 GGUF: bash ../shared/models/zoo.sh /tmp/zoo, or set QUILL_GEMMA3_GGUF")
-    out = tmp_path_factory.mktemp("gemma3") / "run"
-    import_gguf(path, out, dequantize=True)  # fp32: the conversion itself, against transformers' fp32 load
-    return path, out
+    return path, real_gguf_import(path, tmp_path_factory, "gemma3", "bash ../shared/models/zoo.sh /tmp/zoo, or set QUILL_GEMMA3_GGUF")
 
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_run):
     path, out = gemma3_run
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return path, load_run(out, which="latest"), hf, tok
+    return path, load_run(out, which="latest"), *transformers_gguf_load(path)
 
 
 @pytest.mark.gguf_slow

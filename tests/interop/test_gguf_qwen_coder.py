@@ -13,9 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+from hf_support import real_gguf_import, transformers_gguf_load  # noqa: E402
+
 from quillgpt.inference.chat_session import chat_prompt_ids  # noqa: E402
 from quillgpt.inference.generate import generate_tokens  # noqa: E402
-from quillgpt.interop.gguf_import import import_gguf  # noqa: E402
 from quillgpt.runs import load_run  # noqa: E402
 
 MIXED = "def f(x):\n    return x**2  # café, naïve 🎉 12345 + 3.14\t\ttabs  and   spaces\n日本語 Привет. The capital of France is"
@@ -25,12 +26,8 @@ QUESTION = [{"role": "user", "content": "Write a Python function that checks whe
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     path = Path(os.environ.get("QUILL_QWEN_CODER_GGUF", "/tmp/zoo/qwen2.5-coder-0.5b.gguf"))
-    if not path.is_file():
-        pytest.skip(f"no Qwen2.5-Coder GGUF at {path}: bash ../shared/models/zoo.sh /tmp/zoo, or set QUILL_QWEN_CODER_GGUF")
-    out = import_gguf(path, tmp_path_factory.mktemp("qwen") / "run", dequantize=True).path
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return load_run(out, which="latest"), hf, tok
+    out = real_gguf_import(path, tmp_path_factory, "Qwen2.5-Coder", "bash ../shared/models/zoo.sh /tmp/zoo, or set QUILL_QWEN_CODER_GGUF")
+    return load_run(out, which="latest"), *transformers_gguf_load(path)
 
 
 @pytest.mark.gguf_slow
