@@ -27,7 +27,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from harness import Stats, add_common, interleaved, load_line, machine_line, read_bandwidth, skipped, step_weight_bytes, tiny_run
+from harness import (
+    Stats,
+    add_common,
+    interleaved,
+    llama_argmax,
+    load_line,
+    machine_line,
+    read_bandwidth,
+    skipped,
+    step_weight_bytes,
+    tiny_run,
+)
 
 from quillgpt.inference.generate import generate_tokens
 from quillgpt.runs import load_run
@@ -64,10 +75,11 @@ def quill_decode(model, ids: list[int], n: int) -> Timed:
 
 def llama_rows(path: Path, ids: list[int], depth_ids: list[int], n: int, threads: int) -> dict[str, Timed]:
     """pp, tg and tg at depth for llama.cpp (llama-cpp-python's Llama.eval) on the GGUF file."""
-    import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=len(depth_ids) + n + 16, n_batch=512, verbose=False)
+    llm = Llama(
+        str(path), n_threads=threads, n_threads_batch=threads, n_ctx=max(len(ids), len(depth_ids)) + n + 16, n_batch=512, verbose=False
+    )
 
     def prefill() -> float:
         llm.reset()
@@ -75,18 +87,15 @@ def llama_rows(path: Path, ids: list[int], depth_ids: list[int], n: int, threads
         llm.eval(ids)
         return len(ids) / (time.perf_counter() - t)
 
-    def argmax() -> int:  # the last token's logits (Llama.scores holds them only with logits_all)
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))  # noqa: SLF001
-
     def decode(prompt: list[int]) -> Timed:
         def run() -> float:
             llm.reset()
             llm.eval(prompt)
-            tok = argmax()
+            tok = llama_argmax(llm)
             t = time.perf_counter()
             for _ in range(n):
                 llm.eval([tok])
-                tok = argmax()
+                tok = llama_argmax(llm)
             return n / (time.perf_counter() - t)
 
         return run

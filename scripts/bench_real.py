@@ -35,7 +35,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from harness import Stats, add_common, interleaved, load_line, machine_line, read_bandwidth, skipped, step_weight_bytes, tiny_run
+from harness import (
+    Stats,
+    add_common,
+    interleaved,
+    llama_argmax,
+    load_line,
+    machine_line,
+    read_bandwidth,
+    skipped,
+    step_weight_bytes,
+    tiny_run,
+)
 
 from quillgpt.inference.chat_session import chat_prompt_ids
 from quillgpt.inference.generate import generate_tokens
@@ -75,7 +86,6 @@ def hf_row(path: Path, ids: list[int], n: int) -> tuple[Decode, int]:
 
 
 def llama_row(path: Path, ids: list[int], n: int, threads: int) -> Decode:
-    import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(str(path), n_threads=threads, n_ctx=len(ids) + n + 8, verbose=False)
@@ -83,11 +93,11 @@ def llama_row(path: Path, ids: list[int], n: int, threads: int) -> Decode:
     def run() -> float:
         llm.reset()
         llm.eval(ids)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = llama_argmax(llm)
         t = time.perf_counter()
         for _ in range(n - 1):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = llama_argmax(llm)
         return (n - 1) / (time.perf_counter() - t)
 
     return run

@@ -80,6 +80,14 @@ def tiny_run(out: Path, text: str = "\n" + "".join(map(chr, range(32, 127))), **
     return out
 
 
+def llama_argmax(llm: Any) -> int:
+    """The argmax of a llama_cpp.Llama's last logits after eval (its `scores` hold them only with
+    logits_all=True; without, llama.cpp's context keeps the last token's)."""
+    import numpy as np
+
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))  # noqa: SLF001
+
+
 # --- statistics and repetitions ------------------------------------------------------------------
 
 
