@@ -6,14 +6,18 @@ does. --conversations (1, 4, 16) of them run at once, for each server in turn:
 
   --url URL       any running OpenAI-compatible server (loopback only)
   --ckpt RUN      a `quill serve` this script starts (its flags: --quantize, --max-batch, ...)
-  --gguf FILE     `python -m llama_cpp.server --model FILE --n_threads N` this script starts
-                  (llama-cpp-python and its server extras), --llama-arg for more of its flags
+  --gguf FILE     `python -m llama_cpp.server --model FILE --n_threads N --interrupt_requests
+                  False` this script starts (llama-cpp-python and its server extras), --llama-arg
+                  for more of its flags. It serves one request at a time; by default a waiting
+                  request interrupts the streaming one after its next chunk (a reply of one token
+                  that still ends with [DONE]), so here requests queue and every reply is whole.
 
 For each server and number of conversations it reports aggregate completion tokens/s, p50/p99
 time to first token (TTFT) per turn, and the median TTFT of turns 2-8 against turn 1's (a prompt
 cache makes later turns prefill only their new message; without one every turn re-reads the whole
-conversation), side by side. Every turn must stream a reply that ends with [DONE], else the exit
-code is 1. The user messages name their conversation, so no two conversations share more than
+conversation), side by side. Every turn must stream a reply that ends with a finish_reason and
+[DONE], else the exit code is 1. --system long opens each conversation with about 800 tokens
+instead (the short prompt and house rules after it). The user messages name their conversation, so no two conversations share more than
 the system prompt; the loads run one after another on the same servers, so a server with a prompt
 cache finds the system prompt in it from the second load on (the first load's turn 1 is cold).
 Run it on a quiet machine: the figures are timings.
@@ -57,6 +61,37 @@ SYSTEM = (  # about 300 tokens under a BPE tokenizer
     "machines with little memory and few cores, so prefer solutions that are light on resources, "
     "and mention when something will be slow. Today the team is preparing a release, so be brief "
     "and careful, and flag anything that could break an existing installation."
+)
+HOUSE_RULES = (  # about 500 tokens more (--system long: ~800 tokens in all)
+    " House rules for answers about our systems follow. The archive server runs Debian stable "
+    "with PostgreSQL for the catalogue, a nightly job that exports the catalogue to CSV, and a "
+    "small web application that patrons use to search it. The school laptops run a managed image "
+    "that is rebuilt every term; never suggest changes that would survive only until the next "
+    "rebuild without saying so. The library kiosks are locked down: users cannot install software "
+    "there, so suggest browser-only steps for them. Backups go to an external disk that is rotated "
+    "weekly and to an offsite copy that is synchronised on Sundays; restores are tested on the "
+    "first Monday of every month on a spare machine in the office. Passwords live in the team's "
+    "password manager, never in scripts, configuration files or chat messages, and a secret that "
+    "has been pasted anywhere else must be rotated at once. When a user reports an outage, first "
+    "ask yourself which of these systems is involved, then give the smallest check that tells "
+    "whether it is the network, the disk, the database or the application, in that order, because "
+    "that is the order in which failures have been most common here. Write dates as year, month "
+    "and day. Give sizes in megabytes or gigabytes, never in blocks. When you suggest a command "
+    "that deletes, moves or overwrites data, put a warning line before it and show how to check "
+    "what it would touch first, for example with a dry run or a listing. Prefer tools that are "
+    "already installed on Debian stable to new packages, and when a new package is needed, name "
+    "the Debian package rather than a download from a website. For scripts, prefer POSIX shell "
+    "for short jobs and Python 3 for anything that parses data; keep them under a hundred lines "
+    "and put a comment at the top that says what the script is for and who to ask about it. "
+    "When you are unsure whether a change is safe during the release, recommend waiting until "
+    "after it and say what the risk of waiting is. Finally, remember that the people asking are "
+    "often librarians and teachers rather than administrators: explain terms the first time you "
+    "use them, avoid jargon, and be kind. If a question touches on the law, such as copyright "
+    "of digitised material or the retention of patron records, give the general shape of the "
+    "answer, say that the team's data protection officer has the final word, and do not guess at "
+    "deadlines or fines. If a question is about hardware we do not own, say so, answer for the "
+    "general case, and note what might differ. At the end of a long answer, add one line that "
+    "says what to do first."
 )
 QUESTIONS = [
     "How should I back up a small database before an upgrade?",
@@ -104,7 +139,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def one_turn(http: httpx.AsyncClient, load: Load, turn: int, body: dict) -> str | None:
     """Stream one chat turn: its reply (None: it failed, the error recorded), its TTFT and tokens."""
-    t0, first, reply, usage, chunks, done = time.perf_counter(), None, [], None, 0, False
+    t0, first, reply, usage, chunks, done, finish = time.perf_counter(), None, [], None, 0, False, None
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -116,15 +151,16 @@ async def one_turn(http: httpx.AsyncClient, load: Load, turn: int, body: dict) -
                 elif line.startswith("data: {"):
                     chunk = json.loads(line[6:])
                     usage = chunk.get("usage") or usage
-                    text = (chunk["choices"][0]["delta"].get("content") or "") if chunk.get("choices") else ""
+                    choice = chunk["choices"][0] if chunk.get("choices") else {}
+                    text, finish = choice.get("delta", {}).get("content") or "", choice.get("finish_reason") or finish
                     if text:
                         first, chunks = first or time.perf_counter() - t0, chunks + 1
                         reply.append(text)
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         load.errors.append(f"turn {turn}: {type(e).__name__}: {e}")
         return None
-    if not done:
-        load.errors.append(f"turn {turn}: the stream did not end with data: [DONE]")
+    if not done or finish is None:
+        load.errors.append(f"turn {turn}: the stream ended without " + ("a finish_reason (a reply cut short)" if done else "data: [DONE]"))
         return None
     load.ttft.setdefault(turn, []).append(first if first is not None else time.perf_counter() - t0)
     load.tokens += usage["completion_tokens"] if usage else chunks  # without usage: a content chunk a token
@@ -173,7 +209,7 @@ def free_port() -> int:
 def start_llama(gguf: str, threads: int, extra: list[str], wait_s: float = 300.0) -> tuple[subprocess.Popen, str]:
     """llama-cpp-python's OpenAI-compatible server on a free loopback port, once it answers."""
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(threads)]
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(threads), "--interrupt_requests", "False"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + wait_s
@@ -246,6 +282,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--gguf", help="a GGUF file: start llama-cpp-python's server for it")
     p.add_argument("--conversations", type=int, nargs="+", default=[1, 4, 16], help="conversations at once, one load each")
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system", choices=["short", "long"], default="short", help="the shared system prompt: ~300 or ~800 tokens")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each reply")
     p.add_argument("--max-batch", type=int, default=16, help="--max-batch of the quill serve this script starts")
     p.add_argument("--device", default="auto", help="--device of the quill serve this script starts")
@@ -261,7 +298,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     add_common(p)
     args = p.parse_args()
-    args.system = SYSTEM
+    args.system = SYSTEM + HOUSE_RULES if args.system == "long" else SYSTEM
     if args.url is not None and urlparse(args.url).hostname not in LOOPBACK:
         sys.exit(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), got {args.url}")
     return args
