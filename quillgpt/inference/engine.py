@@ -4,7 +4,8 @@ and `Recompute`, the plain reference with the same interface, which reruns the m
 row's tokens at every step.
 
 Both hold up to `max_rows` rows. `add` puts a prompt into a free row and samples its first
-token (`add_all` several: the static-cache engine prefills those of one length together);
+token (`add_all` several: the static-cache engine prefills those of one length together, a
+long prompt in pieces of PREFILL_CHUNK tokens, so its activations are one piece's);
 `step` advances every active row by one token, sampled with the row's own SamplingParams and
 random generator, so a row's tokens are the ones it gets alone, whoever shares the batch. A
 row finishes ("length": max_new_tokens reached; "eot": one of its stop ids was produced, and is
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
 # max_new_tokens reached; a stop string or a complete grammar; a stop token (end of text / turn); the row failed (RowFailed)
 Finish = Literal["length", "stop", "eot", "error"]
 FINISH_REASONS: tuple[Finish, ...] = get_args(Finish)
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward: memory O(chunk), not O(prompt); llama.cpp's micro-batch, rows for the GEMM
 NOT_FINITE = (
     "the model's next-token logits are not finite (NaN or inf): the weights are damaged or the "
     "activations overflowed their dtype (float16 does easily); try --dtype bfloat16 or float32"
@@ -671,10 +673,20 @@ class Engine(Rows):
 
     def prefill_rows(self, rs: list[int], ids: list[list[int]], start: int = 0) -> Tensor:
         """prefill for rows rs at once, their prompts of one length: (n, V) float logits. The
-        model's ordinary forward over an (n, T) batch, writing rows rs of the cache (a variant
-        without the static cache: one row, given its own cache)."""
+        model's ordinary forward, over the prompt in pieces of PREFILL_CHUNK tokens in order, each
+        writing its positions into rows rs of the cache and attending over the pieces before it
+        there; the last piece's last logits. So a long prompt's activations are one piece's. Per path:
+        * the static cache (causal, GQA, windows, RoPE, learned positions; a cropped prompt, a
+          learned-position refill and the rest after a cached prefix alike): in pieces. The ring
+          holds the span's latest positions, so each query finds every key it may see: the logits
+          of one forward to float rounding, and to the cache dtype's rounding of the earlier
+          pieces' keys (float16 by default), as after a cached prefix.
+        * a prefix-LM: one forward, since the whole prompt attends both ways (a piece's keys
+          would depend on the pieces after it).
+        * a variant without the static cache (Infini-attention: one row, given its own cache): in
+          pieces, since its cache carries a segment across forwards (variants/infini.py).
+        """
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)  # (n, T)
-        pos = torch.arange(start, start + idx.shape[1], device=self.device)[None]
         self.prefilled += idx.numel()
         if self.static:
             for r in rs:
@@ -684,8 +696,18 @@ class Engine(Rows):
             (r,) = rs
             cache, rows = self.model.make_cache(1), None
             self._rows[r].cache = cache
-        prefix = torch.full((len(rs),), idx.shape[1], device=self.device) if self.variant.bidirectional_prefix else None
-        logits, _ = self.model(idx, pos=pos, cache=cache, rows=rows, prefix_len=prefix)  # the prompt: the prefix
+        T = idx.shape[1]
+        if self.variant.bidirectional_prefix:  # the prompt: the prefix
+            return self._forward(idx, start, cache, rows, torch.full((len(rs),), T, device=self.device))
+        for t in range(0, T, PREFILL_CHUNK):
+            logits = self._forward(idx[:, t : t + PREFILL_CHUNK], start + t, cache, rows)
+        return logits
+
+    def _forward(self, idx: Tensor, start: int, cache: Cache, rows: Tensor | None, prefix: Tensor | None = None) -> Tensor:
+        """The forward of idx (n, T) at positions start.. into the cache: (n, V) float logits of its
+        last token (the model's head runs on that position alone)."""
+        pos = torch.arange(start, start + idx.shape[1], device=self.device)[None]
+        logits, _ = self.model(idx, pos=pos, cache=cache, rows=rows, prefix_len=prefix)
         return logits[:, -1].float()
 
     def _forget(self, r: int, start: int) -> None:
