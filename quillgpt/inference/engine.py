@@ -36,7 +36,8 @@ With `prompt_cache=` bytes (quill serve's default; off elsewhere) the engine kee
 sequences across rows (inference/prompt_cache.py): each prompt once prefilled, and a row's prompt
 and generated tokens when it is released (not when it failed). A new row whose prompt starts with
 a cached sequence (ids compared exactly) gets that prefix's KV copied into its row of the static
-cache and prefills only the rest, so its tokens are those it gets without the cache. Only KV whose
+cache and prefills only the rest, so its tokens are those it gets without the cache; rows added
+together read each other's (a row waits for the prefill of one sharing a longer prefix). Only KV whose
 positions start at 0 and are still in the row is kept: not past a window's ring, a learned-position
 refill or a cropped prompt; a prefix-LM and a variant without the static cache have none
 (`prompt_cache_note` says why). `prefilled` counts the tokens prefills ran.
@@ -59,7 +60,7 @@ from quillgpt.errors import QuillError
 from quillgpt.inference import native_decoder
 from quillgpt.inference.compiled_step import compiled_step
 from quillgpt.inference.native_decoder import Decoder
-from quillgpt.inference.prompt_cache import ID_BYTES, PromptCache, default_budget
+from quillgpt.inference.prompt_cache import ID_BYTES, PromptCache, as_ids, common_prefix, default_budget
 from quillgpt.inference.sampling import row_generator, sample_rows
 from quillgpt.model.gpt import GPT
 from quillgpt.model.kv_cache import EMPTY_POS, Cache
@@ -76,6 +77,9 @@ NOT_FINITE = (
     "the model's next-token logits are not finite (NaN or inf): the weights are damaged or the "
     "activations overflowed their dtype (float16 does easily); try --dtype bfloat16 or float32"
 )
+# the shared prefix a row of a burst waits for another row to store (prompt_cache): a chat template's
+# opening tokens are cheaper to prefill again than a forward to wait for
+SHARED_MIN = 8
 
 
 class RowFailed(Exception):
@@ -283,26 +287,36 @@ class Rows:
         claimed = [self._claim(p) for p in prompts]
         firsts: dict[int, RowToken] = {}
         try:  # from here on the rows are claimed: whatever raises, every one of them is released
-            groups = self._prefill_groups([(row, ids) for _, row, ids in claimed])
-            while groups:
-                group = groups.pop(0)
-                rs = [claimed[i][0] for i in group]
-                try:
-                    logits = self._first_logits(rs, [claimed[i][1] for i in group], [claimed[i][2] for i in group])  # (n, V)
-                except QuillError:
-                    raise
-                except Exception as e:
-                    if len(group) > 1:  # which row failed? each alone, so the others go on
-                        groups[:0] = [[i] for i in group]
-                        continue
-                    firsts[rs[0]] = self._fail(rs[0], RowFailed.of("the prefill", e))
-                    continue
-                firsts.update((r, self._first_token(r, logits[j])) for j, r in enumerate(rs))
+            waiting = list(range(len(claimed)))
+            while waiting:  # an engine may hold rows back until others' KV is in its prompt cache
+                now = self._ready(claimed, waiting)
+                waiting = [i for i in waiting if i not in now]
+                self._prefill_now(claimed, now, firsts)
         except BaseException:
             for r, _, _ in claimed:
                 self.release(r)
             raise
         return [firsts[r] for r, _, _ in claimed]
+
+    def _prefill_now(self, claimed: list[tuple[int, _Row, list[int]]], now: list[int], firsts: dict[int, RowToken]) -> None:
+        """Prefill the claimed rows `now` (indices into claimed), each past its cached prefix, group
+        by group, into `firsts`: a group's prefill that raises runs again row by row."""
+        rest = {i: claimed[i][2][claimed[i][1].cached :] for i in now}
+        groups = [[now[j] for j in g] for g in self._prefill_groups([(claimed[i][1], rest[i]) for i in now])]
+        while groups:
+            group = groups.pop(0)
+            rs = [claimed[i][0] for i in group]
+            try:
+                logits = self._first_logits(rs, [claimed[i][1] for i in group], [rest[i] for i in group])  # (n, V)
+            except QuillError:
+                raise
+            except Exception as e:
+                if len(group) > 1:  # which row failed? each alone, so the others go on
+                    groups[:0] = [[i] for i in group]
+                    continue
+                firsts[rs[0]] = self._fail(rs[0], RowFailed.of("the prefill", e))
+                continue
+            firsts.update((r, self._first_token(r, logits[j])) for j, r in enumerate(rs))
 
     def check(self, p: Prompt) -> None:
         """Raise what add_all would raise for this prompt (QuillError, ValueError, TypeError), claiming nothing."""
@@ -388,6 +402,11 @@ class Rows:
     def _keep(self) -> int | None:
         """How many of a row's latest tokens it keeps (None: all)."""
         return self.context
+
+    def _ready(self, claimed: list[tuple[int, _Row, list[int]]], waiting: list[int]) -> list[int]:
+        """Which of the waiting claimed rows (indices into claimed) prefill now (the first at least):
+        all of them unless an engine holds some back."""
+        return waiting
 
     def _prefill_groups(self, claimed: list[tuple[_Row, list[int]]]) -> list[list[int]]:
         """Which of the newly claimed rows (row state, prompt tokens) prefill together: one at a time
@@ -586,22 +605,55 @@ class Engine(Rows):
         self._set(row, live=0, pos=0, tok=0)  # an idle row keeps decoding harmlessly at position 0
 
     def _claim(self, p: Prompt) -> tuple[int, _Row, list[int]]:
-        """Rows._claim; where the prompt cache holds a prefix of the prompt (ids compared exactly),
-        that prefix's KV, loaded at the prefill, and only the rest to run (the last token at least:
-        its logits). A cropped prompt neither reads nor leaves an entry: its keys are not those of
-        its own positions from the first token. A row asking for logprobs leaves its KV but reads
-        none: its logprobs stay bit for bit those of its whole prompt's prefill (a cached prefix's
-        agree to float rounding)."""
+        """Rows._claim; the row keeps its prompt's ids where its KV may go to the prompt cache: not a
+        cropped prompt's, whose keys are not those of its own positions from the first token (it
+        neither reads nor leaves an entry). The row reads the cache when it is ready (_ready)."""
         r, row, ids = super()._claim(p)
-        if self.prompt_cache is None or len(ids) < len(p.ids):
-            return r, row, ids
-        row.ids = list(p.ids)
-        if p.logprobs is not None:
-            return r, row, ids
-        entry, n = self.prompt_cache.lookup(p.ids, most=min(len(p.ids) - 1, self.capacity))
+        if self.prompt_cache is not None and len(ids) == len(p.ids):
+            row.ids = list(p.ids)
+        return r, row, ids
+
+    def _ready(self, claimed: list[tuple[int, _Row, list[int]]], waiting: list[int]) -> list[int]:
+        """Rows._ready: rows admitted together reuse each other's prefixes. A row waits while one
+        going now (another prompt) shares SHARED_MIN more tokens with it than the cache holds; the
+        others look the cache up and prefill, and the next round looks up what they stored. So a
+        burst's shared system prompt runs once, and identical prompts still go together."""
+        if self.prompt_cache is None:
+            return waiting
+        now: list[int] = []
+        for i in waiting:
+            row = claimed[i][1]
+            if not (self._reads(row) and self._waits(row.ids, [claimed[k][1].ids for k in now])):
+                now.append(i)
+        for i in now:
+            self._lookup(claimed[i][1])
+        return now
+
+    def _reads(self, row: _Row) -> bool:
+        """Whether a row may read the prompt cache: not a cropped prompt, nor a row asking for
+        logprobs: they stay bit for bit those of its whole prompt's prefill (a cached prefix's agree
+        to float rounding); it leaves its KV all the same."""
+        return row.ids is not None and row.logprobs is None
+
+    def _most(self, ids: list[int]) -> int:
+        """The most of a prompt's tokens the cache may give it: its last runs, for its logits."""
+        return min(len(ids) - 1, self.capacity)
+
+    def _waits(self, ids: list[int], going: list[list[int] | None]) -> bool:
+        """Whether a prompt gains SHARED_MIN tokens or more by waiting for the prompts `going` (None:
+        one that leaves no entry; its own ids: prefilled with it) to be stored."""
+        most, own = self._most(ids), as_ids(ids)
+        shared = max((common_prefix(own, as_ids(g)) for g in going if g is not None and g != ids), default=0)
+        return min(shared, most, self._cache_most) - self.prompt_cache.shared(ids, most) >= SHARED_MIN
+
+    def _lookup(self, row: _Row) -> None:
+        """The row's longest prefix in the prompt cache (ids compared exactly), if it reads it: its
+        KV, loaded at the prefill, and only the rest to run (the last token at least)."""
+        if not self._reads(row):
+            return
+        entry, n = self.prompt_cache.lookup(row.ids, most=self._most(row.ids))
         if entry is not None:
             row.reuse, row.cached = entry.kv[:, :, :, :n], n  # a view: the KV lives while the row needs it
-        return r, row, ids[n:]
 
     def _load(self, r: int, kv: Tensor) -> None:
         """Row r's first n positions from a prompt cache entry's (n_layer, 2, kv_heads, n, hd) KV."""

@@ -90,11 +90,7 @@ class PromptCache:
         """The entry sharing the longest prefix with `ids` and that prefix's length, at most `most`
         (None, 0 where no entry shares a first id); the entry becomes the most recently used."""
         ids, most = as_ids(ids), len(ids) if most is None else most
-        best, found = None, 0
-        for key, entry in self._entries.items():
-            n = common_prefix(entry.ids, ids)
-            if n > found:
-                best, found = key, n
+        best, found = self._best(ids)
         found = min(found, most)
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(ids)
@@ -104,6 +100,21 @@ class PromptCache:
         self.stats.hits += 1
         self.stats.cached_tokens += found
         return self._entries[best], found
+
+    def shared(self, ids: Sequence[int], most: int | None = None) -> int:
+        """The prefix `lookup` would give `ids` now, without counting a lookup or touching the order
+        (the engine asks it while it decides which rows of a burst wait for the others)."""
+        found = self._best(as_ids(ids))[1]
+        return found if most is None else min(found, most)
+
+    def _best(self, ids: np.ndarray) -> tuple[int | None, int]:
+        """The key of the entry sharing the longest prefix with ids, and its length (None, 0: none)."""
+        best, found = None, 0
+        for key, entry in self._entries.items():
+            n = common_prefix(entry.ids, ids)
+            if n > found:
+                best, found = key, n
+        return best, found
 
     def covers(self, ids: Sequence[int]) -> bool:
         """Whether an entry holds `ids` whole (then storing them again adds nothing)."""

@@ -10,7 +10,7 @@ from support import V, random_model
 
 from quillgpt import native
 from quillgpt.config import ModelConfig
-from quillgpt.inference.engine import Engine, Prompt, RowFailed
+from quillgpt.inference.engine import SHARED_MIN, Engine, Prompt, RowFailed, RowToken
 from quillgpt.inference.prompt_cache import ID_BYTES, PromptCache, as_ids, common_prefix, default_budget
 from quillgpt.model.gpt import GPT
 from quillgpt.quant import quantize
@@ -18,6 +18,7 @@ from quillgpt.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=3)
 SYSTEM = [(5 * i + 3) % V for i in range(5)]  # a "system prompt" every conversation starts with
+LONG = [(3 * i + 1) % V for i in range(SHARED_MIN + 1)]  # one long enough for a burst's rows to wait for
 
 
 def kv(n: int, value: float = 0.0) -> torch.Tensor:
@@ -142,18 +143,106 @@ def test_a_cached_prefix_continues_exactly_as_uncached_prefilling_only_the_rest(
     assert on_engine.prompt_cache.nbytes <= on_engine.prompt_cache.budget
 
 
+def together(engine: Engine, prompts: list[Prompt]) -> tuple[list[RowToken], list[list[RowToken]]]:
+    """Prompts added in one add_all and run to their end: their first RowTokens and each one's tokens."""
+    firsts = engine.add_all(prompts)
+    out = {f.row: [f] for f in firsts}
+    while engine.active_rows():
+        for t in engine.step():
+            out[t.row].append(t)
+    return firsts, [out[f.row] for f in firsts]
+
+
+def tokens(rows: list[list[RowToken]]) -> list[list[int]]:
+    return [[t.token for t in row] for row in rows]
+
+
 def test_rows_in_one_batch_each_get_their_own_prefix():
     model = random_model("rope")
     engine = Engine(model, 3, prompt_cache=10**6)
     run(engine, SYSTEM + [1, 2])
     prompts = [SYSTEM + [1, 2, 5], SYSTEM + [3], [4, 4, 4]]
-    firsts = engine.add_all([Prompt(p, GREEDY) for p in prompts])
+    firsts, out = together(engine, [Prompt(p, GREEDY) for p in prompts])
     assert [f.cached for f in firsts] == [len(SYSTEM) + 2, len(SYSTEM), 0]
-    out = {f.row: [f.token] for f in firsts}
-    while engine.active_rows():
-        for t in engine.step():
-            out[t.row].append(t.token)
-    assert [out[f.row] for f in firsts] == [run(Engine(model, 1), p)[0] for p in prompts]
+    assert tokens(out) == [run(Engine(model, 1), p)[0] for p in prompts]
+
+
+# a burst: users sharing a system prompt of SHARED_MIN tokens or more arrive at once (distinct
+# endings, by their first id; the 2nd and 4th are one prompt, as a request's n choices)
+BURST = [LONG + e for e in ([2], [5, 6], [8, 9, 10], [5, 6])]
+
+
+def prefill_sizes(engine: Engine, monkeypatch) -> list[int]:
+    """The rows of each prefill forward the engine runs from now on."""
+    sizes, prefill_rows = [], engine.prefill_rows
+    monkeypatch.setattr(engine, "prefill_rows", lambda rs, ids, start=0: sizes.append(len(rs)) or prefill_rows(rs, ids, start))
+    return sizes
+
+
+def check_burst(model: GPT, monkeypatch) -> None:
+    """BURST in one add_all on a cold cache: the first prompt prefills whole, then the others read
+    the system prompt it left and prefill only their endings (the identical two in one forward);
+    every row's tokens are those of its prompt alone without a cache."""
+    engine = Engine(model, len(BURST), prompt_cache=10**6)
+    sizes = prefill_sizes(engine, monkeypatch)
+    firsts, out = together(engine, [Prompt(p, GREEDY) for p in BURST])
+    assert tokens(out) == [run(Engine(model, 1), p)[0] for p in BURST]
+    assert [f.cached for f in firsts] == [0] + [len(LONG)] * 3
+    assert engine.prefilled == len(LONG) + sum(len(p) - len(LONG) for p in BURST)  # the system prompt ran once
+    assert sizes == [1, 2, 1]  # the first prompt; the identical two together; the third
+
+
+@pytest.mark.parametrize("variant", ["mha-learned", "gqa", "mqa", "rope", "rmsnorm-swiglu"])
+def test_rows_added_together_read_the_prefix_an_earlier_one_of_them_left(variant, monkeypatch):
+    check_burst(random_model(variant), monkeypatch)
+
+
+def test_a_burst_with_logprob_rows_keeps_their_logprobs_bit_for_bit(monkeypatch):
+    """Rows asking for logprobs read nothing and never wait (they lead: the others read what they leave)."""
+    model = random_model("rope")
+    prompts = [Prompt(BURST[0], GREEDY, logprobs=3), Prompt(BURST[1], GREEDY, logprobs=3), Prompt(BURST[2], GREEDY)]
+    engine = Engine(model, 3, prompt_cache=10**6)
+    sizes = prefill_sizes(engine, monkeypatch)
+    firsts, out = together(engine, prompts)
+    _, plain = together(Engine(model, 3), prompts)  # the cache off
+    assert tokens(out) == tokens(plain) and [f.cached for f in firsts] == [0, 0, len(LONG)]
+    assert sizes == [1, 1, 1]  # the logprob rows first (two lengths), then the third after a lookup
+    for p, row, plain_row in zip(prompts[:2], out, plain):
+        assert [t.logprob for t in row] == [t.logprob for t in plain_row]  # every token's, bit for bit
+        assert row[0].logprob == Engine(model, 1).add(p.ids, GREEDY, logprobs=3).logprob  # as alone
+
+
+def test_a_failed_prefill_in_a_burst_fails_its_row_alone_and_a_retried_group_reads_anew(monkeypatch):
+    """The first prompt's prefill raises: it fails alone and leaves nothing; the identical two
+    then prefill whole together, which raises once after writing their rows, and again one by one;
+    the third reads the system prompt they left."""
+    model = random_model("rope")
+    engine = Engine(model, len(BURST), prompt_cache=10**6)
+    calls, prefill_rows = [], engine.prefill_rows
+
+    def flaky(rs, ids, start=0):
+        calls.append(len(rs))
+        if len(calls) == 1:
+            raise RuntimeError("a forward that raises")
+        logits = prefill_rows(rs, ids, start)
+        if len(rs) > 1 and calls.count(len(rs)) == 1:
+            raise RuntimeError("a batched forward that raises once it has written its rows")
+        return logits
+
+    monkeypatch.setattr(engine, "prefill_rows", flaky)
+    firsts, out = together(engine, [Prompt(p, GREEDY) for p in BURST])
+    assert firsts[0].finish == "error" and calls == [1, 2, 1, 1, 1]
+    assert tokens(out[1:]) == [run(Engine(model, 1), p)[0] for p in BURST[1:]]
+    assert [f.cached for f in firsts[1:]] == [0, len(LONG), 0]
+    assert engine.free_rows() == len(BURST)
+
+
+def quantized_model(scheme: str) -> GPT:
+    """A GQA RoPE model quantized to `scheme`, whose decode step runs natively over a float16 cache."""
+    torch.manual_seed(0)
+    shape = dict(norm="rmsnorm", mlp="swiglu", pos="rope", n_head=4, n_kv_head=2, bias=False)
+    model = GPT(ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=V, **shape)).eval()
+    return quantize(model, scheme, kernel=None if scheme == "int4" else "group_gemv")
 
 
 @pytest.mark.skipif(not native.available(), reason=f"group_gemv did not build here: {native.why_not()}")
@@ -162,15 +251,18 @@ def test_quantized_rows_of_the_native_step_read_their_float16_cache_alike(scheme
     """The native decode step's float16 KV cache: an entry holds its float16 keys, which a suffix
     prefill attends over as every decode step does (an uncached prefill attends over its own
     float32 keys): the same greedy tokens here; logits may differ by float16 rounding."""
-    torch.manual_seed(0)
-    shape = dict(norm="rmsnorm", mlp="swiglu", pos="rope", n_head=4, n_kv_head=2, bias=False)
-    model = GPT(ModelConfig(n_layer=2, n_embd=128, block_size=64, vocab_size=V, **shape)).eval()
-    model = quantize(model, scheme, kernel=None if scheme == "int4" else "group_gemv")
+    model = quantized_model(scheme)
     engine = Engine(model, 2, prompt_cache=10**6)
     assert engine.decoder.native and engine.cache_dtype == torch.float16
     on = conversation(engine)
     assert [t for t, _, _ in on] == [t for t, _, _ in conversation(Engine(model, 2))]
     assert sum(c for _, c, _ in on) > 0 and engine.prompt_cache.nbytes > 0
+
+
+@pytest.mark.skipif(not native.available(), reason=f"group_gemv did not build here: {native.why_not()}")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_rows_added_together_read_each_others_prefix_alike(scheme, monkeypatch):
+    check_burst(quantized_model(scheme), monkeypatch)
 
 
 def test_a_row_asking_for_logprobs_reads_nothing_so_they_stay_bit_for_bit():
