@@ -1,7 +1,8 @@
 """`quill serve`'s prompt cache through the openai client: a 3-turn chat (a system prompt, each
 turn sending the replies before it back) gets the same replies with the cache on and off, streamed
 and not; usage.prompt_tokens_details.cached_tokens says how much of each prompt the cache held;
-/health shows the cache's size and hits; int8 rows alike; --prompt-cache-mb's mistakes."""
+/health shows the cache's size and hits; prompts admitted together share their system prompt; int8
+rows alike; --prompt-cache-mb's mistakes."""
 
 from __future__ import annotations
 
@@ -89,6 +90,18 @@ def test_a_shared_system_prompt_serves_another_user(run_dir):
         usage = client.chat.completions.create(model=MODEL, messages=other, max_tokens=4, temperature=0).usage
         assert health(url)["budget_bytes"] == 64 * 2**20
     assert len(SYSTEM) <= usage.prompt_tokens_details.cached_tokens < first[0][1]  # a char model: a token a character
+
+
+def test_prompts_admitted_together_share_their_system_prompt(run_dir):
+    """One request of several prompts (admitted in one step, as a burst of users is) on a cold
+    server: the first prefills the system prompt, the others read it."""
+    prompts = [SYSTEM + q for q in [*QUESTIONS, "Where is Verona?"]]
+    with running_server(run_dir, max_batch=len(prompts)) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        usage = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0).usage
+        stats = health(url)
+    assert usage.prompt_tokens_details.cached_tokens >= (len(prompts) - 1) * len(SYSTEM)  # a char model
+    assert stats["hits"] == len(prompts) - 1 and stats["cached_tokens"] == usage.prompt_tokens_details.cached_tokens
 
 
 def test_int8_rows_read_the_cache_alike(run_dir, uncached, fixed_int8_kernel):
