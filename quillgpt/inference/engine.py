@@ -640,10 +640,12 @@ class Engine(Rows):
         return min(len(ids) - 1, self.capacity)
 
     def _waits(self, ids: list[int], going: list[list[int] | None]) -> bool:
-        """Whether a prompt gains SHARED_MIN tokens or more by waiting for the prompts `going` (None:
-        one that leaves no entry; its own ids: prefilled with it) to be stored."""
+        """Whether a prompt gains SHARED_MIN tokens or more by waiting for the prompts `going` to be
+        stored (not those that leave no entry: None, or longer than a window's ring; nor its own
+        ids: prefilled with it)."""
         most, own = self._most(ids), as_ids(ids)
-        shared = max((common_prefix(own, as_ids(g)) for g in going if g is not None and g != ids), default=0)
+        stored = [g for g in going if g is not None and g != ids and len(g) <= self.capacity]
+        shared = max((common_prefix(own, as_ids(g)) for g in stored), default=0)
         return min(shared, most, self._cache_most) - self.prompt_cache.shared(ids, most) >= SHARED_MIN
 
     def _lookup(self, row: _Row) -> None:

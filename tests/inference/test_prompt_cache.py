@@ -197,6 +197,22 @@ def test_rows_added_together_read_the_prefix_an_earlier_one_of_them_left(variant
     check_burst(random_model(variant), monkeypatch)
 
 
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_a_burst_past_a_sliding_window_waits_for_no_entry(pos, monkeypatch):
+    """A window of SHARED_MIN + 1 keys, which each prompt of the burst shares: the ring overwrites
+    a longer prompt's first keys, so it leaves no entry, and the rows prefill at once as without
+    the cache."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=V, block_size=16, n_layer=2, n_head=2, n_embd=16, window=SHARED_MIN + 1, pos=pos)
+    model = GPT(config).eval()
+    engine = Engine(model, len(BURST), prompt_cache=10**6)
+    rounds, ready = [], engine._ready
+    monkeypatch.setattr(engine, "_ready", lambda claimed, waiting: rounds.append(len(waiting)) or ready(claimed, waiting))
+    firsts, out = together(engine, [Prompt(p, GREEDY) for p in BURST])
+    assert rounds == [len(BURST)] and [f.cached for f in firsts] == [0] * len(BURST)
+    assert tokens(out) == [run(Engine(model, 1), p)[0] for p in BURST]
+
+
 def test_a_burst_with_logprob_rows_keeps_their_logprobs_bit_for_bit(monkeypatch):
     """Rows asking for logprobs read nothing and never wait (they lead: the others read what they leave)."""
     model = random_model("rope")
