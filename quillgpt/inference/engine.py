@@ -37,10 +37,10 @@ sequences across rows (inference/prompt_cache.py): each prompt once prefilled, a
 and generated tokens when it is released (not when it failed). A new row whose prompt starts with
 a cached sequence (ids compared exactly) gets that prefix's KV copied into its row of the static
 cache and prefills only the rest, so its tokens are those it gets without the cache; rows added
-together read each other's (a row waits for the prefill of one sharing a longer prefix). Only KV whose
-positions start at 0 and are still in the row is kept: not past a window's ring, a learned-position
-refill or a cropped prompt; a prefix-LM and a variant without the static cache have none
-(`prompt_cache_note` says why). `prefilled` counts the tokens prefills ran.
+together read each other's (a row waits for the prefill of one sharing a longer prefix: `_ready`).
+Only KV whose positions start at 0 and are still in the row is kept: not past a window's ring, a
+learned-position refill or a cropped prompt; a prefix-LM and a variant without the static cache
+have none (`prompt_cache_note` says why). `prefilled` counts the tokens prefills ran.
 """
 
 from __future__ import annotations
@@ -275,8 +275,9 @@ class Rows:
     @torch.inference_mode()
     def add_all(self, prompts: list[Prompt]) -> list[RowToken]:
         """add() for several prompts at once, into the lowest free rows in order: their first tokens.
-        The static-cache engine prefills prompts of one length together in one forward; each row
-        still draws with its own params and generator. Every prompt is checked before a row is
+        The static-cache engine prefills prompts of one length together in one forward (after
+        those whose prefix their prompt cache will hold: Engine._ready); each row still draws with
+        its own params and generator. Every prompt is checked before a row is
         claimed (a bad one raises and none is added); a batched prefill that raises is run again
         row by row, and a row whose own prefill raised or whose logits were not finite comes back
         with finish "error", released, while the others go on."""
