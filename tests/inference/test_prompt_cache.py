@@ -1,8 +1,10 @@
 """The prompt cache: the structure alone (LRU order, the byte bound, the longest prefix, nothing
 on a different id), then in the engine: a prompt whose prefix is cached continues exactly as with
 the cache off (greedy, fp32, every attention variant; prompts sharing a system prompt, a second
-turn extending the first's prompt and reply; int8 rows), prefilling only the rest; the models and
-rows whose KV cannot be reused are left alone, and say so."""
+turn extending the first's prompt and reply; int8 rows), prefilling only the rest; rows added
+together (a burst sharing a system prompt) read what the first of them left, identical prompts
+still in one forward, logprob rows bit for bit; the models and rows whose KV cannot be reused are
+left alone, and say so."""
 
 import pytest
 import torch
