@@ -147,11 +147,11 @@ def _group_codes(w: Tensor, group: int, bits: int) -> Form:
     top, mid = 2 ** (bits - 1) - 1, 2 ** (bits - 1)  # 127, 128 for int8
     wg, low, high = group_codes.grouped(w, group)
     if bits == 8:  # Q8_0's: ±127 steps of max|w| / 127
-        sym = _fp16_values(torch.maximum(-low, high) / top, w.dtype)
+        sym, least = _fp16_values(torch.maximum(-low, high) / top, w.dtype), -top
     else:  # Q5_0's: the weight of largest magnitude at code -mid (the scale takes its sign)
-        sym = _fp16_values(torch.where(-low > high, low, high) / -mid, w.dtype)
+        sym, least = _fp16_values(torch.where(-low > high, low, high) / -mid, w.dtype), -mid
     zero = torch.zeros_like(sym)
-    symmetric = (group_codes.codes(wg, sym, zero, -mid, top), sym, zero)
+    symmetric = (group_codes.codes(wg, sym, zero, least, top), sym, zero)
     scale = _fp16_values((high - low) / (top + mid), w.dtype)
     offset = _fp16_values(low + mid * scale, w.dtype)
     ranged = (group_codes.codes(wg, scale, offset, -mid, top), scale, offset)
