@@ -199,7 +199,7 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     base = Baseline(loss, F.log_softmax(logits, -1), greedy(run.model, prompts, args.tokens), args.tokens)
     print(f"fp32 loss {base.loss:.4f}; fp32 on the first prompt: {tok.decode(base.greedy[0])!r}\n", flush=True)
     kept = f"prompts keeping {args.tokens} greedy tokens"
-    print(f"| weights | activations | loss | Δ loss | KL | top-1 agreement | {kept} | tokens kept per prompt |\n|---|---|---|---|---|---|---|---|")
+    print(f"| weights | activations | loss | Δ loss | KL | top-1 agreement | {kept} | tokens kept per prompt |\n{'|---' * 8}|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
         for kernel in ["dequant/model", "plan"] + (["int8 activations"] if args.int8_activations else []):  # "plan": --quantize's kernels
