@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""What --quantize costs on a real (imported) chat model: loss and teacher-forced top-1 agreement
-with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first greedy tokens.
+"""What --quantize costs on a real (imported) chat model: loss, mean KL from fp32 and teacher-forced
+top-1 agreement with fp32 on a text, and how many of 10 everyday chat prompts keep fp32's first greedy tokens.
 
     python scripts/quant_real.py --ckpt out/smollm2 --text ../shared/data/tinyshakespeare.txt \\
         --scheme int8 --scheme int8-channel --scheme int4 --scheme int4-g64 --group 64
@@ -71,8 +71,9 @@ CODING = [
 
 @torch.no_grad()
 def scored(model: GPT, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
-    logits = model(ids[:, :-1], all_logits=True)[0]
-    return F.cross_entropy(logits.flatten(0, 1), ids[0, 1:]).item(), logits.argmax(-1)
+    """The loss of `ids`, teacher-forced, and the logits it comes from (positions × vocab)."""
+    logits = model(ids[:, :-1], all_logits=True)[0].flatten(0, 1)
+    return F.cross_entropy(logits, ids[0, 1:]).item(), logits
 
 
 class RoundedInputs(torch.nn.Module):
@@ -99,8 +100,8 @@ def rounded_inputs(model: GPT, levels: int) -> None:
 
 def llama_scored(path: Path, ids: torch.Tensor, prompts: list[list[int]], n: int) -> tuple[float, torch.Tensor, list[list[int]]]:
     """scored() and greedy() through llama.cpp (llama-cpp-python) on a GGUF file of the same
-    model: the loss and top-1 of its logits for the same ids, teacher-forced, and each prompt's
-    first n greedy tokens (the argmax of its logits, a token at a time)."""
+    model: the loss and logits for the same ids, teacher-forced, and each prompt's first n greedy
+    tokens (the argmax of its logits, a token at a time)."""
     import numpy as np
     from llama_cpp import Llama
 
@@ -116,7 +117,7 @@ def llama_scored(path: Path, ids: torch.Tensor, prompts: list[list[int]], n: int
             llm.eval(out[-1:])
             out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
         texts.append(out)
-    return F.cross_entropy(logits, ids[0, 1:]).item(), logits.argmax(-1), texts
+    return F.cross_entropy(logits, ids[0, 1:]).item(), logits, texts
 
 
 def greedy(model: GPT, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -160,18 +161,21 @@ def main() -> None:
 
 @dataclass
 class Baseline:
-    """fp32's figures every row is compared with."""
+    """fp32's figures every row is compared with: its loss, log-probabilities (positions × vocab)
+    and greedy tokens."""
 
     loss: float
-    top: torch.Tensor
+    logp: torch.Tensor
     greedy: list[list[int]]
     tokens: int
 
-    def row(self, name: str, acts: str, loss: float, top: torch.Tensor, texts: list[list[int]], note: str = "") -> None:
+    def row(self, name: str, acts: str, loss: float, logits: torch.Tensor, texts: list[list[int]], note: str = "") -> None:
+        """One table row: the loss, the mean KL(fp32 ‖ row) a position, top-1 agreement, prompts kept."""
         kept = [shared(a, b) for a, b in zip(texts, self.greedy)]
-        agree = 100 * float((top.reshape(-1) == self.top.reshape(-1)).float().mean())
+        agree = 100 * float((logits.argmax(-1) == self.logp.argmax(-1)).float().mean())
+        kl = F.kl_div(F.log_softmax(logits.float(), -1), self.logp, log_target=True, reduction="batchmean").item()
         print(
-            f"| {name} | {acts} | {loss:.4f} | {100 * (loss - self.loss) / self.loss:+.3f}% | {agree:.2f}% "
+            f"| {name} | {acts} | {loss:.4f} | {100 * (loss - self.loss) / self.loss:+.3f}% | {kl:.4f} | {agree:.2f}% "
             f"| {sum(k == self.tokens for k in kept)}/10 | {kept} |{note}",
             flush=True,
         )
@@ -191,10 +195,11 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     tok = run.tokenizer
     ids = torch.tensor(tok.encode(args.text.read_text())[-args.positions - 1 :])[None]
     prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}])[0] for q in (CODING if args.prompts == "coding" else PROMPTS)]
-    base = Baseline(*scored(run.model, ids), greedy(run.model, prompts, args.tokens), args.tokens)
+    loss, logits = scored(run.model, ids)
+    base = Baseline(loss, F.log_softmax(logits, -1), greedy(run.model, prompts, args.tokens), args.tokens)
     print(f"fp32 loss {base.loss:.4f}; fp32 on the first prompt: {tok.decode(base.greedy[0])!r}\n", flush=True)
     kept = f"prompts keeping {args.tokens} greedy tokens"
-    print(f"| weights | activations | loss | Δ loss | top-1 agreement | {kept} | tokens kept per prompt |\n|---|---|---|---|---|---|---|")
+    print(f"| weights | activations | loss | Δ loss | KL | top-1 agreement | {kept} | tokens kept per prompt |\n{'|---' * 8}|")
     cases = [(s, None) for s in args.scheme] + [("int8", g) for g in args.group]
     for scheme, group in cases:
         for kernel in ["dequant/model", "plan"] + (["int8 activations"] if args.int8_activations else []):  # "plan": --quantize's kernels

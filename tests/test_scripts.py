@@ -158,3 +158,21 @@ def test_the_package_train_step_on_a_sampler_of_ones_own_learns(harness):
     before = model(*Repeat().next())[1].item()
     harness.train(t, 30)
     assert model(*Repeat().next())[1].item() < before / 2
+
+
+def test_quant_reals_row_gives_the_mean_kl_from_fp32_and_the_agreement(harness, capsys):
+    """scripts/quant_real.py's table row: KL(fp32 ‖ row) averaged over positions (0 for fp32's own
+    logits), top-1 agreement, and the prompts that keep all of fp32's greedy tokens."""
+    import quant_real
+    import torch
+
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    base = quant_real.Baseline(1.0, logits.log_softmax(-1), [[1, 2]] * 10, 2)
+    base.row("same", "fp32", 1.0, logits, [[1, 2]] * 10)
+    other = torch.tensor([[0.0, 2.0, 0.0], [0.0, 1.0, 0.0]])
+    base.row("other", "fp32", 1.1, other, [[1, 3]] + [[1, 2]] * 9)
+    p, q = logits[0].softmax(-1), other[0].softmax(-1)
+    kl = float((p * (p / q).log()).sum()) / 2  # the second position is the same
+    same, moved = capsys.readouterr().out.splitlines()
+    assert "| 0.0000 | 100.00% | 10/10 |" in same
+    assert f"| {kl:.4f} | 50.00% | 9/10 |" in moved

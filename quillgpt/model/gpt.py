@@ -105,7 +105,8 @@ class ReLUSquared(torch.autograd.Function):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); with model.sandwich_norm
     each branch is normed on its way out as well (ln_attn_out, ln_mlp_out: Gemma's
-    post_attention_layernorm and post_feedforward_layernorm)."""
+    post_attention_layernorm and post_feedforward_layernorm), in the residual stream's dtype: under
+    training's bf16 autocast a branch leaves its linear in bf16 while the norm's gain is fp32."""
 
     def __init__(self, cfg: ModelConfig, variant: Variant) -> None:
         super().__init__()
@@ -119,9 +120,9 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, inputs: LayerInputs, layer: int = 0) -> tuple[Tensor, Tensor | None]:
         a, weights = self.attn(self.ln_1(x), inputs, layer)
-        x = x + (self.ln_attn_out(a) if self.sandwich else a)
+        x = x + (self.ln_attn_out(a.to(x.dtype)) if self.sandwich else a)
         m = self.mlp(self.ln_2(x))
-        return x + (self.ln_mlp_out(m) if self.sandwich else m), weights
+        return x + (self.ln_mlp_out(m.to(x.dtype)) if self.sandwich else m), weights
 
     def decode(self, x: Tensor, **attn_kwargs: Any) -> Tensor:
         """forward for the decode step, x (R, C) in eval mode: the same ops without nn.Module calls

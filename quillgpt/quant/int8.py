@@ -64,7 +64,9 @@ class Int8Linear(nn.Module):
         are). s and o are rounded to fp16 values first, so q rounds to what is multiplied. A group
         whose offset fp16 cannot hold is kept symmetric; a layer with a group neither form holds
         (|w| past 127 × 65504) keeps per-row scales, in fp32 where fp16 cannot hold them either.
-        `bits` < 8: the same forms over 2**bits levels (int5: [-16, 15])."""
+        `bits` < 8: the same forms over 2**bits levels (int5: [-16, 15]), the symmetric one as
+        llama.cpp's Q5_0 makes it, s = m / -16 for the weight m of largest magnitude (exact on
+        weights that were Q5_0, as Gemma 3's q, k, gate and up are)."""
         bias = None if linear.bias is None else linear.bias.detach().clone()
         p = pack(linear.weight, group, bits)
         return cls(p["codes"], p["scale"], bias, plan, p.get("offset"), bits)
@@ -144,9 +146,12 @@ def _group_codes(w: Tensor, group: int, bits: int) -> Form:
     or over its range, see Int8Linear.from_linear) with the smaller squared error."""
     top, mid = 2 ** (bits - 1) - 1, 2 ** (bits - 1)  # 127, 128 for int8
     wg, low, high = group_codes.grouped(w, group)
-    sym = _fp16_values(torch.maximum(-low, high) / top, w.dtype)
+    if bits == 8:  # Q8_0's: ±127 steps of max|w| / 127
+        sym, least = _fp16_values(torch.maximum(-low, high) / top, w.dtype), -top
+    else:  # Q5_0's: the weight of largest magnitude at code -mid (the scale takes its sign)
+        sym, least = _fp16_values(torch.where(-low > high, low, high) / -mid, w.dtype), -mid
     zero = torch.zeros_like(sym)
-    symmetric = (group_codes.codes(wg, sym, zero, -top, top), sym, zero)
+    symmetric = (group_codes.codes(wg, sym, zero, least, top), sym, zero)
     scale = _fp16_values((high - low) / (top + mid), w.dtype)
     offset = _fp16_values(low + mid * scale, w.dtype)
     ranged = (group_codes.codes(wg, scale, offset, -mid, top), scale, offset)

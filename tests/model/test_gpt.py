@@ -381,6 +381,28 @@ def test_gemma_features_compute_the_plain_computation(feature):
         assert not torch.allclose(plain(idx, all_logits=True)[0], logits, atol=1e-3)
 
 
+def test_gemma_norms_under_bf16_autocast_take_their_gains_dtype(monkeypatch):
+    """Training's bf16 autocast (quill finetune of Gemma 3): the attention and MLP outputs come out of
+    their linears in bf16, and the sandwich norms' gains are fp32; every rms_norm gets its input and
+    gain in one dtype (mixed ones fall back to a composite kernel, with a warning), and the loss
+    still reaches every gain."""
+    calls = []
+    rms_norm = torch.nn.functional.rms_norm
+
+    def spy(x, shape, weight=None, eps=None):
+        calls.append((x.dtype, weight.dtype))
+        return rms_norm(x, shape, weight, eps)
+
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", spy)
+    model = gemma_model(GEMMA).train()
+    idx = torch.randint(0, V, (2, BLOCK))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx, targets=idx)
+    loss.backward()
+    assert calls and all(x == w for x, w in calls), set(calls)
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".ln_" in n)
+
+
 @pytest.mark.parametrize("feature", ["global_every", "gemma3"])
 def test_gemma_layers_through_the_cache_and_the_decode_step_equal_the_forward(feature):
     """Per-layer windows in every path: sdpa = math, prefill in chunks through the cache, the
