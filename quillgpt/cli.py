@@ -575,7 +575,7 @@ def export_hf_cmd(
 
 @app.command("import-gguf")
 def import_gguf_cmd(
-    src: Path = typer.Argument(..., help="GGUF file of llama.cpp's llama (Llama, Mistral, SmolLM...), qwen2, qwen3 or gpt2."),
+    src: Path = typer.Argument(..., help="GGUF file of llama.cpp's llama (Llama, Mistral, SmolLM...), qwen2, qwen3, gemma3 or gpt2."),
     out: Path = typer.Option(
         ...,
         "--out",
