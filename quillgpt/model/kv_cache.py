@@ -47,7 +47,7 @@ class KVWrite:
     slots: Tensor  # (B, m) slots of the last m = min(T, capacity) tokens (earlier ones would be overwritten)
     first: int  # T - m: tokens before the stored ones
     key_pos: Tensor  # (B, S): positions of the keys the tokens attend over, [cached | new]
-    cached: bool  # the keys include the rows' cached keys (S = capacity + T), else only the new (S = T)
+    cached: int  # how many of the rows' slots the keys include (S = cached + T): up to the last in use, 0: none
 
 
 class KVCache:
@@ -92,6 +92,8 @@ class KVCache:
 
         They attend over [the rows' cached keys, their own] (only their own when those rows hold
         nothing), then the last min(T, capacity) are stored (distinct slots: consecutive positions).
+        The cached keys are the slots up to the last any of the rows uses, not the whole capacity:
+        a prompt after a cached prefix, or a long prompt's later pieces, costs what the cache holds.
         Negative (padding) positions may only start a row, never follow its real tokens.
         """
         if rows is None:
@@ -106,17 +108,19 @@ class KVCache:
         m = min(T, self.capacity)
         slots = pos[:, T - m :] % self.capacity  # (B, m)
         old = self.pos[rows]  # (B, capacity): a copy, taken before the write
-        cached = bool((old != EMPTY_POS).any())
+        used = (old != EMPTY_POS).any(dim=0).nonzero()
+        cached = int(used[-1]) + 1 if len(used) else 0
         self.pos[rows[:, None], slots] = pos[:, T - m :]
-        key_pos = torch.cat([old, pos], dim=1) if cached else pos
+        key_pos = torch.cat([old[:, :cached], pos], dim=1) if cached else pos
         return KVWrite(rows, slots, T - m, key_pos, cached)
 
     def update(self, layer: int, k: Tensor, v: Tensor, plan: KVWrite) -> tuple[Tensor, Tensor]:
         """Store this layer's new k, v (B, KV, T, hd) as planned; return the keys/values to attend
         over, in the order of plan.key_pos."""
         ks, vs = self.k[layer], self.v[layer]
-        k_all = torch.cat([ks[plan.rows], k.to(ks.dtype)], dim=2) if plan.cached else k  # copies before the writes
-        v_all = torch.cat([vs[plan.rows], v.to(vs.dtype)], dim=2) if plan.cached else v
+        n = plan.cached  # copies of the slots in use, before the writes
+        k_all = torch.cat([ks[:, :, :n][plan.rows], k.to(ks.dtype)], dim=2) if n else k
+        v_all = torch.cat([vs[:, :, :n][plan.rows], v.to(vs.dtype)], dim=2) if n else v
         rows = plan.rows[:, None]  # (B, 1) with slots (B, m)
         ks[rows, :, plan.slots] = k[:, :, plan.first :].transpose(1, 2).to(ks.dtype)  # (B, m, KV, hd)
         vs[rows, :, plan.slots] = v[:, :, plan.first :].transpose(1, 2).to(vs.dtype)

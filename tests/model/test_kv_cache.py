@@ -20,7 +20,7 @@ def kv(T: int, start: float) -> torch.Tensor:
 def test_a_prefill_then_decode_keeps_the_last_capacity_positions_in_a_ring():
     c = cache(rows=1)
     plan = c.plan(torch.arange(6)[None])  # 6 tokens into 4 slots: the last 4 are kept
-    assert plan.first == 2 and not plan.cached
+    assert plan.first == 2 and plan.cached == 0
     k, _ = c.update(0, kv(6, 0.0), kv(6, 0.0), plan)
     assert k.shape[2] == 6  # the forward attends over its own 6 keys
     assert c.pos[0].tolist() == [4, 5, 2, 3] and c.k[0][0, 0, :, 0].tolist() == [4.0, 5.0, 2.0, 3.0]
@@ -38,6 +38,20 @@ def test_rows_are_independent_and_reset_forgets_one():
     assert (c.pos[0] == EMPTY_POS).all() and c.pos[1, :3].tolist() == [0, 1, 2]
     later = c.plan(torch.tensor([[3]]), rows=torch.tensor([1]))
     assert later.cached and later.key_pos[0].tolist()[-1] == 3  # [cached | new]
+
+
+def test_later_tokens_attend_over_the_slots_in_use_not_the_whole_capacity():
+    # a prompt after a cached prefix (or a long prompt's next piece) in a cache sized for a long
+    # context: its keys are the rows' slots up to the last one used, then its own
+    c = cache(rows=2, capacity=64, span=64)
+    c.update(0, kv(3, 0.0), kv(3, 0.0), c.plan(torch.arange(3)[None], rows=torch.tensor([0])))
+    c.update(0, kv(5, 10.0), kv(5, 10.0), c.plan(torch.arange(5)[None], rows=torch.tensor([1])))
+    plan = c.plan(torch.tensor([[5, 6]]), rows=torch.tensor([0, 1]))
+    assert plan.cached == 5 and plan.key_pos.shape == (2, 7)
+    assert plan.key_pos[0].tolist() == [0, 1, 2, EMPTY_POS, EMPTY_POS, 5, 6]  # row 0's unused slots stay masked
+    new = kv(2, 20.0).expand(2, -1, -1, -1)  # both rows' two new tokens
+    k, _ = c.update(0, new, new, plan)
+    assert k.shape == (2, 1, 7, 2) and k[1, 0, :, 0].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0, 20.0, 21.0]
 
 
 def test_a_cache_smaller_than_the_span_refuses_to_drop_visible_keys():
