@@ -558,21 +558,29 @@ class Engine(Rows):
     def _make_prompt_cache(self, budget: int | None) -> tuple[PromptCache | None, str]:
         """The prompt cache of `budget` bytes (None: prompt_cache.default_budget; 0: none), and a
         note: its size, or why there is none."""
-        cfg = self.model.config
-        per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * self.cache_dtype.itemsize
-        self._cache_most = 0  # the longest entry that fits
         if budget == 0:
             return None, "off"
         if not self.static:
             return None, "off: the variant keeps a memory of its own per row, not the static KV cache"
         if self.variant.bidirectional_prefix:
             return None, "off: a prefix-LM's prompt attends both ways, so a prompt's keys depend on its last token"
+        per_token = self._kv_token_bytes()
         if budget is None:
             budget = default_budget(per_token, available_bytes(self.device))
-        self._cache_most = budget // (per_token + ID_BYTES)
-        if self._cache_most < 1:
+        most = budget // (per_token + ID_BYTES)
+        if most < 1:
             return None, f"off: {budget:,} bytes hold no token's KV ({per_token:,} bytes a token)"
-        return PromptCache(budget), f"up to {budget / 2**20:,.0f} MiB ({self._cache_most:,} tokens of KV)"
+        return PromptCache(budget), f"up to {budget / 2**20:,.0f} MiB ({most:,} tokens of KV)"
+
+    def _kv_token_bytes(self) -> int:
+        """One token's keys and values in every layer, in the cache's dtype."""
+        cfg = self.model.config
+        return 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * self.cache_dtype.itemsize
+
+    @property
+    def _cache_most(self) -> int:
+        """The longest entry the prompt cache holds (0: no cache)."""
+        return 0 if self.prompt_cache is None else self.prompt_cache.budget // (self._kv_token_bytes() + ID_BYTES)
 
     def prompt_cache_summary(self) -> dict[str, Any]:
         """The prompt cache's figures (prompt_cache.PromptCache.summary) and its note; or why it is off."""
