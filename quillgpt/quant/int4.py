@@ -4,7 +4,8 @@ about a sixth of fp32's weight bytes. Three layouts, the first that fits a layer
 - "group_gemv4": W = q·s + o with q in [0, 15] and an fp16 scale and offset per group, each group
   over its range (llama.cpp's Q4_1) or symmetric (Q4_0), whichever rebuilds it better
   (gemv4_codes), through quill's C++ kernel (the C++ kernels: x rounded
-  to int16 per 32, 20 bytes per 32 weights) at any number of rows: a decode step's few rows
+  to int16 per 32, 20 bytes per 32 weights; 18 where every group is symmetric, as in a Q4_0 file,
+  the offsets then implied: kept_offsets) at any number of rows: a decode step's few rows
   against four weight rows at a time, a prompt's many (from 65) GEMM-blocked, PREFILL_ROWS rows a
   call so that a long prompt's scratch stays bounded. It takes K a multiple of 64 and G of 32
   where the kernel builds. Its decode step beat torch's int4pack_mm's, and its prefill the weight
@@ -89,6 +90,14 @@ def gemv4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
     return q.view(w.shape).to(torch.uint8), s, o
 
 
+def kept_offsets(scale: Tensor, offset: Tensor) -> Tensor | None:
+    """`offset`, or None where every group is in Q4_0's symmetric form (offset = -8·scale in fp16,
+    as gemv4_codes and a Q4_0 import make it): the C++ kernels then imply the offsets (quill.h's
+    symmetric_offset), so a decode step streams 18 bytes a group of 32 weights rather than 20."""
+    implied = (-8 * scale.float()).to(offset.dtype)
+    return None if torch.equal(offset, implied) else offset
+
+
 def int4_codes(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """(q (out, in) int32 in [0, 15], scales_zeros (in / group, out, 2) bf16) with
     w ≈ (q - 8)·s + z per group: s = (max - min) / 15 and z = min + 8·s over each group's weights,
@@ -128,7 +137,7 @@ class Int4Linear(nn.Module):
         if gemv is not None:
             self.kernel = "group_gemv4"
             q, scale, offset = gemv
-            codes = native.pack4(q)
+            codes, offset = native.pack4(q), kept_offsets(scale, offset)
         else:
             q, scales_zeros = int4_codes(linear.weight, group)
             if "int4pack_mm" in wanted and cpu and kernel_fits(self.out_features, self.in_features, group):
@@ -140,7 +149,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scales_zeros", scales_zeros)  # int4pack_mm, dequantize: (in / group, out, 2) bf16
         self.register_buffer("scale", scale)  # group_gemv4: (out, in / group) fp16 each
-        self.register_buffer("offset", offset)
+        self.register_buffer("offset", offset)  # None with scale: -8·scale (kept_offsets)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def _scales_zeros(self) -> Tensor:
@@ -159,6 +168,7 @@ class Int4Linear(nn.Module):
         layer.group = layer.in_features // scale.shape[1]
         fits = scale.dtype == torch.float16 and codes.device.type == "cpu"
         layer.kernel = "group_gemv4" if fits and gemv4_fits(layer.out_features, layer.in_features, layer.group) else "dequantize"
+        offset = kept_offsets(scale, offset) if layer.kernel == "group_gemv4" else offset
         for name, t in (("codes", codes), ("scales_zeros", None), ("scale", scale), ("offset", offset), ("bias", bias)):
             layer.register_buffer(name, t)
         return layer
@@ -169,7 +179,7 @@ class Int4Linear(nn.Module):
         if self.scale is not None:  # pack4's codes with a scale and an offset per group
             n, groups = self.out_features, self.scale.shape[1]
             q = native.unpack4(self.codes).float().view(n, groups, -1)
-            return (q * self.scale.float()[:, :, None] + self.offset.float()[:, :, None]).view(n, self.in_features)
+            return (q * self.scale.float()[:, :, None] + self._offsets()[:, :, None]).view(n, self.in_features)
         if self.kernel == "int4pack_mm":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.codes.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.codes, self.group, self._scales_zeros()).float().t()
@@ -185,20 +195,29 @@ class Int4Linear(nn.Module):
         if self.scale is None or self.scale.dtype != torch.float16:
             why = native.why_not() or "its groups' ranges are past fp16's"
             raise QuillError(f"an int4 run is written in quill's C++ kernel's layout, which this layer could not take ({why})")
-        return {"codes": native.unpack4(self.codes), "scale": self.scale, "offset": self.offset}
+        return {"codes": native.unpack4(self.codes), "scale": self.scale, "offset": self._offsets().to(self.scale.dtype)}
 
     def rows(self, idx: Tensor) -> Tensor:
         """(len(idx), in) float32 rows of the weight (an embedding lookup), without the whole weight."""
         if self.scale is None:
             return self.dequantized()[idx]
         q = native.nibbles(native.rows_of(self.codes, idx)).float().view(len(idx), self.scale.shape[1], -1)
-        return (q * self.scale[idx].float()[:, :, None] + self.offset[idx].float()[:, :, None]).view(len(idx), self.in_features)
+        return (q * self.scale[idx].float()[:, :, None] + self._offsets(idx)[:, :, None]).view(len(idx), self.in_features)
+
+    def _offsets(self, idx: Tensor | None = None) -> Tensor:
+        """(rows, in / group) float32 offsets of the rows `idx` (None: all), -8·scale where none are kept."""
+        scale, offset = (self.scale, self.offset) if idx is None else (self.scale[idx], None if self.offset is None else self.offset[idx])
+        return -8 * scale.float() if offset is None else offset.float()
+
+    def _kernel_offsets(self) -> Tensor:
+        """The kernels' o: the fp16 offsets, or empty where they are implied (quill.h's symmetric form)."""
+        return self.scale.new_empty(0) if self.offset is None else self.offset
 
     def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, native.Format] | None:
         """(4-bit codes, fp16 s, fp16 o, their format) for the native decoder, where this layer runs group_gemv4 at `rows` rows."""
         if self.kernel != "group_gemv4" or rows > GEMV_ROWS:
             return None
-        return self.codes, self.scale, self.offset, native.Format.INT4
+        return self.codes, self.scale, self._kernel_offsets(), native.Format.INT4
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -215,11 +234,12 @@ class Int4Linear(nn.Module):
         """(M, in) float32 → (M, out) float32 through group_gemv4, PREFILL_ROWS rows a call (past
         GEMV_ROWS rows with the activations prefill_activations() names)."""
         gemv = native.group_gemv4_x8 if x.shape[0] > GEMV_ROWS and prefill_activations() == "int8" else native.group_gemv4
+        o = self._kernel_offsets()
         if x.shape[0] <= PREFILL_ROWS:
-            return gemv(x, self.codes, self.scale, self.offset)  # fp16 as made
+            return gemv(x, self.codes, self.scale, o)  # fp16 as made
         y = x.new_empty(x.shape[0], self.out_features)
         for i in range(0, x.shape[0], PREFILL_ROWS):
-            y[i : i + PREFILL_ROWS] = gemv(x[i : i + PREFILL_ROWS], self.codes, self.scale, self.offset)
+            y[i : i + PREFILL_ROWS] = gemv(x[i : i + PREFILL_ROWS], self.codes, self.scale, o)
         return y
 
     def extra_repr(self) -> str:

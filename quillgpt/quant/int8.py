@@ -39,13 +39,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)  # (out,) or (out, in / group) in the model's dtype
         self.register_buffer("offset", offset)  # None, or (out, in / group) as the scales
         self.group = self.in_features // scale.shape[1] if scale.dim() == 2 else 0  # 0: per output channel
-        # group_gemv's copies (per channel: one group of the whole row, offsets 0); None where the
-        # scales are not fp16 values (a range fp16 cannot hold)
+        # group_gemv's copies (per channel: one group of the whole row); None where the scales are
+        # not fp16 values (a range fp16 cannot hold). Offsets all 0 (per channel, or every group
+        # symmetric, as in a Q8_0 file) are kept empty: the kernel implies them and streams 2 bytes
+        # fewer a group of 32 weights
         groups = scale if offset is not None else scale[:, None]  # (out, in / group)
         half = groups.half()
         exact = bool(torch.equal(half.to(scale.dtype), groups))
+        offsets = offset is not None and bool(offset.any())
         self.register_buffer("scale_half", half if exact else None)
-        self.register_buffer("offset_half", (torch.zeros_like(half) if offset is None else offset.half()) if exact else None)
+        self.register_buffer("offset_half", (offset.half() if offsets else half.new_empty(0)) if exact else None)
         self.register_buffer("bias", bias)
         self.plan = plan
         # kernel → what runs

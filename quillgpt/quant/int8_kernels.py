@@ -65,7 +65,8 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = No
 
 def gemv_linear(x: Tensor, weight: Tensor, scale: Tensor, offset: Offset = None) -> Tensor:
     """quillgpt/native's C++ kernel: weights in groups of a multiple of 32 (per channel: one
-    group a row, offsets 0) with fp16 scales and offsets (Int8Linear's scale_half, offset_half), x
+    group a row, offsets 0) with fp16 scales and offsets (Int8Linear's scale_half, offset_half: empty
+    where every offset is 0), x
     rounded to int16 per 32 inputs and multiplied in integer pairs; float32 out."""
     assert offset is not None and scale.dtype == torch.float16, "group_gemv takes (out, groups) fp16 scales and offsets"
     return native.group_gemv(x.float(), weight, scale, offset)

@@ -107,6 +107,21 @@ def test_group_gemv4_equals_the_dequantized_matmul_of_x_rounded_as_it_rounds(row
     torch.testing.assert_close(got, want, rtol=0, atol=float(1e-5 * bound.max()))
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 70, 130])  # rows_dot, the batch kernel, the GEMM
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 64, 32), (37, 256, 64), (33, 128, 128)])
+def test_without_offsets_the_kernels_take_the_formats_symmetric_form(rows, n, k, group):
+    """o empty: 4-bit codes centred on 8 (o = -8·s, Q4_0) and int8 codes on 0 (o = 0, Q8_0), the
+    very sums of those offsets given (-8 is a power of two: every rounding the same)."""
+    x, q, s, _ = case4(n, k, group, rows)
+    none = s.new_empty(0)
+    got, want = native.group_gemv4(x, native.pack4(q), s, none), native.group_gemv4(x, native.pack4(q), s, (-8 * s.float()).half())
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, reference(x, q, s, (-8 * s.float()).half()), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    x, q, s, _ = case(n, k, group, rows)
+    assert torch.equal(native.group_gemv(x, native.interleave(q), s, none), native.group_gemv(x, native.interleave(q), s, torch.zeros_like(s)))
+
+
 def rounding_bound(x, q, s, o, levels: int = 32767) -> torch.Tensor:
     """How far the kernels may be from x·Wᵀ (W = q·s + o, float64) by their arithmetic, (rows, N):
     x is rounded per block of 32 to a step of max|x|/levels, each input by at most half a step, so
@@ -250,6 +265,8 @@ for n, k, group, rows in [(48, 64, 32, 1), (40, 256, 64, 3), (576, 1536, 32, 2),
     errs.append(float((got - want).abs().max() / want.abs().max()))
     got, want = native.group_gemv4_x8(x, native.pack4(q), s, o), reference(x, q, s, o, 127)  # int8 activations
     errs.append(float((got - want).abs().max() / want.abs().max()))
+    o = (-8 * s.float()).half()  # no offsets kept: Q4_0's symmetric form, the same sums
+    errs.append(float((native.group_gemv4(x, native.pack4(q), s, s.new_empty(0)) - native.group_gemv4(x, native.pack4(q), s, o)).abs().max()))
 import pytest
 import test_native_decoder as nb  # the native decoder built the same way: its steps = op by op
 for shape, scheme in [("llama-hd64", "int8"), ("gpt2-hd128", "int4"), ("window", "int4")]:  # attention widths 64, 128, 32; both kernels
@@ -263,7 +280,8 @@ print(json.dumps(errs))
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="x86-64 paths")
 @pytest.mark.parametrize("isa", ["avx2", "plain", "avx512-emulated"])
 def test_each_instruction_set_path_equals_the_reference(isa, tmp_path):
-    """The AVX2, plain-loop and AVX-512 paths, int8 and int4 (and int4 with int8 activations), the
+    """The AVX2, plain-loop and AVX-512 paths, int8 and int4 (and int4 with int8 activations, and
+    without offsets), the
     kernels (70 and 130 rows: the GEMM's) and the native decode block, built here with
     -march=haswell / x86-64 (a build each, cached); the AVX-512 one through scalar stand-ins of its
     intrinsics (quillgpt/native/csrc/avx512_emulated.h), so it is checked on any AVX2 machine."""

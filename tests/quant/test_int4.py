@@ -74,6 +74,33 @@ def test_group_gemv4_layout_equals_its_dequantized_computation(out_features, gro
 
 
 @needs_kernel
+def test_a_layer_of_symmetric_groups_keeps_no_offsets_and_multiplies_the_same():
+    """Every group in Q4_0's form (a Q4_0 import's, or gemv4_codes' choice for each): no offsets
+    kept (the kernels imply -8·s), the same products and weights, and packed() writes them back;
+    one group over its range keeps them all."""
+    torch.manual_seed(0)
+    q4_0 = torch.randint(0, 16, (40, 128)).float() * 0.01 - 0.08  # each group symmetric: w = (q - 8)·0.01
+    q4_0[:, ::32] = -0.08  # each group's largest magnitude -8·s, so gemv4_codes finds that form
+    lin = nn.Linear(128, 40)
+    lin.weight.data.copy_(q4_0)
+    sym = Int4Linear(lin, 32)
+    assert sym.kernel == "group_gemv4" and sym.offset is None
+    packed = sym.packed()
+    assert torch.equal(packed["offset"], (-8 * sym.scale.float()).half())
+    kept = Int4Linear.from_stored(int4.store(packed), lin.bias.detach())
+    assert kept.offset is None and torch.equal(kept.dequantized(), sym.dequantized())
+    explicit = Int4Linear.from_stored(int4.store(packed), lin.bias.detach())
+    explicit.offset = packed["offset"]  # the same weights, offsets streamed
+    for rows in (1, 5, int4.GEMV_ROWS + 6):
+        x = torch.randn(rows, 128)
+        assert torch.equal(sym(x), explicit(x))
+    idx = torch.tensor([3, 0, 39])
+    assert torch.equal(sym.rows(idx), sym.dequantized()[idx])
+    lin.weight.data[5, :32] += 0.5  # one group now over its range: Q4_1's form
+    assert Int4Linear(lin, 32).offset is not None
+
+
+@needs_kernel
 def test_a_prompts_rows_run_the_kernel_in_chunks_of_prefill_rows(monkeypatch):
     """Past GEMV_ROWS rows group_gemv4 still multiplies (its GEMM), PREFILL_ROWS rows a call, where
     the weight was dequantized for F.linear before: the chunks' rows equal one call's (to float

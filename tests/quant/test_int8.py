@@ -175,6 +175,26 @@ def test_each_group_takes_the_form_with_less_error_and_q8_0_weights_come_back_ex
     assert bool((q.offset[:32] != 0).any()) and bool((q.offset[32:] == 0).any())  # both forms taken
 
 
+@pytest.mark.skipif(not native.available(), reason="quill's C++ kernels did not build here")
+def test_a_layer_of_symmetric_groups_streams_no_offsets_and_multiplies_the_same():
+    """Every group's offset 0 (Q8_0's form): group_gemv's fp16 offsets are kept empty (the kernel
+    implies 0), the products the same as with the zeros streamed; one group off 0 keeps them."""
+    g = torch.Generator().manual_seed(0)
+    q8 = torch.randint(-127, 128, (40, 128), generator=g).float()
+    q8[:, ::32] = 127.0
+    lin = nn.Linear(128, 40)
+    with torch.no_grad():
+        lin.weight.copy_(q8 * 0.01)
+    q = Int8Linear.from_linear(lin, fixed("group_gemv"), 32)
+    assert q.runs["group_gemv"] == "group_gemv" and q.offset_half.numel() == 0
+    x = torch.randn(5, 128)
+    want = native.group_gemv(x, q.weight, q.scale_half, torch.zeros_like(q.scale_half))
+    assert torch.equal(q.linear(x, "group_gemv"), want + lin.bias)
+    with torch.no_grad():
+        lin.weight[3, :32] += 0.5
+    assert Int8Linear.from_linear(lin, fixed("group_gemv"), 32).offset_half.shape == (40, 4)
+
+
 def test_quantize_swaps_every_linear_and_a_tied_head_keeps_its_embedding():
     model = random_model("mha-learned")  # tied head
     wte = model.transformer.wte.weight.detach().clone()

@@ -214,7 +214,7 @@ static void unpack(const Weights& w, int64_t n0, Panel& p) {
     for (int64_t g = 0; g < w.G; ++g) {
       const float s = half_to_float(w.s[(n0 + i) * w.G + g]);
       for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) p.s[b * L + i] = s;
-      p.o[g * L + i] = half_to_float(w.o[(n0 + i) * w.G + g]);
+      p.o[g * L + i] = w.o ? half_to_float(w.o[(n0 + i) * w.G + g]) : symmetric_offset(w.format) * s;
     }
   }
 }

@@ -102,6 +102,7 @@ static float row_dot(const uint8_t* q, int64_t stride, const Half* s16, const Ha
       total += float(d) * c[b];
     }
   }
+  if (!o16) return F == Format::INT4 ? total + symmetric_offset(F) * offsets_dot(s16, xg, groups) : total;
   return total + offsets_dot(o16, xg, groups);
 }
 
@@ -115,7 +116,7 @@ void gemv_columns(const Weights& w, const Rounded& r, int64_t M, float* y, int64
       const int16_t* xq = r.q.data() + m * K;
       const float *xs = r.step.data() + m * blocks, *xg = r.sum.data() + m * G;
       for (int64_t i = 0; i < rows; ++i)
-        y[m * N + n + i] = dot(group + 32 * i, 32 * rows, w.s + (n + i) * G, w.o + (n + i) * G, xq, xs, xg, G, per_group);
+        y[m * N + n + i] = dot(group + 32 * i, 32 * rows, w.s + (n + i) * G, offsets_of(w, n + i), xq, xs, xg, G, per_group);
     }
     n += rows;
   }

@@ -13,7 +13,7 @@ Format format_of(int64_t value) {
 }
 
 // The weights of q, s, o, checked: (N, K) int8 codes or (N, K / 2) uint8 pairs of 4-bit ones as the
-// format says, s and o (N, G) fp16
+// format says, s and o (N, G) fp16 (o empty: none kept, quill.h's symmetric form)
 Weights weights_of(const at::Tensor& q, const at::Tensor& s, const at::Tensor& o, int64_t K, Format format) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q: contiguous (N, K) int8 or (N, K / 2) uint8");
   const int64_t N = q.size(0), row_bytes = q.size(1);
@@ -24,11 +24,12 @@ Weights weights_of(const at::Tensor& q, const at::Tensor& s, const at::Tensor& o
   }
   TORCH_CHECK(K % 32 == 0 && K / 32 <= MAX_BLOCKS, "K must be a multiple of 32 and at most 32,768");
   TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 2 && s.size(0) == N, "s: (N, G) float16");
-  TORCH_CHECK(o.sizes() == s.sizes() && o.scalar_type() == at::kHalf && o.is_contiguous(), "o: as s");
+  const bool offsets = o.numel() > 0;  // empty: the format's symmetric form (quill.h)
+  TORCH_CHECK(!offsets || (o.sizes() == s.sizes() && o.scalar_type() == at::kHalf && o.is_contiguous()), "o: as s, or empty");
   const int64_t G = s.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "the group must be a multiple of 32");
   return {reinterpret_cast<const uint8_t*>(q.data_ptr()), reinterpret_cast<const Half*>(s.data_ptr<at::Half>()),
-          reinterpret_cast<const Half*>(o.data_ptr<at::Half>()), N, K, G, row_bytes, format};
+          offsets ? reinterpret_cast<const Half*>(o.data_ptr<at::Half>()) : nullptr, N, K, G, row_bytes, format};
 }
 
 // (M, N) float32 from x (M, K) float32 and weight rows of the format's codes

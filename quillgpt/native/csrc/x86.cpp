@@ -136,7 +136,11 @@ static void rows4_batch(const uint8_t* group, const Half* s16, const Half* o16, 
   const int64_t blocks = G * per_group;
   alignas(64) float s4[MAX_BLOCKS][4], o4[MAX_BLOCKS][4];  // group g's scale and offset of rows 0..3, side by side
   side_by_side4(s16, G, s4);
-  side_by_side4(o16, G, o4);
+  if (o16)
+    side_by_side4(o16, G, o4);
+  else
+    for (int64_t g = 0; g < G; ++g)
+      for (int r = 0; r < 4; ++r) o4[g][r] = symmetric_offset(F) * s4[g][r];
   const __m512i spread = _mm512_loadu_si512((const void*)SPREAD4), low = _mm512_set1_epi16(0x0F);
   __m512 acc[MB], gacc[MB];  // over all groups, and over the blocks of the current group
   for (int m = 0; m < MB; ++m) acc[m] = gacc[m] = _mm512_setzero_ps();
@@ -306,7 +310,13 @@ static void rows_dot(const uint8_t* q, const Half* s16, const Half* o16, int64_t
       for (int r = 0; r < R; ++r) acc[r] = V::add_block(acc[r], V::int8_block(unit<R>(q, r, b)), x0, c[r][b]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = V::sum(acc[r]) + V::offsets_dot(o16 + r * groups, xg, groups);
+  for (int r = 0; r < R; ++r) {
+    y[r] = V::sum(acc[r]);
+    if (o16)
+      y[r] += V::offsets_dot(o16 + r * groups, xg, groups);
+    else if constexpr (F == Format::INT4)  // o = -8·s (quill.h's symmetric_offset)
+      y[r] += symmetric_offset(F) * V::offsets_dot(s16 + r * groups, xg, groups);
+  }
 }
 
 // gemv_columns for one format: V's batch kernel where several activation rows meet a group of 4
@@ -321,7 +331,7 @@ static void columns(const Weights& w, const Rounded& r, int64_t M, float* y, int
       if (rows == 4 && M >= V::BATCH_FROM) {  // the activation rows 8 at a time, then the rest
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
           const float *xs = r.step.data() + m0 * blocks, *xg = r.sum.data() + m0 * G;
-          V::template batch4<F>(group, w.s + n * G, w.o + n * G, G, per_group, r.q.data() + m0 * K, xs, xg, K, std::min<int64_t>(8, M - m0),
+          V::template batch4<F>(group, w.s + n * G, offsets_of(w, n), G, per_group, r.q.data() + m0 * K, xs, xg, K, std::min<int64_t>(8, M - m0),
                                 y + m0 * N + n, N);
         }
         n += rows;
@@ -330,7 +340,7 @@ static void columns(const Weights& w, const Rounded& r, int64_t M, float* y, int
     }
     auto run = rows == 4 ? rows_dot<V, F, 4> : rows_dot<V, F, 1>;
     for (int64_t m = 0; m < M; ++m)
-      run(group, w.s + n * G, w.o + n * G, G, per_group, r.q.data() + m * K, r.step.data() + m * blocks, r.sum.data() + m * G, y + m * N + n);
+      run(group, w.s + n * G, offsets_of(w, n), G, per_group, r.q.data() + m * K, r.step.data() + m * blocks, r.sum.data() + m * G, y + m * N + n);
     n += rows;
   }
 }
