@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from quillgpt import huge_pages
 from quillgpt.errors import QuillError
 from quillgpt.files import os_error, shown
 
@@ -193,9 +194,10 @@ class TensorFile:
         return Entry(dtype, shape, start, end)
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, read into memory of its own and checked against its CRC-32."""
+        """One tensor, read into memory of its own (in huge pages where it spans them: a decode step
+        streams it) and checked against its CRC-32."""
         e = self.entries[name]
-        t = torch.empty(e.shape, dtype=e.dtype)
+        t = huge_pages.empty(e.shape, e.dtype)
         buf = t.reshape(-1).view(torch.uint8).numpy()
         try:
             with open(self.path, "rb") as f:

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "quillgpt"
 # bottom to top; a package may import its own layer's modules only within itself, and any lower layer
 LAYERS = [
     {"errors"},
-    {"files", "device", "sampling_params", "native", "cpu_share"},
+    {"files", "device", "sampling_params", "native", "cpu_share", "huge_pages"},
     {"config", "metrics_log"},
     {"data", "model", "checkpoint", "tensor_file"},
     {"quant"},

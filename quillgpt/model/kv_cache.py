@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from quillgpt import huge_pages
+
 EMPTY_POS = -(2**62)  # position of a cache slot that holds no key yet: matches no query
 SlotIndex = tuple[Tensor, Tensor]  # (rows, slots), each (R,): where a decode step's keys go
 
@@ -68,9 +70,15 @@ class KVCache:
             raise ValueError(f"KV cache capacity must be at least 1, got {capacity}")
         # one tensor per layer, not views of one: a compiled decode step then writes them in place
         # (a write through a view of a graph input makes inductor copy the whole base back)
+        # (on the CPU in huge pages where they span them: a decode step at depth streams them)
         shape = (rows, kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        cpu = torch.device(device).type == "cpu"
+
+        def zeros() -> Tensor:
+            return huge_pages.zeros(shape, dtype) if cpu else torch.zeros(shape, device=device, dtype=dtype)
+
+        self.k = [zeros() for _ in range(n_layer)]
+        self.v = [zeros() for _ in range(n_layer)]
         self.pos = torch.full((rows, capacity), EMPTY_POS, device=device, dtype=torch.long)
         self.capacity, self.span = capacity, span
 
