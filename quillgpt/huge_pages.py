@@ -34,6 +34,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype) if t is None else t
 
 
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor's values in empty's memory where it spans a whole 2 MiB page, else t itself."""
+    if t.device.type != "cpu" or t.nbytes < HUGE_PAGE:
+        return t
+    return empty(tuple(t.shape), t.dtype).copy_(t)
+
+
 def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A tensor in a private anonymous mapping of its own, 2 MiB-aligned, its whole 2 MiB pages
     advised huge and the rest not; None below one whole page or without madvise."""

@@ -56,6 +56,15 @@ def test_its_whole_pages_ask_for_huge_ones_and_its_tail_does_not():
 
 
 @needs_thp
+def test_a_copy_of_a_large_tensor_is_in_huge_pages_and_a_small_one_is_itself():
+    t = torch.randn(1024, 1024)
+    moved = huge_pages.copy(t)
+    assert torch.equal(moved, t) and "hg" in vm_flags(moved.data_ptr())
+    small = torch.randn(4, 4)
+    assert huge_pages.copy(small) is small
+
+
+@needs_thp
 def test_a_weights_file_reads_its_large_tensors_into_huge_pages(tmp_path):
     tensors = {"big": torch.randn(2048, 1024), "small": torch.randn(4, 4)}
     with TensorWriter(tmp_path / "w.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], {}) as w:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quillgpt import native
+from quillgpt import huge_pages, native
 from quillgpt.errors import QuillError
 from quillgpt.quant import group_codes
 from quillgpt.quant.int8 import INT8, Int8Linear
@@ -137,7 +137,7 @@ class Int4Linear(nn.Module):
         if gemv is not None:
             self.kernel = "group_gemv4"
             q, scale, offset = gemv
-            codes, offset = native.pack4(q), kept_offsets(scale, offset)
+            codes, offset = huge_pages.copy(native.pack4(q)), kept_offsets(scale, offset)  # streamed: huge pages
         else:
             q, scales_zeros = int4_codes(linear.weight, group)
             if "int4pack_mm" in wanted and cpu and kernel_fits(self.out_features, self.in_features, group):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from quillgpt import native
+from quillgpt import huge_pages, native
 from quillgpt.quant import group_codes
 from quillgpt.quant.group_codes import Form
 from quillgpt.quant.int8_kernels import FUSED_ROWS, KERNELS, Kernel, Offset, dequant_linear, grouped_sum
@@ -55,7 +55,8 @@ class Int8Linear(nn.Module):
         fits = {k: kern.fits(*weight.shape, self.group) and (exact or not kern.half) for k, kern in KERNELS.items()}
         self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}
         self.interleaved = self.runs["group_gemv"] == "group_gemv"
-        self.register_buffer("weight", native.interleave(weight) if self.interleaved else weight)  # (out, in) int8
+        # (out, in) int8; interleaved in huge pages (huge_pages: the decode step streams it)
+        self.register_buffer("weight", huge_pages.copy(native.interleave(weight)) if self.interleaved else weight)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0, bits: int = 8) -> Int8Linear:
