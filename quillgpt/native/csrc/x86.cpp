@@ -11,16 +11,15 @@
 #endif
 #include <immintrin.h>
 
-// The weights are asked for this far ahead of the kernels' reads: the hardware's prefetch alone
-// left the weights streaming well below the memory's speed. INT8 asks for them into L2, INT4 (half
-// the bytes a weight) into L1: each measured faster so (docs/performance.md).
+// The weights are asked for this far ahead of the kernels' reads, into L2: the hardware's prefetch
+// alone left the weights streaming well below the memory's speed. (INT4 asked for L1 until its
+// weights sat in huge pages; since, L2 streamed a fifth faster: docs/kernels.md.)
 constexpr int64_t PREFETCH = 8192;
 
 // The weight bytes [p, p + bytes) PREFETCH ahead, a line at a time
 template <Format F>
 static inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch((const char*)(p + PREFETCH + off), F == Format::INT4 ? _MM_HINT_T0 : _MM_HINT_T1);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char*)(p + PREFETCH + off), _MM_HINT_T1);
 }
 
 #if defined(QUILL_AVX512)
