@@ -13,7 +13,9 @@ its file's MB); --int8-activations adds each scheme with its linears' inputs rou
 32, what a kernel multiplying int8 activations (`vpdpbusd`) would cost; --kept FILE adds the run
 `quill import-gguf FILE` writes (the file's quantization kept) against --ckpt, which is then
 `quill import-gguf FILE --dequantize` (fp32 of the same blocks). --prompts coding asks 10 everyday
-coding questions instead of chat ones. Prints one markdown table and the load average before and after.
+coding questions instead of chat ones; --passage N puts each after the text's first N tokens, so
+the prompt runs the prompt's GEMM (issue 63's quality check: ~500). Prints one markdown table and
+the load average before and after.
 
     python scripts/quant_real.py --ckpt out/qwen-fp32 --kept qwen2.5-coder-0.5b.gguf --prompts coding --text FILE
 """
@@ -141,6 +143,8 @@ def main() -> None:
     p.add_argument("--gguf-type", action="append", default=[], choices=list(WRITE_TYPES), help=gguf_type)
     p.add_argument("--kept", type=Path, action="append", default=[], help="a GGUF file imported keeping its quantization (repeatable)")
     p.add_argument("--prompts", choices=["chat", "coding"], default="chat", help="the 10 prompts asked: everyday chat or coding")
+    passage = "each prompt after the text's first N tokens (0: none): a long prompt runs the prompt's GEMM, not the decode kernel"
+    p.add_argument("--passage", type=int, default=0, metavar="N", help=passage)
     add_common(p, text=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,8 +197,11 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     """fp32's loss, top-1 and greedy tokens, then every scheme's (and GGUF's) against them: the table."""
     run = load_run(args.ckpt)
     tok = run.tokenizer
-    ids = torch.tensor(tok.encode(args.text.read_text())[-args.positions - 1 :])[None]
-    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}])[0] for q in (CODING if args.prompts == "coding" else PROMPTS)]
+    text = tok.encode(args.text.read_text())
+    ids = torch.tensor(text[-args.positions - 1 :])[None]
+    lead = f"{tok.decode(text[: args.passage])}\n\n" if args.passage else ""
+    asked = CODING if args.prompts == "coding" else PROMPTS
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": lead + q}])[0] for q in asked]
     loss, logits = scored(run.model, ids)
     base = Baseline(loss, F.log_softmax(logits, -1), greedy(run.model, prompts, args.tokens), args.tokens)
     print(f"fp32 loss {base.loss:.4f}; fp32 on the first prompt: {tok.decode(base.greedy[0])!r}\n", flush=True)

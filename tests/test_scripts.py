@@ -41,7 +41,7 @@ SMOKE = {  # script → extra arguments of its smoke run
     "make_chat_data.py": [],
     "passkey.py": ["--generate", "20"],
     "prefix_task.py": [],
-    "quant_real.py": [],
+    "quant_real.py": ["--passage", "16"],
     "serve_screenshots.py": [],
     "structured_real.py": [],
     "speedrun.py": [],

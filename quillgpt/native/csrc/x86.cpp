@@ -125,6 +125,26 @@ static void side_by_side4(const Half* h, int64_t G, float (*v4)[4]) {
     for (int r = 0; r < 4; ++r) v4[g][r] = f[r][g];
 }
 
+// The 4 rows' sums from acc (lanes (row, pair)), each row's 4 lanes summed within their 128 bits
+// (its sum lands in lane 4r), plus the offsets' share of the 4 rows at once, 4 groups a 512-bit fma
+// (lanes (group, row)), where a reduce_add and an offsets_dot per (row, r) cost as much as the
+// blocks' work over short rows
+static __m128 rows4_sums(__m512 acc, const float (*o4)[4], const float* xg, int64_t G) {
+  const __m512i spread = _mm512_loadu_si512((const void*)SPREAD4), firsts = _mm512_loadu_si512((const void*)FIRSTS4);
+  __m512 off4 = _mm512_setzero_ps();
+  for (int64_t g4 = 0; g4 < G; g4 += 4) {
+    const int64_t n = G - g4 < 4 ? G - g4 : 4;
+    const __m512 xv = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), xg + g4));
+    off4 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(__mmask16((1u << (4 * n)) - 1), o4[g4]), xv, off4);
+  }
+  alignas(64) float f[16];
+  _mm512_store_ps(f, off4);
+  const __m128 off = _mm_add_ps(_mm_add_ps(_mm_load_ps(f), _mm_load_ps(f + 4)), _mm_add_ps(_mm_load_ps(f + 8), _mm_load_ps(f + 12)));
+  __m512 t = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));  // lanes (0+1, 1+0, 2+3, 3+2) of each 4
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));             // + (2+3, 3+2, 0+1, 1+0)
+  return _mm_add_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, t)), off);
+}
+
 // y[m·N + r] (m < MB, r < 4) for the 4 weight rows at group and the activation rows at xq (K apart):
 // block b against every activation row: w, its 4 chunks, each times the step of the activation
 // row's block; at the group's end, times the 4 rows' scales (one fma a block rather than a mul and
@@ -180,25 +200,7 @@ static void rows4_batch(const uint8_t* group, const Half* s16, const Half* o16, 
       block(w, b);
     }
   }
-  // y[m, 0..3]: each row's 4 lanes summed within their 128 bits (its sum lands in lane 4r), plus
-  // the offsets' share of the 4 rows at once, 4 groups a 512-bit fma (lanes (group, row)), where a
-  // reduce_add and an offsets_dot per (row, r) cost as much as the blocks' work over short rows
-  const __m512i firsts = _mm512_loadu_si512((const void*)FIRSTS4);
-  const float* o = o4[0];
-  for (int m = 0; m < MB; ++m) {
-    __m512 off4 = _mm512_setzero_ps();
-    for (int64_t g4 = 0; g4 < G; g4 += 4) {
-      const int64_t n = G - g4 < 4 ? G - g4 : 4;
-      const __m512 xv = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), xg + m * G + g4));
-      off4 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(__mmask16((1u << (4 * n)) - 1), o + 4 * g4), xv, off4);
-    }
-    alignas(64) float f[16];
-    _mm512_store_ps(f, off4);
-    const __m128 off = _mm_add_ps(_mm_add_ps(_mm_load_ps(f), _mm_load_ps(f + 4)), _mm_add_ps(_mm_load_ps(f + 8), _mm_load_ps(f + 12)));
-    __m512 t = _mm512_add_ps(acc[m], _mm512_permute_ps(acc[m], 0xB1));  // lanes (0+1, 1+0, 2+3, 3+2) of each 4
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));                   // + (2+3, 3+2, 0+1, 1+0)
-    _mm_storeu_ps(y + m * N, _mm_add_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, t)), off));
-  }
+  for (int m = 0; m < MB; ++m) _mm_storeu_ps(y + m * N, rows4_sums(acc[m], o4, xg + m * G, G));
 }
 
 template <Format F>
