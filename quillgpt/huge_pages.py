@@ -34,11 +34,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype) if t is None else t
 
 
-def copy(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor's values in empty's memory where it spans a whole 2 MiB page, else t itself."""
-    if t.device.type != "cpu" or t.nbytes < HUGE_PAGE:
-        return t
-    return empty(tuple(t.shape), t.dtype).copy_(t)
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous uninitialized tensor of t's shape and dtype on t's device, in empty's memory for
+    a CPU tensor."""
+    if t.device.type != "cpu":
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    return empty(tuple(t.shape), t.dtype)
 
 
 def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:

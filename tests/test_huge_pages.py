@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quillgpt import huge_pages
+from quillgpt import huge_pages, native
 from quillgpt.tensor_file import TensorFile, TensorWriter
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -55,12 +55,18 @@ def test_its_whole_pages_ask_for_huge_ones_and_its_tail_does_not():
 
 
 @needs_thp
-def test_a_copy_of_a_large_tensor_is_in_huge_pages_and_a_small_one_is_itself():
-    t = torch.randn(1024, 1024)
-    moved = huge_pages.copy(t)
-    assert torch.equal(moved, t) and "hg" in vm_flags(moved.data_ptr())
+def test_a_quantized_layers_codes_are_interleaved_straight_into_huge_pages():
+    """empty_like's memory for a large CPU tensor is in huge pages, and the kernels' layout written
+    into it (interleave's out, pack4's) equals the one interleave allocates itself."""
+    t = torch.randint(-127, 128, (1024, 4096), dtype=torch.int8)
+    into = huge_pages.empty_like(t)
+    assert into.shape == t.shape and into.dtype == t.dtype and "hg" in vm_flags(into.data_ptr())
+    assert native.interleave(t, into) is into and torch.equal(into, native.interleave(t))
+    q = torch.randint(0, 16, (1027, 4096), dtype=torch.uint8)
+    packed = native.pack4(q, huge_pages.empty((1027, 2048), torch.uint8))
+    assert torch.equal(packed, native.pack4(q)) and torch.equal(native.unpack4(packed), q)
     small = torch.randn(4, 4)
-    assert huge_pages.copy(small) is small
+    assert huge_pages.empty_like(small).shape == (4, 4)
 
 
 @needs_thp

@@ -17,15 +17,18 @@ class Format(enum.IntEnum):
     INT4 = 1  # codes in [0, 15], two a byte in pack4's layout
 
 
-def interleave(codes: Tensor) -> Tensor:
+def interleave(codes: Tensor, out: Tensor | None = None) -> Tensor:
     """(N, B) bytes a row (int8 weights or packed 4-bit codes), B a multiple of 32 → the same shape
     in the kernels' layout: the rows in groups of four, and in each group unit u (32 bytes) of row
     r at 32·(4u + r), so the four rows the kernel reads at once are one sequential stream (four
-    short streams are what the hardware prefetch barely learns); the last N % 4 rows as they are."""
+    short streams are what the hardware prefetch barely learns); the last N % 4 rows as they are.
+    Written into `out` (contiguous, codes' shape and dtype) where given: one copy of the codes."""
     n, width = codes.shape
     full = n - n % 4
-    body = codes[:full].view(full // 4, 4, width // BLOCK, BLOCK).transpose(1, 2).reshape(full, width)
-    return torch.cat([body, codes[full:]])
+    out = torch.empty_like(codes, memory_format=torch.contiguous_format) if out is None else out
+    out[:full].view(full // 4, width // BLOCK, 4, BLOCK).copy_(codes[:full].view(full // 4, 4, width // BLOCK, BLOCK).transpose(1, 2))
+    out[full:] = codes[full:]
+    return out
 
 
 def deinterleave(codes: Tensor) -> Tensor:
@@ -36,12 +39,13 @@ def deinterleave(codes: Tensor) -> Tensor:
     return torch.cat([body, codes[full:]])
 
 
-def pack4(q: Tensor) -> Tensor:
+def pack4(q: Tensor, out: Tensor | None = None) -> Tensor:
     """(N, K) codes in [0, 15], K a multiple of 64 → (N, K / 2) uint8 in group_gemv4's layout: byte
-    j of each 32 holds code 64p + j (low nibble) and code 64p + 32 + j (high nibble), interleaved."""
+    j of each 32 holds code 64p + j (low nibble) and code 64p + 32 + j (high nibble), interleaved
+    (into `out` where given, as interleave's)."""
     n, k = q.shape
     pairs = q.to(torch.uint8).view(n, k // 64, 2, 32)
-    return interleave((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).view(n, k // 2))
+    return interleave((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).view(n, k // 2), out)
 
 
 def unpack4(packed: Tensor) -> Tensor:

@@ -137,7 +137,8 @@ class Int4Linear(nn.Module):
         if gemv is not None:
             self.kernel = "group_gemv4"
             q, scale, offset = gemv
-            codes, offset = huge_pages.copy(native.pack4(q)), kept_offsets(scale, offset)  # streamed: huge pages
+            codes = native.pack4(q, huge_pages.empty((self.out_features, self.in_features // 2), torch.uint8))  # streamed: huge pages
+            offset = kept_offsets(scale, offset)
         else:
             q, scales_zeros = int4_codes(linear.weight, group)
             if "int4pack_mm" in wanted and cpu and kernel_fits(self.out_features, self.in_features, group):

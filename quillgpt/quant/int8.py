@@ -56,7 +56,7 @@ class Int8Linear(nn.Module):
         self.runs = {k: k if fits[k] else kern.fallback for k, kern in KERNELS.items()}
         self.interleaved = self.runs["group_gemv"] == "group_gemv"
         # (out, in) int8; interleaved in huge pages (huge_pages: the decode step streams it)
-        self.register_buffer("weight", huge_pages.copy(native.interleave(weight)) if self.interleaved else weight)
+        self.register_buffer("weight", native.interleave(weight, huge_pages.empty_like(weight)) if self.interleaved else weight)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: KernelPlan, group: int = 0, bits: int = 8) -> Int8Linear:
